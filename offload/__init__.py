@@ -1,0 +1,22 @@
+"""offload: run LLMs larger than the GPU across VRAM, pinned RAM, disk and CPU SIMD units."""
+
+__version__ = "0.1.0"
+
+# The Python API is imported lazily so that `offload.spec` and `offload.planner`
+# stay importable without torch.
+_LAZY = {
+    "LLM": "offload.api",
+    "SamplingParams": "offload.sampling",
+    "RequestOutput": "offload.api",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'offload' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]

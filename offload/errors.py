@@ -1,0 +1,25 @@
+"""The project's own exception types; the CLI prints them without a traceback."""
+
+
+class OffloadError(Exception):
+    """Base class: a user-facing error whose message says what was wrong and what to do."""
+
+
+class ConfigError(OffloadError):
+    """A model config, YAML config or CLI flag is missing, malformed or unsupported."""
+
+
+class WeightsError(OffloadError):
+    """A checkpoint file is missing, truncated, mis-shaped or not what it claims to be."""
+
+
+class SamplingError(OffloadError):
+    """A sampling parameter is out of range."""
+
+
+class PlanError(OffloadError):
+    """No placement fits the budget; the message says what is short and by how much."""
+
+
+class KernelError(OffloadError):
+    """A kernel was given an input it cannot take (shape, dtype, layout)."""

@@ -1,0 +1,247 @@
+"""ModelSpec: the architecture as data, built from a Hugging Face config.json (no torch, no weights)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from offload.errors import ConfigError
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
+
+FLOAT_FORMATS = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Block formats as GGUF lays them: per 32 weights an fp16 scale plus the quants.
+QUANT_FORMATS = {"q8_0": 2 + 32, "q4_0": 2 + 16}
+QUANT_BLOCK = 32
+FORMATS = tuple(FLOAT_FORMATS) + tuple(QUANT_FORMATS)
+
+_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+def format_nbytes(n_elements: int, fmt: str) -> int:
+    """Bytes taken by n_elements weights stored in fmt (quantized formats need a multiple of 32)."""
+    if fmt in FLOAT_FORMATS:
+        return n_elements * FLOAT_FORMATS[fmt]
+    if fmt in QUANT_FORMATS:
+        return (n_elements // QUANT_BLOCK) * QUANT_FORMATS[fmt]
+    raise ConfigError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)}")
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters, normalised from the v4 and v5 config layouts."""
+
+    theta: float = 10000.0
+    type: str = "default"
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One tensor of a unit; role is linear, embedding, norm or bias."""
+
+    name: str
+    shape: tuple[int, ...]
+    role: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def quantizable(self) -> bool:
+        return self.role == "linear" and self.shape[-1] % QUANT_BLOCK == 0
+
+    def nbytes(self, fmt: str) -> int:
+        """Bytes in storage format fmt; norms and biases stay fp32, embeddings fp16 under quantization."""
+        if fmt in FLOAT_FORMATS:
+            return format_nbytes(self.numel, fmt)
+        if self.quantizable:
+            return format_nbytes(self.numel, fmt)
+        if fmt not in QUANT_FORMATS:
+            format_nbytes(0, fmt)  # raises the unknown-format error
+        return format_nbytes(self.numel, "fp16" if self.role in ("linear", "embedding") else "fp32")
+
+
+@dataclass(frozen=True)
+class UnitSpec:
+    """A placeable unit: the embedding, one decoder layer, the final norm, or the lm_head."""
+
+    name: str
+    kind: str  # embed | layer | norm | lm_head
+    index: int | None
+    tensors: tuple[TensorSpec, ...]
+
+    def nbytes(self, fmt: str) -> int:
+        return sum(t.nbytes(fmt) for t in self.tensors)
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Everything about a Llama-family model that is not its weights."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSpec
+    max_position_embeddings: int
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "fp32"
+    source: str = field(default="", compare=False)
+
+    @property
+    def q_size(self) -> int:
+        return self.n_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    def layer_tensors(self, i: int) -> tuple[TensorSpec, ...]:
+        """The tensors of decoder layer i, with Hugging Face names and [out, in] shapes."""
+        p, d, f = f"model.layers.{i}.", self.hidden_size, self.intermediate_size
+        ts = [TensorSpec(p + "input_layernorm.weight", (d,), "norm")]
+        for proj, out in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
+            ts.append(TensorSpec(f"{p}self_attn.{proj}_proj.weight", (out, d), "linear"))
+            if self.qkv_bias:
+                ts.append(TensorSpec(f"{p}self_attn.{proj}_proj.bias", (out,), "bias"))
+        ts.append(TensorSpec(p + "self_attn.o_proj.weight", (d, self.q_size), "linear"))
+        if self.o_bias:
+            ts.append(TensorSpec(p + "self_attn.o_proj.bias", (d,), "bias"))
+        ts.append(TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm"))
+        for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
+            ts.append(TensorSpec(f"{p}mlp.{proj}_proj.weight", shape, "linear"))
+            if self.mlp_bias:
+                ts.append(TensorSpec(f"{p}mlp.{proj}_proj.bias", (shape[0],), "bias"))
+        return tuple(ts)
+
+    def units(self) -> tuple[UnitSpec, ...]:
+        """Embedding, layers 0..n-1, final norm, lm_head. A tied lm_head names the embedding tensor."""
+        embed = TensorSpec("model.embed_tokens.weight", (self.vocab_size, self.hidden_size), "embedding")
+        head_name = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
+        units = [UnitSpec("embed", "embed", None, (embed,))]
+        units += [UnitSpec(f"layer.{i}", "layer", i, self.layer_tensors(i)) for i in range(self.n_layers)]
+        units.append(UnitSpec("norm", "norm", None, (TensorSpec("model.norm.weight", (self.hidden_size,), "norm"),)))
+        units.append(UnitSpec("lm_head", "lm_head", None,
+                              (TensorSpec(head_name, (self.vocab_size, self.hidden_size), "linear"),)))
+        return tuple(units)
+
+    def tensors(self) -> tuple[TensorSpec, ...]:
+        """Every tensor a checkpoint must hold (a tied lm_head adds none)."""
+        seen: dict[str, TensorSpec] = {}
+        for unit in self.units():
+            for t in unit.tensors:
+                seen.setdefault(t.name, t)
+        return tuple(seen.values())
+
+    def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
+        """KV cache bytes per token over all layers: K and V, n_kv_heads x head_dim each."""
+        return 2 * self.n_layers * self.kv_size * elem_bytes
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Read a ModelSpec from a model folder or a config.json file."""
+    path = Path(path)
+    config_path = path / "config.json" if path.is_dir() else path
+    if not path.exists():
+        raise ConfigError(f"model path {path} does not exist; pass a Hugging Face model folder, a config.json or 'default'")
+    if not config_path.is_file():
+        raise ConfigError(f"{path} has no config.json; pass a Hugging Face model folder that contains one")
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{config_path} is not valid JSON ({e}); restore the file from the model's source") from e
+    if not isinstance(config, dict):
+        raise ConfigError(f"{config_path} must hold a JSON object, found {type(config).__name__}")
+    return spec_from_config(config, source=str(config_path))
+
+
+def _rope_from_config(config: dict, source: str) -> RopeSpec:
+    params = dict(config.get("rope_parameters") or {})  # transformers v5 layout
+    scaling = config.get("rope_scaling") or {}  # transformers v4 layout
+    params = {**scaling, **params}
+    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in ROPE_TYPES:
+        raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; "
+                          f"supported types are {', '.join(ROPE_TYPES)}")
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "llama3" and original is None:
+        raise ConfigError(f"{source}: llama3 rope scaling needs original_max_position_embeddings; add it to rope_scaling")
+    return RopeSpec(theta=float(theta), type=rope_type, factor=float(params.get("factor", 1.0)),
+                    original_max_position_embeddings=original,
+                    low_freq_factor=float(params.get("low_freq_factor", 1.0)),
+                    high_freq_factor=float(params.get("high_freq_factor", 4.0)))
+
+
+def _require(config: dict, key: str, source: str):
+    if key not in config or config[key] is None:
+        raise ConfigError(f"{source}: required key {key!r} is missing; a Llama-family config.json must set it")
+    return config[key]
+
+
+def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
+    """Build a ModelSpec from a parsed config.json dict."""
+    arch = config.get("model_type")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        found = arch or (config.get("architectures") or ["nothing"])[0]
+        raise ConfigError(f"{source}: architecture {found!r} is not supported; "
+                          f"supported model_type values are {', '.join(SUPPORTED_ARCHITECTURES)}")
+    hidden = int(_require(config, "hidden_size", source))
+    n_heads = int(_require(config, "num_attention_heads", source))
+    n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
+    head_dim = int(config.get("head_dim") or hidden // n_heads)
+    if n_heads % n_kv_heads:
+        raise ConfigError(f"{source}: num_attention_heads={n_heads} is not a multiple of "
+                          f"num_key_value_heads={n_kv_heads}; fix the config")
+    eos = config.get("eos_token_id")
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+    window = config.get("sliding_window")
+    if arch == "qwen2" and not config.get("use_sliding_window", False):
+        window = None
+    dtype = config.get("dtype", config.get("torch_dtype")) or "float32"
+    attention_bias = bool(config.get("attention_bias", False))
+    return ModelSpec(
+        architecture=arch,
+        vocab_size=int(_require(config, "vocab_size", source)),
+        hidden_size=hidden,
+        intermediate_size=int(_require(config, "intermediate_size", source)),
+        n_layers=int(_require(config, "num_hidden_layers", source)),
+        n_heads=n_heads,
+        n_kv_heads=n_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope=_rope_from_config(config, source),
+        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        qkv_bias=arch == "qwen2" or attention_bias,
+        o_bias=arch != "qwen2" and attention_bias,
+        mlp_bias=arch == "llama" and bool(config.get("mlp_bias", False)),
+        sliding_window=int(window) if window else None,
+        bos_token_id=config.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+        dtype=_DTYPE_NAMES.get(str(dtype), "fp32"),
+        source=source,
+    )
