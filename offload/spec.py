@@ -85,6 +85,15 @@ class UnitSpec:
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors)
 
+    @property
+    def linear_numel(self) -> int:
+        """Weights that take part in matmuls (the embedding is a lookup, norms and biases are elementwise)."""
+        return sum(t.numel for t in self.tensors if t.role == "linear")
+
+    def matmul_flops(self, n_tokens: int) -> int:
+        """Multiply-add FLOPs of this unit's linear layers for n_tokens tokens (attention scores excluded)."""
+        return 2 * self.linear_numel * n_tokens
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -159,6 +168,32 @@ class ModelSpec:
     def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
         """KV cache bytes per token over all layers: K and V, n_kv_heads x head_dim each."""
         return 2 * self.n_layers * self.kv_size * elem_bytes
+
+    @property
+    def n_params(self) -> int:
+        """Parameters in a checkpoint (a tied lm_head is counted once)."""
+        return sum(t.numel for t in self.tensors())
+
+    def kv_len(self, seq_len: int) -> int:
+        """Positions a layer's KV cache holds for seq_len tokens (capped by a sliding window)."""
+        return min(seq_len, self.sliding_window) if self.sliding_window else seq_len
+
+    def layer_kv_bytes(self, n_seqs: int, seq_len: int, elem_bytes: int = 2) -> int:
+        """KV cache bytes of one layer for n_seqs sequences of seq_len tokens: K and V."""
+        return 2 * n_seqs * self.kv_len(seq_len) * self.kv_size * elem_bytes
+
+    def attention_flops(self, n_tokens: int, ctx_len: int) -> int:
+        """FLOPs of one layer's QK^T and PV for n_tokens queries over ctx_len keys each."""
+        return 4 * n_tokens * self.kv_len(ctx_len) * self.q_size
+
+    def activation_bytes(self, n_tokens: int, ctx_len: int, elem_bytes: int = 2) -> int:
+        """Peak working set of one layer for n_tokens queries over ctx_len keys (residual, qkv, scores, MLP)."""
+        d, f = self.hidden_size, self.intermediate_size
+        # x, normed x and attention output [T, d]; q, k, v [T, q+2kv]; gate and up [T, f];
+        # attention scores [n_heads, T, ctx] kept in fp32 for the softmax.
+        per_token = 3 * d + self.q_size + 2 * self.kv_size + 2 * f
+        scores = self.n_heads * n_tokens * self.kv_len(ctx_len) * 4
+        return n_tokens * per_token * elem_bytes + scores
 
 
 def load_spec(path: str | Path) -> ModelSpec:

@@ -1,0 +1,149 @@
+"""The Python API: offload.LLM(model).generate(prompts, SamplingParams(...)), shaped like vLLM's."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from offload.errors import ConfigError
+from offload.generate import Generator, Sequence
+from offload.model.model import load_model
+from offload.sampling import SamplingParams
+from offload.spec import load_spec
+from offload.weights.default_model import resolve_model
+from offload.weights.loader import Checkpoint
+
+_DTYPES = {"auto": torch.float32, "fp32": torch.float32, "float32": torch.float32,
+           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+@dataclass
+class CompletionOutput:
+    """One completion: text, generated token ids, and why it ended ('stop' or 'length')."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@dataclass
+class RequestOutput:
+    """The result for one prompt, as vLLM returns it; .text/.token_ids/.finish_reason are shortcuts."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+
+class LLM:
+    """A model loaded for generation; model is a Hugging Face folder or 'default'."""
+
+    def __init__(self, model: str | Path = "default", quantization: str = "none", dtype: str = "auto",
+                 max_batch_size: int = 32):
+        if dtype not in _DTYPES:
+            raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, fp32, bf16, fp16")
+        self.path = resolve_model(model)
+        self.spec = load_spec(self.path)
+        self.model = load_model(Checkpoint(self.path), self.spec, _DTYPES[dtype], quantization)
+        self.tokenizer = _load_tokenizer(self.path)
+        self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_batch_size)
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.spec.eos_token_ids)
+        gen_config = self.path / "generation_config.json"
+        if gen_config.is_file():
+            eos = json.loads(gen_config.read_text()).get("eos_token_id")
+            ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 on_finish: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
+        """Complete each prompt (a string, a list of token ids, or {'prompt_token_ids': [...]})."""
+        prompts = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
+        params = _broadcast(sampling_params, len(prompts))
+        seqs, texts = [], []
+        for i, (prompt, p) in enumerate(zip(prompts, params)):
+            text, ids = self._tokenize(prompt)
+            texts.append(text)
+            seqs.append(Sequence(request_id=i, prompt_ids=ids, params=p))
+        callback = None if on_finish is None else (lambda s: on_finish(self._output(s, texts[s.request_id])))
+        self.generator.run(seqs, callback)
+        return [self._output(s, t) for s, t in zip(seqs, texts)]
+
+    def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
+             add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to conversations (one list of {'role', 'content'} dicts, or a list of them)."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)} for c in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template."""
+        tok = self._require_tokenizer()
+        if not tok.chat_template:
+            raise ConfigError(f"the tokenizer in {self.path} has no chat template; pass plain prompts instead")
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, list(self._require_tokenizer().encode(prompt))
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if _is_token_list(prompt):
+            return None, [int(t) for t in prompt]
+        raise ConfigError(f"a prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
+                          f"got {type(prompt).__name__}")
+
+    def _require_tokenizer(self):
+        if self.tokenizer is None:
+            raise ConfigError(f"{self.path} has no tokenizer files; pass prompts as token ids")
+        return self.tokenizer
+
+    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
+        completion = CompletionOutput(0, self.generator.text_of(seq), list(seq.output_ids), seq.finish_reason)
+        return RequestOutput(str(seq.request_id), prompt, list(seq.prompt_ids), [completion])
+
+
+def _is_token_list(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(t, int) for t in x)
+
+
+def _broadcast(params, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ConfigError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt")
+    return params
+
+
+def _load_tokenizer(path: Path):
+    """The folder's Hugging Face tokenizer, or None if it has no tokenizer files."""
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))

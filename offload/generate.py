@@ -1,0 +1,157 @@
+"""Prefill and decode over a fixed set of cache slots, refilled as sequences finish (continuous batching)."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from offload.errors import ConfigError
+from offload.model.model import Model
+from offload.sampling import SamplingParams, sample
+
+PREFILL_TOKENS_PER_PASS = 4096  # padded prompt tokens per prefill pass, bounds activation memory
+
+
+@dataclass
+class Sequence:
+    """One request in flight: its prompt, what it has generated and why it stopped."""
+
+    request_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # where a stop string cut the text
+    slot: int = -1
+    generator: torch.Generator | None = None
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Generator:
+    """Runs sequences through a Model in batches of at most max_batch_size cache slots."""
+
+    def __init__(self, model: Model, tokenizer=None, eos_ids: tuple[int, ...] = (), max_batch_size: int = 32):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.eos_ids = set(eos_ids)
+        self.max_batch_size = max_batch_size
+        self.context_len = model.spec.max_position_embeddings
+
+    def run(self, seqs: list[Sequence], on_finish: Callable[[Sequence], None] | None = None) -> None:
+        """Generate until every sequence has finished; on_finish is called as each one does."""
+        for seq in seqs:
+            self._check(seq)
+        if not seqs:
+            return
+        n_slots = min(self.max_batch_size, len(seqs))
+        max_len = min(self.context_len, max(len(s.prompt_ids) + s.params.max_tokens for s in seqs))
+        cache = self.model.new_cache(n_slots, max_len)
+        pending, active = deque(seqs), {}
+        free = list(range(n_slots))[::-1]
+        while pending or active:
+            admitted = []
+            while pending and free:
+                seq = pending.popleft()
+                seq.slot, seq.generator = free.pop(), seq.params.make_generator()
+                active[seq.slot] = seq
+                admitted.append(seq)
+            if admitted:
+                for group in _prefill_groups(admitted):
+                    self._sample_next(group, self._prefill(group, cache, max_len))
+            else:
+                batch = list(active.values())
+                self._sample_next(batch, self._decode(batch, cache, max_len))
+            for seq in [s for s in active.values() if s.finish_reason]:
+                del active[seq.slot]
+                free.append(seq.slot)
+                if on_finish:
+                    on_finish(seq)
+
+    def _check(self, seq: Sequence) -> None:
+        if not seq.prompt_ids:
+            raise ConfigError(f"request {seq.request_id} has an empty prompt; give at least one token")
+        if len(seq.prompt_ids) >= self.context_len:
+            raise ConfigError(f"request {seq.request_id}: prompt of {len(seq.prompt_ids)} tokens does not fit the "
+                              f"model's context of {self.context_len}; shorten the prompt")
+        vocab = self.model.spec.vocab_size
+        if max(seq.prompt_ids) >= vocab or min(seq.prompt_ids) < 0:
+            raise ConfigError(f"request {seq.request_id}: prompt token ids must lie in [0, {vocab}); "
+                              f"use the model's own tokenizer")
+
+    def _prefill(self, group: list[Sequence], cache, max_len: int) -> torch.Tensor:
+        """Run the prompts of newly admitted sequences; return last-token logits [b, V]."""
+        lengths = torch.tensor([len(s.prompt_ids) for s in group])
+        s_max = int(lengths.max())
+        tokens = torch.zeros(len(group), s_max, dtype=torch.long)
+        for i, seq in enumerate(group):
+            tokens[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
+        positions = torch.arange(s_max)[None].expand(len(group), s_max)
+        valid = positions < lengths[:, None]
+        positions = torch.where(valid, positions, torch.zeros_like(positions))
+        hidden = self._forward(group, tokens, positions, valid, cache, max_len)
+        return self.model.logits(hidden[torch.arange(len(group)), lengths - 1])
+
+    def _decode(self, batch: list[Sequence], cache, max_len: int) -> torch.Tensor:
+        """One token for each active sequence; return logits [b, V]."""
+        tokens = torch.tensor([[s.output_ids[-1]] for s in batch])
+        positions = torch.tensor([[s.n_tokens - 1] for s in batch])
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        hidden = self._forward(batch, tokens, positions, valid, cache, max_len)
+        return self.model.logits(hidden[:, 0])
+
+    def _forward(self, seqs, tokens, positions, valid, cache, max_len: int) -> torch.Tensor:
+        slots = torch.tensor([s.slot for s in seqs])
+        all_rows = len(seqs) == cache[0].k.shape[0] and bool((slots == torch.arange(len(seqs))).all())
+        step = self.model.make_step(positions, valid, trash_slot=max_len, rows=None if all_rows else slots)
+        with torch.inference_mode():
+            return self.model.forward(tokens, step, cache)
+
+    def _sample_next(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        for seq, row in zip(seqs, logits):
+            token = sample(row, seq.params, seq.generator)
+            seq.output_ids.append(token)
+            self._check_stop(seq, token)
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_ids):
+            seq.finish_reason = "stop"
+        elif p.stop and self.tokenizer is not None and self._hit_stop_string(seq):
+            seq.finish_reason = "stop"
+        elif len(seq.output_ids) >= p.max_tokens or seq.n_tokens >= self.context_len:
+            seq.finish_reason = "length"
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        if not hits:
+            return False
+        at, stop = min(hits)
+        seq.stop_text_end = at + len(stop) if seq.params.include_stop_str_in_output else at
+        return True
+
+    def text_of(self, seq: Sequence) -> str:
+        """The decoded completion, cut at the stop string if one ended it."""
+        if self.tokenizer is None:
+            return ""
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        return text if seq.stop_text_end is None else text[: seq.stop_text_end]
+
+
+def _prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
+    """Split sequences so each prefill pass holds at most PREFILL_TOKENS_PER_PASS padded tokens."""
+    groups, current, longest = [], [], 0
+    for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
+        longest_if_added = max(longest, len(seq.prompt_ids))
+        if current and longest_if_added * (len(current) + 1) > PREFILL_TOKENS_PER_PASS:
+            groups.append(current)
+            current, longest_if_added = [], len(seq.prompt_ids)
+        current.append(seq)
+        longest = longest_if_added
+    return groups + [current] if current else groups

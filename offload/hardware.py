@@ -1,0 +1,257 @@
+"""HardwareProfile: a machine as numbers (memory sizes, bandwidths, matmul rates), declared in YAML or calibrated."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+import re
+import shutil
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+import yaml
+
+from offload.errors import ConfigError
+from offload.spec import FORMATS
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_RATE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
+_NUMBER = r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*"
+
+
+def parse_size(value, what: str = "size") -> int:
+    """Bytes from 22GiB, 64GB, 512MiB, 1.5TB or a plain number of bytes."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a size such as 22GiB or 64GB, found {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0 or not math.isfinite(value):
+            raise ConfigError(f"{what}: expected a size of 0 or more, found {value!r}")
+        return int(value)
+    m = re.fullmatch(_NUMBER + r"([a-z]*)\s*", str(value).lower())
+    if not m or m.group(2) not in _SIZE_UNITS:
+        raise ConfigError(f"{what}: expected a size such as 22GiB, 64GB or 512MiB, found {value!r}")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+
+
+def parse_rate(value, what: str = "rate") -> float:
+    """Per-second figure from 25GB/s, 165TFLOPS, 1.2e12 or a plain number."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what}: expected a number such as 25GB/s or 165TFLOPS, found {value!r}")
+    if isinstance(value, (int, float)):
+        if value < 0 or not math.isfinite(value):
+            raise ConfigError(f"{what}: expected a rate of 0 or more, found {value!r}")
+        return float(value)
+    m = re.fullmatch(_NUMBER + r"([kmgtp]?)(?:i?b/s|flops|flop/s)?\s*", str(value).lower())
+    if not m:
+        raise ConfigError(f"{what}: expected a rate such as 25GB/s or 165TFLOPS, found {value!r}")
+    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
+
+
+def format_bytes(n: float) -> str:
+    """Human-readable binary size: 21.5 GiB."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    """What the planner needs to know about a machine; bandwidths in bytes/s, rates in FLOP/s."""
+
+    name: str
+    vram_bytes: int  # GPU memory; 0 on a CPU-only machine
+    ram_bytes: int
+    disk_bytes: int
+    n_cores: int
+    h2d_pinned_bps: float  # host-to-device copy from page-locked memory
+    h2d_pageable_bps: float
+    gpu_flops: float  # dense bf16 matmul rate reached on large shapes
+    gpu_mem_bps: float
+    cpu_mem_bps: float  # read bandwidth reached by all cores together
+    # CPU matmul rate per weight format at a batch of 16+ tokens (compute-bound regime).
+    cpu_flops: dict[str, float] = field(hash=False)
+    disk_read_bps: float
+    gpu_name: str = ""
+    cpu_name: str = ""
+    source: str = field(default="", compare=False)
+
+    @property
+    def has_gpu(self) -> bool:
+        return self.vram_bytes > 0 and self.gpu_flops > 0 and self.h2d_pinned_bps > 0
+
+    def cpu_flops_for(self, fmt: str) -> float:
+        """CPU matmul FLOP/s for weights in fmt (falls back to the fp32 figure)."""
+        rate = self.cpu_flops.get(fmt) or self.cpu_flops.get("fp32")
+        if not rate:
+            raise ConfigError(f"hardware profile {self.name!r} has no CPU matmul rate for {fmt!r} or fp32; "
+                              "add cpu.flops to its YAML or run `offload calibrate`")
+        return rate
+
+    def with_changes(self, **changes) -> HardwareProfile:
+        """A copy with some figures replaced (for what-if planning)."""
+        return replace(self, **changes)
+
+
+# YAML layout: (section, key) -> (field, parser). Sections keep the file readable.
+_YAML_KEYS = {
+    ("gpu", "name"): ("gpu_name", str),
+    ("gpu", "memory"): ("vram_bytes", parse_size),
+    ("gpu", "flops"): ("gpu_flops", parse_rate),
+    ("gpu", "memory_bandwidth"): ("gpu_mem_bps", parse_rate),
+    ("pcie", "pinned"): ("h2d_pinned_bps", parse_rate),
+    ("pcie", "pageable"): ("h2d_pageable_bps", parse_rate),
+    ("cpu", "name"): ("cpu_name", str),
+    ("cpu", "cores"): ("n_cores", int),
+    ("cpu", "memory"): ("ram_bytes", parse_size),
+    ("cpu", "memory_bandwidth"): ("cpu_mem_bps", parse_rate),
+    ("cpu", "flops"): ("cpu_flops", None),
+    ("disk", "size"): ("disk_bytes", parse_size),
+    ("disk", "read_bandwidth"): ("disk_read_bps", parse_rate),
+}
+_OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, "gpu_mem_bps": 0.0,
+             "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0}
+
+
+def _did_you_mean(word: str, options) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _parse_cpu_flops(value, where: str) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping of weight format to FLOP/s, found {value!r}")
+    out = {}
+    for fmt, rate in value.items():
+        if fmt not in FORMATS:
+            raise ConfigError(f"{where}: unknown weight format {fmt!r}{_did_you_mean(str(fmt), FORMATS)}; "
+                              f"use {', '.join(FORMATS)}")
+        out[fmt] = parse_rate(rate, f"{where}.{fmt}")
+    return out
+
+
+def profile_from_dict(data: dict, source: str = "hardware.yaml") -> HardwareProfile:
+    """Build a HardwareProfile from the sectioned YAML layout; errors name the file and key."""
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping with gpu/pcie/cpu/disk sections, found {type(data).__name__}")
+    values: dict = {"name": str(data.get("name") or Path(source).stem)}
+    sections = {s for s, _ in _YAML_KEYS}
+    for section, body in data.items():
+        if section == "name":
+            continue
+        if section not in sections:
+            raise ConfigError(f"{source}: unknown section {section!r}{_did_you_mean(section, sections)}; "
+                              f"expected name, {', '.join(sorted(sections))}")
+        if not isinstance(body, dict):
+            raise ConfigError(f"{source}: section {section!r} must be a mapping, found {body!r}")
+        for key, value in body.items():
+            where = f"{source}: {section}.{key}"
+            if (section, key) not in _YAML_KEYS:
+                keys = [k for s, k in _YAML_KEYS if s == section]
+                raise ConfigError(f"{where} is not a known key{_did_you_mean(key, keys)}; "
+                                  f"{section} takes {', '.join(keys)}")
+            name, parse = _YAML_KEYS[(section, key)]
+            values[name] = _parse_cpu_flops(value, where) if parse is None else _parse_value(parse, value, where)
+    for f in fields(HardwareProfile):
+        if f.name not in values and f.name != "source":
+            if f.name not in _OPTIONAL:
+                section, key = next(k for k, v in _YAML_KEYS.items() if v[0] == f.name)
+                raise ConfigError(f"{source}: required key {section}.{key} is missing; add it "
+                                  "(see configs/hardware/*.yaml for examples)")
+            values[f.name] = _OPTIONAL[f.name]
+    return HardwareProfile(**values, source=source)
+
+
+def _parse_value(parse, value, where: str):
+    if parse is str:
+        return str(value)
+    if parse is int:
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{where}: expected a whole number of 1 or more, found {value!r}")
+        return value
+    return parse(value, where)
+
+
+def profile_to_dict(profile: HardwareProfile) -> dict:
+    """The sectioned YAML layout of a profile (plain numbers: bytes, bytes/s, FLOP/s)."""
+    out: dict = {"name": profile.name}
+    for (section, key), (name, _) in _YAML_KEYS.items():
+        value = getattr(profile, name)
+        out.setdefault(section, {})[key] = dict(value) if isinstance(value, dict) else value
+    return out
+
+
+def load_hardware(path_or_name: str | Path) -> HardwareProfile:
+    """Read a profile from a YAML file, or a preset by name (see configs/hardware/)."""
+    path = Path(path_or_name)
+    if not path.is_file():
+        preset = PRESET_DIR / f"{path_or_name}.yaml"
+        if not preset.is_file():
+            raise ConfigError(f"hardware profile {str(path_or_name)!r} is neither a file nor a preset; "
+                              f"presets: {', '.join(preset_names())}; or run `offload calibrate`")
+        path = preset
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML ({e}); fix the file") from e
+    return profile_from_dict(data, source=str(path))
+
+
+def save_hardware(profile: HardwareProfile, path: str | Path) -> Path:
+    """Write a profile as YAML (creating the folder)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    header = f"# offload hardware profile ({profile.source or 'declared'})\n"
+    path.write_text(header + yaml.safe_dump(profile_to_dict(profile), sort_keys=False))
+    return path
+
+
+def preset_names() -> list[str]:
+    return sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def cache_path() -> Path:
+    """Where `offload calibrate` stores its result: $OFFLOAD_CACHE_DIR or ~/.cache/offload."""
+    base = os.environ.get("OFFLOAD_CACHE_DIR")
+    if base:
+        return Path(base) / "hardware.yaml"
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "offload" / "hardware.yaml"
+
+
+def system_memory_bytes() -> int:
+    """Physical RAM from the OS (no torch, no psutil)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 8 * 2**30
+
+
+def system_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def estimate_hardware() -> HardwareProfile:
+    """This machine's RAM, cores and disk with rough CPU figures (no GPU assumed); calibrate replaces it."""
+    n_cores = system_cores()
+    # Rough per-core figures of a recent AVX2 desktop core; `offload calibrate` measures the real ones.
+    per_core = {"fp32": 50e9, "bf16": 25e9, "fp16": 20e9, "q8_0": 40e9, "q4_0": 35e9}
+    disk_free = shutil.disk_usage(Path.home()).free
+    return HardwareProfile(
+        name="estimated", vram_bytes=0, ram_bytes=system_memory_bytes(), disk_bytes=disk_free,
+        n_cores=n_cores, h2d_pinned_bps=0.0, h2d_pageable_bps=0.0, gpu_flops=0.0, gpu_mem_bps=0.0,
+        cpu_mem_bps=min(10e9 * n_cores, 40e9), cpu_flops={k: v * n_cores for k, v in per_core.items()},
+        disk_read_bps=1e9, source="estimated from the OS; run `offload calibrate` to measure")
+
+
+def default_hardware() -> HardwareProfile:
+    """The calibrated profile cached by `offload calibrate`, else a rough estimate of this machine."""
+    path = cache_path()
+    return load_hardware(path) if path.is_file() else estimate_hardware()

@@ -1,0 +1,157 @@
+"""Llama-family block math (llama, mistral, qwen2): device-agnostic, weights passed in, gpt-fast style."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from offload.spec import ModelSpec, RopeSpec
+
+Weight = object  # a torch.Tensor [out, in], or an offload.kernels.PackedWeight
+
+
+@dataclass
+class LayerWeights:
+    """One decoder layer; q/k/v and gate/up are fused along the output dimension."""
+
+    attn_norm: torch.Tensor
+    qkv: Weight
+    qkv_bias: torch.Tensor | None
+    o: Weight
+    o_bias: torch.Tensor | None
+    mlp_norm: torch.Tensor
+    gate_up: Weight
+    gate_up_bias: torch.Tensor | None
+    down: Weight
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class Step:
+    """What one forward pass needs besides weights: where each new token sits and what it may see."""
+
+    positions: torch.Tensor  # [B, S] long, position of each new token (pads: 0)
+    write_index: torch.Tensor  # [B, S] long, KV slot to write (pads: the trash slot)
+    mask: torch.Tensor  # [B, 1, S, T] bool, keys each query may attend to
+    cos: torch.Tensor  # [B, 1, S, head_dim]
+    sin: torch.Tensor  # [B, 1, S, head_dim]
+    rows: torch.Tensor | None = None  # [B] cache rows these sequences use; None: all rows, in order
+
+
+class LayerKV:
+    """KV cache of one layer: [B, n_kv_heads, T + 1, head_dim]; the last slot takes writes of padding."""
+
+    def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu"):
+        self.k = torch.zeros(batch, n_kv_heads, max_len + 1, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+
+    def update(self, step: "Step", k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return their K, V up to step's keys."""
+        n_keys = step.mask.shape[-1]
+        if step.rows is None:  # every cache row takes part
+            rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(step.write_index)
+        else:
+            rows = step.rows[:, None].expand_as(step.write_index)
+        self.k[rows, :, step.write_index] = k.transpose(1, 2).to(self.k.dtype)
+        self.v[rows, :, step.write_index] = v.transpose(1, 2).to(self.v.dtype)
+        if step.rows is None:
+            return self.k[:, :, :n_keys], self.v[:, :, :n_keys]
+        return self.k[:, :, :n_keys].index_select(0, step.rows), self.v[:, :, :n_keys].index_select(0, step.rows)
+
+
+def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [..., in] @ w.T + bias, for dense tensors or packed (quantized) weights."""
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, bias)
+    from offload.kernels import linear as packed_linear
+
+    out = packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), w, bias)
+    return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm computed in fp32 as transformers does, returned in x's dtype."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+def rope_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: int) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2] for the rope type; dynamic NTK depends on seq_len."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    base = rope.theta
+    if rope.type == "dynamic" and seq_len > max_positions:
+        base = base * ((rope.factor * seq_len / max_positions) - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
+    inv_freq = 1.0 / (base ** exponents)
+    if rope.type == "linear":
+        inv_freq = inv_freq / rope.factor
+    elif rope.type == "llama3":
+        inv_freq = _llama3_scale(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
+    """Llama 3.1's frequency-dependent scaling: long wavelengths divided by factor, a smooth band between."""
+    old_len = rope.original_max_position_embeddings
+    low_wavelen, high_wavelen = old_len / rope.low_freq_factor, old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [B, 1, S, head_dim] for positions [B, S]."""
+    seq_len = int(positions.max()) + 1 if positions.numel() else 1
+    inv_freq = rope_inv_freq(spec.rope, spec.head_dim, seq_len, spec.max_position_embeddings)
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [B, S, Dh/2]
+    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + _rotate_half(x) * sin
+
+
+def attention_mask(positions: torch.Tensor, valid: torch.Tensor, n_keys: int,
+                   sliding_window: int | None) -> torch.Tensor:
+    """[B, 1, S, n_keys] bool: causal over each row's own cache; padding queries see key 0 only."""
+    keys = torch.arange(n_keys, device=positions.device)[None, None, :]  # [1, 1, T]
+    q = positions[:, :, None]  # [B, S, 1]
+    mask = keys <= q
+    if sliding_window is not None:
+        mask &= (q - keys) < sliding_window
+    mask &= valid[:, :, None]
+    mask |= (~valid[:, :, None]) & (keys == 0)
+    return mask[:, None]
+
+
+def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
+    """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv."""
+    b, s, _ = x.shape
+    h = rms_norm(x, w.attn_norm, spec.rms_norm_eps)
+    qkv = linear(h, w.qkv, w.qkv_bias)
+    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q = q.view(b, s, spec.n_heads, spec.head_dim).transpose(1, 2)  # [B, H, S, Dh]
+    k = k.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+    v = v.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+    q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+    keys, values = kv.update(step, k, v)
+    o = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=step.mask,
+                                       enable_gqa=spec.n_kv_heads != spec.n_heads)
+    o = o.transpose(1, 2).reshape(b, s, spec.q_size)
+    x = x + linear(o, w.o, w.o_bias)
+    h = rms_norm(x, w.mlp_norm, spec.rms_norm_eps)
+    gate, up = linear(h, w.gate_up, w.gate_up_bias).split(spec.intermediate_size, dim=-1)
+    return x + linear(F.silu(gate) * up, w.down, w.down_bias)
