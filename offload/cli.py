@@ -51,6 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for add in PARSERS:
         add(sub)
+    for subparser in sub.choices.values():  # --debug also after the subcommand
+        subparser.add_argument("--debug", action="store_true", default=argparse.SUPPRESS, help="show tracebacks")
     return parser
 
 

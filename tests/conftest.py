@@ -1,0 +1,102 @@
+"""Shared fixtures: tiny random Hugging Face models written to disk, and the default model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def make_hf_model(arch: str = "llama", **overrides):
+    """A tiny randomly initialised transformers model in fp32 (weights scaled up so logits spread)."""
+    import transformers
+
+    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
+                  "qwen2": transformers.Qwen2Config}[arch]
+    model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
+                 "qwen2": transformers.Qwen2ForCausalLM}[arch]
+    torch.manual_seed(overrides.pop("seed", 0))
+    config = config_cls(**{**TINY, **overrides})
+    config._attn_implementation = "eager"
+    model = model_cls(config).float().eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0, 0.15)
+    return model
+
+
+def save_hf_model(model, folder: Path, max_shard_size: str | None = None) -> Path:
+    """Write a transformers model as safetensors (sharded if max_shard_size is given)."""
+    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(folder, safe_serialization=True, **kwargs)
+    return folder
+
+
+@pytest.fixture
+def tiny_llama(tmp_path) -> tuple[object, Path]:
+    model = make_hf_model("llama")
+    return model, save_hf_model(model, tmp_path / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    from offload.weights.default_model import default_model_dir
+
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def default_llm(default_model_dir):
+    from offload import LLM
+
+    return LLM(str(default_model_dir))
+
+
+@pytest.fixture(scope="session")
+def default_hf(default_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(default_model_dir, dtype=torch.float32).eval()
+
+
+def offload_logits(model, token_ids: list[int]) -> torch.Tensor:
+    """Logits [S, V] of offload's forward over one sequence in a single prefill pass."""
+    tokens = torch.tensor([token_ids])
+    positions = torch.arange(len(token_ids))[None]
+    cache = model.new_cache(1, len(token_ids))
+    step = model.make_step(positions, torch.ones_like(positions, dtype=torch.bool), trash_slot=len(token_ids))
+    with torch.inference_mode():
+        return model.logits(model.forward(tokens, step, cache))[0]
+
+
+def hf_logits(hf_model, token_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf_model(torch.tensor([token_ids])).logits[0].float()
+
+
+def assert_logits_close(ours: torch.Tensor, ref: torch.Tensor, rel: float = 1e-4) -> None:
+    """Max absolute difference within rel x the reference's logit range."""
+    span = float(ref.max() - ref.min())
+    diff = float((ours - ref).abs().max())
+    assert diff <= rel * span, f"max |diff| {diff:.3g} exceeds {rel} x logit range {span:.3g}"
+
+
+def write_config(folder: Path, **changes) -> None:
+    """Edit a saved model's config.json in place (None removes a key)."""
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key, None)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
