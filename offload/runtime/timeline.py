@@ -1,0 +1,76 @@
+"""Timeline: every disk read, host-to-device copy, GPU block and CPU block, with start and end times."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+# Resources a span occupies; the report computes each one's busy share per phase.
+RESOURCES = ("cpu", "gpu", "pcie", "disk")
+KINDS = {"cpu_block": "cpu", "gpu_block": "gpu", "h2d_copy": "pcie", "disk_read": "disk", "wait": None}
+
+
+@dataclass(frozen=True)
+class Span:
+    """One timed piece of work: kind (cpu_block, gpu_block, h2d_copy, disk_read, wait), in seconds."""
+
+    kind: str
+    phase: str  # prefill | decode
+    unit: str  # e.g. "layer.3", "lm_head"
+    start_s: float
+    end_s: float
+    n_bytes: int = 0
+    n_tokens: int = 0
+
+    @property
+    def resource(self) -> str | None:
+        return KINDS[self.kind]
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+@dataclass
+class Timeline:
+    """A thread-safe list of spans plus the wall-clock extent of each phase."""
+
+    spans: list[Span] = field(default_factory=list)
+    phase_time_s: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
+    phase_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def add(self, span: Span) -> None:
+        if span.kind not in KINDS:
+            raise ValueError(f"unknown span kind {span.kind!r}; use one of {', '.join(KINDS)}")
+        with self._lock:
+            self.spans.append(span)
+
+    def add_phase(self, phase: str, elapsed_s: float, n_tokens: int) -> None:
+        """Count one forward pass of a phase: its wall time and the tokens it processed."""
+        with self._lock:
+            self.phase_time_s[phase] += elapsed_s
+            self.phase_tokens[phase] += n_tokens
+
+    def busy_s(self, resource: str, phase: str) -> float:
+        """Seconds the resource was busy in the phase (overlapping spans on one resource merged)."""
+        intervals = sorted((s.start_s, s.end_s) for s in self.spans if s.phase == phase and s.resource == resource)
+        total, cur_start, cur_end = 0.0, None, None
+        for start, end in intervals:
+            if cur_end is None or start > cur_end:
+                total += 0.0 if cur_end is None else cur_end - cur_start
+                cur_start, cur_end = start, end
+            else:
+                cur_end = max(cur_end, end)
+        return total + (0.0 if cur_end is None else cur_end - cur_start)
+
+    def clear(self) -> None:
+        with self._lock:
+            self.spans.clear()
+            self.phase_time_s = {"prefill": 0.0, "decode": 0.0}
+            self.phase_tokens = {"prefill": 0, "decode": 0}
