@@ -1,0 +1,146 @@
+// Python bindings of offload.kernels._C: dispatch by path, threading (OpenMP), GIL release.
+// Arguments are raw data pointers: the Python face (offload/kernels) validates dtypes and shapes.
+#include <omp.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace py = pybind11;
+using namespace offload;
+
+namespace {
+
+struct KernelTable {
+  QuantXFn quantize_x;
+  QGemmFn q8_0, q4_0;
+  FGemmFn bf16, f16;
+};
+
+// Indexed by Path. The AVX-512 path reuses AVX2 code where 512-bit/VNNI brings nothing.
+const KernelTable kTables[3] = {
+    {quantize_x_ref, gemm_q8_0_ref, gemm_q4_0_ref, gemm_bf16_ref, gemm_f16_ref},
+    {quantize_x_avx2, gemm_q8_0_avx2, gemm_q4_0_avx2, gemm_bf16_avx2, gemm_f16_avx2},
+    {quantize_x_avx2, gemm_q8_0_avx512, gemm_q4_0_avx512, gemm_bf16_avx2, gemm_f16_avx2},
+};
+
+std::vector<std::string> cpu_features() {
+  __builtin_cpu_init();
+  std::vector<std::string> out;
+#define OFFLOAD_FEATURE(name) if (__builtin_cpu_supports(name)) out.emplace_back(name);
+  OFFLOAD_FEATURE("sse4.2") OFFLOAD_FEATURE("avx") OFFLOAD_FEATURE("avx2") OFFLOAD_FEATURE("fma")
+  OFFLOAD_FEATURE("f16c") OFFLOAD_FEATURE("avx512f") OFFLOAD_FEATURE("avx512bw") OFFLOAD_FEATURE("avx512vl")
+  OFFLOAD_FEATURE("avx512vnni") OFFLOAD_FEATURE("avx512bf16")
+#undef OFFLOAD_FEATURE
+  return out;
+}
+
+// Rows [r0, r1) of thread `tid` of `nth`, whole 4-row tiles so tiles never straddle threads.
+void thread_rows(int64_t M, int tid, int nth, int64_t& r0, int64_t& r1) {
+  const int64_t tiles = (M + 3) / 4;
+  r0 = std::min(M, tiles * tid / nth * 4);
+  r1 = std::min(M, tiles * (tid + 1) / nth * 4);
+}
+
+struct Scratch {  // per calling thread, grown on demand: quantized activations
+  std::vector<int8_t> qs;
+  std::vector<float> d, s, xf;
+};
+thread_local Scratch tls;
+
+void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N, const WView& w,
+              const float* bias, float* y, int nth) {
+  const int64_t K = w.K, nb = K / QK;
+  tls.qs.resize(size_t(N * K));
+  tls.d.resize(size_t(N * nb));
+  tls.s.resize(size_t(N * nb));
+  int8_t* qs = tls.qs.data(); float* d = tls.d.data(); float* s = tls.s.data();
+  const int64_t xbytes = xtype == X_BF16 ? 2 : 4;
+  const XQ xq{qs, d, s, N, K};
+  const QGemmFn fn = fmt == W_Q8_0 ? t.q8_0 : t.q4_0;
+#pragma omp parallel num_threads(nth) if (nth > 1)
+  {
+#pragma omp for schedule(static)
+    for (int64_t n = 0; n < N; ++n)
+      t.quantize_x(static_cast<const char*>(x) + n * K * xbytes, xtype, K, qs + n * K, d + n * nb, s + n * nb);
+    int64_t r0, r1;
+    thread_rows(w.M, omp_get_thread_num(), omp_get_num_threads(), r0, r1);
+    if (r0 < r1) fn(w, xq, y, bias, r0, r1);
+  }
+}
+
+void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N, const WView& w,
+                 const float* bias, float* y, int nth) {
+  const float* xf = static_cast<const float*>(x);
+  if (xtype == X_BF16) {
+    tls.xf.resize(size_t(N * w.K));
+    const uint16_t* xh = static_cast<const uint16_t*>(x);
+    for (int64_t i = 0; i < N * w.K; ++i) tls.xf[size_t(i)] = bf16_to_f32(xh[i]);
+    xf = tls.xf.data();
+  }
+  const FGemmFn fn = fmt == W_BF16 ? t.bf16 : t.f16;
+#pragma omp parallel num_threads(nth) if (nth > 1)
+  {
+    int64_t r0, r1;
+    thread_rows(w.M, omp_get_thread_num(), omp_get_num_threads(), r0, r1);
+    if (r0 < r1) fn(w, xf, N, y, bias, r0, r1);
+  }
+}
+
+// y [N, M] fp32 = x [N, K] (fp32 or bf16) @ W[M, K]^T + bias.
+void linear(int path, uintptr_t x, int xtype, int64_t N, int64_t K, int fmt, uintptr_t wq, uintptr_t wd,
+            int64_t M, uintptr_t bias, uintptr_t y, int nthreads) {
+  if (path < 0 || path > 2 || fmt < 0 || fmt > 3 || xtype < 0 || xtype > 1)
+    throw std::invalid_argument("offload kernels: bad path, format or activation type id");
+  if (N < 1 || M < 1 || K < 1 || ((fmt == W_Q8_0 || fmt == W_Q4_0) && K % QK != 0))
+    throw std::invalid_argument("offload kernels: bad shape (quantized formats need K % 32 == 0)");
+  const WView w{reinterpret_cast<const uint8_t*>(wq), reinterpret_cast<const uint16_t*>(wd), M, K};
+  const int nth = nthreads < 1 ? 1 : nthreads;
+  const float* b = reinterpret_cast<const float*>(bias);
+  if (fmt == W_Q8_0 || fmt == W_Q4_0)
+    linear_q(kTables[path], fmt, reinterpret_cast<const void*>(x), xtype, N, w, b, reinterpret_cast<float*>(y), nth);
+  else
+    linear_half(kTables[path], fmt, reinterpret_cast<const void*>(x), xtype, N, w, b, reinterpret_cast<float*>(y), nth);
+}
+
+// Quantize fp32 rows [M, K] into split-layout quants and fp16 scales (GGUF rounding).
+void quantize_weights(int fmt, uintptr_t src, int64_t M, int64_t K, uintptr_t qs, uintptr_t d, int nthreads) {
+  if ((fmt != W_Q8_0 && fmt != W_Q4_0) || K % QK != 0 || M < 1)
+    throw std::invalid_argument("offload kernels: quantize_weights needs q8_0/q4_0 and K % 32 == 0");
+  const auto fn = fmt == W_Q8_0 ? quantize_w_q8_0_rows : quantize_w_q4_0_rows;
+#pragma omp parallel for schedule(static, 16) num_threads(nthreads < 1 ? 1 : nthreads)
+  for (int64_t r = 0; r < M; ++r)
+    fn(reinterpret_cast<const float*>(src), r, r + 1, K, reinterpret_cast<uint8_t*>(qs), reinterpret_cast<uint16_t*>(d));
+}
+
+// Reads n bytes once (split across threads): the memory-bandwidth probe of the benchmarks.
+uint64_t read_bytes(uintptr_t p, int64_t n, int nthreads) {
+  const bool simd = __builtin_cpu_supports("avx2");
+  uint64_t total = 0;
+#pragma omp parallel num_threads(nthreads < 1 ? 1 : nthreads) reduction(+ : total)
+  {
+    const int tid = omp_get_thread_num(), nth = omp_get_num_threads();
+    const int64_t a = n * tid / nth, b = n * (tid + 1) / nth;
+    const uint8_t* base = reinterpret_cast<const uint8_t*>(p);
+    if (simd) total += read_bytes_avx2(base + a, b - a);
+    else for (int64_t i = a; i < b; ++i) total += base[i];
+  }
+  return total;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "offload CPU kernels (see offload/kernels for the Python face)";
+  m.def("cpu_features", &cpu_features, "CPU features relevant to kernel dispatch");
+  m.def("linear", &linear, py::call_guard<py::gil_scoped_release>(),
+        "linear(path, x, xtype, N, K, fmt, wq, wd, M, bias, y, nthreads): raw pointers, see offload.kernels");
+  m.def("quantize_weights", &quantize_weights, py::call_guard<py::gil_scoped_release>());
+  m.def("read_bytes", &read_bytes, py::call_guard<py::gil_scoped_release>());
+  m.def("fp16_to_f32", [](uint16_t h) { return fp16_to_f32(h); });
+  m.def("f32_to_fp16", [](float f) { return f32_to_fp16(f); });
+}

@@ -1,0 +1,92 @@
+// AVX2 + FMA + F16C quantized kernels: activation quantizer and q8_0 / q4_0 matmuls.
+// Compiled with per-function target attributes; only called after a runtime CPU check.
+#include <immintrin.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+#define KFN __attribute__((target("avx2,fma,f16c"))) inline
+
+namespace offload {
+namespace {
+
+// 8 int32 lanes, each the sum of 4 adjacent u8 x s8 products (|products| stay below int16 limits).
+KFN __m256i dot_us(__m256i u, __m256i s) {
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+}
+
+// Two dot products summed in int16 first: operands are nibbles (<= 15), so 4 * 15 * 128 fits.
+KFN __m256i dot_us2(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
+  const __m256i p = _mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+KFN __m256 load8(const void* x, int xtype, int64_t i) {
+  if (xtype == X_BF16) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(x) + i);
+}
+
+#include "qgemm_tiles.inc"
+
+}  // namespace
+
+__attribute__((target("avx2,fma,f16c")))
+void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < K / QK; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = load8(x, xtype, b * QK + i * 8);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const __m256 id = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+    __m256i q[4];
+    for (int i = 0; i < 4; ++i)
+      q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), p);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    d[b] = amax / 127.f;
+    s[b] = d[b] * float(_mm_cvtsi128_si32(s4));
+  }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q8_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_rows<false>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q4_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_rows<true>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+uint64_t read_bytes_avx2(const uint8_t* p, int64_t n) {
+  __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 128 <= n; i += 128) {
+    a0 = _mm256_add_epi64(a0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+    a1 = _mm256_add_epi64(a1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+    a2 = _mm256_add_epi64(a2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+    a3 = _mm256_add_epi64(a3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+  }
+  a0 = _mm256_add_epi64(_mm256_add_epi64(a0, a1), _mm256_add_epi64(a2, a3));
+  uint64_t t = uint64_t(_mm256_extract_epi64(a0, 0) + _mm256_extract_epi64(a0, 1) +
+                        _mm256_extract_epi64(a0, 2) + _mm256_extract_epi64(a0, 3));
+  for (; i < n; ++i) t += p[i];
+  return t;
+}
+
+}  // namespace offload

@@ -1,0 +1,36 @@
+// AVX-512 (VL + VNNI) quantized kernels: the same tiles as the AVX2 path (qgemm_tiles.inc), with
+// each u8 x s8 dot product done by one vpdpbusd. Compiled with per-function target attributes
+// and called only when the CPU reports avx512f, avx512bw, avx512vl and avx512vnni.
+#include <immintrin.h>
+
+#include <vector>
+
+#include "kernels.h"
+
+#define KFN __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))) inline
+
+namespace offload {
+namespace {
+
+// 8 int32 lanes, each the sum of 4 adjacent u8 x s8 products (exact in int32, no int16 step).
+KFN __m256i dot_us(__m256i u, __m256i s) { return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s); }
+
+KFN __m256i dot_us2(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+}
+
+#include "qgemm_tiles.inc"
+
+}  // namespace
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q8_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_rows<false>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q4_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_rows<true>(w, x, y, bias, r0, r1);
+}
+
+}  // namespace offload

@@ -1,0 +1,102 @@
+"""CPU matmul kernels over packed weights (q8_0, q4_0, bf16, fp16), dispatched once at import.
+
+ACTIVE_PATH is "avx512", "avx2", "scalar" (extension built, no SIMD) or "numba" (no extension).
+OFFLOAD_KERNELS=numba|scalar|avx2|avx512 forces a path (one this CPU can run).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from offload.errors import KernelError
+from offload.kernels.dispatch import ENV_VAR, PATH_IDS, choose_path, load_extension
+from offload.kernels.packed import FORMATS, PackedWeight
+from offload.kernels.packed import pack as _pack
+
+_C = load_extension()
+CPU_FEATURES: frozenset[str] = frozenset(_C.cpu_features()) if _C is not None else frozenset()
+ACTIVE_PATH: str = choose_path(CPU_FEATURES, _C is not None, os.environ.get(ENV_VAR))
+if ACTIVE_PATH == "numba":
+    warnings.warn("offload: C++ kernel extension not available; using the slower numba kernels", stacklevel=2)
+    from offload.kernels import numba_ops as _nb
+_PATH_ID = PATH_IDS.get(ACTIVE_PATH, 0)
+_XTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def pack(w: torch.Tensor, fmt: str) -> PackedWeight:
+    """Quantize/convert w [M, K] (fp32/bf16/fp16) to fmt, multi-threaded; q8_0/q4_0 equal gguf-py's."""
+    return _pack(w, fmt, _C)
+
+
+def _check(x, w: PackedWeight, bias) -> None:
+    """Raise KernelError naming what linear() cannot take."""
+    if not isinstance(w, PackedWeight):
+        raise KernelError(f"linear() needs a PackedWeight (from offload.kernels.pack), got {type(w).__name__}")
+    if not isinstance(x, torch.Tensor) or x.dtype not in _XTYPES:
+        raise KernelError(f"linear() takes float32 or bfloat16 activations, got {getattr(x, 'dtype', type(x))}; "
+                          f"convert with x.float()")
+    if x.device.type != "cpu" or x.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise KernelError(f"linear() needs CPU activations [N, {w.shape[1]}] for weight {list(w.shape)}, "
+                          f"got {list(x.shape)} on {x.device}; reshape to 2-D first")
+    if not x.is_contiguous():
+        raise KernelError("linear() needs contiguous activations; call x.contiguous() first")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dtype != torch.float32
+                             or tuple(bias.shape) != (w.shape[0],) or not bias.is_contiguous()
+                             or bias.device.type != "cpu"):
+        raise KernelError(f"linear() bias must be a contiguous float32 CPU tensor [{w.shape[0]}], got "
+                          f"{getattr(bias, 'dtype', type(bias))} {list(getattr(bias, 'shape', []))}; use bias.float()")
+
+
+def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """y [N, M] fp32 = x [N, K] (fp32/bf16, contiguous) @ w.T + bias; multi-threaded, releases the GIL."""
+    xt = _XTYPES.get(x.dtype)
+    if (xt is None or x.dim() != 2 or x.shape[1] != w.shape[1] or not x.is_contiguous() or x.device.type != "cpu"
+            or (bias is not None and (bias.dtype != torch.float32 or bias.shape[0] != w.shape[0]))):
+        _check(x, w, bias)
+    n = x.shape[0]
+    y = torch.empty((n, w.shape[0]), dtype=torch.float32)
+    if n == 0:
+        return y
+    if _C is None:
+        return _linear_numba(x, w, bias, y)
+    _C.linear(_PATH_ID, x.data_ptr(), xt, n, w.shape[1], w.fmt_id, w.qs_ptr, w.d_ptr, w.shape[0],
+              0 if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def linear_path(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, path: str) -> torch.Tensor:
+    """linear() on a named path ("scalar", "avx2", "avx512", "numba"); for tests and benchmarks."""
+    _check(x, w, bias)
+    y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+    if path == "numba":
+        return _linear_numba(x, w, bias, y)
+    if _C is None or path not in PATH_IDS:
+        raise KernelError(f"kernel path {path!r} is not available here (active path: {ACTIVE_PATH})")
+    _C.linear(PATH_IDS[path], x.data_ptr(), _XTYPES[x.dtype], x.shape[0], w.shape[1], w.fmt_id, w.qs_ptr, w.d_ptr,
+              w.shape[0], 0 if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
+    return y
+
+
+def linear_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The scalar reference of linear(): same integer math, plain loops (C++ ref, or numba without it)."""
+    return linear_path(x, w, bias, "scalar" if _C is not None else "numba")
+
+
+def _linear_numba(x: torch.Tensor, w: PackedWeight, bias, y: torch.Tensor) -> torch.Tensor:
+    """The numba fallback; bf16/fp16 weights go through torch's matmul."""
+    from offload.kernels import numba_ops
+
+    if w.d is None:
+        y = x.float() @ w.qs.float().T
+    else:
+        xq, xd, _ = numba_ops.quantize_x(x.float().numpy())
+        fn = numba_ops.gemm_q8_0 if w.fmt == "q8_0" else numba_ops.gemm_q4_0
+        fn(w.qs.numpy(), w.scales_f32().numpy(), xq, xd, y.numpy())
+    return y if bias is None else y.add_(bias)
+
+
+__all__ = ["ACTIVE_PATH", "CPU_FEATURES", "FORMATS", "KernelError", "PackedWeight", "choose_path", "linear",
+           "linear_path", "linear_ref", "pack"]
