@@ -1,0 +1,152 @@
+"""`offload calibrate`: measure this machine (CPU memory bandwidth and matmul rates, disk, and the GPU if any)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from offload.hardware import (HardwareProfile, cache_path, format_bytes, save_hardware, system_cores,
+                              system_memory_bytes)
+from offload.spec import FORMATS, QUANT_BLOCK
+
+
+def _best_time(fn, repeats: int) -> float:
+    fn()  # warm-up: first-touch page faults, thread-pool start
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def measure_cpu_mem_bps(n_bytes: int = 256 * 2**20, repeats: int = 5) -> float:
+    """Read bandwidth of all cores: a multi-threaded sum over a buffer far larger than the caches."""
+    import torch
+
+    x = torch.ones(n_bytes // 4, dtype=torch.float32)
+    return n_bytes / _best_time(lambda: x.sum(), repeats)
+
+
+def _torch_matmul(fmt: str, m: int, k: int, n: int):
+    """A callable computing x[m,k] @ W[n,k]^T with W held in fmt (quantized: dequantized per call)."""
+    import torch
+
+    x = torch.randn(m, k)
+    if fmt in ("fp32", "bf16", "fp16"):
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+        w, xd = torch.randn(n, k).to(dtype), x.to(dtype)
+        return lambda: xd @ w.T
+    scales = torch.rand(n, k // QUANT_BLOCK, 1, dtype=torch.float16)
+    if fmt == "q8_0":
+        q = torch.randint(-128, 128, (n, k // QUANT_BLOCK, QUANT_BLOCK), dtype=torch.int8)
+        return lambda: x @ (q.float() * scales.float()).view(n, k).T
+    packed = torch.randint(0, 256, (n, k // QUANT_BLOCK, QUANT_BLOCK // 2), dtype=torch.uint8)
+
+    def q4_0():
+        nibbles = torch.cat([packed & 0xF, packed >> 4], dim=-1).float() - 8.0
+        return x @ (nibbles * scales.float()).view(n, k).T
+
+    return q4_0
+
+
+def _kernel_matmul(fmt: str, m: int, k: int, n: int):
+    """offload's own CPU kernel for fmt, if the kernels package is importable and takes this call; else None."""
+    try:
+        from offload import kernels
+        pack, linear = kernels.pack, kernels.linear
+    except (ImportError, AttributeError):
+        return None
+    import torch
+
+    x, w = torch.randn(m, k), torch.randn(n, k)
+    try:
+        packed = pack(w, fmt)
+        linear(x, packed)
+    except Exception:  # noqa: BLE001 - a kernel API that differs from this probe: use the torch estimate
+        return None
+    return lambda: linear(x, packed)
+
+
+def measure_cpu_flops(fmt: str, m: int = 32, k: int = 2048, n: int = 2048, repeats: int = 5) -> tuple[float, str]:
+    """FLOP/s of a [m,k] x [k,n] product with weights in fmt, and which path ran (kernels or torch)."""
+    fn, path = _kernel_matmul(fmt, m, k, n), "offload.kernels"
+    if fn is None:
+        fn, path = _torch_matmul(fmt, m, k, n), "torch"
+    return 2 * m * k * n / _best_time(fn, repeats), path
+
+
+def measure_disk_read_bps(folder: Path, n_bytes: int = 128 * 2**20) -> float:
+    """Sequential read of a fresh file, with the page cache for it dropped first (Linux) where possible."""
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=folder, prefix="offload-calibrate-")
+    try:
+        block = os.urandom(8 * 2**20)
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(n_bytes // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        with open(name, "rb", buffering=0) as f:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while f.read(8 * 2**20):
+                pass
+            return n_bytes / (time.perf_counter() - t0)
+    finally:
+        os.unlink(name)
+
+
+def calibrate(log=print) -> HardwareProfile:
+    """Measure this machine and return its profile (GPU figures only where a CUDA GPU is present)."""
+    from offload.calibrate_cuda import measure_cuda
+
+    cpu_mem_bps = measure_cpu_mem_bps()
+    log(f"cpu memory read bandwidth: {cpu_mem_bps / 1e9:.1f} GB/s")
+    cpu_flops, paths = {}, set()
+    for fmt in FORMATS:
+        cpu_flops[fmt], path = measure_cpu_flops(fmt)
+        paths.add(path)
+        log(f"cpu matmul {fmt:5s}: {cpu_flops[fmt] / 1e9:8.1f} GFLOP/s ({path})")
+    folder = cache_path().parent
+    disk_read_bps = measure_disk_read_bps(folder)
+    log(f"disk read: {disk_read_bps / 1e9:.2f} GB/s")
+    gpu = measure_cuda(log) or {}
+    return HardwareProfile(
+        name="calibrated", vram_bytes=gpu.get("vram_bytes", 0), ram_bytes=system_memory_bytes(),
+        disk_bytes=shutil.disk_usage(folder).free, n_cores=system_cores(),
+        h2d_pinned_bps=gpu.get("h2d_pinned_bps", 0.0), h2d_pageable_bps=gpu.get("h2d_pageable_bps", 0.0),
+        gpu_flops=gpu.get("gpu_flops", 0.0), gpu_mem_bps=gpu.get("gpu_mem_bps", 0.0), cpu_mem_bps=cpu_mem_bps,
+        cpu_flops=cpu_flops, disk_read_bps=disk_read_bps, gpu_name=gpu.get("gpu_name", ""),
+        cpu_name=_cpu_name(), source=f"measured by offload calibrate ({', '.join(sorted(paths))} matmuls)")
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def add_calibrate_arguments(p) -> None:
+    p.add_argument("--output", default=None, help=f"where to write the profile (default {cache_path()})")
+    p.add_argument("--quiet", action="store_true", help="print only the path of the written profile")
+
+
+def run_calibrate(args) -> int:
+    """Measure, print and cache the profile that `offload plan` then uses by default."""
+    log = (lambda *a: None) if args.quiet else print
+    profile = calibrate(log)
+    path = save_hardware(profile, args.output or cache_path())
+    if not args.quiet:
+        print(f"ram {format_bytes(profile.ram_bytes)}, {profile.n_cores} cores, "
+              f"vram {format_bytes(profile.vram_bytes)}")
+    print(f"wrote {path}")
+    return 0

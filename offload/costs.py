@@ -1,0 +1,144 @@
+"""The planner's cost model: seconds per unit and phase on each device and link (pure arithmetic, no torch).
+
+Compute time is a roofline: max(FLOPs / rate, bytes touched / memory bandwidth). Transfers are bytes over
+bandwidth. A phase step overlaps copies and disk reads with compute (the executor prefetches), so its time
+is the largest of: the compute chain (GPU + CPU + device hops, which run one after another), the PCIe
+link, the disk, and host-memory traffic (CPU kernels and DMA both read weights from the same DRAM).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+from offload.hardware import HardwareProfile
+from offload.spec import ModelSpec, UnitSpec
+
+HOP_LATENCY_S = 20e-6  # one hidden-state hand-over between CPU and GPU: copy launch plus synchronisation
+ACT_BYTES_GPU = 2  # activations in bf16/fp16 on the GPU
+ACT_BYTES_CPU = 4  # activations in fp32 on the CPU
+LOGIT_BYTES = 4
+
+
+@dataclass(frozen=True)
+class Phase:
+    """One step of a phase: n_tokens queries (over all sequences), each attending ctx_len keys on average."""
+
+    name: str  # prefill | decode
+    n_seqs: int
+    n_tokens: int
+    ctx_len: int
+    kv_read_len: int  # positions of cached K/V read per sequence in one step (0 in prefill)
+
+
+def phases_for(batch_size: int, prompt_len: int, gen_len: int) -> tuple[Phase, Phase]:
+    """Prefill of the whole batch (causal: half the prompt on average) and one decode step mid-generation."""
+    mid = prompt_len + max(gen_len, 1) // 2
+    prefill = Phase("prefill", batch_size, batch_size * prompt_len, max(prompt_len // 2, 1), 0)
+    decode = Phase("decode", batch_size, batch_size, mid, mid)
+    return prefill, decode
+
+
+@dataclass(frozen=True)
+class UnitCost:
+    """Seconds one unit takes in one phase step, for each way of running it."""
+
+    gpu_s: float  # compute on the GPU (weights resident or already streamed)
+    cpu_s: float  # compute on the CPU from host memory
+    pcie_s: float  # copy of the unit's weights host -> device (inf: never streamed)
+    disk_s: float  # read of the unit's weights from disk
+    host_mem_s: float  # weights (and CPU-side KV) read once from DRAM by a CPU kernel or by DMA
+    kv_move_s: float  # prefill only: moving the prompt's KV across PCIe when decode runs elsewhere
+
+
+def _roofline(flops: float, nbytes: float, flops_rate: float, mem_bps: float) -> float:
+    if flops_rate <= 0 or mem_bps <= 0:
+        return math.inf
+    return max(flops / flops_rate, nbytes / mem_bps)
+
+
+def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase,
+              kv_elem_bytes: int = 2) -> UnitCost:
+    """Cost of one unit in one phase step with weights stored in fmt."""
+    w_bytes = unit.nbytes(fmt)
+    link = hw.h2d_pinned_bps if hw.has_gpu else 0.0
+    if unit.kind == "embed":  # a row gather: only the looked-up rows are touched
+        row_bytes = phase.n_tokens * unit.nbytes(fmt) // spec.vocab_size
+        disk_s = row_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf
+        return UnitCost(_roofline(0, row_bytes, 1, hw.gpu_mem_bps), _roofline(0, row_bytes, 1, hw.cpu_mem_bps),
+                        math.inf, disk_s, row_bytes / hw.cpu_mem_bps, 0.0)
+    flops = unit.matmul_flops(phase.n_tokens)
+    attn_flops = kv_bytes = kv_move_bytes = 0
+    if unit.kind == "layer":
+        attn_flops = spec.attention_flops(phase.n_tokens, phase.ctx_len)
+        kv_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, kv_elem_bytes) if phase.kv_read_len else 0
+        if phase.name == "prefill":
+            kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
+    gpu_s = _roofline(flops + attn_flops, w_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
+    cpu_compute_s = flops / hw.cpu_flops_for(fmt) + attn_flops / hw.cpu_flops_for("fp32")
+    cpu_s = max(cpu_compute_s, (w_bytes + kv_bytes) / hw.cpu_mem_bps)
+    return UnitCost(
+        gpu_s=gpu_s,
+        cpu_s=cpu_s,
+        pcie_s=w_bytes / link if link else math.inf,
+        disk_s=w_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf,
+        host_mem_s=w_bytes / hw.cpu_mem_bps,
+        kv_move_s=kv_move_bytes / link if link else 0.0,
+    )
+
+
+def hop_s(spec: ModelSpec, hw: HardwareProfile, phase: Phase) -> float:
+    """One hand-over of the hidden states [n_tokens, hidden] between CPU and GPU."""
+    if not hw.has_gpu:
+        return 0.0
+    return HOP_LATENCY_S + phase.n_tokens * spec.hidden_size * ACT_BYTES_GPU / hw.h2d_pinned_bps
+
+
+@dataclass(frozen=True)
+class PhaseCost:
+    """Predicted time of one step of a phase and where it goes; busy seconds per resource."""
+
+    phase: str
+    tokens_per_step: int
+    gpu_s: float
+    cpu_s: float
+    pcie_s: float
+    disk_s: float
+    hop_s: float
+    host_mem_s: float
+    step_s: float
+    bound: str  # which resource sets step_s: compute, pcie, disk or host_memory
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step / self.step_s if self.step_s > 0 else math.inf
+
+    @property
+    def s_per_token(self) -> float:
+        return self.step_s / self.tokens_per_step
+
+    @property
+    def cpu_share(self) -> float:
+        """CPU compute against CPU + GPU compute (the "14% CPU / 86% GPU" split)."""
+        busy = self.cpu_s + self.gpu_s
+        return self.cpu_s / busy if busy > 0 else 0.0
+
+    @property
+    def gpu_share(self) -> float:
+        busy = self.cpu_s + self.gpu_s
+        return self.gpu_s / busy if busy > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(tokens_per_s=self.tokens_per_s, s_per_token=self.s_per_token,
+                 cpu_share=self.cpu_share, gpu_share=self.gpu_share)
+        return d
+
+
+def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s: float, disk_s: float,
+            hops_s: float, host_mem_s: float) -> PhaseCost:
+    """Overlap copies, reads and DRAM traffic with the compute chain: the step takes the longest of them."""
+    candidates = {"compute": gpu_s + cpu_s + hops_s, "pcie": pcie_s, "disk": disk_s, "host_memory": host_mem_s}
+    bound = max(candidates, key=candidates.get)
+    return PhaseCost(phase, tokens_per_step, gpu_s, cpu_s, pcie_s, disk_s, hops_s, host_mem_s,
+                     candidates[bound], bound)

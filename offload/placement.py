@@ -1,0 +1,313 @@
+"""The planner's search: candidate placements, per-phase stream-or-CPU choices, disk spill, and shortfalls."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from offload.costs import ACT_BYTES_CPU, ACT_BYTES_GPU, LOGIT_BYTES, PhaseCost, combine, hop_s, phases_for, unit_cost
+from offload.errors import PlanError
+from offload.hardware import HardwareProfile, format_bytes
+from offload.planner import Budget, Plan, TierUsage, UnitPlan, Workload, workspace_bytes
+from offload.spec import QUANT_FORMATS, ModelSpec
+
+PHASES = ("prefill", "decode")
+
+
+@dataclass
+class _Candidate:
+    """A placement under construction (mutable; frozen into a Plan at the end)."""
+
+    weight: list[str]
+    compute: dict[str, list[str]]
+    use_gpu: bool
+    staging_slot: int = 0
+    gpu_fixed: int = 0  # margin + workspace + resident weights + GPU KV
+    short: tuple[str, int, int] | None = None  # (tier, needed, allowed) when it does not fit
+
+
+class Search:
+    """Holds the per-unit costs of one planning problem and evaluates candidate placements."""
+
+    def __init__(self, spec: ModelSpec, hw: HardwareProfile, budget: Budget, workload: Workload,
+                 fmt: str, depth: int):
+        self.spec, self.hw, self.budget, self.wl, self.fmt, self.depth = spec, hw, budget, workload, fmt, depth
+        self.units = spec.units()
+        self.n = len(self.units)
+        kinds = [u.kind for u in self.units]
+        self.i_embed, self.i_norm, self.i_head = kinds.index("embed"), kinds.index("norm"), kinds.index("lm_head")
+        self.streamable = [i for i, k in enumerate(kinds) if k in ("layer", "lm_head")]
+        self.w = [u.nbytes(fmt) for u in self.units]
+        layer_kv = spec.layer_kv_bytes(workload.batch_size, workload.seq_len, workload.kv_elem_bytes)
+        self.kv = [layer_kv if k == "layer" else 0 for k in kinds]
+        self.phase = dict(zip(PHASES, phases_for(workload.batch_size, workload.prompt_len, workload.gen_len)))
+        self.cost = {p: self._unit_costs(ph) for p, ph in self.phase.items()}
+        # Plain float lists per phase: the search reads them many times.
+        self.gpu_s = {p: [c.gpu_s for c in cs] for p, cs in self.cost.items()}
+        self.cpu_s = {p: [c.cpu_s for c in cs] for p, cs in self.cost.items()}
+        self.gain_order = {p: self._gain_order(p) for p in PHASES}
+        self.hop = {p: hop_s(spec, hw, ph) for p, ph in self.phase.items()}
+        self.gpu_possible = hw.has_gpu and budget.gpu_bytes > 0
+        self.ws_gpu = workspace_bytes(spec, workload, ACT_BYTES_GPU, fmt in QUANT_FORMATS)
+        self.ws_cpu = workspace_bytes(spec, workload, ACT_BYTES_CPU, False)
+        chunk = min(workload.batch_size * workload.prompt_len, workload.prefill_chunk_tokens)
+        self.hop_buffers = 2 * chunk * spec.hidden_size * ACT_BYTES_CPU
+        self.order = self._residency_order()
+
+    def _unit_costs(self, phase) -> list:
+        """unit_cost for each unit; layers share one shape, so their cost is computed once."""
+        memo: dict = {}
+        out = []
+        for u in self.units:
+            key = (u.kind, tuple(t.shape for t in u.tensors))
+            if key not in memo:
+                memo[key] = unit_cost(self.spec, u, self.fmt, self.hw, phase, self.wl.kv_elem_bytes)
+            out.append(memo[key])
+        return out
+
+    def _gain_order(self, phase: str) -> list[int]:
+        """Streamable units where the GPU beats the CPU, by compute saved per PCIe second (best first)."""
+        cs = self.cost[phase]
+        gain = [i for i in self.streamable if cs[i].cpu_s > cs[i].gpu_s and cs[i].pcie_s < math.inf]
+        return sorted(gain, key=lambda i: (cs[i].cpu_s - cs[i].gpu_s) / cs[i].pcie_s, reverse=True)
+
+    def _residency_order(self) -> list[int]:
+        """Units by time saved per byte when made GPU-resident (norm follows lm_head, embed comes last)."""
+        def saving(i: int) -> float:
+            total = 0.0
+            for p, weight in (("prefill", 1), ("decode", self.wl.gen_len)):
+                c = self.cost[p][i]
+                offloaded = min(c.cpu_s, max(c.gpu_s, c.pcie_s))
+                total += weight * (offloaded - c.gpu_s)
+            return total / max(self.w[i] + self.kv[i], 1)
+
+        ranked = sorted(self.streamable, key=saving, reverse=True)  # stable: layers keep index order
+        return ranked + [self.i_embed]
+
+    def run(self) -> Plan:
+        best, best_s, shorts = None, math.inf, []
+        for cand in self._candidates():
+            if cand.short:
+                shorts.append(cand.short)
+                continue
+            pre, dec = self._phase_cost("prefill", cand), self._phase_cost("decode", cand)
+            job_s = pre.step_s + self.wl.gen_len * dec.step_s
+            if job_s < best_s * (1 - 1e-9):
+                best, best_s = (cand, pre, dec), job_s
+        if best is None:
+            raise PlanError(self._shortfall_message(shorts))
+        return self._freeze(*best)
+
+    def _candidates(self):
+        yield self._build(0, use_gpu=False)
+        if not self.gpu_possible:
+            return
+        for k in range(len(self.order) + 1):
+            cand = self._build(k, use_gpu=True)
+            if cand.short and cand.short[0] == "gpu" and k > 0:
+                return  # more residents cannot fit either
+            yield cand
+
+    def _build(self, k: int, use_gpu: bool) -> _Candidate:
+        weight = ["cpu"] * self.n
+        for i in self.order[:k]:
+            weight[i] = "gpu"
+        weight[self.i_norm] = weight[self.i_head]
+        compute = {p: ["gpu" if t == "gpu" else "cpu" for t in weight] for p in PHASES}
+        cand = _Candidate(weight, compute, use_gpu)
+        if use_gpu:
+            cand.gpu_fixed = (self.budget.margin_bytes("gpu") + self.ws_gpu
+                              + sum(self.w[i] + self.kv[i] for i in range(self.n) if weight[i] == "gpu"))
+            if cand.gpu_fixed > self.budget.gpu_bytes:
+                cand.short = ("gpu", cand.gpu_fixed, self.budget.gpu_bytes)
+                return cand
+            self._choose_streams(cand)
+        self._place_host_weights(cand)
+        return cand
+
+    def _choose_streams(self, cand: _Candidate) -> None:
+        """Decide per phase which offloaded units stream to the GPU; the rest compute on the CPU."""
+        offloaded = [i for i in self.streamable if cand.weight[i] != "gpu"]
+        if not offloaded:
+            return
+        slot = max(self.w[i] for i in offloaded)
+        room = self.budget.gpu_bytes - cand.gpu_fixed - self.depth * slot
+        if room < 0:
+            return  # no room for staging slots: offloaded units compute on the CPU
+        self._scan("decode", cand, offloaded, room)
+        self._scan("prefill", cand, offloaded, math.inf)
+        head = cand.compute
+        for p in PHASES:
+            head[p][self.i_norm] = "gpu" if cand.weight[self.i_norm] == "gpu" else (
+                "stream" if head[p][self.i_head] == "stream" else "cpu")
+        streamed = [i for i in offloaded if "stream" in (head["prefill"][i], head["decode"][i])]
+        cand.staging_slot = max((self.w[i] for i in streamed), default=0)
+
+    def _scan(self, phase: str, cand: _Candidate, offloaded: list[int], kv_room: float) -> None:
+        """Stream units in order of compute saved per PCIe second; keep the prefix with the shortest step.
+
+        Along that order compute time only falls and PCIe time only rises, so the step time
+        max(compute, pcie, host memory) falls then rises: the scan stops once PCIe alone is longer.
+        """
+        costs, gpu_s, cpu_s = self.cost[phase], self.gpu_s[phase], self.cpu_s[phase]
+        compute, decode = cand.compute[phase], cand.compute["decode"]
+        weight = cand.weight
+        busy = sum(gpu_s[i] if weight[i] == "gpu" else cpu_s[i] for i in range(self.n))
+        host = sum(costs[i].host_mem_s for i in offloaded)
+        link = 0.0
+        if phase == "prefill":
+            link = sum(costs[i].kv_move_s for i in offloaded if decode[i] != "cpu")
+        best_s, best_m, kv_used = max(busy, link, host), 0, 0
+        gain = [i for i in self.gain_order[phase] if weight[i] != "gpu"]
+        for m, i in enumerate(gain, 1):
+            if phase == "decode":
+                kv_used += self.kv[i]
+                if kv_used > kv_room:
+                    break
+            busy += gpu_s[i] - cpu_s[i]
+            link += costs[i].pcie_s
+            if phase == "prefill":
+                link += costs[i].kv_move_s if decode[i] == "cpu" else -costs[i].kv_move_s
+            step_s = max(busy, link, host)
+            if step_s < best_s * (1 - 1e-9):
+                best_s, best_m = step_s, m
+            elif link > best_s:
+                break
+        for i in gain[:best_m]:
+            compute[i] = "stream"
+
+    def _host_usage(self, cand: _Candidate) -> int:
+        any_cpu = any("cpu" in (cand.compute[p][i] for p in PHASES) for i in range(self.n) if i != self.i_norm)
+        kv_cpu = sum(self.kv[i] for i in range(self.n) if cand.compute["decode"][i] == "cpu")
+        weights = sum(self.w[i] for i in range(self.n) if cand.weight[i] == "cpu")
+        return (self.budget.margin_bytes("cpu") + (self.ws_cpu if any_cpu else 0) + kv_cpu + weights
+                + self._pinned(cand))
+
+    def _pinned(self, cand: _Candidate) -> int:
+        on_disk = [self.w[i] for i in range(self.n) if cand.weight[i] == "disk"]
+        return (self.hop_buffers if cand.use_gpu else 0) + self.depth * max(on_disk, default=0)
+
+    def _place_host_weights(self, cand: _Candidate) -> None:
+        """Keep offloaded weights in RAM while it lasts, then spill the last units to disk."""
+        spill = [i for i in reversed(range(self.n)) if cand.weight[i] == "cpu" and i != self.i_norm]
+        used, largest = self._host_usage(cand), 0
+        while used > self.budget.cpu_bytes and spill:
+            i = spill.pop(0)
+            cand.weight[i] = "disk"
+            used -= self.w[i]
+            if self.w[i] > largest:  # the read-ahead buffers grow with the largest disk unit
+                used += self.depth * (self.w[i] - largest)
+                largest = self.w[i]
+        on_disk = sum(self.w[i] for i in range(self.n) if cand.weight[i] == "disk")
+        if used > self.budget.cpu_bytes:
+            cand.short = ("cpu", used, self.budget.cpu_bytes)
+        elif on_disk > self.budget.disk_bytes:
+            cand.short = ("disk", on_disk, self.budget.disk_bytes)
+
+    def _phase_cost(self, phase: str, cand: _Candidate) -> PhaseCost:
+        """Busy seconds per resource in one step of phase, overlapped into the step time."""
+        compute, decode, weight = cand.compute[phase], cand.compute["decode"], cand.weight
+        gpu = cpu = pcie = disk = host = 0.0
+        for c, mode, dec, tier in zip(self.cost[phase], compute, decode, weight):
+            if mode == "cpu":
+                cpu += c.cpu_s
+            else:
+                gpu += c.gpu_s
+                if mode == "stream":
+                    pcie += c.pcie_s
+            if (mode == "cpu") != (dec == "cpu"):  # the prompt's KV is made on one device, used on the other
+                pcie += c.kv_move_s
+            if tier != "gpu":
+                host += c.host_mem_s
+                if tier == "disk":
+                    disk += c.disk_s
+        hops, logits = self._hops(phase, compute)
+        return combine(phase, self.phase[phase].n_tokens, gpu, cpu, pcie + logits, disk, hops, host)
+
+    def _hops(self, phase: str, compute: list[str]) -> tuple[float, float]:
+        """Hand-overs of hidden states between devices along the unit chain, and logits back to the host."""
+        devices = ["cpu" if m == "cpu" else "gpu" for m in compute]
+        switches = sum(a != b for a, b in zip(devices, devices[1:]))
+        logits_s = 0.0
+        if devices[-1] == "gpu":
+            logits_s = self.phase[phase].n_seqs * self.spec.vocab_size * LOGIT_BYTES / self.hw.h2d_pinned_bps
+        return switches * self.hop[phase], logits_s
+
+    def _freeze(self, cand: _Candidate, pre, dec) -> Plan:
+        units = []
+        for i, u in enumerate(self.units):
+            kv_tier = ("cpu" if cand.compute["decode"][i] == "cpu" else "gpu") if u.kind == "layer" else None
+            units.append(UnitPlan(u.name, u.kind, u.index, cand.weight[i], cand.compute["prefill"][i],
+                                  cand.compute["decode"][i], kv_tier, self.w[i], self.kv[i]))
+        n_ahead = sum("stream" in (u.prefill, u.decode) or u.weight_tier == "disk" for u in units)
+        depth = min(self.depth, n_ahead)  # copies and disk reads run this many units ahead
+        tiers = (self._gpu_tier(cand, units, depth), self._cpu_tier(cand, units), self._disk_tier(units))
+        return Plan(self._model_name(), self.hw.name, self.fmt, self.wl, self.budget, tuple(units),
+                    tiers, pre, dec, depth, cand.staging_slot if depth else 0, self._notes(cand))
+
+    def _gpu_tier(self, cand: _Candidate, units: list[UnitPlan], depth: int) -> TierUsage:
+        if not cand.use_gpu:
+            return TierUsage("gpu", self.budget.gpu_bytes)
+        return TierUsage("gpu", self.budget.gpu_bytes,
+                         weights_bytes=sum(u.weight_bytes for u in units if u.weight_tier == "gpu"),
+                         kv_bytes=sum(u.kv_bytes for u in units if u.kv_tier == "gpu"),
+                         workspace_bytes=self.ws_gpu, staging_bytes=depth * cand.staging_slot,
+                         margin_bytes=self.budget.margin_bytes("gpu"))
+
+    def _cpu_tier(self, cand: _Candidate, units: list[UnitPlan]) -> TierUsage:
+        any_cpu = any("cpu" in (u.prefill, u.decode) for u in units if u.kind != "norm")
+        return TierUsage("cpu", self.budget.cpu_bytes,
+                         weights_bytes=sum(u.weight_bytes for u in units if u.weight_tier == "cpu"),
+                         kv_bytes=sum(u.kv_bytes for u in units if u.kv_tier == "cpu"),
+                         workspace_bytes=self.ws_cpu if any_cpu else 0, pinned_bytes=self._pinned(cand),
+                         margin_bytes=self.budget.margin_bytes("cpu"))
+
+    def _disk_tier(self, units: list[UnitPlan]) -> TierUsage:
+        return TierUsage("disk", self.budget.disk_bytes,
+                         weights_bytes=sum(u.weight_bytes for u in units if u.weight_tier == "disk"))
+
+    def _notes(self, cand: _Candidate) -> tuple[str, ...]:
+        notes = []
+        if self.hw.has_gpu and not self.gpu_possible:
+            notes.append("the GPU budget is 0: everything runs on the CPU")
+        if not self.hw.has_gpu:
+            notes.append(f"{self.hw.name} has no GPU: every unit computes on the CPU")
+        if self.fmt in QUANT_FORMATS:
+            notes.append(f"{self.fmt}: embeddings stay fp16, norms fp32; the GPU workspace holds bf16 "
+                         "scratch for the largest layer tensor (lm_head is dequantized in slices of that size)")
+        return tuple(notes)
+
+    def _model_name(self) -> str:
+        path = Path(self.spec.source) if self.spec.source else None
+        if path is None:
+            return "model"
+        return path.parent.name if path.name == "config.json" and path.parent.name else path.name
+
+    def _shortfall_message(self, shorts: list[tuple[str, int, int]]) -> str:
+        tier, need, have = min(shorts, key=lambda s: s[1] - s[2])
+        what = (f"{self._model_name()} in {self.fmt} does not fit: the closest placement needs "
+                f"{format_bytes(need)} of {tier} memory but the budget allows {format_bytes(have)} "
+                f"(short by {(need - have) / 2**30:.2f} GiB)")
+        return what + "; " + "; ".join(self._hints(tier, need - have)) + "."
+
+    def _hints(self, tier: str, short: int) -> list[str]:
+        weights, kv = sum(self.w), sum(self.kv)
+        short_gib = math.ceil(short / 2**30 * 100) / 100
+        hints = [f"weights take {format_bytes(weights)}, the KV cache {format_bytes(kv)} for batch "
+                 f"{self.wl.batch_size} x {self.wl.seq_len} tokens"]
+        if kv > short:
+            hints.append("a smaller --batch-size or --max-tokens would shrink the KV cache")
+        savings = [f"{fmt} would save {format_bytes(weights - sum(u.nbytes(fmt) for u in self.units))}"
+                   for fmt in ("q8_0", "q4_0") if sum(u.nbytes(fmt) for u in self.units) < weights]
+        if savings:
+            hints.append("--quantization " + ", ".join(savings))
+        if tier == "gpu":
+            hints.append("raise --gpu-memory, or set it to 0 to run on the CPU")
+        elif tier == "cpu":
+            # Host weights were already spilled to disk: what is short here is KV, workspace or buffers.
+            hints.append(f"raise --cpu-memory by {short_gib} GiB")
+        else:
+            hints.append(f"let more weights spill to disk: raise --disk-memory by {short_gib} GiB "
+                         f"(it is {format_bytes(self.budget.disk_bytes)}), or --cpu-memory by as much")
+        return hints

@@ -1,0 +1,88 @@
+"""Text views of a Plan: the table `offload plan` prints, and the explanation of its choices."""
+
+from __future__ import annotations
+
+from offload.hardware import format_bytes
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.2f} ms" if seconds < 10 else f"{seconds:.1f} s"
+
+
+def _unit_rows(plan) -> list[tuple]:
+    """Units with consecutive layers of identical placement merged into one row (layer.0-39)."""
+    rows: list[list] = []
+    for u in plan.units:
+        key = (u.kind, u.weight_tier, u.prefill, u.decode, u.kv_tier, u.weight_bytes)
+        if rows and u.kind == "layer" and rows[-1][0] == key:
+            rows[-1][2] = u.index
+            rows[-1][3] += 1
+        else:
+            rows.append([key, u.name, u.index, 1, u])
+    out = []
+    for key, name, last, count, u in rows:
+        label = f"layer.{u.index}-{last}" if count > 1 else name
+        kv = format_bytes(u.kv_bytes) if u.kind == "layer" else "-"
+        out.append((label, str(count), format_bytes(u.weight_bytes), u.weight_tier, u.prefill, u.decode,
+                    kv, u.kv_tier or "-"))
+    return out
+
+
+def _grid(header: tuple, rows: list[tuple]) -> list[str]:
+    widths = [max(len(str(r[c])) for r in [header, *rows]) for c in range(len(header))]
+    return ["  ".join(str(v).ljust(w) for v, w in zip(r, widths)).rstrip() for r in [header, *rows]]
+
+
+def plan_table(plan) -> str:
+    """The plan as text: units, tiers, predicted phases and the greppable summary line."""
+    wl = plan.workload
+    lines = [f"plan: {plan.model} ({plan.weight_format}) on {plan.hardware}: batch {wl.batch_size}, "
+             f"prompt {wl.prompt_len}, generate {wl.gen_len}", ""]
+    lines += _grid(("unit", "n", "weights/unit", "tier", "prefill", "decode", "kv/unit", "kv tier"),
+                   _unit_rows(plan))
+    lines.append("")
+    tier_rows = [(t.tier, format_bytes(t.budget_bytes), format_bytes(t.weights_bytes), format_bytes(t.kv_bytes),
+                  format_bytes(t.workspace_bytes), format_bytes(t.staging_bytes), format_bytes(t.pinned_bytes),
+                  format_bytes(t.margin_bytes), format_bytes(t.total_bytes)) for t in plan.tiers]
+    lines += _grid(("tier", "budget", "weights", "kv", "workspace", "staging", "pinned", "margin", "total"),
+                   tier_rows)
+    lines.append("")
+    phase_rows = [(p.phase, f"{p.tokens_per_s:.2f}", _ms(p.step_s), _ms(p.gpu_s), _ms(p.cpu_s), _ms(p.pcie_s),
+                   _ms(p.disk_s), p.bound, f"{p.cpu_share:.0%} CPU / {p.gpu_share:.0%} GPU")
+                  for p in (plan.prefill, plan.decode)]
+    lines += _grid(("phase", "tokens/s", "step", "gpu", "cpu", "pcie", "disk", "bound", "compute split"),
+                   phase_rows)
+    lines.append("")
+    lines.append(f"prefetch depth {plan.prefetch_depth}, staging slot {format_bytes(plan.staging_slot_bytes)}")
+    lines.append(plan.summary_line)
+    return "\n".join(lines)
+
+
+def _decision(plan, phase: str) -> str:
+    modes = [getattr(u, phase) for u in plan.units if u.kind in ("layer", "lm_head") and u.weight_tier != "gpu"]
+    if not modes:
+        return f"{phase}: every layer and the lm_head are resident on the GPU."
+    n_stream, n_cpu = modes.count("stream"), modes.count("cpu")
+    cost = getattr(plan, phase)
+    why = {"compute": "the compute chain", "pcie": "the PCIe link", "disk": "disk reads",
+           "host_memory": "host-memory bandwidth"}[cost.bound]
+    return (f"{phase}: of {len(modes)} offloaded units, {n_stream} stream to the GPU and {n_cpu} compute on "
+            f"the CPU; one step takes {_ms(cost.step_s)}, set by {why} (GPU {_ms(cost.gpu_s)}, "
+            f"CPU {_ms(cost.cpu_s)}, PCIe {_ms(cost.pcie_s)}, disk {_ms(cost.disk_s)}, "
+            f"host memory {_ms(cost.host_mem_s)}).")
+
+
+def plan_explanation(plan) -> str:
+    """Sentences saying what was placed where and why the step time is what it is."""
+    gpu, cpu, disk = (plan.tier(t) for t in ("gpu", "cpu", "disk"))
+    lines = [f"{plan.summary_line}: {format_bytes(gpu.weights_bytes)} of weights on the GPU, "
+             f"{format_bytes(cpu.weights_bytes)} in RAM, {format_bytes(disk.weights_bytes)} on disk.",
+             f"Each placement counts weights, the KV cache for batch {plan.workload.batch_size} x "
+             f"{plan.workload.seq_len} tokens, activations at the largest shape, staging slots, pinned "
+             f"buffers and a {plan.budget.margin_frac:.0%} margin; no tier exceeds its budget."]
+    lines += [_decision(plan, "prefill"), _decision(plan, "decode")]
+    lines.append("Streaming wins when the CPU would take longer on a unit than copying its weights over "
+                 "PCIe; copies overlap compute, so the step takes the longest of compute, PCIe, disk and "
+                 "host-memory time, not their sum.")
+    lines += list(plan.notes)
+    return "\n".join(lines)
