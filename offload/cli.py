@@ -41,8 +41,24 @@ def run_generate(args) -> int:
     return 0
 
 
+def add_plan_parser(sub) -> None:
+    from offload.plan_cli import add_plan_arguments, run_plan
+
+    p = sub.add_parser("plan", help="place a model's blocks on GPU, CPU and disk and predict its speed")
+    add_plan_arguments(p)
+    p.set_defaults(func=run_plan)
+
+
+def add_calibrate_parser(sub) -> None:
+    from offload.calibrate import add_calibrate_arguments, run_calibrate
+
+    p = sub.add_parser("calibrate", help="measure this machine and cache its hardware profile")
+    add_calibrate_arguments(p)
+    p.set_defaults(func=run_calibrate)
+
+
 # Each subcommand registers itself here: add_<name>_parser(subparsers).
-PARSERS = [add_generate_parser]
+PARSERS = [add_generate_parser, add_plan_parser, add_calibrate_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:
