@@ -8,6 +8,7 @@ _LAZY = {
     "LLM": "offload.api",
     "SamplingParams": "offload.sampling",
     "RequestOutput": "offload.api",
+    "run_batch": "offload.jobs",
 }
 
 
@@ -19,4 +20,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "run_batch", "__version__"]

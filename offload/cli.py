@@ -57,8 +57,10 @@ def add_calibrate_parser(sub) -> None:
     p.set_defaults(func=run_calibrate)
 
 
+from offload.job_cli import add_run_parser, add_validate_parser  # noqa: E402  (batch jobs)
+
 # Each subcommand registers itself here: add_<name>_parser(subparsers).
-PARSERS = [add_generate_parser, add_plan_parser, add_calibrate_parser]
+PARSERS = [add_generate_parser, add_plan_parser, add_calibrate_parser, add_run_parser, add_validate_parser]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,290 @@
+"""OpenAI Batch JSONL (and plain prompt files) in; OpenAI Batch JSONL out, appended per request, resumable."""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from offload.errors import ConfigError, OffloadError
+from offload.sampling import SamplingParams
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+URLS = (COMPLETIONS, CHAT)
+# Request body keys mapped onto SamplingParams (OpenAI names first, then vLLM's extras).
+PARAM_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
+              "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
+              "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "n": "n",
+              "skip_special_tokens": "skip_special_tokens",
+              "include_stop_str_in_output": "include_stop_str_in_output"}
+IGNORED_KEYS = ("model", "user", "stream", "metadata")
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class Request:
+    """One valid request: its custom_id, endpoint, prompt (text or ids) or messages, and sampling params."""
+
+    custom_id: str
+    line_no: int
+    url: str
+    params: SamplingParams
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+
+    @property
+    def key(self) -> str:
+        return self.custom_id
+
+
+@dataclass
+class BadLine:
+    """An input line that cannot run; it becomes an error line in the output."""
+
+    line_no: int
+    message: str
+    custom_id: str | None = None
+
+    @property
+    def key(self) -> str:
+        return self.custom_id if self.custom_id is not None else f"line:{self.line_no}"
+
+
+def read_requests(path: Path, fmt: str = "openai", defaults: dict | None = None,
+                  chat: bool = True) -> tuple[list[Request], list[BadLine]]:
+    """Parse a batch file; ConfigError if custom_ids repeat (the job must not start then)."""
+    defaults = defaults or {}
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"cannot read the input file {path} ({e}); give a UTF-8 text file") from None
+    if fmt == "text":
+        url = CHAT if chat else COMPLETIONS
+        items = [_text_request(line, n, url, defaults) for n, line in enumerate(lines, 1) if line.strip()]
+    else:
+        items = [_openai_request(line, n, defaults, path.name) for n, line in enumerate(lines, 1) if line.strip()]
+    _refuse_duplicates(path, items)
+    return [i for i in items if isinstance(i, Request)], [i for i in items if isinstance(i, BadLine)]
+
+
+def _text_request(line: str, n: int, url: str, defaults: dict) -> Request | BadLine:
+    params = _params(defaults, {}, n)
+    if isinstance(params, BadLine):
+        return params
+    if url == CHAT:
+        return Request(f"line-{n}", n, url, params, messages=[{"role": "user", "content": line.strip()}])
+    return Request(f"line-{n}", n, url, params, prompt=line)
+
+
+def _openai_request(line: str, n: int, defaults: dict, name: str) -> Request | BadLine:
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as e:
+        return BadLine(n, f"line {n} of {name} is not valid JSON ({e.msg} at column {e.colno}); "
+                          f"expected one JSON object per line")
+    if not isinstance(obj, dict):
+        return BadLine(n, f"line {n} of {name}: expected a JSON object, found {type(obj).__name__}")
+    custom_id = obj.get("custom_id")
+    if not isinstance(custom_id, str) or not custom_id:
+        return BadLine(n, f"line {n} of {name}: expected a non-empty string 'custom_id', found {custom_id!r}")
+    problem = _check_envelope(obj)
+    if problem:
+        return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {problem}", custom_id)
+    body = obj["body"]
+    unknown = [k for k in body if k not in PARAM_KEYS and k not in IGNORED_KEYS and k not in ("prompt", "messages")]
+    if unknown:
+        return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {_unsupported(unknown[0], obj['url'])}",
+                       custom_id)
+    params = _params(defaults, body, n)
+    if isinstance(params, BadLine):
+        return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {params.message}", custom_id)
+    content, problem = _content(obj["url"], body)
+    if problem:
+        return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {problem}", custom_id)
+    if obj["url"] == CHAT:
+        return Request(custom_id, n, CHAT, params, messages=content)
+    return Request(custom_id, n, COMPLETIONS, params, prompt=content)
+
+
+def _check_envelope(obj: dict) -> str | None:
+    method, url = obj.get("method", "POST"), obj.get("url")
+    if url not in URLS:
+        close = difflib.get_close_matches(str(url), URLS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"expected 'url' to be one of {', '.join(URLS)}, found {url!r}{hint}"
+    if method != "POST":
+        return f"expected 'method' POST, found {method!r}"
+    if not isinstance(obj.get("body"), dict):
+        return f"expected 'body' to be a JSON object, found {obj.get('body')!r}"
+    return None
+
+
+def _unsupported(key: str, url: str) -> str:
+    known = sorted([*PARAM_KEYS, *IGNORED_KEYS, "messages" if url == CHAT else "prompt"])
+    close = difflib.get_close_matches(key, known, n=1)
+    hint = f"did you mean {close[0]!r}?" if close else f"supported: {', '.join(known)}"
+    return f"body parameter {key!r} is not supported; {hint}"
+
+
+def _params(defaults: dict, body: dict, n: int) -> SamplingParams | BadLine:
+    values = dict(defaults)
+    values.update({PARAM_KEYS[k]: v for k, v in body.items() if k in PARAM_KEYS and v is not None})
+    try:
+        return SamplingParams(**values)
+    except (OffloadError, TypeError, ValueError) as e:
+        return BadLine(n, str(e))
+
+
+def _content(url: str, body: dict) -> tuple[Any, str | None]:
+    """(the prompt as text or token ids, or the messages; None) or (None, what is wrong)."""
+    if url == COMPLETIONS:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str) and prompt:
+            return prompt, None
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return prompt, None
+        return None, f"expected 'prompt' to be a non-empty string or a list of token ids, found {prompt!r}"
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return None, f"expected 'messages' to be a non-empty list of {{'role', 'content'}} objects, found {messages!r}"
+    out = []
+    for i, m in enumerate(messages):
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+            return None, f"expected messages[{i}] to have a string 'role' and text 'content', found {m!r}"
+        out.append({"role": m["role"], "content": content})
+    return out, None
+
+
+def _refuse_duplicates(path: Path, items: list) -> None:
+    first: dict[str, int] = {}
+    repeats = []
+    for item in items:
+        cid = item.custom_id
+        if cid is None:
+            continue
+        if cid in first:
+            repeats.append(f"{cid!r} on lines {first[cid]} and {item.line_no}")
+        else:
+            first[cid] = item.line_no
+    if repeats:
+        more = f" (and {len(repeats) - 3} more)" if len(repeats) > 3 else ""
+        raise ConfigError(f"{path}: custom_id must be unique, found {'; '.join(repeats[:3])}{more}; "
+                          f"give each request its own custom_id")
+
+
+def success_record(req: Request, text: str, finish_reason: str, n_prompt: int, n_generated: int,
+                   model: str) -> dict:
+    """An OpenAI Batch output line for a finished request."""
+    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated}
+    if req.url == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
+        obj, prefix = "chat.completion", "chatcmpl"
+    else:
+        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
+        obj, prefix = "text_completion", "cmpl"
+    request_id = uuid.uuid4().hex
+    body = {"id": f"{prefix}-{request_id}", "object": obj, "created": int(time.time()), "model": model,
+            "choices": [choice], "usage": usage}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.custom_id,
+            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+
+
+def error_record(item: BadLine | Request, message: str, code: str = "invalid_request") -> dict:
+    """An OpenAI Batch output line for a request that could not run."""
+    error = {"code": code, "message": message, "line": item.line_no}
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.custom_id, "response": None, "error": error}
+
+
+def record_key(record: dict) -> str | None:
+    """The key a record answers: its custom_id, or line:N for a line that had none."""
+    if record.get("custom_id") is not None:
+        return record["custom_id"]
+    line = (record.get("error") or {}).get("line")
+    return f"line:{line}" if line is not None else None
+
+
+@dataclass
+class OutputLog:
+    """The output JSONL plus a manifest beside it that fingerprints the job that writes it."""
+
+    path: Path
+    fingerprint: dict
+    done: set[str] = field(default_factory=set)
+    _file: Any = None
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path.with_name(self.path.stem + ".job.json")
+
+    def open(self, restart: bool = False) -> set[str]:
+        """Start or resume; return the keys already answered. Refuses a resume under a changed job."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if restart:
+            self.path.unlink(missing_ok=True)
+            self.manifest_path.unlink(missing_ok=True)
+        if self.path.exists() and self.path.stat().st_size > 0:
+            self._check_manifest()
+            self.done = self._scan()
+        self.manifest_path.write_text(json.dumps({"version": MANIFEST_VERSION, "job": self.fingerprint}, indent=2))
+        self._file = open(self.path, "a", encoding="utf-8")
+        return self.done
+
+    def _check_manifest(self) -> None:
+        again = "rerun with --restart (or output.overwrite: true) to start over, or choose another output path"
+        if not self.manifest_path.is_file():
+            raise ConfigError(f"{self.path} exists but has no {self.manifest_path.name} saying which job wrote "
+                              f"it, so it cannot be resumed safely; {again}")
+        try:
+            old = json.loads(self.manifest_path.read_text()).get("job", {})
+        except (json.JSONDecodeError, AttributeError):
+            old = {}
+        changed = [k for k in sorted(set(old) | set(self.fingerprint)) if old.get(k) != self.fingerprint.get(k)]
+        if changed:
+            k = changed[0]
+            raise ConfigError(f"{self.path} was started with {k}={old.get(k)!r} but this run has "
+                              f"{k}={self.fingerprint.get(k)!r}" + (f" (and {len(changed) - 1} more changes)"
+                              if len(changed) > 1 else "") + f"; {again}")
+
+    def _scan(self) -> set[str]:
+        """Keys of complete records; a torn last line (a killed write) is cut off."""
+        data = self.path.read_bytes()
+        end = data.rfind(b"\n") + 1
+        if end < len(data):
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+        done = set()
+        for n, line in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                key = record_key(json.loads(line))
+            except (json.JSONDecodeError, AttributeError):
+                raise ConfigError(f"{self.path} line {n} is not a JSON record; the file was edited or damaged: "
+                                  f"repair it, or rerun with --restart to start over") from None
+            if key is not None:
+                done.add(key)
+        return done
+
+    def append(self, record: dict) -> None:
+        """Write one record as a line and flush it, so a killed job keeps it."""
+        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._file.flush()
+        self.done.add(record_key(record))
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+def file_digest(path: Path) -> str:
+    """sha256 of a small file (a model's config.json), to notice a changed model."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]

@@ -1,0 +1,344 @@
+"""Job configs: YAML validated by pydantic, every mistake reported in one pass; flags > file > defaults."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import os
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+
+from offload.errors import ConfigError
+
+QUANTIZATIONS = ("none", "q8_0", "q4_0")
+DTYPES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
+
+
+def _size(value: Any) -> int | None:
+    """Bytes from 22GiB, 64GB, 512MiB or a plain number; None stays None (the tier's default)."""
+    if value is None:
+        return None
+    from offload.hardware import parse_size
+
+    if isinstance(value, str) and value.strip().startswith("-") or isinstance(value, (int, float)) and value < 0:
+        raise ValueError(f"expected a size of 0 or more such as 22GiB, found {value!r}")
+    try:
+        return parse_size(value)
+    except ConfigError:
+        raise ValueError(f"expected a size such as 22GiB, 64GB or 512MiB, found {value!r}") from None
+
+
+Size = Annotated[int | None, BeforeValidator(_size)]
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ModelConfig(_Section):
+    """Which model to load and how its weights are stored."""
+
+    path: str = Field(description="a Hugging Face model folder or 'default'")
+    quantization: Literal[QUANTIZATIONS] = "none"
+    dtype: Literal[DTYPES] = "auto"
+
+
+class MemoryConfig(_Section):
+    """Budget per tier; None means the planner's default share of what the machine has."""
+
+    gpu: Size = None
+    cpu: Size = None
+    disk: Size = None
+
+
+class InputConfig(_Section):
+    """The requests: OpenAI Batch JSONL, or a text file with one prompt per line."""
+
+    path: str = Field(description="the path of a batch JSONL or prompts text file")
+    format: Literal["openai", "text"] = "openai"
+    chat: bool = True  # text prompts go through the model's chat template
+
+
+class OutputConfig(_Section):
+    """Where results go; an existing file is resumed unless overwrite is set."""
+
+    path: str | None = None  # default: <input stem>.outputs.jsonl beside the input
+    overwrite: bool = False
+
+
+class SamplingConfig(_Section):
+    """Defaults for every request; a request's own body overrides them."""
+
+    max_tokens: int = Field(16, ge=1)
+    temperature: float = Field(0.0, ge=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=-1)
+    min_p: float = Field(0.0, ge=0, le=1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    ignore_eos: bool = False
+
+
+class ScheduleConfig(_Section):
+    """How many sequences run together; None lets the planner (or the runtime default) choose."""
+
+    batch_size: int | None = Field(None, ge=1)
+    prefetch_depth: int = Field(2, ge=1)
+
+
+class ReportConfig(_Section):
+    """The end-of-run report and its optional trace and plot."""
+
+    path: str | None = None  # default: <output stem>.report.json beside the outputs
+    trace: str | None = None
+    plot: str | None = None
+    progress: bool = True
+    print: bool = True
+
+
+class JobConfig(_Section):
+    """One offline batch job."""
+
+    model: ModelConfig = Field(description="a section with at least 'path'")
+    hardware: str | None = None  # a preset name (configs/hardware) or a profile YAML; None: calibrated/estimated
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    input: InputConfig = Field(description="a section with at least 'path'")
+    output: OutputConfig = Field(default_factory=OutputConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
+    report: ReportConfig = Field(default_factory=ReportConfig)
+
+    @property
+    def output_path(self) -> Path:
+        if self.output.path:
+            return Path(self.output.path)
+        src = Path(self.input.path)
+        return src.with_name(src.stem + ".outputs.jsonl")
+
+    @property
+    def report_path(self) -> Path:
+        if self.report.path:
+            return Path(self.report.path)
+        out = self.output_path
+        return out.with_name(out.stem + ".report.json")
+
+    def to_yaml(self) -> str:
+        """The effective configuration as YAML, defaults filled in."""
+        data = self.model_dump(mode="json")
+        data["output"]["path"] = str(self.output_path)
+        data["report"]["path"] = str(self.report_path)
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+# Keys holding file paths; relative ones resolve against the config file's folder.
+PATH_KEYS = ("model.path", "input.path", "output.path", "report.path", "report.trace", "report.plot", "hardware")
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
+    """The effective config: defaults, then the YAML file (if any), then overrides (dotted key -> value)."""
+    source = str(path) if path is not None else "command line"
+    raw = _shorthands(read_yaml(Path(path))) if path is not None else {}
+    base = Path(path).resolve().parent if path is not None else Path.cwd()
+    raw = _resolve_paths(raw, base)
+    for key, value in (overrides or {}).items():
+        if value is not None:
+            _set_dotted(raw, key, _resolve_one(key, value, Path.cwd()))
+    return validate_config(raw, source)
+
+
+def _shorthands(raw: dict) -> dict:
+    """Accept `model: default` and `input: prompts.jsonl` for sections with only a path."""
+    return {k: {"path": v} if k in ("model", "input") and isinstance(v, str) else v for k, v in raw.items()}
+
+
+def read_yaml(path: Path) -> dict:
+    """Parse a YAML config file into a mapping, with a clear error if that fails."""
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found; give the path of a YAML file such as configs/demo.yaml")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path} is not valid YAML ({' '.join(str(e).split())}); fix the syntax") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of sections (model, input, ...), "
+                          f"found {type(data).__name__}; see configs/demo.yaml")
+    return data
+
+
+def validate_config(raw: dict, source: str = "config") -> JobConfig:
+    """A JobConfig from a mapping, or one ConfigError listing every problem found."""
+    problems = []
+    config = None
+    try:
+        config = JobConfig.model_validate(raw)
+    except ValidationError as e:
+        problems += [describe_error(err) for err in e.errors()]
+    problems += check_files(raw)
+    if problems:
+        raise ConfigError(_join_problems(source, problems))
+    return config
+
+
+def _join_problems(source: str, problems: list[str]) -> str:
+    if len(problems) == 1:
+        return f"{source}: {problems[0]}"
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return f"{source} has {len(problems)} problems; fix them and run `offload validate` again:\n{lines}"
+
+
+def describe_error(err: dict) -> str:
+    """One pydantic error as: key, what was expected, what was found, and a suggestion."""
+    loc = [str(p) for p in err["loc"] if not str(p).startswith("function-")]
+    key = ".".join(loc)
+    kind, found = err["type"], err.get("input")
+    if kind == "extra_forbidden":
+        known = _known_keys(loc[:-1])
+        close = difflib.get_close_matches(loc[-1], known, n=1, cutoff=0.6)
+        hint = f"did you mean {'.'.join(loc[:-1] + close)!r}?" if close else f"known keys: {', '.join(known)}"
+        return f"unknown key {key!r}; {hint}"
+    if kind == "missing":
+        expected = _description(loc) or "a value"
+        return f"key {key!r} is missing; expected {expected}"
+    if kind == "literal_error":
+        options = err["ctx"]["expected"]
+        close = difflib.get_close_matches(str(found), [o.strip("'") for o in options.split(", ")], n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return f"key {key!r}: expected one of {options}, found {found!r}{hint}"
+    if kind == "value_error":
+        return f"key {key!r}: {err['msg'].removeprefix('Value error, ')}"
+    if kind == "model_type" or kind == "dict_type":
+        return f"key {key!r}: expected a section (a mapping of keys), found {found!r}"
+    return f"key {key!r}: expected {_expected(err)}, found {found!r}"
+
+
+def _expected(err: dict) -> str:
+    kind, ctx = err["type"], err.get("ctx", {})
+    bounds = {"greater_than_equal": ">= {ge}", "greater_than": "> {gt}", "less_than_equal": "<= {le}",
+              "less_than": "< {lt}"}
+    if kind in bounds:
+        return "a value " + bounds[kind].format(**ctx)
+    names = {"int": "a whole number", "float": "a number", "bool": "true or false", "string": "a string",
+             "list": "a list"}
+    for prefix, name in names.items():
+        if kind.startswith(prefix):
+            return name
+    return err["msg"].lower()
+
+
+def _section_model(loc: list[str]):
+    model = JobConfig
+    for part in loc:
+        field = model.model_fields.get(part)
+        ann = getattr(field, "annotation", None)
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return None
+        model = ann
+    return model
+
+
+def _known_keys(loc: list[str]) -> list[str]:
+    model = _section_model(loc)
+    return list(model.model_fields) if model else []
+
+
+def _description(loc: list[str]) -> str | None:
+    model = _section_model(loc[:-1])
+    field = model.model_fields.get(loc[-1]) if model else None
+    return field.description if field else None
+
+
+def check_files(raw: dict) -> list[str]:
+    """Problems with the files a config names: missing model or input, unwritable outputs, bad hardware."""
+    problems = []
+    model_path = _get_dotted(raw, "model.path")
+    if isinstance(model_path, str) and model_path != "default" and not (Path(model_path) / "config.json").is_file():
+        problems.append(f"key 'model.path': expected a model folder with config.json or 'default', "
+                        f"found {model_path!r}, which {_what_is(Path(model_path))}")
+    input_path = _get_dotted(raw, "input.path")
+    if isinstance(input_path, str) and not Path(input_path).is_file():
+        problems.append(f"key 'input.path': expected an existing file of requests, found {input_path!r}, "
+                        f"which {_what_is(Path(input_path))}")
+    for key in ("output.path", "report.path", "report.trace", "report.plot"):
+        value = _get_dotted(raw, key)
+        if isinstance(value, str) and (reason := unwritable_reason(Path(value))):
+            problems.append(f"key {key!r}: {value!r} cannot be written ({reason}); choose a writable location")
+    hardware = raw.get("hardware")
+    if isinstance(hardware, str):
+        from offload.hardware import load_hardware
+
+        try:
+            load_hardware(hardware)
+        except ConfigError as e:
+            problems.append(f"key 'hardware': {e}")
+    return problems
+
+
+def _what_is(path: Path) -> str:
+    return "is not a model folder" if path.is_dir() else "does not exist"
+
+
+def unwritable_reason(path: Path) -> str | None:
+    """Why a file could not be created or appended to at path, or None if it can."""
+    if path.is_dir():
+        return "it is a folder"
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "the file is read-only"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, not a folder"
+    return None if os.access(parent, os.W_OK | os.X_OK) else f"the folder {parent} is not writable"
+
+
+def _resolve_paths(raw: dict, base: Path) -> dict:
+    raw = copy.deepcopy(raw)
+    for key in PATH_KEYS:
+        value = _get_dotted(raw, key)
+        if isinstance(value, str):
+            _set_dotted(raw, key, _resolve_one(key, value, base))
+    return raw
+
+
+def _resolve_one(key: str, value: Any, base: Path) -> Any:
+    """Make a relative path absolute against base; 'default' and hardware preset names stay as they are."""
+    if key not in PATH_KEYS or not isinstance(value, str) or Path(value).is_absolute():
+        return value
+    if (key == "model.path" and value == "default") or (key == "hardware" and not (base / value).exists()):
+        return value
+    return str((base / Path(value).expanduser()).resolve())
+
+
+def _get_dotted(raw: dict, key: str) -> Any:
+    node = raw
+    for part in key.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
+
+
+def _set_dotted(raw: dict, key: str, value: Any) -> None:
+    *parents, last = key.split(".")
+    node = raw
+    for part in parents:
+        if not isinstance(node.get(part), dict):
+            node[part] = {}
+        node = node[part]
+    node[last] = value
+
+
+def parse_set_option(text: str) -> tuple[str, Any]:
+    """'sampling.temperature=0.7' -> ('sampling.temperature', 0.7), the value read as YAML."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"--set expects KEY=VALUE such as sampling.temperature=0.7, found {text!r}")
+    try:
+        return key.strip(), yaml.safe_load(value)
+    except yaml.YAMLError:
+        return key.strip(), value

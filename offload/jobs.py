@@ -1,0 +1,223 @@
+"""The batch job loop: read requests, resume, generate with per-request flush, progress, report."""
+
+from __future__ import annotations
+
+import inspect
+import resource
+import sys
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from offload.batch import CHAT, BadLine, OutputLog, Request, error_record, file_digest, read_requests, success_record
+from offload.config import JobConfig, load_config, validate_config
+from offload.errors import OffloadError
+from offload.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
+from offload.runtime.timeline import Span, Timeline
+
+
+@dataclass
+class Prepared:
+    """A request turned into prompt token ids, ready for the generator."""
+
+    request: Request
+    prompt: dict = field(default_factory=dict)  # {"prompt_token_ids": [...], "prompt": text or None}
+
+
+def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, progress: bool | None = None,
+              llm=None) -> dict:
+    """Run (or resume) a batch job described by a config; write outputs and report; return the report."""
+    config = as_config(config)
+    requests, bad = read_requests(Path(config.input.path), config.input.format, sampling_defaults(config),
+                                  config.input.chat)
+    log = OutputLog(config.output_path, job_fingerprint(config))
+    done = log.open(restart=restart or config.output.overwrite)
+    counts = JobCounts(n_requests=len(requests) + len(bad),
+                       n_skipped=sum(item.key in done for item in [*requests, *bad]))
+    timeline = None
+    try:
+        for item in bad:
+            if item.key not in done:
+                _fail(log, counts, item, item.message)
+        todo = [r for r in requests if r.key not in done]
+        if todo:
+            llm = llm if llm is not None else load_llm(config)
+            timeline = job_timeline(llm)
+            generate_all(llm, todo, log, counts, _progress_on(config, progress))
+    except KeyboardInterrupt:
+        counts.interrupted = True
+        raise
+    finally:
+        log.close()
+        report = finish(config, counts, llm, timeline)
+    return report
+
+
+def as_config(config) -> JobConfig:
+    if isinstance(config, JobConfig):
+        return config
+    if isinstance(config, dict):
+        return validate_config(config, "run_batch config")
+    return load_config(config)
+
+
+def sampling_defaults(config: JobConfig) -> dict:
+    return config.sampling.model_dump()
+
+
+def job_fingerprint(config: JobConfig) -> dict:
+    """What decides the outputs; a resume under a different fingerprint is refused."""
+    from offload.weights.default_model import resolve_model
+
+    model_dir = resolve_model(config.model.path)
+    config_json = model_dir / "config.json"
+    return {"model.path": config.model.path,
+            "model.config_sha256": file_digest(config_json) if config_json.is_file() else None,
+            "model.quantization": config.model.quantization, "model.dtype": config.model.dtype,
+            "input.path": config.input.path, "input.format": config.input.format, "input.chat": config.input.chat,
+            **{f"sampling.{k}": v for k, v in sampling_defaults(config).items()}}
+
+
+def load_llm(config: JobConfig):
+    """The LLM for a config, passing memory budgets and hardware where the runtime accepts them."""
+    from offload.api import LLM
+
+    accepted = inspect.signature(LLM).parameters
+    wanted = {"quantization": config.model.quantization, "dtype": config.model.dtype,
+              "max_batch_size": config.schedule.batch_size, "gpu_memory": config.memory.gpu,
+              "cpu_memory": config.memory.cpu, "disk_memory": config.memory.disk, "hardware": config.hardware,
+              "prefetch_depth": config.schedule.prefetch_depth}
+    kwargs = {k: v for k, v in wanted.items() if v is not None and k in accepted}
+    return LLM(config.model.path, **kwargs)
+
+
+def _progress_on(config: JobConfig, progress: bool | None) -> bool:
+    allowed = config.report.progress if progress is None else progress
+    return bool(allowed) and sys.stderr.isatty()
+
+
+def _fail(log: OutputLog, counts: JobCounts, item: BadLine | Request, message: str) -> None:
+    log.append(error_record(item, message))
+    counts.n_failed += 1
+
+
+def prepare(llm, req: Request) -> Prepared:
+    """Token ids of a request's prompt, checked against the model; OffloadError says what is wrong."""
+    if req.url == CHAT:
+        ids, text = llm.apply_chat_template(req.messages), None
+    elif isinstance(req.prompt, str):
+        if llm.tokenizer is None:
+            raise OffloadError(f"the model in {llm.path} has no tokenizer; send 'prompt' as a list of token ids")
+        ids, text = list(llm.tokenizer.encode(req.prompt)), req.prompt
+    else:
+        ids, text = list(req.prompt), None
+    context, vocab = llm.spec.max_position_embeddings, llm.spec.vocab_size
+    if not ids:
+        raise OffloadError("the prompt is empty after tokenization; give at least one token")
+    if len(ids) >= context:
+        raise OffloadError(f"the prompt has {len(ids)} tokens but the model's context is {context}; shorten it")
+    if min(ids) < 0 or max(ids) >= vocab:
+        raise OffloadError(f"prompt token ids must lie in [0, {vocab}); use the model's own tokenizer")
+    return Prepared(req, {"prompt_token_ids": ids, "prompt": text})
+
+
+def generate_all(llm, todo: list[Request], log: OutputLog, counts: JobCounts, progress: bool) -> None:
+    """Generate every request in one continuous batch, appending each result as it finishes."""
+    ready = []
+    for req in todo:
+        try:
+            ready.append(prepare(llm, req))
+        except OffloadError as e:
+            _fail(log, counts, req, f"line {req.line_no} (custom_id {req.custom_id!r}): {e}")
+    if not ready:
+        return
+    from tqdm import tqdm
+
+    bar = tqdm(total=len(ready), unit="req", disable=not progress, dynamic_ncols=True)
+    model_name = Path(str(llm.path)).name
+    start = Timeline.now()
+
+    def on_finish(out) -> None:
+        item = ready[int(out.request_id)]
+        n_prompt, n_generated = len(out.prompt_token_ids), len(out.token_ids)
+        log.append(success_record(item.request, out.text, out.finish_reason, n_prompt, n_generated, model_name))
+        counts.n_done += 1
+        counts.n_prompt_tokens += n_prompt
+        counts.n_generated_tokens += n_generated
+        counts.generate_s = Timeline.now() - start
+        bar.set_postfix_str(f"{counts.n_generated_tokens / max(counts.generate_s, 1e-9):.1f} tok/s", refresh=False)
+        bar.update(1)
+
+    try:
+        llm.generate([p.prompt for p in ready], [p.request.params for p in ready], on_finish=on_finish)
+    finally:
+        counts.generate_s = Timeline.now() - start
+        bar.close()
+
+
+_FALLBACK_TIMELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def job_timeline(llm) -> tuple[Timeline, str] | None:
+    """The runtime's timeline (cleared for this job), else one timed per forward pass on the CPU path."""
+    timeline = getattr(llm, "timeline", None)
+    if timeline is not None:
+        timeline.clear()
+        return timeline, "executor"
+    gen = getattr(llm, "generator", None)
+    if gen is None or not all(callable(getattr(gen, f"_{p}", None)) for p in ("prefill", "decode")):
+        return None
+    if gen not in _FALLBACK_TIMELINES:
+        timeline = Timeline()
+        for phase in ("prefill", "decode"):
+            setattr(gen, f"_{phase}", _timed_pass(getattr(gen, f"_{phase}"), phase, timeline))
+        _FALLBACK_TIMELINES[gen] = timeline
+    _FALLBACK_TIMELINES[gen].clear()
+    return _FALLBACK_TIMELINES[gen], "forward passes (whole-model cpu_block spans; no executor timeline)"
+
+
+def _timed_pass(method, phase: str, timeline: Timeline):
+    """Wrap a generator pass so that it records one cpu_block span with its tokens."""
+
+    def timed(seqs, *args, **kwargs):
+        start = Timeline.now()
+        out = method(seqs, *args, **kwargs)
+        end = Timeline.now()
+        n_tokens = sum(len(s.prompt_ids) for s in seqs) if phase == "prefill" else len(seqs)
+        timeline.add(Span("cpu_block", phase, "model", start, end, n_tokens=n_tokens))
+        timeline.add_phase(phase, end - start, n_tokens)
+        return out
+
+    return timed
+
+
+def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, str] | None) -> dict:
+    """Build the report; write it (JSON, trace, plot) beside the outputs and print it."""
+    tl, source = timeline if timeline is not None else (None, None)
+    plan = getattr(llm, "plan", None)
+    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, plan), source)
+    write_report(report, config.report_path)
+    if tl is not None and config.report.trace:
+        write_trace(tl, Path(config.report.trace))
+    if tl is not None and config.report.plot:
+        write_plot(tl, report, Path(config.report.plot))
+    if config.report.print:
+        print(format_report(report), flush=True)
+        print(f"outputs: {config.output_path}\nreport: {config.report_path}", flush=True)
+    return report
+
+
+def peak_memory(llm) -> dict:
+    """Peak bytes per tier: RAM from the OS; VRAM from the runtime when it reports it."""
+    peaks = {"cpu": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    runtime_peaks = getattr(llm, "peak_memory", None)
+    if isinstance(runtime_peaks, dict):
+        peaks.update({k: v for k, v in runtime_peaks.items() if v is not None})
+    return peaks
+
+
+def budget_of(config: JobConfig, plan) -> dict:
+    """Budget bytes per tier: the config's where set, else the plan's."""
+    budget = getattr(plan, "budget", None)
+    return {"gpu": config.memory.gpu if config.memory.gpu is not None else getattr(budget, "gpu_bytes", None),
+            "cpu": config.memory.cpu if config.memory.cpu is not None else getattr(budget, "cpu_bytes", None)}

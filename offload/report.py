@@ -1,0 +1,206 @@
+"""The end-of-run report: where the time went per phase and resource; Chrome trace and matplotlib plot."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from offload.runtime.timeline import KINDS, RESOURCES
+
+PHASES = ("prefill", "decode")
+TRACK_IDS = {"cpu": 1, "gpu": 2, "pcie": 3, "disk": 4, "wait": 5}  # Chrome trace tid per resource
+PHASE_COLORS = {"prefill": "tab:orange", "decode": "tab:blue"}
+TRACK_NAMES = {"cpu": "CPU compute", "gpu": "GPU compute", "pcie": "PCIe host-to-device",
+               "disk": "disk reads", "wait": "GPU waiting for weights"}
+
+
+@dataclass
+class JobCounts:
+    """What a job did, counted by the job loop."""
+
+    n_requests: int = 0  # in the input file
+    n_done: int = 0  # answered in this run
+    n_failed: int = 0  # error lines written in this run
+    n_skipped: int = 0  # answered by an earlier run of the same job
+    n_prompt_tokens: int = 0
+    n_generated_tokens: int = 0
+    generate_s: float = 0.0  # wall time spent generating
+    interrupted: bool = False
+
+
+def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None = None,
+                 budget: dict | None = None, timeline_source: str | None = None) -> dict:
+    """The report as a JSON-ready dict; timeline and plan are optional (fields are then None)."""
+    return {
+        "requests": {"total": counts.n_requests, "done": counts.n_done, "failed": counts.n_failed,
+                     "skipped_already_done": counts.n_skipped, "interrupted": counts.interrupted},
+        "tokens": {"prompt": counts.n_prompt_tokens, "generated": counts.n_generated_tokens},
+        "generate_s": counts.generate_s,
+        "generated_tokens_per_s": _ratio(counts.n_generated_tokens, counts.generate_s),
+        "timeline_source": timeline_source if timeline is not None else None,
+        "phases": {p: phase_report(timeline, p, plan) for p in PHASES} if timeline is not None else None,
+        "memory": memory_report(peaks or {}, budget or {}),
+    }
+
+
+def phase_report(timeline, phase: str, plan=None) -> dict:
+    """Tokens/s, busy share of each resource, idle and wait time, and predicted vs measured s/token."""
+    time_s = timeline.phase_time_s.get(phase, 0.0)
+    n_tokens = timeline.phase_tokens.get(phase, 0)
+    busy = {r: timeline.busy_s(r, phase) for r in RESOURCES}
+    compute_s = busy["cpu"] + busy["gpu"]
+    measured = _ratio(time_s, n_tokens)
+    predicted = _predicted_s_per_token(plan, phase)
+    return {
+        "time_s": time_s, "tokens": n_tokens, "tokens_per_s": _ratio(n_tokens, time_s),
+        "busy_s": busy, "busy_share": {r: _ratio(b, time_s) for r, b in busy.items()},
+        "cpu_vs_gpu": {"cpu": _ratio(busy["cpu"], compute_s), "gpu": _ratio(busy["gpu"], compute_s)},
+        "idle_s": max(0.0, time_s - _union_s([s for s in timeline.spans if s.phase == phase and s.resource])),
+        "gpu_wait_for_weights_s": sum(s.duration_s for s in timeline.spans if s.phase == phase and s.kind == "wait"),
+        "predicted_s_per_token": predicted, "measured_s_per_token": measured,
+        "predicted_over_measured": _ratio(predicted, measured) if predicted is not None else None,
+    }
+
+
+def memory_report(peaks: dict, budget: dict) -> dict:
+    """Peak bytes per tier against the budget, where either is known."""
+    out = {}
+    for tier in ("gpu", "cpu"):
+        peak, limit = peaks.get(tier), budget.get(tier)
+        out[tier] = {"peak_bytes": peak, "budget_bytes": limit,
+                     "peak_over_budget": _ratio(peak, limit) if peak is not None and limit else None}
+    return out
+
+
+def _predicted_s_per_token(plan, phase: str) -> float | None:
+    cost = getattr(plan, phase, None) if plan is not None else None
+    value = getattr(cost, "s_per_token", None)
+    return float(value) if value is not None else None
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _union_s(spans) -> float:
+    """Seconds covered by at least one span."""
+    total, cur_start, cur_end = 0.0, None, None
+    for start, end in sorted((s.start_s, s.end_s) for s in spans):
+        if cur_end is None or start > cur_end:
+            total += 0.0 if cur_end is None else cur_end - cur_start
+            cur_start, cur_end = start, end
+        else:
+            cur_end = max(cur_end, end)
+    return total + (0.0 if cur_end is None else cur_end - cur_start)
+
+
+def format_report(report: dict) -> str:
+    """The report as a few aligned lines of text for the terminal."""
+    req, tok = report["requests"], report["tokens"]
+    lines = [f"requests: {req['done']} done, {req['failed']} failed, {req['skipped_already_done']} done before"
+             f"{' (interrupted)' if req['interrupted'] else ''} of {req['total']}",
+             f"tokens: {tok['prompt']} prompt, {tok['generated']} generated in {report['generate_s']:.1f} s "
+             f"({_fmt(report['generated_tokens_per_s'], '.1f')} generated tok/s)"]
+    if report["phases"] is None:
+        lines.append("phases: nothing was generated in this run" if req["done"] == 0
+                     else "phases: no timeline was recorded by this runtime")
+    for phase, p in (report["phases"] or {}).items():
+        share = "  ".join(f"{r} {_pct(p['busy_share'][r])}" for r in RESOURCES)
+        lines.append(f"{phase:>7}: {_fmt(p['tokens_per_s'], '.1f')} tok/s over {p['time_s']:.2f} s; busy {share}; "
+                     f"idle {p['idle_s']:.2f} s; GPU waited for weights {p['gpu_wait_for_weights_s']:.2f} s")
+        lines.append(f"{'':>7}  split {_pct(p['cpu_vs_gpu']['cpu'])} CPU / {_pct(p['cpu_vs_gpu']['gpu'])} GPU; "
+                     f"s/token measured {_fmt(p['measured_s_per_token'], '.4g')}, "
+                     f"predicted {_fmt(p['predicted_s_per_token'], '.4g')}")
+    for tier, m in report["memory"].items():
+        if m["peak_bytes"] is not None or m["budget_bytes"] is not None:
+            lines.append(f"{'vram' if tier == 'gpu' else 'ram':>7}: peak {_gib(m['peak_bytes'])} "
+                         f"of budget {_gib(m['budget_bytes'])}")
+    return "\n".join(lines)
+
+
+def _fmt(x, spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _pct(x) -> str:
+    return "n/a" if x is None else f"{100 * x:.0f}%"
+
+
+def _gib(n) -> str:
+    return "n/a" if n is None else f"{n / 2**30:.2f} GiB"
+
+
+def write_report(report: dict, path: Path) -> None:
+    Path(path).write_text(json.dumps(report, indent=2) + "\n")
+
+
+def trace_events(timeline) -> list[dict]:
+    """Chrome trace events: one track (tid) per resource, times in microseconds from the first span."""
+    t0 = min((s.start_s for s in timeline.spans), default=0.0)
+    events = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "offload"}}]
+    for name, tid in TRACK_IDS.items():
+        events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": TRACK_NAMES[name]}})
+        events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid, "args": {"sort_index": tid}})
+    for s in timeline.spans:
+        track = KINDS[s.kind] or "wait"
+        events.append({"name": s.unit, "cat": f"{s.kind},{s.phase}", "ph": "X", "pid": 1, "tid": TRACK_IDS[track],
+                       "ts": (s.start_s - t0) * 1e6, "dur": s.duration_s * 1e6,
+                       "args": {"phase": s.phase, "n_bytes": s.n_bytes, "n_tokens": s.n_tokens}})
+    return events
+
+
+def write_trace(timeline, path: Path) -> None:
+    """A Chrome/Perfetto trace JSON (open in chrome://tracing or ui.perfetto.dev)."""
+    Path(path).write_text(json.dumps({"traceEvents": trace_events(timeline), "displayTimeUnit": "ms"}))
+
+
+def write_plot(timeline, report: dict, path: Path) -> None:
+    """A PNG: the timeline per resource (top) and each phase's busy share per resource (bottom)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_share) = plt.subplots(2, 1, figsize=(11, 6), gridspec_kw={"height_ratios": [3, 2]})
+    _plot_timeline(ax_time, timeline)
+    _plot_shares(ax_share, report)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _plot_timeline(ax, timeline) -> None:
+    tracks = list(TRACK_IDS)
+    colors = PHASE_COLORS
+    t0 = min((s.start_s for s in timeline.spans), default=0.0)
+    for row, track in enumerate(tracks):
+        for phase in PHASES:
+            bars = [(s.start_s - t0, s.duration_s) for s in timeline.spans
+                    if (KINDS[s.kind] or "wait") == track and s.phase == phase]
+            if bars:
+                ax.broken_barh(bars, (row - 0.4, 0.8), color=colors[phase], label=phase if row == 0 else None)
+    ax.set_yticks(range(len(tracks)), [TRACK_NAMES[t] for t in tracks])
+    ax.set_xlabel("seconds")
+    ax.set_title("where the time went")
+    handles = [plt_patch(colors[p], p) for p in PHASES]
+    ax.legend(handles=handles, loc="upper right")
+
+
+def plt_patch(color: str, label: str):
+    from matplotlib.patches import Patch
+
+    return Patch(color=color, label=label)
+
+
+def _plot_shares(ax, report: dict) -> None:
+    phases = report["phases"] or {}
+    width = 0.8 / max(1, len(phases))
+    for i, (phase, p) in enumerate(phases.items()):
+        shares = [100 * (p["busy_share"][r] or 0.0) for r in RESOURCES]
+        ax.bar([j + i * width for j in range(len(RESOURCES))], shares, width, label=phase,
+               color=PHASE_COLORS.get(phase))
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(RESOURCES))], list(RESOURCES))
+    ax.set_ylabel("busy % of phase time")
+    ax.set_ylim(0, 105)
+    ax.legend(loc="upper right")
