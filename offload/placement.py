@@ -296,8 +296,8 @@ class Search:
         short_gib = math.ceil(short / 2**30 * 100) / 100
         hints = [f"weights take {format_bytes(weights)}, the KV cache {format_bytes(kv)} for batch "
                  f"{self.wl.batch_size} x {self.wl.seq_len} tokens"]
-        if kv > short:
-            hints.append("a smaller --batch-size or --max-tokens would shrink the KV cache")
+        if kv + self.ws_cpu > short or self.wl.batch_size > 1:
+            hints.append("a smaller --batch-size or --max-tokens would shrink the KV cache and activations")
         savings = [f"{fmt} would save {format_bytes(weights - sum(u.nbytes(fmt) for u in self.units))}"
                    for fmt in ("q8_0", "q4_0") if sum(u.nbytes(fmt) for u in self.units) < weights]
         if savings:

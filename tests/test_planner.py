@@ -1,0 +1,123 @@
+"""The planner: byte-exact budgets on tiny specs, CPU-only and disk plans, errors, the Plan's views."""
+
+import json
+
+import pytest
+
+from offload.errors import PlanError
+from offload.hardware import HardwareProfile
+from offload.planner import Budget, Workload, plan
+from offload.spec import FORMATS, spec_from_config
+
+TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256, "torch_dtype": "bfloat16"}
+WORKLOAD = Workload(batch_size=1, prompt_len=8, gen_len=8)
+
+# Hand-computed bytes of TINY in bf16 (see tests/test_spec_planner.py for the per-tensor sums):
+EMBED = LM_HEAD = 256 * 64 * 2  # 32768
+LAYER = 2 * (36864 + 128)  # 73984
+NORM = 64 * 2  # 128
+WEIGHTS = EMBED + 2 * LAYER + NORM + LM_HEAD  # 213632
+KV = 2 * 1 * 16 * 32 * 2  # K and V x 1 seq x 16 positions (8 + 8) x kv_size 32 x fp16 = 2048 per layer
+# Workspace: residual of the prompt [8, 64] + one layer's working set for an 8-token chunk over 8 keys
+# (8 tokens x 576 elements + 4 heads x 8 x 8 fp32 scores) + fp32 logits [1, 256].
+WS_GPU = 8 * 64 * 2 + (8 * 576 * 2 + 4 * 8 * 8 * 4) + 256 * 4  # 1024 + 10240 + 1024 = 12288
+WS_CPU = 8 * 64 * 4 + (8 * 576 * 4 + 4 * 8 * 8 * 4) + 256 * 4  # 2048 + 19456 + 1024 = 22528
+HOP_BUFFERS = 2 * 8 * 64 * 4  # two fp32 [8, 64] hand-over buffers in pinned memory = 4096
+
+
+def tiny_hw(vram_bytes: int = 10**6, **changes) -> HardwareProfile:
+    hw = HardwareProfile(name="tiny", vram_bytes=vram_bytes, ram_bytes=10**7, disk_bytes=10**8, n_cores=2,
+                         h2d_pinned_bps=1e9, h2d_pageable_bps=3e8, gpu_flops=1e12, gpu_mem_bps=1e11,
+                         cpu_mem_bps=1e10, cpu_flops={f: 1e10 for f in FORMATS}, disk_read_bps=1e9)
+    return hw.with_changes(**changes)
+
+
+def test_everything_resident_when_the_gpu_holds_it_byte_exact():
+    spec = spec_from_config(TINY)
+    p = plan(spec, tiny_hw(), Budget(gpu_bytes=10**6, cpu_bytes=10**6, margin_frac=0.05), WORKLOAD)
+    assert p.summary_line == "offloaded 5/5 blocks to GPU"
+    gpu, cpu = p.tier("gpu"), p.tier("cpu")
+    assert (gpu.weights_bytes, gpu.kv_bytes, gpu.workspace_bytes, gpu.staging_bytes) == (WEIGHTS, 2 * KV, WS_GPU, 0)
+    assert gpu.margin_bytes == 50_000  # 5% of 10**6
+    assert gpu.total_bytes == 213632 + 4096 + 12288 + 50_000 == 280_016
+    assert (cpu.weights_bytes, cpu.kv_bytes, cpu.workspace_bytes, cpu.pinned_bytes) == (0, 0, 0, HOP_BUFFERS)
+    assert all(u.prefill == u.decode == "gpu" for u in p.units)
+    assert p.prefetch_depth == 0 and p.staging_slot_bytes == 0
+
+
+def test_cpu_only_fits_to_the_byte_and_fails_one_byte_below():
+    spec = spec_from_config(TINY)
+    need = WEIGHTS + 2 * KV + WS_CPU  # 213632 + 4096 + 22528 = 240256; no GPU, so no pinned buffers
+    p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, need, margin_frac=0), WORKLOAD)
+    assert p.tier("cpu").total_bytes == need == 240_256
+    assert p.tier("gpu").total_bytes == 0 and p.summary_line == "offloaded 0/5 blocks to GPU"
+    assert all(u.weight_tier == "cpu" and u.prefill == u.decode == "cpu" for u in p.units)
+    assert all(u.kv_tier == "cpu" for u in p.units if u.kind == "layer")
+    with pytest.raises(PlanError, match=r"short by 0\.00 GiB"):
+        plan(spec, tiny_hw(vram_bytes=0), Budget(0, need - 1, margin_frac=0), WORKLOAD)
+
+
+def test_disk_spill_counts_read_ahead_buffers_byte_exact():
+    spec = spec_from_config(TINY)
+    p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, 240_255, disk_bytes=10**6, margin_frac=0), WORKLOAD)
+    # Spill from the end: lm_head, then layer.1 (RAM still short once 2 read-ahead buffers of the largest
+    # disk unit are counted: 240256 - 32768 - 73984 + 2 * 73984 = 281472), then layer.0:
+    # 281472 - 73984 = 207488 fits.
+    assert [u.name for u in p.units if u.weight_tier == "disk"] == ["layer.0", "layer.1", "lm_head"]
+    assert p.tier("disk").weights_bytes == 2 * LAYER + LM_HEAD == 180_736
+    assert p.tier("cpu").pinned_bytes == 2 * LAYER
+    assert p.tier("cpu").total_bytes == 207_488
+    assert p.decode.disk_s > 0 and p.prefetch_depth == 2
+
+
+def test_streaming_reserves_staging_slots_byte_exact():
+    spec = spec_from_config(TINY)
+    # Workspace, two staging slots of a layer (the largest streamed unit) and both layers' KV on the GPU:
+    # 12288 + 2 * 73984 + 2 * 2048 = 164352. Making lm_head resident instead would need
+    # 12288 + 32768 + 128 + 2 * 73984 = 193152 before any KV, so the plan streams everything.
+    budget = Budget(gpu_bytes=164_352, cpu_bytes=10**6, margin_frac=0)
+    hw = tiny_hw(cpu_flops={f: 1e8 for f in FORMATS})  # a slow CPU: streaming wins
+    p = plan(spec, hw, budget, WORKLOAD)
+    assert [u.decode for u in p.units] == ["cpu", "stream", "stream", "stream", "stream"]
+    assert [u.weight_tier for u in p.units] == ["cpu"] * 5
+    assert p.staging_slot_bytes == LAYER and p.prefetch_depth == 2
+    gpu = p.tier("gpu")
+    assert (gpu.weights_bytes, gpu.kv_bytes, gpu.workspace_bytes, gpu.staging_bytes) == (0, 2 * KV, WS_GPU, 2 * LAYER)
+    assert gpu.total_bytes == budget.gpu_bytes == 164_352
+    assert p.decode.pcie_s > 0 and p.decode.cpu_s < 1e-4  # only the embedding gather runs on the CPU
+
+
+def test_no_gpu_means_no_gpu_use_even_with_a_gpu_budget():
+    spec = spec_from_config(TINY)
+    p = plan(spec, tiny_hw(vram_bytes=0), Budget(10**6, 10**6), WORKLOAD)
+    assert p.tier("gpu").total_bytes == 0
+    assert {u.decode for u in p.units} == {"cpu"}
+
+
+def test_plan_error_says_what_is_short_and_what_helps():
+    spec = spec_from_config(TINY)
+    with pytest.raises(PlanError) as e:
+        plan(spec, tiny_hw(vram_bytes=0), Budget(0, 100_000), Workload(batch_size=64, prompt_len=8, gen_len=8))
+    msg = str(e.value)
+    assert "cpu memory" in msg and "short by" in msg and "GiB" in msg
+    assert "--batch-size" in msg and "--cpu-memory" in msg and "q4_0 would save" in msg
+
+
+def test_plan_json_and_table():
+    spec = spec_from_config(TINY)
+    p = plan(spec, tiny_hw(), Budget(10**6, 10**6), WORKLOAD, weight_format="q8_0")
+    data = json.loads(p.to_json())
+    assert data["summary"] == p.summary_line and data["weight_format"] == "q8_0"
+    assert [u["name"] for u in data["units"]] == ["embed", "layer.0", "layer.1", "norm", "lm_head"]
+    assert data["tiers"]["gpu"]["total_bytes"] == p.tier("gpu").total_bytes
+    assert data["phases"]["decode"]["tokens_per_s"] == pytest.approx(p.decode.tokens_per_s)
+    text = p.table()
+    assert p.summary_line in text and "tokens/s" in text and "compute split" in text
+    assert "offloaded" in p.explain() and str(p) == text
+
+
+def test_plan_is_frozen():
+    p = plan(spec_from_config(TINY), tiny_hw(), Budget(10**6, 10**6), WORKLOAD)
+    with pytest.raises(AttributeError):
+        p.prefetch_depth = 3

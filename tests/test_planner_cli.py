@@ -1,0 +1,86 @@
+"""`offload plan` and `offload calibrate` from the command line."""
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from offload.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+PLAN_70B = ["plan", "--model", str(ROOT / "configs/models/llama-3.1-70b"),
+            "--hardware", str(ROOT / "configs/hardware/rtx4090-ddr5.yaml"), "--gpu-memory", "22GiB",
+            "--quantization", "q4_0"]
+
+
+@pytest.fixture(autouse=True)
+def empty_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+
+
+def test_plan_70b_on_4090_prints_table_and_summary(capsys):
+    assert main(PLAN_70B) == 0
+    out = capsys.readouterr().out
+    assert "llama-3.1-70b (q4_0) on rtx4090-ddr5" in out
+    assert "layer." in out and "tokens/s" in out and "compute split" in out
+    summary = [line for line in out.splitlines() if line.startswith("offloaded ")]
+    assert len(summary) == 1 and summary[0].endswith("/83 blocks to GPU")
+
+
+def test_plan_json(capsys):
+    assert main(PLAN_70B + ["--json", "--batch-size", "4", "--max-tokens", "64"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["workload"]["batch_size"] == 4 and data["workload"]["gen_len"] == 64
+    assert data["budget"]["gpu_bytes"] == 22 * 2**30 and data["weight_format"] == "q4_0"
+    assert data["tiers"]["gpu"]["total_bytes"] <= 22 * 2**30 and len(data["units"]) == 83
+
+
+def test_plan_default_model_without_calibration_uses_an_estimate(capsys):
+    assert main(["plan", "--model", "default", "--json"]) == 0
+    captured = capsys.readouterr()
+    data = json.loads(captured.out)
+    assert data["model"] == "smollm2-135m" and data["hardware"] == "estimated"
+    assert "offload calibrate" in captured.err
+
+
+def test_plan_from_a_config_file_with_flags_on_top(tmp_path, capsys):
+    config = tmp_path / "run.yaml"
+    config.write_text("model: default\nquantization: q8_0\nmemory: {gpu: 0, cpu: 4GiB, disk: 0}\n"
+                      "hardware: cpu-desktop\nbatch_size: 2\nmax_tokens: 16\n")
+    assert main(["plan", str(config), "--json", "--batch-size", "3"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["weight_format"] == "q8_0" and data["hardware"] == "cpu-desktop"
+    assert data["budget"]["cpu_bytes"] == 4 * 2**30 and data["budget"]["gpu_bytes"] == 0
+    assert data["workload"]["batch_size"] == 3 and data["workload"]["gen_len"] == 16
+
+
+@pytest.mark.parametrize("args, text, message", [
+    (["--gpu-memory", "22 gigs"], None, "expected a size"),
+    (["--quantization", "q3_k"], None, "quantization 'q3_k' is not supported"),
+    ([], "modle: default\n", "unknown key 'modle' (did you mean 'model'?)"),
+    ([], "model: default\nmemory: {vram: 1GiB}\n", "memory must map some of gpu, cpu, disk"),
+    (["--model", "/nonexistent/model"], None, "does not exist"),
+    (["--model", "llama-3.1-70b", "--hardware", "cpu-desktop", "--cpu-memory", "8GiB"], None, "short by"),
+])
+def test_plan_errors_are_one_line_and_exit_2(tmp_path, capsys, args, text, message):
+    argv = ["plan", *args]
+    if text is not None:
+        config = tmp_path / "run.yaml"
+        config.write_text(text)
+        argv.insert(1, str(config))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("offload: error:") and message in err[-1]
+
+
+def test_calibrate_caches_a_profile_that_plan_then_uses(tmp_path, capsys):
+    start = time.perf_counter()
+    assert main(["calibrate"]) == 0
+    assert time.perf_counter() - start < 30
+    out = capsys.readouterr().out
+    assert "cpu memory read bandwidth" in out and "GFLOP/s" in out
+    assert (tmp_path / "cache" / "hardware.yaml").is_file()
+    assert main(["plan", "--model", "default", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["hardware"] == "calibrated" and data["phases"]["decode"]["tokens_per_s"] > 0

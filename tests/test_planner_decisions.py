@@ -1,0 +1,96 @@
+"""The cost model's decisions on real models and machines: CPU vs stream flips, physical bounds, speed."""
+
+import time
+from pathlib import Path
+
+import pytest
+
+from offload.hardware import load_hardware
+from offload.planner import Budget, Workload, plan
+from offload.spec import load_spec
+
+MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    return load_spec(MODELS / "llama-3.1-70b")
+
+
+def plan_70b(spec, hw, batch_size, prompt_len=512, gen_len=128):
+    return plan(spec, hw, Budget.for_hardware(hw, gpu_bytes=22 * GiB),
+                Workload(batch_size=batch_size, prompt_len=prompt_len, gen_len=gen_len), "q4_0")
+
+
+def host_layers(p):
+    return [u for u in p.units if u.kind == "layer" and u.weight_tier != "gpu"]
+
+
+def test_70b_q4_on_4090_fits_22gib_and_decode_speed_is_physical(llama70b):
+    hw = load_hardware("rtx4090-ddr5")  # 64 GiB DDR5 at 60 GB/s, PCIe 4.0 at 25 GB/s
+    p = plan_70b(llama70b, hw, batch_size=1)
+    assert p.tier("gpu").total_bytes <= 22 * GiB and p.tier("cpu").total_bytes <= p.budget.cpu_bytes
+    assert 30 <= p.n_gpu_units <= 50  # ~19 GiB of 459 MiB q4_0 layers fit beside KV, workspace and staging
+    # Every byte of a RAM-resident unit crosses DRAM once per token (read by a CPU kernel or by DMA), and
+    # VRAM-resident bytes cross GPU memory once: those set the ceiling on batch-1 decode.
+    host_bytes = sum(u.weight_bytes for u in p.units if u.weight_tier == "cpu" and u.kind != "embed")
+    gpu_bytes = sum(u.weight_bytes for u in p.units if u.weight_tier == "gpu")
+    ceiling = 1 / max(host_bytes / hw.cpu_mem_bps, gpu_bytes / hw.gpu_mem_bps)
+    assert p.decode.tokens_per_s <= ceiling * (1 + 1e-9)
+    # ...and no worse than doing it all serially: host bytes at DRAM speed, then GPU bytes at VRAM speed.
+    floor = 1 / (host_bytes / min(hw.cpu_mem_bps, hw.h2d_pinned_bps) + gpu_bytes / hw.gpu_mem_bps)
+    assert p.decode.tokens_per_s >= floor
+    assert 1.5 < p.decode.tokens_per_s < 4.0  # i.e. about 3 tokens/s, as llama.cpp users report for this setup
+
+
+def test_batch1_decode_computes_host_blocks_on_cpu_prefill_streams_them(llama70b):
+    p = plan_70b(llama70b, load_hardware("rtx4090-ddr5"), batch_size=1)
+    layers = host_layers(p)
+    on_cpu = sum(u.decode == "cpu" for u in layers)
+    # A few layers stream: PCIe is idle while the GPU runs its resident layers, so it prefetches those few.
+    assert on_cpu >= 0.8 * len(layers)
+    assert all(u.prefill == "stream" for u in layers)
+    assert p.decode.cpu_share > 0.5 and p.prefill.gpu_share > 0.9
+
+
+def test_large_batch_decode_streams_host_blocks(llama70b):
+    p = plan_70b(llama70b, load_hardware("rtx4090-ddr5"), batch_size=128, prompt_len=128, gen_len=32)
+    layers = host_layers(p)
+    assert sum(u.decode == "stream" for u in layers) > 0.6 * len(layers)
+
+
+def _flip_batch(spec, hw) -> int:
+    """Smallest batch at which most RAM-resident layers stream in decode."""
+    for batch_size in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256):
+        layers = host_layers(plan_70b(spec, hw, batch_size, prompt_len=128, gen_len=32))
+        if sum(u.decode == "stream" for u in layers) > len(layers) / 2:
+            return batch_size
+    return 10**9
+
+
+def test_pcie5_flips_to_streaming_at_a_smaller_batch_than_pcie3(llama70b):
+    desktop = load_hardware("rtx4090-ddr5")
+    pcie3 = _flip_batch(llama70b, desktop.with_changes(h2d_pinned_bps=12e9))
+    pcie5 = _flip_batch(llama70b, desktop.with_changes(h2d_pinned_bps=50e9))
+    assert 1 < pcie5 < pcie3 < 10**9
+
+
+def test_cpu_only_machine_plans_everything_on_cpu_and_disk(llama70b):
+    hw = load_hardware("cpu-desktop")  # 32 GiB RAM: the 38 GiB of q4_0 weights cannot all stay in RAM
+    p = plan(llama70b, hw, Budget.for_hardware(hw, disk_bytes=100 * GiB), Workload(), "q4_0")
+    assert p.summary_line == "offloaded 0/83 blocks to GPU" and p.tier("gpu").total_bytes == 0
+    assert {u.prefill for u in p.units} == {u.decode for u in p.units} == {"cpu"}
+    assert p.tier("disk").weights_bytes > 0 and p.tier("cpu").total_bytes <= p.budget.cpu_bytes
+    assert p.decode.bound == "disk"
+
+
+def test_planning_80_layers_takes_well_under_50ms(llama70b):
+    hw = load_hardware("rtx4090-ddr5")
+    plan_70b(llama70b, hw, batch_size=1)  # warm imports
+    best = float("inf")
+    for batch_size in (1, 1, 1, 32, 32, 32):
+        start = time.perf_counter()
+        plan_70b(llama70b, hw, batch_size)
+        best = min(best, time.perf_counter() - start)
+    assert best < 0.050

@@ -1,0 +1,71 @@
+"""ModelSpec arithmetic the planner relies on, by hand, and the shipped model configs."""
+
+from pathlib import Path
+
+import pytest
+
+from offload.spec import load_spec, spec_from_config
+
+MODELS = Path(__file__).resolve().parent.parent / "configs" / "models"
+
+
+def tiny_config(**overrides) -> dict:
+    config = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256, "torch_dtype": "bfloat16"}
+    return {**config, **overrides}
+
+
+def test_layer_bytes_per_format_by_hand():
+    spec = spec_from_config(tiny_config())
+    layer = spec.units()[1]
+    # q 64x64=4096, k and v 32x64=2048 each, o 4096, gate/up 128x64=8192 each, down 64x128=8192
+    # -> linear 36864 weights; two norms of 64.
+    assert layer.linear_numel == 36864
+    assert layer.nbytes("bf16") == 2 * (36864 + 128)  # 73984
+    assert layer.nbytes("q8_0") == 36864 // 32 * 34 + 128 * 4  # 39168 + 512 fp32 norms = 39680
+    assert layer.nbytes("q4_0") == 36864 // 32 * 18 + 128 * 4  # 20736 + 512 = 21248
+    assert layer.matmul_flops(3) == 2 * 36864 * 3
+
+
+def test_embed_stays_fp16_and_lm_head_quantizes():
+    units = {u.name: u for u in spec_from_config(tiny_config()).units()}
+    assert units["embed"].nbytes("q4_0") == 256 * 64 * 2  # 32768: lookups stay fp16
+    assert units["lm_head"].nbytes("q4_0") == 256 * 64 // 32 * 18  # 9216
+    assert units["embed"].linear_numel == 0
+
+
+def test_kv_attention_and_activation_by_hand():
+    spec = spec_from_config(tiny_config())
+    assert spec.kv_size == 32  # 2 kv heads x head_dim 16
+    assert spec.layer_kv_bytes(2, 10, 2) == 2 * 2 * 10 * 32 * 2  # K and V, 2 seqs, 10 positions: 2560
+    assert spec.attention_flops(3, 5) == 4 * 3 * 5 * 64  # QK^T and PV: 3840
+    # per token: 3*64 + 64 (q) + 2*32 (k, v) + 2*128 (gate, up) = 576 elements; scores 4 heads x 8 x 8 fp32
+    assert spec.activation_bytes(8, 8, 2) == 8 * 576 * 2 + 4 * 8 * 8 * 4  # 10240
+
+
+def test_sliding_window_caps_kv():
+    spec = spec_from_config(tiny_config(model_type="mistral", sliding_window=16))
+    assert spec.kv_len(100) == 16
+    assert spec.layer_kv_bytes(1, 100) == spec.layer_kv_bytes(1, 16)
+
+
+@pytest.mark.parametrize("name, n_params_b, n_layers, vocab, tied", [
+    ("llama-2-70b", 68.98, 80, 32000, False),
+    ("llama-3.1-70b", 70.55, 80, 128256, False),
+    ("llama-3.1-8b", 8.03, 32, 128256, False),
+    ("qwen2.5-72b", 72.71, 80, 152064, False),
+    ("mistral-7b", 7.24, 32, 32000, False),
+    ("smollm2-135m", 0.1345, 30, 49152, True),
+])
+def test_shipped_model_configs_match_published_sizes(name, n_params_b, n_layers, vocab, tied):
+    spec = load_spec(MODELS / name)
+    assert spec.n_layers == n_layers and spec.vocab_size == vocab and spec.tie_word_embeddings == tied
+    assert spec.n_params / 1e9 == pytest.approx(n_params_b, rel=2e-3)
+
+
+def test_llama3_70b_kv_matches_design_reference():
+    spec = load_spec(MODELS / "llama-3.1-70b")
+    assert spec.kv_bytes_per_token(2) == 320 * 2**10  # 0.31 MiB per token in fp16 (DESIGN.md)
+    assert spec.rope.type == "llama3" and spec.rope.factor == 8.0
+    assert load_spec(MODELS / "qwen2.5-72b").qkv_bias
+    assert load_spec(MODELS / "mistral-7b").sliding_window == 4096
