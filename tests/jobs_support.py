@@ -1,0 +1,49 @@
+"""Helpers for the batch-job tests: a tiny random model with the default model's tokenizer, batch files, configs."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import yaml
+
+from conftest import make_hf_model, save_hf_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def make_tiny_chat_model(folder: Path) -> Path:
+    """A 2-layer, 64-wide random Llama with SmolLM2's vocabulary, tokenizer and chat template."""
+    from offload.weights.default_model import default_model_dir
+
+    save_hf_model(make_hf_model("llama", vocab_size=49152, max_position_embeddings=512), folder)
+    for name in TOKENIZER_FILES:
+        if (default_model_dir() / name).is_file():
+            shutil.copy(default_model_dir() / name, folder / name)
+    return folder
+
+
+def chat_line(custom_id: str, content: str, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/chat/completions",
+            "body": {"messages": [{"role": "user", "content": content}], **body}}
+
+
+def completion_line(custom_id: str, prompt, **body) -> dict:
+    return {"custom_id": custom_id, "method": "POST", "url": "/v1/completions", "body": {"prompt": prompt, **body}}
+
+
+def write_batch(path: Path, items: list) -> Path:
+    """Write batch lines: dicts as JSON, strings as they are (for malformed lines)."""
+    path.write_text("".join((json.dumps(i) if isinstance(i, dict) else i) + "\n" for i in items))
+    return path
+
+
+def write_job(path: Path, **sections) -> Path:
+    """Write a job YAML file from sections given as dicts."""
+    path.write_text(yaml.safe_dump(sections, sort_keys=False))
+    return path
+
+
+def read_records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
