@@ -47,18 +47,14 @@ void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, 
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float amax = _mm_cvtss_f32(m4);
     const __m256 id = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
-    __m256i q[4];
-    for (int i = 0; i < 4; ++i)
-      q[i] = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v[i], id), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    __m256i q[4];  // cvtps rounds to nearest even (the default MXCSR mode), like nearbyint in the reference
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
     const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
     __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
     p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), p);
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
-    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     d[b] = amax / 127.f;
-    s[b] = d[b] * float(_mm_cvtsi128_si32(s4));
+    s[b] = d[b] * hsum8(_mm256_cvtepi32_ps(sum));  // small integers: exact in fp32 in any order
   }
 }
 

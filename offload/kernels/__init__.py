@@ -24,6 +24,7 @@ if ACTIVE_PATH == "numba":
     from offload.kernels import numba_ops as _nb
 _PATH_ID = PATH_IDS.get(ACTIVE_PATH, 0)
 _XTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_F32 = torch.float32
 
 
 def pack(w: torch.Tensor, fmt: str) -> PackedWeight:
@@ -53,17 +54,21 @@ def _check(x, w: PackedWeight, bias) -> None:
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [N, M] fp32 = x [N, K] (fp32/bf16, contiguous) @ w.T + bias; multi-threaded, releases the GIL."""
     xt = _XTYPES.get(x.dtype)
-    if (xt is None or x.dim() != 2 or x.shape[1] != w.shape[1] or not x.is_contiguous() or x.device.type != "cpu"
-            or (bias is not None and (bias.dtype != torch.float32 or bias.shape[0] != w.shape[0]))):
+    shape = x.shape
+    m, k = w.shape
+    if (xt is None or len(shape) != 2 or shape[1] != k or not x.is_contiguous() or not x.is_cpu
+            or (bias is not None and (bias.dtype is not _F32 or bias.shape[0] != m or not bias.is_contiguous()))):
         _check(x, w, bias)
-    n = x.shape[0]
-    y = torch.empty((n, w.shape[0]), dtype=torch.float32)
+    n = shape[0]
+    y = torch.empty(n, m)  # twice as fast as passing dtype=; checked below
+    if y.dtype is not _F32:
+        y = torch.empty((n, m), dtype=_F32)
     if n == 0:
         return y
     if _C is None:
         return _linear_numba(x, w, bias, y)
-    _C.linear(_PATH_ID, x.data_ptr(), xt, n, w.shape[1], w.fmt_id, w.qs_ptr, w.d_ptr, w.shape[0],
-              0 if bias is None else bias.contiguous().data_ptr(), y.data_ptr(), torch.get_num_threads())
+    _C.linear(_PATH_ID, x.data_ptr(), xt, n, k, w.fmt_id, w.qs_ptr, w.d_ptr, m,
+              0 if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
 
 
