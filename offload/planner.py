@@ -13,9 +13,9 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from offload.costs import ACT_BYTES_CPU, ACT_BYTES_GPU, LOGIT_BYTES, PhaseCost, phases_for, unit_cost
+from offload.costs import LOGIT_BYTES, PhaseCost
 from offload.errors import ConfigError, PlanError
-from offload.hardware import HardwareProfile, format_bytes
+from offload.hardware import HardwareProfile
 from offload.spec import FLOAT_FORMATS, FORMATS, ModelSpec
 
 TIERS = ("gpu", "cpu", "disk")
@@ -217,5 +217,5 @@ def workspace_bytes(spec: ModelSpec, workload: Workload, act_bytes: int, dequant
     return hidden + working + logits + scratch
 
 
-__all__ = ["Budget", "Workload", "UnitPlan", "TierUsage", "Plan", "PhaseCost", "plan", "workspace_bytes",
-           "TIERS", "COMPUTE_MODES", "PlanError", "ACT_BYTES_CPU", "ACT_BYTES_GPU", "unit_cost", "phases_for"]
+__all__ = ["Budget", "Workload", "UnitPlan", "TierUsage", "Plan", "PhaseCost", "PlanError", "plan",
+           "workspace_bytes", "TIERS", "COMPUTE_MODES"]
