@@ -53,6 +53,8 @@ def _check(x, w: PackedWeight, bias) -> None:
 
 def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """y [N, M] fp32 = x [N, K] (fp32/bf16, contiguous) @ w.T + bias; multi-threaded, releases the GIL."""
+    if not isinstance(w, PackedWeight):
+        _check(x, w, bias)
     xt = _XTYPES.get(x.dtype)
     shape = x.shape
     m, k = w.shape

@@ -1,0 +1,173 @@
+"""linear() on every path against its scalar reference and a float reference; bad inputs; dispatch."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import offload.kernels as K
+from offload.errors import KernelError
+from offload.kernels.dispatch import AVX2_FEATURES, AVX512_FEATURES, best_path, choose_path
+
+# Tolerances, as normalized error ||y - y_ref|| / ||y_ref||:
+#   optimized vs scalar reference (same integer math, other float summation order): 1e-5
+#   quantized formats vs fp32 matmul with the dequantized weights (int8 activation rounding): 2e-2
+#   bf16 / fp16 weights vs fp32 matmul with the same (exactly converted) weights: 1e-5
+TOL_REF, TOL_Q_FLOAT, TOL_HALF_FLOAT = 1e-5, 2e-2, 1e-5
+
+# (M, K, N): M=1, M not a multiple of 4/8, K=32 (1 block), odd block counts, 8-block groups plus
+# leftovers (K=288: 9 blocks, K=576: 18), N=1 (matrix-vector), odd N, N large.
+SHAPES = [(1, 32, 1), (5, 32, 2), (13, 96, 1), (8, 288, 3), (33, 576, 1), (31, 576, 7), (9, 128, 130),
+          (64, 1024, 1), (3, 64, 17)]
+FORMATS = ["q8_0", "q4_0", "bf16", "fp16"]
+NATIVE = [p for p in ("avx2", "avx512") if K.ACTIVE_PATH in ("avx2", "avx512") and
+          (p == "avx2" or K.ACTIVE_PATH == "avx512")]
+
+
+def nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((y - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def case(m: int, k: int, n: int, fmt: str, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g)
+    x = torch.randn(n, k, generator=g) * 3
+    bias = torch.randn(m, generator=g)
+    return K.pack(w, fmt), x, bias
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_scalar_ref_matches_float_reference(fmt, m, k, n):
+    if fmt not in ("q8_0", "q4_0") and k % 32:
+        pytest.skip("shape only for quantized formats")
+    w, x, bias = case(m, k, n, fmt)
+    want = x @ w.dequantize().T + bias
+    assert nerr(K.linear_ref(x, w, bias), want) < (TOL_Q_FLOAT if w.d is not None else TOL_HALF_FLOAT)
+
+
+@pytest.mark.parametrize("path", NATIVE or ["none"])
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,k,n", SHAPES)
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_simd_matches_scalar_ref(path, fmt, m, k, n, xdtype, with_bias):
+    if path == "none":
+        pytest.skip(f"no SIMD path on this machine (active: {K.ACTIVE_PATH})")
+    w, x, bias = case(m, k, n, fmt, seed=m * 7 + n)
+    x, bias = x.to(xdtype), bias if with_bias else None
+    got, ref = K.linear_path(x, w, bias, path), K.linear_ref(x, w, bias)
+    assert got.dtype == torch.float32 and got.shape == (n, m)
+    assert nerr(got, ref) < TOL_REF
+    want = x.float() @ w.dequantize().T + (bias if with_bias else 0)
+    assert nerr(got, want) < (TOL_Q_FLOAT if w.d is not None else TOL_HALF_FLOAT)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_thread_count_does_not_change_results(fmt):
+    w, x, bias = case(203, 576, 5, fmt)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = K.linear(x, w, bias)
+        torch.set_num_threads(2)
+        two = K.linear(x, w, bias)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)  # each row is computed whole by one thread, in the same order
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
+def test_bf16_activations_equal_their_fp32_values(fmt):
+    w, x, _ = case(17, 256, 3, fmt)
+    xb = x.bfloat16()
+    assert torch.equal(K.linear(xb, w), K.linear(xb.float(), w))
+
+
+def test_empty_batch_gives_empty_output():
+    w, _, _ = case(4, 64, 1, "q8_0")
+    assert K.linear(torch.empty(0, 64), w).shape == (0, 4)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "bf16"])
+def test_numba_fallback_matches_scalar_ref(fmt):
+    w, x, bias = case(13, 96, 3, fmt)
+    assert nerr(K.linear_path(x, w, bias, "numba"), K.linear_ref(x, w, bias)) < TOL_REF
+
+
+def test_forcing_numba_in_a_fresh_process():
+    code = ("import warnings, torch\n"
+            "with warnings.catch_warnings(record=True) as ws:\n"
+            "    warnings.simplefilter('always')\n"
+            "    import offload.kernels as K\n"
+            "assert K.ACTIVE_PATH == 'numba', K.ACTIVE_PATH\n"
+            "assert any('numba' in str(w.message) for w in ws)\n"
+            "w = K.pack(torch.randn(9, 64), 'q4_0'); x = torch.randn(2, 64)\n"
+            "err = (K.linear(x, w) - x @ w.dequantize().T).norm() / (x @ w.dequantize().T).norm()\n"
+            "assert err < 2e-2, err\n"
+            "print('ok')\n")
+    env = dict(os.environ, OFFLOAD_KERNELS="numba")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "ok" in out.stdout, out.stderr[-2000:]
+
+
+def x_w(**kw):
+    w, x, bias = case(8, 64, 2, "q8_0")
+    return kw.get("x", x), w, kw.get("bias", None)
+
+
+@pytest.mark.parametrize("args, match", [
+    (x_w(x=torch.randn(2, 64).half()), "float32 or bfloat16"),
+    (x_w(x=torch.randn(2, 64).double()), "float32 or bfloat16"),
+    (x_w(x=torch.randn(64, 2).T), "contiguous"),
+    (x_w(x=torch.randn(2, 96)), r"\[N, 64\]"),
+    (x_w(x=torch.randn(1, 2, 64)), "2-D"),
+    (x_w(bias=torch.randn(7)), "bias"),
+    (x_w(bias=torch.randn(8).bfloat16()), "bias"),
+    ((torch.randn(2, 64), torch.randn(8, 64), None), "PackedWeight"),
+])
+def test_bad_inputs_raise_kernel_error(args, match):
+    with pytest.raises(KernelError, match=match):
+        K.linear(*args)
+
+
+def test_unknown_path_is_a_kernel_error():
+    x, w, _ = x_w()
+    with pytest.raises(KernelError, match="not available"):
+        K.linear_path(x, w, None, "neon")
+
+
+@pytest.mark.parametrize("features, built, want", [
+    (AVX512_FEATURES, True, "avx512"),
+    (AVX512_FEATURES - {"avx512vnni"}, True, "avx2"),   # Skylake-X: AVX-512 without VNNI
+    (AVX2_FEATURES | {"avx512f"}, True, "avx2"),
+    (AVX2_FEATURES, True, "avx2"),
+    (AVX2_FEATURES - {"f16c"}, True, "scalar"),
+    (frozenset(), True, "scalar"),
+    (AVX512_FEATURES, False, "numba"),
+])
+def test_best_path(features, built, want):
+    assert best_path(set(features), built) == want
+
+
+@pytest.mark.parametrize("features, built, forced, want, warns", [
+    (AVX512_FEATURES, True, None, "avx512", False),
+    (AVX512_FEATURES, True, "avx2", "avx2", False),
+    (AVX512_FEATURES, True, "scalar", "scalar", False),
+    (AVX2_FEATURES, True, "avx512", "avx2", True),       # never runs an ISA the CPU lacks
+    (AVX2_FEATURES, True, "numba", "numba", False),
+    (AVX2_FEATURES, False, "avx2", "numba", True),
+    (AVX2_FEATURES, True, "bogus", "avx2", True),
+    (AVX2_FEATURES, True, "auto", "avx2", False),
+])
+def test_choose_path(features, built, forced, want, warns, recwarn):
+    assert choose_path(set(features), built, forced) == want
+    assert (len(recwarn) > 0) == warns
+
+
+def test_active_path_is_consistent_with_this_cpu():
+    assert K.ACTIVE_PATH in ("avx512", "avx2", "scalar", "numba")
+    if K._C is not None and not os.environ.get("OFFLOAD_KERNELS"):
+        assert K.ACTIVE_PATH == best_path(K.CPU_FEATURES, True)
