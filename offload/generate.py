@@ -94,7 +94,7 @@ class Generator:
         positions = torch.arange(s_max)[None].expand(len(group), s_max)
         valid = positions < lengths[:, None]
         positions = torch.where(valid, positions, torch.zeros_like(positions))
-        hidden = self._forward(group, tokens, positions, valid, cache, max_len)
+        hidden = self._forward(group, tokens, positions, valid, cache, max_len, "prefill")
         return self.model.logits(hidden[torch.arange(len(group)), lengths - 1])
 
     def _decode(self, batch: list[Sequence], cache, max_len: int) -> torch.Tensor:
@@ -102,13 +102,14 @@ class Generator:
         tokens = torch.tensor([[s.output_ids[-1]] for s in batch])
         positions = torch.tensor([[s.n_tokens - 1] for s in batch])
         valid = torch.ones_like(positions, dtype=torch.bool)
-        hidden = self._forward(batch, tokens, positions, valid, cache, max_len)
+        hidden = self._forward(batch, tokens, positions, valid, cache, max_len, "decode")
         return self.model.logits(hidden[:, 0])
 
-    def _forward(self, seqs, tokens, positions, valid, cache, max_len: int) -> torch.Tensor:
+    def _forward(self, seqs, tokens, positions, valid, cache, max_len: int, phase: str) -> torch.Tensor:
         slots = torch.tensor([s.slot for s in seqs])
         all_rows = len(seqs) == cache[0].k.shape[0] and bool((slots == torch.arange(len(seqs))).all())
-        step = self.model.make_step(positions, valid, trash_slot=max_len, rows=None if all_rows else slots)
+        step = self.model.make_step(positions, valid, trash_slot=max_len, rows=None if all_rows else slots,
+                                    phase=phase)
         with torch.inference_mode():
             return self.model.forward(tokens, step, cache)
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from offload.spec import ModelSpec, RopeSpec
 
-Weight = object  # a torch.Tensor [out, in], or an offload.kernels.PackedWeight
+Weight = object  # a torch.Tensor [out, in], an offload.kernels.PackedWeight, or a DeviceQuantWeight
 
 
 @dataclass
@@ -39,6 +39,13 @@ class Step:
     cos: torch.Tensor  # [B, 1, S, head_dim]
     sin: torch.Tensor  # [B, 1, S, head_dim]
     rows: torch.Tensor | None = None  # [B] cache rows these sequences use; None: all rows, in order
+    phase: str = "prefill"  # prefill | decode: the plan may compute a block differently in each
+
+    def to(self, device) -> "Step":
+        """This step with its tensors on device (positions stay where they are)."""
+        move = lambda t: None if t is None else t.to(device)  # noqa: E731
+        return Step(self.positions, self.write_index, move(self.mask), move(self.cos), move(self.sin),
+                    self.rows, self.phase)
 
 
 class LayerKV:
@@ -50,23 +57,32 @@ class LayerKV:
         self.v = torch.zeros_like(self.k)
 
     def update(self, step: "Step", k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return their K, V up to step's keys."""
-        n_keys = step.mask.shape[-1]
-        if step.rows is None:  # every cache row takes part
-            rows = torch.arange(k.shape[0], device=k.device)[:, None].expand_as(step.write_index)
-        else:
-            rows = step.rows[:, None].expand_as(step.write_index)
-        self.k[rows, :, step.write_index] = k.transpose(1, 2).to(self.k.dtype)
-        self.v[rows, :, step.write_index] = v.transpose(1, 2).to(self.v.dtype)
-        if step.rows is None:
-            return self.k[:, :, :n_keys], self.v[:, :, :n_keys]
-        return self.k[:, :, :n_keys].index_select(0, step.rows), self.v[:, :, :n_keys].index_select(0, step.rows)
+        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return K, V up to the step's keys.
+
+        The cache may live on another device than the computation (the KV of a block lives where it decodes).
+        """
+        n_keys, dev = step.mask.shape[-1], self.k.device
+        index = step.write_index.to(dev)
+        row_ids = None if step.rows is None else step.rows.to(dev)  # None: every cache row takes part
+        rows = (torch.arange(k.shape[0], device=dev) if row_ids is None else row_ids)[:, None].expand_as(index)
+        self.k[rows, :, index] = k.transpose(1, 2).to(dev, self.k.dtype)
+        self.v[rows, :, index] = v.transpose(1, 2).to(dev, self.v.dtype)
+        keys, values = self.k[:, :, :n_keys], self.v[:, :, :n_keys]
+        if row_ids is not None:
+            keys, values = keys.index_select(0, row_ids), values.index_select(0, row_ids)
+        return keys.to(k.device, k.dtype), values.to(k.device, k.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ w.T + bias, for dense tensors or packed (quantized) weights."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
+    if hasattr(w, "apply"):  # weights that compute on their own device (dequantized there)
+        return w.apply(x, bias)
     from offload.kernels import linear as packed_linear
 
     out = packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), w, bias)
@@ -137,6 +153,16 @@ def attention_mask(positions: torch.Tensor, valid: torch.Tensor, n_keys: int,
     return mask[:, None]
 
 
+def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, valid: torch.Tensor, trash_slot: int,
+              rows: torch.Tensor | None = None, phase: str = "prefill") -> Step:
+    """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens."""
+    n_keys = int(positions[valid].max()) + 1 if bool(valid.any()) else 1
+    write_index = torch.where(valid, positions, torch.full_like(positions, trash_slot))
+    cos, sin = rope_cos_sin(spec, positions, dtype)
+    mask = attention_mask(positions, valid, n_keys, spec.sliding_window)
+    return Step(positions=positions, write_index=write_index, mask=mask, cos=cos, sin=sin, rows=rows, phase=phase)
+
+
 def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
     """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv."""
     b, s, _ = x.shape
@@ -148,7 +174,7 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     v = v.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
     q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
     keys, values = kv.update(step, k, v)
-    o = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=step.mask,
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask,
                                        enable_gqa=spec.n_kv_heads != spec.n_heads)
     o = o.transpose(1, 2).reshape(b, s, spec.q_size)
     x = x + linear(o, w.o, w.o_bias)

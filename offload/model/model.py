@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from offload.model.llama import LayerKV, LayerWeights, Step, attention_mask, layer_forward, linear, rms_norm, rope_cos_sin
+from offload.model.llama import LayerKV, LayerWeights, Step, layer_forward, linear, make_step, rms_norm
 from offload.spec import ModelSpec
 from offload.weights.loader import Checkpoint
 
@@ -30,13 +30,9 @@ class Model:
         return [LayerKV(batch, s.n_kv_heads, max_len, s.head_dim, self.dtype) for _ in range(s.n_layers)]
 
     def make_step(self, positions: torch.Tensor, valid: torch.Tensor, trash_slot: int,
-                  rows: torch.Tensor | None = None) -> Step:
+                  rows: torch.Tensor | None = None, phase: str = "prefill") -> Step:
         """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens."""
-        n_keys = int(positions[valid].max()) + 1 if bool(valid.any()) else 1
-        write_index = torch.where(valid, positions, torch.full_like(positions, trash_slot))
-        cos, sin = rope_cos_sin(self.spec, positions, self.dtype)
-        mask = attention_mask(positions, valid, n_keys, self.spec.sliding_window)
-        return Step(positions=positions, write_index=write_index, mask=mask, cos=cos, sin=sin, rows=rows)
+        return make_step(self.spec, self.dtype, positions, valid, trash_slot, rows, phase)
 
     def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV]) -> torch.Tensor:
         """Hidden states [B, S, D] after the final norm, for tokens [B, S]."""
@@ -58,7 +54,7 @@ def load_model(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.flo
 
         raise ConfigError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
     ckpt.check_against(spec)
-    pack = _packer(quantization, dtype)
+    pack = packer(quantization, dtype)
     layers = [load_layer(ckpt, spec, i, dtype, pack) for i in range(spec.n_layers)]
     embed = ckpt.get("model.embed_tokens.weight", dtype)
     head = embed if spec.tie_word_embeddings else ckpt.get("lm_head.weight", dtype)
@@ -66,7 +62,7 @@ def load_model(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.flo
                  lm_head=pack(head), dtype=dtype)
 
 
-def _packer(quantization: str, dtype: torch.dtype):
+def packer(quantization: str, dtype: torch.dtype):
     """A function that turns a dense [out, in] weight into the form the linear layers will use."""
     if quantization == "none":
         return lambda w: w.contiguous()

@@ -1,0 +1,64 @@
+"""Unit sources: where the executor gets each unit's weights from — a checkpoint, or random (benchmarks)."""
+
+from __future__ import annotations
+
+import torch
+
+from offload.model.llama import LayerWeights
+from offload.model.model import load_layer, packer
+from offload.spec import ModelSpec, UnitSpec
+from offload.weights.loader import Checkpoint
+
+
+class CheckpointSource:
+    """Reads one unit at a time from a safetensors checkpoint, packing linear weights if quantized."""
+
+    def __init__(self, ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, quantization: str = "none"):
+        ckpt.check_against(spec)
+        self.ckpt, self.spec, self.dtype = ckpt, spec, dtype
+        self.pack = packer(quantization, dtype)
+
+    def load(self, unit: UnitSpec):
+        """LayerWeights for a layer; a tensor (or packed lm_head) for embed, norm and lm_head."""
+        if unit.kind == "layer":
+            return load_layer(self.ckpt, self.spec, unit.index, self.dtype, self.pack)
+        tensor = self.ckpt.get(unit.tensors[0].name, self.dtype)
+        return self.pack(tensor) if unit.kind == "lm_head" else tensor.contiguous()
+
+
+class RandomSource:
+    """Random weights of the right shapes and format, made directly in memory (no files, no quantizing)."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, quantization: str = "q4_0", seed: int = 0):
+        self.spec, self.dtype, self.quantization = spec, dtype, quantization
+        self.gen = torch.Generator().manual_seed(seed)
+
+    def _linear(self, out_features: int, in_features: int):
+        if self.quantization == "none":
+            return torch.randn(out_features, in_features, generator=self.gen, dtype=self.dtype) * in_features ** -0.5
+        from offload.kernels import PackedWeight
+
+        nb = in_features // 32
+        width = in_features if self.quantization == "q8_0" else in_features // 2
+        qs = torch.randint(0, 256, (out_features, width), generator=self.gen, dtype=torch.uint8)
+        if self.quantization == "q8_0":
+            qs = qs.view(torch.int8)
+        d = torch.full((out_features, nb), 0.02 / in_features ** 0.5, dtype=torch.float16)
+        return PackedWeight(self.quantization, (out_features, in_features), qs, d)
+
+    def load(self, unit: UnitSpec):
+        s = self.spec
+        if unit.kind == "embed":
+            return torch.randn(s.vocab_size, s.hidden_size, generator=self.gen, dtype=self.dtype)
+        if unit.kind == "norm":
+            return torch.ones(s.hidden_size, dtype=self.dtype)
+        if unit.kind == "lm_head":
+            return self._linear(s.vocab_size, s.hidden_size)
+        qkv_out = s.q_size + 2 * s.kv_size
+        return LayerWeights(
+            attn_norm=torch.ones(s.hidden_size, dtype=self.dtype), qkv=self._linear(qkv_out, s.hidden_size),
+            qkv_bias=torch.zeros(qkv_out, dtype=self.dtype) if s.qkv_bias else None,
+            o=self._linear(s.hidden_size, s.q_size), o_bias=None,
+            mlp_norm=torch.ones(s.hidden_size, dtype=self.dtype),
+            gate_up=self._linear(2 * s.intermediate_size, s.hidden_size), gate_up_bias=None,
+            down=self._linear(s.hidden_size, s.intermediate_size), down_bias=None)

@@ -1,0 +1,95 @@
+"""Backend: what the executor asks of a device — memory by tier, async copies, completion markers, timing.
+
+The schedule in executor.py is written once against this interface. CPUBackend runs it on a machine without
+a GPU (the "gpu" tier is then ordinary memory, tracked separately), CUDABackend on a real one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.runtime.timeline import Span, Timeline
+
+TIERS = ("gpu", "cpu", "disk")
+
+
+@dataclass
+class MemoryTracker:
+    """Bytes allocated per tier now and at peak, as the backend hands buffers out and takes them back."""
+
+    now_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    peak_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+
+    def add(self, tier: str, n_bytes: int) -> None:
+        self.now_bytes[tier] += n_bytes
+        self.peak_bytes[tier] = max(self.peak_bytes[tier], self.now_bytes[tier])
+
+    def remove(self, tier: str, n_bytes: int) -> None:
+        self.now_bytes[tier] -= n_bytes
+
+
+class Backend:
+    """Base: allocation with accounting and the event log; subclasses supply the device and the copies."""
+
+    name = "base"
+    device: torch.device
+
+    def __init__(self, timeline: Timeline | None = None):
+        self.timeline = timeline or Timeline()
+        self.memory = MemoryTracker()
+        self.log: list[tuple[str, str, int]] = []  # (event, unit, slot): copy / compute / release
+
+    # memory -------------------------------------------------------------------------------------------
+    def alloc(self, tier: str, n_bytes: int, pinned: bool = False) -> torch.Tensor:
+        """A uint8 buffer of n_bytes in tier (gpu: the device; cpu: host RAM, page-locked if pinned)."""
+        buf = torch.empty(n_bytes, dtype=torch.uint8, device=self.device if tier == "gpu" else "cpu")
+        if pinned and tier == "cpu":
+            buf = self.pin(buf)
+        self.memory.add(tier, n_bytes)
+        return buf
+
+    def track(self, tier: str, n_bytes: int) -> None:
+        """Count memory allocated elsewhere (a KV cache, disk files) against a tier."""
+        self.memory.add(tier, n_bytes)
+
+    def free(self, tier: str, n_bytes: int) -> None:
+        self.memory.remove(tier, n_bytes)
+
+    def pin(self, buf: torch.Tensor) -> torch.Tensor:
+        """Page-lock a host buffer in place if the backend can; the CPU backend has nothing to pin."""
+        return buf
+
+    # copies and ordering -------------------------------------------------------------------------------
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str):
+        """Start copying host src into device dst; returns a handle that compute can wait on."""
+        raise NotImplementedError
+
+    def wait_copy(self, handle) -> None:
+        """Make the compute stream wait for a copy (no host synchronisation)."""
+
+    def mark_done(self):
+        """A handle that completes when all compute enqueued so far has finished."""
+        return None
+
+    def wait_done_before_copy(self, handle) -> None:
+        """Make the copy stream wait until compute recorded by handle has finished (slot reuse)."""
+
+    def host_wait(self, handle) -> None:
+        """Block the host until the copy or compute behind handle has finished (before reusing a host buffer)."""
+
+    @contextlib.contextmanager
+    def gpu_block(self, unit: str, phase: str, n_tokens: int):
+        """Time a block computed on the device."""
+        start = Timeline.now()
+        yield
+        self.timeline.add(Span("gpu_block", phase, unit, start, Timeline.now(), n_tokens=n_tokens))
+
+    def synchronize(self) -> None:
+        """Wait for all device work and resolve pending timings."""
+
+    def peak_device_bytes(self) -> int:
+        """Peak device memory as the device itself reports it (the tracker's figure on the CPU backend)."""
+        return self.memory.peak_bytes["gpu"]

@@ -1,0 +1,110 @@
+"""Disk tier: unit buffers stored in files, read ahead by a thread into a bounded set of (pinned) buffers."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from offload.runtime.backend import Backend
+from offload.runtime.timeline import Span, Timeline
+
+
+class DiskStore:
+    """One file per unit under folder, holding the unit's flat buffer."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.sizes: dict[str, int] = {}
+
+    def path(self, unit: str) -> Path:
+        return self.folder / f"{unit}.bin"
+
+    def store(self, unit: str, buffer: torch.Tensor) -> None:
+        """Write a host uint8 buffer as unit's file."""
+        with open(self.path(unit), "wb") as f:
+            f.write(buffer.numpy().tobytes())
+        self.sizes[unit] = buffer.numel()
+
+    def read_into(self, unit: str, buffer: torch.Tensor) -> int:
+        """Read unit's file into the start of buffer with one pread; returns bytes read."""
+        n = self.sizes[unit]
+        fd = os.open(self.path(unit), os.O_RDONLY)
+        try:
+            view = memoryview(buffer.numpy())[:n]
+            got = os.preadv(fd, [view], 0)
+        finally:
+            os.close(fd)
+        if got != n:
+            raise OSError(f"short read of {self.path(unit)}: {got} of {n} bytes; the offload disk cache is damaged")
+        return n
+
+
+class ReadAhead:
+    """A reader thread that fills at most n_buffers buffers with disk units, in the order they will be used."""
+
+    def __init__(self, backend: Backend, store: DiskStore, n_buffers: int, buffer_bytes: int):
+        self.backend, self.store = backend, store
+        self.buffers = [backend.alloc("cpu", buffer_bytes, pinned=True) for _ in range(n_buffers)]
+        self.buffer_bytes = buffer_bytes
+        self._cond = threading.Condition()
+        self._free = list(range(n_buffers))
+        self._ready: dict[str, int] = {}
+        self._queue: list[tuple[str, str]] = []
+        self._error: BaseException | None = None
+        self.max_in_use = 0
+        self._thread = threading.Thread(target=self._run, name="offload-disk-reader", daemon=True)
+        self._thread.start()
+
+    def schedule(self, units: list[str], phase: str) -> None:
+        """Queue units to be read, in use order."""
+        with self._cond:
+            self._queue.extend((u, phase) for u in units)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not (self._queue and self._free):
+                    self._cond.wait()
+                unit, phase = self._queue.pop(0)
+                i = self._free.pop(0)
+                self.max_in_use = max(self.max_in_use, len(self.buffers) - len(self._free))
+            start = Timeline.now()
+            try:
+                n = self.store.read_into(unit, self.buffers[i])
+            except BaseException as e:  # noqa: BLE001 - handed to the consumer
+                with self._cond:
+                    self._error = e
+                    self._cond.notify_all()
+                return
+            self.backend.timeline.add(Span("disk_read", phase, unit, start, Timeline.now(), n_bytes=n))
+            with self._cond:
+                self._ready[unit] = i
+                self._cond.notify_all()
+
+    def acquire(self, unit: str) -> torch.Tensor:
+        """Block until unit has been read; return its buffer."""
+        with self._cond:
+            while unit not in self._ready:
+                if self._error is not None:
+                    raise self._error
+                self._cond.wait()
+            return self.buffers[self._ready[unit]]
+
+    def try_acquire(self, unit: str) -> torch.Tensor | None:
+        """unit's buffer if it has been read already, else None (never blocks)."""
+        with self._cond:
+            if self._error is not None:
+                raise self._error
+            i = self._ready.get(unit)
+            return None if i is None else self.buffers[i]
+
+    def release(self, unit: str) -> None:
+        """Give unit's buffer back to the reader."""
+        with self._cond:
+            self._free.append(self._ready.pop(unit))
+            self._cond.notify_all()

@@ -1,0 +1,205 @@
+"""Executor: runs the block loop by a Placement across device-resident, streamed, CPU and disk units.
+
+The loop is written once against Backend. For each unit in order (embed, layers, norm, lm_head):
+acquire its weights (resident / staging slot / host buffer / read-ahead buffer), move the hidden state to
+where it computes, compute, release — and as soon as a streamed block is released, the next streamed
+block's copy is issued into its slot, so copies run under compute.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from offload.model.llama import LayerKV, Step, layer_forward, linear, make_step, rms_norm
+from offload.runtime.backend import Backend
+from offload.runtime.disk import DiskStore, ReadAhead
+from offload.runtime.placement import Placement
+from offload.runtime.staging import StagingRing
+from offload.runtime.timeline import Span, Timeline
+from offload.runtime.unit_store import UnitLayout, layout_of, materialize, write_into
+from offload.spec import ModelSpec
+
+
+class PlacedModel:
+    """A model whose units sit where a Placement says; same interface as the resident Model."""
+
+    def __init__(self, spec: ModelSpec, source, placement: Placement, backend: Backend,
+                 dtype: torch.dtype = torch.float32, disk_dir: str | Path | None = None):
+        self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
+        self.units = spec.units()
+        self.order = [u.name for u in self.units]
+        self.layouts: dict[str, UnitLayout] = {}
+        self.resident, self.host_buffers, self.host_weights = {}, {}, {}
+        self._disk_dir, self._disk_tmp = disk_dir, None
+        self.disk = None
+        for unit in self.units:
+            self._place(unit, source.load(unit))
+        self.ring = self._make_ring()
+        self.reader = self._make_reader()
+        self._cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
+        self._kv_bytes: dict[str, int] = {}
+        self._stream_queue: list[str] = []
+        self._next_copy = 0
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.backend.timeline
+
+    # building ----------------------------------------------------------------------------------------
+    def _place(self, unit, weights) -> None:
+        p, layout = self.placement[unit.name], layout_of(weights)
+        self.layouts[unit.name] = layout
+        if p.weights == "gpu":
+            buf = self.backend.alloc("gpu", layout.n_bytes)
+            host = torch.empty(layout.n_bytes, dtype=torch.uint8)
+            write_into(layout, weights, host)
+            buf.copy_(host)
+            self.resident[unit.name] = materialize(layout, buf, on_device=True)
+        elif p.weights == "cpu":
+            streamed = "stream" in (p.prefill, p.decode)
+            buf = self.backend.alloc("cpu", layout.n_bytes, pinned=streamed)
+            write_into(layout, weights, buf)
+            self.host_buffers[unit.name] = buf
+            self.host_weights[unit.name] = materialize(layout, buf, on_device=False)
+        else:
+            host = torch.empty(layout.n_bytes, dtype=torch.uint8)
+            write_into(layout, weights, host)
+            self._disk_store().store(unit.name, host)
+            self.backend.track("disk", layout.n_bytes)
+
+    def _disk_store(self) -> DiskStore:
+        if self.disk is None:
+            if self._disk_dir is None:
+                self._disk_tmp = tempfile.TemporaryDirectory(prefix="offload-disk-")
+            self.disk = DiskStore(Path(self._disk_dir or self._disk_tmp.name))
+        return self.disk
+
+    def _make_ring(self) -> StagingRing | None:
+        streamed = [n for n in self.order if "stream" in (self.placement[n].prefill, self.placement[n].decode)]
+        if not streamed:
+            return None
+        slot_bytes = max(self.layouts[n].n_bytes for n in streamed)
+        return StagingRing(self.backend, self.placement.prefetch_depth, slot_bytes)
+
+    def _make_reader(self) -> ReadAhead | None:
+        on_disk = [n for n in self.order if self.placement[n].weights == "disk"]
+        if not on_disk:
+            return None
+        size = max(self.layouts[n].n_bytes for n in on_disk)
+        return ReadAhead(self.backend, self.disk, self.placement.read_ahead, size)
+
+    # the interface the Generator uses -----------------------------------------------------------------
+    def new_cache(self, batch: int, max_len: int) -> list[LayerKV]:
+        """A KV cache per layer, each where its layer decodes; replaces (and un-counts) the previous one."""
+        for tier, n in self._kv_bytes.items():
+            self.backend.free(tier, n)
+        self._kv_bytes = {}
+        s, cache = self.spec, []
+        for i in range(s.n_layers):
+            tier = self.placement[f"layer.{i}"].kv or "cpu"
+            device = self.backend.device if tier == "gpu" else "cpu"
+            kv = LayerKV(batch, s.n_kv_heads, max_len, s.head_dim, self.dtype, device)
+            self.backend.track(tier, kv.nbytes)
+            self._kv_bytes[tier] = self._kv_bytes.get(tier, 0) + kv.nbytes
+            cache.append(kv)
+        return cache
+
+    def make_step(self, positions, valid, trash_slot: int, rows=None, phase: str = "prefill") -> Step:
+        return make_step(self.spec, self.dtype, positions, valid, trash_slot, rows, phase)
+
+    def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV]) -> torch.Tensor:
+        """Hidden states [B, S, D] after the final norm (on the host)."""
+        self._begin_step(step.phase)
+        steps = {}
+        x = tokens
+        for name in self.order[:-1]:
+            x = self._run(name, x, step, cache, steps)
+        return x.to("cpu")
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [..., V] on the host; ends the step begun by forward()."""
+        out = self._run("lm_head", hidden, self._phase_step, None, {}).float().to("cpu")
+        self.backend.synchronize()
+        return out
+
+    # the schedule -------------------------------------------------------------------------------------
+    def _begin_step(self, phase: str) -> None:
+        self._phase_step = Step(None, None, None, None, None, None, phase)
+        self._stream_queue = [n for n in self.order if self.placement[n].mode(phase) == "stream"]
+        self._next_copy = 0
+        if self.reader is not None:
+            self.reader.schedule([n for n in self.order if self.placement[n].weights == "disk"], phase)
+        self._issue_copies(phase)
+
+    def _issue_copies(self, phase: str, need: str | None = None) -> None:
+        """Copy upcoming streamed units into free slots, in order; block on a disk read only for `need`."""
+        while self.ring is not None and self._next_copy < len(self._stream_queue) and self.ring.free_slot() is not None:
+            name = self._stream_queue[self._next_copy]
+            src = self._host_source(name, block=name == need)
+            if src is None:
+                return
+            self.ring.load(name, src[: self.layouts[name].n_bytes], phase)
+            self._next_copy += 1
+
+    def _host_source(self, name: str, block: bool) -> torch.Tensor | None:
+        if self.placement[name].weights == "cpu":
+            return self.host_buffers[name]
+        return self.reader.acquire(name) if block else self.reader.try_acquire(name)
+
+    def _acquire(self, name: str, phase: str):
+        """(weights, on_device) for unit name in this phase."""
+        p, mode = self.placement[name], self.placement[name].mode(phase)
+        if mode == "gpu":
+            return self.resident[name], True
+        if mode == "stream":
+            if not any(s.unit == name and s.in_use for s in self.ring.slots):
+                self._issue_copies(phase, need=name)
+            buf = self.ring.acquire(name)
+            if p.weights == "disk":  # the read buffer is free once its copy has landed
+                self.backend.host_wait(next(s.copy_handle for s in self.ring.slots if s.unit == name and s.in_use))
+                self.reader.release(name)
+            return materialize(self.layouts[name], buf, on_device=True), True
+        if p.weights == "cpu":
+            return self.host_weights[name], False
+        return materialize(self.layouts[name], self.reader.acquire(name), on_device=False), False
+
+    def _release(self, name: str, phase: str) -> None:
+        p, mode = self.placement[name], self.placement[name].mode(phase)
+        if mode == "stream":
+            self.ring.release(name)
+            self._issue_copies(phase)  # block j+k's copy goes into the slot block j just left
+        elif mode == "cpu" and p.weights == "disk":
+            self.reader.release(name)
+
+    def _run(self, name: str, x, step: Step, cache, steps: dict):
+        phase = step.phase
+        weights, on_device = self._acquire(name, phase)
+        device = self.backend.device if on_device else torch.device("cpu")
+        x = x.to(device)
+        n_tokens = x.numel() if name == "embed" else x[..., 0].numel()
+        if on_device:
+            with self.backend.gpu_block(name, phase, n_tokens):
+                y = self._compute(name, weights, x, step, cache, steps, device)
+        else:
+            start = Timeline.now()
+            y = self._cpu_pool.submit(self._compute, name, weights, x, step, cache, steps, device).result()
+            self.timeline.add(Span("cpu_block", phase, name, start, Timeline.now(), n_tokens=n_tokens))
+        self._release(name, phase)
+        return y
+
+    def _compute(self, name: str, w, x, step: Step, cache, steps: dict, device):
+        kind = name.split(".")[0]
+        if kind == "embed":
+            return F.embedding(x, w).to(self.dtype)
+        if kind == "norm":
+            return rms_norm(x, w, self.spec.rms_norm_eps)
+        if kind == "lm_head":
+            return linear(x, w, None)
+        if device not in steps:
+            steps[device] = step if device.type == "cpu" else step.to(device)
+        return layer_forward(self.spec, w, x, steps[device], cache[int(name.split(".")[1])])

@@ -1,0 +1,105 @@
+"""UnitLayout: the weights of one unit laid out in a single flat byte buffer.
+
+One buffer per unit is what makes streaming cheap: one pinned host region, one host-to-device copy into a
+staging slot, one disk read. `materialize` turns any buffer with the layout (host, staging slot, read-ahead
+buffer) back into the weights the block math takes, without copying.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from offload.model.llama import LayerWeights
+from offload.runtime.device_quant import DeviceQuantWeight
+
+ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor inside the buffer: which field (and plane of a quantized weight), where, and what."""
+
+    field: str  # LayerWeights field name, or "weight" for single-tensor units
+    part: str  # dense | qs | d
+    offset: int
+    n_bytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    fmt: str | None = None  # q8_0 / q4_0 for quantized planes
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """Where each tensor of a unit sits in its flat buffer; is_layer says LayerWeights vs a single tensor."""
+
+    is_layer: bool
+    entries: tuple[Entry, ...]
+    n_bytes: int
+
+
+def _leaves(weights) -> list[tuple[str, object]]:
+    if isinstance(weights, LayerWeights):
+        return [(f.name, getattr(weights, f.name)) for f in dataclasses.fields(weights)]
+    return [("weight", weights)]
+
+
+def layout_of(weights) -> UnitLayout:
+    """The layout for a LayerWeights or a single weight (tensor or PackedWeight)."""
+    entries, offset = [], 0
+    for name, leaf in _leaves(weights):
+        if leaf is None:
+            continue
+        if isinstance(leaf, torch.Tensor):
+            parts = [("dense", leaf, None)]
+        else:  # PackedWeight or DeviceQuantWeight: quants and scales planes
+            parts = [("qs", leaf.qs, leaf.fmt), ("d", leaf.d, leaf.fmt)]
+            if leaf.d is None:  # a half-precision PackedWeight has no scale plane
+                parts = [("dense", leaf.qs, None)]
+        for part, t, fmt in parts:
+            entries.append(Entry(name, part, offset, t.nbytes, t.dtype, tuple(t.shape), fmt))
+            offset += -(-t.nbytes // ALIGN_BYTES) * ALIGN_BYTES
+    return UnitLayout(isinstance(weights, LayerWeights), tuple(entries), offset)
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def write_into(layout: UnitLayout, weights, buffer: torch.Tensor) -> None:
+    """Copy the unit's tensors into buffer (uint8, at least layout.n_bytes, any device)."""
+    leaves = dict(_leaves(weights))
+    for e in layout.entries:
+        leaf = leaves[e.field]
+        if e.part == "dense":
+            t = leaf if isinstance(leaf, torch.Tensor) else leaf.qs
+        else:
+            t = getattr(leaf, e.part)
+        buffer[e.offset: e.offset + e.n_bytes].copy_(_as_bytes(t))
+
+
+def materialize(layout: UnitLayout, buffer: torch.Tensor, on_device: bool):
+    """Weights viewing buffer: quantized planes become DeviceQuantWeight (on_device) or PackedWeight (CPU kernels)."""
+    views: dict[str, dict[str, torch.Tensor]] = {}
+    fmts, shapes = {}, {}
+    for e in layout.entries:
+        views.setdefault(e.field, {})[e.part] = buffer[e.offset: e.offset + e.n_bytes].view(e.dtype).view(e.shape)
+        if e.fmt:
+            fmts[e.field] = e.fmt
+            if e.part == "qs":
+                shapes[e.field] = (e.shape[0], e.shape[1] * (1 if e.fmt == "q8_0" else 2))
+    built = {}
+    for name, parts in views.items():
+        if "dense" in parts:
+            built[name] = parts["dense"]
+        elif on_device:
+            built[name] = DeviceQuantWeight(fmts[name], shapes[name], parts["qs"], parts["d"])
+        else:
+            from offload.kernels import PackedWeight
+
+            built[name] = PackedWeight(fmts[name], shapes[name], parts["qs"], parts["d"])
+    if not layout.is_layer:
+        return built["weight"]
+    return LayerWeights(**{f.name: built.get(f.name) for f in dataclasses.fields(LayerWeights)})
