@@ -4,6 +4,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -39,12 +40,19 @@ std::vector<std::string> cpu_features() {
   return out;
 }
 
-// Rows [r0, r1) of thread `tid` of `nth`, whole 4-row tiles so tiles never straddle threads.
-void thread_rows(int64_t M, int tid, int nth, int64_t& r0, int64_t& r1) {
-  const int64_t tiles = (M + 3) / 4;
-  r0 = std::min(M, tiles * tid / nth * 4);
-  r1 = std::min(M, tiles * (tid + 1) / nth * 4);
-}
+// Rows are handed out in chunks of whole 4-row tiles, dynamically: a thread that the OS preempts
+// (other work on the cores) does not hold the others back. Each row is still computed whole by one
+// thread, so results do not depend on the thread count.
+struct RowChunks {
+  int64_t M, rows, n;
+  RowChunks(int64_t m, int nth) : M(m) {
+    const int64_t tiles = (m + 3) / 4, per = std::max<int64_t>(1, tiles / (int64_t(nth) * 8));
+    rows = per * 4;
+    n = (m + rows - 1) / rows;
+  }
+  int64_t r0(int64_t c) const { return c * rows; }
+  int64_t r1(int64_t c) const { return std::min(M, (c + 1) * rows); }
+};
 
 struct Scratch {  // per calling thread, grown on demand: quantized activations
   std::vector<int8_t> qs;
@@ -62,14 +70,17 @@ void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N
   const int64_t xbytes = xtype == X_BF16 ? 2 : 4;
   const XQ xq{qs, d, s, N, K};
   const QGemmFn fn = fmt == W_Q8_0 ? t.q8_0 : t.q4_0;
+  if (N == 1) t.quantize_x(x, xtype, K, qs, d, s);  // tiny: no barrier needed before the rows
+  const RowChunks chunks(w.M, nth);
 #pragma omp parallel num_threads(nth) if (nth > 1)
   {
-#pragma omp for schedule(static)
-    for (int64_t n = 0; n < N; ++n)
-      t.quantize_x(static_cast<const char*>(x) + n * K * xbytes, xtype, K, qs + n * K, d + n * nb, s + n * nb);
-    int64_t r0, r1;
-    thread_rows(w.M, omp_get_thread_num(), omp_get_num_threads(), r0, r1);
-    if (r0 < r1) fn(w, xq, y, bias, r0, r1);
+    if (N > 1) {
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t n = 0; n < N; ++n)
+        t.quantize_x(static_cast<const char*>(x) + n * K * xbytes, xtype, K, qs + n * K, d + n * nb, s + n * nb);
+    }
+#pragma omp for schedule(dynamic, 1) nowait
+    for (int64_t c = 0; c < chunks.n; ++c) fn(w, xq, y, bias, chunks.r0(c), chunks.r1(c));
   }
 }
 
@@ -83,12 +94,9 @@ void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_
     xf = tls.xf.data();
   }
   const FGemmFn fn = fmt == W_BF16 ? t.bf16 : t.f16;
-#pragma omp parallel num_threads(nth) if (nth > 1)
-  {
-    int64_t r0, r1;
-    thread_rows(w.M, omp_get_thread_num(), omp_get_num_threads(), r0, r1);
-    if (r0 < r1) fn(w, xf, N, y, bias, r0, r1);
-  }
+  const RowChunks chunks(w.M, nth);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth) if (nth > 1)
+  for (int64_t c = 0; c < chunks.n; ++c) fn(w, xf, N, y, bias, chunks.r0(c), chunks.r1(c));
 }
 
 // y [N, M] fp32 = x [N, K] (fp32 or bf16) @ W[M, K]^T + bias.

@@ -1,0 +1,179 @@
+"""Benchmark offload's CPU kernels against this machine's memory bandwidth and torch's own matmul.
+
+For the linear-layer shapes of SmolLM2-135M, Llama-3.1-8B and Llama-3.1-70B, at each thread count,
+prints per format and path: weight bytes per second, that rate over the memory read bandwidth measured
+in the same run, and the speedup over torch F.linear on the same shape in fp32 and bf16. Weights are
+rotated through copies larger than the last-level cache, as in real decoding. Then matrix-matrix
+throughput at batch 16 and 128 against torch. All times are medians of several runs.
+
+    python scripts/bench_kernels.py            # about 2-3 minutes on 2 cores
+    python scripts/bench_kernels.py --models 8b --threads 2 --paths avx2 scalar
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+import offload.kernels as K
+
+# (name, [M, K] per linear of one decoder block as (shape, count)); the 70B block is represented by
+# its two largest matrices (gate/up and down) to keep the default run short.
+MODELS = {
+    "smollm2-135m": [((576, 576), 2), ((192, 576), 2), ((1536, 576), 2), ((576, 1536), 1)],
+    "llama3.1-8b": [((4096, 4096), 2), ((1024, 4096), 2), ((14336, 4096), 2), ((4096, 14336), 1)],
+    "llama3.1-70b": [((28672, 8192), 2), ((8192, 28672), 1)],
+}
+MODEL_KEYS = {"135m": "smollm2-135m", "8b": "llama3.1-8b", "70b": "llama3.1-70b"}
+LM_HEAD = (49152, 576)  # SmolLM2's tied embedding as output layer
+GEMM_SHAPES = [(1536, 576), (4096, 4096)]
+OUT_OF_CACHE_BYTES = 160 * 2**20  # rotate copies until this much: well past a 32 MiB L3
+
+
+def median_time_s(fn, min_reps: int = 5, budget_s: float = 0.25) -> float:
+    """Median wall time of fn() over at least min_reps calls (more while under budget_s)."""
+    fn()
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (time.perf_counter() - start < budget_s and len(times) < 2000):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_bandwidth_bps(n_threads: int, nbytes: int = 1 << 30) -> float:
+    """Memory read bandwidth: the best of the extension's AVX2 read loop and torch's sum, medians of 7."""
+    buf = torch.ones(nbytes, dtype=torch.uint8)
+    rates = [nbytes / median_time_s(lambda: buf.view(torch.float32).sum(), 7, 0.0)]
+    if K._C is not None:
+        rates.append(nbytes / median_time_s(lambda: K._C.read_bytes(buf.data_ptr(), nbytes, n_threads), 7, 0.0))
+    return max(rates)
+
+
+class Rotation:
+    """Copies of one operand, cycled through so each call reads its weights from DRAM."""
+
+    def __init__(self, make, nbytes: int):
+        self.items = [make() for _ in range(max(1, -(-OUT_OF_CACHE_BYTES // max(nbytes, 1))))]
+        self.i = 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
+
+
+def kernel_time_s(w: torch.Tensor, fmt: str, path: str, n: int) -> tuple[float, int]:
+    """(median seconds of one [n, K] x [M, K]^T product on path, weight bytes) for packed fmt."""
+    p = K.pack(w, fmt)
+    rot = Rotation(lambda: K.PackedWeight(fmt, p.shape, p.qs.clone(), None if p.d is None else p.d.clone()),
+                   p.nbytes)
+    x = torch.randn(n, w.shape[1])
+    if path == K.ACTIVE_PATH:
+        t = median_time_s(lambda: K.linear(x, rot.next()))
+    else:
+        t = median_time_s(lambda: K.linear_path(x, rot.next(), None, path), 3, 0.1)
+    return t, p.nbytes
+
+
+def torch_time_s(w: torch.Tensor, dtype: torch.dtype, n: int) -> float:
+    """Median seconds of torch F.linear on the same shape with weights and activations in dtype."""
+    wd = w.to(dtype)
+    rot = Rotation(lambda: wd.clone(), wd.nbytes)
+    x = torch.randn(n, w.shape[1], dtype=dtype)
+    return median_time_s(lambda: F.linear(x, rot.next()))
+
+
+def gemv_rows(shape, count: int, fmts, paths, n_threads: int, bw_bps: float) -> list[dict]:
+    """One table row per (format, path) for matrix-vector products of this shape."""
+    torch.set_num_threads(n_threads)
+    w = torch.randn(shape) * 0.02
+    t32, t16 = torch_time_s(w, torch.float32, 1), torch_time_s(w, torch.bfloat16, 1)
+    rows = []
+    for fmt in fmts:
+        for path in paths:
+            if path == "scalar" and fmt in ("bf16", "fp16") and shape[0] * shape[1] > 2**22:
+                continue  # the scalar half-precision reference is too slow to be worth the wait
+            t, nbytes = kernel_time_s(w, fmt, path, 1)
+            rows.append(dict(shape=shape, count=count, threads=n_threads, fmt=fmt, path=path, t=t, nbytes=nbytes,
+                             gbps=nbytes / t / 1e9, x_bw=nbytes / t / bw_bps, vs_fp32=t32 / t, vs_bf16=t16 / t,
+                             t32=t32, t16=t16))
+    return rows
+
+
+def print_gemv(rows: list[dict]) -> None:
+    print(f"{'shape':>13} {'thr':>3} {'format':>6} {'path':>6} {'us':>9} {'GB/s':>6} {'xBW':>5} "
+          f"{'vs fp32':>8} {'vs bf16':>8}")
+    for r in rows:
+        print(f"{r['shape'][0]:>6}x{r['shape'][1]:<6} {r['threads']:>3} {r['fmt']:>6} {r['path']:>6} "
+              f"{r['t'] * 1e6:9.1f} {r['gbps']:6.1f} {r['x_bw']:5.2f} {r['vs_fp32']:7.2f}x {r['vs_bf16']:7.2f}x")
+
+
+def print_layer_summary(model: str, rows: list[dict], bw: dict[int, float]) -> None:
+    """Whole decoder block (each linear weighted by its count): bytes/s and speedup over torch."""
+    keys = sorted({(r["threads"], r["fmt"], r["path"]) for r in rows})
+    for n_threads, fmt, path in keys:
+        sel = [r for r in rows if (r["threads"], r["fmt"], r["path"]) == (n_threads, fmt, path)]
+        t = sum(r["t"] * r["count"] for r in sel)
+        nbytes = sum(r["nbytes"] * r["count"] for r in sel)
+        t32 = sum(r["t32"] * r["count"] for r in sel)
+        t16 = sum(r["t16"] * r["count"] for r in sel)
+        print(f"  {model} block, {n_threads} thr, {fmt:>5} {path:>6}: {nbytes / t / 1e9:6.1f} GB/s = "
+              f"{nbytes / t / bw[n_threads]:.2f}x read BW; {t32 / t:5.2f}x torch fp32, {t16 / t:5.2f}x torch bf16")
+
+
+def gemm_report(shapes, batches, fmts, threads) -> None:
+    """Matrix-matrix throughput (GFLOP/s) of the active path against torch fp32 and bf16."""
+    print(f"\n== matrix-matrix (path {K.ACTIVE_PATH}) ==")
+    print(f"{'shape':>13} {'batch':>5} {'thr':>3} {'format':>6} {'GFLOP/s':>8} {'vs fp32':>8} {'vs bf16':>8}")
+    for shape in shapes:
+        w = torch.randn(shape) * 0.02
+        for n in batches:
+            for n_threads in threads:
+                torch.set_num_threads(n_threads)
+                t32, t16 = torch_time_s(w, torch.float32, n), torch_time_s(w, torch.bfloat16, n)
+                flop = 2.0 * n * shape[0] * shape[1]
+                print(f"{shape[0]:>6}x{shape[1]:<6} {n:>5} {n_threads:>3} {'torch':>6} {flop / t32 / 1e9:8.1f} "
+                      f"{'(fp32)':>8} {flop / t16 / 1e9:7.1f}b")
+                for fmt in fmts:
+                    t, _ = kernel_time_s(w, fmt, K.ACTIVE_PATH, n)
+                    print(f"{shape[0]:>6}x{shape[1]:<6} {n:>5} {n_threads:>3} {fmt:>6} {flop / t / 1e9:8.1f} "
+                          f"{t32 / t:7.2f}x {t16 / t:7.2f}x")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["135m", "8b", "70b"], choices=sorted(MODEL_KEYS))
+    ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--formats", nargs="+", default=["q8_0", "q4_0", "bf16", "fp16"], choices=K.FORMATS)
+    ap.add_argument("--paths", nargs="+", default=[K.ACTIVE_PATH], help="kernel paths (e.g. avx2 scalar numba)")
+    ap.add_argument("--batches", nargs="+", type=int, default=[16, 128])
+    ap.add_argument("--no-gemm", action="store_true", help="skip the matrix-matrix section")
+    args = ap.parse_args()
+    old_threads = torch.get_num_threads()
+    print(f"offload kernels: active path {K.ACTIVE_PATH}; CPU features {' '.join(sorted(K.CPU_FEATURES))}")
+    bw = {}
+    for n_threads in args.threads:
+        torch.set_num_threads(n_threads)
+        bw[n_threads] = read_bandwidth_bps(n_threads)
+        print(f"memory read bandwidth, {n_threads} thread(s): {bw[n_threads] / 1e9:.1f} GB/s")
+    for key in args.models:
+        model = MODEL_KEYS[key]
+        shapes = MODELS[model] + ([(LM_HEAD, 1)] if key == "135m" else [])
+        print(f"\n== matrix-vector (decode), {model} ==")
+        rows = [r for n_threads in args.threads for shape, count in shapes
+                for r in gemv_rows(shape, count, args.formats, args.paths, n_threads, bw[n_threads])]
+        print_gemv(rows)
+        print_layer_summary(model, [r for r in rows if r["shape"] != LM_HEAD], bw)
+    if not args.no_gemm:
+        gemm_report(GEMM_SHAPES, args.batches, [f for f in args.formats if f in ("q8_0", "q4_0", "bf16")],
+                    args.threads)
+    torch.set_num_threads(old_threads)
+
+
+if __name__ == "__main__":
+    main()
