@@ -73,6 +73,13 @@ def test_pack_accepts_bf16_and_fp16_input_like_fp32():
     (lambda: K.pack(torch.randn(4, 64).double(), "q8_0"), "float32/bfloat16/float16"),
     (lambda: K.pack(torch.randn(64), "q8_0"), "2-D"),
     (lambda: K.PackedWeight.from_gguf(b"\0" * 33, "q8_0", (1, 32)), "needs 34 bytes"),
+    (lambda: K.PackedWeight("q8_0", (2, 32), torch.zeros(2, 32, dtype=torch.uint8),
+                            torch.zeros(2, 1, dtype=torch.float16)), "quants must be"),
+    (lambda: K.PackedWeight("q4_0", (2, 64), torch.zeros(2, 32, dtype=torch.uint8),
+                            torch.zeros(2, 2, dtype=torch.float32)), "scales must be"),
+    (lambda: K.PackedWeight("q4_0", (2, 64), torch.zeros(2, 64, dtype=torch.uint8),
+                            torch.zeros(2, 2, dtype=torch.float16)), "quants must be"),
+    (lambda: K.PackedWeight("bf16", (2, 8), torch.zeros(2, 8), None), "quants must be"),
 ])
 def test_bad_pack_inputs_raise_kernel_error(bad, match):
     with pytest.raises(KernelError, match=match):

@@ -19,7 +19,8 @@ class PackedWeight:
     __slots__ = ("fmt", "shape", "qs", "d", "fmt_id", "qs_ptr", "d_ptr", "_d32")
 
     def __init__(self, fmt: str, shape: tuple[int, int], qs: torch.Tensor, d: torch.Tensor | None):
-        self.fmt, self.shape = fmt, (int(shape[0]), int(shape[1]))
+        self.fmt, self.shape = fmt, _check_shape(fmt, tuple(shape))
+        _check_parts(fmt, self.shape, qs, d)
         self.qs, self.d = qs.contiguous(), None if d is None else d.contiguous()
         self.fmt_id = FMT_IDS[fmt]
         self.qs_ptr = self.qs.data_ptr()
@@ -80,6 +81,24 @@ def _check_shape(fmt: str, shape) -> tuple[int, int]:
     return int(shape[0]), int(shape[1])
 
 
+def _check_parts(fmt: str, shape: tuple[int, int], qs: torch.Tensor, d: torch.Tensor | None) -> None:
+    """The kernels read raw memory: refuse parts whose dtype, shape or device is not the layout's."""
+    m, k = shape
+    if fmt in _HALF:
+        want_qs, want_d = ((m, k), _HALF[fmt]), None
+    else:
+        width = k if fmt == "q8_0" else k // 2
+        want_qs = ((m, width), torch.int8 if fmt == "q8_0" else torch.uint8)
+        want_d = ((m, k // quant.QK), torch.float16)
+    for name, t, want in (("quants", qs, want_qs), ("scales", d, want_d)):
+        if want is None and t is None:
+            continue
+        if (t is None or want is None or tuple(t.shape) != want[0] or t.dtype != want[1]
+                or t.device.type != "cpu"):
+            raise KernelError(f"{fmt} weight [{m}, {k}]: {name} must be a CPU {want and want[1]} tensor of shape "
+                              f"{want and list(want[0])}, got {None if t is None else (t.dtype, list(t.shape), t.device.type)}")
+
+
 def pack(w: torch.Tensor, fmt: str, ext=None, n_threads: int | None = None) -> PackedWeight:
     """Quantize or convert w [M, K] (fp32/bf16/fp16) to fmt; q8_0/q4_0 match gguf-py's quantize bit for bit."""
     if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
@@ -92,8 +111,7 @@ def pack(w: torch.Tensor, fmt: str, ext=None, n_threads: int | None = None) -> P
     if ext is None:
         fn = quant.quantize_q8_0_np if fmt == "q8_0" else quant.quantize_q4_0_np
         qs, d = fn(w32.numpy())
-        qs_t = torch.from_numpy(qs)
-        return PackedWeight(fmt, (m, k), qs_t if fmt == "q8_0" else qs_t, torch.from_numpy(d))
+        return PackedWeight(fmt, (m, k), torch.from_numpy(qs), torch.from_numpy(d))
     qs_t = torch.empty((m, k if fmt == "q8_0" else k // 2), dtype=torch.int8 if fmt == "q8_0" else torch.uint8)
     d_t = torch.empty((m, k // quant.QK), dtype=torch.float16)
     ext.quantize_weights(FMT_IDS[fmt], w32.data_ptr(), m, k, qs_t.data_ptr(), d_t.data_ptr(),
