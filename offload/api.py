@@ -11,7 +11,13 @@ import torch
 
 from offload.errors import ConfigError
 from offload.generate import Generator, Sequence
-from offload.model.model import load_model
+from offload.model.model import QUANTIZATIONS
+from offload.model.sources import CheckpointSource
+from offload.planner import Workload
+from offload.runtime.executor import PlacedModel
+from offload.runtime.placement import Placement
+from offload.runtime.setup import make_backend, make_plan
+from offload.runtime.timeline import Timeline
 from offload.sampling import SamplingParams
 from offload.spec import load_spec
 from offload.weights.default_model import resolve_model
@@ -19,6 +25,10 @@ from offload.weights.loader import Checkpoint
 
 _DTYPES = {"auto": torch.float32, "fp32": torch.float32, "float32": torch.float32,
            "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+DEFAULT_MAX_MODEL_LEN = 2048  # context the KV cache is budgeted for unless max_model_len says otherwise
+_FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -54,17 +64,45 @@ class RequestOutput:
 
 
 class LLM:
-    """A model loaded for generation; model is a Hugging Face folder or 'default'."""
+    """A model loaded for generation; model is a Hugging Face folder or 'default'.
+
+    Where each block goes comes from the planner (memory budgets, hardware profile, workload) unless a
+    Placement is given; the executor then runs that placement on the CUDA backend if a GPU is present,
+    else on the CPU backend.
+    """
 
     def __init__(self, model: str | Path = "default", quantization: str = "none", dtype: str = "auto",
-                 max_batch_size: int = 32):
+                 max_batch_size: int = 32, *, placement: Placement | None = None, gpu_memory=None,
+                 cpu_memory=None, disk_memory=None, hardware=None, backend: str = "auto",
+                 max_model_len: int | None = None, prefetch_depth: int = 2, disk_dir: str | None = None):
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, fp32, bf16, fp16")
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
+        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise ConfigError(f"max_batch_size must be a whole number of 1 or more, got {max_batch_size!r}")
         self.path = resolve_model(model)
         self.spec = load_spec(self.path)
-        self.model = load_model(Checkpoint(self.path), self.spec, _DTYPES[dtype], quantization)
+        self.backend = make_backend(backend)
+        torch_dtype = _DTYPES[dtype] if dtype != "auto" else (
+            torch.float32 if self.backend.name == "cpu" else torch.bfloat16)
+        self.plan = None
+        if placement is None:
+            workload = Workload(batch_size=max_batch_size, kv_dtype=_FORMAT_OF_DTYPE[torch_dtype],
+                                **_lengths(self.spec, max_model_len))
+            self.plan = make_plan(self.spec, quantization, torch_dtype, workload, hardware, gpu_memory,
+                                  cpu_memory, disk_memory, prefetch_depth)
+            placement = Placement.from_plan(self.plan)
+        source = CheckpointSource(Checkpoint(self.path), self.spec, torch_dtype, quantization)
+        self.model = PlacedModel(self.spec, source, placement, self.backend, torch_dtype, disk_dir)
         self.tokenizer = _load_tokenizer(self.path)
-        self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_batch_size)
+        self.max_model_len = sum(_lengths(self.spec, max_model_len).values())
+        self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_batch_size, self.max_model_len)
+
+    @property
+    def timeline(self) -> Timeline:
+        """Every copy, read and block computed so far, for the report."""
+        return self.model.timeline
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.spec.eos_token_ids)
@@ -138,6 +176,15 @@ def _broadcast(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ConfigError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt")
     return params
+
+
+def _lengths(spec, max_model_len: int | None) -> dict:
+    """Prompt and generation lengths the plan budgets the KV cache for."""
+    total = min(max_model_len or DEFAULT_MAX_MODEL_LEN, spec.max_position_embeddings)
+    if total < 2:
+        raise ConfigError(f"max_model_len must be at least 2, got {max_model_len}")
+    gen = min(128, total // 4) or 1
+    return {"prompt_len": total - gen, "gen_len": gen}
 
 
 def _load_tokenizer(path: Path):

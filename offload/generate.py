@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
@@ -9,7 +10,7 @@ from typing import Callable
 import torch
 
 from offload.errors import ConfigError
-from offload.model.model import Model
+from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.sampling import SamplingParams, sample
 
 PREFILL_TOKENS_PER_PASS = 4096  # padded prompt tokens per prefill pass, bounds activation memory
@@ -36,12 +37,14 @@ class Sequence:
 class Generator:
     """Runs sequences through a Model in batches of at most max_batch_size cache slots."""
 
-    def __init__(self, model: Model, tokenizer=None, eos_ids: tuple[int, ...] = (), max_batch_size: int = 32):
+    def __init__(self, model: Model, tokenizer=None, eos_ids: tuple[int, ...] = (), max_batch_size: int = 32,
+                 max_model_len: int | None = None):
         self.model = model
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.max_batch_size = max_batch_size
-        self.context_len = model.spec.max_position_embeddings
+        self.context_len = min(max_model_len or model.spec.max_position_embeddings,
+                               model.spec.max_position_embeddings)
 
     def run(self, seqs: list[Sequence], on_finish: Callable[[Sequence], None] | None = None) -> None:
         """Generate until every sequence has finished; on_finish is called as each one does."""
@@ -63,22 +66,34 @@ class Generator:
                 admitted.append(seq)
             if admitted:
                 for group in _prefill_groups(admitted):
-                    self._sample_next(group, self._prefill(group, cache, max_len))
+                    start = time.perf_counter()
+                    logits = self._prefill(group, cache, max_len)
+                    self._count("prefill", start, sum(len(s.prompt_ids) for s in group))
+                    self._sample_next(group, logits)
             else:
                 batch = list(active.values())
-                self._sample_next(batch, self._decode(batch, cache, max_len))
+                start = time.perf_counter()
+                logits = self._decode(batch, cache, max_len)
+                self._count("decode", start, len(batch))
+                self._sample_next(batch, logits)
             for seq in [s for s in active.values() if s.finish_reason]:
                 del active[seq.slot]
                 free.append(seq.slot)
                 if on_finish:
                     on_finish(seq)
 
+    def _count(self, phase: str, start_s: float, n_tokens: int) -> None:
+        timeline = getattr(self.model, "timeline", None)
+        if timeline is not None:
+            timeline.add_phase(phase, time.perf_counter() - start_s, n_tokens)
+
     def _check(self, seq: Sequence) -> None:
         if not seq.prompt_ids:
             raise ConfigError(f"request {seq.request_id} has an empty prompt; give at least one token")
         if len(seq.prompt_ids) >= self.context_len:
             raise ConfigError(f"request {seq.request_id}: prompt of {len(seq.prompt_ids)} tokens does not fit the "
-                              f"model's context of {self.context_len}; shorten the prompt")
+                              f"context of {self.context_len} tokens; shorten the prompt or raise max_model_len "
+                              f"(at most the model's {self.model.spec.max_position_embeddings})")
         vocab = self.model.spec.vocab_size
         if max(seq.prompt_ids) >= vocab or min(seq.prompt_ids) < 0:
             raise ConfigError(f"request {seq.request_id}: prompt token ids must lie in [0, {vocab}); "

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 QK = 32
+DEQUANT_CHUNK_ELEMENTS = 1 << 26  # dequantize big matrices (a 70B lm_head) in row slices of at most this many
 
 
 def dequantize(qs: torch.Tensor, d: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
@@ -38,8 +39,14 @@ class DeviceQuantWeight:
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] @ W.T + bias, with W dequantized into x's dtype for this call only."""
-        w = dequantize(self.qs, self.d, self.fmt, x.dtype)
-        return F.linear(x, w, None if bias is None else bias.to(x.dtype))
+        bias = None if bias is None else bias.to(x.dtype)
+        m, k = self.shape
+        rows = max(1, DEQUANT_CHUNK_ELEMENTS // k)
+        if rows >= m:
+            return F.linear(x, dequantize(self.qs, self.d, self.fmt, x.dtype), bias)
+        parts = [F.linear(x, dequantize(self.qs[r: r + rows], self.d[r: r + rows], self.fmt, x.dtype),
+                          None if bias is None else bias[r: r + rows]) for r in range(0, m, rows)]
+        return torch.cat(parts, dim=-1)
 
     @property
     def nbytes(self) -> int:

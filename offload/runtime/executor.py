@@ -42,6 +42,7 @@ class PlacedModel:
         self.ring = self._make_ring()
         self.reader = self._make_reader()
         self._cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
+        self._overlap = self.ring is not None or self.reader is not None
         self._kv_bytes: dict[str, int] = {}
         self._stream_queue: list[str] = []
         self._next_copy = 0
@@ -187,7 +188,10 @@ class PlacedModel:
                 y = self._compute(name, weights, x, step, cache, steps, device)
         else:
             start = Timeline.now()
-            y = self._cpu_pool.submit(self._compute, name, weights, x, step, cache, steps, device).result()
+            if self._overlap:  # a worker thread, so copies and reads keep being issued meanwhile
+                y = self._cpu_pool.submit(self._compute, name, weights, x, step, cache, steps, device).result()
+            else:
+                y = self._compute(name, weights, x, step, cache, steps, device)
             self.timeline.add(Span("cpu_block", phase, name, start, Timeline.now(), n_tokens=n_tokens))
         self._release(name, phase)
         return y

@@ -1,0 +1,135 @@
+"""Schedule tests on the CPU backend: prefetch order, staging-slot bounds, disk read-ahead bounds, peak memory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_hf_model, save_hf_model
+from offload import LLM, SamplingParams
+from offload.model.sources import CheckpointSource
+from offload.runtime.cpu_backend import CPUBackend
+from offload.runtime.executor import PlacedModel
+from offload.runtime.placement import Placement
+from offload.runtime.staging import StagingRing
+from offload.spec import load_spec
+from offload.weights.loader import Checkpoint
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    hf = make_hf_model("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=256)
+    return save_hf_model(hf, tmp_path_factory.mktemp("m") / "tiny8")
+
+
+def run_placed(folder, placement, n_prompts=3, max_tokens=4):
+    spec = load_spec(folder)
+    model = PlacedModel(spec, CheckpointSource(Checkpoint(folder), spec, torch.float32), placement, CPUBackend())
+    llm_like = LLMOver(model)
+    llm_like.generate(n_prompts, max_tokens)
+    return model
+
+
+class LLMOver:
+    """Just enough of a generator run over a PlacedModel."""
+
+    def __init__(self, model):
+        from offload.generate import Generator
+
+        self.model, self.gen = model, Generator(model, max_batch_size=4)
+
+    def generate(self, n_prompts: int, max_tokens: int):
+        from offload.generate import Sequence
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+        seqs = [Sequence(i, [3 + i, 9, 27, 81, 5][: 2 + i], params) for i in range(n_prompts)]
+        self.gen.run(seqs)
+        return seqs
+
+
+def forward_passes(log):
+    """The backend's event log cut into forward passes (each ends when lm_head releases its slot)."""
+    passes, current = [], []
+    for event in log:
+        current.append(event)
+        if event[0] == "release" and event[1] == "lm_head":
+            passes.append(current)
+            current = []
+    return passes
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_copy_of_block_j_plus_k_is_issued_as_block_j_is_released(model_dir, k):
+    spec = load_spec(model_dir)
+    model = run_placed(model_dir, Placement.uniform(spec, "cpu", "stream", prefetch_depth=k))
+    order, passes = model.order, forward_passes(model.backend.log)
+    assert len(passes) >= 4  # prefill + decode steps
+    for log in passes:
+        at = {(e, u): i for i, (e, u, _) in enumerate(log)}
+        assert [u for e, u, _ in log if e == "compute"] == order
+        for j, unit in enumerate(order):
+            # blocks j+1 .. j+k-1 were already being copied when block j computed ...
+            for ahead in order[j + 1: j + k]:
+                assert at[("copy", ahead)] < at[("compute", unit)]
+            # ... and block j+k's copy is issued into block j's slot as soon as j is released
+            if j + k < len(order):
+                nxt = at[("compute", order[j + 1])]
+                assert at[("release", unit)] < at[("copy", order[j + k])] < nxt
+    assert model.ring.n_slots == k and model.ring.max_in_use <= k
+
+
+def test_slot_never_overwritten_while_in_use(model_dir):
+    spec = load_spec(model_dir)
+    model = run_placed(model_dir, Placement.random(spec, 5, prefetch_depth=2))
+    state = {}  # slot -> unit currently held, until released
+    for event, unit, slot in model.backend.log:
+        if event == "copy":
+            assert slot not in state, f"slot {slot} overwritten by {unit} while {state.get(slot)} used it"
+            state[slot] = unit
+        elif event == "compute":
+            assert state.get(slot) == unit
+        elif event == "release":
+            assert state.pop(slot) == unit
+
+
+def test_ring_refuses_to_overwrite_a_slot_in_use():
+    ring = StagingRing(CPUBackend(), n_slots=1, slot_bytes=16)
+    ring.load("layer.0", torch.zeros(16, dtype=torch.uint8), "prefill")
+    with pytest.raises(RuntimeError, match="still in use"):
+        ring.load("layer.1", torch.zeros(16, dtype=torch.uint8), "prefill")
+
+
+@pytest.mark.parametrize("read_ahead", [1, 2])
+def test_disk_read_ahead_stays_within_its_bound(model_dir, read_ahead):
+    spec = load_spec(model_dir)
+    for compute in ("cpu", "stream"):
+        placement = Placement.uniform(spec, "disk", compute, read_ahead=read_ahead)
+        model = run_placed(model_dir, placement)
+        assert 1 <= model.reader.max_in_use <= read_ahead
+        assert len(model.reader.buffers) == read_ahead
+        largest = max(model.layouts[n].n_bytes for n in model.order)
+        ring = model.ring.n_slots * model.ring.slot_bytes if model.ring else 0
+        assert model.backend.memory.peak_bytes["cpu"] <= read_ahead * largest + _kv_bytes(model, "cpu")
+        assert model.backend.memory.peak_bytes["gpu"] <= ring + _kv_bytes(model, "gpu")
+        reads = [s for s in model.timeline.spans if s.kind == "disk_read"]
+        assert len(reads) >= len(model.order)
+
+
+def _kv_bytes(model, tier: str) -> int:
+    return model._kv_bytes.get(tier, 0)
+
+
+def test_peak_memory_stays_within_the_plan(model_dir):
+    """A planned mix of resident, streamed and CPU blocks on a simulated 24 GB-class profile."""
+    llm = LLM(str(model_dir), hardware="rtx4090-ddr5", gpu_memory="6000KiB", cpu_memory="1GiB", backend="cpu",
+              max_batch_size=8, max_model_len=64)
+    modes = {(u.weight_tier, u.prefill, u.decode) for u in llm.plan.units}
+    assert ("gpu", "gpu", "gpu") in modes and any("stream" in m for m in modes) and ("cpu", "cpu", "cpu") in modes
+    prompts = [[(7 * i + j) % 160 for j in range(40 + i)] for i in range(8)]
+    out = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    for tier in ("gpu", "cpu"):
+        usage = llm.plan.tier(tier)
+        assert llm.backend.memory.peak_bytes[tier] <= usage.total_bytes <= usage.budget_bytes
+    reference = LLM(str(model_dir), placement=Placement.uniform(llm.spec, "cpu", "cpu"), backend="cpu")
+    ref = reference.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in out] == [o.token_ids for o in ref]
