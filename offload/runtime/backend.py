@@ -90,6 +90,10 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for all device work and resolve pending timings."""
 
+    def reset_peak(self) -> None:
+        """Start peak tracking afresh."""
+        self.memory.peak_bytes = dict(self.memory.now_bytes)
+
     def peak_device_bytes(self) -> int:
         """Peak device memory as the device itself reports it (the tracker's figure on the CPU backend)."""
         return self.memory.peak_bytes["gpu"]

@@ -95,5 +95,28 @@ class CUDABackend(Backend):
             self.timeline.add(Span(kind, phase, unit, s, e, n_bytes=n_bytes))
         self._pending.clear()
 
+    def measure_h2d_bps(self, n_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:
+        """(pinned, pageable) host-to-device bandwidth in bytes/s, the median of repeats copies of n_bytes."""
+        dst = torch.empty(n_bytes, dtype=torch.uint8, device=self.device)
+        rates = []
+        for pinned in (True, False):
+            src = torch.empty(n_bytes, dtype=torch.uint8, pin_memory=pinned)
+            times = []
+            for _ in range(repeats):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dst.copy_(src, non_blocking=pinned)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            rates.append(n_bytes / sorted(times)[len(times) // 2])
+            del src
+        del dst
+        return rates[0], rates[1]
+
+    def reset_peak(self) -> None:
+        super().reset_peak()
+        torch.cuda.reset_peak_memory_stats(self.device)
+
     def peak_device_bytes(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.device))

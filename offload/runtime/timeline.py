@@ -57,17 +57,31 @@ class Timeline:
             self.phase_time_s[phase] += elapsed_s
             self.phase_tokens[phase] += n_tokens
 
+    def intervals(self, resource: str, phase: str) -> list[tuple[float, float]]:
+        """The resource's busy intervals in the phase, overlapping spans merged, in time order."""
+        merged: list[tuple[float, float]] = []
+        for start, end in sorted((s.start_s, s.end_s) for s in self.spans
+                                 if s.phase == phase and s.resource == resource):
+            if merged and start <= merged[-1][1]:
+                merged[-1] = (merged[-1][0], max(merged[-1][1], end))
+            else:
+                merged.append((start, end))
+        return merged
+
     def busy_s(self, resource: str, phase: str) -> float:
         """Seconds the resource was busy in the phase (overlapping spans on one resource merged)."""
-        intervals = sorted((s.start_s, s.end_s) for s in self.spans if s.phase == phase and s.resource == resource)
-        total, cur_start, cur_end = 0.0, None, None
-        for start, end in intervals:
-            if cur_end is None or start > cur_end:
-                total += 0.0 if cur_end is None else cur_end - cur_start
-                cur_start, cur_end = start, end
-            else:
-                cur_end = max(cur_end, end)
-        return total + (0.0 if cur_end is None else cur_end - cur_start)
+        return sum(end - start for start, end in self.intervals(resource, phase))
+
+    def overlap_s(self, a: str, b: str, phase: str) -> float:
+        """Seconds in the phase when resources a and b were both busy (e.g. copies hidden under GPU compute)."""
+        total, other = 0.0, self.intervals(b, phase)
+        for start, end in self.intervals(a, phase):
+            for o_start, o_end in other:
+                total += max(0.0, min(end, o_end) - max(start, o_start))
+        return total
+
+    def bytes_moved(self, kind: str, phase: str) -> int:
+        return sum(s.n_bytes for s in self.spans if s.kind == kind and s.phase == phase)
 
     def clear(self) -> None:
         with self._lock:

@@ -1,0 +1,51 @@
+"""CUDA backend tests: skipped without a GPU, run by scripts/gpu_check.sh on one."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import assert_logits_close, make_hf_model, offload_logits, save_hf_model
+from offload.model.model import load_model
+from offload.model.sources import CheckpointSource
+from offload.runtime.executor import PlacedModel
+from offload.runtime.placement import Placement
+from offload.spec import load_spec
+from offload.weights.loader import Checkpoint
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = save_hf_model(make_hf_model("llama", num_hidden_layers=4), tmp_path_factory.mktemp("m") / "tiny")
+    return folder, load_spec(folder)
+
+
+@pytest.mark.parametrize("mix", [("gpu", "gpu"), ("cpu", "stream"), ("disk", "stream"), 0, 1, 2])
+@pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_0"])
+def test_cuda_placements_match_cpu(tiny, mix, quantization):
+    """fp32 on the GPU against the CPU resident model: 1e-4 of the logit range (3e-2 with quantized CPU blocks)."""
+    from offload.runtime.cuda_backend import CUDABackend
+
+    folder, spec = tiny
+    placement = Placement.random(spec, mix) if isinstance(mix, int) else Placement.uniform(spec, *mix)
+    source = CheckpointSource(Checkpoint(folder), spec, torch.float32, quantization)
+    model = PlacedModel(spec, source, placement, CUDABackend(), torch.float32)
+    reference = load_model(Checkpoint(folder), spec)  # the float model; quantized runs get quantization noise
+    ids = [5, 17, 33, 2, 90, 11, 4]
+    rel = 1e-4 if quantization == "none" else 5e-2
+    assert_logits_close(offload_logits(model, ids), offload_logits(reference, ids), rel=rel)
+    kinds = {s.kind for s in model.timeline.spans}
+    assert "gpu_block" in kinds
+
+
+def test_cuda_peak_memory_within_plan(tiny):
+    from offload import LLM, SamplingParams
+
+    folder, _ = tiny
+    torch.cuda.reset_peak_memory_stats()
+    llm = LLM(str(folder), hardware="rtx4090-ddr5", gpu_memory="3MiB", cpu_memory="1GiB", backend="cuda",
+              max_batch_size=4, max_model_len=64, dtype="fp32")
+    llm.generate([[1, 2, 3, 4, 5]] * 4, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+    assert llm.backend.peak_device_bytes() <= llm.plan.tier("gpu").budget_bytes
