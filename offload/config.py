@@ -96,7 +96,8 @@ class ReportConfig(_Section):
     trace: str | None = None
     plot: str | None = None
     progress: bool = True
-    print: bool = True
+    print: bool = True  # the report, at the end
+    echo: bool = False  # each answer, as it finishes
 
 
 class JobConfig(_Section):

@@ -44,6 +44,7 @@ def add_run_parser(sub) -> None:
     _add_config_flags(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a terminal)")
     p.add_argument("--restart", action="store_true", help="discard existing outputs and start over")
+    p.add_argument("--echo", action="store_true", help="print each answer as it finishes (report.echo)")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     p.set_defaults(func=run_run)
 
@@ -61,6 +62,8 @@ def effective_config(args):
     overrides = {key: getattr(args, dest) for dest, key in OVERRIDES.items() if getattr(args, dest) is not None}
     if getattr(args, "no_progress", False):
         overrides["report.progress"] = False
+    if getattr(args, "echo", False):
+        overrides["report.echo"] = True
     overrides.update(dict(parse_set_option(s) for s in args.set))
     return load_config(args.config, overrides)
 

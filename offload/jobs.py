@@ -43,7 +43,7 @@ def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, p
         if todo:
             llm = llm if llm is not None else load_llm(config)
             timeline = job_timeline(llm)
-            generate_all(llm, todo, log, counts, _progress_on(config, progress))
+            generate_all(llm, todo, log, counts, _progress_on(config, progress), config.report.echo)
     except KeyboardInterrupt:
         counts.interrupted = True
         raise
@@ -121,7 +121,8 @@ def prepare(llm, req: Request) -> Prepared:
     return Prepared(req, {"prompt_token_ids": ids, "prompt": text})
 
 
-def generate_all(llm, todo: list[Request], log: OutputLog, counts: JobCounts, progress: bool) -> None:
+def generate_all(llm, todo: list[Request], log: OutputLog, counts: JobCounts, progress: bool,
+                 echo: bool = False) -> None:
     """Generate every request in one continuous batch, appending each result as it finishes."""
     ready = []
     for req in todo:
@@ -147,6 +148,8 @@ def generate_all(llm, todo: list[Request], log: OutputLog, counts: JobCounts, pr
         counts.generate_s = Timeline.now() - start
         bar.set_postfix_str(f"{counts.n_generated_tokens / max(counts.generate_s, 1e-9):.1f} tok/s", refresh=False)
         bar.update(1)
+        if echo:
+            bar.write(f"{item.request.custom_id}: {out.text.strip()}")
 
     try:
         llm.generate([p.prompt for p in ready], [p.request.params for p in ready], on_finish=on_finish)
@@ -208,11 +211,11 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
 
 
 def peak_memory(llm) -> dict:
-    """Peak bytes per tier: RAM from the OS; VRAM from the runtime when it reports it."""
-    peaks = {"cpu": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
-    runtime_peaks = getattr(llm, "peak_memory", None)
-    if isinstance(runtime_peaks, dict):
-        peaks.update({k: v for k, v in runtime_peaks.items() if v is not None})
+    """Peak bytes per tier: RAM as the OS counts it; device memory as the runtime's backend reports it."""
+    peaks = {"cpu": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is in KiB on Linux
+    backend = getattr(llm, "backend", None)
+    if backend is not None and callable(getattr(backend, "peak_device_bytes", None)):
+        peaks["gpu"] = int(backend.peak_device_bytes())
     return peaks
 
 
