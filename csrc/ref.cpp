@@ -119,9 +119,13 @@ void quantize_w_q8_0_rows(const float* src, int64_t r0, int64_t r1, int64_t K, u
     for (int64_t b = 0; b < nb; ++b) {
       const float* v = src + r * K + b * QK;
       float amax = 0.f;
-      for (int64_t i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(v[i]));
+      for (int64_t i = 0; i < QK; ++i) { const float a = std::fabs(v[i]); amax = a > amax ? a : amax; }
       const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
-      for (int64_t i = 0; i < QK; ++i) qs[r * K + b * QK + i] = uint8_t(int8_t(std::round(v[i] * id)));
+      for (int64_t i = 0; i < QK; ++i) {  // roundf (half away from zero) in plain SSE2-vectorizable steps
+        const float t = v[i] * id, a = std::fabs(t);
+        const int q = int(a) + (a - float(int(a)) >= 0.5f ? 1 : 0);
+        qs[r * K + b * QK + i] = uint8_t(int8_t(t < 0.f ? -q : q));
+      }
       d[r * nb + b] = f32_to_fp16(dd);
     }
 }

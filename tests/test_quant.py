@@ -24,6 +24,8 @@ def hard_weights(m: int = 48, k: int = 320, seed: int = 0) -> np.ndarray:
     w[3, :32] = -np.abs(w[3, :32])                        # negative maximum (q4_0 sign of d)
     w[4, 32:64] = np.linspace(-1, 1, 32)
     w[5, :32] = 1e-30                                     # scale underflows fp16
+    w[6, :32] = np.r_[127.0, np.arange(-15, 16) + 0.5]    # q8_0: d = 1, exact .5 ties (away from zero)
+    w[7, :32] = np.r_[-8.0, np.arange(-7.5, 8.0, 0.5)]    # q4_0: d = 1, x + 8.5 lands on integers
     return w
 
 
