@@ -5,7 +5,6 @@ from __future__ import annotations
 import inspect
 import resource
 import sys
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from offload.batch import CHAT, BadLine, OutputLog, Request, error_record, file_
 from offload.config import JobConfig, load_config, validate_config
 from offload.errors import OffloadError
 from offload.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
-from offload.runtime.timeline import Span, Timeline
+from offload.runtime.timeline import Timeline
 
 
 @dataclass
@@ -158,40 +157,13 @@ def generate_all(llm, todo: list[Request], log: OutputLog, counts: JobCounts, pr
         bar.close()
 
 
-_FALLBACK_TIMELINES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def job_timeline(llm) -> tuple[Timeline, str] | None:
-    """The runtime's timeline (cleared for this job), else one timed per forward pass on the CPU path."""
+    """The runtime's timeline, cleared so that the report covers this job only."""
     timeline = getattr(llm, "timeline", None)
-    if timeline is not None:
-        timeline.clear()
-        return timeline, "executor"
-    gen = getattr(llm, "generator", None)
-    if gen is None or not all(callable(getattr(gen, f"_{p}", None)) for p in ("prefill", "decode")):
+    if timeline is None:
         return None
-    if gen not in _FALLBACK_TIMELINES:
-        timeline = Timeline()
-        for phase in ("prefill", "decode"):
-            setattr(gen, f"_{phase}", _timed_pass(getattr(gen, f"_{phase}"), phase, timeline))
-        _FALLBACK_TIMELINES[gen] = timeline
-    _FALLBACK_TIMELINES[gen].clear()
-    return _FALLBACK_TIMELINES[gen], "forward passes (whole-model cpu_block spans; no executor timeline)"
-
-
-def _timed_pass(method, phase: str, timeline: Timeline):
-    """Wrap a generator pass so that it records one cpu_block span with its tokens."""
-
-    def timed(seqs, *args, **kwargs):
-        start = Timeline.now()
-        out = method(seqs, *args, **kwargs)
-        end = Timeline.now()
-        n_tokens = sum(len(s.prompt_ids) for s in seqs) if phase == "prefill" else len(seqs)
-        timeline.add(Span("cpu_block", phase, "model", start, end, n_tokens=n_tokens))
-        timeline.add_phase(phase, end - start, n_tokens)
-        return out
-
-    return timed
+    timeline.clear()
+    return timeline, "executor"
 
 
 def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, str] | None) -> dict:
