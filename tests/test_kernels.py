@@ -126,6 +126,8 @@ def x_w(**kw):
     (x_w(x=torch.randn(1, 2, 64)), "2-D"),
     (x_w(bias=torch.randn(7)), "bias"),
     (x_w(bias=torch.randn(8).bfloat16()), "bias"),
+    (x_w(bias=torch.randn(8, 2)), "bias"),
+    (x_w(bias=torch.randn(16)[::2]), "bias"),
     ((torch.randn(2, 64), torch.randn(8, 64), None), "PackedWeight"),
 ])
 def test_bad_inputs_raise_kernel_error(args, match):

@@ -59,7 +59,8 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -
     shape = x.shape
     m, k = w.shape
     if (xt is None or len(shape) != 2 or shape[1] != k or not x.is_contiguous() or not x.is_cpu
-            or (bias is not None and (bias.dtype is not _F32 or bias.shape[0] != m or not bias.is_contiguous()))):
+            or (bias is not None and (bias.dtype is not _F32 or bias.dim() != 1 or bias.shape[0] != m
+                                      or not bias.is_contiguous() or not bias.is_cpu))):
         _check(x, w, bias)
     n = shape[0]
     y = torch.empty(n, m)  # twice as fast as passing dtype=; checked below
