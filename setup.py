@@ -36,7 +36,9 @@ def kernel_extensions():
         return []
     # Per-function target attributes select AVX2/AVX-512 code; the baseline stays generic x86-64.
     args = ["-O3", "-std=c++17", "-fopenmp"] if sys.platform != "win32" else ["/O2"]
-    return [Pybind11Extension("offload.kernels._C", sources, include_dirs=["csrc"],
+    # Headers and the per-ISA tile template (.inc) are dependencies: editing them must rebuild.
+    depends = sorted(glob.glob(os.path.join("csrc", "*.h")) + glob.glob(os.path.join("csrc", "*.inc")))
+    return [Pybind11Extension("offload.kernels._C", sources, include_dirs=["csrc"], depends=depends,
                               extra_compile_args=args,
                               extra_link_args=["-fopenmp"] if sys.platform != "win32" else [])]
 
