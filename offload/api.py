@@ -28,6 +28,7 @@ _DTYPES = {"auto": torch.float32, "fp32": torch.float32, "float32": torch.float3
 
 
 DEFAULT_MAX_MODEL_LEN = 2048  # context the KV cache is budgeted for unless max_model_len says otherwise
+DEFAULT_MAX_BATCH_SIZE = 32  # sequences in flight when a placement is given and no batch size
 _FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -66,20 +67,22 @@ class RequestOutput:
 class LLM:
     """A model loaded for generation; model is a Hugging Face folder or 'default'.
 
+    max_batch_size None lets the planner choose the batch with the best predicted throughput in the budget.
+
     Where each block goes comes from the planner (memory budgets, hardware profile, workload) unless a
     Placement is given; the executor then runs that placement on the CUDA backend if a GPU is present,
     else on the CPU backend.
     """
 
     def __init__(self, model: str | Path = "default", quantization: str = "none", dtype: str = "auto",
-                 max_batch_size: int = 32, *, placement: Placement | None = None, gpu_memory=None,
+                 max_batch_size: int | None = None, *, placement: Placement | None = None, gpu_memory=None,
                  cpu_memory=None, disk_memory=None, hardware=None, backend: str = "auto",
                  max_model_len: int | None = None, prefetch_depth: int = 2, disk_dir: str | None = None):
         if dtype not in _DTYPES:
             raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, fp32, bf16, fp16")
         if quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
-        if not isinstance(max_batch_size, int) or max_batch_size < 1:
+        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
             raise ConfigError(f"max_batch_size must be a whole number of 1 or more, got {max_batch_size!r}")
         self.path = resolve_model(model)
         self.spec = load_spec(self.path)
@@ -88,16 +91,19 @@ class LLM:
             torch.float32 if self.backend.name == "cpu" else torch.bfloat16)
         self.plan = None
         if placement is None:
-            workload = Workload(batch_size=max_batch_size, kv_dtype=_FORMAT_OF_DTYPE[torch_dtype],
+            workload = Workload(batch_size=max_batch_size or 1, kv_dtype=_FORMAT_OF_DTYPE[torch_dtype],
                                 **_lengths(self.spec, max_model_len))
             self.plan = make_plan(self.spec, quantization, torch_dtype, workload, hardware, gpu_memory,
-                                  cpu_memory, disk_memory, prefetch_depth)
+                                  cpu_memory, disk_memory, prefetch_depth, choose_batch=max_batch_size is None)
             placement = Placement.from_plan(self.plan)
+            max_batch_size = self.plan.workload.batch_size
+        self.max_batch_size = max_batch_size or DEFAULT_MAX_BATCH_SIZE
         source = CheckpointSource(Checkpoint(self.path), self.spec, torch_dtype, quantization)
         self.model = PlacedModel(self.spec, source, placement, self.backend, torch_dtype, disk_dir)
         self.tokenizer = _load_tokenizer(self.path)
         self.max_model_len = sum(_lengths(self.spec, max_model_len).values())
-        self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_batch_size, self.max_model_len)
+        self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), self.max_batch_size,
+                                   self.max_model_len)
 
     @property
     def timeline(self) -> Timeline:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import resource
 import sys
 from dataclasses import dataclass, field
@@ -78,16 +77,13 @@ def job_fingerprint(config: JobConfig) -> dict:
 
 
 def load_llm(config: JobConfig):
-    """The LLM for a config, passing memory budgets and hardware where the runtime accepts them."""
+    """The LLM for a config: model, budgets, hardware; the planner picks the batch size unless it is set."""
     from offload.api import LLM
 
-    accepted = inspect.signature(LLM).parameters
-    wanted = {"quantization": config.model.quantization, "dtype": config.model.dtype,
-              "max_batch_size": config.schedule.batch_size, "gpu_memory": config.memory.gpu,
-              "cpu_memory": config.memory.cpu, "disk_memory": config.memory.disk, "hardware": config.hardware,
-              "prefetch_depth": config.schedule.prefetch_depth}
-    kwargs = {k: v for k, v in wanted.items() if v is not None and k in accepted}
-    return LLM(config.model.path, **kwargs)
+    return LLM(config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
+               max_batch_size=config.schedule.batch_size, gpu_memory=config.memory.gpu,
+               cpu_memory=config.memory.cpu, disk_memory=config.memory.disk, hardware=config.hardware,
+               prefetch_depth=config.schedule.prefetch_depth)
 
 
 def _progress_on(config: JobConfig, progress: bool | None) -> bool:

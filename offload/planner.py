@@ -205,6 +205,34 @@ def plan(spec: ModelSpec, hardware: HardwareProfile, budget: Budget, workload: W
     return Search(spec, hardware, budget, workload, fmt, prefetch_depth).run()
 
 
+def plan_batch(spec: ModelSpec, hardware: HardwareProfile, budget: Budget, workload: Workload,
+               weight_format: str | None = None, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
+               max_batch: int = 256) -> Plan:
+    """The plan whose batch size (powers of two up to max_batch) gives the highest predicted job throughput.
+
+    workload.batch_size is ignored; PlanError if not even one sequence fits.
+    """
+    best, best_rate, batch = None, 0.0, 1
+    while batch <= max_batch:
+        try:
+            candidate = plan(spec, hardware, budget, _with_batch(workload, batch), weight_format, prefetch_depth)
+        except PlanError:
+            if best is None:
+                raise
+            break  # a larger batch needs more KV and workspace still
+        rate = batch * workload.gen_len / candidate.job_s
+        if rate > best_rate:
+            best, best_rate = candidate, rate
+        batch *= 2
+    return best
+
+
+def _with_batch(workload: Workload, batch: int) -> Workload:
+    from dataclasses import replace
+
+    return replace(workload, batch_size=batch)
+
+
 def workspace_bytes(spec: ModelSpec, workload: Workload, act_bytes: int, dequant_scratch: bool) -> int:
     """Activations at the largest shape on one device, plus bf16 scratch to dequantize the largest tensor."""
     b, p = workload.batch_size, workload.prompt_len

@@ -6,7 +6,7 @@ import torch
 
 from offload.errors import ConfigError
 from offload.hardware import default_hardware, load_hardware, parse_size
-from offload.planner import Budget, Plan, Workload, plan
+from offload.planner import Budget, Plan, Workload, plan, plan_batch
 from offload.runtime.backend import Backend
 from offload.runtime.cpu_backend import CPUBackend
 
@@ -29,7 +29,7 @@ def make_backend(name: str = "auto") -> Backend:
 
 
 def make_plan(spec, quantization: str, dtype: torch.dtype, workload: Workload, hardware=None, gpu_memory=None,
-              cpu_memory=None, disk_memory=None, prefetch_depth: int = 2) -> Plan:
+              cpu_memory=None, disk_memory=None, prefetch_depth: int = 2, choose_batch: bool = False) -> Plan:
     """Plan spec's units for the hardware profile (a preset name, a YAML path, a profile, or the default)."""
     if hardware is None:
         profile = default_hardware()
@@ -41,6 +41,8 @@ def make_plan(spec, quantization: str, dtype: torch.dtype, workload: Workload, h
                                  cpu_bytes=_size(cpu_memory, "cpu_memory"),
                                  disk_bytes=_size(disk_memory, "disk_memory") or 0)
     fmt = quantization if quantization != "none" else _FORMAT_OF_DTYPE[dtype]
+    if choose_batch:
+        return plan_batch(spec, profile, budget, workload, weight_format=fmt, prefetch_depth=prefetch_depth)
     return plan(spec, profile, budget, workload, weight_format=fmt, prefetch_depth=prefetch_depth)
 
 

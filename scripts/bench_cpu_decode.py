@@ -1,0 +1,98 @@
+"""CPU prefill and decode tokens/s of the default model: offload (each quantization) against llama.cpp.
+
+llama.cpp runs the same GGUF file the default model is converted from (llama-cpp-python; its column is
+skipped with a message if that package is not installed). Both use the same thread count. Prints the
+median of --repeats runs and offload's ratio against llama.cpp and against offload's unquantized path.
+
+  python scripts/bench_cpu_decode.py --threads 2 --decode-tokens 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from offload import LLM, SamplingParams
+from offload.runtime.placement import Placement
+from offload.weights.default_model import find_gguf
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
+
+
+def bench_offload(quantization: str, prompt_ids: list[int], n_decode: int, repeats: int) -> tuple[float, float]:
+    """Median (prefill tok/s, decode tok/s) of offload with every block computed on the CPU."""
+    llm = LLM("default", quantization=quantization, backend="cpu", max_batch_size=1, placement=_all_cpu())
+    params = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
+    llm.generate({"prompt_token_ids": prompt_ids}, params)  # warm-up
+    prefill, decode = [], []
+    for _ in range(repeats):
+        llm.timeline.clear()
+        llm.generate({"prompt_token_ids": prompt_ids}, params)
+        t = llm.timeline
+        prefill.append(t.phase_tokens["prefill"] / t.phase_time_s["prefill"])
+        decode.append(t.phase_tokens["decode"] / t.phase_time_s["decode"])
+    return statistics.median(prefill), statistics.median(decode)
+
+
+def _all_cpu() -> Placement:
+    from offload.spec import load_spec
+    from offload.weights.default_model import default_model_dir
+
+    return Placement.uniform(load_spec(default_model_dir()), "cpu", "cpu")
+
+
+def bench_llama_cpp(prompt_ids: list[int], n_decode: int, threads: int, repeats: int):
+    """Median (prefill tok/s, decode tok/s) of llama.cpp on the GGUF file, or None if it is not installed."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        return None
+    import numpy as np
+
+    llm = Llama(model_path=str(find_gguf()), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
+                n_batch=512, verbose=False)
+    prefill, decode = [], []
+    for _ in range(repeats + 1):
+        llm.reset()
+        start = time.perf_counter()
+        llm.eval(prompt_ids)
+        mid = time.perf_counter()
+        for _ in range(n_decode):
+            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+        end = time.perf_counter()
+        prefill.append(len(prompt_ids) / (mid - start))
+        decode.append(n_decode / (end - mid))
+    return statistics.median(prefill[1:]), statistics.median(decode[1:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    tokenizer = LLM("default", placement=_all_cpu(), backend="cpu").tokenizer
+    prompt_ids = tokenizer.encode(PROMPT)
+    print(f"default model, {len(prompt_ids)}-token prompt, {args.decode_tokens} decode tokens, "
+          f"{args.threads} threads, median of {args.repeats}")
+    results = {q: bench_offload(q, prompt_ids, args.decode_tokens, args.repeats) for q in ("none", "q8_0", "q4_0")}
+    ref = bench_llama_cpp(prompt_ids, args.decode_tokens, args.threads, args.repeats)
+    if ref is None:
+        print("llama.cpp column skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
+    else:
+        print(f"llama.cpp (GGUF Q4_1)   prefill {ref[0]:8.1f} tok/s   decode {ref[1]:7.1f} tok/s")
+    base = results["none"]
+    for q, (pre, dec) in results.items():
+        line = (f"offload {q:5s}           prefill {pre:8.1f} tok/s   decode {dec:7.1f} tok/s   "
+                f"decode vs unquantized {dec / base[1]:.2f}x")
+        if ref is not None:
+            line += f"   vs llama.cpp: prefill {pre / ref[0]:.2f}x, decode {dec / ref[1]:.2f}x"
+        print(line)
+
+
+if __name__ == "__main__":
+    main()
