@@ -18,15 +18,16 @@ namespace {
 
 struct KernelTable {
   QuantXFn quantize_x;
+  QuantX16Fn quantize_x16;
   QGemmFn q8_0, q4_0;
   FGemmFn bf16, f16;
 };
 
 // Indexed by Path. The AVX-512 path reuses AVX2 code where 512-bit/VNNI brings nothing.
 const KernelTable kTables[3] = {
-    {quantize_x_ref, gemm_q8_0_ref, gemm_q4_0_ref, gemm_bf16_ref, gemm_f16_ref},
-    {quantize_x_avx2, gemm_q8_0_avx2, gemm_q4_0_avx2, gemm_bf16_avx2, gemm_f16_avx2},
-    {quantize_x_avx2, gemm_q8_0_avx512, gemm_q4_0_avx512, gemm_bf16_avx2, gemm_f16_avx2},
+    {quantize_x_ref, quantize_x16_ref, gemm_q8_0_ref, gemm_q4_0_ref, gemm_bf16_ref, gemm_f16_ref},
+    {quantize_x_avx2, quantize_x16_avx2, gemm_q8_0_avx2, gemm_q4_0_avx2, gemm_bf16_avx2, gemm_f16_avx2},
+    {quantize_x_avx2, quantize_x16_avx2, gemm_q8_0_avx512, gemm_q4_0_avx512, gemm_bf16_avx2, gemm_f16_avx2},
 };
 
 std::vector<std::string> cpu_features() {
@@ -55,7 +56,7 @@ struct RowChunks {
 };
 
 struct Scratch {  // per calling thread, grown on demand: quantized activations
-  std::vector<int8_t> qs;
+  std::vector<int16_t> qs;  // int16 for q8_0 weights, int8 (first half of the bytes) for q4_0
   std::vector<float> d, s, xf;
 };
 thread_local Scratch tls;
@@ -66,18 +67,26 @@ void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N
   tls.qs.resize(size_t(N * K));
   tls.d.resize(size_t(N * nb));
   tls.s.resize(size_t(N * nb));
-  int8_t* qs = tls.qs.data(); float* d = tls.d.data(); float* s = tls.s.data();
+  int16_t* q16 = tls.qs.data(); float* d = tls.d.data(); float* s = tls.s.data();
+  int8_t* qs = reinterpret_cast<int8_t*>(q16);
   const int64_t xbytes = xtype == X_BF16 ? 2 : 4;
+  const bool wide = fmt == W_Q8_0;
   const XQ xq{qs, d, s, N, K};
-  const QGemmFn fn = fmt == W_Q8_0 ? t.q8_0 : t.q4_0;
-  if (N == 1) t.quantize_x(x, xtype, K, qs, d, s);  // tiny: no barrier needed before the rows
+  const QGemmFn fn = wide ? t.q8_0 : t.q4_0;
+  if (N == 1) {  // tiny: no barrier needed before the rows
+    if (wide) t.quantize_x16(x, xtype, K, q16, d);
+    else t.quantize_x(x, xtype, K, qs, d, s);
+  }
   const RowChunks chunks(w.M, nth);
 #pragma omp parallel num_threads(nth) if (nth > 1)
   {
     if (N > 1) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t n = 0; n < N; ++n)
-        t.quantize_x(static_cast<const char*>(x) + n * K * xbytes, xtype, K, qs + n * K, d + n * nb, s + n * nb);
+      for (int64_t n = 0; n < N; ++n) {
+        const void* xn = static_cast<const char*>(x) + n * K * xbytes;
+        if (wide) t.quantize_x16(xn, xtype, K, q16 + n * K, d + n * nb);
+        else t.quantize_x(xn, xtype, K, qs + n * K, d + n * nb, s + n * nb);
+      }
     }
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks.n; ++c) fn(w, xq, y, bias, chunks.r0(c), chunks.r1(c));

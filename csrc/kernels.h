@@ -22,9 +22,10 @@ struct WView {
   int64_t M, K;
 };
 
-// Activations quantized per block of 32 (q8_0 style), natural element order.
+// Activations quantized per block of 32, natural element order: int8 (q8_0 style) against q4_0
+// weights, int16 against q8_0 weights (whose 8-bit error would otherwise double: see quantize_x16_ref).
 struct XQ {
-  const int8_t* qs;  // [N, K]
+  const int8_t* qs;  // [N, K] int8, or int16 for q8_0 weights (then d is amax / 32767)
   const float* d;    // [N, K/32] scale of each block
   const float* s;    // [N, K/32] d * sum(q) of each block (for q4_0's -8 offset)
   int64_t N, K;
@@ -36,6 +37,8 @@ using FGemmFn = void (*)(const WView& w, const float* x, int64_t N, float* y, co
                          int64_t r0, int64_t r1);
 // Quantize one row of K activations (fp32 or bf16) into qs [K], d [K/32], s [K/32].
 using QuantXFn = void (*)(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
+// Quantize one row of K activations into int16 qs [K] and scales d [K/32].
+using QuantX16Fn = void (*)(const void* x, int xtype, int64_t K, int16_t* qs, float* d);
 
 float fp16_to_f32(uint16_t h);
 uint16_t f32_to_fp16(float f);  // round to nearest even, like numpy's astype(float16)
@@ -43,6 +46,7 @@ float bf16_to_f32(uint16_t h);
 
 // Scalar references (ref.cpp).
 void quantize_x_ref(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
+void quantize_x16_ref(const void* x, int xtype, int64_t K, int16_t* qs, float* d);
 void gemm_q8_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q4_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_bf16_ref(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
@@ -53,6 +57,7 @@ void quantize_w_q4_0_rows(const float* src, int64_t r0, int64_t r1, int64_t K, u
 
 // AVX2 + FMA + F16C (qgemm_avx2.cpp, fgemm_avx2.cpp).
 void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
+void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* d);
 void gemm_q8_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q4_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_bf16_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);

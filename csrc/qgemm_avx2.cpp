@@ -22,6 +22,11 @@ KFN __m256i dot_us2(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
   return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
 }
 
+// q8_0 x int16 activations: 16 products of each half, summed pairwise into 8 int32 lanes (exact).
+KFN __m256i dot_q8x16(__m256i w1, __m256i x1, __m256i w2, __m256i x2) {
+  return _mm256_add_epi32(_mm256_madd_epi16(w1, x1), _mm256_madd_epi16(w2, x2));
+}
+
 KFN __m256 load8(const void* x, int xtype, int64_t i) {
   if (xtype == X_BF16) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(x) + i));
@@ -55,6 +60,30 @@ void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), p);
     d[b] = amax / 127.f;
     s[b] = d[b] * hsum8(_mm256_cvtepi32_ps(sum));  // small integers: exact in fp32 in any order
+  }
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* d) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  for (int64_t b = 0; b < K / QK; ++b) {
+    __m256 v[4];
+    for (int i = 0; i < 4; ++i) v[i] = load8(x, xtype, b * QK + i * 8);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float amax = _mm_cvtss_f32(m4);
+    const __m256 id = _mm256_set1_ps(amax != 0.f ? 32767.f / amax : 0.f);
+    __m256i q[4];  // round to nearest even (default MXCSR), like nearbyint in the reference
+    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
+    // packs works per 128-bit lane: [q0 0-3, q1 0-3 | q0 4-7, q1 4-7] -> reorder the 64-bit quarters
+    const __m256i lo = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[0], q[1]), 0xD8);
+    const __m256i hi = _mm256_permute4x64_epi64(_mm256_packs_epi32(q[2], q[3]), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), lo);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK + 16), hi);
+    d[b] = amax / 32767.f;
   }
 }
 

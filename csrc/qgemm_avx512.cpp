@@ -19,6 +19,11 @@ KFN __m256i dot_us2(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
 }
 
+// q8_0 x int16 activations: two vpdpwssd (int16 pairs summed into int32, exact).
+KFN __m256i dot_q8x16(__m256i w1, __m256i x1, __m256i w2, __m256i x2) {
+  return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w1, x1), w2, x2);
+}
+
 #include "qgemm_tiles.inc"
 
 }  // namespace

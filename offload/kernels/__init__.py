@@ -100,9 +100,12 @@ def _linear_numba(x: torch.Tensor, w: PackedWeight, bias, y: torch.Tensor) -> to
     if w.d is None:
         y = x.float() @ w.qs.float().T
     else:
-        xq, xd, _ = numba_ops.quantize_x(x.float().numpy())
-        fn = numba_ops.gemm_q8_0 if w.fmt == "q8_0" else numba_ops.gemm_q4_0
-        fn(w.qs.numpy(), w.scales_f32().numpy(), xq, xd, y.numpy())
+        if w.fmt == "q8_0":  # int16 activations against q8_0 weights, int8 against q4_0, as in csrc/
+            xq, xd = numba_ops.quantize_x16(x.float().numpy())
+            numba_ops.gemm_q8_0(w.qs.numpy(), w.scales_f32().numpy(), xq, xd, y.numpy())
+        else:
+            xq, xd, _ = numba_ops.quantize_x(x.float().numpy())
+            numba_ops.gemm_q4_0(w.qs.numpy(), w.scales_f32().numpy(), xq, xd, y.numpy())
     return y if bias is None else y.add_(bias)
 
 

@@ -33,8 +33,27 @@ def quantize_x(x):
 
 
 @numba.njit(cache=True, parallel=True)
+def quantize_x16(x):
+    """fp32 [N, K] -> (int16 [N, K], scales fp32 [N, K/32]): the activations for q8_0 weights."""
+    n, k = x.shape
+    nb = k // QK
+    qs = np.empty((n, k), dtype=np.int16)
+    d = np.empty((n, nb), dtype=np.float32)
+    for i in numba.prange(n):
+        for b in range(nb):
+            amax = np.float32(0.0)
+            for j in range(QK):
+                amax = max(amax, abs(x[i, b * QK + j]))
+            inv = np.float32(32767.0) / amax if amax != 0 else np.float32(0.0)
+            for j in range(QK):
+                qs[i, b * QK + j] = int(np.rint(x[i, b * QK + j] * inv))
+            d[i, b] = amax / np.float32(32767.0)
+    return qs, d
+
+
+@numba.njit(cache=True, parallel=True)
 def gemm_q8_0(wq, wd, xq, xd, y):
-    """y [N, M] = dequant(x) @ dequant(w).T for int8 quants wq [M, K] with fp32 scales wd [M, K/32]."""
+    """y [N, M] = dequant(x) @ dequant(w).T for int8 quants wq [M, K] (fp32 scales wd) and int16 xq."""
     m, k = wq.shape
     n = xq.shape[0]
     for r in numba.prange(m):
