@@ -37,7 +37,7 @@ class Step:
     write_index: torch.Tensor  # [B, S] long, KV slot to write (pads: the trash slot)
     mask: torch.Tensor  # [B, 1, S, T] bool, keys each query may attend to
     cos: torch.Tensor  # [B, 1, S, head_dim]
-    sin: torch.Tensor  # [B, 1, S, head_dim]
+    sin: torch.Tensor  # [B, 1, S, head_dim], first half negated (see apply_rope)
     rows: torch.Tensor | None = None  # [B] cache rows these sequences use; None: all rows, in order
     phase: str = "prefill"  # prefill | decode: the plan may compute a block differently in each
 
@@ -49,32 +49,36 @@ class Step:
 
 
 class LayerKV:
-    """KV cache of one layer: [B, n_kv_heads, T + 1, head_dim]; the last slot takes writes of padding."""
+    """KV cache of one layer, token-major: [B, T + 1, n_kv_heads, head_dim]; slot T takes writes of padding."""
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        self.k = torch.zeros(batch, n_kv_heads, max_len + 1, head_dim, dtype=dtype, device=device)
+        self.k = torch.zeros(batch, max_len + 1, n_kv_heads, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
 
     def update(self, step: "Step", k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return K, V up to the step's keys.
-
-        The cache may live on another device than the computation (the KV of a block lives where it decodes).
+        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return K, V [b, H, T, Dh] up to the
+        step's keys. The cache may live on another device than the computation (KV lives where a block decodes).
         """
-        n_keys, dev = step.mask.shape[-1], self.k.device
-        index = step.write_index.to(dev)
+        n_keys, dev, (batch, slots, heads, dh) = step.mask.shape[-1], self.k.device, self.k.shape
         row_ids = None if step.rows is None else step.rows.to(dev)  # None: every cache row takes part
-        rows = (torch.arange(k.shape[0], device=dev) if row_ids is None else row_ids)[:, None].expand_as(index)
-        self.k[rows, :, index] = k.transpose(1, 2).to(dev, self.k.dtype)
-        self.v[rows, :, index] = v.transpose(1, 2).to(dev, self.v.dtype)
-        keys, values = self.k[:, :, :n_keys], self.v[:, :, :n_keys]
+        rows = torch.arange(k.shape[0], device=dev) if row_ids is None else row_ids
+        flat = (rows[:, None] * slots + step.write_index.to(dev)).reshape(-1)
+        for cache, new in ((self.k, k), (self.v, v)):
+            new = new.transpose(1, 2).reshape(-1, heads, dh)
+            cache.view(batch * slots, heads, dh).index_copy_(0, flat, _to(new, dev, cache.dtype))
+        keys, values = self.k[:, :n_keys], self.v[:, :n_keys]
         if row_ids is not None:
             keys, values = keys.index_select(0, row_ids), values.index_select(0, row_ids)
-        return keys.to(k.device, k.dtype), values.to(k.device, k.dtype)
+        return _to(keys, k.device, k.dtype).transpose(1, 2), _to(values, k.device, k.dtype).transpose(1, 2)
 
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:
+    return t if t.device == device and t.dtype == dtype else t.to(device, dtype)
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -91,9 +95,7 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tenso
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm computed in fp32 as transformers does, returned in x's dtype."""
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: int) -> torch.Tensor:
@@ -123,21 +125,19 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
 
 
 def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype):
-    """cos, sin [B, 1, S, head_dim] for positions [B, S]."""
+    """cos and signed sin [B, 1, S, head_dim] for positions [B, S]."""
     seq_len = int(positions.max()) + 1 if positions.numel() else 1
     inv_freq = rope_inv_freq(spec.rope, spec.head_dim, seq_len, spec.max_position_embeddings)
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [B, S, Dh/2]
-    emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    sin = freqs.sin()
+    cos = torch.cat((freqs.cos(),) * 2, dim=-1)[:, None]
+    signed_sin = torch.cat((-sin, sin), dim=-1)[:, None]  # rotate_half's sign folded in
+    return cos.to(dtype), signed_sin.to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + _rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, Dh/2) * signed_sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 def attention_mask(positions: torch.Tensor, valid: torch.Tensor, n_keys: int,
