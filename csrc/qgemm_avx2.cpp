@@ -37,30 +37,43 @@ KFN __m256 load8(const void* x, int xtype, int64_t i) {
 
 #include "qgemm_tiles.inc"
 
+// One block of 32 activations -> 32 int8 (natural order); writes its scale d and d * sum(q).
+KFN __m256i quantize_block(const void* x, int xtype, int64_t i, float* d, float* s) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4];
+  for (int j = 0; j < 4; ++j) v[j] = load8(x, xtype, i + j * 8);
+  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 id = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
+  __m256i q[4];  // cvtps rounds to nearest even (the default MXCSR mode), like nearbyint in the reference
+  for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  const __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
+  *d = amax / 127.f;
+  *s = *d * hsum8(_mm256_cvtepi32_ps(sum));  // small integers: exact in fp32 in any order
+  return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
 }  // namespace
 
+// int8 activations for q4_0 weights, stored the way the q4_0 tiles read them: each pair of blocks
+// (b, b+1) as [b[0:16], b+1[0:16], b[16:32], b+1[16:32]] (the nibble order of two weight blocks); an
+// odd last block stays in natural order.
 __attribute__((target("avx2,fma,f16c")))
 void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
-  for (int64_t b = 0; b < K / QK; ++b) {
-    __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = load8(x, xtype, b * QK + i * 8);
-    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
-    const __m256 id = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
-    __m256i q[4];  // cvtps rounds to nearest even (the default MXCSR mode), like nearbyint in the reference
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
-    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-    __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3]));
-    p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), p);
-    d[b] = amax / 127.f;
-    s[b] = d[b] * hsum8(_mm256_cvtepi32_ps(sum));  // small integers: exact in fp32 in any order
+  const int64_t nb = K / QK;
+  int64_t b = 0;
+  for (; b + 2 <= nb; b += 2) {
+    const __m256i p0 = quantize_block(x, xtype, b * QK, d + b, s + b);
+    const __m256i p1 = quantize_block(x, xtype, (b + 1) * QK, d + b + 1, s + b + 1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), _mm256_permute2x128_si256(p0, p1, 0x20));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK + QK), _mm256_permute2x128_si256(p0, p1, 0x31));
   }
+  if (b < nb) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), quantize_block(x, xtype, b * QK, d + b, s + b));
 }
 
 __attribute__((target("avx2,fma,f16c")))
