@@ -80,6 +80,10 @@ class Backend:
     def host_wait(self, handle) -> None:
         """Block the host until the copy or compute behind handle has finished (before reusing a host buffer)."""
 
+    def compute_context(self):
+        """A context in which the executor's work is ordered on the compute stream (nothing to do on the CPU)."""
+        return contextlib.nullcontext()
+
     @contextlib.contextmanager
     def gpu_block(self, unit: str, phase: str, n_tokens: int):
         """Time a block computed on the device."""

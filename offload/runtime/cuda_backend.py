@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import warnings
 
 import torch
@@ -28,7 +27,7 @@ class CUDABackend(Backend):
         self.device = torch.device("cuda", device_index)
         self.compute_stream = torch.cuda.Stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
-        self._pending: list[tuple[str, str, str, int, object, object]] = []  # spans awaiting event times
+        self._pending: list[tuple] = []  # (kind, phase, unit, n_bytes, start, end, n_tokens) awaiting event times
         self._origin = None  # (event, host time) that maps event times onto the timeline's clock
         self._pin_warned = False
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -36,7 +35,7 @@ class CUDABackend(Backend):
     def pin(self, buf: torch.Tensor) -> torch.Tensor:
         """Page-lock buf in place with cudaHostRegister (exact size, no power-of-two rounding)."""
         cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(ctypes.c_void_p(buf.data_ptr()), buf.numel(), 0)
+        err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 1)  # 1: cudaHostRegisterPortable
         if int(err) != 0:
             if not self._pin_warned:
                 warnings.warn(f"offload: could not pin host memory (cudaHostRegister error {int(err)}); copies fall "
@@ -45,6 +44,10 @@ class CUDABackend(Backend):
                 self._pin_warned = True
             return buf
         return buf
+
+    def compute_context(self):
+        """Make the compute stream current: every kernel, allocation and device<->host move is ordered on it."""
+        return torch.cuda.stream(self.compute_stream)
 
     def _event(self, stream) -> torch.cuda.Event:
         ev = torch.cuda.Event(enable_timing=True)
@@ -58,7 +61,7 @@ class CUDABackend(Backend):
             start = self._event(self.copy_stream)
             dst[: src.numel()].copy_(src, non_blocking=True)
             end = self._event(self.copy_stream)
-        self._pending.append(("h2d_copy", phase, unit, src.numel(), start, end))
+        self._pending.append(("h2d_copy", phase, unit, src.numel(), start, end, 0))
         return end
 
     def wait_copy(self, handle) -> None:
@@ -82,17 +85,17 @@ class CUDABackend(Backend):
             start = self._event(self.compute_stream)
             yield
             end = self._event(self.compute_stream)
-        self._pending.append(("gpu_block", phase, unit, 0, start, end))
+        self._pending.append(("gpu_block", phase, unit, 0, start, end, n_tokens))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
         if not self._pending:
             return
         origin_ev, origin_s = self._origin
-        for kind, phase, unit, n_bytes, start, end in self._pending:
+        for kind, phase, unit, n_bytes, start, end, n_tokens in self._pending:
             s = origin_s + origin_ev.elapsed_time(start) / 1e3
             e = origin_s + origin_ev.elapsed_time(end) / 1e3
-            self.timeline.add(Span(kind, phase, unit, s, e, n_bytes=n_bytes))
+            self.timeline.add(Span(kind, phase, unit, s, e, n_bytes=n_bytes, n_tokens=n_tokens))
         self._pending.clear()
 
     def measure_h2d_bps(self, n_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:

@@ -118,13 +118,15 @@ class PlacedModel:
         self._begin_step(step.phase)
         steps = {}
         x = tokens
-        for name in self.order[:-1]:
-            x = self._run(name, x, step, cache, steps)
-        return x.to("cpu")
+        with self.backend.compute_context():
+            for name in self.order[:-1]:
+                x = self._run(name, x, step, cache, steps)
+            return x.to("cpu")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V] on the host; ends the step begun by forward()."""
-        out = self._run("lm_head", hidden, self._phase_step, None, {}).float().to("cpu")
+        with self.backend.compute_context():
+            out = self._run("lm_head", hidden, self._phase_step, None, {}).float().to("cpu")
         self.backend.synchronize()
         return out
 
