@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "layer.h"
 
 namespace py = pybind11;
 using namespace offload;
@@ -151,6 +152,17 @@ uint64_t read_bytes(uintptr_t p, int64_t n, int nthreads) {
 
 }  // namespace
 
+namespace offload {
+void bind_layer(py::module_& m);  // layer_bindings.cpp
+
+void packed_linear(int path, const float* x, int64_t N, int fmt, const WView& w, const float* bias, float* y,
+                   int nthreads) {
+  const int nth = nthreads < 1 ? 1 : nthreads;
+  if (fmt == W_Q8_0 || fmt == W_Q4_0) linear_q(kTables[path], fmt, x, X_F32, N, w, bias, y, nth);
+  else linear_half(kTables[path], fmt, x, X_F32, N, w, bias, y, nth);
+}
+}  // namespace offload
+
 PYBIND11_MODULE(_C, m) {
   m.doc() = "offload CPU kernels (see offload/kernels for the Python face)";
   m.def("cpu_features", &cpu_features, "CPU features relevant to kernel dispatch");
@@ -160,4 +172,5 @@ PYBIND11_MODULE(_C, m) {
   m.def("read_bytes", &read_bytes, py::call_guard<py::gil_scoped_release>());
   m.def("fp16_to_f32", [](uint16_t h) { return fp16_to_f32(h); });
   m.def("f32_to_fp16", [](float f) { return f32_to_fp16(f); });
+  bind_layer(m);
 }

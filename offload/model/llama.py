@@ -165,6 +165,10 @@ def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, vali
 
 def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
     """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv."""
+    from offload.kernels.layer import can_fuse, fused_layer_forward  # CPU blocks: one C++ call per layer
+
+    if can_fuse(w, x, kv):
+        return fused_layer_forward(spec, w, x, step, kv)
     b, s, _ = x.shape
     h = rms_norm(x, w.attn_norm, spec.rms_norm_eps)
     qkv = linear(h, w.qkv, w.qkv_bias)

@@ -1,0 +1,49 @@
+// Fused Llama decoder layer (layer.cpp): one C++ call per layer for CPU blocks with packed weights
+// and fp32 activations, so a decode token pays no per-op Python/torch dispatch.
+#pragma once
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace offload {
+
+// y [N, M] fp32 = x [N, K] fp32 @ W[M, K]^T + bias through the dispatched matmul kernels (bindings.cpp).
+void packed_linear(int path, const float* x, int64_t N, int fmt, const WView& w, const float* bias, float* y,
+                   int nthreads);
+
+// One packed weight matrix [M, K] in format fmt (WFmt), with an optional fp32 bias [M].
+struct LinearArg {
+  int fmt;
+  WView w;
+  const float* bias;
+};
+
+// Per new token n, the int64 row tokens[n * kTokenCols + ...]:
+constexpr int kSlot = 0;     // flat KV slot row * (T + 1) + write_index; -1: padding (writes nothing)
+constexpr int kRowBase = 1;  // flat slot of key 0 of the token's cache row: row * (T + 1)
+constexpr int kLo = 2;       // first key the token sees (inclusive)
+constexpr int kHi = 3;       // last key the token sees (inclusive)
+constexpr int kTokenCols = 4;
+
+struct LayerShape {
+  int64_t n_heads, n_kv_heads, head_dim, intermediate;
+  float eps;  // rms_norm epsilon
+};
+
+struct LayerArgs {
+  int path, nthreads;  // kernel path (Path) and thread count
+  LayerShape shape;
+  const float *attn_norm, *mlp_norm;  // [D]
+  LinearArg qkv, o, gate_up, down;    // qkv rows: q | k | v; gate_up rows: gate | up
+  int64_t N;                          // new tokens (batch x sequence, flattened)
+  const float* x;                     // [N, D] hidden states in
+  float* out;                         // [N, D] hidden states out (may not alias x)
+  const float *cos, *sin;             // [N, head_dim]: cos and sin with the rotate-half sign folded in
+  const int64_t* tokens;              // [N, kTokenCols], see above
+  float *k_cache, *v_cache;           // [slots, n_kv_heads, head_dim], token-major
+};
+
+// x -> x + attn(rms_norm(x)) -> + mlp(rms_norm(.)); writes this step's K, V into the cache.
+void layer_forward(const LayerArgs& a);
+
+}  // namespace offload

@@ -1,0 +1,76 @@
+// Python binding of the fused decoder layer (layer.cpp): raw pointers, validated by offload/kernels/layer.py.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <array>
+#include <stdexcept>
+
+#include "layer.h"
+
+namespace py = pybind11;
+
+namespace offload {
+namespace {
+
+// (fmt, quants, scales, bias, M, K): one packed linear as the Python face describes it.
+using LinearTuple = std::tuple<int, uintptr_t, uintptr_t, uintptr_t, int64_t, int64_t>;
+
+template <typename T>
+const T* ptr(uintptr_t p) { return reinterpret_cast<const T*>(p); }
+
+LinearArg to_linear(const LinearTuple& t) {
+  const auto [fmt, qs, d, bias, M, K] = t;
+  if (fmt < W_Q8_0 || fmt > W_F16 || M < 1 || K < 1 || ((fmt == W_Q8_0 || fmt == W_Q4_0) && K % QK != 0))
+    throw std::invalid_argument("offload fused layer: bad linear format or shape (quantized formats need K % 32 == 0)");
+  return {fmt, WView{ptr<uint8_t>(qs), ptr<uint16_t>(d), M, K}, ptr<float>(bias)};
+}
+
+LayerShape to_shape(const std::tuple<int64_t, int64_t, int64_t, int64_t, float>& t) {
+  const auto [n_heads, n_kv_heads, head_dim, intermediate, eps] = t;
+  if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads != 0 || head_dim < 2 || head_dim % 2 != 0)
+    throw std::invalid_argument("offload fused layer: n_heads must be a multiple of n_kv_heads, head_dim even");
+  return {n_heads, n_kv_heads, head_dim, intermediate, eps};
+}
+
+// The weights of one layer, built once per layer by the Python face.
+struct FusedWeights {
+  LayerShape shape;
+  const float *attn_norm, *mlp_norm;
+  LinearArg qkv, o, gate_up, down;
+};
+
+FusedWeights make_weights(const std::tuple<int64_t, int64_t, int64_t, int64_t, float>& shape, uintptr_t attn_norm,
+                          uintptr_t mlp_norm, const std::array<LinearTuple, 4>& linears) {
+  FusedWeights w{to_shape(shape), ptr<float>(attn_norm), ptr<float>(mlp_norm),
+                 to_linear(linears[0]), to_linear(linears[1]), to_linear(linears[2]), to_linear(linears[3])};
+  const LayerShape& s = w.shape;
+  const int64_t D = w.qkv.w.K, q_size = s.n_heads * s.head_dim, kv_size = s.n_kv_heads * s.head_dim;
+  if (w.qkv.w.M != q_size + 2 * kv_size || w.o.w.M != D || w.o.w.K != q_size || w.gate_up.w.K != D ||
+      w.gate_up.w.M != 2 * s.intermediate || w.down.w.K != s.intermediate || w.down.w.M != D)
+    throw std::invalid_argument("offload fused layer: linear shapes do not match the layer shape");
+  return w;
+}
+
+void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t x, uintptr_t out, uintptr_t cos,
+             uintptr_t sin, uintptr_t tokens, uintptr_t k_cache, uintptr_t v_cache) {
+  if (path < P_SCALAR || path > P_AVX512 || N < 1)
+    throw std::invalid_argument("offload fused layer: bad kernel path id or token count");
+  LayerArgs a{path, nthreads < 1 ? 1 : nthreads, w.shape, w.attn_norm, w.mlp_norm, w.qkv, w.o, w.gate_up, w.down,
+              N, ptr<float>(x), reinterpret_cast<float*>(out), ptr<float>(cos), ptr<float>(sin),
+              ptr<int64_t>(tokens), reinterpret_cast<float*>(k_cache), reinterpret_cast<float*>(v_cache)};
+  layer_forward(a);
+}
+
+}  // namespace
+
+void bind_layer(py::module_& m) {
+  py::class_<FusedWeights>(m, "FusedWeights", "one decoder layer's packed weights, as raw pointers");
+  m.def("fused_weights", &make_weights,
+        "fused_weights((n_heads, n_kv_heads, head_dim, intermediate, eps), attn_norm, mlp_norm, "
+        "[(fmt, qs, d, bias, M, K)] * 4 for qkv, o, gate_up, down)");
+  m.def("layer_forward", &forward, py::call_guard<py::gil_scoped_release>(),
+        "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, k_cache, v_cache): raw pointers, "
+        "see offload/kernels/layer.py");
+}
+
+}  // namespace offload

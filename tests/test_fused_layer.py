@@ -1,0 +1,167 @@
+"""The fused C++ decoder layer (offload/kernels/layer.py) against the unfused reference layer_forward.
+
+The matmuls are the same kernels on the same inputs, so outputs agree to max |diff| <= 2e-5 x max |ref|
+(only elementwise rounding and summation order differ); the KV cache after the call equals the reference's
+(trash slot excepted: the fused layer writes nothing for padding).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import offload.kernels.layer as fused
+from conftest import make_hf_model, save_hf_model
+from offload import LLM, SamplingParams
+from offload.kernels import ACTIVE_PATH, pack
+from offload.model.llama import LayerKV, LayerWeights, layer_forward, make_step
+from offload.spec import ModelSpec, RopeSpec
+
+pytestmark = pytest.mark.skipif(not fused._FUSABLE, reason=f"fused layer needs the C++ extension ({ACTIVE_PATH})")
+
+RTOL = 2e-5
+MAX_LEN = 24  # KV slots per row; slot MAX_LEN is the trash slot
+
+
+def _spec(n_heads=4, n_kv_heads=2, window=None, bias=False) -> ModelSpec:
+    return ModelSpec(architecture="llama", vocab_size=64, hidden_size=64, intermediate_size=96, n_layers=1,
+                     n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=16, rms_norm_eps=1e-5, rope=RopeSpec(),
+                     max_position_embeddings=64, qkv_bias=bias, sliding_window=window)
+
+
+def _weights(spec: ModelSpec, fmt: str, bias: bool, seed: int = 0) -> LayerWeights:
+    g = torch.Generator().manual_seed(seed)
+    d, f, qkv_rows = spec.hidden_size, spec.intermediate_size, spec.q_size + 2 * spec.kv_size
+    rand = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
+    norm = lambda: torch.rand(d, generator=g) + 0.5  # noqa: E731
+    maybe = lambda n: rand(n) if bias else None  # noqa: E731
+    return LayerWeights(attn_norm=norm(), qkv=pack(rand(qkv_rows, d), fmt), qkv_bias=maybe(qkv_rows),
+                        o=pack(rand(d, spec.q_size), fmt), o_bias=maybe(d), mlp_norm=norm(),
+                        gate_up=pack(rand(2 * f, d), fmt), gate_up_bias=maybe(2 * f),
+                        down=pack(rand(d, f), fmt), down_bias=maybe(d))
+
+
+def _step(spec, starts, lengths, width, rows=None, phase="prefill"):
+    """Row b holds lengths[b] new tokens at positions starts[b]..., padded to width."""
+    positions = torch.zeros(len(starts), width, dtype=torch.long)
+    valid = torch.zeros_like(positions, dtype=torch.bool)
+    for b, (start, n) in enumerate(zip(starts, lengths)):
+        positions[b, :n] = torch.arange(start, start + n)
+        valid[b, :n] = True
+    return make_step(spec, torch.float32, positions, valid, trash_slot=MAX_LEN, rows=rows, phase=phase)
+
+
+def _unfused(monkeypatch, *args):
+    with monkeypatch.context() as m:
+        m.setattr(fused, "can_fuse", lambda *a: False)
+        return layer_forward(*args)
+
+
+def _run_both(monkeypatch, spec, w, x, step, kv):
+    """(fused out, reference out, fused cache, reference cache) from the same starting cache."""
+    kv_ref = LayerKV(kv.k.shape[0], spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
+    kv_ref.k.copy_(kv.k), kv_ref.v.copy_(kv.v)
+    assert fused.can_fuse(w, x, kv)
+    ref = _unfused(monkeypatch, spec, w, x, step, kv_ref)
+    return layer_forward(spec, w, x, step, kv), ref, kv, kv_ref
+
+
+def _assert_close(out, ref):
+    err = (out - ref).abs().max().item()
+    assert torch.isfinite(out).all() and err <= RTOL * ref.abs().max().item(), err
+
+
+def _assert_same_cache(kv, kv_ref):
+    for a, b in ((kv.k, kv_ref.k), (kv.v, kv_ref.v)):
+        _assert_close(a[:, :MAX_LEN], b[:, :MAX_LEN])
+
+
+def _prefilled(monkeypatch, spec, w, lengths, n_rows=None):
+    """A cache whose rows hold lengths[b] tokens, filled by the reference path."""
+    kv = LayerKV(n_rows or len(lengths), spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
+    x = torch.randn(len(lengths), max(lengths), spec.hidden_size)
+    rows = None if n_rows is None else torch.arange(len(lengths))
+    _unfused(monkeypatch, spec, w, x, _step(spec, [0] * len(lengths), lengths, max(lengths), rows), kv)
+    return kv
+
+
+CASES = {  # name: (n_heads, n_kv_heads, sliding window, biases, format)
+    "gqa-q8_0": (4, 2, None, False, "q8_0"),
+    "gqa-q4_0": (4, 2, None, False, "q4_0"),
+    "mha-q4_0": (2, 2, None, False, "q4_0"),
+    "window-q8_0": (4, 1, 5, False, "q8_0"),
+    "qwen2-bias-q8_0": (4, 2, None, True, "q8_0"),
+    "bf16": (4, 2, None, True, "bf16"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_prefill_with_padding_matches(case, monkeypatch):
+    n_heads, n_kv, window, bias, fmt = CASES[case]
+    spec = _spec(n_heads, n_kv, window, bias)
+    w, lengths = _weights(spec, fmt, bias), [9, 4, 1]
+    kv = LayerKV(3, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
+    x = torch.randn(3, 9, spec.hidden_size)
+    out, ref, kv, kv_ref = _run_both(monkeypatch, spec, w, x, _step(spec, [0, 0, 0], lengths, 9), kv)
+    _assert_close(out, ref)  # padding tokens too: both see key 0 of their row only
+    _assert_same_cache(kv, kv_ref)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_decode_matches(case, monkeypatch):
+    n_heads, n_kv, window, bias, fmt = CASES[case]
+    spec = _spec(n_heads, n_kv, window, bias)
+    w, lengths = _weights(spec, fmt, bias), [11, 3]
+    kv = _prefilled(monkeypatch, spec, w, lengths)
+    x = torch.randn(2, 1, spec.hidden_size)
+    out, ref, kv, kv_ref = _run_both(monkeypatch, spec, w, x, _step(spec, lengths, [1, 1], 1, phase="decode"), kv)
+    _assert_close(out, ref)
+    _assert_same_cache(kv, kv_ref)
+
+
+def test_chunked_prefill_continues_rows_subset(monkeypatch):
+    """New tokens appended after cached ones, in cache rows 3 and 1 of 4 (step.rows), one row padded."""
+    spec = _spec(4, 2, None, False)
+    w = _weights(spec, "q4_0", False)
+    kv = _prefilled(monkeypatch, spec, w, [5, 6, 2, 7], n_rows=4)
+    x = torch.randn(2, 4, spec.hidden_size)
+    step = _step(spec, [7, 6], [4, 2], 4, rows=torch.tensor([3, 1]))
+    out, ref, kv, kv_ref = _run_both(monkeypatch, spec, w, x, step, kv)
+    _assert_close(out, ref)
+    _assert_same_cache(kv, kv_ref)
+    assert torch.equal(kv.k[[0, 2]], kv_ref.k[[0, 2]])  # rows not in the step stay untouched
+
+
+def test_token_table_matches_attention_mask():
+    """lo/hi per token select exactly the keys of llama.attention_mask (causal, window, padding -> key 0)."""
+    spec = _spec(window=3)
+    step = _step(spec, [0, 4], [6, 2], 6)
+    table = fused.token_table(step, n_rows=2, n_slots=MAX_LEN + 1, sliding_window=3)
+    keys = torch.arange(step.mask.shape[-1])
+    lo, hi = table[:, 2, None], table[:, 3, None]
+    assert torch.equal((keys >= lo) & (keys <= hi), step.mask[:, 0].reshape(-1, keys.numel()))
+    assert table[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 29, 30, -1, -1, -1, -1]
+
+
+def test_unsupported_inputs_fall_back():
+    spec = _spec()
+    w = _weights(spec, "q8_0", False)
+    kv = LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
+    x = torch.randn(1, 2, spec.hidden_size)
+    assert fused.can_fuse(w, x, kv)
+    assert not fused.can_fuse(w, x.bfloat16(), kv)
+    assert not fused.can_fuse(LayerWeights(**{**w.__dict__, "qkv": w.qkv.dequantize()}), x, kv)
+    assert not fused.can_fuse(w, x, LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.bfloat16))
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+def test_greedy_generation_unchanged(quantization, tmp_path, monkeypatch):
+    folder = save_hf_model(make_hf_model("llama", num_hidden_layers=2), tmp_path / "tiny")
+    llm = LLM(str(folder), quantization=quantization, backend="cpu")
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 9, 31, 2, 77, 100, 3], [42, 8])]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    with monkeypatch.context() as m:
+        m.setattr(fused, "can_fuse", lambda *a: False)
+        ref = [o.token_ids for o in llm.generate(prompts, params)]
+    assert ours == ref and all(len(t) == 12 for t in ours)
