@@ -10,8 +10,14 @@ median of --repeats runs and offload's ratio against llama.cpp and against offlo
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -45,12 +51,26 @@ def _all_cpu() -> Placement:
 
 
 def bench_llama_cpp(prompt_ids: list[int], n_decode: int, threads: int, repeats: int):
-    """Median (prefill tok/s, decode tok/s) of llama.cpp on the GGUF file, or None if it is not installed."""
-    try:
-        from llama_cpp import Llama
-    except ImportError:
+    """Median (prefill tok/s, decode tok/s) of llama.cpp on the GGUF file, or None if it is not installed.
+
+    Runs in a child process: llama-cpp-python redirects the process's stdout while it loads.
+    """
+    if importlib.util.find_spec("llama_cpp") is None:
         return None
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "llama_cpp.json"
+        args = json.dumps([prompt_ids, n_decode, threads, repeats])
+        out = subprocess.run([sys.executable, __file__, "--llama-cpp-child", args, str(result)],
+                             capture_output=True, text=True)
+        if out.returncode != 0 or not result.is_file():
+            print(f"llama.cpp run failed: {out.stderr.strip().splitlines()[-1:]}")
+            return None
+        return tuple(json.loads(result.read_text()))
+
+
+def _llama_cpp_child(prompt_ids: list[int], n_decode: int, threads: int, repeats: int) -> tuple[float, float]:
     import numpy as np
+    from llama_cpp import Llama
 
     llm = Llama(model_path=str(find_gguf()), n_threads=threads, n_threads_batch=threads, n_ctx=1024,
                 n_batch=512, verbose=False)
@@ -69,6 +89,9 @@ def bench_llama_cpp(prompt_ids: list[int], n_decode: int, threads: int, repeats:
 
 
 def main() -> None:
+    if len(sys.argv) == 4 and sys.argv[1] == "--llama-cpp-child":  # the result goes to a file: see above
+        Path(sys.argv[3]).write_text(json.dumps(_llama_cpp_child(*json.loads(sys.argv[2]))))
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--decode-tokens", type=int, default=64)
