@@ -110,12 +110,18 @@ void attention(const LayerArgs& a, const float* qkv, float* att) {
   const LayerShape& s = a.shape;
   const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh;
   const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads, tasks = a.N * s.n_heads;
-  int64_t max_keys = 1;
-  for (int64_t n = 0; n < a.N; ++n)
-    max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - a.tokens[n * kTokenCols + kLo] + 1);
+  int64_t max_keys = 1, work = 0;
+  for (int64_t n = 0; n < a.N; ++n) {
+    const int64_t keys = a.tokens[n * kTokenCols + kHi] - a.tokens[n * kTokenCols + kLo] + 1;
+    max_keys = std::max(max_keys, keys);
+    work += keys * s.n_heads * dh;
+  }
   const AttendFn fn = a.path == P_SCALAR ? attend_ref : attend_avx2;
   const float scale = 1.f / std::sqrt(float(dh));
-#pragma omp parallel num_threads(a.nthreads) if (a.nthreads > 1 && tasks > 1)
+  // Short decode attention runs on the calling thread: a parallel region costs a barrier, and a barrier
+  // costs a whole time slice when another process has taken one of the cores.
+  const bool parallel = a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 18);
+#pragma omp parallel num_threads(a.nthreads) if (parallel)
   {
     std::vector<float> scores(static_cast<size_t>(max_keys));
 #pragma omp for schedule(dynamic, 1)

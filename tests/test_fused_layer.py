@@ -1,8 +1,10 @@
 """The fused C++ decoder layer (offload/kernels/layer.py) against the unfused reference layer_forward.
 
-The matmuls are the same kernels on the same inputs, so outputs agree to max |diff| <= 2e-5 x max |ref|
-(only elementwise rounding and summation order differ); the KV cache after the call equals the reference's
-(trash slot excepted: the fused layer writes nothing for padding).
+The matmuls are the same kernels, and only elementwise rounding and summation order differ, so outputs
+agree to max |diff| <= 1e-5 x max |ref| (measured <= 8e-7 over 20 seeds), except against q8_0 weights:
+their int16 activation quanta (amax / 32767) move with 1-ulp input differences, so 1e-4 there (measured
+<= 5e-5; the kernels' own error against fp32 is 1e-4). The KV cache after the call equals the reference's
+to the same tolerance (trash slot excepted: the fused layer writes nothing for padding).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from offload.spec import ModelSpec, RopeSpec
 
 pytestmark = pytest.mark.skipif(not fused._FUSABLE, reason=f"fused layer needs the C++ extension ({ACTIVE_PATH})")
 
-RTOL = 2e-5
-MAX_LEN = 24  # KV slots per row; slot MAX_LEN is the trash slot
+RTOL = {"q8_0": 1e-4, "q4_0": 1e-5, "bf16": 1e-5}
+MAX_LEN = 64  # KV slots per row; slot MAX_LEN is the trash slot
 
 
 def _spec(n_heads=4, n_kv_heads=2, window=None, bias=False) -> ModelSpec:
@@ -66,20 +68,24 @@ def _run_both(monkeypatch, spec, w, x, step, kv):
     return layer_forward(spec, w, x, step, kv), ref, kv, kv_ref
 
 
-def _assert_close(out, ref):
+def _assert_close(out, ref, fmt):
     err = (out - ref).abs().max().item()
-    assert torch.isfinite(out).all() and err <= RTOL * ref.abs().max().item(), err
+    assert torch.isfinite(out).all() and err <= RTOL[fmt] * ref.abs().max().item(), err
 
 
-def _assert_same_cache(kv, kv_ref):
+def _assert_same_cache(kv, kv_ref, fmt):
     for a, b in ((kv.k, kv_ref.k), (kv.v, kv_ref.v)):
-        _assert_close(a[:, :MAX_LEN], b[:, :MAX_LEN])
+        _assert_close(a[:, :MAX_LEN], b[:, :MAX_LEN], fmt)
+
+
+def _randn(*shape, seed=1):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
 
 
 def _prefilled(monkeypatch, spec, w, lengths, n_rows=None):
     """A cache whose rows hold lengths[b] tokens, filled by the reference path."""
     kv = LayerKV(n_rows or len(lengths), spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
-    x = torch.randn(len(lengths), max(lengths), spec.hidden_size)
+    x = _randn(len(lengths), max(lengths), spec.hidden_size, seed=2)
     rows = None if n_rows is None else torch.arange(len(lengths))
     _unfused(monkeypatch, spec, w, x, _step(spec, [0] * len(lengths), lengths, max(lengths), rows), kv)
     return kv
@@ -101,10 +107,10 @@ def test_prefill_with_padding_matches(case, monkeypatch):
     spec = _spec(n_heads, n_kv, window, bias)
     w, lengths = _weights(spec, fmt, bias), [9, 4, 1]
     kv = LayerKV(3, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
-    x = torch.randn(3, 9, spec.hidden_size)
+    x = _randn(3, 9, spec.hidden_size)
     out, ref, kv, kv_ref = _run_both(monkeypatch, spec, w, x, _step(spec, [0, 0, 0], lengths, 9), kv)
-    _assert_close(out, ref)  # padding tokens too: both see key 0 of their row only
-    _assert_same_cache(kv, kv_ref)
+    _assert_close(out, ref, fmt)  # padding tokens too: both see key 0 of their row only
+    _assert_same_cache(kv, kv_ref, fmt)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -113,10 +119,21 @@ def test_decode_matches(case, monkeypatch):
     spec = _spec(n_heads, n_kv, window, bias)
     w, lengths = _weights(spec, fmt, bias), [11, 3]
     kv = _prefilled(monkeypatch, spec, w, lengths)
-    x = torch.randn(2, 1, spec.hidden_size)
+    x = _randn(2, 1, spec.hidden_size)
     out, ref, kv, kv_ref = _run_both(monkeypatch, spec, w, x, _step(spec, lengths, [1, 1], 1, phase="decode"), kv)
-    _assert_close(out, ref)
-    _assert_same_cache(kv, kv_ref)
+    _assert_close(out, ref, fmt)
+    _assert_same_cache(kv, kv_ref, fmt)
+
+
+def test_long_prefill_matches(monkeypatch):
+    """Enough keys x heads that attention runs on all threads (csrc/layer.cpp's parallel threshold)."""
+    spec = _spec(4, 2, None, False)
+    w, lengths = _weights(spec, "q4_0", False), [62, 60, 40]  # 4603 keys x 4 heads x 16 >= 2^18
+    kv = LayerKV(3, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
+    x = _randn(3, 62, spec.hidden_size)
+    out, ref, kv, kv_ref = _run_both(monkeypatch, spec, w, x, _step(spec, [0, 0, 0], lengths, 62), kv)
+    _assert_close(out, ref, "q4_0")
+    _assert_same_cache(kv, kv_ref, "q4_0")
 
 
 def test_chunked_prefill_continues_rows_subset(monkeypatch):
@@ -124,11 +141,11 @@ def test_chunked_prefill_continues_rows_subset(monkeypatch):
     spec = _spec(4, 2, None, False)
     w = _weights(spec, "q4_0", False)
     kv = _prefilled(monkeypatch, spec, w, [5, 6, 2, 7], n_rows=4)
-    x = torch.randn(2, 4, spec.hidden_size)
+    x = _randn(2, 4, spec.hidden_size)
     step = _step(spec, [7, 6], [4, 2], 4, rows=torch.tensor([3, 1]))
     out, ref, kv, kv_ref = _run_both(monkeypatch, spec, w, x, step, kv)
-    _assert_close(out, ref)
-    _assert_same_cache(kv, kv_ref)
+    _assert_close(out, ref, "q4_0")
+    _assert_same_cache(kv, kv_ref, "q4_0")
     assert torch.equal(kv.k[[0, 2]], kv_ref.k[[0, 2]])  # rows not in the step stay untouched
 
 
@@ -140,18 +157,21 @@ def test_token_table_matches_attention_mask():
     keys = torch.arange(step.mask.shape[-1])
     lo, hi = table[:, 2, None], table[:, 3, None]
     assert torch.equal((keys >= lo) & (keys <= hi), step.mask[:, 0].reshape(-1, keys.numel()))
-    assert table[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 29, 30, -1, -1, -1, -1]
+    assert table[:, 0].tolist() == [0, 1, 2, 3, 4, 5, 69, 70, -1, -1, -1, -1]
 
 
 def test_unsupported_inputs_fall_back():
     spec = _spec()
     w = _weights(spec, "q8_0", False)
     kv = LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
-    x = torch.randn(1, 2, spec.hidden_size)
+    x = _randn(1, 2, spec.hidden_size)
     assert fused.can_fuse(w, x, kv)
     assert not fused.can_fuse(w, x.bfloat16(), kv)
     assert not fused.can_fuse(LayerWeights(**{**w.__dict__, "qkv": w.qkv.dequantize()}), x, kv)
     assert not fused.can_fuse(w, x, LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.bfloat16))
+
+
+fused_forward = fused.fused_layer_forward
 
 
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
@@ -160,7 +180,11 @@ def test_greedy_generation_unchanged(quantization, tmp_path, monkeypatch):
     llm = LLM(str(folder), quantization=quantization, backend="cpu")
     prompts = [{"prompt_token_ids": ids} for ids in ([5, 9, 31, 2, 77, 100, 3], [42, 8])]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    ours = [o.token_ids for o in llm.generate(prompts, params)]
+    calls = []
+    with monkeypatch.context() as m:
+        m.setattr(fused, "fused_layer_forward", lambda *a: calls.append(1) or fused_forward(*a))
+        ours = [o.token_ids for o in llm.generate(prompts, params)]
+    assert len(calls) >= 2 * 12  # every layer of every step went through the fused layer
     with monkeypatch.context() as m:
         m.setattr(fused, "can_fuse", lambda *a: False)
         ref = [o.token_ids for o in llm.generate(prompts, params)]
