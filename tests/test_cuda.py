@@ -49,3 +49,16 @@ def test_cuda_peak_memory_within_plan(tiny):
               max_batch_size=4, max_model_len=64, dtype="fp32")
     llm.generate([[1, 2, 3, 4, 5]] * 4, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert llm.backend.peak_device_bytes() <= llm.plan.tier("gpu").budget_bytes
+
+
+def test_cuda_blocks_with_kv_cache_in_cpu_ram(tiny):
+    import dataclasses
+
+    from offload.runtime.cuda_backend import CUDABackend
+
+    folder, spec = tiny
+    units = {n: dataclasses.replace(p, kv="cpu") for n, p in Placement.uniform(spec, "cpu", "stream").units.items()}
+    source = CheckpointSource(Checkpoint(folder), spec, torch.float32)
+    model = PlacedModel(spec, source, Placement(units), CUDABackend(), torch.float32)
+    ids = [5, 17, 33, 2, 90, 11, 4]
+    assert_logits_close(offload_logits(model, ids), offload_logits(load_model(Checkpoint(folder), spec), ids))

@@ -113,3 +113,15 @@ def test_same_block_streamed_in_prefill_and_cpu_in_decode(tiny):
     kinds = {(s.kind, s.phase) for s in model.timeline.spans}
     assert {("h2d_copy", "prefill"), ("gpu_block", "prefill"), ("cpu_block", "decode")} <= kinds
     assert ("h2d_copy", "decode") not in kinds
+
+
+def test_kv_cache_in_cpu_ram_for_device_blocks(tiny):
+    """Blocks computed on the (simulated) GPU with their KV cache in CPU RAM: attention runs where the cache is."""
+    folder, spec = tiny
+    units = {name: dataclasses.replace(p, kv="cpu") for name, p in Placement.uniform(spec, "cpu", "stream").units.items()}
+    model = placed(folder, spec, Placement(units))
+    cache = model.new_cache(2, 16)
+    assert all(kv.k.device.type == "cpu" for kv in cache)
+    assert model.backend.memory.now_bytes["gpu"] == model.ring.n_slots * model.ring.slot_bytes  # no KV on the GPU
+    resident = load_model(Checkpoint(folder), spec)
+    assert greedy(model, PROMPTS) == greedy(resident, PROMPTS)

@@ -163,6 +163,20 @@ def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, vali
     return Step(positions=positions, write_index=write_index, mask=mask, cos=cos, sin=sin, rows=rows, phase=phase)
 
 
+def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, kv: LayerKV):
+    """Append k, v [B, Hkv, S, Dh] to the cache and attend with q [B, H, S, Dh] where the cache lives.
+
+    A KV cache kept in CPU RAM for a block computed on the GPU (FlexGen's choice when the batch's cache does
+    not fit in VRAM) moves q, k, v and the output, not the whole cache.
+    """
+    device, mask = q.device, step.mask
+    if kv.k.device != device:
+        q, k, v, mask = (t.to(kv.k.device) for t in (q, k, v, mask))
+    keys, values = kv.update(step, k, v)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=spec.n_kv_heads != spec.n_heads)
+    return o.to(device)
+
+
 def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
     """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv."""
     from offload.kernels.layer import can_fuse, fused_layer_forward  # CPU blocks: one C++ call per layer
@@ -177,10 +191,7 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     k = k.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
     v = v.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
     q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-    keys, values = kv.update(step, k, v)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask,
-                                       enable_gqa=spec.n_kv_heads != spec.n_heads)
-    o = o.transpose(1, 2).reshape(b, s, spec.q_size)
+    o = attend(spec, q, k, v, step, kv).transpose(1, 2).reshape(b, s, spec.q_size)
     x = x + linear(o, w.o, w.o_bias)
     h = rms_norm(x, w.mlp_norm, spec.rms_norm_eps)
     gate, up = linear(h, w.gate_up, w.gate_up_bias).split(spec.intermediate_size, dim=-1)
