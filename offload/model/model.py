@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from offload.errors import ConfigError
 from offload.model.llama import LayerKV, LayerWeights, Step, layer_forward, linear, make_step, rms_norm
 from offload.spec import ModelSpec
 from offload.weights.loader import Checkpoint
@@ -50,8 +51,6 @@ def load_model(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.flo
                quantization: str = "none") -> Model:
     """Read every tensor once from the checkpoint; linear weights are packed if quantization is set."""
     if quantization not in QUANTIZATIONS:
-        from offload.errors import ConfigError
-
         raise ConfigError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
     ckpt.check_against(spec)
     pack = packer(quantization, dtype)

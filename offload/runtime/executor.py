@@ -120,19 +120,19 @@ class PlacedModel:
         x = tokens
         with self.backend.compute_context():
             for name in self.order[:-1]:
-                x = self._run(name, x, step, cache, steps)
+                x = self._run(name, x, step.phase, step, cache, steps)
             return x.to("cpu")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V] on the host; ends the step begun by forward()."""
         with self.backend.compute_context():
-            out = self._run("lm_head", hidden, self._phase_step, None, {}).float().to("cpu")
+            out = self._run("lm_head", hidden, self._phase, None, None, {}).float().to("cpu")
         self.backend.synchronize()
         return out
 
     # the schedule -------------------------------------------------------------------------------------
     def _begin_step(self, phase: str) -> None:
-        self._phase_step = Step(None, None, None, None, None, None, phase)
+        self._phase = phase
         self._stream_queue = [n for n in self.order if self.placement[n].mode(phase) == "stream"]
         self._next_copy = 0
         if self.reader is not None:
@@ -179,8 +179,8 @@ class PlacedModel:
         elif mode == "cpu" and p.weights == "disk":
             self.reader.release(name)
 
-    def _run(self, name: str, x, step: Step, cache, steps: dict):
-        phase = step.phase
+    def _run(self, name: str, x, phase: str, step: Step | None, cache, steps: dict):
+        """Acquire, compute and release one unit; step and cache are None for the lm_head."""
         weights, on_device = self._acquire(name, phase)
         device = self.backend.device if on_device else torch.device("cpu")
         x = x.to(device)
