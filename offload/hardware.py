@@ -13,6 +13,7 @@ from pathlib import Path
 import yaml
 
 from offload.errors import ConfigError
+from offload.paths import cache_dir
 from offload.spec import FORMATS
 
 PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
@@ -215,12 +216,8 @@ def preset_names() -> list[str]:
 
 
 def cache_path() -> Path:
-    """Where `offload calibrate` stores its result: $OFFLOAD_CACHE_DIR or ~/.cache/offload."""
-    base = os.environ.get("OFFLOAD_CACHE_DIR")
-    if base:
-        return Path(base) / "hardware.yaml"
-    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(xdg) / "offload" / "hardware.yaml"
+    """Where `offload calibrate` stores its result: hardware.yaml in offload's cache folder."""
+    return cache_dir() / "hardware.yaml"
 
 
 def system_memory_bytes() -> int:

@@ -71,7 +71,7 @@ def test_save_load_round_trip(tmp_path):
 
 
 def test_default_hardware_prefers_the_calibrated_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path))
     assert cache_path() == tmp_path / "hardware.yaml"
     estimated = default_hardware()
     assert estimated.name == "estimated" and not estimated.has_gpu and estimated.ram_bytes > 0

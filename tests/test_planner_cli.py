@@ -16,7 +16,7 @@ PLAN_70B = ["plan", "--model", str(ROOT / "configs/models/llama-3.1-70b"),
 
 @pytest.fixture(autouse=True)
 def empty_cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("OFFLOAD_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))
 
 
 def test_plan_70b_on_4090_prints_table_and_summary(capsys):

