@@ -43,6 +43,15 @@ def kernel_extensions():
                               extra_link_args=["-fopenmp"] if sys.platform != "win32" else [])]
 
 
+def config_files():
+    """configs/ installed under <prefix>/share/offload/configs, for non-editable installs."""
+    out = {}
+    for path in glob.glob(os.path.join("configs", "**", "*"), recursive=True):
+        if os.path.isfile(path):
+            out.setdefault(os.path.join("share", "offload", os.path.dirname(path)), []).append(path)
+    return sorted(out.items())
+
+
 setup(
     name="offload",
     version="0.1.0",
@@ -69,4 +78,5 @@ setup(
     cmdclass={"build_ext": OptionalBuildExt},
     entry_points={"console_scripts": ["offload=offload.cli:main"]},
     include_package_data=True,
+    data_files=config_files(),
 )

@@ -13,10 +13,10 @@ from pathlib import Path
 import yaml
 
 from offload.errors import ConfigError
-from offload.paths import cache_dir
+from offload.paths import cache_dir, configs_dir
 from offload.spec import FORMATS
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "hardware"
+PRESET_DIR = configs_dir() / "hardware"
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
                "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 
@@ -11,3 +12,9 @@ def cache_dir() -> Path:
     if os.environ.get("OFFLOAD_CACHE"):
         return Path(os.environ["OFFLOAD_CACHE"])
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "offload"
+
+
+def configs_dir() -> Path:
+    """The shipped configs/ (hardware presets, model configs, demo): the source tree's, else the installed copy."""
+    source = Path(__file__).resolve().parent.parent / "configs"
+    return source if source.is_dir() else Path(sys.prefix) / "share" / "offload" / "configs"

@@ -10,10 +10,11 @@ import yaml
 
 from offload.errors import ConfigError
 from offload.hardware import default_hardware, load_hardware, parse_size
+from offload.paths import configs_dir
 from offload.planner import Budget, Workload, plan
 from offload.spec import FORMATS, ModelSpec, load_spec
 
-MODEL_DIR = Path(__file__).resolve().parent.parent / "configs" / "models"
+MODEL_DIR = configs_dir() / "models"
 DEFAULT_MODEL = "smollm2-135m"
 _CONFIG_KEYS = ("model", "quantization", "memory", "hardware", "batch_size", "max_tokens", "prompt_len")
 _MEMORY_KEYS = ("gpu", "cpu", "disk")
