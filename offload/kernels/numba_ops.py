@@ -8,6 +8,15 @@ import numpy as np
 QK = 32
 
 
+@numba.njit(cache=True)
+def _block_amax(x, i, b):
+    """Largest |x| in block b of row i."""
+    amax = np.float32(0.0)
+    for j in range(QK):
+        amax = max(amax, abs(x[i, b * QK + j]))
+    return amax
+
+
 @numba.njit(cache=True, parallel=True)
 def quantize_x(x):
     """fp32 [N, K] -> (int8 [N, K], scales fp32 [N, K/32], scale * block sums fp32 [N, K/32])."""
@@ -18,9 +27,7 @@ def quantize_x(x):
     s = np.empty((n, nb), dtype=np.float32)
     for i in numba.prange(n):
         for b in range(nb):
-            amax = np.float32(0.0)
-            for j in range(QK):
-                amax = max(amax, abs(x[i, b * QK + j]))
+            amax = _block_amax(x, i, b)
             inv = np.float32(127.0) / amax if amax != 0 else np.float32(0.0)
             tot = 0
             for j in range(QK):
@@ -41,9 +48,7 @@ def quantize_x16(x):
     d = np.empty((n, nb), dtype=np.float32)
     for i in numba.prange(n):
         for b in range(nb):
-            amax = np.float32(0.0)
-            for j in range(QK):
-                amax = max(amax, abs(x[i, b * QK + j]))
+            amax = _block_amax(x, i, b)
             inv = np.float32(32767.0) / amax if amax != 0 else np.float32(0.0)
             for j in range(QK):
                 qs[i, b * QK + j] = int(np.rint(x[i, b * QK + j] * inv))
