@@ -112,11 +112,13 @@ void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_
 // y [N, M] fp32 = x [N, K] (fp32 or bf16) @ W[M, K]^T + bias.
 void linear(int path, uintptr_t x, int xtype, int64_t N, int64_t K, int fmt, uintptr_t wq, uintptr_t wd,
             int64_t M, uintptr_t bias, uintptr_t y, int nthreads) {
-  if (path < 0 || path > 2 || fmt < 0 || fmt > 3 || xtype < 0 || xtype > 1)
+  if (path < 0 || path > 2 || fmt < 0 || fmt > W_TILED + W_Q4_0 || fmt == W_TILED + W_BF16 || xtype < 0 || xtype > 1)
     throw std::invalid_argument("offload kernels: bad path, format or activation type id");
+  const bool tiled = fmt >= W_TILED;
+  fmt %= W_TILED;
   if (N < 1 || M < 1 || K < 1 || ((fmt == W_Q8_0 || fmt == W_Q4_0) && K % QK != 0))
     throw std::invalid_argument("offload kernels: bad shape (quantized formats need K % 32 == 0)");
-  const WView w{reinterpret_cast<const uint8_t*>(wq), reinterpret_cast<const uint16_t*>(wd), M, K};
+  const WView w{reinterpret_cast<const uint8_t*>(wq), reinterpret_cast<const uint16_t*>(wd), M, K, tiled};
   const int nth = nthreads < 1 ? 1 : nthreads;
   const float* b = reinterpret_cast<const float*>(bias);
   if (fmt == W_Q8_0 || fmt == W_Q4_0)

@@ -68,17 +68,22 @@ void quantize_x16_ref(const void* x, int xtype, int64_t K, int16_t* qs, float* d
   }
 }
 
+// The tile holding row r (its first row) in w's block order, and r's index in it.
+static inline int64_t tile_start(const WView& w, int64_t r) { return w.tiled && r < (w.M & ~int64_t(3)) ? r & ~int64_t(3) : r; }
+
 void gemm_q8_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
   const int64_t K = w.K, nb = K / QK;
   for (int64_t r = r0; r < r1; ++r) {
-    const int8_t* wq = reinterpret_cast<const int8_t*>(w.qs) + r * K;
+    const int64_t t0 = tile_start(w, r);
+    const RowTile t(w, t0, QK);
     for (int64_t n = 0; n < x.N; ++n) {
       const int16_t* xq = reinterpret_cast<const int16_t*>(x.qs) + n * K;
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         int dot = 0;
-        for (int64_t i = 0; i < QK; ++i) dot += int(wq[b * QK + i]) * int(xq[b * QK + i]);
-        acc += fp16_to_f32(w.d[r * nb + b]) * x.d[n * nb + b] * float(dot);
+        const int8_t* wq = reinterpret_cast<const int8_t*>(t.qat(r - t0, b));
+        for (int64_t i = 0; i < QK; ++i) dot += int(wq[i]) * int(xq[b * QK + i]);
+        acc += fp16_to_f32(*t.dat(r - t0, b)) * x.d[n * nb + b] * float(dot);
       }
       y[n * w.M + r] = acc + (bias ? bias[r] : 0.f);
     }
@@ -88,17 +93,19 @@ void gemm_q8_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int
 void gemm_q4_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
   const int64_t K = w.K, nb = K / QK;
   for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* wq = w.qs + r * (K / 2);
+    const int64_t t0 = tile_start(w, r);
+    const RowTile t(w, t0, QK / 2);
     for (int64_t n = 0; n < x.N; ++n) {
       const int8_t* xq = x.qs + n * K;
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         int dot = 0;
+        const uint8_t* wq = t.qat(r - t0, b);
         for (int64_t j = 0; j < QK / 2; ++j) {  // low nibble: element j, high nibble: element j + 16
-          const uint8_t v = wq[b * QK / 2 + j];
+          const uint8_t v = wq[j];
           dot += (int(v & 15) - 8) * int(xq[b * QK + j]) + (int(v >> 4) - 8) * int(xq[b * QK + j + 16]);
         }
-        acc += fp16_to_f32(w.d[r * nb + b]) * x.d[n * nb + b] * float(dot);
+        acc += fp16_to_f32(*t.dat(r - t0, b)) * x.d[n * nb + b] * float(dot);
       }
       y[n * w.M + r] = acc + (bias ? bias[r] : 0.f);
     }

@@ -50,14 +50,16 @@ def test_scalar_ref_matches_float_reference(fmt, m, k, n):
 
 
 @pytest.mark.parametrize("path", NATIVE or ["none"])
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt,order", [("q8_0", "tiled"), ("q8_0", "rows"), ("q4_0", "tiled"), ("q4_0", "rows"),
+                                       ("bf16", "-"), ("fp16", "-")])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_simd_matches_scalar_ref(path, fmt, m, k, n, xdtype, with_bias):
+def test_simd_matches_scalar_ref(path, fmt, order, m, k, n, xdtype, with_bias):
     if path == "none":
         pytest.skip(f"no SIMD path on this machine (active: {K.ACTIVE_PATH})")
     w, x, bias = case(m, k, n, fmt, seed=m * 7 + n)
+    w = w.to_tiled() if order == "tiled" else w.to_rows()
     x, bias = x.to(xdtype), bias if with_bias else None
     got, ref = K.linear_path(x, w, bias, path), K.linear_ref(x, w, bias)
     assert got.dtype == torch.float32 and got.shape == (n, m)

@@ -25,13 +25,18 @@ if ACTIVE_PATH == "numba":
     warnings.warn("offload: C++ kernel extension not available; using the slower numba kernels", stacklevel=2)
     from offload.kernels import numba_ops as _nb
 _PATH_ID = PATH_IDS.get(ACTIVE_PATH, 0)
+TILED: bool = ACTIVE_PATH != "numba"  # pack() makes tiled q8_0/q4_0 weights for the C++ kernels
 _XTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _F32 = torch.float32
 
 
 def pack(w: torch.Tensor, fmt: str) -> PackedWeight:
-    """Quantize/convert w [M, K] (fp32/bf16/fp16) to fmt, multi-threaded; q8_0/q4_0 equal gguf-py's."""
-    return _pack(w, fmt, _C)
+    """Quantize/convert w [M, K] (fp32/bf16/fp16) to fmt, multi-threaded; q8_0/q4_0 equal gguf-py's.
+
+    Quantized weights come in the tiled block order the C++ kernels read fastest (to_rows() gives GGUF's).
+    """
+    p = _pack(w, fmt, _C)
+    return p.to_tiled() if TILED else p
 
 
 def _check(x, w: PackedWeight, bias) -> None:
@@ -102,6 +107,7 @@ def _linear_numba(x: torch.Tensor, w: PackedWeight, bias, y: torch.Tensor) -> to
     if w.d is None:
         y = x.float() @ w.qs.float().T
     else:
+        w = w.to_rows()
         if w.fmt == "q8_0":  # int16 activations against q8_0 weights, int8 against q4_0, as in csrc/
             xq, xd = numba_ops.quantize_x16(x.float().numpy())
             numba_ops.gemm_q8_0(w.qs.numpy(), w.scales_f32().numpy(), xq, xd, y.numpy())
@@ -111,5 +117,5 @@ def _linear_numba(x: torch.Tensor, w: PackedWeight, bias, y: torch.Tensor) -> to
     return y if bias is None else y.add_(bias)
 
 
-__all__ = ["ACTIVE_PATH", "CPU_FEATURES", "FORMATS", "KernelError", "PackedWeight", "choose_path", "linear",
+__all__ = ["ACTIVE_PATH", "CPU_FEATURES", "FORMATS", "TILED", "KernelError", "PackedWeight", "choose_path", "linear",
            "linear_path", "linear_ref", "pack"]

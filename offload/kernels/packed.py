@@ -10,19 +10,30 @@ from offload.weights import quant
 
 FORMATS = ("q8_0", "q4_0", "bf16", "fp16")
 FMT_IDS = {"q8_0": 0, "q4_0": 1, "bf16": 2, "fp16": 3}  # csrc/kernels.h enum WFmt
+TILED_ID = 4  # csrc/kernels.h W_TILED: added to a quantized format's id for tiled block order
+_BLOCK_QS_BYTES = {"q8_0": 32, "q4_0": 16}
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class PackedWeight:
-    """Weight [M, K] (out_features, in_features): quants [M, K*qb/32] + fp16 scales [M, K/32], or a half tensor."""
+    """Weight [M, K] (out_features, in_features): quants [M, K*qb/32] + fp16 scales [M, K/32], or a half tensor.
 
-    __slots__ = ("fmt", "shape", "qs", "d", "fmt_id", "qs_ptr", "d_ptr", "_d32")
+    Quantized blocks are in row order (GGUF's) or, with tiled=True, in the tiled order the CPU kernels read
+    fastest (csrc/kernels.h: rows in tiles of 4, block pairs of the 4 rows side by side). Both hold the same
+    bytes; to_tiled() / to_rows() convert.
+    """
 
-    def __init__(self, fmt: str, shape: tuple[int, int], qs: torch.Tensor, d: torch.Tensor | None):
+    __slots__ = ("fmt", "shape", "qs", "d", "tiled", "fmt_id", "qs_ptr", "d_ptr", "_d32")
+
+    def __init__(self, fmt: str, shape: tuple[int, int], qs: torch.Tensor, d: torch.Tensor | None,
+                 tiled: bool = False):
         self.fmt, self.shape = fmt, _check_shape(fmt, tuple(shape))
         _check_parts(fmt, self.shape, qs, d)
+        if tiled and d is None:
+            raise KernelError(f"only q8_0/q4_0 weights have a tiled block order, not {fmt}")
         self.qs, self.d = qs.contiguous(), None if d is None else d.contiguous()
-        self.fmt_id = FMT_IDS[fmt]
+        self.tiled = bool(tiled)
+        self.fmt_id = FMT_IDS[fmt] + (TILED_ID if tiled else 0)
         self.qs_ptr = self.qs.data_ptr()
         self.d_ptr = 0 if self.d is None else self.d.data_ptr()
         self._d32 = None  # fp32 scales, made on demand for the numba path
@@ -33,22 +44,38 @@ class PackedWeight:
         return self.qs.nbytes + (0 if self.d is None else self.d.nbytes)
 
     def scales_f32(self) -> torch.Tensor:
-        """Block scales as fp32 [M, K/32] (cached)."""
+        """Block scales as fp32 [M, K/32] in row order (cached)."""
         if self._d32 is None:
-            self._d32 = self.d.float()
+            self._d32 = self.to_rows().d.float()
         return self._d32
+
+    def to_tiled(self) -> "PackedWeight":
+        """This matrix in tiled block order (a copy; self if already tiled or not quantized)."""
+        if self.tiled or self.d is None:
+            return self
+        qs, d = tile_blocks(self.qs, self.d, self.fmt)
+        return PackedWeight(self.fmt, self.shape, qs, d, tiled=True)
+
+    def to_rows(self) -> "PackedWeight":
+        """This matrix in row (GGUF) block order (a copy; self if already in row order)."""
+        if not self.tiled:
+            return self
+        qs, d = untile_blocks(self.qs, self.d, self.fmt)
+        return PackedWeight(self.fmt, self.shape, qs, d)
 
     def dequantize(self) -> torch.Tensor:
         """The weights as fp32 [M, K]."""
         if self.d is None:
             return self.qs.float()
-        return torch.from_numpy(quant.dequantize_np(self.qs.numpy().view(np.uint8), self.d.numpy(), self.fmt))
+        rows = self.to_rows()
+        return torch.from_numpy(quant.dequantize_np(rows.qs.numpy().view(np.uint8), rows.d.numpy(), self.fmt))
 
     def to_gguf(self) -> np.ndarray:
         """GGUF bytes of this matrix: uint8 [M, row_bytes] blocks, or the half values' bytes."""
         if self.d is None:
             return self.qs.view(torch.uint8).numpy().reshape(self.shape[0], -1)
-        return quant.join_gguf_blocks(self.qs.numpy(), self.d.numpy(), self.fmt)
+        rows = self.to_rows()
+        return quant.join_gguf_blocks(rows.qs.numpy(), rows.d.numpy(), self.fmt)
 
     @classmethod
     def from_gguf(cls, raw, fmt: str, shape: tuple[int, int]) -> "PackedWeight":
@@ -67,7 +94,45 @@ class PackedWeight:
         return cls(fmt, (m, k), qs_t.view(torch.int8) if fmt == "q8_0" else qs_t, torch.from_numpy(d))
 
     def __repr__(self) -> str:
-        return f"PackedWeight(fmt={self.fmt!r}, shape={list(self.shape)}, nbytes={self.nbytes})"
+        order = ", tiled" if self.tiled else ""
+        return f"PackedWeight(fmt={self.fmt!r}, shape={list(self.shape)}, nbytes={self.nbytes}{order})"
+
+
+def _block_order(qs: torch.Tensor, d: torch.Tensor, fmt: str, to_tiled: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quants and scales reordered between row and tiled block order (csrc/kernels.h), on their device.
+
+    Works on any leading slice of whole 4-row tiles too: the device dequantizer slices big matrices that way.
+    """
+    m, nb = d.shape
+    m4, pairs = m // 4 * 4, nb // 2
+    if m4 == 0:
+        return qs, d
+    out = []
+    for plane, unit in ((qs.view(torch.uint8), _BLOCK_QS_BYTES[fmt]), (d.view(torch.int16), 1)):
+        top = plane[:m4].reshape(m4 // 4, 4, nb * unit)
+        if to_tiled:
+            even = top[:, :, : 2 * pairs * unit].reshape(m4 // 4, 4, pairs, 2 * unit).transpose(1, 2)
+            odd = top[:, :, 2 * pairs * unit:]
+        else:  # a tile is [pairs, 4 rows, 2 blocks] then [4 rows, odd block]
+            flat = top.reshape(m4 // 4, 4 * nb * unit)
+            even = flat[:, : 8 * pairs * unit].reshape(m4 // 4, pairs, 4, 2 * unit).transpose(1, 2)
+            odd = flat[:, 8 * pairs * unit:].reshape(m4 // 4, 4, nb % 2 * unit)
+        if to_tiled:
+            top = torch.cat((even.reshape(m4 // 4, -1), odd.reshape(m4 // 4, -1)), dim=1)
+        else:
+            top = torch.cat((even.reshape(m4 // 4, 4, -1), odd), dim=2)
+        out.append(torch.cat((top.reshape(m4, nb * unit), plane[m4:])))
+    return out[0].view(qs.dtype).reshape(qs.shape), out[1].view(d.dtype).reshape(d.shape)
+
+
+def tile_blocks(qs: torch.Tensor, d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row-order quants [M, ...] and scales [M, K/32] -> tiled order (new tensors)."""
+    return _block_order(qs, d, fmt, True)
+
+
+def untile_blocks(qs: torch.Tensor, d: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled-order quants and scales -> row order (new tensors)."""
+    return _block_order(qs, d, fmt, False)
 
 
 def _check_shape(fmt: str, shape) -> tuple[int, int]:

@@ -36,7 +36,7 @@ class RandomSource:
     def _linear(self, out_features: int, in_features: int):
         if self.quantization == "none":
             return torch.randn(out_features, in_features, generator=self.gen, dtype=self.dtype) * in_features ** -0.5
-        from offload.kernels import PackedWeight
+        from offload.kernels import TILED, PackedWeight
 
         nb = in_features // 32
         width = in_features if self.quantization == "q8_0" else in_features // 2
@@ -44,7 +44,7 @@ class RandomSource:
         if self.quantization == "q8_0":
             qs = qs.view(torch.int8)
         d = torch.full((out_features, nb), 0.02 / in_features ** 0.5, dtype=torch.float16)
-        return PackedWeight(self.quantization, (out_features, in_features), qs, d)
+        return PackedWeight(self.quantization, (out_features, in_features), qs, d, tiled=TILED)  # random: any order
 
     def load(self, unit: UnitSpec):
         s = self.spec

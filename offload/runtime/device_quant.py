@@ -15,8 +15,12 @@ QK = 32
 DEQUANT_CHUNK_ELEMENTS = 1 << 26  # dequantize big matrices (a 70B lm_head) in row slices of at most this many
 
 
-def dequantize(qs: torch.Tensor, d: torch.Tensor, fmt: str, dtype: torch.dtype) -> torch.Tensor:
-    """Split-layout quants and fp16 scales [M, K/32] -> weights [M, K] in dtype, on their device."""
+def dequantize(qs: torch.Tensor, d: torch.Tensor, fmt: str, dtype: torch.dtype, tiled: bool = False) -> torch.Tensor:
+    """Split-layout quants and fp16 scales [M, K/32] (row or tiled block order) -> weights [M, K] in dtype."""
+    if tiled:
+        from offload.kernels.packed import untile_blocks
+
+        qs, d = untile_blocks(qs, d, fmt)
     m, nb = d.shape
     if fmt == "q8_0":
         q = qs.view(torch.int8).reshape(m, nb, QK).to(dtype)
@@ -36,15 +40,16 @@ class DeviceQuantWeight:
     shape: tuple[int, int]
     qs: torch.Tensor
     d: torch.Tensor
+    tiled: bool = False  # tiled block order (offload.kernels.packed); slices of whole 4-row tiles stay valid
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """x [..., K] @ W.T + bias, with W dequantized into x's dtype for this call only."""
         bias = None if bias is None else bias.to(x.dtype)
         m, k = self.shape
-        rows = max(1, DEQUANT_CHUNK_ELEMENTS // k)
+        rows = max(4, DEQUANT_CHUNK_ELEMENTS // k // 4 * 4)  # whole tiles
         if rows >= m:
-            return F.linear(x, dequantize(self.qs, self.d, self.fmt, x.dtype), bias)
-        parts = [F.linear(x, dequantize(self.qs[r: r + rows], self.d[r: r + rows], self.fmt, x.dtype),
+            return F.linear(x, dequantize(self.qs, self.d, self.fmt, x.dtype, self.tiled), bias)
+        parts = [F.linear(x, dequantize(self.qs[r: r + rows], self.d[r: r + rows], self.fmt, x.dtype, self.tiled),
                           None if bias is None else bias[r: r + rows]) for r in range(0, m, rows)]
         return torch.cat(parts, dim=-1)
 

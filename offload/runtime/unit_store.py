@@ -29,6 +29,7 @@ class Entry:
     dtype: torch.dtype
     shape: tuple[int, ...]
     fmt: str | None = None  # q8_0 / q4_0 for quantized planes
+    tiled: bool = False  # quantized planes in tiled block order (offload.kernels.packed)
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,9 @@ def layout_of(weights) -> UnitLayout:
             parts = [("qs", leaf.qs, leaf.fmt), ("d", leaf.d, leaf.fmt)]
             if leaf.d is None:  # a half-precision PackedWeight has no scale plane
                 parts = [("dense", leaf.qs, None)]
+        tiled = bool(getattr(leaf, "tiled", False))
         for part, t, fmt in parts:
-            entries.append(Entry(name, part, offset, t.nbytes, t.dtype, tuple(t.shape), fmt))
+            entries.append(Entry(name, part, offset, t.nbytes, t.dtype, tuple(t.shape), fmt, tiled))
             offset += -(-t.nbytes // ALIGN_BYTES) * ALIGN_BYTES
     return UnitLayout(isinstance(weights, LayerWeights), tuple(entries), offset)
 
@@ -83,11 +85,11 @@ def write_into(layout: UnitLayout, weights, buffer: torch.Tensor) -> None:
 def materialize(layout: UnitLayout, buffer: torch.Tensor, on_device: bool):
     """Weights viewing buffer: quantized planes become DeviceQuantWeight (on_device) or PackedWeight (CPU kernels)."""
     views: dict[str, dict[str, torch.Tensor]] = {}
-    fmts, shapes = {}, {}
+    fmts, shapes, tiled = {}, {}, {}
     for e in layout.entries:
         views.setdefault(e.field, {})[e.part] = buffer[e.offset: e.offset + e.n_bytes].view(e.dtype).view(e.shape)
         if e.fmt:
-            fmts[e.field] = e.fmt
+            fmts[e.field], tiled[e.field] = e.fmt, e.tiled
             if e.part == "qs":
                 shapes[e.field] = (e.shape[0], e.shape[1] * (1 if e.fmt == "q8_0" else 2))
     built = {}
@@ -95,11 +97,11 @@ def materialize(layout: UnitLayout, buffer: torch.Tensor, on_device: bool):
         if "dense" in parts:
             built[name] = parts["dense"]
         elif on_device:
-            built[name] = DeviceQuantWeight(fmts[name], shapes[name], parts["qs"], parts["d"])
+            built[name] = DeviceQuantWeight(fmts[name], shapes[name], parts["qs"], parts["d"], tiled[name])
         else:
             from offload.kernels import PackedWeight
 
-            built[name] = PackedWeight(fmts[name], shapes[name], parts["qs"], parts["d"])
+            built[name] = PackedWeight(fmts[name], shapes[name], parts["qs"], parts["d"], tiled[name])
     if not layout.is_layer:
         return built["weight"]
     return LayerWeights(**{f.name: built.get(f.name) for f in dataclasses.fields(LayerWeights)})
