@@ -116,15 +116,15 @@ class Generator:
         """One token for each active sequence; return logits [b, V]."""
         tokens = torch.tensor([[s.output_ids[-1]] for s in batch])
         positions = torch.tensor([[s.n_tokens - 1] for s in batch])
-        valid = torch.ones_like(positions, dtype=torch.bool)
+        valid = torch.ones(positions.shape, dtype=torch.bool)
         hidden = self._forward(batch, tokens, positions, valid, cache, max_len, "decode")
         return self.model.logits(hidden[:, 0])
 
     def _forward(self, seqs, tokens, positions, valid, cache, max_len: int, phase: str) -> torch.Tensor:
-        slots = torch.tensor([s.slot for s in seqs])
-        all_rows = len(seqs) == cache[0].k.shape[0] and bool((slots == torch.arange(len(seqs))).all())
-        step = self.model.make_step(positions, valid, trash_slot=max_len, rows=None if all_rows else slots,
-                                    phase=phase)
+        slots = [s.slot for s in seqs]
+        all_rows = len(seqs) == cache[0].k.shape[0] and slots == list(range(len(seqs)))
+        step = self.model.make_step(positions, valid, trash_slot=max_len,
+                                    rows=None if all_rows else torch.tensor(slots), phase=phase)
         with torch.inference_mode():
             return self.model.forward(tokens, step, cache)
 

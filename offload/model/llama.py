@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -35,17 +36,27 @@ class Step:
 
     positions: torch.Tensor  # [B, S] long, position of each new token (pads: 0)
     write_index: torch.Tensor  # [B, S] long, KV slot to write (pads: the trash slot)
-    mask: torch.Tensor  # [B, 1, S, T] bool, keys each query may attend to
+    valid: torch.Tensor  # [B, S] bool, real tokens (not padding)
+    n_keys: int  # keys the step's queries see: cache slots 0 .. n_keys - 1
     cos: torch.Tensor  # [B, 1, S, head_dim]
     sin: torch.Tensor  # [B, 1, S, head_dim], first half negated (see apply_rope)
     rows: torch.Tensor | None = None  # [B] cache rows these sequences use; None: all rows, in order
     phase: str = "prefill"  # prefill | decode: the plan may compute a block differently in each
+    sliding_window: int | None = None
+    _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """[B, 1, S, n_keys] bool, keys each query may attend to; made on first use (the fused CPU layer
+        reads positions instead, so a decode step on the CPU never builds it)."""
+        if self._mask is None:
+            self._mask = attention_mask(self.positions, self.valid, self.n_keys, self.sliding_window)
+        return self._mask
 
     def to(self, device) -> "Step":
         """This step with its tensors on device (positions stay where they are)."""
-        move = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return Step(self.positions, self.write_index, move(self.mask), move(self.cos), move(self.sin),
-                    self.rows, self.phase)
+        return Step(self.positions, self.write_index, self.valid, self.n_keys, self.cos.to(device),
+                    self.sin.to(device), self.rows, self.phase, self.sliding_window, self.mask.to(device))
 
 
 class LayerKV:
@@ -60,7 +71,7 @@ class LayerKV:
         """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return K, V [b, H, T, Dh] up to the
         step's keys. The cache may live on another device than the computation (KV lives where a block decodes).
         """
-        n_keys, dev, (batch, slots, heads, dh) = step.mask.shape[-1], self.k.device, self.k.shape
+        n_keys, dev, (batch, slots, heads, dh) = step.n_keys, self.k.device, self.k.shape
         row_ids = None if step.rows is None else step.rows.to(dev)  # None: every cache row takes part
         rows = torch.arange(k.shape[0], device=dev) if row_ids is None else row_ids
         flat = (rows[:, None] * slots + step.write_index.to(dev)).reshape(-1)
@@ -100,6 +111,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: int) -> torch.Tensor:
     """Inverse frequencies [head_dim / 2] for the rope type; dynamic NTK depends on seq_len."""
+    return _shared_inv_freq(rope, head_dim, seq_len, max_positions).clone()
+
+
+def _shared_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: int) -> torch.Tensor:
+    """rope_inv_freq's tensor, made once per model (and per length past max_positions for dynamic NTK):
+    read only."""
+    if rope.type != "dynamic" or seq_len <= max_positions:
+        seq_len = 0  # the frequencies do not depend on it
+    return _make_inv_freq(rope, head_dim, seq_len, max_positions)
+
+
+@functools.lru_cache(maxsize=32)
+def _make_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
     base = rope.theta
     if rope.type == "dynamic" and seq_len > max_positions:
@@ -126,8 +150,8 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
 
 def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype):
     """cos and signed sin [B, 1, S, head_dim] for positions [B, S]."""
-    seq_len = int(positions.max()) + 1 if positions.numel() else 1
-    inv_freq = rope_inv_freq(spec.rope, spec.head_dim, seq_len, spec.max_position_embeddings)
+    seq_len = int(positions.max()) + 1 if spec.rope.type == "dynamic" and positions.numel() else 1
+    inv_freq = _shared_inv_freq(spec.rope, spec.head_dim, seq_len, spec.max_position_embeddings)
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [B, S, Dh/2]
     sin = freqs.sin()
     cos = torch.cat((freqs.cos(),) * 2, dim=-1)[:, None]
@@ -156,11 +180,11 @@ def attention_mask(positions: torch.Tensor, valid: torch.Tensor, n_keys: int,
 def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, valid: torch.Tensor, trash_slot: int,
               rows: torch.Tensor | None = None, phase: str = "prefill") -> Step:
     """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens."""
-    n_keys = int(positions[valid].max()) + 1 if bool(valid.any()) else 1
-    write_index = torch.where(valid, positions, torch.full_like(positions, trash_slot))
+    n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1  # no valid token: 1
+    write_index = torch.where(valid, positions, trash_slot)
     cos, sin = rope_cos_sin(spec, positions, dtype)
-    mask = attention_mask(positions, valid, n_keys, spec.sliding_window)
-    return Step(positions=positions, write_index=write_index, mask=mask, cos=cos, sin=sin, rows=rows, phase=phase)
+    return Step(positions=positions, write_index=write_index, valid=valid, n_keys=n_keys, cos=cos, sin=sin, rows=rows,
+                phase=phase, sliding_window=spec.sliding_window)
 
 
 def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, kv: LayerKV):
@@ -179,10 +203,9 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
     """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv."""
-    from offload.kernels.layer import can_fuse, fused_layer_forward  # CPU blocks: one C++ call per layer
-
-    if can_fuse(w, x, kv):
-        return fused_layer_forward(spec, w, x, step, kv)
+    fused = _fused_layer_module()  # CPU blocks: one C++ call per layer
+    if fused.can_fuse(w, x, kv):
+        return fused.fused_layer_forward(spec, w, x, step, kv)
     b, s, _ = x.shape
     h = rms_norm(x, w.attn_norm, spec.rms_norm_eps)
     qkv = linear(h, w.qkv, w.qkv_bias)
@@ -196,3 +219,12 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     h = rms_norm(x, w.mlp_norm, spec.rms_norm_eps)
     gate, up = linear(h, w.gate_up, w.gate_up_bias).split(spec.intermediate_size, dim=-1)
     return x + linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+@functools.cache
+def _fused_layer_module():
+    """offload.kernels.layer, imported on first use (it loads the kernel extension) and then kept at hand:
+    layer_forward runs for every layer of every step."""
+    import offload.kernels.layer
+
+    return offload.kernels.layer
