@@ -33,6 +33,8 @@ class PlacedModel:
         self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
         self.units = spec.units()
         self.order = [u.name for u in self.units]
+        self._kind_index = {u.name: (u.kind, u.index) for u in self.units}
+        self._cpu = torch.device("cpu")
         self.layouts: dict[str, UnitLayout] = {}
         self.resident, self.host_buffers, self.host_weights = {}, {}, {}
         self._disk_dir, self._disk_tmp = disk_dir, None
@@ -43,6 +45,10 @@ class PlacedModel:
         self.reader = self._make_reader()
         self._cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
         self._overlap = self.ring is not None or self.reader is not None
+        # the schedule's unit lists, fixed by the placement: made once, not at every step
+        self._streamed = {phase: [n for n in self.order if placement[n].mode(phase) == "stream"]
+                          for phase in ("prefill", "decode")}
+        self._on_disk = [n for n in self.order if placement[n].weights == "disk"]
         self._kv_bytes: dict[str, int] = {}
         self._stream_queue: list[str] = []
         self._next_copy = 0
@@ -133,10 +139,10 @@ class PlacedModel:
     # the schedule -------------------------------------------------------------------------------------
     def _begin_step(self, phase: str) -> None:
         self._phase = phase
-        self._stream_queue = [n for n in self.order if self.placement[n].mode(phase) == "stream"]
+        self._stream_queue = self._streamed[phase]
         self._next_copy = 0
         if self.reader is not None:
-            self.reader.schedule([n for n in self.order if self.placement[n].weights == "disk"], phase)
+            self.reader.schedule(self._on_disk, phase)
         self._issue_copies(phase)
 
     def _issue_copies(self, phase: str, need: str | None = None) -> None:
@@ -156,7 +162,8 @@ class PlacedModel:
 
     def _acquire(self, name: str, phase: str):
         """(weights, on_device) for unit name in this phase."""
-        p, mode = self.placement[name], self.placement[name].mode(phase)
+        p = self.placement[name]
+        mode = p.mode(phase)
         if mode == "gpu":
             return self.resident[name], True
         if mode == "stream":
@@ -172,7 +179,8 @@ class PlacedModel:
         return materialize(self.layouts[name], self.reader.acquire(name), on_device=False), False
 
     def _release(self, name: str, phase: str) -> None:
-        p, mode = self.placement[name], self.placement[name].mode(phase)
+        p = self.placement[name]
+        mode = p.mode(phase)
         if mode == "stream":
             self.ring.release(name)
             self._issue_copies(phase)  # block j+k's copy goes into the slot block j just left
@@ -182,9 +190,9 @@ class PlacedModel:
     def _run(self, name: str, x, phase: str, step: Step | None, cache, steps: dict):
         """Acquire, compute and release one unit; step and cache are None for the lm_head."""
         weights, on_device = self._acquire(name, phase)
-        device = self.backend.device if on_device else torch.device("cpu")
+        device = self.backend.device if on_device else self._cpu
         x = x.to(device)
-        n_tokens = x.numel() if name == "embed" else x[..., 0].numel()
+        n_tokens = x.numel() if name == "embed" else x.numel() // x.shape[-1]
         if on_device:
             with self.backend.gpu_block(name, phase, n_tokens):
                 y = self._compute(name, weights, x, step, cache, steps, device)
@@ -199,7 +207,7 @@ class PlacedModel:
         return y
 
     def _compute(self, name: str, w, x, step: Step, cache, steps: dict, device):
-        kind = name.split(".")[0]
+        kind, index = self._kind_index[name]
         if kind == "embed":
             return F.embedding(x, w).to(self.dtype)
         if kind == "norm":
@@ -208,4 +216,4 @@ class PlacedModel:
             return linear(x, w, None)
         if device not in steps:
             steps[device] = step if device.type == "cpu" else step.to(device)
-        return layer_forward(self.spec, w, x, steps[device], cache[int(name.split(".")[1])])
+        return layer_forward(self.spec, w, x, steps[device], cache[index])
