@@ -8,6 +8,7 @@ throughput at batch 16 and 128 against torch. All times are medians of several r
 
     python scripts/bench_kernels.py            # about 2-3 minutes on 2 cores
     python scripts/bench_kernels.py --models 8b --threads 2 --paths avx2 scalar
+    python scripts/bench_kernels.py --formats q4_0 q4_0-rows --no-gemm   # tiled vs GGUF row order
 """
 
 from __future__ import annotations
@@ -68,10 +69,16 @@ class Rotation:
 
 
 def kernel_time_s(w: torch.Tensor, fmt: str, path: str, n: int) -> tuple[float, int]:
-    """(median seconds of one [n, K] x [M, K]^T product on path, weight bytes) for packed fmt."""
+    """(median seconds of one [n, K] x [M, K]^T product on path, weight bytes) for packed fmt.
+
+    fmt "q8_0-rows" / "q4_0-rows" keeps GGUF's row block order instead of the tiled order pack() makes.
+    """
+    fmt, _, order = fmt.partition("-")
     p = K.pack(w, fmt)
-    rot = Rotation(lambda: K.PackedWeight(fmt, p.shape, p.qs.clone(), None if p.d is None else p.d.clone()),
-                   p.nbytes)
+    if order == "rows":
+        p = p.to_rows()
+    rot = Rotation(lambda: K.PackedWeight(fmt, p.shape, p.qs.clone(), None if p.d is None else p.d.clone(),
+                                          tiled=p.tiled), p.nbytes)
     x = torch.randn(n, w.shape[1])
     if path == K.ACTIVE_PATH:
         t = median_time_s(lambda: K.linear(x, rot.next()))
@@ -106,10 +113,10 @@ def gemv_rows(shape, count: int, fmts, paths, n_threads: int, bw_bps: float) -> 
 
 
 def print_gemv(rows: list[dict]) -> None:
-    print(f"{'shape':>13} {'thr':>3} {'format':>6} {'path':>6} {'us':>9} {'GB/s':>6} {'xBW':>5} "
+    print(f"{'shape':>13} {'thr':>3} {'format':>9} {'path':>6} {'us':>9} {'GB/s':>6} {'xBW':>5} "
           f"{'vs fp32':>8} {'vs bf16':>8}")
     for r in rows:
-        print(f"{r['shape'][0]:>6}x{r['shape'][1]:<6} {r['threads']:>3} {r['fmt']:>6} {r['path']:>6} "
+        print(f"{r['shape'][0]:>6}x{r['shape'][1]:<6} {r['threads']:>3} {r['fmt']:>9} {r['path']:>6} "
               f"{r['t'] * 1e6:9.1f} {r['gbps']:6.1f} {r['x_bw']:5.2f} {r['vs_fp32']:7.2f}x {r['vs_bf16']:7.2f}x")
 
 
@@ -122,7 +129,7 @@ def print_layer_summary(model: str, rows: list[dict], bw: dict[int, float]) -> N
         nbytes = sum(r["nbytes"] * r["count"] for r in sel)
         t32 = sum(r["t32"] * r["count"] for r in sel)
         t16 = sum(r["t16"] * r["count"] for r in sel)
-        print(f"  {model} block, {n_threads} thr, {fmt:>5} {path:>6}: {nbytes / t / 1e9:6.1f} GB/s = "
+        print(f"  {model} block, {n_threads} thr, {fmt:>9} {path:>6}: {nbytes / t / 1e9:6.1f} GB/s = "
               f"{nbytes / t / bw[n_threads]:.2f}x read BW; {t32 / t:5.2f}x torch fp32, {t16 / t:5.2f}x torch bf16")
 
 
@@ -149,7 +156,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["135m", "8b", "70b"], choices=sorted(MODEL_KEYS))
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--formats", nargs="+", default=["q8_0", "q4_0", "bf16", "fp16"], choices=K.FORMATS)
+    ap.add_argument("--formats", nargs="+", default=["q8_0", "q4_0", "bf16", "fp16"],
+                    choices=list(K.FORMATS) + ["q8_0-rows", "q4_0-rows"],
+                    help="weight formats; q8_0-rows / q4_0-rows: GGUF's row block order instead of the tiled one")
     ap.add_argument("--paths", nargs="+", default=[K.ACTIVE_PATH], help="kernel paths (e.g. avx2 scalar numba)")
     ap.add_argument("--batches", nargs="+", type=int, default=[16, 128])
     ap.add_argument("--no-gemm", action="store_true", help="skip the matrix-matrix section")
@@ -170,7 +179,7 @@ def main() -> None:
         print_gemv(rows)
         print_layer_summary(model, [r for r in rows if r["shape"] != LM_HEAD], bw)
     if not args.no_gemm:
-        gemm_report(GEMM_SHAPES, args.batches, [f for f in args.formats if f in ("q8_0", "q4_0", "bf16")],
+        gemm_report(GEMM_SHAPES, args.batches, [f for f in args.formats if f.partition("-")[0] in ("q8_0", "q4_0", "bf16")],
                     args.threads)
     torch.set_num_threads(old_threads)
 
