@@ -7,6 +7,7 @@ with packed linears and fp32 activations; the per-step token table is built once
 from __future__ import annotations
 
 import operator
+import time
 
 import torch
 
@@ -31,18 +32,20 @@ def can_fuse(w, x: torch.Tensor, kv) -> bool:
     """Whether fused_layer_forward can run this layer: extension built, fp32 CPU activations and cache,
     packed (q8_0/q4_0/bf16/fp16) linears, fp32 norms and biases.
 
-    Runs for every layer of every step, so what depends on w or kv alone is checked once: a cache is
-    checked once (while its tensors stay the same), and weights whose C++ view exists passed already."""
-    if not _FUSABLE or x.dtype is not _F32 or not x.is_cpu or not _kv_fusable(kv):
+    Runs for every layer of every step, so what depends on w or kv alone is not redone: a cache is checked
+    once while its tensors stay the same, and weights whose C++ view exists have passed already."""
+    if not _FUSABLE or x.dtype is not _F32 or not x.is_cpu or not _kv_view(kv)[0]:
         return False
     return _fused_view(w) is not None or _weights_fusable(w)
 
 
-def _kv_fusable(kv) -> bool:
-    cached = getattr(kv, "_fusable", None)
+def _kv_view(kv) -> tuple[bool, int, int, int, int]:
+    """(fusable, rows, slots, K pointer, V pointer) of a KV cache, kept on it while its tensors stay the same."""
+    cached = getattr(kv, "_fused_view", None)
     if cached is None or cached[0] is not kv.k or cached[1] is not kv.v:
-        cached = (kv.k, kv.v, _is_f32_cpu(kv.k) and _is_f32_cpu(kv.v))
-        kv._fusable = cached
+        k, v = kv.k, kv.v
+        cached = (k, v, (_is_f32_cpu(k) and _is_f32_cpu(v), k.shape[0], k.shape[1], k.data_ptr(), v.data_ptr()))
+        kv._fused_view = cached
     return cached[2]
 
 
@@ -55,17 +58,41 @@ def _weights_fusable(w) -> bool:
 
 def fused_layer_forward(spec, w, x: torch.Tensor, step, kv) -> torch.Tensor:
     """layer_forward(spec, w, x, step, kv) in one C++ call: x [B, S, D] fp32 -> [B, S, D]; appends K, V to kv."""
+    return fused_layers_forward(spec, [w], x, step, [kv])
+
+
+def fused_layers_forward(spec, ws: list, x: torch.Tensor, step, kvs: list, ends: list[float] | None = None):
+    """fused_layer_forward over consecutive layers ws with caches kvs: x [B, S, D] fp32 -> [B, S, D].
+
+    Everything per layer but the C++ call is done before the first one: the layers stream megabytes of weights
+    through the CPU caches, so Python run between two of them runs cold and costs several times its usual time.
+    Appends each layer's end time (time.perf_counter) to ends if given, for the timeline.
+    """
+    if len(ws) != len(kvs):
+        raise KernelError(f"fused layers: {len(ws)} layers but {len(kvs)} KV caches; pass one cache per layer")
+    if not ws:
+        return x
     b, s, d = x.shape
-    tokens, cos, sin = _token_table(spec, step, kv)
+    tokens, cos, sin = _token_table(spec, step, kvs[0])  # one table serves caches of one shape
     if tokens.shape[0] != b * s:
         raise KernelError(f"fused layer: hidden states [{b}, {s}, {d}] do not match the step's positions "
                           f"{list(step.positions.shape)}; build the step for this batch")
+    caches = [_kv_view(kv) for kv in kvs]
+    if any(c[1:3] != caches[0][1:3] for c in caches):
+        raise KernelError(f"fused layers: KV caches of different shapes {[list(kv.k.shape) for kv in kvs]}; "
+                          f"make every layer's cache with the same batch and max_len")
+    layers = [(_fused_weights(spec, w), c[3], c[4]) for w, c in zip(ws, caches)]
     x = x.contiguous()
-    out = torch.empty_like(x)
-    _C.layer_forward(_fused_weights(spec, w), _PATH_ID, torch.get_num_threads(), b * s, x.data_ptr(),
-                     out.data_ptr(), cos.data_ptr(), sin.data_ptr(), tokens.data_ptr(), kv.k.data_ptr(),
-                     kv.v.data_ptr())
-    return out
+    outs = [torch.empty_like(x) for _ in range(min(len(layers), 2))]  # layer j writes outs[j % 2]
+    out_ptrs = [t.data_ptr() for t in outs]
+    n_tokens, n_threads, x_ptr = b * s, torch.get_num_threads(), x.data_ptr()
+    table = (cos.data_ptr(), sin.data_ptr(), tokens.data_ptr())
+    for j, (fused, k_ptr, v_ptr) in enumerate(layers):
+        _C.layer_forward(fused, _PATH_ID, n_threads, n_tokens, x_ptr, out_ptrs[j % 2], *table, k_ptr, v_ptr)
+        x_ptr = out_ptrs[j % 2]
+        if ends is not None:
+            ends.append(time.perf_counter())
+    return outs[(len(layers) - 1) % 2]
 
 
 def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> torch.Tensor:
@@ -91,20 +118,26 @@ def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> 
                 raise KernelError(f"fused layer: positions reach past the KV cache's {n_slots - 1} slots; "
                                   f"allocate the cache with a larger max_len")
             table.append((base + slot, base, 0 if sliding_window is None else max(pos - sliding_window + 1, 0), pos))
-    return torch.tensor(table, dtype=torch.long).reshape(len(table), 4)
+    return torch.tensor(table, dtype=torch.long) if table else torch.empty(0, 4, dtype=torch.long)
 
 
 def _token_table(spec, step, kv):
-    """(token table, cos [N, Dh], sin [N, Dh]) of this step for this cache shape, made once per step."""
+    """(token table, cos, sin) of this step for this cache shape, made once per step; cos and sin hold
+    [N, Dh] fp32 rows (any shape)."""
     key = (kv.k.shape[0], kv.k.shape[1], spec.sliding_window)
     cached = getattr(step, "_fused_table", None)
     if cached is not None and cached[0] == key:
         return cached[1]
-    dh = spec.head_dim
     table = (token_table(step, kv.k.shape[0], kv.k.shape[1], spec.sliding_window),
-             step.cos.reshape(-1, dh).to("cpu", _F32).contiguous(), step.sin.reshape(-1, dh).to("cpu", _F32).contiguous())
+             _rows_f32(step.cos, spec.head_dim), _rows_f32(step.sin, spec.head_dim))
     step._fused_table = (key, table)
     return table
+
+
+def _rows_f32(t: torch.Tensor, dh: int) -> torch.Tensor:
+    """t [B, 1, S, dh] as contiguous fp32 CPU memory of [B * S, dh] (t itself when it is already: every op
+    between the layers' C++ calls runs with cold caches)."""
+    return t if _is_f32_cpu(t) else t.reshape(-1, dh).to("cpu", _F32).contiguous()
 
 
 def _fused_weights(spec, w):

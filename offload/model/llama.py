@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -219,6 +220,20 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     h = rms_norm(x, w.mlp_norm, spec.rms_norm_eps)
     gate, up = linear(h, w.gate_up, w.gate_up_bias).split(spec.intermediate_size, dim=-1)
     return x + linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
+def layers_forward(spec: ModelSpec, ws: list[LayerWeights], x: torch.Tensor, step: Step, kvs: list[LayerKV],
+                   ends: list[float] | None = None) -> torch.Tensor:
+    """layer_forward over consecutive layers ws with caches kvs; appends each layer's end time (time.perf_counter)
+    to ends if given, for the timeline. Fusable CPU layers run back to back, without Python between them."""
+    fused = _fused_layer_module()
+    if all(fused.can_fuse(w, x, kv) for w, kv in zip(ws, kvs)):
+        return fused.fused_layers_forward(spec, ws, x, step, kvs, ends)
+    for w, kv in zip(ws, kvs):
+        x = layer_forward(spec, w, x, step, kv)
+        if ends is not None:
+            ends.append(time.perf_counter())
+    return x
 
 
 @functools.cache
