@@ -125,3 +125,20 @@ def test_kv_cache_in_cpu_ram_for_device_blocks(tiny):
     assert model.backend.memory.now_bytes["gpu"] == model.ring.n_slots * model.ring.slot_bytes  # no KV on the GPU
     resident = load_model(Checkpoint(folder), spec)
     assert greedy(model, PROMPTS) == greedy(resident, PROMPTS)
+
+
+def test_host_layers_run_back_to_back_each_timed(tiny):
+    """Layers 0-1 and 3 (held and computed in host RAM) run as groups around the streamed layer 2, and still get a
+    cpu_block span each: within a group one layer's span ends where the next one's starts."""
+    folder, spec = tiny
+    units = dict(Placement.uniform(spec, "cpu", "cpu").units)
+    units["layer.2"] = Placement.uniform(spec, "cpu", "stream")["layer.2"]
+    model = placed(folder, spec, Placement(units), "q4_0")
+    reference = placed(folder, spec, Placement.uniform(spec, "cpu", "cpu"), "q4_0")
+    assert greedy(model, PROMPTS, n=4) == greedy(reference, PROMPTS, n=4)
+    blocks = [s for s in model.timeline.spans if s.phase == "decode" and s.kind in ("cpu_block", "gpu_block")]
+    one_step = [(s.kind, s.unit) for s in blocks[:7]]
+    assert one_step == [("cpu_block", "embed"), ("cpu_block", "layer.0"), ("cpu_block", "layer.1"),
+                        ("gpu_block", "layer.2"), ("cpu_block", "layer.3"), ("cpu_block", "norm"),
+                        ("cpu_block", "lm_head")]
+    assert blocks[1].end_s == blocks[2].start_s and blocks[1].n_tokens == blocks[2].n_tokens > 0

@@ -3,7 +3,8 @@
 The loop is written once against Backend. For each unit in order (embed, layers, norm, lm_head):
 acquire its weights (resident / staging slot / host buffer / read-ahead buffer), move the hidden state to
 where it computes, compute, release — and as soon as a streamed block is released, the next streamed
-block's copy is issued into its slot, so copies run under compute.
+block's copy is issued into its slot, so copies run under compute. Consecutive layers held and computed in
+host RAM have nothing to acquire or release: they run as one group, back to back, each still timed as a unit.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from offload.model.llama import LayerKV, Step, layer_forward, linear, make_step, rms_norm
+from offload.model.llama import LayerKV, Step, layer_forward, layers_forward, linear, make_step, rms_norm
 from offload.runtime.backend import Backend
 from offload.runtime.disk import DiskStore, ReadAhead
 from offload.runtime.placement import Placement
@@ -49,6 +50,7 @@ class PlacedModel:
         self._streamed = {phase: [n for n in self.order if placement[n].mode(phase) == "stream"]
                           for phase in ("prefill", "decode")}
         self._on_disk = [n for n in self.order if placement[n].weights == "disk"]
+        self._schedule = {phase: self._group_host_layers(phase) for phase in ("prefill", "decode")}
         self._kv_bytes: dict[str, int] = {}
         self._stream_queue: list[str] = []
         self._next_copy = 0
@@ -100,6 +102,20 @@ class PlacedModel:
         size = max(self.layouts[n].n_bytes for n in on_disk)
         return ReadAhead(self.backend, self.disk, self.placement.read_ahead, size)
 
+    def _group_host_layers(self, phase: str) -> list[str | tuple[str, ...]]:
+        """The units before the lm_head in order, runs of consecutive layers whose weights live in host RAM and
+        compute there grouped in tuples: they have nothing to acquire or release, so they run back to back."""
+        schedule: list = []
+        for name in self.order[:-1]:
+            p = self.placement[name]
+            if self._kind_index[name][0] == "layer" and p.weights == "cpu" and p.mode(phase) == "cpu":
+                if not schedule or not isinstance(schedule[-1], tuple):
+                    schedule.append(())
+                schedule[-1] += (name,)
+            else:
+                schedule.append(name)
+        return schedule
+
     # the interface the Generator uses -----------------------------------------------------------------
     def new_cache(self, batch: int, max_len: int) -> list[LayerKV]:
         """A KV cache per layer, each where its layer decodes; replaces (and un-counts) the previous one."""
@@ -125,8 +141,11 @@ class PlacedModel:
         steps = {}
         x = tokens
         with self.backend.compute_context():
-            for name in self.order[:-1]:
-                x = self._run(name, x, step.phase, step, cache, steps)
+            for unit in self._schedule[step.phase]:
+                if isinstance(unit, tuple):
+                    x = self._run_host_layers(unit, x, step, cache)
+                else:
+                    x = self._run(unit, x, step.phase, step, cache, steps)
             return x.to("cpu")
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -204,6 +223,22 @@ class PlacedModel:
                 y = self._compute(name, weights, x, step, cache, steps, device)
             self.timeline.add(Span("cpu_block", phase, name, start, Timeline.now(), n_tokens=n_tokens))
         self._release(name, phase)
+        return y
+
+    def _run_host_layers(self, names: tuple[str, ...], x, step: Step, cache):
+        """Compute consecutive layers held and computed in host RAM, timing each one as a unit of its own."""
+        x = x.to(self._cpu)
+        ws = [self.host_weights[n] for n in names]
+        kvs = [cache[self._kind_index[n][1]] for n in names]
+        ends: list[float] = []
+        start = Timeline.now()
+        if self._overlap:  # a worker thread, as in _run
+            y = self._cpu_pool.submit(layers_forward, self.spec, ws, x, step, kvs, ends).result()
+        else:
+            y = layers_forward(self.spec, ws, x, step, kvs, ends)
+        n_tokens = x.numel() // x.shape[-1]
+        for name, begin, end in zip(names, [start] + ends, ends):
+            self.timeline.add(Span("cpu_block", step.phase, name, begin, end, n_tokens=n_tokens))
         return y
 
     def _compute(self, name: str, w, x, step: Step, cache, steps: dict, device):
