@@ -95,3 +95,23 @@ def test_block_order_helpers_roundtrip_on_raw_planes():
 def test_half_weights_have_no_tiled_order():
     with pytest.raises(K.KernelError, match="tiled"):
         K.PackedWeight("bf16", (2, 8), torch.zeros(2, 8, dtype=torch.bfloat16), None, tiled=True)
+
+
+def test_gpu_only_units_are_stored_in_row_order_and_cpu_units_tiled(tmp_path):
+    from conftest import make_hf_model, save_hf_model
+
+    from offload.model.sources import RandomSource
+    from offload.runtime.cpu_backend import CPUBackend
+    from offload.runtime.executor import PlacedModel
+    from offload.runtime.placement import Placement, UnitPlacement
+    from offload.spec import load_spec
+
+    spec = load_spec(save_hf_model(make_hf_model("llama", num_hidden_layers=3), tmp_path / "m"))
+    place = Placement.uniform(spec, "cpu", "cpu")
+    place.units["layer.0"] = UnitPlacement("gpu", "gpu", "gpu", "gpu")
+    place.units["layer.1"] = UnitPlacement("cpu", "stream", "stream", "gpu")
+    place.units["layer.2"] = UnitPlacement("cpu", "stream", "cpu", "cpu")
+    model = PlacedModel(spec, RandomSource(spec, torch.float32, "q4_0"), place, CPUBackend())
+    tiled = {name: any(e.tiled for e in layout.entries) for name, layout in model.layouts.items()}
+    assert tiled["layer.0"] is False and tiled["layer.1"] is False  # dequantized on the device only
+    assert tiled["layer.2"] is K.TILED  # computed by the CPU kernels in decode

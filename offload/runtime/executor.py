@@ -22,7 +22,7 @@ from offload.runtime.disk import DiskStore, ReadAhead
 from offload.runtime.placement import Placement
 from offload.runtime.staging import StagingRing
 from offload.runtime.timeline import Span, Timeline
-from offload.runtime.unit_store import UnitLayout, layout_of, materialize, write_into
+from offload.runtime.unit_store import UnitLayout, in_row_order, layout_of, materialize, write_into
 from offload.spec import ModelSpec
 
 
@@ -61,7 +61,10 @@ class PlacedModel:
 
     # building ----------------------------------------------------------------------------------------
     def _place(self, unit, weights) -> None:
-        p, layout = self.placement[unit.name], layout_of(weights)
+        p = self.placement[unit.name]
+        if "cpu" not in (p.prefill, p.decode):  # GPU-only compute: GGUF row order (see in_row_order)
+            weights = in_row_order(weights)
+        layout = layout_of(weights)
         self.layouts[unit.name] = layout
         if p.weights == "gpu":
             buf = self.backend.alloc("gpu", layout.n_bytes)

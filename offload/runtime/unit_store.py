@@ -66,6 +66,20 @@ def layout_of(weights) -> UnitLayout:
     return UnitLayout(isinstance(weights, LayerWeights), tuple(entries), offset)
 
 
+def in_row_order(weights):
+    """The unit's weights with tiled q8_0/q4_0 matrices put back in GGUF's row block order.
+
+    Tiled order is for the CPU kernels; a unit that only ever computes on the GPU is dequantized there, which
+    is simplest (and needs no reordering scratch) in row order.
+    """
+    def rows(leaf):
+        return leaf.to_rows() if getattr(leaf, "tiled", False) else leaf
+
+    if isinstance(weights, LayerWeights):
+        return dataclasses.replace(weights, **{name: rows(leaf) for name, leaf in _leaves(weights)})
+    return rows(weights)
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
