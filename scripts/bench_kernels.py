@@ -3,7 +3,8 @@
 For the linear-layer shapes of SmolLM2-135M, Llama-3.1-8B and Llama-3.1-70B, at each thread count,
 prints per format and path: weight bytes per second, that rate over the memory read bandwidth measured
 in the same run, and the speedup over torch F.linear on the same shape in fp32 and bf16. Weights are
-rotated through copies larger than the last-level cache, as in real decoding. Then matrix-matrix
+rotated through copies larger than the last-level cache, as in real decoding, held (for both offload and
+torch) as offload holds weights: 2 MiB-aligned buffers advised for transparent huge pages. Then matrix-matrix
 throughput at batch 16 and 128 against torch. All times are medians of several runs.
 
     python scripts/bench_kernels.py            # about 2-3 minutes on 2 cores
@@ -21,6 +22,18 @@ import torch
 import torch.nn.functional as F
 
 import offload.kernels as K
+from offload.runtime.backend import host_empty
+
+SMALL_PAGES = False  # --small-pages: weights on ordinary 4 KiB pages instead of offload's 2 MiB-page buffers
+
+
+def stored(t: torch.Tensor) -> torch.Tensor:
+    """A copy of t in host memory as offload keeps weights (2 MiB-aligned, transparent huge pages)."""
+    if SMALL_PAGES:
+        return t.clone()
+    buf = host_empty(t.nbytes)
+    buf.copy_(t.contiguous().view(torch.uint8).reshape(-1))
+    return buf.view(t.dtype).view(t.shape)
 
 # (name, [M, K] per linear of one decoder block as (shape, count)); the 70B block is represented by
 # its two largest matrices (gate/up and down) to keep the default run short.
@@ -49,7 +62,7 @@ def median_time_s(fn, min_reps: int = 5, budget_s: float = 0.25) -> float:
 
 def read_bandwidth_bps(n_threads: int, nbytes: int = 1 << 30) -> float:
     """Memory read bandwidth: the best of the extension's AVX2 read loop and torch's sum, medians of 7."""
-    buf = torch.ones(nbytes, dtype=torch.uint8)
+    buf = stored(torch.ones(nbytes, dtype=torch.uint8))  # on the same kind of pages as the weights
     rates = [nbytes / median_time_s(lambda: buf.view(torch.float32).sum(), 7, 0.0)]
     if K._C is not None:
         rates.append(nbytes / median_time_s(lambda: K._C.read_bytes(buf.data_ptr(), nbytes, n_threads), 7, 0.0))
@@ -77,7 +90,7 @@ def kernel_time_s(w: torch.Tensor, fmt: str, path: str, n: int) -> tuple[float, 
     p = K.pack(w, fmt)
     if order == "rows":
         p = p.to_rows()
-    rot = Rotation(lambda: K.PackedWeight(fmt, p.shape, p.qs.clone(), None if p.d is None else p.d.clone(),
+    rot = Rotation(lambda: K.PackedWeight(fmt, p.shape, stored(p.qs), None if p.d is None else stored(p.d),
                                           tiled=p.tiled), p.nbytes)
     x = torch.randn(n, w.shape[1])
     if path == K.ACTIVE_PATH:
@@ -90,7 +103,7 @@ def kernel_time_s(w: torch.Tensor, fmt: str, path: str, n: int) -> tuple[float, 
 def torch_time_s(w: torch.Tensor, dtype: torch.dtype, n: int) -> float:
     """Median seconds of torch F.linear on the same shape with weights and activations in dtype."""
     wd = w.to(dtype)
-    rot = Rotation(lambda: wd.clone(), wd.nbytes)
+    rot = Rotation(lambda: stored(wd), wd.nbytes)
     x = torch.randn(n, w.shape[1], dtype=dtype)
     return median_time_s(lambda: F.linear(x, rot.next()))
 
@@ -162,7 +175,11 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=[K.ACTIVE_PATH], help="kernel paths (e.g. avx2 scalar numba)")
     ap.add_argument("--batches", nargs="+", type=int, default=[16, 128])
     ap.add_argument("--no-gemm", action="store_true", help="skip the matrix-matrix section")
+    ap.add_argument("--small-pages", action="store_true",
+                    help="keep weights (offload's and torch's) on 4 KiB pages instead of 2 MiB transparent huge pages")
     args = ap.parse_args()
+    global SMALL_PAGES
+    SMALL_PAGES = args.small_pages
     old_threads = torch.get_num_threads()
     print(f"offload kernels: active path {K.ACTIVE_PATH}; CPU features {' '.join(sorted(K.CPU_FEATURES))}")
     bw = {}
