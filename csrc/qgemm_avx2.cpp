@@ -37,17 +37,22 @@ KFN __m256 load8(const void* x, int xtype, int64_t i) {
 
 #include "qgemm_tiles.inc"
 
-// One block of 32 activations -> 32 int8 (natural order); writes its scale d and d * sum(q).
-KFN __m256i quantize_block(const void* x, int xtype, int64_t i, float* d, float* s) {
+// Loads one block of 32 activations into v[4] and returns its largest magnitude.
+KFN float load_block_amax(const void* x, int xtype, int64_t i, __m256 (&v)[4]) {
   const __m256 sign = _mm256_set1_ps(-0.f);
-  __m256 v[4];
   for (int j = 0; j < 4; ++j) v[j] = load8(x, xtype, i + j * 8);
   __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
                            _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
   __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
   m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-  const float amax = _mm_cvtss_f32(m4);
+  return _mm_cvtss_f32(m4);
+}
+
+// One block of 32 activations -> 32 int8 (natural order); writes its scale d and d * sum(q).
+KFN __m256i quantize_block(const void* x, int xtype, int64_t i, float* d, float* s) {
+  __m256 v[4];
+  const float amax = load_block_amax(x, xtype, i, v);
   const __m256 id = _mm256_set1_ps(amax != 0.f ? 127.f / amax : 0.f);
   __m256i q[4];  // cvtps rounds to nearest even (the default MXCSR mode), like nearbyint in the reference
   for (int j = 0; j < 4; ++j) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], id));
@@ -78,16 +83,9 @@ void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, 
 
 __attribute__((target("avx2,fma,f16c")))
 void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* d) {
-  const __m256 sign = _mm256_set1_ps(-0.f);
   for (int64_t b = 0; b < K / QK; ++b) {
     __m256 v[4];
-    for (int i = 0; i < 4; ++i) v[i] = load8(x, xtype, b * QK + i * 8);
-    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
-                             _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float amax = _mm_cvtss_f32(m4);
+    const float amax = load_block_amax(x, xtype, b * QK, v);
     const __m256 id = _mm256_set1_ps(amax != 0.f ? 32767.f / amax : 0.f);
     __m256i q[4];  // round to nearest even (default MXCSR), like nearbyint in the reference
     for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], id));
