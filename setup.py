@@ -1,10 +1,10 @@
-"""Build for offload: the Python package plus the optional C++ kernel extension in csrc/."""
+"""Build for offload: the optional C++ kernel extension in csrc/ and the shipped configs (see pyproject.toml)."""
 
 import glob
 import os
 import sys
 
-from setuptools import find_packages, setup
+from setuptools import setup
 from setuptools.command.build_ext import build_ext
 
 
@@ -52,31 +52,11 @@ def config_files():
     return sorted(out.items())
 
 
+# Metadata, dependencies and the entry point are in pyproject.toml; this file adds what it cannot say:
+# the optional C++ extension and the shipped configs.
 setup(
-    name="offload",
-    version="0.1.0",
-    description="Run LLMs larger than your GPU across VRAM, pinned RAM, disk and CPU kernels",
-    packages=find_packages(include=["offload", "offload.*"]),
-    python_requires=">=3.10",
-    install_requires=[
-        "torch>=2.4",
-        "numpy",
-        "safetensors>=0.4",
-        "transformers>=4.45",
-        "tokenizers",
-        "jinja2",
-        "gguf>=0.10",
-        "accelerate",
-        "numba",
-        "pydantic>=2",
-        "PyYAML",
-        "tqdm",
-        "matplotlib",
-    ],
-    extras_require={"test": ["pytest", "hypothesis"]},
     ext_modules=kernel_extensions(),
     cmdclass={"build_ext": OptionalBuildExt},
-    entry_points={"console_scripts": ["offload=offload.cli:main"]},
     include_package_data=True,
     data_files=config_files(),
 )

@@ -8,7 +8,7 @@ _LAZY = {
     "LLM": "offload.api",
     "SamplingParams": "offload.sampling",
     "RequestOutput": "offload.api",
-    "run_batch": "offload.jobs",
+    "run_batch": "offload.jobs.run",
 }
 
 

@@ -7,29 +7,22 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-import torch
 
 from offload.errors import ConfigError
+from offload.formats import compute_format, torch_dtype
 from offload.generate import Generator, Sequence
-from offload.model.model import QUANTIZATIONS
-from offload.model.sources import CheckpointSource
-from offload.planner import Workload
+from offload.planner import Placement, PlanRequest, plan_for
+from offload.planner.request import DEFAULT_MAX_MODEL_LEN
+from offload.profile.timeline import Timeline
+from offload.runtime.backends import make_backend
 from offload.runtime.executor import PlacedModel
-from offload.runtime.placement import Placement
-from offload.runtime.setup import make_backend, make_plan
-from offload.runtime.timeline import Timeline
 from offload.sampling import SamplingParams
 from offload.spec import load_spec
 from offload.weights.default_model import resolve_model
 from offload.weights.loader import Checkpoint
+from offload.weights.sources import CheckpointSource
 
-_DTYPES = {"auto": torch.float32, "fp32": torch.float32, "float32": torch.float32,
-           "bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-DEFAULT_MAX_MODEL_LEN = 2048  # context the KV cache is budgeted for unless max_model_len says otherwise
 DEFAULT_MAX_BATCH_SIZE = 32  # sequences in flight when a placement is given and no batch size
-_FORMAT_OF_DTYPE = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 @dataclass
@@ -67,43 +60,52 @@ class RequestOutput:
 class LLM:
     """A model loaded for generation; model is a Hugging Face folder or 'default'.
 
-    max_batch_size None lets the planner choose the batch with the best predicted throughput in the budget.
-
-    Where each block goes comes from the planner (memory budgets, hardware profile, workload) unless a
-    Placement is given; the executor then runs that placement on the CUDA backend if a GPU is present,
-    else on the CPU backend.
+    Where each block goes comes from the planner (memory budgets, hardware profile, workload: see PlanRequest
+    for every option and its default) unless a Placement is given; max_batch_size None lets the planner choose
+    the batch with the best predicted throughput. The executor runs the placement on the CUDA backend if a GPU
+    is present, else on the CPU backend.
     """
 
     def __init__(self, model: str | Path = "default", quantization: str = "none", dtype: str = "auto",
                  max_batch_size: int | None = None, *, placement: Placement | None = None, gpu_memory=None,
                  cpu_memory=None, disk_memory=None, hardware=None, backend: str = "auto",
-                 max_model_len: int | None = None, prefetch_depth: int = 2, disk_dir: str | None = None):
-        if dtype not in _DTYPES:
-            raise ConfigError(f"dtype {dtype!r} is not supported; use one of auto, fp32, bf16, fp16")
-        if quantization not in QUANTIZATIONS:
-            raise ConfigError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
-        if max_batch_size is not None and (not isinstance(max_batch_size, int) or max_batch_size < 1):
-            raise ConfigError(f"max_batch_size must be a whole number of 1 or more, got {max_batch_size!r}")
-        self.path = resolve_model(model)
+                 max_model_len: int | None = None, max_tokens: int | None = None, prefetch_depth: int = 2,
+                 prefill_chunk_tokens: int = 512, disk_dir: str | None = None):
+        request = PlanRequest(str(model), quantization, dtype, hardware, gpu_memory, cpu_memory, disk_memory,
+                              max_batch_size, max_model_len, max_tokens, prefetch_depth, prefill_chunk_tokens,
+                              backend)
+        self._load(request, placement, disk_dir)
+
+    @classmethod
+    def from_request(cls, request: PlanRequest, *, placement: Placement | None = None,
+                     disk_dir: str | None = None) -> "LLM":
+        """An LLM planned from a PlanRequest (what `offload plan` prints for the same request)."""
+        llm = cls.__new__(cls)
+        llm._load(request, placement, disk_dir)
+        return llm
+
+    def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None):
+        self.request = request
+        self.path = resolve_model(request.model)
         self.spec = load_spec(self.path)
-        self.backend = make_backend(backend)
-        torch_dtype = _DTYPES[dtype] if dtype != "auto" else (
-            torch.float32 if self.backend.name == "cpu" else torch.bfloat16)
+        self.backend = make_backend(request.backend)
         self.plan = None
         if placement is None:
-            workload = Workload(batch_size=max_batch_size or 1, kv_dtype=_FORMAT_OF_DTYPE[torch_dtype],
-                                **_lengths(self.spec, max_model_len))
-            self.plan = make_plan(self.spec, quantization, torch_dtype, workload, hardware, gpu_memory,
-                                  cpu_memory, disk_memory, prefetch_depth, choose_batch=max_batch_size is None)
+            hw = request.profile()
+            self.plan = plan_for(self.spec, hw, request)
             placement = Placement.from_plan(self.plan)
-            max_batch_size = self.plan.workload.batch_size
-        self.max_batch_size = max_batch_size or DEFAULT_MAX_BATCH_SIZE
-        source = CheckpointSource(Checkpoint(self.path), self.spec, torch_dtype, quantization)
-        self.model = PlacedModel(self.spec, source, placement, self.backend, torch_dtype, disk_dir)
+            compute = self.plan.workload.compute_format
+            self.max_batch_size = self.plan.workload.batch_size
+        else:
+            compute = compute_format(request.dtype, self.backend.device.type != "cpu")
+            self.max_batch_size = request.batch_size or DEFAULT_MAX_BATCH_SIZE
+        dtype = torch_dtype(compute)
+        source = CheckpointSource(Checkpoint(self.path), self.spec, dtype, request.quantization)
+        self.model = PlacedModel(self.spec, source, placement, self.backend, dtype, disk_dir)
         self.tokenizer = _load_tokenizer(self.path)
-        self.max_model_len = sum(_lengths(self.spec, max_model_len).values())
+        self.max_model_len = min(request.max_model_len or DEFAULT_MAX_MODEL_LEN, self.spec.max_position_embeddings)
         self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), self.max_batch_size,
-                                   self.max_model_len)
+                                   self.max_model_len, placement.prefill_chunk_tokens)
 
     @property
     def timeline(self) -> Timeline:
@@ -182,15 +184,6 @@ def _broadcast(params, n: int) -> list[SamplingParams]:
     if len(params) != n:
         raise ConfigError(f"got {len(params)} SamplingParams for {n} prompts; pass one, or one per prompt")
     return params
-
-
-def _lengths(spec, max_model_len: int | None) -> dict:
-    """Prompt and generation lengths the plan budgets the KV cache for."""
-    total = min(max_model_len or DEFAULT_MAX_MODEL_LEN, spec.max_position_embeddings)
-    if total < 2:
-        raise ConfigError(f"max_model_len must be at least 2, got {max_model_len}")
-    gen = min(128, total // 4) or 1
-    return {"prompt_len": total - gen, "gen_len": gen}
 
 
 def _load_tokenizer(path: Path):

@@ -11,9 +11,9 @@ import torch
 
 from offload.errors import ConfigError
 from offload.model.model import Model  # or a PlacedModel: same interface
+from offload.planner.types import DEFAULT_PREFILL_CHUNK_TOKENS
 from offload.sampling import SamplingParams, sample
 
-PREFILL_TOKENS_PER_PASS = 4096  # padded prompt tokens per prefill pass, bounds activation memory
 
 
 @dataclass
@@ -38,8 +38,11 @@ class Generator:
     """Runs sequences through a Model in batches of at most max_batch_size cache slots."""
 
     def __init__(self, model: Model, tokenizer=None, eos_ids: tuple[int, ...] = (), max_batch_size: int = 32,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS):
+        """prefill_chunk_tokens: padded tokens in one prefill pass (what the plan budgets activations for);
+        a longer prompt is prefilled in several passes."""
         self.model = model
+        self.prefill_chunk_tokens = prefill_chunk_tokens
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.max_batch_size = max_batch_size
@@ -65,7 +68,7 @@ class Generator:
                 active[seq.slot] = seq
                 admitted.append(seq)
             if admitted:
-                for group in _prefill_groups(admitted):
+                for group in _prefill_groups(admitted, self.prefill_chunk_tokens):
                     start = time.perf_counter()
                     logits = self._prefill(group, cache, max_len)
                     self._count("prefill", start, sum(len(s.prompt_ids) for s in group))
@@ -100,17 +103,26 @@ class Generator:
                               f"use the model's own tokenizer")
 
     def _prefill(self, group: list[Sequence], cache, max_len: int) -> torch.Tensor:
-        """Run the prompts of newly admitted sequences; return last-token logits [b, V]."""
-        lengths = torch.tensor([len(s.prompt_ids) for s in group])
-        s_max = int(lengths.max())
-        tokens = torch.zeros(len(group), s_max, dtype=torch.long)
+        """Run the prompts of newly admitted sequences, in passes of at most prefill_chunk_tokens padded tokens;
+        return last-token logits [b, V]."""
+        lengths = [len(s.prompt_ids) for s in group]
+        s_max, n = max(lengths), len(group)
+        tokens = torch.zeros(n, s_max, dtype=torch.long)
         for i, seq in enumerate(group):
-            tokens[i, : len(seq.prompt_ids)] = torch.tensor(seq.prompt_ids)
-        positions = torch.arange(s_max)[None].expand(len(group), s_max)
-        valid = positions < lengths[:, None]
-        positions = torch.where(valid, positions, torch.zeros_like(positions))
-        hidden = self._forward(group, tokens, positions, valid, cache, max_len, "prefill")
-        return self.model.logits(hidden[torch.arange(len(group)), lengths - 1])
+            tokens[i, : lengths[i]] = torch.tensor(seq.prompt_ids)
+        limit = torch.tensor(lengths)[:, None]
+        span = max(1, self.prefill_chunk_tokens // n)
+        last: list[torch.Tensor | None] = [None] * n
+        for start in range(0, s_max, span):
+            stop = min(start + span, s_max)
+            positions = torch.arange(start, stop)[None].expand(n, stop - start)
+            valid = positions < limit
+            positions = torch.where(valid, positions, torch.zeros_like(positions))
+            hidden = self._forward(group, tokens[:, start:stop], positions, valid, cache, max_len, "prefill")
+            for i, length in enumerate(lengths):
+                if start < length <= stop:
+                    last[i] = hidden[i, length - 1 - start]
+        return self.model.logits(torch.stack(last))
 
     def _decode(self, batch: list[Sequence], cache, max_len: int) -> torch.Tensor:
         """One token for each active sequence; return logits [b, V]."""
@@ -160,12 +172,13 @@ class Generator:
         return text if seq.stop_text_end is None else text[: seq.stop_text_end]
 
 
-def _prefill_groups(seqs: list[Sequence]) -> list[list[Sequence]]:
-    """Split sequences so each prefill pass holds at most PREFILL_TOKENS_PER_PASS padded tokens."""
+def _prefill_groups(seqs: list[Sequence], tokens_per_pass: int) -> list[list[Sequence]]:
+    """Split sequences so that each group's padded prompts fit one pass of tokens_per_pass (a longer prompt is
+    a group of its own, prefilled in several passes)."""
     groups, current, longest = [], [], 0
     for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
         longest_if_added = max(longest, len(seq.prompt_ids))
-        if current and longest_if_added * (len(current) + 1) > PREFILL_TOKENS_PER_PASS:
+        if current and longest_if_added * (len(current) + 1) > tokens_per_pass:
             groups.append(current)
             current, longest_if_added = [], len(seq.prompt_ids)
         current.append(seq)

@@ -14,7 +14,7 @@ import yaml
 
 from offload.errors import ConfigError
 from offload.paths import cache_dir, configs_dir
-from offload.spec import FORMATS
+from offload.formats import WEIGHT_FORMATS
 
 PRESET_DIR = configs_dir() / "hardware"
 
@@ -128,9 +128,9 @@ def _parse_cpu_flops(value, where: str) -> dict[str, float]:
         raise ConfigError(f"{where}: expected a mapping of weight format to FLOP/s, found {value!r}")
     out = {}
     for fmt, rate in value.items():
-        if fmt not in FORMATS:
-            raise ConfigError(f"{where}: unknown weight format {fmt!r}{_did_you_mean(str(fmt), FORMATS)}; "
-                              f"use {', '.join(FORMATS)}")
+        if fmt not in WEIGHT_FORMATS:
+            raise ConfigError(f"{where}: unknown weight format {fmt!r}{_did_you_mean(str(fmt), WEIGHT_FORMATS)}; "
+                              f"use {', '.join(WEIGHT_FORMATS)}")
         out[fmt] = parse_rate(rate, f"{where}.{fmt}")
     return out
 

@@ -8,26 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload.errors import ConfigError
+from offload.formats import ALIGN_BYTES, DTYPE_ALIASES, FLOAT_FORMATS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES, format_nbytes
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
-
-FLOAT_FORMATS = {"fp32": 4, "bf16": 2, "fp16": 2}
-# Block formats as GGUF lays them: per 32 weights an fp16 scale plus the quants.
-QUANT_FORMATS = {"q8_0": 2 + 32, "q4_0": 2 + 16}
-QUANT_BLOCK = 32
-FORMATS = tuple(FLOAT_FORMATS) + tuple(QUANT_FORMATS)
-
-_DTYPE_NAMES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
-
-
-def format_nbytes(n_elements: int, fmt: str) -> int:
-    """Bytes taken by n_elements weights stored in fmt (quantized formats need a multiple of 32)."""
-    if fmt in FLOAT_FORMATS:
-        return n_elements * FLOAT_FORMATS[fmt]
-    if fmt in QUANT_FORMATS:
-        return (n_elements // QUANT_BLOCK) * QUANT_FORMATS[fmt]
-    raise ConfigError(f"unknown weight format {fmt!r}; use one of {', '.join(FORMATS)}")
 
 
 @dataclass(frozen=True)
@@ -56,17 +40,27 @@ class TensorSpec:
 
     @property
     def quantizable(self) -> bool:
-        return self.role == "linear" and self.shape[-1] % QUANT_BLOCK == 0
+        return self.role == "linear" and self.shape[-1] % QK == 0
 
-    def nbytes(self, fmt: str) -> int:
-        """Bytes in storage format fmt; norms and biases stay fp32, embeddings fp16 under quantization."""
+    def nbytes(self, fmt: str, compute: str = "fp32") -> int:
+        """Bytes with linear weights in storage format fmt; under a quantized fmt, what cannot be quantized
+        (embeddings, norms, biases, linears whose width is not a multiple of QK) stays in the compute format."""
         if fmt in FLOAT_FORMATS:
             return format_nbytes(self.numel, fmt)
-        if self.quantizable:
-            return format_nbytes(self.numel, fmt)
-        if fmt not in QUANT_FORMATS:
+        if fmt not in QUANT_BLOCK_BYTES:
             format_nbytes(0, fmt)  # raises the unknown-format error
-        return format_nbytes(self.numel, "fp16" if self.role in ("linear", "embedding") else "fp32")
+        return format_nbytes(self.numel, fmt if self.quantizable else compute)
+
+    def buffer_bytes(self, fmt: str, compute: str = "fp32") -> int:
+        """nbytes as laid out in a unit's flat buffer: each plane (quants, scales) starts ALIGN_BYTES-aligned."""
+        if fmt in QUANT_BLOCK_BYTES and self.quantizable:
+            blocks = self.numel // QK
+            return _aligned(blocks * QUANT_QS_BYTES[fmt]) + _aligned(blocks * 2)
+        return _aligned(self.nbytes(fmt, compute))
+
+
+def _aligned(n_bytes: int) -> int:
+    return -(-n_bytes // ALIGN_BYTES) * ALIGN_BYTES
 
 
 @dataclass(frozen=True)
@@ -78,8 +72,12 @@ class UnitSpec:
     index: int | None
     tensors: tuple[TensorSpec, ...]
 
-    def nbytes(self, fmt: str) -> int:
-        return sum(t.nbytes(fmt) for t in self.tensors)
+    def nbytes(self, fmt: str, compute: str = "fp32") -> int:
+        return sum(t.nbytes(fmt, compute) for t in self.tensors)
+
+    def buffer_bytes(self, fmt: str, compute: str = "fp32") -> int:
+        """Bytes of the unit's flat buffer (a staging slot or read-ahead buffer must hold this much)."""
+        return sum(t.buffer_bytes(fmt, compute) for t in self.tensors)
 
     @property
     def numel(self) -> int:
@@ -117,7 +115,7 @@ class ModelSpec:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    dtype: str = "fp32"
+    stored_format: str = "fp32"  # the checkpoint's float format (config.json torch_dtype), not the compute one
     source: str = field(default="", compare=False)
 
     @property
@@ -277,6 +275,6 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
         sliding_window=int(window) if window else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        dtype=_DTYPE_NAMES.get(str(dtype), "fp32"),
+        stored_format=DTYPE_ALIASES.get(str(dtype), "fp32"),
         source=source,
     )

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from offload import LLM, SamplingParams
-from offload.runtime.placement import Placement
+from offload.planner.placement import Placement
 from offload.weights.default_model import find_gguf
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3

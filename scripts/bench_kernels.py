@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import offload.kernels as K
-from offload.runtime.backend import host_empty
+from offload.runtime.backends.base import host_empty
 
 SMALL_PAGES = False  # --small-pages: weights on ordinary 4 KiB pages instead of offload's 2 MiB-page buffers
 
@@ -170,7 +170,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["135m", "8b", "70b"], choices=sorted(MODEL_KEYS))
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
     ap.add_argument("--formats", nargs="+", default=["q8_0", "q4_0", "bf16", "fp16"],
-                    choices=list(K.FORMATS) + ["q8_0-rows", "q4_0-rows"],
+                    choices=list(K.PACKED_FORMATS) + ["q8_0-rows", "q4_0-rows"],
                     help="weight formats; q8_0-rows / q4_0-rows: GGUF's row block order instead of the tiled one")
     ap.add_argument("--paths", nargs="+", default=[K.ACTIVE_PATH], help="kernel paths (e.g. avx2 scalar numba)")
     ap.add_argument("--batches", nargs="+", type=int, default=[16, 128])

@@ -16,12 +16,13 @@ import time
 import torch
 
 from offload.generate import Generator, Sequence
-from offload.hardware import default_hardware, format_bytes, load_hardware
-from offload.model.sources import RandomSource
-from offload.planner import Workload
+from offload.hardware import format_bytes
+from offload.weights.sources import RandomSource
+from offload.formats import torch_dtype
+from offload.planner import PlanRequest, plan_for
 from offload.runtime.executor import PlacedModel
-from offload.runtime.placement import Placement
-from offload.runtime.setup import make_backend, make_plan
+from offload.planner.placement import Placement
+from offload.runtime.backends import make_backend
 from offload.sampling import SamplingParams
 from offload.spec import load_spec
 
@@ -64,17 +65,18 @@ def main() -> None:
 
     spec = load_spec(args.model)
     backend = make_backend(args.backend)
-    dtype = torch.float32 if backend.name == "cpu" else torch.bfloat16
     if backend.name == "cuda":
         pinned_bps, pageable_bps = backend.measure_h2d_bps()
         print(f"measured H2D: pinned {pinned_bps / 1e9:.1f} GB/s, pageable {pageable_bps / 1e9:.1f} GB/s")
     else:
         pinned_bps = 0.0
-    hardware = load_hardware(args.hardware) if args.hardware else default_hardware()
     batches = [int(b) for b in args.batches.split(",")]
-    workload = Workload(batch_size=max(batches), prompt_len=args.prompt_len, gen_len=args.decode_tokens + 1,
-                        kv_dtype="fp32" if dtype == torch.float32 else "bf16")
-    plan = make_plan(spec, args.quantization, dtype, workload, hardware, args.gpu_memory, args.cpu_memory)
+    request = PlanRequest(str(args.model), args.quantization, "bf16" if backend.name == "cuda" else "fp32",
+                          args.hardware, args.gpu_memory, args.cpu_memory, batch_size=max(batches),
+                          max_model_len=args.prompt_len + args.decode_tokens + 1, max_tokens=args.decode_tokens + 1)
+    hardware = request.profile()
+    plan = plan_for(spec, hardware, request)
+    dtype = torch_dtype(plan.workload.compute_format)
     print(plan.summary_line)
     start = time.perf_counter()
     model = PlacedModel(spec, RandomSource(spec, dtype, args.quantization), Placement.from_plan(plan), backend, dtype)

@@ -41,6 +41,16 @@ def save_hf_model(model, folder: Path, max_shard_size: str | None = None) -> Pat
     return folder
 
 
+SLOW_FIXTURES = {"default_model_dir", "default_llm", "default_hf"}  # the default model: converted once, ~1 min
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that use the default model are slow (marker `slow`): `pytest -m "not slow"` skips them."""
+    for item in items:
+        if SLOW_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def tiny_llama(tmp_path) -> tuple[object, Path]:
     model = make_hf_model("llama")

@@ -8,7 +8,7 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from conftest import make_hf_model, save_hf_model, write_config
-from offload.cli import main
+from offload.cli.main import main
 from offload.errors import OffloadError, SamplingError
 from offload.sampling import SamplingParams
 

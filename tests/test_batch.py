@@ -7,7 +7,7 @@ import json
 import pytest
 
 from jobs_support import chat_line, completion_line, read_records, write_batch
-from offload.batch import CHAT, COMPLETIONS, OutputLog, error_record, read_requests, success_record
+from offload.jobs.batch import CHAT, COMPLETIONS, OutputLog, error_record, read_requests, success_record
 from offload.errors import ConfigError
 
 

@@ -100,10 +100,10 @@ def test_half_weights_have_no_tiled_order():
 def test_gpu_only_units_are_stored_in_row_order_and_cpu_units_tiled(tmp_path):
     from conftest import make_hf_model, save_hf_model
 
-    from offload.model.sources import RandomSource
-    from offload.runtime.cpu_backend import CPUBackend
+    from offload.weights.sources import RandomSource
+    from offload.runtime.backends.cpu import CPUBackend
     from offload.runtime.executor import PlacedModel
-    from offload.runtime.placement import Placement, UnitPlacement
+    from offload.planner.placement import Placement, UnitPlacement
     from offload.spec import load_spec
 
     spec = load_spec(save_hf_model(make_hf_model("llama", num_hidden_layers=3), tmp_path / "m"))

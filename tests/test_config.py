@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import yaml
 
 from jobs_support import chat_line, write_batch, write_job
-from offload.cli import main
-from offload.config import load_config, validate_config
+from offload.cli.main import main
+from offload.jobs.config import load_config, validate_config
 from offload.errors import ConfigError
 
 GOOD_INPUT = [chat_line("a", "hi"), chat_line("b", "hello")]
@@ -166,3 +168,11 @@ def test_shipped_configs_validate():
         with pytest.raises(ConfigError) as e:
             load_config(root / name)
         assert "model.path" in str(e.value) and "hardware" not in str(e.value)
+
+
+def test_a_plot_without_matplotlib_is_refused_before_anything_runs(job, monkeypatch):
+    """matplotlib is the `plot` extra: without it a job asking for a plot fails validation, naming the extra."""
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
+    with pytest.raises(ConfigError, match=r"offload\[plot\]"):
+        load_config(job(report={"plot": "out/t.png"}))

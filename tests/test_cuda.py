@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from conftest import assert_logits_close, make_hf_model, offload_logits, save_hf_model
-from offload.model.model import load_model
-from offload.model.sources import CheckpointSource
+from offload.weights.sources import load_model
+from offload.weights.sources import CheckpointSource
 from offload.runtime.executor import PlacedModel
-from offload.runtime.placement import Placement
+from offload.planner.placement import Placement
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
 
@@ -26,7 +26,7 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_0"])
 def test_cuda_placements_match_cpu(tiny, mix, quantization):
     """fp32 on the GPU against the CPU resident model: 1e-4 of the logit range (3e-2 with quantized CPU blocks)."""
-    from offload.runtime.cuda_backend import CUDABackend
+    from offload.runtime.backends.cuda import CUDABackend
 
     folder, spec = tiny
     placement = Placement.random(spec, mix) if isinstance(mix, int) else Placement.uniform(spec, *mix)
@@ -54,7 +54,7 @@ def test_cuda_peak_memory_within_plan(tiny):
 def test_cuda_blocks_with_kv_cache_in_cpu_ram(tiny):
     import dataclasses
 
-    from offload.runtime.cuda_backend import CUDABackend
+    from offload.runtime.backends.cuda import CUDABackend
 
     folder, spec = tiny
     units = {n: dataclasses.replace(p, kv="cpu") for n, p in Placement.uniform(spec, "cpu", "stream").units.items()}

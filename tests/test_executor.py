@@ -15,11 +15,11 @@ import torch
 from conftest import assert_logits_close, make_hf_model, offload_logits, save_hf_model
 from offload.generate import Generator, Sequence
 from offload.model.llama import LayerWeights
-from offload.model.model import load_model
-from offload.model.sources import CheckpointSource
-from offload.runtime.cpu_backend import CPUBackend
+from offload.weights.sources import load_model
+from offload.weights.sources import CheckpointSource
+from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.executor import PlacedModel
-from offload.runtime.placement import Placement
+from offload.planner.placement import Placement
 from offload.sampling import SamplingParams
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
@@ -85,9 +85,10 @@ def test_quantized_placements_match(tiny, mix, quantization):
     if device_only:
         reference = dequantized(load_model(Checkpoint(folder), spec, quantization=quantization))
         assert_logits_close(ours, offload_logits(reference, PROMPTS[0]), rel=1e-4)
-    elif cpu_only:
+    elif cpu_only:  # the fused C++ layer against the reference block math over the same packed weights;
+        # q8_0's int16 activation quanta move with 1-ulp input differences (tests/test_fused_layer.py's RTOL)
         reference = load_model(Checkpoint(folder), spec, quantization=quantization)
-        assert_logits_close(ours, offload_logits(reference, PROMPTS[0]), rel=1e-5)
+        assert_logits_close(ours, offload_logits(reference, PROMPTS[0]), rel=1e-4)
     reference = dequantized(load_model(Checkpoint(folder), spec, quantization=quantization))
     assert_logits_close(ours, offload_logits(reference, PROMPTS[0]), rel=3e-2)
 

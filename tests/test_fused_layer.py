@@ -18,10 +18,10 @@ import offload.kernels.layer as fused
 from conftest import make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
 from offload.kernels import ACTIVE_PATH, pack
-from offload.model.llama import LayerKV, LayerWeights, layer_forward, layers_forward, make_step
+from offload.model.llama import LayerKV, LayerWeights, layer_forward, make_step
 from offload.spec import ModelSpec, RopeSpec
 
-pytestmark = pytest.mark.skipif(not fused._FUSABLE, reason=f"fused layer needs the C++ extension ({ACTIVE_PATH})")
+pytestmark = pytest.mark.skipif(not fused.FUSABLE, reason=f"fused layer needs the C++ extension ({ACTIVE_PATH})")
 
 RTOL = {"q8_0": 1e-4, "q4_0": 1e-5, "bf16": 1e-5}
 MAX_LEN = 64  # KV slots per row; slot MAX_LEN is the trash slot
@@ -56,9 +56,8 @@ def _step(spec, starts, lengths, width, rows=None, phase="prefill"):
 
 
 def _unfused(monkeypatch, *args):
-    with monkeypatch.context() as m:
-        m.setattr(fused, "can_fuse", lambda *a: False)
-        return layer_forward(*args)
+    """The reference: llama.layer_forward is the plain block math, whatever kernels exist."""
+    return layer_forward(*args)
 
 
 def _run_both(monkeypatch, spec, w, x, step, kv):
@@ -67,7 +66,7 @@ def _run_both(monkeypatch, spec, w, x, step, kv):
     kv_ref.k.copy_(kv.k), kv_ref.v.copy_(kv.v)
     assert fused.can_fuse(w, x, kv)
     ref = _unfused(monkeypatch, spec, w, x, step, kv_ref)
-    return layer_forward(spec, w, x, step, kv), ref, kv, kv_ref
+    return fused.fused_layer_forward(spec, w, x, step, kv), ref, kv, kv_ref
 
 
 def _assert_close(out, ref, fmt):
@@ -186,10 +185,13 @@ def test_greedy_generation_unchanged(quantization, tmp_path, monkeypatch):
         m.setattr(fused, "_C", counting)
         ours = [o.token_ids for o in llm.generate(prompts, params)]
     assert len(calls) >= 2 * 12  # every layer of every step went through the fused C++ layer
+    reference = LLM(str(folder), quantization=quantization, backend="cpu")
+    reference.model.fuse = False  # the executor's kernel choice: the reference block math for every layer
+    calls.clear()
     with monkeypatch.context() as m:
-        m.setattr(fused, "can_fuse", lambda *a: False)
-        ref = [o.token_ids for o in llm.generate(prompts, params)]
-    assert ours == ref and all(len(t) == 12 for t in ours)
+        m.setattr(fused, "_C", counting)
+        ref = [o.token_ids for o in reference.generate(prompts, params)]
+    assert not calls and ours == ref and all(len(t) == 12 for t in ours)
 
 
 def test_layers_back_to_back_match_one_by_one(monkeypatch):
@@ -202,7 +204,9 @@ def test_layers_back_to_back_match_one_by_one(monkeypatch):
     for kv, kv_ref in zip(kvs, kvs_ref):
         kv_ref.k.copy_(kv.k), kv_ref.v.copy_(kv.v)
     x, step, ends = _randn(2, 1, spec.hidden_size), _step(spec, lengths, [1, 1], 1, phase="decode"), []
-    out = layers_forward(spec, ws, x, step, kvs, ends)
+    views = [fused.kv_view(kv) for kv in kvs]
+    layers = [fused.fuse_layer(spec, w) for w in ws]
+    out = fused.fused_layers_forward(layers, x, fused.step_table(spec, step, views[0]), views, ends)
     ref = x
     for w, kv_ref in zip(ws, kvs_ref):
         ref = _unfused(monkeypatch, spec, w, ref, step, kv_ref)
@@ -210,3 +214,28 @@ def test_layers_back_to_back_match_one_by_one(monkeypatch):
     for kv, kv_ref in zip(kvs, kvs_ref):
         _assert_same_cache(kv, kv_ref, "q4_0")
     assert len(ends) == 3 and ends == sorted(ends)
+
+
+def test_the_model_math_never_calls_the_fused_layer(monkeypatch):
+    """layer_forward is the reference: even with packed weights, fp32 CPU activations and an fp32 cache it
+    runs torch ops, and nothing is stored on the weights, the cache or the step."""
+    spec = _spec()
+    w = _weights(spec, "q8_0", False)
+    kv = LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
+    x, step = _randn(1, 3, spec.hidden_size), _step(spec, [0], [3], 3)
+    before = (set(vars(w)), set(vars(kv)), set(vars(step)))
+    monkeypatch.setattr(fused, "_C", None)  # any call into the extension would fail
+    out = layer_forward(spec, w, x, step, kv)
+    assert torch.isfinite(out).all()
+    assert (set(vars(w)), set(vars(kv)), set(vars(step))) == before
+
+
+def test_executor_builds_fused_handles_once_at_placement(tmp_path):
+    """Host-resident CPU layers get their fused handle when the weights are placed; steps reuse it."""
+    folder = save_hf_model(make_hf_model("llama", num_hidden_layers=2), tmp_path / "tiny")
+    llm = LLM(str(folder), quantization="q8_0", backend="cpu")
+    handles = dict(llm.model.fused_layers)
+    assert set(handles) == {"layer.0", "layer.1"}
+    llm.generate([{"prompt_token_ids": [5, 9, 31]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert all(llm.model.fused_layers[n] is h for n, h in handles.items())
+    assert all(set(vars(llm.model.host_weights[n])) == set(LayerWeights.__dataclass_fields__) for n in handles)

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload.runtime.backend import HUGE_PAGE_BYTES, host_empty
-from offload.runtime.cpu_backend import CPUBackend
+from offload.runtime.backends.base import HUGE_PAGE_BYTES, host_empty
+from offload.runtime.backends.cpu import CPUBackend
 
 
 @pytest.mark.parametrize("n_bytes", [1, 4096, HUGE_PAGE_BYTES - 1, HUGE_PAGE_BYTES, 3 * HUGE_PAGE_BYTES + 123])

@@ -7,9 +7,9 @@ import json
 import pytest
 
 from jobs_support import chat_line, completion_line, make_tiny_chat_model, read_records, write_batch, write_job
-from offload.cli import main
+from offload.cli.main import main
 from offload.errors import ConfigError
-from offload.jobs import _progress_on, run_batch
+from offload.jobs.run import _progress_on, run_batch
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +102,7 @@ def test_text_prompts_through_python_api(tmp_path, tiny_model, tiny_llm):
 
 def test_progress_off_without_terminal(tmp_path, tiny_model, tiny_llm, capsys):
     config, _ = tiny_job(tmp_path, tiny_model)
-    from offload.config import load_config
+    from offload.jobs.config import load_config
 
     assert not _progress_on(load_config(config), True)  # pytest captures stderr: not a terminal
     run_batch(config, llm=tiny_llm, progress=True)
@@ -118,6 +118,7 @@ def test_duplicate_ids_refused_before_anything_is_written(tmp_path, tiny_model, 
     assert not (tmp_path / "in.outputs.jsonl").exists()
 
 
+@pytest.mark.slow
 def test_default_model_job_from_config_file(tmp_path, capsys):
     """Acceptance: a batch job on the default model, launched from a config file by the CLI."""
     write_batch(tmp_path / "in.jsonl", [chat_line("france", "What is the capital of France?"),

@@ -40,7 +40,7 @@ def fresh(out: Path) -> None:
 
 
 def start(config: Path, *flags: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "offload.cli", "run", str(config), *flags],
+    return subprocess.Popen([sys.executable, "-m", "offload.cli.main", "run", str(config), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -62,6 +62,7 @@ def assert_each_answered_once(out: Path) -> None:
     assert max(keys.values()) == 1, [k for k, v in keys.items() if v > 1]
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_then_rerun(job):
     config, out = job
     rng = random.Random(6)
@@ -85,6 +86,7 @@ def test_sigkill_at_random_points_then_rerun(job):
     assert_each_answered_once(out)
 
 
+@pytest.mark.slow
 def test_sigint_flushes_and_exits_130(job):
     config, out = job
     fresh(out)

@@ -100,6 +100,7 @@ def test_numba_fallback_matches_scalar_ref(fmt):
     assert nerr(K.linear_path(x, w, bias, "numba"), K.linear_ref(x, w, bias)) < TOL_REF
 
 
+@pytest.mark.slow
 def test_forcing_numba_in_a_fresh_process():
     code = ("import warnings, torch\n"
             "with warnings.catch_warnings(record=True) as ws:\n"

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits, save_hf_model, write_config
-from offload.model.model import load_model
+from offload.weights.sources import load_model
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
 

@@ -7,7 +7,8 @@ import pytest
 from offload.errors import PlanError
 from offload.hardware import HardwareProfile
 from offload.planner import Budget, Workload, plan
-from offload.spec import FORMATS, spec_from_config
+from offload.formats import WEIGHT_FORMATS as FORMATS
+from offload.spec import spec_from_config
 
 TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
         "intermediate_size": 128, "num_hidden_layers": 2, "vocab_size": 256, "torch_dtype": "bfloat16"}
@@ -68,7 +69,8 @@ def test_disk_spill_counts_read_ahead_buffers_byte_exact():
     assert p.tier("disk").weights_bytes == 2 * LAYER + LM_HEAD == 180_736
     assert p.tier("cpu").pinned_bytes == 2 * LAYER
     assert p.tier("cpu").total_bytes == 207_488
-    assert p.decode.disk_s > 0 and p.prefetch_depth == 2
+    assert p.decode.disk_s > 0 and p.read_ahead_depth == 2 and p.read_buffer_bytes == LAYER
+    assert p.prefetch_depth == 0 and p.staging_slot_bytes == 0  # nothing streams: no staging slots
 
 
 def test_streaming_reserves_staging_slots_byte_exact():

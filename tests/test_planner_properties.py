@@ -7,7 +7,8 @@ from hypothesis import strategies as st
 from offload.errors import PlanError
 from offload.hardware import load_hardware
 from offload.planner import COMPUTE_MODES, TIERS, Budget, Workload, plan
-from offload.spec import FORMATS, spec_from_config
+from offload.formats import WEIGHT_FORMATS as FORMATS
+from offload.spec import spec_from_config
 
 MACHINES = {name: load_hardware(name) for name in ("rtx3090-ddr4", "rtx4090-ddr5", "t4-server", "cpu-desktop")}
 
@@ -50,11 +51,14 @@ def test_no_plan_exceeds_a_budget_and_every_unit_is_placed_once(spec, budget, wo
             assert u.kv_tier == ("cpu" if u.decode == "cpu" else "gpu")
     by_tier = {t: sum(u.weight_bytes for u in p.units if u.weight_tier == t) for t in TIERS}
     assert by_tier == {t.tier: t.weights_bytes for t in p.tiers}
-    assert sum(by_tier.values()) == sum(u.nbytes(fmt) for u in spec.units())
+    assert sum(by_tier.values()) == sum(u.nbytes(fmt, workload.compute_format) for u in spec.units())
     if not MACHINES[machine].has_gpu or budget.gpu_bytes == 0:
         assert p.tier("gpu").total_bytes == 0 and {u.decode for u in p.units} == {"cpu"}
-    streamed = [u.weight_bytes for u in p.units if "stream" in (u.prefill, u.decode) and u.kind != "norm"]
-    assert p.staging_slot_bytes == max(streamed, default=0)
+    buffers = {u.name: u.buffer_bytes(fmt, workload.compute_format) for u in spec.units()}
+    streamed = [buffers[u.name] for u in p.units if "stream" in (u.prefill, u.decode) and u.kind != "norm"]
+    assert p.staging_slot_bytes == max(streamed, default=0)  # a slot holds the largest streamed unit's buffer
+    on_disk = [buffers[u.name] for u in p.units if u.weight_tier == "disk"]
+    assert p.read_buffer_bytes == max(on_disk, default=0) and p.read_ahead_depth == (2 if on_disk else 0)
     assert p.prefill.step_s > 0 and p.decode.step_s > 0
 
 

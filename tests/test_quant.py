@@ -8,8 +8,8 @@ from gguf import quants as gq
 
 import offload.kernels as K
 from offload.errors import KernelError
+from offload.formats import QUANT_BLOCK_BYTES
 from offload.kernels.packed import pack as pack_impl
-from offload.weights import quant
 
 GGUF_TYPES = {"q8_0": QT.Q8_0, "q4_0": QT.Q4_0}
 
@@ -49,7 +49,7 @@ def test_from_gguf_wraps_without_requantizing(fmt):
     w = hard_weights(m=8, k=64, seed=2)
     raw = gq.quantize(w, GGUF_TYPES[fmt])
     p = K.PackedWeight.from_gguf(raw.tobytes(), fmt, (8, 64))
-    assert p.nbytes == raw.nbytes == 8 * 2 * quant.BLOCK_BYTES[fmt]
+    assert p.nbytes == raw.nbytes == 8 * 2 * QUANT_BLOCK_BYTES[fmt]
     assert np.array_equal(p.to_gguf(), raw)
     assert np.array_equal(p.dequantize().numpy(), gq.dequantize(raw, GGUF_TYPES[fmt]))
 

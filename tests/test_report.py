@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from offload.report import (TRACK_IDS, JobCounts, build_report, format_report, trace_events, write_plot,
+from offload.profile.report import (TRACK_IDS, JobCounts, build_report, format_report, trace_events, write_plot,
                             write_trace)
-from offload.runtime.timeline import Span, Timeline
+from offload.profile.timeline import Span, Timeline
 
 
 def make_timeline() -> Timeline:

@@ -7,10 +7,10 @@ import torch
 
 from conftest import make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
-from offload.model.sources import CheckpointSource
-from offload.runtime.cpu_backend import CPUBackend
+from offload.weights.sources import CheckpointSource
+from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.executor import PlacedModel
-from offload.runtime.placement import Placement
+from offload.planner.placement import Placement
 from offload.runtime.staging import StagingRing
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint

@@ -27,11 +27,24 @@ def test_layer_bytes_per_format_by_hand():
     assert layer.matmul_flops(3) == 2 * 36864 * 3
 
 
-def test_embed_stays_fp16_and_lm_head_quantizes():
+def test_embed_stays_in_the_compute_format_and_lm_head_quantizes():
     units = {u.name: u for u in spec_from_config(tiny_config()).units()}
-    assert units["embed"].nbytes("q4_0") == 256 * 64 * 2  # 32768: lookups stay fp16
+    assert units["embed"].nbytes("q4_0", "fp16") == 256 * 64 * 2  # 32768: lookups stay in the compute format
+    assert units["embed"].nbytes("q4_0", "fp32") == 256 * 64 * 4  # what the executor holds on the CPU
     assert units["lm_head"].nbytes("q4_0") == 256 * 64 // 32 * 18  # 9216
     assert units["embed"].linear_numel == 0
+
+
+def test_buffer_bytes_align_every_plane():
+    """A unit's flat buffer starts each plane at a multiple of 64 bytes: what a staging slot must hold."""
+    spec = spec_from_config(tiny_config(intermediate_size=40))
+    layer = spec.units()[1]
+    # gate_proj [40, 64] in q4_0: 80 blocks -> 1280 quant bytes (aligned already) + 160 scale bytes -> 192
+    gate = next(t for t in layer.tensors if t.name.endswith("gate_proj.weight"))
+    assert gate.nbytes("q4_0") == 1280 + 160 and gate.buffer_bytes("q4_0") == 1280 + 192
+    down = next(t for t in layer.tensors if t.name.endswith("down_proj.weight"))  # [64, 40]: not quantizable
+    assert down.buffer_bytes("q4_0", "fp32") == 64 * 40 * 4
+    assert layer.buffer_bytes("q4_0") >= layer.nbytes("q4_0") and layer.buffer_bytes("q4_0") % 64 == 0
 
 
 def test_kv_attention_and_activation_by_hand():

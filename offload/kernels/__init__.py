@@ -15,7 +15,8 @@ import torch
 
 from offload.errors import KernelError
 from offload.kernels.dispatch import ENV_VAR, PATH_IDS, choose_path, load_extension
-from offload.kernels.packed import FORMATS, PackedWeight
+from offload.formats import PACKED_FORMATS
+from offload.kernels.packed import PackedWeight
 from offload.kernels.packed import pack as _pack
 
 _C = load_extension()
@@ -24,7 +25,7 @@ ACTIVE_PATH: str = choose_path(CPU_FEATURES, _C is not None, os.environ.get(ENV_
 if ACTIVE_PATH == "numba":
     warnings.warn("offload: C++ kernel extension not available; using the slower numba kernels", stacklevel=2)
     from offload.kernels import numba_ops as _nb
-_PATH_ID = PATH_IDS.get(ACTIVE_PATH, 0)
+ACTIVE_PATH_ID: int = PATH_IDS.get(ACTIVE_PATH, 0)  # the id csrc/ takes for ACTIVE_PATH
 TILED: bool = ACTIVE_PATH != "numba"  # pack() makes tiled q8_0/q4_0 weights for the C++ kernels
 _XTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _F32 = torch.float32
@@ -77,7 +78,7 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -
         return y
     if _C is None:
         return _linear_numba(x, w, bias, y)
-    _C.linear(_PATH_ID, x.data_ptr(), xt, n, k, w.fmt_id, w.qs_ptr, w.d_ptr, m,
+    _C.linear(ACTIVE_PATH_ID, x.data_ptr(), xt, n, k, w.fmt_id, w.qs_ptr, w.d_ptr, m,
               0 if bias is None else bias.data_ptr(), y.data_ptr(), torch.get_num_threads())
     return y
 
@@ -117,5 +118,5 @@ def _linear_numba(x: torch.Tensor, w: PackedWeight, bias, y: torch.Tensor) -> to
     return y if bias is None else y.add_(bias)
 
 
-__all__ = ["ACTIVE_PATH", "CPU_FEATURES", "FORMATS", "TILED", "KernelError", "PackedWeight", "choose_path", "linear",
+__all__ = ["ACTIVE_PATH", "CPU_FEATURES", "PACKED_FORMATS", "TILED", "KernelError", "PackedWeight", "choose_path", "linear",
            "linear_path", "linear_ref", "pack"]

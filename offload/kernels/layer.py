@@ -1,94 +1,125 @@
 """Fused CPU decoder layer: one C++ call (csrc/layer.cpp) instead of ~25 torch ops per layer and token.
 
 Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks
-with packed linears and fp32 activations; the per-step token table is built once and reused by every layer.
+with packed linears and fp32 activations. Whoever places the weights decides to use it and builds the handles
+once: a FusedLayer per layer (the C++ view of its weights), a KVView per cache, a StepTable per step. Nothing
+is stored on the model's own objects.
 """
 
 from __future__ import annotations
 
-import operator
 import time
+from dataclasses import dataclass
 
 import torch
 
 from offload.errors import KernelError
-from offload.kernels import _C, ACTIVE_PATH, PackedWeight
-from offload.kernels.dispatch import PATH_IDS
+from offload.kernels import _C, ACTIVE_PATH_ID, PackedWeight
 
 _F32 = torch.float32
-_FUSABLE = _C is not None and hasattr(_C, "layer_forward")
-_PATH_ID = PATH_IDS.get(ACTIVE_PATH, 0)
+FUSABLE = _C is not None and hasattr(_C, "layer_forward")  # the extension has the fused layer
 
 
 def _is_f32_cpu(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype is _F32 and t.device.type == "cpu" and t.is_contiguous()
 
 
-_PARTS = operator.attrgetter("attn_norm", "mlp_norm", "qkv", "qkv_bias", "o", "o_bias", "gate_up", "gate_up_bias",
-                             "down", "down_bias")
+@dataclass(frozen=True)
+class FusedLayer:
+    """One layer's weights as the C++ layer reads them (raw pointers); holds the weights so they stay valid."""
+
+    weights: object  # the LayerWeights the pointers point into
+    view: object  # _C.fused_weights(...)
 
 
-def can_fuse(w, x: torch.Tensor, kv) -> bool:
-    """Whether fused_layer_forward can run this layer: extension built, fp32 CPU activations and cache,
-    packed (q8_0/q4_0/bf16/fp16) linears, fp32 norms and biases.
+@dataclass(frozen=True)
+class KVView:
+    """A KV cache as the C++ layer reads it: rows, slots per row, and the K and V pointers."""
 
-    Runs for every layer of every step, so what depends on w or kv alone is not redone: a cache is checked
-    once while its tensors stay the same, and weights whose C++ view exists have passed already."""
-    if not _FUSABLE or x.dtype is not _F32 or not x.is_cpu or not _kv_view(kv)[0]:
-        return False
-    return _fused_view(w) is not None or _weights_fusable(w)
-
-
-def _kv_view(kv) -> tuple[bool, int, int, int, int]:
-    """(fusable, rows, slots, K pointer, V pointer) of a KV cache, kept on it while its tensors stay the same."""
-    cached = getattr(kv, "_fused_view", None)
-    if cached is None or cached[0] is not kv.k or cached[1] is not kv.v:
-        k, v = kv.k, kv.v
-        cached = (k, v, (_is_f32_cpu(k) and _is_f32_cpu(v), k.shape[0], k.shape[1], k.data_ptr(), v.data_ptr()))
-        kv._fused_view = cached
-    return cached[2]
+    kv: object  # the LayerKV, kept alive
+    n_rows: int
+    n_slots: int
+    k_ptr: int
+    v_ptr: int
 
 
-def _weights_fusable(w) -> bool:
-    if not all(isinstance(m, PackedWeight) for m in (w.qkv, w.o, w.gate_up, w.down)):
+@dataclass(frozen=True)
+class StepTable:
+    """One step's token table and fp32 cos/sin rows for caches of one shape: made once, read by every layer."""
+
+    key: tuple[int, int]  # (n_rows, n_slots) of the caches it serves
+    tokens: torch.Tensor
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+def weights_fusable(w) -> bool:
+    """Whether a layer's weights suit the fused layer: packed linears, fp32 CPU norms and biases."""
+    if not FUSABLE or not all(isinstance(m, PackedWeight) for m in (w.qkv, w.o, w.gate_up, w.down)):
         return False
     biases = (w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias)
     return _is_f32_cpu(w.attn_norm) and _is_f32_cpu(w.mlp_norm) and all(b is None or _is_f32_cpu(b) for b in biases)
 
 
+def can_fuse(w, x: torch.Tensor, kv) -> bool:
+    """Whether fused_layer_forward can run this layer: extension built, fp32 CPU activations and cache,
+    packed (q8_0/q4_0/bf16/fp16) linears, fp32 norms and biases."""
+    return x.dtype is _F32 and x.is_cpu and kv_view(kv) is not None and weights_fusable(w)
+
+
+def fuse_layer(spec, w) -> FusedLayer | None:
+    """The C++ view of a layer's weights, or None where they do not suit the fused layer."""
+    return FusedLayer(w, _make_fused_weights(spec, w)) if weights_fusable(w) else None
+
+
+def kv_view(kv) -> KVView | None:
+    """The C++ view of a KV cache, or None unless it is fp32 contiguous CPU memory."""
+    if not FUSABLE or not (_is_f32_cpu(kv.k) and _is_f32_cpu(kv.v)):
+        return None
+    return KVView(kv, kv.k.shape[0], kv.k.shape[1], kv.k.data_ptr(), kv.v.data_ptr())
+
+
+def step_table(spec, step, view: KVView) -> StepTable:
+    """The token table and cos/sin rows of a step for caches shaped like view."""
+    return StepTable((view.n_rows, view.n_slots), token_table(step, view.n_rows, view.n_slots, spec.sliding_window),
+                     _rows_f32(step.cos, spec.head_dim), _rows_f32(step.sin, spec.head_dim))
+
+
 def fused_layer_forward(spec, w, x: torch.Tensor, step, kv) -> torch.Tensor:
-    """layer_forward(spec, w, x, step, kv) in one C++ call: x [B, S, D] fp32 -> [B, S, D]; appends K, V to kv."""
-    return fused_layers_forward(spec, [w], x, step, [kv])
+    """layer_forward(spec, w, x, step, kv) in one C++ call, handles made on the spot: x [B, S, D] fp32."""
+    layer, view = fuse_layer(spec, w), kv_view(kv)
+    if layer is None or view is None:
+        raise KernelError("fused layer: these weights or this cache do not suit the fused layer (check can_fuse)")
+    return fused_layers_forward([layer], x, step_table(spec, step, view), [view])
 
 
-def fused_layers_forward(spec, ws: list, x: torch.Tensor, step, kvs: list, ends: list[float] | None = None):
-    """fused_layer_forward over consecutive layers ws with caches kvs: x [B, S, D] fp32 -> [B, S, D].
+def fused_layers_forward(layers: list[FusedLayer], x: torch.Tensor, table: StepTable, views: list[KVView],
+                         ends: list[float] | None = None) -> torch.Tensor:
+    """Consecutive fused layers with their caches: x [B, S, D] fp32 -> [B, S, D]; appends K, V to each cache.
 
     Everything per layer but the C++ call is done before the first one: the layers stream megabytes of weights
     through the CPU caches, so Python run between two of them runs cold and costs several times its usual time.
     Appends each layer's end time (time.perf_counter) to ends if given, for the timeline.
     """
-    if len(ws) != len(kvs):
-        raise KernelError(f"fused layers: {len(ws)} layers but {len(kvs)} KV caches; pass one cache per layer")
-    if not ws:
+    if len(layers) != len(views):
+        raise KernelError(f"fused layers: {len(layers)} layers but {len(views)} KV caches; pass one cache per layer")
+    if not layers:
         return x
     b, s, d = x.shape
-    tokens, cos, sin = _token_table(spec, step, kvs[0])  # one table serves caches of one shape
-    if tokens.shape[0] != b * s:
-        raise KernelError(f"fused layer: hidden states [{b}, {s}, {d}] do not match the step's positions "
-                          f"{list(step.positions.shape)}; build the step for this batch")
-    caches = [_kv_view(kv) for kv in kvs]
-    if any(c[1:3] != caches[0][1:3] for c in caches):
-        raise KernelError(f"fused layers: KV caches of different shapes {[list(kv.k.shape) for kv in kvs]}; "
-                          f"make every layer's cache with the same batch and max_len")
-    layers = [(_fused_weights(spec, w), c[3], c[4]) for w, c in zip(ws, caches)]
+    if table.tokens.shape[0] != b * s:
+        raise KernelError(f"fused layer: hidden states [{b}, {s}, {d}] do not match the step's token table of "
+                          f"{table.tokens.shape[0]} tokens; build the table for this step")
+    if any((v.n_rows, v.n_slots) != table.key for v in views):
+        raise KernelError(f"fused layers: KV caches of shapes {[list(v.kv.k.shape) for v in views]} do not match the "
+                          f"step table's {list(table.key)}; make every layer's cache with the same batch and max_len")
     x = x.contiguous()
     outs = [torch.empty_like(x) for _ in range(min(len(layers), 2))]  # layer j writes outs[j % 2]
     out_ptrs = [t.data_ptr() for t in outs]
     n_tokens, n_threads, x_ptr = b * s, torch.get_num_threads(), x.data_ptr()
-    table = (cos.data_ptr(), sin.data_ptr(), tokens.data_ptr())
-    for j, (fused, k_ptr, v_ptr) in enumerate(layers):
-        _C.layer_forward(fused, _PATH_ID, n_threads, n_tokens, x_ptr, out_ptrs[j % 2], *table, k_ptr, v_ptr)
+    ptrs = (table.cos.data_ptr(), table.sin.data_ptr(), table.tokens.data_ptr())
+    for j, (layer, view) in enumerate(zip(layers, views)):
+        _C.layer_forward(layer.view, ACTIVE_PATH_ID, n_threads, n_tokens, x_ptr, out_ptrs[j % 2], *ptrs, view.k_ptr,
+                         view.v_ptr)
         x_ptr = out_ptrs[j % 2]
         if ends is not None:
             ends.append(time.perf_counter())
@@ -121,40 +152,10 @@ def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> 
     return torch.tensor(table, dtype=torch.long) if table else torch.empty(0, 4, dtype=torch.long)
 
 
-def _token_table(spec, step, kv):
-    """(token table, cos, sin) of this step for this cache shape, made once per step; cos and sin hold
-    [N, Dh] fp32 rows (any shape)."""
-    key = (kv.k.shape[0], kv.k.shape[1], spec.sliding_window)
-    cached = getattr(step, "_fused_table", None)
-    if cached is not None and cached[0] == key:
-        return cached[1]
-    table = (token_table(step, kv.k.shape[0], kv.k.shape[1], spec.sliding_window),
-             _rows_f32(step.cos, spec.head_dim), _rows_f32(step.sin, spec.head_dim))
-    step._fused_table = (key, table)
-    return table
-
-
 def _rows_f32(t: torch.Tensor, dh: int) -> torch.Tensor:
     """t [B, 1, S, dh] as contiguous fp32 CPU memory of [B * S, dh] (t itself when it is already: every op
     between the layers' C++ calls runs with cold caches)."""
     return t if _is_f32_cpu(t) else t.reshape(-1, dh).to("cpu", _F32).contiguous()
-
-
-def _fused_weights(spec, w):
-    """The C++ view of w's weights (raw pointers), made once per layer; remade if a weight is replaced."""
-    fused = _fused_view(w)
-    if fused is None:
-        fused = _make_fused_weights(spec, w)
-        w._fused_weights = (_PARTS(w), fused)
-    return fused
-
-
-def _fused_view(w):
-    """w's C++ view if made already and none of w's weights has been replaced since, else None."""
-    cached = getattr(w, "_fused_weights", None)
-    if cached is None or not all(map(operator.is_, cached[0], _PARTS(w))):
-        return None
-    return cached[1]
 
 
 def _make_fused_weights(spec, w):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-QK = 32
+from offload.formats import QK
 
 
 @numba.njit(cache=True)

@@ -6,12 +6,11 @@ import numpy as np
 import torch
 
 from offload.errors import KernelError
-from offload.weights import quant
+from offload.formats import PACKED_FORMATS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES
+from offload.kernels import quant
 
-FORMATS = ("q8_0", "q4_0", "bf16", "fp16")
 FMT_IDS = {"q8_0": 0, "q4_0": 1, "bf16": 2, "fp16": 3}  # csrc/kernels.h enum WFmt
 TILED_ID = 4  # csrc/kernels.h W_TILED: added to a quantized format's id for tiled block order
-_BLOCK_QS_BYTES = {"q8_0": 32, "q4_0": 16}
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -83,7 +82,7 @@ class PackedWeight:
         m, k = _check_shape(fmt, shape)
         raw = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else np.asarray(raw)
         raw = raw.reshape(-1).view(np.uint8)
-        want = m * k * 2 if fmt in _HALF else m * (k // quant.QK) * quant.BLOCK_BYTES[fmt]
+        want = m * k * 2 if fmt in _HALF else m * (k // QK) * QUANT_BLOCK_BYTES[fmt]
         if raw.nbytes != want:
             raise KernelError(f"GGUF tensor of type {fmt} and shape [{m}, {k}] needs {want} bytes, got {raw.nbytes}; "
                               f"check the tensor's type and shape (GGUF lists dims innermost first)")
@@ -108,7 +107,7 @@ def _block_order(qs: torch.Tensor, d: torch.Tensor, fmt: str, to_tiled: bool) ->
     if m4 == 0:
         return qs, d
     out = []
-    for plane, unit in ((qs.view(torch.uint8), _BLOCK_QS_BYTES[fmt]), (d.view(torch.int16), 1)):
+    for plane, unit in ((qs.view(torch.uint8), QUANT_QS_BYTES[fmt]), (d.view(torch.int16), 1)):
         top = plane[:m4].reshape(m4 // 4, 4, nb * unit)
         if to_tiled:
             even = top[:, :, : 2 * pairs * unit].reshape(m4 // 4, 4, pairs, 2 * unit).transpose(1, 2)
@@ -136,12 +135,12 @@ def untile_blocks(qs: torch.Tensor, d: torch.Tensor, fmt: str) -> tuple[torch.Te
 
 
 def _check_shape(fmt: str, shape) -> tuple[int, int]:
-    if fmt not in FORMATS:
-        raise KernelError(f"weight format {fmt!r} is not supported; use one of {', '.join(FORMATS)}")
+    if fmt not in PACKED_FORMATS:
+        raise KernelError(f"weight format {fmt!r} is not supported; use one of {', '.join(PACKED_FORMATS)}")
     if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
         raise KernelError(f"a packed weight must be a non-empty 2-D [out, in] matrix, got shape {list(shape)}")
-    if fmt in ("q8_0", "q4_0") and shape[1] % quant.QK:
-        raise KernelError(f"{fmt} needs in_features divisible by {quant.QK}, got shape {list(shape)}; "
+    if fmt in QUANT_BLOCK_BYTES and shape[1] % QK:
+        raise KernelError(f"{fmt} needs in_features divisible by {QK}, got shape {list(shape)}; "
                           f"keep this layer in bf16/fp16 or pad it")
     return int(shape[0]), int(shape[1])
 
@@ -154,7 +153,7 @@ def _check_parts(fmt: str, shape: tuple[int, int], qs: torch.Tensor, d: torch.Te
     else:
         width = k if fmt == "q8_0" else k // 2
         want_qs = ((m, width), torch.int8 if fmt == "q8_0" else torch.uint8)
-        want_d = ((m, k // quant.QK), torch.float16)
+        want_d = ((m, k // QK), torch.float16)
     for name, t, want in (("quants", qs, want_qs), ("scales", d, want_d)):
         if want is None and t is None:
             continue
@@ -178,7 +177,7 @@ def pack(w: torch.Tensor, fmt: str, ext=None, n_threads: int | None = None) -> P
         qs, d = fn(w32.numpy())
         return PackedWeight(fmt, (m, k), torch.from_numpy(qs), torch.from_numpy(d))
     qs_t = torch.empty((m, k if fmt == "q8_0" else k // 2), dtype=torch.int8 if fmt == "q8_0" else torch.uint8)
-    d_t = torch.empty((m, k // quant.QK), dtype=torch.float16)
+    d_t = torch.empty((m, k // QK), dtype=torch.float16)
     ext.quantize_weights(FMT_IDS[fmt], w32.data_ptr(), m, k, qs_t.data_ptr(), d_t.data_ptr(),
                          n_threads or torch.get_num_threads())
     return PackedWeight(fmt, (m, k), qs_t, d_t)

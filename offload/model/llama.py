@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -204,9 +203,6 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
     """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv."""
-    fused = _fused_layer_module()  # CPU blocks: one C++ call per layer
-    if fused.can_fuse(w, x, kv):
-        return fused.fused_layer_forward(spec, w, x, step, kv)
     b, s, _ = x.shape
     h = rms_norm(x, w.attn_norm, spec.rms_norm_eps)
     qkv = linear(h, w.qkv, w.qkv_bias)
@@ -222,24 +218,13 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     return x + linear(F.silu(gate) * up, w.down, w.down_bias)
 
 
-def layers_forward(spec: ModelSpec, ws: list[LayerWeights], x: torch.Tensor, step: Step, kvs: list[LayerKV],
-                   ends: list[float] | None = None) -> torch.Tensor:
-    """layer_forward over consecutive layers ws with caches kvs; appends each layer's end time (time.perf_counter)
-    to ends if given, for the timeline. Fusable CPU layers run back to back, without Python between them."""
-    fused = _fused_layer_module()
-    if all(fused.can_fuse(w, x, kv) for w, kv in zip(ws, kvs)):
-        return fused.fused_layers_forward(spec, ws, x, step, kvs, ends)
-    for w, kv in zip(ws, kvs):
-        x = layer_forward(spec, w, x, step, kv)
-        if ends is not None:
-            ends.append(time.perf_counter())
-    return x
-
-
-@functools.cache
-def _fused_layer_module():
-    """offload.kernels.layer, imported on first use (it loads the kernel extension) and then kept at hand:
-    layer_forward runs for every layer of every step."""
-    import offload.kernels.layer
-
-    return offload.kernels.layer
+def unit_forward(spec: ModelSpec, kind: str, w, x: torch.Tensor, step: Step | None, kv: LayerKV | None,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """One placement unit: embed (token ids [B, S] -> [B, S, D] in dtype), layer, norm, or lm_head (-> logits)."""
+    if kind == "embed":
+        return F.embedding(x, w).to(dtype)
+    if kind == "norm":
+        return rms_norm(x, w, spec.rms_norm_eps)
+    if kind == "lm_head":
+        return linear(x, w, None)
+    return layer_forward(spec, w, x, step, kv)

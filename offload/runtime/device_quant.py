@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-QK = 32
+from offload.formats import QK
 DEQUANT_CHUNK_ELEMENTS = 1 << 26  # dequantize big matrices (a 70B lm_head) in row slices of at most this many
 
 

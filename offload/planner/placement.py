@@ -6,10 +6,8 @@ import random
 from dataclasses import dataclass
 
 from offload.errors import ConfigError
+from offload.planner.types import COMPUTE_MODES, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS, TIERS, Plan
 from offload.spec import ModelSpec
-
-WEIGHT_TIERS = ("gpu", "cpu", "disk")
-COMPUTE_MODES = ("gpu", "stream", "cpu")
 
 
 @dataclass(frozen=True)
@@ -25,7 +23,7 @@ class UnitPlacement:
         return self.prefill if phase == "prefill" else self.decode
 
     def check(self, name: str) -> None:
-        if self.weights not in WEIGHT_TIERS or {self.prefill, self.decode} - set(COMPUTE_MODES):
+        if self.weights not in TIERS or {self.prefill, self.decode} - set(COMPUTE_MODES):
             raise ConfigError(f"placement of {name} is invalid ({self}); weights go to gpu, cpu or disk and "
                               f"compute is gpu, stream or cpu")
         resident = self.weights == "gpu"
@@ -36,27 +34,35 @@ class UnitPlacement:
 
 @dataclass(frozen=True)
 class Placement:
-    """Every unit's placement, the prefetch depth (staging slots) and the disk read-ahead depth."""
+    """What the executor runs and allocates: every unit's placement, the staging slots (prefetch_depth of
+    staging_slot_bytes), the disk read-ahead buffers (read_ahead of read_buffer_bytes) and the tokens of one
+    prefill pass. Sizes left None are taken from the units' own buffers (a placement made by hand)."""
 
     units: dict[str, UnitPlacement]
-    prefetch_depth: int = 2
-    read_ahead: int = 2
+    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
+    read_ahead: int = DEFAULT_PREFETCH_DEPTH
+    staging_slot_bytes: int | None = None
+    read_buffer_bytes: int | None = None
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
 
     def __post_init__(self):
         for name, p in self.units.items():
             p.check(name)
-        if self.prefetch_depth < 1 or self.read_ahead < 1:
-            raise ConfigError("prefetch_depth and read_ahead must be at least 1")
+        if self.prefetch_depth < 1 or self.read_ahead < 1 or self.prefill_chunk_tokens < 1:
+            raise ConfigError(f"prefetch_depth, read_ahead and prefill_chunk_tokens must be at least 1, found "
+                              f"{self.prefetch_depth}, {self.read_ahead} and {self.prefill_chunk_tokens}")
 
     def __getitem__(self, unit: str) -> UnitPlacement:
         return self.units[unit]
 
     @classmethod
-    def from_plan(cls, plan) -> "Placement":
-        """The placement a planner Plan decided."""
+    def from_plan(cls, plan: Plan) -> "Placement":
+        """The placement a planner Plan decided, with the buffers it budgeted."""
         units = {u.name: UnitPlacement(u.weight_tier, u.prefill, u.decode, _kv_tier(u.kv_tier, u.decode))
                  for u in plan.units}
-        return cls(units, prefetch_depth=max(1, plan.prefetch_depth))
+        return cls(units, prefetch_depth=max(1, plan.prefetch_depth), read_ahead=max(1, plan.read_ahead_depth),
+                   staging_slot_bytes=plan.staging_slot_bytes, read_buffer_bytes=plan.read_buffer_bytes,
+                   prefill_chunk_tokens=plan.workload.prefill_chunk_tokens)
 
     @classmethod
     def uniform(cls, spec: ModelSpec, weights: str, compute: str, **kwargs) -> "Placement":
@@ -69,7 +75,7 @@ class Placement:
         rng = random.Random(seed)
         units = {}
         for u in spec.units():
-            weights = rng.choice(WEIGHT_TIERS)
+            weights = rng.choice(TIERS)
             modes = ["gpu"] if weights == "gpu" else ["stream", "cpu"]
             units[u.name] = _unit(weights, rng.choice(modes), rng.choice(modes))
         return cls(units, **kwargs)

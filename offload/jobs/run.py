@@ -7,11 +7,11 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from offload.batch import CHAT, BadLine, OutputLog, Request, error_record, file_digest, read_requests, success_record
-from offload.config import JobConfig, load_config, validate_config
+from offload.jobs.batch import CHAT, BadLine, OutputLog, Request, error_record, file_digest, read_requests, success_record
+from offload.jobs.config import JobConfig, load_config, plan_request, validate_config
 from offload.errors import OffloadError
-from offload.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
-from offload.runtime.timeline import Timeline
+from offload.profile.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
+from offload.profile.timeline import Timeline
 
 
 @dataclass
@@ -80,10 +80,7 @@ def load_llm(config: JobConfig):
     """The LLM for a config: model, budgets, hardware; the planner picks the batch size unless it is set."""
     from offload.api import LLM
 
-    return LLM(config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
-               max_batch_size=config.schedule.batch_size, gpu_memory=config.memory.gpu,
-               cpu_memory=config.memory.cpu, disk_memory=config.memory.disk, hardware=config.hardware,
-               prefetch_depth=config.schedule.prefetch_depth)
+    return LLM.from_request(plan_request(config))
 
 
 def _progress_on(config: JobConfig, progress: bool | None) -> bool:

@@ -12,9 +12,12 @@ import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from offload.errors import ConfigError
+from offload.formats import DTYPES, QUANTIZATIONS
+from offload.planner.request import PlanRequest
+from offload.profile.report import PLOT_EXTRA_HINT, plotting_available
+from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS
+from offload.weights.default_model import resolve_model
 
-QUANTIZATIONS = ("none", "q8_0", "q4_0")
-DTYPES = ("auto", "fp32", "float32", "bf16", "bfloat16", "fp16", "float16")
 
 
 def _size(value: Any) -> int | None:
@@ -44,6 +47,7 @@ class ModelConfig(_Section):
     path: str = Field(description="a Hugging Face model folder or 'default'")
     quantization: Literal[QUANTIZATIONS] = "none"
     dtype: Literal[DTYPES] = "auto"
+    max_model_len: int | None = Field(None, ge=2)  # tokens per sequence the KV cache holds (default 2048)
 
 
 class MemoryConfig(_Section):
@@ -86,7 +90,8 @@ class ScheduleConfig(_Section):
     """How many sequences run together; None lets the planner (or the runtime default) choose."""
 
     batch_size: int | None = Field(None, ge=1)
-    prefetch_depth: int = Field(2, ge=1)
+    prefetch_depth: int = Field(DEFAULT_PREFETCH_DEPTH, ge=1)
+    prefill_chunk_tokens: int = Field(DEFAULT_PREFILL_CHUNK_TOKENS, ge=1)  # padded tokens per prefill pass
 
 
 class ReportConfig(_Section):
@@ -106,7 +111,7 @@ class JobConfig(_Section):
     model: ModelConfig = Field(description="a section with at least 'path'")
     hardware: str | None = None  # a preset name (configs/hardware) or a profile YAML; None: calibrated/estimated
     memory: MemoryConfig = Field(default_factory=MemoryConfig)
-    input: InputConfig = Field(description="a section with at least 'path'")
+    input: InputConfig | None = None  # required to run a job (see validate_config), not to plan one
     output: OutputConfig = Field(default_factory=OutputConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
@@ -138,8 +143,11 @@ class JobConfig(_Section):
 PATH_KEYS = ("model.path", "input.path", "output.path", "report.path", "report.trace", "report.plot", "hardware")
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> JobConfig:
-    """The effective config: defaults, then the YAML file (if any), then overrides (dotted key -> value)."""
+def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
+                need_input: bool = True) -> JobConfig:
+    """The effective config: defaults, then the YAML file (if any), then overrides (dotted key -> value).
+
+    need_input False accepts a config without an input section (to plan a job, not to run it)."""
     source = str(path) if path is not None else "command line"
     raw = _shorthands(read_yaml(Path(path))) if path is not None else {}
     base = Path(path).resolve().parent if path is not None else Path.cwd()
@@ -147,7 +155,7 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
     for key, value in (overrides or {}).items():
         if value is not None:
             _set_dotted(raw, key, _resolve_one(key, value, Path.cwd()))
-    return validate_config(raw, source)
+    return validate_config(raw, source, need_input)
 
 
 def _shorthands(raw: dict) -> dict:
@@ -171,9 +179,11 @@ def read_yaml(path: Path) -> dict:
     return data
 
 
-def validate_config(raw: dict, source: str = "config") -> JobConfig:
+def validate_config(raw: dict, source: str = "config", need_input: bool = True) -> JobConfig:
     """A JobConfig from a mapping, or one ConfigError listing every problem found."""
     problems = []
+    if need_input and raw.get("input") is None:
+        problems.append("key 'input' is missing; expected a section with at least 'path'")
     config = None
     try:
         config = JobConfig.model_validate(raw)
@@ -257,9 +267,11 @@ def check_files(raw: dict) -> list[str]:
     """Problems with the files a config names: missing model or input, unwritable outputs, bad hardware."""
     problems = []
     model_path = _get_dotted(raw, "model.path")
-    if isinstance(model_path, str) and model_path != "default" and not (Path(model_path) / "config.json").is_file():
-        problems.append(f"key 'model.path': expected a model folder with config.json or 'default', "
-                        f"found {model_path!r}, which {_what_is(Path(model_path))}")
+    if isinstance(model_path, str) and model_path != "default":
+        folder = resolve_model(model_path)
+        if not (folder / "config.json").is_file():
+            problems.append(f"key 'model.path': expected a model folder with config.json or 'default', "
+                            f"found {model_path!r}, which {_what_is(folder)}")
     input_path = _get_dotted(raw, "input.path")
     if isinstance(input_path, str) and not Path(input_path).is_file():
         problems.append(f"key 'input.path': expected an existing file of requests, found {input_path!r}, "
@@ -268,6 +280,8 @@ def check_files(raw: dict) -> list[str]:
         value = _get_dotted(raw, key)
         if isinstance(value, str) and (reason := unwritable_reason(Path(value))):
             problems.append(f"key {key!r}: {value!r} cannot be written ({reason}); choose a writable location")
+    if isinstance(_get_dotted(raw, "report.plot"), str) and not plotting_available():
+        problems.append(f"key 'report.plot': writing a plot needs matplotlib, which is not installed; {PLOT_EXTRA_HINT}")
     hardware = raw.get("hardware")
     if isinstance(hardware, str):
         from offload.hardware import load_hardware
@@ -310,8 +324,9 @@ def _resolve_one(key: str, value: Any, base: Path) -> Any:
     """Make a relative path absolute against base; 'default' and hardware preset names stay as they are."""
     if key not in PATH_KEYS or not isinstance(value, str) or Path(value).is_absolute():
         return value
-    if (key == "model.path" and value == "default") or (key == "hardware" and not (base / value).exists()):
-        return value
+    if (key == "model.path" and value == "default") or (key in ("hardware", "model.path")
+                                                          and not (base / Path(value).expanduser()).exists()):
+        return value  # a preset or shipped model name, or a path that does not exist (reported as given)
     return str((base / Path(value).expanduser()).resolve())
 
 
@@ -343,3 +358,13 @@ def parse_set_option(text: str) -> tuple[str, Any]:
         return key.strip(), yaml.safe_load(value)
     except yaml.YAMLError:
         return key.strip(), value
+
+
+def plan_request(config: JobConfig) -> PlanRequest:
+    """What a job asks of the planner: the one request both `offload plan JOB` and `offload run JOB` plan from."""
+    return PlanRequest(model=config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
+                       hardware=config.hardware, gpu_memory=config.memory.gpu, cpu_memory=config.memory.cpu,
+                       disk_memory=config.memory.disk, batch_size=config.schedule.batch_size,
+                       max_model_len=config.model.max_model_len, max_tokens=config.sampling.max_tokens,
+                       prefetch_depth=config.schedule.prefetch_depth,
+                       prefill_chunk_tokens=config.schedule.prefill_chunk_tokens)

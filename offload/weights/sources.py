@@ -1,13 +1,68 @@
-"""Unit sources: where the executor gets each unit's weights from — a checkpoint, or random (benchmarks)."""
+"""Weights from a checkpoint, in the form the block math takes: the resident reference Model (load_model), and
+unit sources for the executor, one unit at a time (CheckpointSource) or random (RandomSource, benchmarks)."""
 
 from __future__ import annotations
 
 import torch
 
+from offload.errors import ConfigError
+from offload.formats import QUANTIZATIONS
 from offload.model.llama import LayerWeights
-from offload.model.model import load_layer, packer
+from offload.model.model import Model
 from offload.spec import ModelSpec, UnitSpec
 from offload.weights.loader import Checkpoint
+
+
+def load_model(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.float32,
+               quantization: str = "none") -> Model:
+    """Read every tensor once from the checkpoint; linear weights are packed if quantization is set."""
+    if quantization not in QUANTIZATIONS:
+        raise ConfigError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
+    ckpt.check_against(spec)
+    pack = packer(quantization, dtype)
+    layers = [load_layer(ckpt, spec, i, dtype, pack) for i in range(spec.n_layers)]
+    embed = ckpt.get("model.embed_tokens.weight", dtype)
+    head = embed if spec.tie_word_embeddings else ckpt.get("lm_head.weight", dtype)
+    return Model(spec=spec, embed_tokens=embed, layers=layers, norm=ckpt.get("model.norm.weight", dtype),
+                 lm_head=pack(head), dtype=dtype)
+
+
+def packer(quantization: str, dtype: torch.dtype):
+    """A function that turns a dense [out, in] weight into the form the linear layers will use."""
+    if quantization == "none":
+        return lambda w: w.contiguous()
+    from offload.kernels import pack
+
+    def pack_or_keep(w: torch.Tensor):
+        return pack(w, quantization) if w.shape[-1] % 32 == 0 else w.contiguous()
+
+    return pack_or_keep
+
+
+def load_layer(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> LayerWeights:
+    """Read layer i's tensors, fusing q/k/v and gate/up."""
+    p = f"model.layers.{i}."
+
+    def get(name: str) -> torch.Tensor:
+        return ckpt.get(p + name, dtype)
+
+    def bias(names: list[str], present: bool) -> torch.Tensor | None:
+        return torch.cat([get(n + ".bias") for n in names]) if present else None
+
+    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+    gate_up = ["mlp.gate_proj", "mlp.up_proj"]
+    return LayerWeights(
+        attn_norm=get("input_layernorm.weight"),
+        qkv=pack(torch.cat([get(n + ".weight") for n in qkv])),
+        qkv_bias=bias(qkv, spec.qkv_bias),
+        o=pack(get("self_attn.o_proj.weight")),
+        o_bias=bias(["self_attn.o_proj"], spec.o_bias),
+        mlp_norm=get("post_attention_layernorm.weight"),
+        gate_up=pack(torch.cat([get(n + ".weight") for n in gate_up])),
+        gate_up_bias=bias(gate_up, spec.mlp_bias),
+        down=pack(get("mlp.down_proj.weight")),
+        down_bias=bias(["mlp.down_proj"], spec.mlp_bias),
+    )
 
 
 class CheckpointSource:

@@ -1,11 +1,4 @@
-"""The planner: place every unit on gpu/cpu/disk and pick where it computes per phase, within a budget.
-
-plan(spec, hardware, budget, workload) searches the number of GPU-resident units (in order of time saved
-per byte); for each, it decides per phase which offloaded units stream to the GPU and which compute on
-the CPU (greedily, best gain per PCIe second first, keeping the prefix with the shortest step), spills
-host weights to disk when RAM is short, and keeps the candidate with the shortest job time. Pure
-arithmetic: no torch.
-"""
+"""The planner's values: Budget, Workload, and the Plan it makes (units, tier usage, predicted phases). No torch."""
 
 from __future__ import annotations
 
@@ -13,14 +6,17 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 
-from offload.costs import LOGIT_BYTES, PhaseCost
-from offload.errors import ConfigError, PlanError
+from offload.errors import ConfigError
+from offload.formats import FLOAT_FORMATS
 from offload.hardware import HardwareProfile
-from offload.spec import FLOAT_FORMATS, FORMATS, ModelSpec
+from offload.planner.costs import PhaseCost
+from offload.planner.text import plan_explanation, plan_table
 
-TIERS = ("gpu", "cpu", "disk")
-COMPUTE_MODES = ("gpu", "stream", "cpu")
+TIERS = ("gpu", "cpu", "disk")  # where weights (and KV caches) live
+PHASES = ("prefill", "decode")
+COMPUTE_MODES = ("gpu", "stream", "cpu")  # resident on the GPU, streamed to it ahead of use, or on the CPU
 DEFAULT_PREFETCH_DEPTH = 2
+DEFAULT_PREFILL_CHUNK_TOKENS = 512
 
 
 @dataclass(frozen=True)
@@ -61,16 +57,17 @@ class Workload:
     batch_size: int = 1
     prompt_len: int = 512
     gen_len: int = 128
-    prefill_chunk_tokens: int = 512  # prefill runs layer by layer over chunks of this many tokens
-    kv_dtype: str = "fp16"
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # tokens per prefill pass over the weights
+    compute_format: str = "fp16"  # activations, the KV cache, and the weights a quantization leaves unquantized
 
     def __post_init__(self):
         for name in ("batch_size", "prompt_len", "gen_len", "prefill_chunk_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"workload {name} must be a whole number of 1 or more, "
                                   f"found {getattr(self, name)!r}")
-        if self.kv_dtype not in FLOAT_FORMATS:
-            raise ConfigError(f"workload kv_dtype {self.kv_dtype!r} is not supported; use fp16, bf16 or fp32")
+        if self.compute_format not in FLOAT_FORMATS:
+            raise ConfigError(f"workload compute_format {self.compute_format!r} is not supported; "
+                              f"use fp16, bf16 or fp32")
 
     @property
     def seq_len(self) -> int:
@@ -78,7 +75,7 @@ class Workload:
 
     @property
     def kv_elem_bytes(self) -> int:
-        return FLOAT_FORMATS[self.kv_dtype]
+        return FLOAT_FORMATS[self.compute_format]
 
 
 @dataclass(frozen=True)
@@ -132,8 +129,10 @@ class Plan:
     tiers: tuple[TierUsage, ...]
     prefill: PhaseCost
     decode: PhaseCost
-    prefetch_depth: int
+    prefetch_depth: int  # staging slots on the GPU (copies run this many streamed units ahead)
     staging_slot_bytes: int
+    read_ahead_depth: int  # pinned host buffers that disk units are read ahead into
+    read_buffer_bytes: int
     notes: tuple[str, ...] = field(default=())
 
     def unit(self, name: str) -> UnitPlan:
@@ -162,6 +161,7 @@ class Plan:
             "workload": asdict(self.workload), "budget": asdict(self.budget),
             "summary": self.summary_line, "n_gpu_units": self.n_gpu_units, "n_units": len(self.units),
             "prefetch_depth": self.prefetch_depth, "staging_slot_bytes": self.staging_slot_bytes,
+            "read_ahead_depth": self.read_ahead_depth, "read_buffer_bytes": self.read_buffer_bytes,
             "tiers": {t.tier: {**asdict(t), "total_bytes": t.total_bytes} for t in self.tiers},
             "phases": {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict()},
             "predicted_job_s": self.job_s,
@@ -173,13 +173,9 @@ class Plan:
         return json.dumps(self.to_dict(), indent=indent, default=_json_default)
 
     def table(self) -> str:
-        from offload.plan_text import plan_table
-
         return plan_table(self)
 
     def explain(self) -> str:
-        from offload.plan_text import plan_explanation
-
         return plan_explanation(self)
 
     def __str__(self) -> str:
@@ -192,58 +188,4 @@ def _json_default(value):
     raise TypeError(f"cannot serialise {value!r}")
 
 
-def plan(spec: ModelSpec, hardware: HardwareProfile, budget: Budget, workload: Workload,
-         weight_format: str | None = None, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH) -> Plan:
-    """The fastest placement of spec's units within budget for workload on hardware; PlanError if none fits."""
-    from offload.placement import Search
-
-    fmt = weight_format or spec.dtype
-    if fmt not in FORMATS:
-        raise ConfigError(f"weight format {fmt!r} is not supported; use one of {', '.join(FORMATS)}")
-    if prefetch_depth < 1:
-        raise ConfigError(f"prefetch depth must be 1 or more, found {prefetch_depth}")
-    return Search(spec, hardware, budget, workload, fmt, prefetch_depth).run()
-
-
-def plan_batch(spec: ModelSpec, hardware: HardwareProfile, budget: Budget, workload: Workload,
-               weight_format: str | None = None, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
-               max_batch: int = 256) -> Plan:
-    """The plan whose batch size (powers of two up to max_batch) gives the highest predicted job throughput.
-
-    workload.batch_size is ignored; PlanError if not even one sequence fits.
-    """
-    best, best_rate, batch = None, 0.0, 1
-    while batch <= max_batch:
-        try:
-            candidate = plan(spec, hardware, budget, _with_batch(workload, batch), weight_format, prefetch_depth)
-        except PlanError:
-            if best is None:
-                raise
-            break  # a larger batch needs more KV and workspace still
-        rate = batch * workload.gen_len / candidate.job_s
-        if rate > best_rate:
-            best, best_rate = candidate, rate
-        batch *= 2
-    return best
-
-
-def _with_batch(workload: Workload, batch: int) -> Workload:
-    from dataclasses import replace
-
-    return replace(workload, batch_size=batch)
-
-
-def workspace_bytes(spec: ModelSpec, workload: Workload, act_bytes: int, dequant_scratch: bool) -> int:
-    """Activations at the largest shape on one device, plus bf16 scratch to dequantize the largest tensor."""
-    b, p = workload.batch_size, workload.prompt_len
-    chunk = min(b * p, workload.prefill_chunk_tokens)
-    hidden = b * p * spec.hidden_size * act_bytes  # residual stream of the whole prompt batch, kept between layers
-    working = max(spec.activation_bytes(chunk, p, act_bytes),
-                  spec.activation_bytes(b, workload.seq_len, act_bytes))
-    logits = b * spec.vocab_size * LOGIT_BYTES
-    scratch = max(t.numel for t in spec.layer_tensors(0) if t.role == "linear") * 2 if dequant_scratch else 0
-    return hidden + working + logits + scratch
-
-
-__all__ = ["Budget", "Workload", "UnitPlan", "TierUsage", "Plan", "PhaseCost", "PlanError", "plan",
-           "workspace_bytes", "TIERS", "COMPUTE_MODES"]
+__all__ = ["Budget", "Workload", "UnitPlan", "TierUsage", "Plan", "TIERS", "PHASES", "COMPUTE_MODES"]

@@ -74,7 +74,7 @@ def _decision(plan, phase: str) -> str:
 
 def plan_explanation(plan) -> str:
     """Sentences saying what was placed where and why the step time is what it is."""
-    gpu, cpu, disk = (plan.tier(t) for t in ("gpu", "cpu", "disk"))
+    gpu, cpu, disk = plan.tier("gpu"), plan.tier("cpu"), plan.tier("disk")
     lines = [f"{plan.summary_line}: {format_bytes(gpu.weights_bytes)} of weights on the GPU, "
              f"{format_bytes(cpu.weights_bytes)} in RAM, {format_bytes(disk.weights_bytes)} on disk.",
              f"Each placement counts weights, the KV cache for batch {plan.workload.batch_size} x "

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from offload.runtime.backend import Backend
-from offload.runtime.timeline import Span, Timeline
+from offload.runtime.backends.base import Backend
+from offload.profile.timeline import Span, Timeline
 
 
 class CPUBackend(Backend):

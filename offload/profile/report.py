@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from offload.runtime.timeline import KINDS, RESOURCES
+from offload.errors import ConfigError
+from offload.planner.types import PHASES
+from offload.profile.timeline import KINDS, RESOURCES
 
-PHASES = ("prefill", "decode")
 TRACK_IDS = {"cpu": 1, "gpu": 2, "pcie": 3, "disk": 4, "wait": 5}  # Chrome trace tid per resource
 PHASE_COLORS = {"prefill": "tab:orange", "decode": "tab:blue"}
 TRACK_NAMES = {"cpu": "CPU compute", "gpu": "GPU compute", "pcie": "PCIe host-to-device",
@@ -155,8 +157,18 @@ def write_trace(timeline, path: Path) -> None:
     Path(path).write_text(json.dumps({"traceEvents": trace_events(timeline), "displayTimeUnit": "ms"}))
 
 
+PLOT_EXTRA_HINT = "install it with `pip install 'offload[plot]'` (or matplotlib), or drop report.plot / --plot"
+
+
+def plotting_available() -> bool:
+    """Whether matplotlib (the `plot` extra) is installed."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
 def write_plot(timeline, report: dict, path: Path) -> None:
     """A PNG: the timeline per resource (top) and each phase's busy share per resource (bottom)."""
+    if not plotting_available():
+        raise ConfigError(f"writing the plot {path} needs matplotlib, which is not installed; {PLOT_EXTRA_HINT}")
     import matplotlib
 
     matplotlib.use("Agg")

@@ -10,28 +10,27 @@ from __future__ import annotations
 
 import numpy as np
 
-QK = 32  # elements per block
-BLOCK_BYTES = {"q8_0": 2 + QK, "q4_0": 2 + QK // 2}
-QUANT_BYTES = {"q8_0": QK, "q4_0": QK // 2}  # quant bytes per block, scale excluded
+from offload.formats import QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES
+
 
 
 def split_gguf_blocks(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
     """GGUF block bytes of a [M, K] matrix -> (quants [M, K*qb/32] uint8, scales [M, K/32] float16)."""
     m, k = shape
     nb = k // QK
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(m * nb, BLOCK_BYTES[fmt])
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(m * nb, QUANT_BLOCK_BYTES[fmt])
     d = np.ascontiguousarray(blocks[:, :2]).view(np.float16).reshape(m, nb)
-    qs = np.ascontiguousarray(blocks[:, 2:]).reshape(m, nb * QUANT_BYTES[fmt])
+    qs = np.ascontiguousarray(blocks[:, 2:]).reshape(m, nb * QUANT_QS_BYTES[fmt])
     return qs, d
 
 
 def join_gguf_blocks(qs: np.ndarray, d: np.ndarray, fmt: str) -> np.ndarray:
     """Inverse of split_gguf_blocks: (quants, fp16 scales) -> GGUF block bytes [M, nb * block_bytes]."""
     m, nb = d.shape
-    blocks = np.empty((m * nb, BLOCK_BYTES[fmt]), dtype=np.uint8)
+    blocks = np.empty((m * nb, QUANT_BLOCK_BYTES[fmt]), dtype=np.uint8)
     blocks[:, :2] = np.ascontiguousarray(d, dtype=np.float16).view(np.uint8).reshape(m * nb, 2)
-    blocks[:, 2:] = np.ascontiguousarray(qs).view(np.uint8).reshape(m * nb, QUANT_BYTES[fmt])
-    return blocks.reshape(m, nb * BLOCK_BYTES[fmt])
+    blocks[:, 2:] = np.ascontiguousarray(qs).view(np.uint8).reshape(m * nb, QUANT_QS_BYTES[fmt])
+    return blocks.reshape(m, nb * QUANT_BLOCK_BYTES[fmt])
 
 
 def quantize_q8_0_np(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
+from offload.formats import FLOAT_FORMATS
 from offload.hardware import HardwareProfile
 from offload.spec import ModelSpec, UnitSpec
 
@@ -58,12 +59,13 @@ def _roofline(flops: float, nbytes: float, flops_rate: float, mem_bps: float) ->
 
 
 def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase,
-              kv_elem_bytes: int = 2) -> UnitCost:
-    """Cost of one unit in one phase step with weights stored in fmt."""
-    w_bytes = unit.nbytes(fmt)
+              compute: str = "fp16") -> UnitCost:
+    """Cost of one unit in one phase step with weights stored in fmt, activations and KV in compute."""
+    kv_elem_bytes = FLOAT_FORMATS[compute]
+    w_bytes = unit.nbytes(fmt, compute)
     link = hw.h2d_pinned_bps if hw.has_gpu else 0.0
     if unit.kind == "embed":  # a row gather: only the looked-up rows are touched
-        row_bytes = phase.n_tokens * unit.nbytes(fmt) // spec.vocab_size
+        row_bytes = phase.n_tokens * w_bytes // spec.vocab_size
         disk_s = row_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf
         return UnitCost(_roofline(0, row_bytes, 1, hw.gpu_mem_bps), _roofline(0, row_bytes, 1, hw.cpu_mem_bps),
                         math.inf, disk_s, row_bytes / hw.cpu_mem_bps, 0.0)
@@ -142,3 +144,15 @@ def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s
     bound = max(candidates, key=candidates.get)
     return PhaseCost(phase, tokens_per_step, gpu_s, cpu_s, pcie_s, disk_s, hops_s, host_mem_s,
                      candidates[bound], bound)
+
+
+def workspace_bytes(spec: ModelSpec, workload, act_bytes: int, dequant_scratch: bool) -> int:
+    """Activations at the largest shape on one device, plus bf16 scratch to dequantize the largest tensor."""
+    b, p = workload.batch_size, workload.prompt_len
+    chunk = min(b * p, workload.prefill_chunk_tokens)
+    hidden = max(chunk, b) * spec.hidden_size * act_bytes  # residual stream of one pass, kept between layers
+    working = max(spec.activation_bytes(chunk, p, act_bytes),
+                  spec.activation_bytes(b, workload.seq_len, act_bytes))
+    logits = b * spec.vocab_size * LOGIT_BYTES
+    scratch = max(t.numel for t in spec.layer_tensors(0) if t.role == "linear") * 2 if dequant_scratch else 0
+    return hidden + working + logits + scratch

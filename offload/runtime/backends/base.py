@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.runtime.timeline import Span, Timeline
+from offload.planner.types import TIERS
+from offload.profile.timeline import Span, Timeline
 
-TIERS = ("gpu", "cpu", "disk")
 
 
 HUGE_PAGE_BYTES = 2 << 20

@@ -1,18 +1,25 @@
-"""The planner's search: candidate placements, per-phase stream-or-CPU choices, disk spill, and shortfalls."""
+"""The planner's search: candidate placements, per-phase stream-or-CPU choices, disk spill, and shortfalls.
+
+plan(spec, hardware, budget, workload) searches the number of GPU-resident units (in order of time saved
+per byte); for each, it decides per phase which offloaded units stream to the GPU and which compute on
+the CPU (greedily, best gain per PCIe second first, keeping the prefix with the shortest step), spills
+host weights to disk when RAM is short, and keeps the candidate with the shortest job time. Pure
+arithmetic: no torch.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
-from offload.costs import ACT_BYTES_CPU, ACT_BYTES_GPU, LOGIT_BYTES, PhaseCost, combine, hop_s, phases_for, unit_cost
-from offload.errors import PlanError
+from offload.errors import ConfigError, PlanError
+from offload.formats import QUANT_BLOCK_BYTES, WEIGHT_FORMATS
 from offload.hardware import HardwareProfile, format_bytes
-from offload.planner import Budget, Plan, TierUsage, UnitPlan, Workload, workspace_bytes
-from offload.spec import QUANT_FORMATS, ModelSpec
-
-PHASES = ("prefill", "decode")
+from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, LOGIT_BYTES, PhaseCost, combine, hop_s, phases_for,
+                                   unit_cost, workspace_bytes)
+from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
+from offload.spec import ModelSpec
 
 
 @dataclass
@@ -38,7 +45,9 @@ class Search:
         kinds = [u.kind for u in self.units]
         self.i_embed, self.i_norm, self.i_head = kinds.index("embed"), kinds.index("norm"), kinds.index("lm_head")
         self.streamable = [i for i, k in enumerate(kinds) if k in ("layer", "lm_head")]
-        self.w = [u.nbytes(fmt) for u in self.units]
+        compute = workload.compute_format
+        self.w = [u.nbytes(fmt, compute) for u in self.units]
+        self.buf = [u.buffer_bytes(fmt, compute) for u in self.units]  # what a slot or read buffer holds
         layer_kv = spec.layer_kv_bytes(workload.batch_size, workload.seq_len, workload.kv_elem_bytes)
         self.kv = [layer_kv if k == "layer" else 0 for k in kinds]
         self.phase = dict(zip(PHASES, phases_for(workload.batch_size, workload.prompt_len, workload.gen_len)))
@@ -49,7 +58,7 @@ class Search:
         self.gain_order = {p: self._gain_order(p) for p in PHASES}
         self.hop = {p: hop_s(spec, hw, ph) for p, ph in self.phase.items()}
         self.gpu_possible = hw.has_gpu and budget.gpu_bytes > 0
-        self.ws_gpu = workspace_bytes(spec, workload, ACT_BYTES_GPU, fmt in QUANT_FORMATS)
+        self.ws_gpu = workspace_bytes(spec, workload, ACT_BYTES_GPU, fmt in QUANT_BLOCK_BYTES)
         self.ws_cpu = workspace_bytes(spec, workload, ACT_BYTES_CPU, False)
         chunk = min(workload.batch_size * workload.prompt_len, workload.prefill_chunk_tokens)
         self.hop_buffers = 2 * chunk * spec.hidden_size * ACT_BYTES_CPU
@@ -62,7 +71,7 @@ class Search:
         for u in self.units:
             key = (u.kind, tuple(t.shape for t in u.tensors))
             if key not in memo:
-                memo[key] = unit_cost(self.spec, u, self.fmt, self.hw, phase, self.wl.kv_elem_bytes)
+                memo[key] = unit_cost(self.spec, u, self.fmt, self.hw, phase, self.wl.compute_format)
             out.append(memo[key])
         return out
 
@@ -108,8 +117,12 @@ class Search:
             if cand.short and cand.short[0] == "gpu" and k > 0:
                 return  # more residents cannot fit either
             yield cand
+            if "stream" in cand.compute["decode"]:
+                # Streaming in decode is chosen for the decode step alone; it also moves the prompt's KV cache
+                # in prefill, which a short generation may not repay: weigh the same residents without it.
+                yield self._build(k, use_gpu=True, stream_decode=False)
 
-    def _build(self, k: int, use_gpu: bool) -> _Candidate:
+    def _build(self, k: int, use_gpu: bool, stream_decode: bool = True) -> _Candidate:
         weight = ["cpu"] * self.n
         for i in self.order[:k]:
             weight[i] = "gpu"
@@ -122,27 +135,28 @@ class Search:
             if cand.gpu_fixed > self.budget.gpu_bytes:
                 cand.short = ("gpu", cand.gpu_fixed, self.budget.gpu_bytes)
                 return cand
-            self._choose_streams(cand)
+            self._choose_streams(cand, stream_decode)
         self._place_host_weights(cand)
         return cand
 
-    def _choose_streams(self, cand: _Candidate) -> None:
+    def _choose_streams(self, cand: _Candidate, stream_decode: bool = True) -> None:
         """Decide per phase which offloaded units stream to the GPU; the rest compute on the CPU."""
         offloaded = [i for i in self.streamable if cand.weight[i] != "gpu"]
         if not offloaded:
             return
-        slot = max(self.w[i] for i in offloaded)
+        slot = max(self.buf[i] for i in offloaded)
         room = self.budget.gpu_bytes - cand.gpu_fixed - self.depth * slot
         if room < 0:
             return  # no room for staging slots: offloaded units compute on the CPU
-        self._scan("decode", cand, offloaded, room)
+        if stream_decode:
+            self._scan("decode", cand, offloaded, room)
         self._scan("prefill", cand, offloaded, math.inf)
         head = cand.compute
         for p in PHASES:
             head[p][self.i_norm] = "gpu" if cand.weight[self.i_norm] == "gpu" else (
                 "stream" if head[p][self.i_head] == "stream" else "cpu")
         streamed = [i for i in offloaded if "stream" in (head["prefill"][i], head["decode"][i])]
-        cand.staging_slot = max((self.w[i] for i in streamed), default=0)
+        cand.staging_slot = max((self.buf[i] for i in streamed), default=0)
 
     def _scan(self, phase: str, cand: _Candidate, offloaded: list[int], kv_room: float) -> None:
         """Stream units in order of compute saved per PCIe second; keep the prefix with the shortest step.
@@ -185,7 +199,7 @@ class Search:
                 + self._pinned(cand))
 
     def _pinned(self, cand: _Candidate) -> int:
-        on_disk = [self.w[i] for i in range(self.n) if cand.weight[i] == "disk"]
+        on_disk = [self.buf[i] for i in range(self.n) if cand.weight[i] == "disk"]
         return (self.hop_buffers if cand.use_gpu else 0) + self.depth * max(on_disk, default=0)
 
     def _place_host_weights(self, cand: _Candidate) -> None:
@@ -196,9 +210,9 @@ class Search:
             i = spill.pop(0)
             cand.weight[i] = "disk"
             used -= self.w[i]
-            if self.w[i] > largest:  # the read-ahead buffers grow with the largest disk unit
-                used += self.depth * (self.w[i] - largest)
-                largest = self.w[i]
+            if self.buf[i] > largest:  # the read-ahead buffers grow with the largest disk unit
+                used += self.depth * (self.buf[i] - largest)
+                largest = self.buf[i]
         on_disk = sum(self.w[i] for i in range(self.n) if cand.weight[i] == "disk")
         if used > self.budget.cpu_bytes:
             cand.short = ("cpu", used, self.budget.cpu_bytes)
@@ -240,11 +254,14 @@ class Search:
             kv_tier = ("cpu" if cand.compute["decode"][i] == "cpu" else "gpu") if u.kind == "layer" else None
             units.append(UnitPlan(u.name, u.kind, u.index, cand.weight[i], cand.compute["prefill"][i],
                                   cand.compute["decode"][i], kv_tier, self.w[i], self.kv[i]))
-        n_ahead = sum("stream" in (u.prefill, u.decode) or u.weight_tier == "disk" for u in units)
-        depth = min(self.depth, n_ahead)  # copies and disk reads run this many units ahead
+        n_streamed = sum("stream" in (u.prefill, u.decode) for u in units)
+        depth = min(self.depth, n_streamed)  # copies run this many streamed units ahead
+        on_disk = [self.buf[i] for i, u in enumerate(units) if u.weight_tier == "disk"]
+        read_ahead = self.depth if on_disk else 0  # disk reads run this many units ahead
         tiers = (self._gpu_tier(cand, units, depth), self._cpu_tier(cand, units), self._disk_tier(units))
         return Plan(self._model_name(), self.hw.name, self.fmt, self.wl, self.budget, tuple(units),
-                    tiers, pre, dec, depth, cand.staging_slot if depth else 0, self._notes(cand))
+                    tiers, pre, dec, depth, cand.staging_slot if depth else 0, read_ahead, max(on_disk, default=0),
+                    self._notes(cand))
 
     def _gpu_tier(self, cand: _Candidate, units: list[UnitPlan], depth: int) -> TierUsage:
         if not cand.use_gpu:
@@ -273,7 +290,7 @@ class Search:
             notes.append("the GPU budget is 0: everything runs on the CPU")
         if not self.hw.has_gpu:
             notes.append(f"{self.hw.name} has no GPU: every unit computes on the CPU")
-        if self.fmt in QUANT_FORMATS:
+        if self.fmt in QUANT_BLOCK_BYTES:
             notes.append(f"{self.fmt}: embeddings stay fp16, norms fp32; the GPU workspace holds bf16 "
                          "scratch for the largest layer tensor (lm_head is dequantized in slices of that size)")
         return tuple(notes)
@@ -298,8 +315,9 @@ class Search:
                  f"{self.wl.batch_size} x {self.wl.seq_len} tokens"]
         if kv + self.ws_cpu > short or self.wl.batch_size > 1:
             hints.append("a smaller --batch-size or --max-tokens would shrink the KV cache and activations")
-        savings = [f"{fmt} would save {format_bytes(weights - sum(u.nbytes(fmt) for u in self.units))}"
-                   for fmt in ("q8_0", "q4_0") if sum(u.nbytes(fmt) for u in self.units) < weights]
+        compute = self.wl.compute_format
+        sizes = {fmt: sum(u.nbytes(fmt, compute) for u in self.units) for fmt in QUANT_BLOCK_BYTES}
+        savings = [f"{fmt} would save {format_bytes(weights - n)}" for fmt, n in sizes.items() if n < weights]
         if savings:
             hints.append("--quantization " + ", ".join(savings))
         if tier == "gpu":
@@ -311,3 +329,39 @@ class Search:
             hints.append(f"let more weights spill to disk: raise --disk-memory by {short_gib} GiB "
                          f"(it is {format_bytes(self.budget.disk_bytes)}), or --cpu-memory by as much")
         return hints
+
+
+def plan(spec: ModelSpec, hardware: HardwareProfile, budget: Budget, workload: Workload,
+         weight_format: str | None = None, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH) -> Plan:
+    """The fastest placement of spec's units within budget for workload on hardware; PlanError if none fits.
+
+    weight_format defaults to the workload's compute format (no quantization)."""
+    fmt = weight_format or workload.compute_format
+    if fmt not in WEIGHT_FORMATS:
+        raise ConfigError(f"weight format {fmt!r} is not supported; use one of {', '.join(WEIGHT_FORMATS)}")
+    if prefetch_depth < 1:
+        raise ConfigError(f"prefetch depth must be 1 or more, found {prefetch_depth}")
+    return Search(spec, hardware, budget, workload, fmt, prefetch_depth).run()
+
+
+def plan_best_batch(spec: ModelSpec, hardware: HardwareProfile, budget: Budget, workload: Workload,
+                    weight_format: str | None = None, prefetch_depth: int = DEFAULT_PREFETCH_DEPTH,
+                    max_batch: int = 256) -> Plan:
+    """plan() at the batch size (powers of two up to max_batch) with the highest predicted job throughput.
+
+    workload.batch_size is ignored; PlanError if not even one sequence fits.
+    """
+    best, best_rate, batch = None, 0.0, 1
+    while batch <= max_batch:
+        try:
+            candidate = plan(spec, hardware, budget, replace(workload, batch_size=batch), weight_format,
+                             prefetch_depth)
+        except PlanError:
+            if best is None:
+                raise
+            break  # a larger batch needs more KV and workspace still
+        rate = batch * workload.gen_len / candidate.job_s
+        if rate > best_rate:
+            best, best_rate = candidate, rate
+        batch *= 2
+    return best

@@ -1,0 +1,65 @@
+"""The `offload` command line: generate, plan, calibrate, run, validate. Errors print one line unless --debug."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from offload import __version__
+from offload.cli import calibrate, generate, plan, run, validate
+from offload.errors import OffloadError
+
+COMMANDS = (generate, plan, calibrate, run, validate)  # each module adds its parser: add_parser(subparsers)
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="offload", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"offload {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for command in COMMANDS:
+        command.add_parser(sub)
+    for p in (parser, *sub.choices.values()):  # the global options, also after the subcommand
+        top = p is parser
+        p.add_argument("--debug", action="store_true", default=False if top else argparse.SUPPRESS,
+                       help="show tracebacks (and debug logs)")
+        p.add_argument("--quiet", "-q", action="store_true", default=False if top else argparse.SUPPRESS,
+                       help="log warnings and errors only (answers, plans and reports still print)")
+        p.add_argument("--log-level", choices=LOG_LEVELS, default=None if top else argparse.SUPPRESS,
+                       help="how much offload logs to stderr (default info)")
+    return parser
+
+
+def setup_logging(args) -> None:
+    """offload's messages go to stderr through logging; stdout carries answers, plans and reports."""
+    level = args.log_level or ("debug" if args.debug else "warning" if args.quiet else "info")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("offload: %(message)s"))
+    logger = logging.getLogger("offload")
+    logger.handlers[:] = [handler]
+    logger.setLevel(level.upper())
+    logger.propagate = False
+    logging.captureWarnings(True)
+    warnings_logger = logging.getLogger("py.warnings")
+    warnings_logger.handlers[:] = [handler]
+    warnings_logger.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args)
+    try:
+        return args.func(args)
+    except OffloadError as e:
+        if args.debug:
+            raise
+        print(f"offload: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("offload: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

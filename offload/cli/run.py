@@ -1,0 +1,26 @@
+"""`offload run`: a batch job from a YAML config, flags overriding the file; resumable."""
+
+from __future__ import annotations
+
+from offload.cli.job_flags import add_job_flags, effective_config
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("run", help="run a batch job from a YAML config (resumable)")
+    add_job_flags(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a terminal)")
+    p.add_argument("--restart", action="store_true", help="discard existing outputs and start over")
+    p.add_argument("--echo", action="store_true", help="print each answer as it finishes (report.echo)")
+    p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from offload.jobs.run import run_batch
+
+    config = effective_config(args)
+    if args.print_config:
+        print(config.to_yaml(), end="")
+        return 0
+    run_batch(config, restart=args.restart)
+    return 0

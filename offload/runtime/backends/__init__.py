@@ -1,0 +1,26 @@
+"""The only doors to devices: CPUBackend everywhere, CUDABackend where a GPU is visible."""
+
+from __future__ import annotations
+
+from offload.errors import ConfigError
+from offload.planner.request import BACKENDS
+from offload.runtime.backends.base import Backend
+from offload.runtime.backends.cpu import CPUBackend
+
+
+def make_backend(name: str = "auto") -> Backend:
+    """'cuda' (a GPU is required), 'cpu', or 'auto' (CUDA when a GPU is present)."""
+    if name not in BACKENDS:
+        raise ConfigError(f"backend {name!r} is not supported; use one of {', '.join(BACKENDS)}")
+    if name == "cpu":
+        return CPUBackend()
+    from offload.runtime.backends.cuda import CUDABackend, cuda_available
+
+    if cuda_available():
+        return CUDABackend()
+    if name == "cuda":
+        raise ConfigError("backend 'cuda' was asked for but no CUDA GPU is visible; use backend 'cpu' or 'auto'")
+    return CPUBackend()
+
+
+__all__ = ["BACKENDS", "Backend", "CPUBackend", "make_backend"]

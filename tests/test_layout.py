@@ -1,0 +1,133 @@
+"""The layout keeps the design's boundaries: imports run downward only (no circles), the planner and the spec
+import no torch, torch.cuda lives in the CUDA backend, and every shared name has one home."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "offload"
+
+# Each module may import from its own layer and the layers below (a top-level module or a package).
+LAYERS = [
+    {"__init__", "errors", "paths", "formats"},
+    {"spec", "hardware", "sampling"},
+    {"planner", "kernels"},
+    {"profile", "model"},
+    {"weights"},
+    {"runtime"},
+    {"generate"},
+    {"api"},
+    {"jobs"},
+    {"cli", "__main__"},
+]
+RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        out[name] = path
+    return out
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """offload modules that path imports, at any depth (function-level imports count)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in modules and n.startswith("offload")}
+    return found
+
+
+def _top(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def test_every_module_has_a_layer():
+    assert {_top(m) for m in _modules()} <= set(RANK), sorted({_top(m) for m in _modules()} - set(RANK))
+
+
+def test_imports_run_downward_only():
+    modules = _modules()
+    upward = [f"{m} imports {dep}" for m, path in modules.items() for dep in _imports(path, modules)
+              if RANK[_top(dep)] > RANK[_top(m)]]
+    assert not upward, upward
+
+
+def test_no_import_circles():
+    modules = _modules()
+    graph = {m: {d for d in _imports(p, modules) if d != m} for m, p in modules.items()}
+    # a package's __init__ importing its own submodules is how packages export names, not a circle
+    graph = {m: {d for d in deps if not d.startswith(m + ".")} for m, deps in graph.items()}
+    state: dict[str, int] = {}
+    cycles = []
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                cycles.append(stack[stack.index(d):] + [d])
+            elif d not in state:
+                visit(d, stack + [d])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert not cycles, cycles
+
+
+def test_planner_spec_and_formats_import_no_torch():
+    code = ("import sys; import offload.planner, offload.spec, offload.formats, offload.hardware; "
+            "from offload.planner import PlanRequest, plan_for; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_torch_cuda_only_in_the_cuda_backend():
+    users = [str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if "torch.cuda" in p.read_text()]
+    assert users == ["runtime/backends/cuda.py"], users
+
+
+def _module_constants() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [getattr(node, "target", None)]
+            for t in targets:
+                if isinstance(t, ast.Name) and re.fullmatch(r"[A-Z][A-Z0-9_]*", t.id):
+                    out.setdefault(t.id, []).append(str(path.relative_to(PACKAGE)))
+    return out
+
+
+def test_each_constant_is_defined_in_one_module():
+    twice = {name: where for name, where in _module_constants().items() if len(where) > 1}
+    assert not twice, twice
+
+
+def test_format_names_are_listed_only_in_formats_py():
+    """A literal list of weight formats anywhere but formats.py is a second definition that can drift."""
+    listing = re.compile(r"""["'](q8_0|q4_0|bf16|fp16|fp32)["']\s*,\s*["'](q8_0|q4_0|bf16|fp16|fp32)["']""")
+    offenders = [f"{p.relative_to(PACKAGE)}:{i}" for p in PACKAGE.rglob("*.py") if p.name != "formats.py"
+                 for i, line in enumerate(p.read_text().splitlines(), 1) if listing.search(line)]
+    assert not offenders, offenders
+
+
+def test_the_spec_names_the_stored_format_apart_from_the_compute_one():
+    from offload.spec import ModelSpec
+
+    fields = ModelSpec.__dataclass_fields__
+    assert "stored_format" in fields and "dtype" not in fields

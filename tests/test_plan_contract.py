@@ -1,0 +1,135 @@
+"""One plan contract: what `offload plan` prints is what `offload run` and LLM run, and the executor allocates
+exactly the buffers the plan budgeted (staging slots, read-ahead buffers, prefill pass size)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import make_hf_model, save_hf_model
+from offload import LLM, SamplingParams
+from offload.cli.main import main
+from offload.jobs.config import load_config
+from offload.jobs.run import load_llm
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    hf = make_hf_model("llama", num_hidden_layers=6, hidden_size=128, intermediate_size=256)
+    return save_hf_model(hf, tmp_path_factory.mktemp("contract") / "tiny6")
+
+
+def _job(tmp_path: Path, **sections) -> Path:
+    (tmp_path / "in.jsonl").write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                                   "body": {"prompt": [1, 2, 3]}}) + "\n")
+    job = {"input": {"path": "in.jsonl"}, **sections}
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+def _plan_json(capsys, *argv) -> dict:
+    assert main(["plan", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def _run_plan(config_path: Path) -> dict:
+    """The plan `offload run` executes for a job: the LLM that run_batch loads."""
+    return json.loads(load_llm(load_config(config_path)).plan.to_json())
+
+
+JOBS = {  # name: job sections over the tiny model
+    "gpu-streamed-q4_0": dict(model={"quantization": "q4_0", "max_model_len": 48}, hardware="rtx4090-ddr5",
+                              memory={"gpu": "600KiB", "cpu": "1GiB"}, sampling={"max_tokens": 12}),
+    "cpu-disk-q8_0": dict(model={"quantization": "q8_0", "max_model_len": 40}, hardware="cpu-desktop",
+                          memory={"gpu": 0, "cpu": "900KiB", "disk": "1GiB"},
+                          schedule={"batch_size": 2, "prefetch_depth": 1}),
+    "planned-batch-none": dict(model={"dtype": "fp32"}, memory={"cpu": "64MiB"}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(JOBS))
+def test_plan_of_a_job_is_the_plan_its_run_uses(tmp_path, capsys, tiny_dir, name):
+    sections = JOBS[name]
+    sections = {**sections, "model": {"path": str(tiny_dir), **sections.get("model", {})}}
+    config = _job(tmp_path, **sections)
+    assert _plan_json(capsys, str(config)) == _run_plan(config)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["configs/demo.yaml", "configs/cpu-only.yaml"])
+def test_plan_of_a_shipped_job_is_the_plan_its_run_uses(capsys, config):
+    assert _plan_json(capsys, str(ROOT / config)) == _run_plan(ROOT / config)
+
+
+def test_plan_flags_and_llm_arguments_give_one_plan(capsys, tiny_dir):
+    """`offload plan --flags` and LLM(...) with the same options: the same defaults, the same plan."""
+    flags = ["--model", str(tiny_dir), "--quantization", "q8_0", "--cpu-memory", "8MiB", "--hardware", "cpu-desktop"]
+    llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory="8MiB", hardware="cpu-desktop")
+    assert _plan_json(capsys, *flags) == json.loads(llm.plan.to_json())
+
+
+def test_executor_allocates_the_read_ahead_the_plan_budgeted(tiny_dir):
+    """prefetch_depth 1 plans one read-ahead buffer; the executor allocates one, of the planned size, and its
+    host memory never passes the plan's."""
+    llm = LLM(str(tiny_dir), quantization="q8_0", hardware="cpu-desktop", gpu_memory=0, cpu_memory="900KiB",
+              disk_memory="1GiB", max_batch_size=2, max_model_len=40, prefetch_depth=1, backend="cpu")
+    plan = llm.plan
+    assert plan.tier("disk").weights_bytes > 0 and plan.read_ahead_depth == 1
+    reader = llm.model.reader
+    assert len(reader.buffers) == plan.read_ahead_depth
+    assert all(b.numel() == plan.read_buffer_bytes for b in reader.buffers)
+    llm.generate([[1, 2, 3, 4], [5, 6]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    cpu = plan.tier("cpu")
+    assert llm.backend.memory.peak_bytes["cpu"] <= cpu.total_bytes - cpu.margin_bytes - cpu.workspace_bytes
+
+
+def test_executor_allocates_the_staging_slots_the_plan_budgeted(tiny_dir):
+    llm = LLM(str(tiny_dir), quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="600KiB", cpu_memory="1GiB",
+              max_batch_size=2, max_model_len=48, prefetch_depth=3, backend="cpu")
+    plan = llm.plan
+    assert any("stream" in (u.prefill, u.decode) for u in plan.units)
+    ring = llm.model.ring
+    assert ring.n_slots == plan.prefetch_depth and ring.slot_bytes == plan.staging_slot_bytes
+    assert plan.tier("gpu").staging_bytes == ring.n_slots * ring.slot_bytes
+    llm.generate([[1, 2, 3, 4], [5, 6]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    gpu = plan.tier("gpu")
+    assert llm.backend.memory.peak_bytes["gpu"] <= gpu.total_bytes - gpu.margin_bytes - gpu.workspace_bytes
+
+
+def test_prefill_runs_in_passes_of_the_planned_size(tiny_dir):
+    """A prompt longer than the plan's prefill pass is prefilled in several passes, with the same tokens."""
+    ids = [(7 * j) % 150 + 1 for j in range(40)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    chunked = LLM(str(tiny_dir), quantization="q8_0", backend="cpu", prefill_chunk_tokens=16, max_model_len=64)
+    whole = LLM(str(tiny_dir), quantization="q8_0", backend="cpu", max_model_len=64)
+    assert chunked.plan.workload.prefill_chunk_tokens == 16
+    assert chunked.model.placement.prefill_chunk_tokens == 16
+    out = chunked.generate([ids], params)[0].token_ids
+    passes = [s for s in chunked.timeline.spans if s.kind == "cpu_block" and s.unit == "layer.0"
+              and s.phase == "prefill"]
+    assert len(passes) == 3 and max(s.n_tokens for s in passes) <= 16  # 40 tokens: 16 + 16 + 8
+    assert out == whole.generate([ids], params)[0].token_ids
+
+
+def test_a_plan_for_another_model_is_refused_by_the_executor(tiny_dir):
+    from offload.errors import PlanError
+    from offload.planner import Placement
+    from offload.runtime.backends.cpu import CPUBackend
+    from offload.runtime.executor import PlacedModel
+    from offload.spec import load_spec
+    from offload.weights.loader import Checkpoint
+    from offload.weights.sources import CheckpointSource
+
+    import torch
+
+    spec = load_spec(tiny_dir)
+    small = Placement.uniform(spec, "disk", "cpu", read_buffer_bytes=1024)
+    source = CheckpointSource(Checkpoint(tiny_dir), spec, torch.float32, "q8_0")
+    with pytest.raises(PlanError, match="plan again"):
+        PlacedModel(spec, source, small, CPUBackend())
