@@ -134,6 +134,7 @@ class LLM:
             seqs.append(Sequence(request_id=i, prompt_ids=ids, params=p))
         callback = None if on_finish is None else (lambda s: on_finish(self._output(s, texts[s.request_id])))
         self.generator.run(seqs, callback)
+        self.model.flush()  # device timings resolved once per call, not per step
         return [self._output(s, t) for s, t in zip(seqs, texts)]
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,

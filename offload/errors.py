@@ -23,3 +23,7 @@ class PlanError(OffloadError):
 
 class KernelError(OffloadError):
     """A kernel was given an input it cannot take (shape, dtype, layout)."""
+
+
+class DeviceMemoryError(OffloadError):
+    """A device (or simulated device) has no room for an allocation the plan did not foresee."""

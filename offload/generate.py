@@ -43,6 +43,7 @@ class Generator:
         a longer prompt is prefilled in several passes."""
         self.model = model
         self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._now = getattr(model, "now", time.perf_counter)  # a simulated device keeps its own clock
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.max_batch_size = max_batch_size
@@ -69,13 +70,13 @@ class Generator:
                 admitted.append(seq)
             if admitted:
                 for group in _prefill_groups(admitted, self.prefill_chunk_tokens):
-                    start = time.perf_counter()
+                    start = self._now()
                     logits = self._prefill(group, cache, max_len)
                     self._count("prefill", start, sum(len(s.prompt_ids) for s in group))
                     self._sample_next(group, logits)
             else:
                 batch = list(active.values())
-                start = time.perf_counter()
+                start = self._now()
                 logits = self._decode(batch, cache, max_len)
                 self._count("decode", start, len(batch))
                 self._sample_next(batch, logits)
@@ -88,7 +89,7 @@ class Generator:
     def _count(self, phase: str, start_s: float, n_tokens: int) -> None:
         timeline = getattr(self.model, "timeline", None)
         if timeline is not None:
-            timeline.add_phase(phase, time.perf_counter() - start_s, n_tokens)
+            timeline.add_phase(phase, self._now() - start_s, n_tokens)
 
     def _check(self, seq: Sequence) -> None:
         if not seq.prompt_ids:

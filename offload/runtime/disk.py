@@ -9,7 +9,6 @@ from pathlib import Path
 import torch
 
 from offload.runtime.backends.base import Backend
-from offload.profile.timeline import Span, Timeline
 
 
 class DiskStore:
@@ -24,9 +23,10 @@ class DiskStore:
         return self.folder / f"{unit}.bin"
 
     def store(self, unit: str, buffer: torch.Tensor) -> None:
-        """Write a host uint8 buffer as unit's file."""
-        with open(self.path(unit), "wb") as f:
-            f.write(buffer.numpy().tobytes())
+        """Write a host uint8 buffer as unit's file (a meta buffer, in a timed simulation, only its size)."""
+        if not buffer.is_meta:
+            with open(self.path(unit), "wb") as f:
+                f.write(buffer.numpy().tobytes())
         self.sizes[unit] = buffer.numel()
 
     def read_into(self, unit: str, buffer: torch.Tensor) -> int:
@@ -53,6 +53,8 @@ class ReadAhead:
         self._cond = threading.Condition()
         self._free = list(range(n_buffers))
         self._ready: dict[str, int] = {}
+        self._ready_t: dict[str, float] = {}  # when each read unit's bytes were there (the backend's clock)
+        self._free_t = [0.0] * n_buffers  # when each buffer was last given back
         self._queue: list[tuple[str, str]] = []
         self._error: BaseException | None = None
         self.max_in_use = 0
@@ -73,17 +75,15 @@ class ReadAhead:
                 unit, phase = self._queue.pop(0)
                 i = self._free.pop(0)
                 self.max_in_use = max(self.max_in_use, len(self.buffers) - len(self._free))
-            start = Timeline.now()
             try:
-                n = self.store.read_into(unit, self.buffers[i])
+                ready_t = self.backend.read_disk(self.store, unit, self.buffers[i], phase, self._free_t[i])
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 with self._cond:
                     self._error = e
                     self._cond.notify_all()
                 return
-            self.backend.timeline.add(Span("disk_read", phase, unit, start, Timeline.now(), n_bytes=n))
             with self._cond:
-                self._ready[unit] = i
+                self._ready[unit], self._ready_t[unit] = i, ready_t
                 self._cond.notify_all()
 
     def acquire(self, unit: str) -> torch.Tensor:
@@ -93,7 +93,13 @@ class ReadAhead:
                 if self._error is not None:
                     raise self._error
                 self._cond.wait()
+            self.backend.host_wait_until(self._ready_t[unit])
             return self.buffers[self._ready[unit]]
+
+    def ready_t(self, unit: str) -> float:
+        """When unit's bytes were there (acquired units only): a copy of them starts no earlier."""
+        with self._cond:
+            return self._ready_t[unit]
 
     def try_acquire(self, unit: str) -> torch.Tensor | None:
         """unit's buffer if it has been read already, else None (never blocks)."""
@@ -106,5 +112,7 @@ class ReadAhead:
     def release(self, unit: str) -> None:
         """Give unit's buffer back to the reader."""
         with self._cond:
-            self._free.append(self._ready.pop(unit))
+            i = self._ready.pop(unit)
+            self._free_t[i] = self.backend.now()
+            self._free.append(i)
             self._cond.notify_all()

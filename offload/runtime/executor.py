@@ -25,8 +25,8 @@ from offload.kernels import layer as fused
 from offload.model.llama import LayerKV, Step, layer_forward, make_step, unit_forward
 from offload.planner.placement import Placement
 from offload.planner.types import PHASES
-from offload.profile.timeline import Span, Timeline
-from offload.runtime.backends.base import Backend
+from offload.profile.timeline import Timeline
+from offload.runtime.backends.base import Backend, Work
 from offload.runtime.disk import DiskStore, ReadAhead
 from offload.runtime.staging import StagingRing
 from offload.runtime.unit_store import UnitLayout, in_row_order, layout_of, materialize, write_into
@@ -40,7 +40,7 @@ class PlacedModel:
                  dtype: torch.dtype = torch.float32, disk_dir: str | Path | None = None, fuse: bool | None = None):
         """fuse: run host-RAM layers through the fused C++ layer (None: wherever the kernels and dtype allow)."""
         self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
-        self.fuse = fused.FUSABLE and dtype == torch.float32 if fuse is None else fuse
+        self.fuse = backend.computes and fused.FUSABLE and dtype == torch.float32 if fuse is None else fuse
         self.fused_layers: dict[str, fused.FusedLayer] = {}  # host-resident layers, built once here
         self._kv_views: dict[int, fused.KVView | None] = {}  # id(LayerKV) -> the fused layer's view of it
         self.units = spec.units()
@@ -70,6 +70,14 @@ class PlacedModel:
     def timeline(self) -> Timeline:
         return self.backend.timeline
 
+    def now(self) -> float:
+        """The backend's clock (simulated time on a simulated device)."""
+        return self.backend.now()
+
+    def flush(self) -> None:
+        """Wait for the device's queued work and resolve its timings (end of a run, not per step)."""
+        self.backend.synchronize()
+
     # building ----------------------------------------------------------------------------------------
     def _place(self, unit, weights) -> None:
         p = self.placement[unit.name]
@@ -79,7 +87,7 @@ class PlacedModel:
         self.layouts[unit.name] = layout
         if p.weights == "gpu":
             buf = self.backend.alloc("gpu", layout.n_bytes)
-            host = torch.empty(layout.n_bytes, dtype=torch.uint8)
+            host = torch.empty(layout.n_bytes, dtype=torch.uint8, device=self.backend.meta_or("cpu"))
             write_into(layout, weights, host)
             buf.copy_(host)
             self.resident[unit.name] = materialize(layout, buf, on_device=True)
@@ -94,7 +102,7 @@ class PlacedModel:
                 if handle is not None:
                     self.fused_layers[unit.name] = handle
         else:
-            host = torch.empty(layout.n_bytes, dtype=torch.uint8)
+            host = torch.empty(layout.n_bytes, dtype=torch.uint8, device=self.backend.meta_or("cpu"))
             write_into(layout, weights, host)
             self._disk_store().store(unit.name, host)
             self.backend.track("disk", layout.n_bytes)
@@ -154,7 +162,7 @@ class PlacedModel:
         s, cache = self.spec, []
         for i in range(s.n_layers):
             tier = self.placement[f"layer.{i}"].kv or "cpu"
-            device = self.backend.device if tier == "gpu" else "cpu"
+            device = self.backend.meta_or(self.backend.device if tier == "gpu" else "cpu")
             kv = LayerKV(batch, s.n_kv_heads, max_len, s.head_dim, self.dtype, device)
             self.backend.track(tier, kv.nbytes)
             self._kv_bytes[tier] = self._kv_bytes.get(tier, 0) + kv.nbytes
@@ -177,14 +185,12 @@ class PlacedModel:
                     x = self._run_host_layers(unit, x, step, cache, steps)
                 else:
                     x = self._run(unit, x, step.phase, step, cache, steps)
-            return x.to("cpu")
+            return self.backend.to_host(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V] on the host; ends the step begun by forward()."""
         with self.backend.compute_context():
-            out = self._run("lm_head", hidden, self._phase, None, None, {}).float().to("cpu")
-        self.backend.synchronize()
-        return out
+            return self.backend.to_host(self._run("lm_head", hidden, self._phase, None, None, {})).float()
 
     # the schedule -------------------------------------------------------------------------------------
     def _begin_step(self, phase: str) -> None:
@@ -202,7 +208,8 @@ class PlacedModel:
             src = self._host_source(name, block=name == need)
             if src is None:
                 return
-            self.ring.load(name, src[: self.layouts[name].n_bytes], phase)
+            ready_t = self.reader.ready_t(name) if self.placement[name].weights == "disk" else 0.0
+            self.ring.load(name, src[: self.layouts[name].n_bytes], phase, ready_t)
             self._next_copy += 1
 
     def _host_source(self, name: str, block: bool) -> torch.Tensor | None:
@@ -240,38 +247,35 @@ class PlacedModel:
     def _run(self, name: str, x, phase: str, step: Step | None, cache, steps: dict):
         """Acquire, compute and release one unit; step and cache are None for the lm_head."""
         weights, on_device = self._acquire(name, phase)
-        device = self.backend.device if on_device else self._cpu
-        x = x.to(device)
-        n_tokens = x.numel() if name == "embed" else x.numel() // x.shape[-1]
+        work = self._work(name, phase, step, x)
         if on_device:
-            with self.backend.gpu_block(name, phase, n_tokens):
-                y = self._compute(name, weights, x, step, cache, steps, device)
+            y = self.backend.launch(work, self._compute, self.backend.to_device(x), name, weights, step, cache,
+                                    steps, True)
         else:
-            start = Timeline.now()
-            if self._overlap:  # a worker thread, so copies and reads keep being issued meanwhile
-                y = self._cpu_pool.submit(self._compute, name, weights, x, step, cache, steps, device).result()
-            else:
-                y = self._compute(name, weights, x, step, cache, steps, device)
-            self.timeline.add(Span("cpu_block", phase, name, start, Timeline.now(), n_tokens=n_tokens))
+            y = self._on_cpu([work], self._compute_cpu, self.backend.to_host(x), name, weights, step, cache, steps)
         self._release(name, phase)
         return y
 
+    def _work(self, name: str, phase: str, step: Step | None, x) -> Work:
+        kind = self._kind_index[name][0]
+        if step is None:  # the lm_head over hidden rows [..., D]
+            n_tokens = x.numel() // x.shape[-1]
+            return Work(name, kind, phase, n_tokens, n_tokens)
+        return Work(name, kind, phase, step.positions.numel(), step.positions.shape[0], step.n_keys)
+
+    def _on_cpu(self, works: list[Work], fn, x, *args):
+        """CPU blocks through the backend; on a worker thread when copies or reads run alongside."""
+        if self._overlap:
+            return self._cpu_pool.submit(self.backend.run_cpu, works, fn, x, *args).result()
+        return self.backend.run_cpu(works, fn, x, *args)
+
     def _run_host_layers(self, names: tuple[str, ...], x, step: Step, cache, steps: dict):
         """Compute consecutive layers held and computed in host RAM, timing each one as a unit of its own."""
-        x = x.to(self._cpu)
         kvs = [cache[self._kind_index[n][1]] for n in names]
-        ends: list[float] = []
-        start = Timeline.now()
-        if self._overlap:  # a worker thread, as in _run
-            y = self._cpu_pool.submit(self._host_layers, names, x, step, kvs, ends, steps).result()
-        else:
-            y = self._host_layers(names, x, step, kvs, ends, steps)
-        n_tokens = x.numel() // x.shape[-1]
-        for name, begin, end in zip(names, [start] + ends, ends):
-            self.timeline.add(Span("cpu_block", step.phase, name, begin, end, n_tokens=n_tokens))
-        return y
+        works = [self._work(n, step.phase, step, x) for n in names]
+        return self._on_cpu(works, self._host_layers, self.backend.to_host(x), names, step, kvs, steps)
 
-    def _host_layers(self, names, x, step: Step, kvs: list[LayerKV], ends: list[float], steps: dict):
+    def _host_layers(self, x, names, step: Step, kvs: list[LayerKV], steps: dict, ends: list[float]):
         """Layers in host RAM back to back: through the fused C++ layer when all of them can, else the reference."""
         layers = [self.fused_layers.get(n) for n in names]
         views = self._fused_views(kvs, x) if self.fuse and all(layers) else None
@@ -297,14 +301,21 @@ class PlacedModel:
             table = steps["fused_table"] = fused.step_table(self.spec, step, view)
         return table
 
-    def _compute(self, name: str, w, x, step: Step, cache, steps: dict, device):
+    def _compute_cpu(self, x, name: str, w, step: Step, cache, steps: dict, ends: list[float]):
+        y = self._compute(x, name, w, step, cache, steps, False)
+        ends.append(Timeline.now())
+        return y
+
+    def _compute(self, x, name: str, w, step: Step, cache, steps: dict, on_device: bool):
+        """One unit's block math: the fused C++ layer for a CPU layer where it can run, else the reference."""
         kind, index = self._kind_index[name]
         if kind != "layer":
             return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
-        if device.type == "cpu" and self.fuse:  # a layer read from disk: its fused view is made for this use
+        if not on_device and self.fuse:  # a layer read from disk: its fused view is made for this use
             handle, views = fused.fuse_layer(self.spec, w), self._fused_views([cache[index]], x)
             if handle is not None and views is not None:
                 return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
-        if device not in steps:
-            steps[device] = step if device.type == "cpu" else step.to(device)
-        return unit_forward(self.spec, kind, w, x, steps[device], cache[index], self.dtype)
+        key = ("step", on_device)
+        if key not in steps:
+            steps[key] = step.to(self.backend.device) if on_device else step
+        return unit_forward(self.spec, kind, w, x, steps[key], cache[index], self.dtype)

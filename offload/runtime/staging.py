@@ -45,8 +45,9 @@ class StagingRing:
         slot = self.slots[self._next]
         return None if slot.in_use else self._next
 
-    def load(self, unit: str, src: torch.Tensor, phase: str) -> int:
-        """Issue the copy of unit's host buffer src into the next slot; that slot must be free."""
+    def load(self, unit: str, src: torch.Tensor, phase: str, not_before: float = 0.0) -> int:
+        """Issue the copy of unit's host buffer src (ready at time not_before) into the next slot, which must be
+        free."""
         i = self.free_slot()
         if i is None:
             raise RuntimeError(f"staging slot {self._next} is still in use by {self.slots[self._next].unit}; "
@@ -56,7 +57,7 @@ class StagingRing:
         slot = self.slots[i]
         self.backend.wait_done_before_copy(slot.done_handle)
         slot.unit, slot.in_use = unit, True
-        slot.copy_handle = self.backend.copy_h2d(slot.buffer, src, unit, phase)
+        slot.copy_handle = self.backend.copy_h2d(slot.buffer, src, unit, phase, not_before)
         self.backend.log.append(("copy", unit, i))
         self._next = (self._next + 1) % len(self.slots)
         self.max_in_use = max(self.max_in_use, sum(s.in_use for s in self.slots))

@@ -56,6 +56,18 @@ def host_empty(n_bytes: int) -> torch.Tensor:
     return buf
 
 
+@dataclass(frozen=True)
+class Work:
+    """One block of work as a backend sees it: which unit, in which phase, over how many tokens and keys."""
+
+    unit: str
+    kind: str  # embed | layer | norm | lm_head
+    phase: str
+    n_tokens: int  # new tokens this pass computes (all sequences)
+    n_seqs: int = 1
+    n_keys: int = 0  # keys each query may see at most (layers)
+
+
 @dataclass
 class MemoryTracker:
     """Bytes allocated per tier now and at peak, as the backend hands buffers out and takes them back."""
@@ -76,6 +88,7 @@ class Backend:
 
     name = "base"
     device: torch.device
+    computes = True  # False: a timed simulation, where weights are never read and blocks take modelled time
 
     def __init__(self, timeline: Timeline | None = None):
         self.timeline = timeline or Timeline()
@@ -85,6 +98,7 @@ class Backend:
     # memory -------------------------------------------------------------------------------------------
     def alloc(self, tier: str, n_bytes: int, pinned: bool = False) -> torch.Tensor:
         """A uint8 buffer of n_bytes in tier (gpu: the device; cpu: host RAM, page-locked if pinned)."""
+        self.check_capacity(tier, n_bytes)
         on_host = tier == "cpu" or self.device.type == "cpu"
         buf = host_empty(n_bytes) if on_host else torch.empty(n_bytes, dtype=torch.uint8, device=self.device)
         if pinned and tier == "cpu":
@@ -94,7 +108,11 @@ class Backend:
 
     def track(self, tier: str, n_bytes: int) -> None:
         """Count memory allocated elsewhere (a KV cache, disk files) against a tier."""
+        self.check_capacity(tier, n_bytes)
         self.memory.add(tier, n_bytes)
+
+    def check_capacity(self, tier: str, n_bytes: int) -> None:
+        """Raise DeviceMemoryError if n_bytes more would not fit the tier (only a simulated device has a limit)."""
 
     def free(self, tier: str, n_bytes: int) -> None:
         self.memory.remove(tier, n_bytes)
@@ -104,8 +122,9 @@ class Backend:
         return buf
 
     # copies and ordering -------------------------------------------------------------------------------
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str):
-        """Start copying host src into device dst; returns a handle that compute can wait on."""
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str, not_before: float = 0.0):
+        """Start copying host src into device dst (not before time not_before, when src is ready); returns a
+        handle that compute can wait on."""
         raise NotImplementedError
 
     def wait_copy(self, handle) -> None:
@@ -131,6 +150,48 @@ class Backend:
         start = Timeline.now()
         yield
         self.timeline.add(Span("gpu_block", phase, unit, start, Timeline.now(), n_tokens=n_tokens))
+
+    # compute -------------------------------------------------------------------------------------------
+    def now(self) -> float:
+        """The clock the timeline and phase times use (a simulated device keeps its own)."""
+        return Timeline.now()
+
+    def launch(self, work: Work, fn, x, *args):
+        """Run fn(x, *args) as a block on the device (enqueued on the compute stream); the result may be pending."""
+        with self.gpu_block(work.unit, work.phase, work.n_tokens):
+            return fn(x, *args)
+
+    def run_cpu(self, works: list[Work], fn, x, *args):
+        """Run consecutive CPU blocks as fn(x, *args, ends), which appends each block's end (Timeline.now())."""
+        ends: list[float] = []
+        start = Timeline.now()
+        y = fn(x, *args, ends)
+        for work, begin, end in zip(works, [start] + ends, ends):
+            self.timeline.add(Span("cpu_block", work.phase, work.unit, begin, end, n_tokens=work.n_tokens))
+        return y
+
+    def to_device(self, x: torch.Tensor):
+        """Hidden states handed to the device (ordered on the compute stream)."""
+        return x.to(self.device)
+
+    def to_host(self, x) -> torch.Tensor:
+        """A device result on the host, once the device has computed it."""
+        return x.to("cpu")
+
+    def read_disk(self, store, unit: str, buffer: torch.Tensor, phase: str, not_before: float = 0.0) -> float:
+        """Read unit's bytes from store into buffer (a read-ahead thread calls this); returns when they are there."""
+        start = self.now()
+        n = store.read_into(unit, buffer)
+        end = self.now()
+        self.timeline.add(Span("disk_read", phase, unit, start, end, n_bytes=n))
+        return end
+
+    def host_wait_until(self, t: float) -> None:
+        """The host has waited for something ready at time t (a simulated clock moves on; real ones did wait)."""
+
+    def meta_or(self, device) -> torch.device:
+        """Where buffers and caches live: device, or nowhere (meta) on a timed simulation."""
+        return torch.device(device)
 
     def synchronize(self) -> None:
         """Wait for all device work and resolve pending timings."""

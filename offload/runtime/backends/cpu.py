@@ -17,7 +17,7 @@ class CPUBackend(Backend):
         super().__init__(timeline)
         self.device = torch.device("cpu")
 
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str):
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str, not_before: float = 0.0):
         start = Timeline.now()
         dst[: src.numel()].copy_(src)
         self.timeline.add(Span("h2d_copy", phase, unit, start, Timeline.now(), n_bytes=src.numel()))

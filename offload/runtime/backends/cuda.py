@@ -57,7 +57,7 @@ class CUDABackend(Backend):
             self._origin = (ev, Timeline.now())
         return ev
 
-    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str):
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str, not_before: float = 0.0):
         with torch.cuda.stream(self.copy_stream):
             start = self._event(self.copy_stream)
             dst[: src.numel()].copy_(src, non_blocking=True)

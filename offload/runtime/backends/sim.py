@@ -1,0 +1,302 @@
+"""SimBackend: a simulated GPU that behaves asynchronously like CUDA, to prove the schedule without one.
+
+Streams are worker threads that run their queues in order; events are real; a host-to-device copy lands in
+its slot only after bytes / bandwidth (scaled by time_scale in real time, so a compute that does not wait
+for it reads stale bytes); device memory is a counted allocator with a hard capacity. Every span is stamped
+with simulated time: each stream, the CPU, the disk and the host keep a clock, and an operation starts when
+its resource is free and what it waits for is done.
+
+Two modes. compute: the device's blocks really compute (on the CPU, on the compute stream's thread), so a
+missing wait shows up as a wrong answer. timed: nothing is computed and no weight exists (buffers are
+`meta` tensors); blocks take the seconds the planner's cost model gives for the hardware profile, so a
+70B-shaped model runs through the executor's real schedule in seconds.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+from offload.errors import DeviceMemoryError
+from offload.formats import FLOAT_FORMATS
+from offload.hardware import HardwareProfile, format_bytes
+from offload.planner.costs import Phase, unit_cost
+from offload.profile.timeline import Span, Timeline
+from offload.runtime.backends.base import Backend, Work, host_empty
+from offload.spec import ModelSpec
+
+
+class SimEvent:
+    """A marker on a stream: done once the stream reaches it, at simulated time t."""
+
+    def __init__(self):
+        self._done = threading.Event()
+        self.t = 0.0
+
+    def set(self, t: float) -> None:
+        self.t = t
+        self._done.set()
+
+    def wait(self) -> float:
+        self._done.wait()
+        return self.t
+
+
+class Pending:
+    """A block's result on the simulated device: there once the compute stream has run it."""
+
+    def __init__(self, shape=None):
+        self.event, self.value, self.shape = SimEvent(), None, shape
+
+    def resolve(self) -> torch.Tensor:
+        self.event.wait()
+        return self.value
+
+
+class _Stream:
+    """A worker thread running its queue in order, with its own simulated clock t."""
+
+    def __init__(self, name: str, backend: SimBackend):
+        self.name, self.backend, self.t = name, backend, 0.0
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._loop, name=f"offload-sim-{name}", daemon=True)
+        self._thread.start()
+
+    def enqueue(self, op) -> None:
+        self._queue.put(op)
+
+    def _loop(self) -> None:
+        while True:
+            op = self._queue.get()
+            try:
+                op()
+            except BaseException as e:  # noqa: BLE001 - surfaced at the host's next sync point
+                self.backend.errors.append(e)
+
+
+class TimedCosts:
+    """Seconds each block takes in a timed simulation, and the shapes it returns, from the cost model."""
+
+    def __init__(self, spec: ModelSpec, hw: HardwareProfile, weight_format: str, compute_format: str):
+        self.spec, self.hw, self.fmt, self.compute = spec, hw, weight_format, compute_format
+        self.units = {u.name: u for u in spec.units()}
+        self._memo: dict = {}
+
+    def seconds(self, work: Work, on_device: bool) -> float:
+        unit = self.units[work.unit]
+        key = (unit.kind, unit.kind != "layer" and unit.name, work.phase, work.n_tokens, work.n_seqs,
+               work.n_keys, on_device)
+        if key not in self._memo:
+            cost = unit_cost(self.spec, unit, self.fmt, self.hw, self._phase(work), self.compute)
+            self._memo[key] = cost.gpu_s if on_device else cost.cpu_s
+        return self._memo[key]
+
+    @staticmethod
+    def _phase(work: Work) -> Phase:
+        per_seq = max(work.n_tokens // max(work.n_seqs, 1), 1)
+        if work.phase == "decode":
+            return Phase("decode", work.n_seqs, work.n_tokens, work.n_keys, work.n_keys)
+        return Phase("prefill", work.n_seqs, work.n_tokens, max(work.n_keys - per_seq // 2, 1), 0)
+
+    def output(self, work: Work, x: torch.Tensor) -> torch.Tensor:
+        """What the block returns: hidden states (meta) for embed/layer/norm, zero logits for the lm_head."""
+        if work.kind == "embed":
+            return torch.empty(*x.shape, self.spec.hidden_size, device="meta")
+        if work.kind == "lm_head":
+            return torch.zeros(*x.shape[:-1], self.spec.vocab_size)
+        return x
+
+    def hidden_bytes(self, x) -> int:
+        shape = x.shape if x is not None else (0,)
+        return int(torch.Size(shape).numel()) * FLOAT_FORMATS[self.compute]
+
+
+class SimBackend(Backend):
+    """An asynchronous simulated GPU (compute stream + copy stream) of capacity_bytes, with hw's bandwidths."""
+
+    name = "sim"
+
+    def __init__(self, hardware: HardwareProfile, capacity_bytes: int | None = None, timed: TimedCosts | None = None,
+                 time_scale: float = 0.0, kernel_delay_s: float = 0.0, timeline: Timeline | None = None):
+        """timed: run in timed mode with these costs (else compute mode). time_scale: real seconds slept per
+        simulated second of a copy or disk read (compute mode; 0: none). kernel_delay_s: real seconds each
+        device block sleeps before it runs (compute mode), so a compute stream lags behind the host."""
+        super().__init__(timeline)
+        self.hw, self.timed, self.computes = hardware, timed, timed is None
+        self.capacity_bytes = hardware.vram_bytes if capacity_bytes is None else capacity_bytes
+        self.time_scale, self.kernel_delay_s = time_scale, kernel_delay_s
+        self.device = torch.device("cpu") if self.computes else torch.device("meta")
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self.host_t = self.cpu_t = self.disk_t = 0.0
+        self.compute_stream, self.copy_stream = _Stream("compute", self), _Stream("copy", self)
+
+    # clocks ---------------------------------------------------------------------------------------------
+    def now(self) -> float:
+        return self.host_t
+
+    def _advance_host(self, t: float) -> None:
+        with self._lock:
+            self.host_t = max(self.host_t, t)
+
+    def _raise_errors(self) -> None:
+        if self.errors:
+            raise self.errors[0]
+
+    def host_wait_until(self, t: float) -> None:
+        self._advance_host(t)
+
+    # memory ---------------------------------------------------------------------------------------------
+    def check_capacity(self, tier: str, n_bytes: int) -> None:
+        if tier == "gpu" and self.memory.now_bytes["gpu"] + n_bytes > self.capacity_bytes:
+            raise DeviceMemoryError(
+                f"the simulated device has {format_bytes(self.capacity_bytes - self.memory.now_bytes['gpu'])} free "
+                f"but {format_bytes(n_bytes)} more was asked for; the plan exceeds the device: plan with a smaller "
+                f"--gpu-memory")
+
+    def alloc(self, tier: str, n_bytes: int, pinned: bool = False) -> torch.Tensor:
+        self.check_capacity(tier, n_bytes)
+        buf = host_empty(n_bytes) if self.computes else torch.empty(n_bytes, dtype=torch.uint8, device="meta")
+        self.memory.add(tier, n_bytes)
+        return buf
+
+    def meta_or(self, device) -> torch.device:
+        return torch.device(device) if self.computes else torch.device("meta")
+
+    # copies and ordering --------------------------------------------------------------------------------
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str, not_before: float = 0.0):
+        """The copy runs on the copy stream; its bytes land in dst only when it ends."""
+        done, issued, n = SimEvent(), max(self.host_t, not_before), src.numel()
+        stream = self.copy_stream
+
+        def op():
+            start = max(stream.t, issued)
+            seconds = n / self.hw.h2d_pinned_bps
+            if self.time_scale:
+                time.sleep(seconds * self.time_scale)
+            if self.computes:
+                dst[:n].copy_(src)
+            stream.t = start + seconds
+            self.timeline.add(Span("h2d_copy", phase, unit, start, stream.t, n_bytes=n))
+            done.set(stream.t)
+
+        stream.enqueue(op)
+        return done
+
+    def _wait_on(self, stream: _Stream, handle) -> None:
+        if handle is not None:
+            stream.enqueue(lambda: setattr(stream, "t", max(stream.t, handle.wait())))
+
+    def wait_copy(self, handle) -> None:
+        self._wait_on(self.compute_stream, handle)
+
+    def wait_done_before_copy(self, handle) -> None:
+        self._wait_on(self.copy_stream, handle)
+
+    def mark_done(self):
+        done, stream = SimEvent(), self.compute_stream
+        stream.enqueue(lambda: done.set(stream.t))
+        return done
+
+    def host_wait(self, handle) -> None:
+        if handle is not None:
+            self._advance_host(handle.wait())
+        self._raise_errors()
+
+    def synchronize(self) -> None:
+        for stream in (self.compute_stream, self.copy_stream):
+            done = SimEvent()
+            stream.enqueue(lambda s=stream, d=done: d.set(s.t))
+            self._advance_host(done.wait())
+        self._raise_errors()
+
+    # compute --------------------------------------------------------------------------------------------
+    def launch(self, work: Work, fn, x, *args):
+        """Enqueue a device block fn(x, *args); x, if Pending, is resolved on the compute stream."""
+        self._raise_errors()
+        result, issued, stream = Pending(), self.host_t, self.compute_stream
+
+        def op():
+            start = max(stream.t, issued)
+            value = x.resolve() if isinstance(x, Pending) else x
+            if self.computes:
+                if self.kernel_delay_s:
+                    time.sleep(self.kernel_delay_s)
+                began = time.perf_counter()
+                value = fn(value, *args)
+                seconds = time.perf_counter() - began
+            else:
+                value, seconds = self.timed.output(work, value), self.timed.seconds(work, True)
+            stream.t = start + seconds
+            self.timeline.add(Span("gpu_block", work.phase, work.unit, start, stream.t, n_tokens=work.n_tokens))
+            result.value = value
+            result.event.set(stream.t)
+
+        stream.enqueue(op)
+        return result
+
+    def to_device(self, x):
+        """Hidden states from the host cross PCIe on the compute stream (a hand-over, not a weight copy)."""
+        if isinstance(x, Pending):
+            return x
+        moved, issued, stream = Pending(), self.host_t, self.compute_stream
+        seconds = self._hop_s(x)
+
+        def op():
+            stream.t = max(stream.t, issued) + seconds
+            moved.value = x
+            moved.event.set(stream.t)
+
+        stream.enqueue(op)
+        return moved
+
+    def to_host(self, x) -> torch.Tensor:
+        if not isinstance(x, Pending):
+            return x
+        value = x.resolve()
+        self._raise_errors()
+        self._advance_host(x.event.t + self._hop_s(value))
+        return value
+
+    def _hop_s(self, x) -> float:
+        n_bytes = x.numel() * x.element_size() if isinstance(x, torch.Tensor) else 0
+        return n_bytes / self.hw.h2d_pinned_bps if self.hw.h2d_pinned_bps else 0.0
+
+    def run_cpu(self, works: list[Work], fn, x, *args):
+        """CPU blocks start when the CPU and the host are free; timed mode takes the cost model's seconds."""
+        with self._lock:
+            start = max(self.cpu_t, self.host_t)
+        if self.computes:
+            ends: list[float] = []
+            began = time.perf_counter()
+            value = fn(x, *args, ends)
+            seconds = [end - prev for prev, end in zip([began] + ends, ends)]
+        else:
+            value = self.timed.output(works[-1], x)
+            seconds = [self.timed.seconds(w, False) for w in works]
+        t = start
+        for work, s in zip(works, seconds):
+            self.timeline.add(Span("cpu_block", work.phase, work.unit, t, t + s, n_tokens=work.n_tokens))
+            t += s
+        with self._lock:
+            self.cpu_t = t
+            self.host_t = max(self.host_t, t)
+        return value
+
+    def read_disk(self, store, unit: str, buffer: torch.Tensor, phase: str, not_before: float = 0.0) -> float:
+        """A read takes bytes / disk bandwidth of simulated time, after the disk and the buffer are free."""
+        n = store.sizes[unit]
+        seconds = n / self.hw.disk_read_bps if self.hw.disk_read_bps else 0.0
+        if self.time_scale:
+            time.sleep(seconds * self.time_scale)
+        if self.computes:
+            store.read_into(unit, buffer)
+        with self._lock:
+            start = max(self.disk_t, not_before)
+            self.disk_t = start + seconds
+            end = self.disk_t
+        self.timeline.add(Span("disk_read", phase, unit, start, end, n_bytes=n))
+        return end

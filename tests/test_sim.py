@@ -1,0 +1,125 @@
+"""The simulated asynchronous device: the executor's schedule on streams that really run apart.
+
+Compute mode computes for real, so what the CPU backend gives is the reference: any placement mix and
+quantization must give the same logits and greedy tokens. Copies land late and the compute stream can lag
+behind the host, so removing any single wait or slot-release event from the schedule gives a wrong answer.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import make_hf_model, offload_logits, save_hf_model
+from offload.errors import DeviceMemoryError
+from offload.generate import Generator, Sequence
+from offload.hardware import load_hardware
+from offload.planner import Placement
+from offload.runtime.backends.cpu import CPUBackend
+from offload.runtime.backends.sim import SimBackend
+from offload.runtime.executor import PlacedModel
+from offload.sampling import SamplingParams
+from offload.spec import load_spec
+from offload.weights.loader import Checkpoint
+from offload.weights.sources import CheckpointSource
+
+HW = load_hardware("rtx4090-ddr5")
+UNIFORM = {"all-gpu": ("gpu", "gpu"), "all-streamed": ("cpu", "stream"), "all-cpu": ("cpu", "cpu"),
+           "all-disk-streamed": ("disk", "stream"), "all-disk-cpu": ("disk", "cpu")}
+MIXES = list(UNIFORM) + ["random-0", "random-1", "random-2"]
+PROMPT = [5, 17, 33, 2, 90, 11, 4]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = save_hf_model(make_hf_model("llama", num_hidden_layers=3), tmp_path_factory.mktemp("sim") / "tiny")
+    return folder, load_spec(folder)
+
+
+def _placement(spec, mix: str, **kwargs) -> Placement:
+    if mix.startswith("random-"):
+        return Placement.random(spec, int(mix.split("-")[1]), **kwargs)
+    return Placement.uniform(spec, *UNIFORM[mix], **kwargs)
+
+
+def _model(tiny, placement, backend, quantization="none") -> PlacedModel:
+    folder, spec = tiny
+    return PlacedModel(spec, CheckpointSource(Checkpoint(folder), spec, torch.float32, quantization), placement,
+                       backend)
+
+
+def _greedy(model, n=5) -> list[list[int]]:
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for i, p in enumerate([PROMPT, [7, 1, 150]])]
+    Generator(model, max_batch_size=2).run(seqs)
+    return [s.output_ids for s in seqs]
+
+
+@pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_0"])
+@pytest.mark.parametrize("mix", MIXES)
+def test_compute_mode_equals_the_cpu_backend(tiny, mix, quantization):
+    placement = _placement(tiny[1], mix)
+    sim = _model(tiny, placement, SimBackend(HW, time_scale=0.05), quantization)
+    ref = _model(tiny, placement, CPUBackend(), quantization)
+    assert torch.equal(offload_logits(sim, PROMPT), offload_logits(ref, PROMPT))
+    assert _greedy(sim) == _greedy(ref)
+
+
+def _logits_with(tiny, placement, backend, monkeypatch=None, patch=None) -> torch.Tensor:
+    if patch is not None:
+        monkeypatch.setattr(*patch)
+    return offload_logits(_model(tiny, placement, backend), PROMPT)
+
+
+# Each case: the placement, a simulated device where that wait matters, and the wait removed.
+SLOW_COPIES = dict(hardware=HW.with_changes(h2d_pinned_bps=2e6), time_scale=1.0)  # ~50 ms per layer copy
+LAGGING_COMPUTE = dict(hardware=HW, kernel_delay_s=0.05)  # the compute stream runs 50 ms behind the host
+FAST_DISK_SLOW_COPIES = dict(hardware=HW.with_changes(h2d_pinned_bps=2e6, disk_read_bps=1e12), time_scale=1.0)
+WAITS = {
+    "compute waits for the copy": ("all-streamed", SLOW_COPIES, (SimBackend, "wait_copy", lambda self, h: None)),
+    "copy waits for the slot's last compute": (
+        "all-streamed", LAGGING_COMPUTE, (SimBackend, "wait_done_before_copy", lambda self, h: None)),
+    "release records the compute done": ("all-streamed", LAGGING_COMPUTE, (SimBackend, "mark_done", lambda self: None)),
+    "read buffer kept until its copy lands": (
+        "all-disk-streamed", FAST_DISK_SLOW_COPIES, (SimBackend, "host_wait", lambda self, h: None)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WAITS))
+def test_removing_any_wait_gives_a_wrong_answer(tiny, monkeypatch, case):
+    mix, device, patch = WAITS[case]
+    placement = _placement(tiny[1], mix, prefetch_depth=1, read_ahead=1)
+    device = dict(device)
+    hw = device.pop("hardware")
+    good = _logits_with(tiny, placement, SimBackend(hw, **device))
+    reference = offload_logits(_model(tiny, placement, CPUBackend()), PROMPT)
+    assert torch.equal(good, reference)  # with every wait in place the answer is right
+    broken = _logits_with(tiny, placement, SimBackend(hw, **device), monkeypatch, patch)
+    assert not torch.allclose(broken, reference, rtol=1e-3, atol=1e-3)
+
+
+def test_device_memory_is_a_hard_capacity(tiny):
+    placement = _placement(tiny[1], "all-gpu")
+    with pytest.raises(DeviceMemoryError, match="smaller --gpu-memory"):
+        _model(tiny, placement, SimBackend(HW, capacity_bytes=100_000))
+
+
+def test_a_planned_run_stays_within_the_simulated_device(tmp_path):
+    """The executor allocates what the plan budgeted: a device of exactly the GPU budget never overflows, and
+    resident, streamed and CPU blocks together give the CPU backend's tokens."""
+    from offload.planner import PlanRequest, plan_for
+
+    folder = save_hf_model(make_hf_model("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=256),
+                           tmp_path / "tiny8")
+    spec = load_spec(folder)
+    request = PlanRequest(str(folder), "none", "fp32", HW, gpu_memory="6000KiB", cpu_memory="1GiB", batch_size=8,
+                          max_model_len=64)
+    plan = plan_for(spec, HW, request)
+    modes = {(u.weight_tier, u.prefill, u.decode) for u in plan.units}
+    assert ("gpu", "gpu", "gpu") in modes and any("stream" in m for m in modes) and ("cpu", "cpu", "cpu") in modes
+    backend = SimBackend(HW, capacity_bytes=plan.budget.gpu_bytes, time_scale=0.02)
+    model = _model((folder, spec), Placement.from_plan(plan), backend)
+    tokens = _greedy(model)
+    gpu = plan.tier("gpu")
+    assert backend.memory.peak_bytes["gpu"] <= gpu.total_bytes - gpu.workspace_bytes - gpu.margin_bytes
+    assert tokens == _greedy(_model((folder, spec), Placement.from_plan(plan), CPUBackend()))
