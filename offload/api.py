@@ -105,7 +105,7 @@ class LLM:
         self.tokenizer = _load_tokenizer(self.path)
         self.max_model_len = min(request.max_model_len or DEFAULT_MAX_MODEL_LEN, self.spec.max_position_embeddings)
         self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), self.max_batch_size,
-                                   self.max_model_len, placement.prefill_chunk_tokens)
+                                   self.max_model_len, placement.prefill_pass_tokens)
 
     @property
     def timeline(self) -> Timeline:

@@ -11,7 +11,7 @@ import torch
 
 from offload.errors import ConfigError
 from offload.model.model import Model  # or a PlacedModel: same interface
-from offload.planner.types import DEFAULT_PREFILL_CHUNK_TOKENS
+from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
 from offload.sampling import SamplingParams, sample
 
 
@@ -38,11 +38,11 @@ class Generator:
     """Runs sequences through a Model in batches of at most max_batch_size cache slots."""
 
     def __init__(self, model: Model, tokenizer=None, eos_ids: tuple[int, ...] = (), max_batch_size: int = 32,
-                 max_model_len: int | None = None, prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS):
-        """prefill_chunk_tokens: padded tokens in one prefill pass (what the plan budgets activations for);
-        a longer prompt is prefilled in several passes."""
+                 max_model_len: int | None = None, prefill_pass_tokens: int = DEFAULT_PREFILL_PASS_TOKENS):
+        """prefill_pass_tokens: padded prompt tokens in one prefill pass over the weights (the residual stream the
+        plan budgets); a longer prompt is prefilled in several passes."""
         self.model = model
-        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self.prefill_pass_tokens = prefill_pass_tokens
         self._now = getattr(model, "now", time.perf_counter)  # a simulated device keeps its own clock
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
@@ -69,7 +69,7 @@ class Generator:
                 active[seq.slot] = seq
                 admitted.append(seq)
             if admitted:
-                for group in _prefill_groups(admitted, self.prefill_chunk_tokens):
+                for group in _prefill_groups(admitted, self.prefill_pass_tokens):
                     start = self._now()
                     logits = self._prefill(group, cache, max_len)
                     self._count("prefill", start, sum(len(s.prompt_ids) for s in group))
@@ -104,7 +104,7 @@ class Generator:
                               f"use the model's own tokenizer")
 
     def _prefill(self, group: list[Sequence], cache, max_len: int) -> torch.Tensor:
-        """Run the prompts of newly admitted sequences, in passes of at most prefill_chunk_tokens padded tokens;
+        """Run the prompts of newly admitted sequences, in passes of at most prefill_pass_tokens padded tokens;
         return last-token logits [b, V]."""
         lengths = [len(s.prompt_ids) for s in group]
         s_max, n = max(lengths), len(group)
@@ -112,7 +112,7 @@ class Generator:
         for i, seq in enumerate(group):
             tokens[i, : lengths[i]] = torch.tensor(seq.prompt_ids)
         limit = torch.tensor(lengths)[:, None]
-        span = max(1, self.prefill_chunk_tokens // n)
+        span = max(1, self.prefill_pass_tokens // n)
         last: list[torch.Tensor | None] = [None] * n
         for start in range(0, s_max, span):
             stop = min(start + span, s_max)

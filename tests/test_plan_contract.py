@@ -102,19 +102,35 @@ def test_executor_allocates_the_staging_slots_the_plan_budgeted(tiny_dir):
     assert llm.backend.memory.peak_bytes["gpu"] <= gpu.total_bytes - gpu.margin_bytes - gpu.workspace_bytes
 
 
-def test_prefill_runs_in_passes_of_the_planned_size(tiny_dir):
-    """A prompt longer than the plan's prefill pass is prefilled in several passes, with the same tokens."""
+def test_prefill_layers_compute_in_chunks_of_the_planned_size(tiny_dir, monkeypatch):
+    """A layer computes a long prefill in chunks of the plan's prefill_chunk_tokens, with the same tokens."""
+    from offload.kernels import layer as fused
+
     ids = [(7 * j) % 150 + 1 for j in range(40)]
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     chunked = LLM(str(tiny_dir), quantization="q8_0", backend="cpu", prefill_chunk_tokens=16, max_model_len=64)
     whole = LLM(str(tiny_dir), quantization="q8_0", backend="cpu", max_model_len=64)
-    assert chunked.plan.workload.prefill_chunk_tokens == 16
-    assert chunked.model.placement.prefill_chunk_tokens == 16
+    assert chunked.plan.workload.prefill_chunk_tokens == chunked.model.placement.prefill_chunk_tokens == 16
+    sizes, real = [], fused.fused_layers_forward
+    monkeypatch.setattr(fused, "fused_layers_forward", lambda layers, x, *a, **k: sizes.append(x.shape[1]) or real(
+        layers, x, *a, **k))
     out = chunked.generate([ids], params)[0].token_ids
-    passes = [s for s in chunked.timeline.spans if s.kind == "cpu_block" and s.unit == "layer.0"
-              and s.phase == "prefill"]
-    assert len(passes) == 3 and max(s.n_tokens for s in passes) <= 16  # 40 tokens: 16 + 16 + 8
+    assert max(sizes) == 16 and sizes.count(16) == 2 * 6  # 40 prompt tokens: 16 + 16 + 8 in each of 6 layers
     assert out == whole.generate([ids], params)[0].token_ids
+
+
+def test_a_prompt_longer_than_a_pass_is_prefilled_in_several(tiny_dir):
+    from offload.generate import Generator, Sequence
+
+    llm = LLM(str(tiny_dir), quantization="q8_0", backend="cpu", max_model_len=64)
+    ids = [(7 * j) % 150 + 1 for j in range(40)]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    seq = Sequence(0, ids, params)
+    llm.timeline.clear()
+    Generator(llm.model, max_batch_size=1, max_model_len=64, prefill_pass_tokens=16).run([seq])
+    passes = [s for s in llm.timeline.spans if s.unit == "layer.0" and s.phase == "prefill"]
+    assert [s.n_tokens for s in passes] == [16, 16, 8]
+    assert seq.output_ids == llm.generate([ids], params)[0].token_ids
 
 
 def test_a_plan_for_another_model_is_refused_by_the_executor(tiny_dir):

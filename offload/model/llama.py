@@ -53,6 +53,13 @@ class Step:
             self._mask = attention_mask(self.positions, self.valid, self.n_keys, self.sliding_window)
         return self._mask
 
+    def slice(self, start: int, stop: int) -> "Step":
+        """The part of this step for new tokens start..stop-1 of every row (one chunk of a long prefill)."""
+        positions, valid = self.positions[:, start:stop], self.valid[:, start:stop]
+        n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
+        return Step(positions, self.write_index[:, start:stop], valid, n_keys, self.cos[:, :, start:stop],
+                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window)
+
     def to(self, device) -> "Step":
         """This step with its tensors on device (positions stay where they are)."""
         return Step(self.positions, self.write_index, self.valid, self.n_keys, self.cos.to(device),

@@ -30,12 +30,16 @@ class Phase:
     n_tokens: int
     ctx_len: int
     kv_read_len: int  # positions of cached K/V read per sequence in one step (0 in prefill)
+    n_passes: int = 1  # passes over the weights the step takes (a long prefill runs in several)
 
 
-def phases_for(batch_size: int, prompt_len: int, gen_len: int) -> tuple[Phase, Phase]:
-    """Prefill of the whole batch (causal: half the prompt on average) and one decode step mid-generation."""
+def phases_for(batch_size: int, prompt_len: int, gen_len: int,
+               pass_tokens: int | None = None) -> tuple[Phase, Phase]:
+    """Prefill of the whole batch (causal: half the prompt on average) in passes of at most pass_tokens padded
+    tokens, and one decode step mid-generation."""
     mid = prompt_len + max(gen_len, 1) // 2
-    prefill = Phase("prefill", batch_size, batch_size * prompt_len, max(prompt_len // 2, 1), 0)
+    n_passes = -(-batch_size * prompt_len // pass_tokens) if pass_tokens else 1
+    prefill = Phase("prefill", batch_size, batch_size * prompt_len, max(prompt_len // 2, 1), 0, n_passes)
     decode = Phase("decode", batch_size, batch_size, mid, mid)
     return prefill, decode
 
@@ -79,12 +83,15 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
     gpu_s = _roofline(flops + attn_flops, w_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
     cpu_compute_s = flops / hw.cpu_flops_for(fmt) + attn_flops / hw.cpu_flops_for("fp32")
     cpu_s = max(cpu_compute_s, (w_bytes + kv_bytes) / hw.cpu_mem_bps)
+    passes = phase.n_passes  # every pass reads the weights again
+    cpu_s = max(cpu_compute_s, (passes * w_bytes + kv_bytes) / hw.cpu_mem_bps)
+    gpu_s = max(gpu_s, passes * w_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf)
     return UnitCost(
         gpu_s=gpu_s,
         cpu_s=cpu_s,
-        pcie_s=w_bytes / link if link else math.inf,
-        disk_s=w_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf,
-        host_mem_s=w_bytes / hw.cpu_mem_bps,
+        pcie_s=passes * w_bytes / link if link else math.inf,
+        disk_s=passes * w_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf,
+        host_mem_s=passes * w_bytes / hw.cpu_mem_bps,
         kv_move_s=kv_move_bytes / link if link else 0.0,
     )
 
@@ -150,7 +157,7 @@ def workspace_bytes(spec: ModelSpec, workload, act_bytes: int, dequant_scratch: 
     """Activations at the largest shape on one device, plus bf16 scratch to dequantize the largest tensor."""
     b, p = workload.batch_size, workload.prompt_len
     chunk = min(b * p, workload.prefill_chunk_tokens)
-    hidden = max(chunk, b) * spec.hidden_size * act_bytes  # residual stream of one pass, kept between layers
+    hidden = max(min(b * p, workload.prefill_pass_tokens), b) * spec.hidden_size * act_bytes  # one pass's residual
     working = max(spec.activation_bytes(chunk, p, act_bytes),
                   spec.activation_bytes(b, workload.seq_len, act_bytes))
     logits = b * spec.vocab_size * LOGIT_BYTES

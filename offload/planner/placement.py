@@ -6,7 +6,8 @@ import random
 from dataclasses import dataclass
 
 from offload.errors import ConfigError
-from offload.planner.types import COMPUTE_MODES, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS, TIERS, Plan
+from offload.planner.types import (COMPUTE_MODES, DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS,
+                                   DEFAULT_PREFILL_PASS_TOKENS, TIERS, Plan)
 from offload.spec import ModelSpec
 
 
@@ -43,14 +44,16 @@ class Placement:
     read_ahead: int = DEFAULT_PREFETCH_DEPTH
     staging_slot_bytes: int | None = None
     read_buffer_bytes: int | None = None
-    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # tokens one layer computes at once in prefill
+    prefill_pass_tokens: int = DEFAULT_PREFILL_PASS_TOKENS  # padded prompt tokens per pass over the weights
 
     def __post_init__(self):
         for name, p in self.units.items():
             p.check(name)
-        if self.prefetch_depth < 1 or self.read_ahead < 1 or self.prefill_chunk_tokens < 1:
-            raise ConfigError(f"prefetch_depth, read_ahead and prefill_chunk_tokens must be at least 1, found "
-                              f"{self.prefetch_depth}, {self.read_ahead} and {self.prefill_chunk_tokens}")
+        if min(self.prefetch_depth, self.read_ahead, self.prefill_chunk_tokens, self.prefill_pass_tokens) < 1:
+            raise ConfigError(f"prefetch_depth, read_ahead, prefill_chunk_tokens and prefill_pass_tokens must be at "
+                              f"least 1, found {self.prefetch_depth}, {self.read_ahead}, {self.prefill_chunk_tokens} "
+                              f"and {self.prefill_pass_tokens}")
 
     def __getitem__(self, unit: str) -> UnitPlacement:
         return self.units[unit]
@@ -62,7 +65,8 @@ class Placement:
                  for u in plan.units}
         return cls(units, prefetch_depth=max(1, plan.prefetch_depth), read_ahead=max(1, plan.read_ahead_depth),
                    staging_slot_bytes=plan.staging_slot_bytes, read_buffer_bytes=plan.read_buffer_bytes,
-                   prefill_chunk_tokens=plan.workload.prefill_chunk_tokens)
+                   prefill_chunk_tokens=plan.workload.prefill_chunk_tokens,
+                   prefill_pass_tokens=plan.workload.prefill_pass_tokens)
 
     @classmethod
     def uniform(cls, spec: ModelSpec, weights: str, compute: str, **kwargs) -> "Placement":

@@ -50,7 +50,8 @@ class Search:
         self.buf = [u.buffer_bytes(fmt, compute) for u in self.units]  # what a slot or read buffer holds
         layer_kv = spec.layer_kv_bytes(workload.batch_size, workload.seq_len, workload.kv_elem_bytes)
         self.kv = [layer_kv if k == "layer" else 0 for k in kinds]
-        self.phase = dict(zip(PHASES, phases_for(workload.batch_size, workload.prompt_len, workload.gen_len)))
+        self.phase = dict(zip(PHASES, phases_for(workload.batch_size, workload.prompt_len, workload.gen_len,
+                                                 workload.prefill_pass_tokens)))
         self.cost = {p: self._unit_costs(ph) for p, ph in self.phase.items()}
         # Plain float lists per phase: the search reads them many times.
         self.gpu_s = {p: [c.gpu_s for c in cs] for p, cs in self.cost.items()}

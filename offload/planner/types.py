@@ -16,7 +16,8 @@ TIERS = ("gpu", "cpu", "disk")  # where weights (and KV caches) live
 PHASES = ("prefill", "decode")
 COMPUTE_MODES = ("gpu", "stream", "cpu")  # resident on the GPU, streamed to it ahead of use, or on the CPU
 DEFAULT_PREFETCH_DEPTH = 2
-DEFAULT_PREFILL_CHUNK_TOKENS = 512
+DEFAULT_PREFILL_CHUNK_TOKENS = 512  # tokens a layer computes at once in prefill: bounds the working set
+DEFAULT_PREFILL_PASS_TOKENS = 4096  # padded prompt tokens per pass over the weights: bounds the residual stream
 
 
 @dataclass(frozen=True)
@@ -57,11 +58,12 @@ class Workload:
     batch_size: int = 1
     prompt_len: int = 512
     gen_len: int = 128
-    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # tokens per prefill pass over the weights
+    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # tokens one layer computes at once in prefill
+    prefill_pass_tokens: int = DEFAULT_PREFILL_PASS_TOKENS  # padded tokens per prefill pass over the weights
     compute_format: str = "fp16"  # activations, the KV cache, and the weights a quantization leaves unquantized
 
     def __post_init__(self):
-        for name in ("batch_size", "prompt_len", "gen_len", "prefill_chunk_tokens"):
+        for name in ("batch_size", "prompt_len", "gen_len", "prefill_chunk_tokens", "prefill_pass_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"workload {name} must be a whole number of 1 or more, "
                                   f"found {getattr(self, name)!r}")

@@ -276,13 +276,13 @@ class PlacedModel:
         return self._on_cpu(works, self._host_layers, self.backend.to_host(x), names, step, kvs, steps)
 
     def _host_layers(self, x, names, step: Step, kvs: list[LayerKV], steps: dict, ends: list[float]):
-        """Layers in host RAM back to back: through the fused C++ layer when all of them can, else the reference."""
+        """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one."""
         layers = [self.fused_layers.get(n) for n in names]
         views = self._fused_views(kvs, x) if self.fuse and all(layers) else None
-        if views is not None:
+        if views is not None and len(self._chunks(x, step)) == 1:
             return fused.fused_layers_forward(layers, x, self._step_table(step, views[0], steps), views, ends)
         for name, kv in zip(names, kvs):
-            x = layer_forward(self.spec, self.host_weights[name], x, step, kv)
+            x = self._layer(x, name, self.host_weights[name], step, kv, steps, False)
             ends.append(Timeline.now())
         return x
 
@@ -295,10 +295,11 @@ class PlacedModel:
         return views if all(v is not None for v in views) else None
 
     def _step_table(self, step: Step, view, steps: dict):
-        """The fused layer's table of this step (made once per step, shared by every fused layer)."""
-        table = steps.get("fused_table")
+        """The fused layer's table of this step (made once per step and chunk, shared by every fused layer)."""
+        key = ("fused_table", id(step))
+        table = steps.get(key)
         if table is None or table.key != (view.n_rows, view.n_slots):
-            table = steps["fused_table"] = fused.step_table(self.spec, step, view)
+            table = steps[key] = fused.step_table(self.spec, step, view)
         return table
 
     def _compute_cpu(self, x, name: str, w, step: Step, cache, steps: dict, ends: list[float]):
@@ -307,15 +308,44 @@ class PlacedModel:
         return y
 
     def _compute(self, x, name: str, w, step: Step, cache, steps: dict, on_device: bool):
-        """One unit's block math: the fused C++ layer for a CPU layer where it can run, else the reference."""
+        """One unit's block math; a layer goes through _layer."""
         kind, index = self._kind_index[name]
         if kind != "layer":
             return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
-        if not on_device and self.fuse:  # a layer read from disk: its fused view is made for this use
-            handle, views = fused.fuse_layer(self.spec, w), self._fused_views([cache[index]], x)
-            if handle is not None and views is not None:
-                return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
+        return self._layer(x, name, w, step, cache[index], steps, on_device)
+
+    def _chunks(self, x, step: Step) -> list[tuple[int, int]]:
+        """Token ranges a layer computes at once: prefill in chunks of the planned size, else the whole pass."""
+        b, s = x.shape[0], x.shape[1]
+        width = max(1, self.placement.prefill_chunk_tokens // max(b, 1))
+        if step.phase != "prefill" or s <= width:
+            return [(0, s)]
+        return [(a, min(a + width, s)) for a in range(0, s, width)]
+
+    def _layer(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
+        """One layer over a pass, chunk by chunk (each chunk's keys include the chunks before it)."""
+        chunks = self._chunks(x, step)
+        if len(chunks) == 1:
+            return self._layer_chunk(x, name, w, self._step_on(step, on_device, steps), kv, steps, on_device)
+        parts = []
+        for a, b in chunks:
+            key = ("slice", a, b, on_device)
+            if key not in steps:
+                steps[key] = self._step_on(step, on_device, steps).slice(a, b)
+            parts.append(self._layer_chunk(x[:, a:b], name, w, steps[key], kv, steps, on_device))
+        return torch.cat(parts, dim=1)
+
+    def _step_on(self, step: Step, on_device: bool, steps: dict) -> Step:
         key = ("step", on_device)
         if key not in steps:
             steps[key] = step.to(self.backend.device) if on_device else step
-        return unit_forward(self.spec, kind, w, x, steps[key], cache[index], self.dtype)
+        return steps[key]
+
+    def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
+        """The fused C++ layer for a CPU layer where it can run, else the reference block math."""
+        if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
+            handle = self.fused_layers.get(name) or fused.fuse_layer(self.spec, w)
+            views = self._fused_views([kv], x)
+            if handle is not None and views is not None:
+                return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
+        return layer_forward(self.spec, w, x, step, kv)
