@@ -20,7 +20,7 @@ LAYERS = [
     {"weights"},
     {"runtime"},
     {"generate"},
-    {"api"},
+    {"api", "simulate"},
     {"jobs"},
     {"cli", "__main__"},
 ]

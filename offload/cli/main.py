@@ -1,4 +1,4 @@
-"""The `offload` command line: generate, plan, calibrate, run, validate. Errors print one line unless --debug."""
+"""The `offload` command line: generate, plan, simulate, calibrate, run, validate. Errors print one line unless --debug."""
 
 from __future__ import annotations
 
@@ -7,10 +7,10 @@ import logging
 import sys
 
 from offload import __version__
-from offload.cli import calibrate, generate, plan, run, validate
+from offload.cli import calibrate, generate, plan, run, simulate, validate
 from offload.errors import OffloadError
 
-COMMANDS = (generate, plan, calibrate, run, validate)  # each module adds its parser: add_parser(subparsers)
+COMMANDS = (generate, plan, simulate, calibrate, run, validate)  # each module adds its parser: add_parser(subparsers)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

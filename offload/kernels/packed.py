@@ -158,7 +158,7 @@ def _check_parts(fmt: str, shape: tuple[int, int], qs: torch.Tensor, d: torch.Te
         if want is None and t is None:
             continue
         if (t is None or want is None or tuple(t.shape) != want[0] or t.dtype != want[1]
-                or t.device.type != "cpu"):
+                or t.device.type not in ("cpu", "meta")):  # meta: sizes without bytes (a timed simulation)
             raise KernelError(f"{fmt} weight [{m}, {k}]: {name} must be a CPU {want and want[1]} tensor of shape "
                               f"{want and list(want[0])}, got {None if t is None else (t.dtype, list(t.shape), t.device.type)}")
 

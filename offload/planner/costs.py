@@ -9,6 +9,7 @@ link, the disk, and host-memory traffic (CPU kernels and DMA both read weights f
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import asdict, dataclass
 
 from offload.formats import FLOAT_FORMATS
@@ -38,7 +39,10 @@ def phases_for(batch_size: int, prompt_len: int, gen_len: int,
     """Prefill of the whole batch (causal: half the prompt on average) in passes of at most pass_tokens padded
     tokens, and one decode step mid-generation."""
     mid = prompt_len + max(gen_len, 1) // 2
-    n_passes = -(-batch_size * prompt_len // pass_tokens) if pass_tokens else 1
+    n_passes = 1
+    if pass_tokens:  # the generator packs whole prompts into passes; a longer prompt takes several of its own
+        per_pass = pass_tokens // prompt_len
+        n_passes = -(-batch_size // per_pass) if per_pass else batch_size * -(-prompt_len // pass_tokens)
     prefill = Phase("prefill", batch_size, batch_size * prompt_len, max(prompt_len // 2, 1), 0, n_passes)
     decode = Phase("decode", batch_size, batch_size, mid, mid)
     return prefill, decode
@@ -73,7 +77,8 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         disk_s = row_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf
         return UnitCost(_roofline(0, row_bytes, 1, hw.gpu_mem_bps), _roofline(0, row_bytes, 1, hw.cpu_mem_bps),
                         math.inf, disk_s, row_bytes / hw.cpu_mem_bps, 0.0)
-    flops = unit.matmul_flops(phase.n_tokens)
+    # the lm_head runs on each sequence's last position only (prefill samples one token per sequence)
+    flops = unit.matmul_flops(phase.n_seqs if unit.kind == "lm_head" else phase.n_tokens)
     attn_flops = kv_bytes = kv_move_bytes = 0
     if unit.kind == "layer":
         attn_flops = spec.attention_flops(phase.n_tokens, phase.ctx_len)
@@ -145,12 +150,57 @@ class PhaseCost:
 
 
 def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s: float, disk_s: float,
-            hops_s: float, host_mem_s: float) -> PhaseCost:
-    """Overlap copies, reads and DRAM traffic with the compute chain: the step takes the longest of them."""
+            hops_s: float, host_mem_s: float, pipeline_s: float = 0.0) -> PhaseCost:
+    """The step takes the longer of the pipeline the executor runs (pipeline_s) and any one resource's busy time;
+    bound names the resource that is busiest (compute: the GPU + CPU chain)."""
     candidates = {"compute": gpu_s + cpu_s + hops_s, "pcie": pcie_s, "disk": disk_s, "host_memory": host_mem_s}
     bound = max(candidates, key=candidates.get)
     return PhaseCost(phase, tokens_per_step, gpu_s, cpu_s, pcie_s, disk_s, hops_s, host_mem_s,
-                     candidates[bound], bound)
+                     max(candidates[bound], pipeline_s), bound)
+
+
+def pipeline_s(units: list[tuple[str, str, UnitCost, float]], depth: int, hop_s: float, n_passes: int = 1) -> float:
+    """Seconds of one phase step as the executor schedules it, for units in order as (mode, weight tier, cost,
+    extra seconds on its block).
+
+    Each streamed unit's copy starts once the link is free, a staging slot is (the streamed unit `depth` before
+    it has computed) and its bytes are (read from disk, for a disk unit); each disk read once the disk and one
+    of `depth` read-ahead buffers are; GPU and CPU blocks follow the hidden state, with a hand-over of hop_s
+    where it changes device, and the host waits for a CPU block's input. A step of several passes (a long
+    prefill) runs the chain once per pass, each with its share of the compute and the whole weights' copies.
+    """
+    share = 1 / n_passes
+    t_gpu = t_copy = t_cpu = t_disk = t_host = t_x = 0.0
+    on_gpu = bool(units) and units[0][0] != "cpu"
+    slots = deque([(0.0, 0.0)] * max(depth, 1))  # (when the slot's last block ends, when the host released it)
+    buffers = deque([0.0] * max(depth, 1))  # when each read-ahead buffer is free again
+    for mode, tier, c, extra_s in units:
+        ready = 0.0
+        if tier == "disk":
+            t_disk = max(t_disk, buffers.popleft()) + c.disk_s / n_passes
+            ready = t_disk
+        if mode == "stream":
+            free, released = slots.popleft()
+            t_copy = max(t_copy, free, released, ready) + c.pcie_s / n_passes
+            ready = t_copy
+            if tier == "disk":
+                buffers.append(t_copy)
+        if mode == "cpu":
+            if on_gpu:
+                t_x += hop_s
+            t_cpu = max(t_cpu, t_x, t_host, ready) + (c.cpu_s + extra_s) * share
+            t_x = t_host = t_cpu
+            if tier == "disk":
+                buffers.append(t_cpu)
+        else:
+            if not on_gpu:
+                t_x += hop_s
+            t_gpu = max(t_gpu, t_x, ready) + (c.gpu_s + extra_s) * share
+            t_x = t_gpu
+            if mode == "stream":
+                slots.append((t_gpu, t_host))
+        on_gpu = mode != "cpu"
+    return n_passes * t_x
 
 
 def workspace_bytes(spec: ModelSpec, workload, act_bytes: int, dequant_scratch: bool) -> int:

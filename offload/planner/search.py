@@ -17,7 +17,7 @@ from offload.errors import ConfigError, PlanError
 from offload.formats import QUANT_BLOCK_BYTES, WEIGHT_FORMATS
 from offload.hardware import HardwareProfile, format_bytes
 from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, LOGIT_BYTES, PhaseCost, combine, hop_s, phases_for,
-                                   unit_cost, workspace_bytes)
+                                   pipeline_s, unit_cost, workspace_bytes)
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec
 
@@ -224,21 +224,25 @@ class Search:
         """Busy seconds per resource in one step of phase, overlapped into the step time."""
         compute, decode, weight = cand.compute[phase], cand.compute["decode"], cand.weight
         gpu = cpu = pcie = disk = host = 0.0
+        chain = []
         for c, mode, dec, tier in zip(self.cost[phase], compute, decode, weight):
+            kv_move = c.kv_move_s if (mode == "cpu") != (dec == "cpu") else 0.0  # prompt KV made here, used there
             if mode == "cpu":
                 cpu += c.cpu_s
             else:
                 gpu += c.gpu_s
                 if mode == "stream":
                     pcie += c.pcie_s
-            if (mode == "cpu") != (dec == "cpu"):  # the prompt's KV is made on one device, used on the other
-                pcie += c.kv_move_s
+            pcie += kv_move
             if tier != "gpu":
                 host += c.host_mem_s
                 if tier == "disk":
                     disk += c.disk_s
+            chain.append((mode, tier, c, kv_move))
         hops, logits = self._hops(phase, compute)
-        return combine(phase, self.phase[phase].n_tokens, gpu, cpu, pcie + logits, disk, hops, host)
+        ph = self.phase[phase]
+        pipeline = pipeline_s(chain, self.depth, self.hop[phase], ph.n_passes) + logits
+        return combine(phase, ph.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline)
 
     def _hops(self, phase: str, compute: list[str]) -> tuple[float, float]:
         """Hand-overs of hidden states between devices along the unit chain, and logits back to the host."""

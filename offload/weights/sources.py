@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from offload.errors import ConfigError
-from offload.formats import QUANTIZATIONS
+from offload.formats import QK, QUANTIZATIONS
 from offload.model.llama import LayerWeights
 from offload.model.model import Model
 from offload.spec import ModelSpec, UnitSpec
@@ -117,3 +117,41 @@ class RandomSource:
             mlp_norm=torch.ones(s.hidden_size, dtype=self.dtype),
             gate_up=self._linear(2 * s.intermediate_size, s.hidden_size), gate_up_bias=None,
             down=self._linear(s.hidden_size, s.intermediate_size), down_bias=None)
+
+
+class MetaSource:
+    """Weights of the right shapes, formats and byte sizes that exist nowhere (meta tensors), for a timed
+    simulation: the executor places and schedules them like real ones, and nothing reads them."""
+
+    def __init__(self, spec: ModelSpec, dtype: torch.dtype, quantization: str = "none"):
+        if quantization not in QUANTIZATIONS:
+            raise ConfigError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
+        self.spec, self.dtype, self.quantization = spec, dtype, quantization
+
+    def _tensor(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype or self.dtype, device="meta")
+
+    def _linear(self, out_features: int, in_features: int):
+        if self.quantization == "none" or in_features % QK:
+            return self._tensor(out_features, in_features)
+        from offload.kernels import TILED, PackedWeight
+
+        q8 = self.quantization == "q8_0"
+        qs = self._tensor(out_features, in_features if q8 else in_features // 2,
+                          dtype=torch.int8 if q8 else torch.uint8)
+        d = self._tensor(out_features, in_features // QK, dtype=torch.float16)
+        return PackedWeight(self.quantization, (out_features, in_features), qs, d, tiled=TILED)
+
+    def load(self, unit: UnitSpec):
+        s = self.spec
+        if unit.kind in ("embed", "norm"):
+            return self._tensor(*unit.tensors[0].shape)
+        if unit.kind == "lm_head":
+            return self._linear(s.vocab_size, s.hidden_size)
+        qkv_out, f = s.q_size + 2 * s.kv_size, s.intermediate_size
+        return LayerWeights(
+            attn_norm=self._tensor(s.hidden_size), qkv=self._linear(qkv_out, s.hidden_size),
+            qkv_bias=self._tensor(qkv_out) if s.qkv_bias else None, o=self._linear(s.hidden_size, s.q_size),
+            o_bias=self._tensor(s.hidden_size) if s.o_bias else None, mlp_norm=self._tensor(s.hidden_size),
+            gate_up=self._linear(2 * f, s.hidden_size), gate_up_bias=self._tensor(2 * f) if s.mlp_bias else None,
+            down=self._linear(s.hidden_size, f), down_bias=self._tensor(s.hidden_size) if s.mlp_bias else None)

@@ -1,0 +1,37 @@
+"""`offload simulate`: run the plan's real schedule on a timed simulated GPU and print it beside the prediction."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from offload.cli.job_flags import add_plan_flags, effective_config
+
+log = logging.getLogger("offload")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("simulate", help="run the plan's schedule on a simulated GPU: tokens/s, busy shares, memory")
+    add_plan_flags(p)
+    p.add_argument("--decode-steps", type=int, default=8, help="decode steps to simulate (default 8)")
+    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON of the simulated run here")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from offload.errors import ConfigError
+    from offload.jobs.config import plan_request
+    from offload.simulate import simulate
+
+    if args.decode_steps < 1:
+        raise ConfigError(f"--decode-steps must be 1 or more, found {args.decode_steps}")
+    request = plan_request(effective_config(args, need_input=False))
+    result = simulate(request, args.decode_steps, args.trace)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2, default=lambda v: None))
+    else:
+        print(result.table())
+    if args.trace:
+        log.info(f"trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    return 0

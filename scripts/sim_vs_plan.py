@@ -1,0 +1,47 @@
+"""Predicted against simulated step times: the planner's cost model against the executor's real schedule on the
+timed simulated device, over a matrix of models, GPU budgets, batch sizes and hardware presets.
+
+  python scripts/sim_vs_plan.py            # the 24-case matrix; prints one row per case and the worst ratio
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import time
+
+from offload.planner import PlanRequest
+from offload.simulate import simulate
+
+MODELS = {"llama-3.1-8b": ("4GiB", "8GiB", "16GiB"), "llama-3.1-70b": ("12GiB", "22GiB", "40GiB")}
+HARDWARE = ("rtx4090-ddr5", "rtx3090-ddr4")
+BATCHES = (1, 32)
+
+
+def cases():
+    for (model, budgets), hw, batch in itertools.product(MODELS.items(), HARDWARE, BATCHES):
+        for gpu in budgets:
+            yield PlanRequest(model, "q4_0", "auto", hw, gpu_memory=gpu, batch_size=batch, max_model_len=1024,
+                              max_tokens=128)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--decode-steps", type=int, default=4)
+    args = ap.parse_args()
+    print(f"{'model':14s} {'hardware':13s} {'gpu':>6s} {'batch':>5s}  {'prefill pred/sim':>16s}  "
+          f"{'decode pred/sim':>15s}  {'peak gpu / plan':>15s}  wall")
+    worst = 0.0
+    for request in cases():
+        start = time.perf_counter()
+        sim = simulate(request, args.decode_steps)
+        ratios = [sim.phases[p].predicted_over_simulated for p in ("prefill", "decode")]
+        worst = max(worst, *(abs(r - 1) for r in ratios))
+        gpu_share = sim.peak_bytes["gpu"] / max(sim.plan.tier("gpu").total_bytes, 1)
+        print(f"{request.model:14s} {request.hardware:13s} {request.gpu_memory:>6s} {request.batch_size:5d}  "
+              f"{ratios[0]:16.3f}  {ratios[1]:15.3f}  {gpu_share:15.2f}  {time.perf_counter() - start:.1f} s")
+    print(f"largest |predicted / simulated - 1|: {worst:.3f}")
+
+
+if __name__ == "__main__":
+    main()
