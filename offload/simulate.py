@@ -8,6 +8,7 @@ prefetch ring, the read-ahead, the hand-overs and the prefill passes are the one
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -39,9 +40,7 @@ class PhaseResult:
     predicted_step_s: float
     busy_share: dict[str, float]
 
-    @property
-    def step_s(self) -> float:
-        return self.simulated_s / max(self.steps, 1)
+    step_s: float = 0.0  # prefill: the whole batch's passes; decode: the median step once the pipeline is full
 
     @property
     def tokens_per_s(self) -> float:
@@ -111,11 +110,14 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     timeline = backend.timeline
     if trace is not None:
         write_trace(timeline, Path(trace))
-    phases = {p: _phase(timeline, p, plan, 1 if p == "prefill" else decode_steps) for p in PHASES}
+    phases = {p: _phase(timeline, p, plan) for p in PHASES}
     return Simulation(plan, phases, {t: backend.memory.peak_bytes[t] for t in TIERS}, timeline)
 
 
-def _phase(timeline: Timeline, phase: str, plan: Plan, steps: int) -> PhaseResult:
-    time_s = timeline.phase_time_s[phase]
+def _phase(timeline: Timeline, phase: str, plan: Plan) -> PhaseResult:
+    time_s, steps = timeline.phase_time_s[phase], timeline.step_s[phase]
     busy = {r: (timeline.busy_s(r, phase) / time_s if time_s > 0 else 0.0) for r in RESOURCES}
-    return PhaseResult(phase, steps, timeline.phase_tokens[phase], time_s, getattr(plan, phase).step_s, busy)
+    # a decode step after prefill starts with an empty prefetch ring: the steady state is the median step
+    step_s = time_s if phase == "prefill" else statistics.median(steps) if steps else 0.0
+    return PhaseResult(phase, len(steps), timeline.phase_tokens[phase], time_s, getattr(plan, phase).step_s, busy,
+                       step_s)

@@ -62,19 +62,20 @@ def forward_passes(log):
 def test_copy_of_block_j_plus_k_is_issued_as_block_j_is_released(model_dir, k):
     spec = load_spec(model_dir)
     model = run_placed(model_dir, Placement.uniform(spec, "cpu", "stream", prefetch_depth=k))
-    order, passes = model.order, forward_passes(model.backend.log)
-    assert len(passes) >= 4  # prefill + decode steps
-    for log in passes:
-        at = {(e, u): i for i, (e, u, _) in enumerate(log)}
-        assert [u for e, u, _ in log if e == "compute"] == order
-        for j, unit in enumerate(order):
-            # blocks j+1 .. j+k-1 were already being copied when block j computed ...
-            for ahead in order[j + 1: j + k]:
-                assert at[("copy", ahead)] < at[("compute", unit)]
-            # ... and block j+k's copy is issued into block j's slot as soon as j is released
-            if j + k < len(order):
-                nxt = at[("compute", order[j + 1])]
-                assert at[("release", unit)] < at[("copy", order[j + k])] < nxt
+    order, log = model.order, model.backend.log
+    passes = forward_passes(log)
+    assert len(passes) >= 4 and all([u for e, u, _ in p if e == "compute"] == order for p in passes)
+    # Across steps too (the next step's first blocks are copied ahead): the n-th block computed is the n-th
+    # copied; blocks n+1 .. n+k-1 were being copied when block n computed, and block n+k's copy is issued
+    # into block n's slot as soon as n is released, before block n+1 computes.
+    copies = [i for i, (e, _, _) in enumerate(log) if e == "copy"]
+    computes = [i for i, (e, _, _) in enumerate(log) if e == "compute"]
+    releases = [i for i, (e, _, _) in enumerate(log) if e == "release"]
+    assert [log[i][1] for i in copies[:len(computes)]] == [log[i][1] for i in computes]
+    for n in range(len(computes) - 1):
+        assert all(copies[m] < computes[n] for m in range(n + 1, min(n + k, len(copies))))
+        if n + k < len(copies):
+            assert releases[n] < copies[n + k] < computes[n + 1]
     assert model.ring.n_slots == k and model.ring.max_in_use <= k
 
 
@@ -88,7 +89,7 @@ def test_slot_never_overwritten_while_in_use(model_dir):
             state[slot] = unit
         elif event == "compute":
             assert state.get(slot) == unit
-        elif event == "release":
+        elif event in ("release", "discard"):  # discard: copied ahead for a step that did not use it
             assert state.pop(slot) == unit
 
 
@@ -121,8 +122,8 @@ def _kv_bytes(model, tier: str) -> int:
 
 def test_peak_memory_stays_within_the_plan(model_dir):
     """A planned mix of resident, streamed and CPU blocks on a simulated 24 GB-class profile."""
-    llm = LLM(str(model_dir), hardware="rtx4090-ddr5", gpu_memory="7000KiB", cpu_memory="1GiB", backend="cpu",
-              max_batch_size=32, max_model_len=64)
+    llm = LLM(str(model_dir), hardware="rtx4090-ddr5", gpu_memory="6000KiB", cpu_memory="1GiB", backend="cpu",
+              max_batch_size=8, max_model_len=64)
     modes = {(u.weight_tier, u.prefill, u.decode) for u in llm.plan.units}
     assert ("gpu", "gpu", "gpu") in modes and any("stream" in m for m in modes) and ("cpu", "cpu", "cpu") in modes
     prompts = [[(7 * i + j) % 160 for j in range(40 + i)] for i in range(8)]

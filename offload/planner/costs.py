@@ -159,48 +159,69 @@ def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s
                      max(candidates[bound], pipeline_s), bound)
 
 
-def pipeline_s(units: list[tuple[str, str, UnitCost, float]], depth: int, hop_s: float, n_passes: int = 1) -> float:
+def pipeline_s(units: list[tuple[str, str, UnitCost, float]], depth: int, hop_s: float, n_passes: int = 1,
+               steady: bool = False) -> float:
     """Seconds of one phase step as the executor schedules it, for units in order as (mode, weight tier, cost,
     extra seconds on its block).
 
     Each streamed unit's copy starts once the link is free, a staging slot is (the streamed unit `depth` before
     it has computed) and its bytes are (read from disk, for a disk unit); each disk read once the disk and one
     of `depth` read-ahead buffers are; GPU and CPU blocks follow the hidden state, with a hand-over of hop_s
-    where it changes device, and the host waits for a CPU block's input. A step of several passes (a long
-    prefill) runs the chain once per pass, each with its share of the compute and the whole weights' copies.
+    where it changes device, and the host waits for a CPU block's input. Copies of host-RAM units run ahead
+    into the next pass or step while slots are free (the executor prefetches across steps), disk reads do not.
+    A step of several passes (a long prefill) runs the chain once per pass, each with its share of the compute
+    and the whole weights' copies; steady gives one step after the pipeline has filled (a decode step).
     """
-    share = 1 / n_passes
-    t_gpu = t_copy = t_cpu = t_disk = t_host = t_x = 0.0
-    on_gpu = bool(units) and units[0][0] != "cpu"
-    slots = deque([(0.0, 0.0)] * max(depth, 1))  # (when the slot's last block ends, when the host released it)
-    buffers = deque([0.0] * max(depth, 1))  # when each read-ahead buffer is free again
-    for mode, tier, c, extra_s in units:
-        ready = 0.0
-        if tier == "disk":
-            t_disk = max(t_disk, buffers.popleft()) + c.disk_s / n_passes
-            ready = t_disk
-        if mode == "stream":
-            free, released = slots.popleft()
-            t_copy = max(t_copy, free, released, ready) + c.pcie_s / n_passes
-            ready = t_copy
+    pipe = _Pipeline(depth, hop_s, units[0][0] != "cpu" if units else False)
+    ends = []
+    for _ in range(min(n_passes, 3) if not steady else 3):
+        pipe.step(units, n_passes)
+        ends.append(pipe.t_x)
+    if steady:
+        return ends[-1] - ends[-2]
+    return ends[0] + (n_passes - 1) * (ends[-1] - ends[-2]) if n_passes > 1 else ends[0]
+
+
+class _Pipeline:
+    """The clocks of pipeline_s: link, GPU, CPU, disk, host, the hidden state, staging slots and read buffers."""
+
+    def __init__(self, depth: int, hop_s: float, on_gpu: bool):
+        self.hop_s, self.on_gpu = hop_s, on_gpu
+        self.t_gpu = self.t_copy = self.t_cpu = self.t_disk = self.t_host = self.t_x = 0.0
+        self.slots = deque([(0.0, 0.0)] * max(depth, 1))  # (when its last block ends, when the host released it)
+        self.buffers = deque([0.0] * max(depth, 1))  # when each read-ahead buffer is free again
+
+    def step(self, units, n_passes: int) -> None:
+        begin, after_disk = self.t_x, False  # the step starts when the host has the previous step's answer
+        for mode, tier, c, extra_s in units:
+            ready = 0.0
             if tier == "disk":
-                buffers.append(t_copy)
-        if mode == "cpu":
-            if on_gpu:
-                t_x += hop_s
-            t_cpu = max(t_cpu, t_x, t_host, ready) + (c.cpu_s + extra_s) * share
-            t_x = t_host = t_cpu
-            if tier == "disk":
-                buffers.append(t_cpu)
-        else:
-            if not on_gpu:
-                t_x += hop_s
-            t_gpu = max(t_gpu, t_x, ready) + (c.gpu_s + extra_s) * share
-            t_x = t_gpu
+                self.t_disk = max(self.t_disk, self.buffers.popleft(), begin) + c.disk_s / n_passes
+                ready = self.t_disk
             if mode == "stream":
-                slots.append((t_gpu, t_host))
-        on_gpu = mode != "cpu"
-    return n_passes * t_x
+                after_disk |= tier == "disk"
+                free, released = self.slots.popleft()
+                issued = max(released, begin) if after_disk else released  # no prefetch past a disk unit
+                self.t_copy = max(self.t_copy, free, issued, ready) + c.pcie_s / n_passes
+                ready = self.t_copy
+                if tier == "disk":
+                    self.buffers.append(self.t_copy)
+            self._compute(mode, tier, (c.cpu_s if mode == "cpu" else c.gpu_s) + extra_s, ready, n_passes)
+
+    def _compute(self, mode: str, tier: str, seconds: float, ready: float, n_passes: int) -> None:
+        if (mode == "cpu") == self.on_gpu:  # the hidden state changes device
+            self.t_x += self.hop_s
+        if mode == "cpu":
+            self.t_cpu = max(self.t_cpu, self.t_x, self.t_host, ready) + seconds / n_passes
+            self.t_x = self.t_host = self.t_cpu
+            if tier == "disk":
+                self.buffers.append(self.t_cpu)
+        else:
+            self.t_gpu = max(self.t_gpu, self.t_x, ready) + seconds / n_passes
+            self.t_x = self.t_gpu
+            if mode == "stream":
+                self.slots.append((self.t_gpu, self.t_host))
+        self.on_gpu = mode != "cpu"
 
 
 def workspace_bytes(spec: ModelSpec, workload, act_bytes: int, dequant_scratch: bool) -> int:

@@ -241,7 +241,7 @@ class Search:
             chain.append((mode, tier, c, kv_move))
         hops, logits = self._hops(phase, compute)
         ph = self.phase[phase]
-        pipeline = pipeline_s(chain, self.depth, self.hop[phase], ph.n_passes) + logits
+        pipeline = pipeline_s(chain, self.depth, self.hop[phase], ph.n_passes, steady=phase == "decode") + logits
         return combine(phase, ph.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline)
 
     def _hops(self, phase: str, compute: list[str]) -> tuple[float, float]:

@@ -39,6 +39,7 @@ class Timeline:
     spans: list[Span] = field(default_factory=list)
     phase_time_s: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
     phase_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
+    step_s: dict[str, list[float]] = field(default_factory=lambda: {"prefill": [], "decode": []})  # each pass
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @staticmethod
@@ -56,6 +57,7 @@ class Timeline:
         with self._lock:
             self.phase_time_s[phase] += elapsed_s
             self.phase_tokens[phase] += n_tokens
+            self.step_s[phase].append(elapsed_s)
 
     def intervals(self, resource: str, phase: str) -> list[tuple[float, float]]:
         """The resource's busy intervals in the phase, overlapping spans merged, in time order."""
@@ -88,3 +90,4 @@ class Timeline:
             self.spans.clear()
             self.phase_time_s = {"prefill": 0.0, "decode": 0.0}
             self.phase_tokens = {"prefill": 0, "decode": 0}
+            self.step_s = {"prefill": [], "decode": []}

@@ -64,7 +64,8 @@ class PlacedModel:
         self._schedule = {phase: self._group_host_layers(phase) for phase in PHASES}
         self._kv_bytes: dict[str, int] = {}
         self._stream_queue: list[str] = []
-        self._next_copy = 0
+        self._next_copy = 0  # past the end of the queue: copies for the next step of the same phase
+        self._ahead: list[str] = []  # units copied ahead for the next step
 
     @property
     def timeline(self) -> Timeline:
@@ -196,21 +197,43 @@ class PlacedModel:
     def _begin_step(self, phase: str) -> None:
         self._phase = phase
         self._stream_queue = self._streamed[phase]
-        self._next_copy = 0
+        ahead = self._ahead
+        self._ahead = []
+        if ahead and ahead != self._stream_queue[:len(ahead)]:
+            self.ring.discard(ahead)  # copied ahead for a step that streams other units: not used
+            ahead = []
+        self._next_copy = len(ahead)
         if self.reader is not None:
             self.reader.schedule(self._on_disk, phase)
         self._issue_copies(phase)
 
     def _issue_copies(self, phase: str, need: str | None = None) -> None:
-        """Copy upcoming streamed units into free slots, in order; block on a disk read only for `need`."""
-        while self.ring is not None and self._next_copy < len(self._stream_queue) and self.ring.free_slot() is not None:
-            name = self._stream_queue[self._next_copy]
+        """Copy upcoming streamed units into free slots, in order; block on a disk read only for `need`.
+
+        Past the step's last streamed unit, host-RAM units are copied ahead for the next step of the same phase
+        (decode steps and prefill passes repeat), so the link works while the step's CPU blocks run."""
+        while self.ring is not None and self.ring.free_slot() is not None:
+            name = self._next_streamed()
+            if name is None:
+                return
             src = self._host_source(name, block=name == need)
             if src is None:
                 return
             ready_t = self.reader.ready_t(name) if self.placement[name].weights == "disk" else 0.0
             self.ring.load(name, src[: self.layouts[name].n_bytes], phase, ready_t)
+            if self._next_copy >= len(self._stream_queue):
+                self._ahead.append(name)
             self._next_copy += 1
+
+    def _next_streamed(self) -> str | None:
+        """The next unit to copy: this step's, or the next step's while it is in host RAM and not in a slot."""
+        queue = self._stream_queue
+        if self._next_copy < len(queue):
+            return queue[self._next_copy]
+        j = self._next_copy - len(queue)
+        if j >= len(queue) or self.placement[queue[j]].weights == "disk" or self.ring.holds(queue[j]):
+            return None
+        return queue[j]
 
     def _host_source(self, name: str, block: bool) -> torch.Tensor | None:
         if self.placement[name].weights == "cpu":

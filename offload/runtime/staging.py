@@ -63,6 +63,17 @@ class StagingRing:
         self.max_in_use = max(self.max_in_use, sum(s.in_use for s in self.slots))
         return i
 
+    def holds(self, unit: str) -> bool:
+        """Whether a slot holds (or is receiving) unit's weights."""
+        return any(s.unit == unit and s.in_use for s in self.slots)
+
+    def discard(self, units: list[str]) -> None:
+        """Free the slots copied ahead for units that will not run; a slot is reused once its copy has landed."""
+        for i, slot in enumerate(self.slots):
+            if slot.in_use and slot.unit in units:
+                slot.done_handle, slot.in_use = slot.copy_handle, False
+                self.backend.log.append(("discard", slot.unit, i))
+
     def acquire(self, unit: str) -> torch.Tensor:
         """The slot buffer holding unit, once its copy is complete (on the compute stream)."""
         for i, slot in enumerate(self.slots):
