@@ -35,10 +35,12 @@ UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-9, torch.float16
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # (kernel, n rows of x, M, K): M and N not multiples of the kernels' tiles (gemv 16 rows of W; gemm 64 rows of
-# W, 16-64 rows of x) nor M of the 4-row tiles; K = 96 is 3 blocks (odd: tiled order's lone last block), 544 is
-# 17 (a second, partial step of the widest gemv step, 16 q4_0 blocks); gemv takes up to 16 rows.
+# W, 16-64 rows of x; 70 rows of x make two tiles) nor M of the 4-row tiles; K = 96 is 3 blocks (odd: tiled
+# order's lone last block), 544 is 17 (a second, partial step of the widest gemv step, 16 q4_0 blocks); gemv
+# takes up to 16 rows. Each kernel meets each dtype of x (DTYPES in turn).
 SHAPES = [("gemv", 1, 37, 544), ("gemv", 3, 37, 96), ("gemv", 8, 70, 160), ("gemv", 16, 21, 96),
-          ("gemm", 1, 70, 96), ("gemm", 5, 37, 160), ("gemm", 17, 70, 544), ("gemm", 40, 131, 96)]
+          ("gemm", 1, 70, 96), ("gemm", 5, 37, 160), ("gemm", 17, 70, 544), ("gemm", 40, 131, 96),
+          ("gemm", 70, 37, 96)]
 CASES = [(kernel, fmt, tiled, with_bias, n, m, k, DTYPES[i % 3])
          for i, (kernel, n, m, k) in enumerate(SHAPES)
          for fmt in ("q8_0", "q4_0") for tiled in (False, True) for with_bias in (False, True)]
@@ -199,8 +201,11 @@ def compile_for_h200(kernel, fmt: str, x_type: str, cfg: dict, tiled: bool):
     signature = {**dict(zip(names, types)), **{k: "constexpr" for k in consts}}
     # launches specialize 16-byte-aligned pointers and sizes divisible by 16 (nb, strides at K = M = 4096)
     attrs = {(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 4, 7, 8, 9)}
-    return triton.compile(ASTSource(kernel, signature, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                          options=options)
+    try:
+        source = ASTSource(kernel, signature, consts, attrs)
+    except TypeError as e:  # the compile API is internal and changes between Triton releases
+        pytest.skip(f"Triton {triton.__version__} builds an ASTSource differently ({e})")
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 @needs_triton
