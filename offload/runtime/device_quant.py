@@ -1,11 +1,15 @@
-"""Quantized weights on the compute device: q8_0/q4_0 planes dequantized there with torch ops before the matmul.
+"""Quantized weights on the compute device: q8_0/q4_0 planes multiplied there without a dequantized copy.
 
-Streamed blocks cross PCIe in this form (a quarter to an eighth of fp32's bytes); the same torch code runs on
-CUDA and, under the CPU backend, on the CPU, so CI checks it.
+Streamed blocks cross PCIe in this form (a quarter to an eighth of fp32's bytes). On a CUDA device the fused
+Triton kernels (offload.kernels.triton_dequant) read the planes directly; elsewhere, or without Triton, the
+torch fallback below dequantizes into x's dtype for the call and multiplies. The fallback runs on the CPU
+under the CPU backend, so CI checks it.
 """
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +47,15 @@ class DeviceQuantWeight:
     tiled: bool = False  # tiled block order (offload.kernels.packed); slices of whole 4-row tiles stay valid
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] @ W.T + bias, with W dequantized into x's dtype for this call only."""
+        """x [..., K] @ W.T + bias in x's dtype: fused kernels on a CUDA device, else the torch fallback."""
+        if x.device.type == "cuda" and self.qs.device.type == "cuda":
+            fused = _fused_kernels()
+            if fused is not None:
+                return fused.linear(x, self.qs, self.d, self.fmt, self.shape, self.tiled, bias)
+        return self.apply_torch(x, bias)
+
+    def apply_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The torch fallback of apply(): W dequantized into x's dtype for this call only, in row slices."""
         bias = None if bias is None else bias.to(x.dtype)
         m, k = self.shape
         rows = max(4, DEQUANT_CHUNK_ELEMENTS // k // 4 * 4)  # whole tiles
@@ -56,3 +68,15 @@ class DeviceQuantWeight:
     @property
     def nbytes(self) -> int:
         return self.qs.nbytes + self.d.nbytes
+
+
+@functools.cache
+def _fused_kernels():
+    """offload.kernels.triton_dequant where Triton is installed, else None (warned once)."""
+    from offload.kernels import triton_dequant
+
+    if triton_dequant.TRITON_AVAILABLE:
+        return triton_dequant
+    warnings.warn("offload: Triton is not installed, so quantized GPU layers are dequantized with torch ops "
+                  "(slower, a bf16 copy per call); pip install triton", stacklevel=3)
+    return None
