@@ -76,7 +76,7 @@ SLOW_COPIES = dict(hardware=HW.with_changes(h2d_pinned_bps=2e6), time_scale=1.0)
 LAGGING_COMPUTE = dict(hardware=HW, kernel_delay_s=0.05)  # the compute stream runs 50 ms behind the host
 FAST_DISK_SLOW_COPIES = dict(hardware=HW.with_changes(h2d_pinned_bps=2e6, disk_read_bps=1e12), time_scale=1.0)
 WAITS = {
-    "compute waits for the copy": ("all-streamed", SLOW_COPIES, (SimBackend, "wait_copy", lambda self, h: None)),
+    "compute waits for the copy": ("all-streamed", SLOW_COPIES, (SimBackend, "wait_copy", lambda self, h, *a: None)),
     "copy waits for the slot's last compute": (
         "all-streamed", LAGGING_COMPUTE, (SimBackend, "wait_done_before_copy", lambda self, h: None)),
     "release records the compute done": ("all-streamed", LAGGING_COMPUTE, (SimBackend, "mark_done", lambda self: None)),

@@ -61,9 +61,11 @@ class Step:
                     self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window)
 
     def to(self, device) -> "Step":
-        """This step with its tensors on device (positions stay where they are)."""
-        return Step(self.positions, self.write_index, self.valid, self.n_keys, self.cos.to(device),
-                    self.sin.to(device), self.rows, self.phase, self.sliding_window, self.mask.to(device))
+        """This step with its tensors on device (positions stay where they are), moved once for every layer."""
+        rows = None if self.rows is None else self.rows.to(device, non_blocking=True)
+        return Step(self.positions, self.write_index.to(device, non_blocking=True), self.valid, self.n_keys,
+                    self.cos.to(device), self.sin.to(device), rows, self.phase, self.sliding_window,
+                    self.mask.to(device))
 
 
 class LayerKV:

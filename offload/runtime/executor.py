@@ -15,6 +15,7 @@ says (staging slots, read-ahead buffers); a unit that would not fit them is an e
 from __future__ import annotations
 
 import tempfile
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -66,6 +67,8 @@ class PlacedModel:
         self._stream_queue: list[str] = []
         self._next_copy = 0  # past the end of the queue: copies for the next step of the same phase
         self._ahead: list[str] = []  # units copied ahead for the next step
+        self.backend.order_after_allocations()
+        self._closer = weakref.finalize(self, backend.close)  # pinned registrations end before buffers are freed
 
     @property
     def timeline(self) -> Timeline:
@@ -74,6 +77,10 @@ class PlacedModel:
     def now(self) -> float:
         """The backend's clock (simulated time on a simulated device)."""
         return self.backend.now()
+
+    def close(self) -> None:
+        """Release what the backend holds for this model (pinned registrations); the model is unusable after."""
+        self._closer()
 
     def flush(self) -> None:
         """Wait for the device's queued work and resolve its timings (end of a run, not per step)."""
@@ -170,6 +177,7 @@ class PlacedModel:
             cache.append(kv)
         if self.fuse:  # the fused layer's view of each cache, made once per cache
             self._kv_views = {id(kv): fused.kv_view(kv) for kv in cache}
+        self.backend.order_after_allocations()
         return cache
 
     def make_step(self, positions, valid, trash_slot: int, rows=None, phase: str = "prefill") -> Step:
@@ -249,7 +257,7 @@ class PlacedModel:
         if mode == "stream":
             if not any(s.unit == name and s.in_use for s in self.ring.slots):
                 self._issue_copies(phase, need=name)
-            buf = self.ring.acquire(name)
+            buf = self.ring.acquire(name, phase)
             if p.weights == "disk":  # the read buffer is free once its copy has landed
                 self.backend.host_wait(next(s.copy_handle for s in self.ring.slots if s.unit == name and s.in_use))
                 self.reader.release(name)

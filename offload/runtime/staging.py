@@ -74,11 +74,11 @@ class StagingRing:
                 slot.done_handle, slot.in_use = slot.copy_handle, False
                 self.backend.log.append(("discard", slot.unit, i))
 
-    def acquire(self, unit: str) -> torch.Tensor:
+    def acquire(self, unit: str, phase: str = "") -> torch.Tensor:
         """The slot buffer holding unit, once its copy is complete (on the compute stream)."""
         for i, slot in enumerate(self.slots):
             if slot.unit == unit and slot.in_use:
-                self.backend.wait_copy(slot.copy_handle)
+                self.backend.wait_copy(slot.copy_handle, unit, phase)
                 self.backend.log.append(("compute", unit, i))
                 return slot.buffer
         raise RuntimeError(f"{unit} was not prefetched into a staging slot")

@@ -121,14 +121,20 @@ class Backend:
         """Page-lock a host buffer in place if the backend can; the CPU backend has nothing to pin."""
         return buf
 
+    def close(self) -> None:
+        """Give back what the backend holds for the device (pinned registrations) before buffers are freed."""
+
+    def order_after_allocations(self) -> None:
+        """Order buffers just allocated before the streams that will use them (CUDA's default stream)."""
+
     # copies and ordering -------------------------------------------------------------------------------
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str, not_before: float = 0.0):
         """Start copying host src into device dst (not before time not_before, when src is ready); returns a
         handle that compute can wait on."""
         raise NotImplementedError
 
-    def wait_copy(self, handle) -> None:
-        """Make the compute stream wait for a copy (no host synchronisation)."""
+    def wait_copy(self, handle, unit: str = "", phase: str = "") -> None:
+        """Make the compute stream wait for a copy (no host synchronisation); a stall is a wait span."""
 
     def mark_done(self):
         """A handle that completes when all compute enqueued so far has finished."""

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import resource
 import time
 import warnings
 
@@ -12,6 +14,83 @@ from offload.runtime.backends.base import Backend
 from offload.profile.timeline import Span, Timeline
 
 PAGEABLE_SLOWDOWN = 3  # pageable H2D copies reach about a third of pinned bandwidth
+CUDA_ERROR_MEMORY_ALLOCATION = 2
+CUDA_HOST_REGISTER_PORTABLE = 1
+
+
+class CudaRuntime:
+    """The few CUDA runtime calls pinning needs (torch's libcudart bindings; cudaGetLastError through ctypes)."""
+
+    def __init__(self):
+        self._cudart = torch.cuda.cudart()
+
+    def register(self, ptr: int, n_bytes: int) -> int:
+        return int(self._cudart.cudaHostRegister(ptr, n_bytes, CUDA_HOST_REGISTER_PORTABLE))
+
+    def unregister(self, ptr: int) -> int:
+        return int(self._cudart.cudaHostUnregister(ptr))
+
+    def error_string(self, code: int) -> str:
+        try:
+            return str(self._cudart.cudaGetErrorString(self._cudart.cudaError(code)))
+        except (TypeError, ValueError, AttributeError):
+            return f"CUDA error {code}"
+
+    def clear_error(self) -> None:
+        """Reset the runtime's last error, which a later kernel-launch check would otherwise report."""
+        for name in ("libcudart.so", "libcudart.so.13", "libcudart.so.12"):
+            try:
+                ctypes.CDLL(name).cudaGetLastError()
+                return
+            except (OSError, AttributeError):
+                continue
+
+    def is_pinned(self, buf: torch.Tensor) -> bool:
+        return buf.is_pinned()
+
+
+class PinnedRegistry:
+    """Host buffers page-locked with cudaHostRegister. A buffer is registered once (one torch already pinned is
+    left alone), kept alive while registered so its memory cannot be reused under the registration, and
+    unregistered by close() before it can be freed; a failed call's error is cleared so that it cannot surface
+    later as an unrelated CUDA error."""
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self._buffers: dict[int, torch.Tensor] = {}
+        self.last_error: int = 0
+
+    def pin(self, buf: torch.Tensor) -> bool:
+        """Page-lock buf in place; False if the runtime refused (copies from it are then pageable)."""
+        ptr = buf.data_ptr()
+        if ptr in self._buffers or self.runtime.is_pinned(buf):
+            return True
+        err = self.runtime.register(ptr, buf.numel() * buf.element_size())
+        if err:
+            self.runtime.clear_error()
+            self.last_error = err
+            return False
+        self._buffers[ptr] = buf
+        return True
+
+    def close(self) -> None:
+        """Unregister every buffer (before its memory goes back to the allocator) and let it go."""
+        for ptr in list(self._buffers):
+            if self.runtime.unregister(ptr):
+                self.runtime.clear_error()
+            del self._buffers[ptr]
+
+    def __len__(self) -> int:
+        return len(self._buffers)
+
+    def why_failed(self) -> str:
+        """What the runtime said, and the memlock limit only where it can be the cause."""
+        text = f"cudaHostRegister failed: {self.runtime.error_string(self.last_error)}"
+        soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+        if self.last_error == CUDA_ERROR_MEMORY_ALLOCATION and soft != resource.RLIM_INFINITY:
+            text += (f"; the locked-memory limit is {soft // 2**20} MiB: raise it (ulimit -l unlimited, or "
+                     f"--ulimit memlock=-1 for a container)")
+        return text
 
 
 def cuda_available() -> bool:
@@ -31,20 +110,31 @@ class CUDABackend(Backend):
         self._pending: list[tuple] = []  # (kind, phase, unit, n_bytes, start, end, n_tokens) awaiting event times
         self._origin = None  # (event, host time) that maps event times onto the timeline's clock
         self._pin_warned = False
+        self.pinned = PinnedRegistry(CudaRuntime())
         torch.cuda.reset_peak_memory_stats(self.device)
 
     def pin(self, buf: torch.Tensor) -> torch.Tensor:
         """Page-lock buf in place with cudaHostRegister (exact size, no power-of-two rounding)."""
-        cudart = torch.cuda.cudart()
-        err = cudart.cudaHostRegister(buf.data_ptr(), buf.numel(), 1)  # 1: cudaHostRegisterPortable
-        if int(err) != 0:
-            if not self._pin_warned:
-                warnings.warn(f"offload: could not pin host memory (cudaHostRegister error {int(err)}); copies fall "
-                              f"back to pageable memory, about {PAGEABLE_SLOWDOWN}x slower — raise the memlock limit "
-                              f"(ulimit -l unlimited, or --ulimit memlock=-1 for containers)", stacklevel=2)
-                self._pin_warned = True
-            return buf
+        if not self.pinned.pin(buf) and not self._pin_warned:
+            warnings.warn(f"offload: could not pin host memory ({self.pinned.why_failed()}); copies from it are "
+                          f"pageable, about {PAGEABLE_SLOWDOWN}x slower", stacklevel=2)
+            self._pin_warned = True
         return buf
+
+    def close(self) -> None:
+        """Unregister the pinned host buffers before their memory can be freed or reused."""
+        try:
+            torch.cuda.synchronize(self.device)  # no copy may still read them
+        except RuntimeError:  # the CUDA runtime is already shutting down (interpreter exit)
+            pass
+        self.pinned.close()
+
+    def order_after_allocations(self) -> None:
+        """Buffers and caches allocated (and zeroed) on the default stream are ready before the side streams use
+        them."""
+        default = torch.cuda.current_stream(self.device)
+        self.compute_stream.wait_stream(default)
+        self.copy_stream.wait_stream(default)
 
     def compute_context(self):
         """Make the compute stream current: every kernel, allocation and device<->host move is ordered on it."""
@@ -65,9 +155,12 @@ class CUDABackend(Backend):
         self._pending.append(("h2d_copy", phase, unit, src.numel(), start, end, 0))
         return end
 
-    def wait_copy(self, handle) -> None:
+    def wait_copy(self, handle, unit: str = "", phase: str = "") -> None:
+        """The compute stream waits for the copy; the stall is timed as a wait span."""
         if handle is not None:
+            start = self._event(self.compute_stream)
             self.compute_stream.wait_event(handle)
+            self._pending.append(("wait", phase, unit, 0, start, self._event(self.compute_stream), 0))
 
     def mark_done(self):
         return self._event(self.compute_stream)

@@ -186,12 +186,20 @@ class SimBackend(Backend):
         stream.enqueue(op)
         return done
 
-    def _wait_on(self, stream: _Stream, handle) -> None:
-        if handle is not None:
-            stream.enqueue(lambda: setattr(stream, "t", max(stream.t, handle.wait())))
+    def _wait_on(self, stream: _Stream, handle, unit: str = "", phase: str = "") -> None:
+        if handle is None:
+            return
 
-    def wait_copy(self, handle) -> None:
-        self._wait_on(self.compute_stream, handle)
+        def op():
+            ready = handle.wait()
+            if unit and ready > stream.t:  # the compute stream stalled for weights
+                self.timeline.add(Span("wait", phase, unit, stream.t, ready))
+            stream.t = max(stream.t, ready)
+
+        stream.enqueue(op)
+
+    def wait_copy(self, handle, unit: str = "", phase: str = "") -> None:
+        self._wait_on(self.compute_stream, handle, unit, phase)
 
     def wait_done_before_copy(self, handle) -> None:
         self._wait_on(self.copy_stream, handle)
