@@ -1,9 +1,10 @@
 """Offloaded inference of a model built from a config.json with random weights in memory (no files).
 
-Plans the model for a GPU budget, runs it through the executor, and prints prefill and decode tokens/s,
-achieved PCIe bandwidth against the measured pinned bandwidth, the share of copy time hidden under GPU
-compute, and peak device memory against the budget. With --backend cpu it runs the same schedule on the
-CPU (the "GPU" then being simulated), which is how CI-sized machines exercise it.
+Plans the model for a GPU budget, runs it through the executor, and prints per batch and phase: tokens/s, the
+share of wall time the PCIe link was busy, achieved copy bandwidth against the measured pinned bandwidth, the
+share of copy time hidden under GPU compute, time the GPU waited for weights, and peak device memory against
+the budget. --backend sim runs the same schedule on the simulated asynchronous GPU (compute mode, on the CPU),
+which is how machines without a GPU exercise it. --json writes every figure to a file.
 
   python scripts/bench_offload.py --model configs/models/llama-3.1-70b --quantization q4_0 --gpu-memory 22GiB
 """
@@ -11,23 +12,27 @@ CPU (the "GPU" then being simulated), which is how CI-sized machines exercise it
 from __future__ import annotations
 
 import argparse
+import json
 import time
+from pathlib import Path
 
 import torch
 
+from offload.formats import torch_dtype
 from offload.generate import Generator, Sequence
 from offload.hardware import format_bytes
-from offload.weights.sources import RandomSource
-from offload.formats import torch_dtype
-from offload.planner import PlanRequest, plan_for
-from offload.runtime.executor import PlacedModel
-from offload.planner.placement import Placement
+from offload.planner import Placement, PlanRequest, plan_for
 from offload.runtime.backends import make_backend
+from offload.runtime.backends.sim import SimBackend
+from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
 from offload.spec import load_spec
+from offload.weights.sources import RandomSource
+
+GOAL = 0.8  # streamed decode keeps the link busy this share of wall time, or hides this share of copy time
 
 
-def run_phase(model, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+def run_phase(model, batch: int, prompt_len: int, new_tokens: int, vocab: int, pinned_bps: float) -> dict:
     """Generate new_tokens for batch random prompts; return the timeline figures of both phases."""
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
@@ -36,18 +41,35 @@ def run_phase(model, batch: int, prompt_len: int, new_tokens: int, vocab: int) -
     tl.clear()
     model.backend.reset_peak()
     Generator(model, max_batch_size=batch).run(seqs)
+    model.flush()
     out = {"peak_device_bytes": model.backend.peak_device_bytes()}
     for phase in ("prefill", "decode"):
-        wall = tl.phase_time_s[phase]
-        copy_s = tl.busy_s("pcie", phase)
+        wall, copy_s = tl.phase_time_s[phase], tl.busy_s("pcie", phase)
+        achieved = tl.bytes_moved("h2d_copy", phase) / copy_s if copy_s else 0.0
         out[phase] = {
             "tokens_per_s": tl.phase_tokens[phase] / wall if wall else 0.0,
-            "pcie_bps": tl.bytes_moved("h2d_copy", phase) / copy_s if copy_s else 0.0,
-            "hidden_share": tl.overlap_s("pcie", "gpu", phase) / copy_s if copy_s else 1.0,
+            "pcie_busy_share": copy_s / wall if wall else 0.0,
+            "pcie_bps": achieved, "pcie_over_pinned": achieved / pinned_bps if pinned_bps else None,
+            "copy_hidden_share": tl.overlap_s("pcie", "gpu", phase) / copy_s if copy_s else None,
+            "gpu_wait_s": sum(s.duration_s for s in tl.spans if s.kind == "wait" and s.phase == phase),
             "cpu_share": tl.busy_s("cpu", phase) / wall if wall else 0.0,
             "gpu_share": tl.busy_s("gpu", phase) / wall if wall else 0.0,
         }
     return out
+
+
+def _backend(name: str, request: PlanRequest, gpu_bytes: int):
+    if name == "sim":
+        return SimBackend(request.profile(), capacity_bytes=gpu_bytes, time_scale=0.0)
+    return make_backend(name)
+
+
+def _line(batch: int, phase: str, f: dict) -> str:
+    vs = f" ({f['pcie_over_pinned']:.2f}x of pinned)" if f["pcie_over_pinned"] else ""
+    hidden = "-" if f["copy_hidden_share"] is None else f"{f['copy_hidden_share']:.0%}"
+    return (f"batch {batch:3d} {phase:7s}: {f['tokens_per_s']:9.2f} tok/s  PCIe busy {f['pcie_busy_share']:4.0%} at "
+            f"{f['pcie_bps'] / 1e9:6.2f} GB/s{vs}  copy hidden {hidden}  GPU waited {f['gpu_wait_s'] * 1e3:.1f} ms  "
+            f"busy CPU {f['cpu_share']:.0%} / GPU {f['gpu_share']:.0%}")
 
 
 def main() -> None:
@@ -57,43 +79,48 @@ def main() -> None:
     ap.add_argument("--gpu-memory", default="22GiB")
     ap.add_argument("--cpu-memory", default=None)
     ap.add_argument("--hardware", default=None, help="profile to plan with (default: calibrated or estimated)")
-    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu"])
+    ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu", "sim"])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=8)
     ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
 
     spec = load_spec(args.model)
-    backend = make_backend(args.backend)
+    batches = [int(b) for b in args.batches.split(",")]
+    request = PlanRequest(str(args.model), args.quantization, "auto", args.hardware, args.gpu_memory,
+                          args.cpu_memory, batch_size=max(batches), max_model_len=args.prompt_len + args.decode_tokens
+                          + 1, max_tokens=args.decode_tokens + 1, backend="cuda" if args.backend == "cuda" else "auto")
+    hardware = request.profile()
+    plan = plan_for(spec, hardware, request)
+    backend = _backend(args.backend, request, plan.budget.gpu_bytes)
+    pinned_bps = hardware.h2d_pinned_bps
     if backend.name == "cuda":
         pinned_bps, pageable_bps = backend.measure_h2d_bps()
         print(f"measured H2D: pinned {pinned_bps / 1e9:.1f} GB/s, pageable {pageable_bps / 1e9:.1f} GB/s")
-    else:
-        pinned_bps = 0.0
-    batches = [int(b) for b in args.batches.split(",")]
-    request = PlanRequest(str(args.model), args.quantization, "bf16" if backend.name == "cuda" else "fp32",
-                          args.hardware, args.gpu_memory, args.cpu_memory, batch_size=max(batches),
-                          max_model_len=args.prompt_len + args.decode_tokens + 1, max_tokens=args.decode_tokens + 1)
-    hardware = request.profile()
-    plan = plan_for(spec, hardware, request)
     dtype = torch_dtype(plan.workload.compute_format)
     print(plan.summary_line)
     start = time.perf_counter()
     model = PlacedModel(spec, RandomSource(spec, dtype, args.quantization), Placement.from_plan(plan), backend, dtype)
-    print(f"built and placed random {args.quantization} weights in {time.perf_counter() - start:.1f} s; "
-          f"backend {backend.name}")
+    build_s = time.perf_counter() - start
+    print(f"built and placed random {args.quantization} weights in {build_s:.1f} s; backend {backend.name}")
     budget = plan.tier("gpu").budget_bytes
+    results = {"backend": backend.name, "model": plan.model, "plan": plan.summary_line, "build_s": build_s,
+               "measured_pinned_bps": pinned_bps, "gpu_budget_bytes": budget, "batches": {}}
     for batch in batches:
-        r = run_phase(model, batch, args.prompt_len if batch == 1 else 16, args.decode_tokens, spec.vocab_size)
+        r = run_phase(model, batch, args.prompt_len if batch == 1 else 16, args.decode_tokens, spec.vocab_size,
+                      pinned_bps)
         for phase in ("prefill", "decode"):
-            f = r[phase]
-            vs = f" ({f['pcie_bps'] / pinned_bps:.2f}x of pinned)" if pinned_bps and f["pcie_bps"] else ""
-            print(f"batch {batch:3d} {phase:7s}: {f['tokens_per_s']:9.2f} tok/s  PCIe {f['pcie_bps'] / 1e9:6.2f} GB/s{vs}"
-                  f"  copy hidden under compute {f['hidden_share']:.0%}  busy CPU {f['cpu_share']:.0%} / "
-                  f"GPU {f['gpu_share']:.0%}")
+            print(_line(batch, phase, r[phase]))
         peak = r["peak_device_bytes"]
+        r["peak_within_budget"] = peak <= budget
+        dec = r["decode"]
+        r["decode_link_goal_met"] = dec["pcie_busy_share"] >= GOAL or (dec["copy_hidden_share"] or 0) >= GOAL
         print(f"batch {batch:3d} peak device memory {format_bytes(peak)} of budget {format_bytes(budget)} "
               f"({'within' if peak <= budget else 'OVER'})")
+        results["batches"][str(batch)] = r
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
 
 
 if __name__ == "__main__":

@@ -25,30 +25,45 @@ def tiny(tmp_path_factory):
 @pytest.mark.parametrize("mix", [("gpu", "gpu"), ("cpu", "stream"), ("disk", "stream"), 0, 1, 2])
 @pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_0"])
 def test_cuda_placements_match_cpu(tiny, mix, quantization):
-    """fp32 on the GPU against the CPU resident model: 1e-4 of the logit range (3e-2 with quantized CPU blocks)."""
+    """fp32 on the GPU against the CPU: the float model for none (1e-4 of the logit range); for q8_0/q4_0 the
+    model with the same quantized weights dequantized (1e-4 where every block computes on the GPU, 3e-2 where
+    CPU blocks quantize their activations), as tests/test_executor.py checks on the CPU backend."""
+    from test_executor import dequantized
+
     from offload.runtime.backends.cuda import CUDABackend
 
     folder, spec = tiny
     placement = Placement.random(spec, mix) if isinstance(mix, int) else Placement.uniform(spec, *mix)
     source = CheckpointSource(Checkpoint(folder), spec, torch.float32, quantization)
     model = PlacedModel(spec, source, placement, CUDABackend(), torch.float32)
-    reference = load_model(Checkpoint(folder), spec)  # the float model; quantized runs get quantization noise
+    reference = load_model(Checkpoint(folder), spec, quantization=quantization)
+    if quantization != "none":
+        reference = dequantized(reference)
     ids = [5, 17, 33, 2, 90, 11, 4]
-    rel = 1e-4 if quantization == "none" else 5e-2
+    device_only = all(p.prefill in ("gpu", "stream") for p in placement.units.values())
+    rel = 1e-4 if quantization == "none" or device_only else 3e-2
     assert_logits_close(offload_logits(model, ids), offload_logits(reference, ids), rel=rel)
-    kinds = {s.kind for s in model.timeline.spans}
-    assert "gpu_block" in kinds
+    model.flush()
+    assert "gpu_block" in {s.kind for s in model.timeline.spans}
 
 
 def test_cuda_peak_memory_within_plan(tiny):
+    """What offload allocates on the device stays within the planned GPU tier. cuBLAS workspaces and what earlier
+    tests left are outside it: they exist before the baseline is taken."""
     from offload import LLM, SamplingParams
 
     folder, _ = tiny
+    warm = torch.ones(64, 64, device="cuda")
+    for stream in (torch.cuda.Stream(), torch.cuda.current_stream()):
+        with torch.cuda.stream(stream):
+            warm @ warm  # noqa: B018 - creates this stream's cuBLAS workspace before the baseline
+    torch.cuda.synchronize()
+    baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     llm = LLM(str(folder), hardware="rtx4090-ddr5", gpu_memory="3MiB", cpu_memory="1GiB", backend="cuda",
               max_batch_size=4, max_model_len=64, dtype="fp32")
     llm.generate([[1, 2, 3, 4, 5]] * 4, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert llm.backend.peak_device_bytes() <= llm.plan.tier("gpu").budget_bytes
+    assert torch.cuda.max_memory_allocated() - baseline <= llm.plan.tier("gpu").budget_bytes
 
 
 def test_cuda_blocks_with_kv_cache_in_cpu_ram(tiny):

@@ -123,3 +123,12 @@ def test_a_planned_run_stays_within_the_simulated_device(tmp_path):
     gpu = plan.tier("gpu")
     assert backend.memory.peak_bytes["gpu"] <= gpu.total_bytes - gpu.workspace_bytes - gpu.margin_bytes
     assert tokens == _greedy(_model((folder, spec), Placement.from_plan(plan), CPUBackend()))
+
+
+def test_a_compute_stalled_on_a_copy_is_a_wait_span(tiny):
+    """Copies slower than compute: the GPU waits for weights, and the timeline says for how long."""
+    backend = SimBackend(HW.with_changes(h2d_pinned_bps=2e6), time_scale=0.0)
+    offload_logits(_model(tiny, _placement(tiny[1], "all-streamed", prefetch_depth=1), backend), PROMPT)
+    backend.synchronize()
+    waits = [s for s in backend.timeline.spans if s.kind == "wait"]
+    assert waits and sum(s.duration_s for s in waits) > 0.5 * backend.timeline.busy_s("pcie", "prefill")

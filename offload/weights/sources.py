@@ -87,8 +87,16 @@ class RandomSource:
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, quantization: str = "q4_0", seed: int = 0):
         self.spec, self.dtype, self.quantization = spec, dtype, quantization
         self.gen = torch.Generator().manual_seed(seed)
+        self._made: dict[tuple[int, int], object] = {}  # one random matrix per shape, shared by every layer
 
     def _linear(self, out_features: int, in_features: int):
+        """A random [out, in] weight; every layer gets the same one (a 70B model builds in seconds, not minutes)."""
+        key = (out_features, in_features)
+        if key not in self._made:
+            self._made[key] = self._random_linear(out_features, in_features)
+        return self._made[key]
+
+    def _random_linear(self, out_features: int, in_features: int):
         if self.quantization == "none":
             return torch.randn(out_features, in_features, generator=self.gen, dtype=self.dtype) * in_features ** -0.5
         from offload.kernels import TILED, PackedWeight
