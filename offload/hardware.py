@@ -79,6 +79,7 @@ class HardwareProfile:
     disk_read_bps: float
     gpu_name: str = ""
     cpu_name: str = ""
+    gpu_reserved_bytes: int = 0  # device memory the process holds outside offload's buffers: CUDA context, cuBLAS
     source: str = field(default="", compare=False)
 
     @property
@@ -104,6 +105,7 @@ _YAML_KEYS = {
     ("gpu", "memory"): ("vram_bytes", parse_size),
     ("gpu", "flops"): ("gpu_flops", parse_rate),
     ("gpu", "memory_bandwidth"): ("gpu_mem_bps", parse_rate),
+    ("gpu", "reserved"): ("gpu_reserved_bytes", parse_size),
     ("pcie", "pinned"): ("h2d_pinned_bps", parse_rate),
     ("pcie", "pageable"): ("h2d_pageable_bps", parse_rate),
     ("cpu", "name"): ("cpu_name", str),
@@ -114,7 +116,7 @@ _YAML_KEYS = {
     ("disk", "size"): ("disk_bytes", parse_size),
     ("disk", "read_bandwidth"): ("disk_read_bps", parse_rate),
 }
-_OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, "gpu_mem_bps": 0.0,
+_OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, "gpu_mem_bps": 0.0, "gpu_reserved_bytes": 0,
              "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0}
 
 

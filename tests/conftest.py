@@ -41,6 +41,13 @@ def save_hf_model(model, folder: Path, max_shard_size: str | None = None) -> Pat
     return folder
 
 
+def gpu_profile(name: str = "rtx4090-ddr5"):
+    """A GPU preset without its CUDA-context reserve, for plans with a GPU budget of a few KiB or MiB."""
+    from offload.hardware import load_hardware
+
+    return load_hardware(name).with_changes(gpu_reserved_bytes=0)
+
+
 SLOW_FIXTURES = {"default_model_dir", "default_llm", "default_hf"}  # the default model: converted once, ~1 min
 
 

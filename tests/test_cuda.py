@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_logits_close, make_hf_model, offload_logits, save_hf_model
+from conftest import assert_logits_close, gpu_profile, make_hf_model, offload_logits, save_hf_model
 from offload.weights.sources import load_model
 from offload.weights.sources import CheckpointSource
 from offload.runtime.executor import PlacedModel
@@ -60,7 +60,7 @@ def test_cuda_peak_memory_within_plan(tiny):
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    llm = LLM(str(folder), hardware="rtx4090-ddr5", gpu_memory="3MiB", cpu_memory="1GiB", backend="cuda",
+    llm = LLM(str(folder), hardware=gpu_profile(), gpu_memory="3MiB", cpu_memory="1GiB", backend="cuda",
               max_batch_size=4, max_model_len=64, dtype="fp32")
     llm.generate([[1, 2, 3, 4, 5]] * 4, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert torch.cuda.max_memory_allocated() - baseline <= llm.plan.tier("gpu").budget_bytes

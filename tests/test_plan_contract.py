@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from conftest import make_hf_model, save_hf_model
+from conftest import gpu_profile, make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
 from offload.cli.main import main
 from offload.jobs.config import load_config
@@ -57,6 +57,10 @@ JOBS = {  # name: job sections over the tiny model
 def test_plan_of_a_job_is_the_plan_its_run_uses(tmp_path, capsys, tiny_dir, name):
     sections = JOBS[name]
     sections = {**sections, "model": {"path": str(tiny_dir), **sections.get("model", {})}}
+    if sections.get("hardware") == "rtx4090-ddr5":  # a KiB-sized GPU budget: the preset without its reserve
+        from offload.hardware import save_hardware
+
+        sections["hardware"] = str(save_hardware(gpu_profile(), tmp_path / "gpu.yaml"))
     config = _job(tmp_path, **sections)
     assert _plan_json(capsys, str(config)) == _run_plan(config)
 
@@ -90,7 +94,7 @@ def test_executor_allocates_the_read_ahead_the_plan_budgeted(tiny_dir):
 
 
 def test_executor_allocates_the_staging_slots_the_plan_budgeted(tiny_dir):
-    llm = LLM(str(tiny_dir), quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="600KiB", cpu_memory="1GiB",
+    llm = LLM(str(tiny_dir), quantization="q4_0", hardware=gpu_profile(), gpu_memory="600KiB", cpu_memory="1GiB",
               max_batch_size=2, max_model_len=48, prefetch_depth=3, backend="cpu")
     plan = llm.plan
     assert any("stream" in (u.prefill, u.decode) for u in plan.units)

@@ -123,3 +123,14 @@ def test_plan_is_frozen():
     p = plan(spec_from_config(TINY), tiny_hw(), Budget(10**6, 10**6), WORKLOAD)
     with pytest.raises(AttributeError):
         p.prefetch_depth = 3
+
+
+def test_the_cuda_context_reserve_counts_against_the_gpu_budget_byte_exact():
+    """The profile's gpu_reserved_bytes (CUDA context, cuBLAS workspaces) is inside an explicit GPU budget."""
+    spec = spec_from_config(TINY)
+    hw = tiny_hw(gpu_reserved_bytes=20_000)
+    need = WEIGHTS + 2 * KV + WS_GPU + 20_000  # 213632 + 4096 + 12288 + 20000 = 250016, no margin
+    p = plan(spec, hw, Budget(gpu_bytes=need, cpu_bytes=10**6, margin_frac=0), WORKLOAD)
+    assert p.tier("gpu").reserved_bytes == 20_000 and p.tier("gpu").total_bytes == need == 250_016
+    assert p.n_gpu_units == 5
+    assert plan(spec, hw, Budget(gpu_bytes=need - 1, cpu_bytes=10**6, margin_frac=0), WORKLOAD).n_gpu_units < 5

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_hf_model, save_hf_model
+from conftest import gpu_profile, make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
 from offload.weights.sources import CheckpointSource
 from offload.runtime.backends.cpu import CPUBackend
@@ -122,7 +122,7 @@ def _kv_bytes(model, tier: str) -> int:
 
 def test_peak_memory_stays_within_the_plan(model_dir):
     """A planned mix of resident, streamed and CPU blocks on a simulated 24 GB-class profile."""
-    llm = LLM(str(model_dir), hardware="rtx4090-ddr5", gpu_memory="6000KiB", cpu_memory="1GiB", backend="cpu",
+    llm = LLM(str(model_dir), hardware=gpu_profile(), gpu_memory="6000KiB", cpu_memory="1GiB", backend="cpu",
               max_batch_size=8, max_model_len=64)
     modes = {(u.weight_tier, u.prefill, u.decode) for u in llm.plan.units}
     assert ("gpu", "gpu", "gpu") in modes and any("stream" in m for m in modes) and ("cpu", "cpu", "cpu") in modes

@@ -131,7 +131,7 @@ class Search:
         compute = {p: ["gpu" if t == "gpu" else "cpu" for t in weight] for p in PHASES}
         cand = _Candidate(weight, compute, use_gpu)
         if use_gpu:
-            cand.gpu_fixed = (self.budget.margin_bytes("gpu") + self.ws_gpu
+            cand.gpu_fixed = (self.budget.margin_bytes("gpu") + self.ws_gpu + self.hw.gpu_reserved_bytes
                               + sum(self.w[i] + self.kv[i] for i in range(self.n) if weight[i] == "gpu"))
             if cand.gpu_fixed > self.budget.gpu_bytes:
                 cand.short = ("gpu", cand.gpu_fixed, self.budget.gpu_bytes)
@@ -275,7 +275,7 @@ class Search:
                          weights_bytes=sum(u.weight_bytes for u in units if u.weight_tier == "gpu"),
                          kv_bytes=sum(u.kv_bytes for u in units if u.kv_tier == "gpu"),
                          workspace_bytes=self.ws_gpu, staging_bytes=depth * cand.staging_slot,
-                         margin_bytes=self.budget.margin_bytes("gpu"))
+                         margin_bytes=self.budget.margin_bytes("gpu"), reserved_bytes=self.hw.gpu_reserved_bytes)
 
     def _cpu_tier(self, cand: _Candidate, units: list[UnitPlan]) -> TierUsage:
         any_cpu = any("cpu" in (u.prefill, u.decode) for u in units if u.kind != "norm")

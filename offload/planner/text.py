@@ -43,9 +43,10 @@ def plan_table(plan) -> str:
     lines.append("")
     tier_rows = [(t.tier, format_bytes(t.budget_bytes), format_bytes(t.weights_bytes), format_bytes(t.kv_bytes),
                   format_bytes(t.workspace_bytes), format_bytes(t.staging_bytes), format_bytes(t.pinned_bytes),
-                  format_bytes(t.margin_bytes), format_bytes(t.total_bytes)) for t in plan.tiers]
-    lines += _grid(("tier", "budget", "weights", "kv", "workspace", "staging", "pinned", "margin", "total"),
-                   tier_rows)
+                  format_bytes(t.reserved_bytes), format_bytes(t.margin_bytes), format_bytes(t.total_bytes))
+                 for t in plan.tiers]
+    lines += _grid(("tier", "budget", "weights", "kv", "workspace", "staging", "pinned", "reserved", "margin",
+                    "total"), tier_rows)
     lines.append("")
     phase_rows = [(p.phase, f"{p.tokens_per_s:.2f}", _ms(p.step_s), _ms(p.gpu_s), _ms(p.cpu_s), _ms(p.pcie_s),
                    _ms(p.disk_s), p.bound, f"{p.cpu_share:.0%} CPU / {p.gpu_share:.0%} GPU")

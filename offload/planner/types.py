@@ -107,11 +107,12 @@ class TierUsage:
     staging_bytes: int = 0  # ring of slots that streamed weights are copied into
     pinned_bytes: int = 0  # page-locked buffers: disk read-ahead and hidden-state hand-over
     margin_bytes: int = 0
+    reserved_bytes: int = 0  # GPU: what the process holds outside offload's buffers (CUDA context, cuBLAS)
 
     @property
     def total_bytes(self) -> int:
         return (self.weights_bytes + self.kv_bytes + self.workspace_bytes + self.staging_bytes
-                + self.pinned_bytes + self.margin_bytes)
+                + self.pinned_bytes + self.margin_bytes + self.reserved_bytes)
 
     @property
     def free_bytes(self) -> int:

@@ -16,6 +16,7 @@ from offload.profile.timeline import Span, Timeline
 PAGEABLE_SLOWDOWN = 3  # pageable H2D copies reach about a third of pinned bandwidth
 CUDA_ERROR_MEMORY_ALLOCATION = 2
 CUDA_HOST_REGISTER_PORTABLE = 1
+CUBLAS_WORKSPACE_BYTES = 32 << 20  # one cuBLAS handle's workspace per stream on sm_90 (counted by the allocator)
 
 
 class CudaRuntime:
@@ -238,10 +239,12 @@ def measure_cuda(log=print, copy_bytes: int = 512 * 2**20, repeats: int = 5) -> 
         log("no CUDA GPU: GPU figures left at 0")
         return None
     dev = torch.device("cuda")
+    free, total = torch.cuda.mem_get_info(dev)  # the context exists now; offload has allocated nothing yet
+    out_reserved = total - free - torch.cuda.memory_reserved(dev) + 2 * CUBLAS_WORKSPACE_BYTES
     pageable = torch.ones(copy_bytes // 4)
     pinned = pageable.pin_memory()
     target = torch.empty(copy_bytes // 4, device=dev)
-    out = {"gpu_name": torch.cuda.get_device_name(dev)}
+    out = {"gpu_name": torch.cuda.get_device_name(dev), "gpu_reserved_bytes": max(out_reserved, 0)}
     out["h2d_pinned_bps"] = copy_bytes / _timed(lambda: target.copy_(pinned, non_blocking=True), repeats)
     out["h2d_pageable_bps"] = copy_bytes / _timed(lambda: target.copy_(pageable), repeats)
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)

@@ -133,6 +133,7 @@ class SimBackend(Backend):
         self._lock = threading.Lock()
         self.host_t = self.cpu_t = self.disk_t = 0.0
         self.compute_stream, self.copy_stream = _Stream("compute", self), _Stream("copy", self)
+        self.track("gpu", hardware.gpu_reserved_bytes)  # the CUDA context and cuBLAS workspaces a real GPU holds
 
     # clocks ---------------------------------------------------------------------------------------------
     def now(self) -> float:
