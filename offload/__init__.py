@@ -9,6 +9,8 @@ _LAZY = {
     "SamplingParams": "offload.sampling",
     "RequestOutput": "offload.api",
     "run_batch": "offload.jobs.run",
+    "simulate": "offload.simulate",
+    "PlanRequest": "offload.planner",
 }
 
 
@@ -20,4 +22,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "run_batch", "__version__"]
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "run_batch", "simulate", "PlanRequest", "__version__"]
