@@ -23,3 +23,7 @@ class PlanError(OffloadError):
 
 class KernelError(OffloadError):
     """A kernel was given an input it cannot take (shape, dtype, layout)."""
+
+
+class OutputError(OffloadError):
+    """A job's outputs cannot be written (disk full, permissions); what was written before is kept."""

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from offload.errors import ConfigError
 from offload.formats import QUANTIZATIONS, compute_format, weight_format
-from offload.hardware import HardwareProfile, default_hardware, load_hardware, parse_size
+from offload.hardware import HardwareProfile, default_hardware, format_bytes, load_hardware, parse_size
 from offload.planner.search import plan, plan_best_batch
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS, Budget, Plan, Workload
 from offload.spec import ModelSpec
@@ -55,7 +55,12 @@ class PlanRequest:
         return load_hardware(self.hardware)
 
     def budget(self, hw: HardwareProfile) -> Budget:
-        return Budget.for_hardware(hw, gpu_bytes=_size(self.gpu_memory, "gpu_memory"),
+        gpu_bytes = _size(self.gpu_memory, "gpu_memory")
+        if gpu_bytes and not hw.has_gpu:
+            raise ConfigError(f"a GPU budget of {format_bytes(gpu_bytes)} was given (memory.gpu, --gpu-memory) but the "
+                              f"hardware profile {hw.name!r} has no GPU; leave the GPU budget unset or 0, or name "
+                              f"a hardware profile with a GPU")
+        return Budget.for_hardware(hw, gpu_bytes=gpu_bytes,
                                    cpu_bytes=_size(self.cpu_memory, "cpu_memory"),
                                    disk_bytes=_size(self.disk_memory, "disk_memory") or 0)
 
