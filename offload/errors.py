@@ -27,3 +27,7 @@ class KernelError(OffloadError):
 
 class OutputError(OffloadError):
     """A job's outputs cannot be written (disk full, permissions); what was written before is kept."""
+
+
+class BudgetError(OffloadError):
+    """Memory measured while running passed the budget, and the job asked to stop then."""

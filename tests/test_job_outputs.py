@@ -44,7 +44,7 @@ def test_a_restart_that_cannot_start_keeps_the_old_outputs(tmp_path, tiny_model)
     assert cli("run", config)[0] == EXIT_OK
     before = (tmp_path / "o.jsonl").read_bytes()
     code, message = cli("run", config, "--restart", "--cpu-memory", "1KiB")  # no plan fits
-    assert code == EXIT_ERROR and "does not fit" in message
+    assert code == EXIT_ERROR and "raise the budget above that" in message
     assert (tmp_path / "o.jsonl").read_bytes() == before and not (tmp_path / "o.jsonl.bak").exists()
     assert cli("run", config, "--restart")[0] == EXIT_OK
     assert (tmp_path / "o.jsonl.bak").read_bytes() == before and len(read_records(tmp_path / "o.jsonl")) == 3

@@ -125,14 +125,15 @@ def test_duplicate_ids_refused_before_anything_is_written(tmp_path, tiny_model, 
 
 @pytest.mark.slow
 def test_default_model_job_from_config_file(tmp_path, capsys):
-    """Acceptance: a batch job on the default model, launched from a config file by the CLI."""
+    """Acceptance: a batch job on the default model, launched from a config file by the CLI (exit code 3: one
+request is an error line)."""
     write_batch(tmp_path / "in.jsonl", [chat_line("france", "What is the capital of France?"),
                                         completion_line("count", "One, two, three,", max_tokens=4),
                                         {"custom_id": "bad", "url": "/v1/embeddings", "body": {"input": "x"}}])
     config = write_job(tmp_path / "job.yaml", model={"path": "default"}, input={"path": "in.jsonl"},
                        output={"path": "out/answers.jsonl"}, sampling={"max_tokens": 10, "temperature": 0},
                        report={"plot": "out/timeline.png"})
-    assert main(["run", str(config), "--trace", str(tmp_path / "out" / "trace.json"), "--no-progress"]) == 0
+    assert main(["run", str(config), "--trace", str(tmp_path / "out" / "trace.json"), "--no-progress"]) == 3
     printed = capsys.readouterr().out
     assert "requests: 2 done, 1 failed" in printed and "decode:" in printed
     records = {r["custom_id"]: r for r in read_records(tmp_path / "out" / "answers.jsonl")}

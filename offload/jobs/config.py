@@ -36,6 +36,7 @@ def _size(value: Any) -> int | None:
 
 
 Size = Annotated[int | None, BeforeValidator(_size)]
+Baseline = Annotated[int | str, BeforeValidator(lambda v: v if v == "auto" else _size(v) or 0)]
 
 
 class _Section(BaseModel):
@@ -55,8 +56,10 @@ class MemoryConfig(_Section):
     """Budget per tier; None means the planner's default share of what the machine has."""
 
     gpu: Size = None
-    cpu: Size = None
+    cpu: Size = None  # everything the process holds, its own baseline included
     disk: Size = None
+    baseline: Baseline = "auto"  # what the process holds before any weight; auto: measured at run time
+    on_exceed: Literal["warn", "stop"] = "warn"  # when the memory held while running passes memory.cpu
 
 
 class InputConfig(_Section):
@@ -415,7 +418,12 @@ def parse_set_option(text: str) -> tuple[str, Any]:
 
 def plan_request(config: JobConfig) -> PlanRequest:
     """What a job asks of the planner: the one request both `offload plan JOB` and `offload run JOB` plan from."""
-    return PlanRequest(model=config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
+    baseline = config.memory.baseline
+    if baseline == "auto":
+        from offload.jobs.memory import process_baseline_bytes
+
+        baseline = process_baseline_bytes(str(resolve_model(config.model.path)))
+    return PlanRequest(host_baseline=baseline, model=config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
                        hardware=config.hardware, gpu_memory=config.memory.gpu, cpu_memory=config.memory.cpu,
                        disk_memory=config.memory.disk, batch_size=config.schedule.batch_size,
                        max_model_len=config.model.max_model_len, max_tokens=config.sampling.max_tokens,

@@ -10,9 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload.jobs.batch import CHAT, BadLine, Request, error_record, file_digest, read_requests, success_record
+from offload.jobs.memory import MemoryWatch
 from offload.jobs.output import OutputLog
 from offload.jobs.config import JobConfig, load_config, plan_request, validate_config
-from offload.errors import OffloadError
+from offload.errors import BudgetError, OffloadError
 from offload.profile.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
 from offload.profile.timeline import Timeline
 
@@ -47,15 +48,21 @@ def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, p
         if not todo and not bad:
             return nothing_to_do(config, counts, log)
         if todo and llm is None:
-            llm = load_llm(config)
-        log.begin(restart)
-        return _run(config, llm, todo, bad, log, counts, progress)
+            llm = load_llm(config)  # a plan that cannot work stops here, before anything is written
+        with MemoryWatch(config.memory.cpu, stop=config.memory.on_exceed == "stop") as watch:
+            try:
+                log.begin(restart)
+                return _run(config, llm, todo, bad, log, counts, progress, watch)
+            except KeyboardInterrupt:
+                if watch.exceeded_bytes is not None and watch.stop_on_exceed:
+                    raise BudgetError(f"stopped: {watch.message()}; the answers written are kept") from None
+                raise
     finally:
         log.close()
 
 
 def _run(config: JobConfig, llm, todo: list[Request], bad: list[BadLine], log: OutputLog, counts: JobCounts,
-         progress: bool | None) -> dict:
+         progress: bool | None, watch: MemoryWatch) -> dict:
     """Write the bad lines, generate the rest; the report is written however this ends."""
     timeline = job_timeline(llm) if todo else None
     try:
@@ -67,7 +74,8 @@ def _run(config: JobConfig, llm, todo: list[Request], bad: list[BadLine], log: O
         counts.interrupted = True
         raise
     finally:
-        report = finish(config, counts, llm if todo else None, timeline, log)
+        watch.sample()
+        report = finish(config, counts, llm if todo else None, timeline, log, watch.peak_bytes)
     return report
 
 
@@ -200,11 +208,12 @@ def job_timeline(llm) -> tuple[Timeline, str] | None:
 
 
 def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, str] | None,
-           log: OutputLog) -> dict:
+           log: OutputLog, peak_held_bytes: int | None = None) -> dict:
     """Build the report; write it (JSON, trace, plot) beside the outputs and print it."""
     tl, source = timeline if timeline is not None else (None, None)
     plan = getattr(llm, "plan", None)
-    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, plan), source)
+    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, llm), source)
+    report["memory"]["cpu"]["peak_held_bytes"] = peak_held_bytes  # anonymous + shared: see jobs/memory.py
     report["outputs"] = output_counts(log)
     _write(config.report_path, lambda path: write_report(report, path))
     if tl is not None and config.report.trace:
@@ -235,8 +244,11 @@ def peak_memory(llm) -> dict:
     return peaks
 
 
-def budget_of(config: JobConfig, plan) -> dict:
-    """Budget bytes per tier: the config's where set, else the plan's."""
-    budget = getattr(plan, "budget", None)
+def budget_of(config: JobConfig, llm) -> dict:
+    """Budget bytes per tier: the config's where set, else the plan's (with the process's baseline, for RAM)."""
+    budget = getattr(getattr(llm, "plan", None), "budget", None)
+    cpu = config.memory.cpu
+    if cpu is None and budget is not None:
+        cpu = budget.cpu_bytes + (getattr(getattr(llm, "request", None), "host_baseline", None) or 0)
     return {"gpu": config.memory.gpu if config.memory.gpu is not None else getattr(budget, "gpu_bytes", None),
-            "cpu": config.memory.cpu if config.memory.cpu is not None else getattr(budget, "cpu_bytes", None)}
+            "cpu": cpu}

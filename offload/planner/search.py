@@ -339,7 +339,8 @@ class Search:
             hint += f", or {disk} to spill the weights that do not fit to disk"
         elif spilled.short and on_disk:
             more = _up(self._budget_for(spilled) - self.budget.cpu_bytes)
-            hint += f", or by {more} with {disk} to spill weights to disk"
+            hint += (f", or by {more} with {disk} to spill weights to disk" if on_disk > self.budget.disk_bytes
+                     else f", or by {more} with the weights that do not fit spilled to disk")
         return hint
 
     def _budget_for(self, cand: _Candidate) -> int:
