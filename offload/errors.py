@@ -27,3 +27,11 @@ class KernelError(OffloadError):
 
 class DeviceMemoryError(OffloadError):
     """A device (or simulated device) has no room for an allocation the plan did not foresee."""
+
+
+class OutputError(OffloadError):
+    """A job's outputs cannot be written (disk full, permissions); what was written before is kept."""
+
+
+class BudgetError(OffloadError):
+    """Memory measured while running passed the budget, and the job asked to stop then."""

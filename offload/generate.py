@@ -92,16 +92,25 @@ class Generator:
             timeline.add_phase(phase, self._now() - start_s, n_tokens)
 
     def _check(self, seq: Sequence) -> None:
-        if not seq.prompt_ids:
-            raise ConfigError(f"request {seq.request_id} has an empty prompt; give at least one token")
-        if len(seq.prompt_ids) >= self.context_len:
-            raise ConfigError(f"request {seq.request_id}: prompt of {len(seq.prompt_ids)} tokens does not fit the "
-                              f"context of {self.context_len} tokens; shorten the prompt or raise max_model_len "
-                              f"(at most the model's {self.model.spec.max_position_embeddings})")
+        try:
+            self.check_prompt(seq.prompt_ids)
+        except ConfigError as e:
+            raise ConfigError(f"prompts[{seq.request_id}]: {e}") from None
+
+    def check_prompt(self, ids: list[int]) -> None:
+        """ConfigError if token ids cannot run: empty, not shorter than this run's context, or outside the vocab."""
+        if not ids:
+            raise ConfigError("the prompt is empty after tokenization; give at least one token")
+        model_len = self.model.spec.max_position_embeddings
+        if len(ids) >= self.context_len:
+            more = (f"raise max_model_len (model.max_model_len in a job, --max-model-len) to more than {len(ids)}, "
+                    f"at most the model's {model_len}, or shorten the prompt" if len(ids) < model_len
+                    else f"the model's own context is {model_len}: shorten the prompt")
+            raise ConfigError(f"the prompt has {len(ids)} tokens but this run's context (max_model_len) is "
+                              f"{self.context_len} tokens; {more}")
         vocab = self.model.spec.vocab_size
-        if max(seq.prompt_ids) >= vocab or min(seq.prompt_ids) < 0:
-            raise ConfigError(f"request {seq.request_id}: prompt token ids must lie in [0, {vocab}); "
-                              f"use the model's own tokenizer")
+        if max(ids) >= vocab or min(ids) < 0:
+            raise ConfigError(f"prompt token ids must lie in [0, {vocab}); use the model's own tokenizer")
 
     def _prefill(self, group: list[Sequence], cache, max_len: int) -> torch.Tensor:
         """Run the prompts of newly admitted sequences, in passes of at most prefill_pass_tokens padded tokens;

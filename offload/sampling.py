@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
-from offload.errors import SamplingError
+from offload.errors import SamplingError, WeightsError
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
 @dataclass
@@ -36,17 +38,18 @@ class SamplingParams:
     def validate(self) -> None:
         """Raise SamplingError naming the first parameter out of range."""
         checks = [
-            (isinstance(self.max_tokens, int) and self.max_tokens >= 1,
+            (_is_int(self.max_tokens) and self.max_tokens >= 1,
              f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
             (_is_number(self.temperature) and self.temperature >= 0,
-             f"temperature must be >= 0 (0 means greedy), got {self.temperature!r}"),
+             f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}"),
             (_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (isinstance(self.top_k, int) and (self.top_k >= 0 or self.top_k == -1),
+            (_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
              f"top_k must be -1, 0 (all tokens) or a positive integer, got {self.top_k!r}"),
             (_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}"),
+            (self.seed is None or _is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX,
+             f"seed must be a whole number from -2**63 to 2**64-1, got {self.seed!r}"),
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
-            (all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
             (self.n == 1, f"n must be 1 (one completion per prompt), got {self.n!r}"),
         ]
@@ -66,7 +69,12 @@ class SamplingParams:
 
 
 def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
+    """A finite int or float (not a bool, NaN or infinity)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -88,7 +96,11 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick the next token id from fp32 logits [V]."""
+    """Pick the next token id from fp32 logits [V]; WeightsError if they are not finite (NaN or inf)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise WeightsError("the model produced NaN or infinite logits, so no token can be chosen; its weights "
+                           "likely hold NaN or inf values (or the compute dtype overflows): check the checkpoint, "
+                           "or try model.dtype fp32")
     if params.greedy:
         return int(torch.argmax(logits))
     probs = filter_logits(logits.float(), params).softmax(-1)

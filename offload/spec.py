@@ -235,6 +235,23 @@ def _require(config: dict, key: str, source: str):
     return config[key]
 
 
+def _count(config: dict, key: str, source: str, default: int | None = None) -> int:
+    """A whole number >= 1 from config (required unless a default is given)."""
+    value = _require(config, key, source) if default is None else config.get(key) or default
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{source}: key {key!r} must be a whole number of 1 or more, found {value!r}; "
+                          f"fix config.json (or restore it from the model's source)")
+    return value
+
+
+def _real(config: dict, key: str, source: str, default: float) -> float:
+    value = config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{source}: key {key!r} must be a number, found {value!r}; "
+                          f"fix config.json (or restore it from the model's source)")
+    return float(value)
+
+
 def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
     """Build a ModelSpec from a parsed config.json dict."""
     arch = config.get("model_type")
@@ -242,10 +259,10 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
         found = arch or (config.get("architectures") or ["nothing"])[0]
         raise ConfigError(f"{source}: architecture {found!r} is not supported; "
                           f"supported model_type values are {', '.join(SUPPORTED_ARCHITECTURES)}")
-    hidden = int(_require(config, "hidden_size", source))
-    n_heads = int(_require(config, "num_attention_heads", source))
-    n_kv_heads = int(config.get("num_key_value_heads") or n_heads)
-    head_dim = int(config.get("head_dim") or hidden // n_heads)
+    hidden = _count(config, "hidden_size", source)
+    n_heads = _count(config, "num_attention_heads", source)
+    n_kv_heads = _count(config, "num_key_value_heads", source, default=n_heads)
+    head_dim = _count(config, "head_dim", source, default=max(1, hidden // n_heads))
     if n_heads % n_kv_heads:
         raise ConfigError(f"{source}: num_attention_heads={n_heads} is not a multiple of "
                           f"num_key_value_heads={n_kv_heads}; fix the config")
@@ -258,16 +275,16 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
     attention_bias = bool(config.get("attention_bias", False))
     return ModelSpec(
         architecture=arch,
-        vocab_size=int(_require(config, "vocab_size", source)),
+        vocab_size=_count(config, "vocab_size", source),
         hidden_size=hidden,
-        intermediate_size=int(_require(config, "intermediate_size", source)),
-        n_layers=int(_require(config, "num_hidden_layers", source)),
+        intermediate_size=_count(config, "intermediate_size", source),
+        n_layers=_count(config, "num_hidden_layers", source),
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rms_norm_eps=_real(config, "rms_norm_eps", source, 1e-6),
         rope=_rope_from_config(config, source),
-        max_position_embeddings=int(config.get("max_position_embeddings", 2048)),
+        max_position_embeddings=_count(config, "max_position_embeddings", source, default=2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or attention_bias,
         o_bias=arch != "qwen2" and attention_bias,

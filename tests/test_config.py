@@ -80,7 +80,7 @@ MISTAKES = {
     "malformed line": ({}, [chat_line("a", "hi"), '{"custom_id": "b", "url": '],
                        ["line 2 of in.jsonl is not valid JSON", "expected one JSON object per line"]),
     "bad request parameter": ({}, [chat_line("a", "hi", temperature=-1)],
-                              ["custom_id 'a'", "temperature must be >= 0"]),
+                              ["custom_id 'a'", "temperature must be a finite number >= 0"]),
     "unsupported body key": ({}, [chat_line("a", "hi", max_tokenz=3)],
                              ["body parameter 'max_tokenz' is not supported; did you mean 'max_tokens'?"]),
 }

@@ -45,11 +45,11 @@ def _run_plan(config_path: Path) -> dict:
 
 JOBS = {  # name: job sections over the tiny model
     "gpu-streamed-q4_0": dict(model={"quantization": "q4_0", "max_model_len": 48}, hardware="rtx4090-ddr5",
-                              memory={"gpu": "600KiB", "cpu": "1GiB"}, sampling={"max_tokens": 12}),
+                              memory={"gpu": "600KiB", "cpu": "1GiB", "baseline": 0}, sampling={"max_tokens": 12}),
     "cpu-disk-q8_0": dict(model={"quantization": "q8_0", "max_model_len": 40}, hardware="cpu-desktop",
-                          memory={"gpu": 0, "cpu": "900KiB", "disk": "1GiB"},
+                          memory={"gpu": 0, "cpu": "900KiB", "disk": "1GiB", "baseline": 0},
                           schedule={"batch_size": 2, "prefetch_depth": 1}),
-    "planned-batch-none": dict(model={"dtype": "fp32"}, memory={"cpu": "64MiB"}),
+    "planned-batch-none": dict(model={"dtype": "fp32"}, memory={"cpu": "64MiB", "baseline": 0}),
 }
 
 
@@ -73,7 +73,8 @@ def test_plan_of_a_shipped_job_is_the_plan_its_run_uses(capsys, config):
 
 def test_plan_flags_and_llm_arguments_give_one_plan(capsys, tiny_dir):
     """`offload plan --flags` and LLM(...) with the same options: the same defaults, the same plan."""
-    flags = ["--model", str(tiny_dir), "--quantization", "q8_0", "--cpu-memory", "8MiB", "--hardware", "cpu-desktop"]
+    flags = ["--model", str(tiny_dir), "--quantization", "q8_0", "--cpu-memory", "8MiB", "--hardware", "cpu-desktop",
+             "--set", "memory.baseline=0"]  # LLM(...) does not count the process's baseline; jobs do
     llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory="8MiB", hardware="cpu-desktop")
     assert _plan_json(capsys, *flags) == json.loads(llm.plan.to_json())
 

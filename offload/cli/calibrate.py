@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
+from offload.errors import ConfigError
 from offload.hardware import cache_path, format_bytes, save_hardware
 
 log = logging.getLogger("offload")
@@ -19,8 +21,28 @@ def run(args) -> int:
     """Measure, log and cache the profile; print the path of the written profile."""
     from offload.runtime.calibrate import calibrate
 
+    target = Path(args.output) if args.output else cache_path()
+    check_writable(target)  # before minutes of measuring
     profile = calibrate(log.info)
-    path = save_hardware(profile, args.output or cache_path())
+    try:
+        path = save_hardware(profile, target)
+    except OSError as e:
+        raise ConfigError(f"cannot write the hardware profile to {target} ({e.strerror or e}); "
+                          f"pass --output with a writable path") from None
     log.info(f"ram {format_bytes(profile.ram_bytes)}, {profile.n_cores} cores, vram {format_bytes(profile.vram_bytes)}")
     print(f"wrote {path}")
     return 0
+
+
+def check_writable(path: Path) -> None:
+    """ConfigError unless a file can be written at path (tried: its folder is made, a new file is removed)."""
+    existed = path.exists()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a"):
+            pass
+    except OSError as e:
+        raise ConfigError(f"cannot write the hardware profile to {path} ({e.strerror or e}); "
+                          f"pass --output with a writable path") from None
+    if not existed:
+        path.unlink()

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
+import threading
 
 from offload import __version__
 from offload.cli import calibrate, generate, plan, run, simulate, validate
+from offload.cli.exits import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED
 from offload.errors import OffloadError
 
 COMMANDS = (generate, plan, simulate, calibrate, run, validate)  # each module adds its parser: add_parser(subparsers)
@@ -46,19 +49,42 @@ def setup_logging(args) -> None:
     warnings_logger.propagate = False
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the program is, so that it unwinds like Ctrl-C (flush, report, clean up)."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args)
+    in_main = threading.current_thread() is threading.main_thread()  # only there can a handler be set
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if in_main else None
     try:
         return args.func(args)
     except OffloadError as e:
         if args.debug:
             raise
         print(f"offload: error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_ERROR
+    except OSError as e:  # a file the specific checks did not foresee: still one line
+        if args.debug:
+            raise
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"offload: error: {e.strerror or e}{where}; check that path and the space left on its disk",
+              file=sys.stderr)
+        return EXIT_ERROR
+    except Terminated:
+        print("offload: terminated (SIGTERM); finished work is kept, rerun to resume", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
-        print("offload: interrupted", file=sys.stderr)
-        return 130
+        print("offload: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

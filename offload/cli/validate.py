@@ -22,9 +22,22 @@ def run(args) -> int:
     requests, bad = read_requests(Path(config.input.path), config.input.format, sampling_defaults(config),
                                   config.input.chat)
     name = args.config or "the command line"
+    check_plan(config)
     if bad:
         lines = "\n".join(f"  - {b.message}" for b in bad)
         raise ConfigError(f"{config.input.path} has {len(bad)} bad line(s) that would become error lines in "
                           f"the output; fix them:\n{lines}")
     print(f"{name}: ok; {len(requests)} requests from {config.input.path}; outputs to {config.output_path}")
     return 0
+
+
+def check_plan(config) -> None:
+    """Plan the job (arithmetic over config.json and the hardware profile, no weights): budgets that cannot
+    work, such as a GPU budget without a GPU or one too small for the model, are refused here."""
+    from offload.jobs.config import plan_request
+    from offload.planner import plan_for
+    from offload.spec import load_spec
+    from offload.weights.default_model import resolve_model
+
+    request = plan_request(config)
+    plan_for(load_spec(resolve_model(request.model)), request.profile(), request)

@@ -1,4 +1,4 @@
-"""OpenAI Batch JSONL (and plain prompt files) in; OpenAI Batch JSONL out, appended per request, resumable."""
+"""OpenAI Batch JSONL (and plain prompt files) in; OpenAI Batch JSONL records out (written by output.OutputLog)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import hashlib
 import json
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,7 @@ PARAM_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
               "skip_special_tokens": "skip_special_tokens",
               "include_stop_str_in_output": "include_stop_str_in_output"}
 IGNORED_KEYS = ("model", "user", "stream", "metadata")
-MANIFEST_VERSION = 1
+ROLES = ("system", "user", "assistant")  # what chat templates render; OpenAI's tool roles need tool calls
 
 
 @dataclass
@@ -60,7 +60,7 @@ def read_requests(path: Path, fmt: str = "openai", defaults: dict | None = None,
     """Parse a batch file; ConfigError if custom_ids repeat (the job must not start then)."""
     defaults = defaults or {}
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte-order mark is not data
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read the input file {path} ({e}); give a UTF-8 text file") from None
     if fmt == "text":
@@ -159,6 +159,10 @@ def _content(url: str, body: dict) -> tuple[Any, str | None]:
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             return None, f"expected messages[{i}] to have a string 'role' and text 'content', found {m!r}"
+        if m["role"] not in ROLES:
+            close = difflib.get_close_matches(m["role"], ROLES, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            return None, f"expected messages[{i}].role to be one of {', '.join(ROLES)}, found {m['role']!r}{hint}"
         out.append({"role": m["role"], "content": content})
     return out, None
 
@@ -201,88 +205,6 @@ def error_record(item: BadLine | Request, message: str, code: str = "invalid_req
     """An OpenAI Batch output line for a request that could not run."""
     error = {"code": code, "message": message, "line": item.line_no}
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": item.custom_id, "response": None, "error": error}
-
-
-def record_key(record: dict) -> str | None:
-    """The key a record answers: its custom_id, or line:N for a line that had none."""
-    if record.get("custom_id") is not None:
-        return record["custom_id"]
-    line = (record.get("error") or {}).get("line")
-    return f"line:{line}" if line is not None else None
-
-
-@dataclass
-class OutputLog:
-    """The output JSONL plus a manifest beside it that fingerprints the job that writes it."""
-
-    path: Path
-    fingerprint: dict
-    done: set[str] = field(default_factory=set)
-    _file: Any = None
-
-    @property
-    def manifest_path(self) -> Path:
-        return self.path.with_name(self.path.stem + ".job.json")
-
-    def open(self, restart: bool = False) -> set[str]:
-        """Start or resume; return the keys already answered. Refuses a resume under a changed job."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if restart:
-            self.path.unlink(missing_ok=True)
-            self.manifest_path.unlink(missing_ok=True)
-        if self.path.exists() and self.path.stat().st_size > 0:
-            self._check_manifest()
-            self.done = self._scan()
-        self.manifest_path.write_text(json.dumps({"version": MANIFEST_VERSION, "job": self.fingerprint}, indent=2))
-        self._file = open(self.path, "a", encoding="utf-8")
-        return self.done
-
-    def _check_manifest(self) -> None:
-        again = "rerun with --restart (or output.overwrite: true) to start over, or choose another output path"
-        if not self.manifest_path.is_file():
-            raise ConfigError(f"{self.path} exists but has no {self.manifest_path.name} saying which job wrote "
-                              f"it, so it cannot be resumed safely; {again}")
-        try:
-            old = json.loads(self.manifest_path.read_text()).get("job", {})
-        except (json.JSONDecodeError, AttributeError):
-            old = {}
-        changed = [k for k in sorted(set(old) | set(self.fingerprint)) if old.get(k) != self.fingerprint.get(k)]
-        if changed:
-            k = changed[0]
-            raise ConfigError(f"{self.path} was started with {k}={old.get(k)!r} but this run has "
-                              f"{k}={self.fingerprint.get(k)!r}" + (f" (and {len(changed) - 1} more changes)"
-                              if len(changed) > 1 else "") + f"; {again}")
-
-    def _scan(self) -> set[str]:
-        """Keys of complete records; a torn last line (a killed write) is cut off."""
-        data = self.path.read_bytes()
-        end = data.rfind(b"\n") + 1
-        if end < len(data):
-            with open(self.path, "r+b") as f:
-                f.truncate(end)
-        done = set()
-        for n, line in enumerate(data[:end].decode("utf-8", errors="replace").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                key = record_key(json.loads(line))
-            except (json.JSONDecodeError, AttributeError):
-                raise ConfigError(f"{self.path} line {n} is not a JSON record; the file was edited or damaged: "
-                                  f"repair it, or rerun with --restart to start over") from None
-            if key is not None:
-                done.add(key)
-        return done
-
-    def append(self, record: dict) -> None:
-        """Write one record as a line and flush it, so a killed job keeps it."""
-        self._file.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._file.flush()
-        self.done.add(record_key(record))
-
-    def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
 
 
 def file_digest(path: Path) -> str:

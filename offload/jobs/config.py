@@ -15,6 +15,7 @@ from offload.errors import ConfigError
 from offload.formats import DTYPES, QUANTIZATIONS
 from offload.planner.request import PlanRequest
 from offload.profile.report import PLOT_EXTRA_HINT, plotting_available
+from offload.sampling import SEED_MAX, SEED_MIN
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS
 from offload.weights.default_model import resolve_model
 
@@ -35,10 +36,11 @@ def _size(value: Any) -> int | None:
 
 
 Size = Annotated[int | None, BeforeValidator(_size)]
+Baseline = Annotated[int | str, BeforeValidator(lambda v: v if v == "auto" else _size(v) or 0)]
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Section):
@@ -54,8 +56,10 @@ class MemoryConfig(_Section):
     """Budget per tier; None means the planner's default share of what the machine has."""
 
     gpu: Size = None
-    cpu: Size = None
+    cpu: Size = None  # everything the process holds, its own baseline included
     disk: Size = None
+    baseline: Baseline = "auto"  # what the process holds before any weight; auto: measured at run time
+    on_exceed: Literal["warn", "stop"] = "warn"  # when the memory held while running passes memory.cpu
 
 
 class InputConfig(_Section):
@@ -70,7 +74,8 @@ class OutputConfig(_Section):
     """Where results go; an existing file is resumed unless overwrite is set."""
 
     path: str | None = None  # default: <input stem>.outputs.jsonl beside the input
-    overwrite: bool = False
+    overwrite: bool = False  # start over (the old outputs are kept as <output>.bak)
+    retry_failed: bool = True  # a rerun retries the requests whose output is an error line
 
 
 class SamplingConfig(_Section):
@@ -81,7 +86,7 @@ class SamplingConfig(_Section):
     top_p: float = Field(1.0, gt=0, le=1)
     top_k: int = Field(0, ge=-1)
     min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] = Field(default_factory=list)
     ignore_eos: bool = False
 
@@ -168,7 +173,12 @@ def read_yaml(path: Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; give the path of a YAML file such as configs/demo.yaml")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.load(path.read_text(encoding="utf-8-sig"), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path} is not UTF-8 text (byte {e.start} is {e.object[e.start:e.start + 1]!r}); "
+                          f"save the config as UTF-8") from None
+    except _DuplicateKey as e:
+        raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML ({' '.join(str(e).split())}); fix the syntax") from None
     if data is None:
@@ -177,6 +187,25 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path}: expected a mapping of sections (model, input, ...), "
                           f"found {type(data).__name__}; see configs/demo.yaml")
     return data
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key given twice in one mapping (PyYAML would keep the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = {}
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise _DuplicateKey(f"key {key!r} is given twice (lines {seen[key]} and "
+                                    f"{key_node.start_mark.line + 1}), and YAML would silently keep only the last; "
+                                    f"merge them into one")
+            seen[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def validate_config(raw: dict, source: str = "config", need_input: bool = True) -> JobConfig:
@@ -190,6 +219,8 @@ def validate_config(raw: dict, source: str = "config", need_input: bool = True) 
     except ValidationError as e:
         problems += [describe_error(err) for err in e.errors()]
     problems += check_files(raw)
+    if config is not None and config.input is not None:
+        problems += check_paths(config)
     if problems:
         raise ConfigError(_join_problems(source, problems))
     return config
@@ -293,6 +324,31 @@ def check_files(raw: dict) -> list[str]:
     return problems
 
 
+def check_paths(config: JobConfig) -> list[str]:
+    """Problems where two files of a job are one: the input and what the job writes, or two things it writes."""
+    from offload.jobs.output import side_files
+
+    files = {"input.path": Path(config.input.path), "output.path": config.output_path,
+             "report.path": config.report_path}
+    files |= {f"the output's {name}": path for name, path in side_files(config.output_path).items()}
+    files |= {key: Path(getattr(config.report, key.split(".")[1])) for key in ("report.trace", "report.plot")
+              if getattr(config.report, key.split(".")[1])}
+    problems, seen = [], {}
+    for key, path in files.items():
+        real = os.path.realpath(path)
+        if real in seen:
+            what = "would write over its input" if seen[real] == "input.path" else "would write one over the other"
+            problems.append(f"{_key_name(seen[real])} and {_key_name(key)} are the same file {path}, so the job "
+                            f"{what}; give them different paths")
+        else:
+            seen[real] = key
+    return problems
+
+
+def _key_name(key: str) -> str:
+    return f"key {key!r}" if "." in key and " " not in key else key
+
+
 def _what_is(path: Path) -> str:
     return "is not a model folder" if path.is_dir() else "does not exist"
 
@@ -362,7 +418,12 @@ def parse_set_option(text: str) -> tuple[str, Any]:
 
 def plan_request(config: JobConfig) -> PlanRequest:
     """What a job asks of the planner: the one request both `offload plan JOB` and `offload run JOB` plan from."""
-    return PlanRequest(model=config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
+    baseline = config.memory.baseline
+    if baseline == "auto":
+        from offload.jobs.memory import process_baseline_bytes
+
+        baseline = process_baseline_bytes(str(resolve_model(config.model.path)))
+    return PlanRequest(host_baseline=baseline, model=config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
                        hardware=config.hardware, gpu_memory=config.memory.gpu, cpu_memory=config.memory.cpu,
                        disk_memory=config.memory.disk, batch_size=config.schedule.batch_size,
                        max_model_len=config.model.max_model_len, max_tokens=config.sampling.max_tokens,

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import resource
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from offload.jobs.batch import CHAT, BadLine, OutputLog, Request, error_record, file_digest, read_requests, success_record
+from offload.jobs.batch import CHAT, BadLine, Request, error_record, file_digest, read_requests, success_record
+from offload.jobs.memory import MemoryWatch
+from offload.jobs.output import OutputLog
 from offload.jobs.config import JobConfig, load_config, plan_request, validate_config
-from offload.errors import OffloadError
+from offload.errors import BudgetError, OffloadError
 from offload.profile.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
 from offload.profile.timeline import Timeline
+
+logger = logging.getLogger("offload")
 
 
 @dataclass
@@ -24,31 +30,79 @@ class Prepared:
 
 def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, progress: bool | None = None,
               llm=None) -> dict:
-    """Run (or resume) a batch job described by a config; write outputs and report; return the report."""
+    """Run (or resume) a batch job described by a config; write outputs and report; return the report.
+
+    The output is locked while the job runs; a restart moves the old outputs to .bak only once the model is
+    loaded, so a restart that cannot start leaves them as they were."""
     config = as_config(config)
+    restart = restart or config.output.overwrite
     requests, bad = read_requests(Path(config.input.path), config.input.format, sampling_defaults(config),
                                   config.input.chat)
-    log = OutputLog(config.output_path, job_fingerprint(config))
-    done = log.open(restart=restart or config.output.overwrite)
-    counts = JobCounts(n_requests=len(requests) + len(bad),
-                       n_skipped=sum(item.key in done for item in [*requests, *bad]))
-    timeline = None
+    log = OutputLog(config.output_path, job_fingerprint(config), config.output.retry_failed)
+    log.lock()
+    try:
+        done = log.check(restart)
+        n_total = len(requests) + len(bad)
+        todo, bad = [r for r in requests if r.key not in done], [b for b in bad if b.key not in done]
+        counts = JobCounts(n_requests=n_total, n_skipped=n_total - len(todo) - len(bad))
+        if not todo and not bad:
+            return nothing_to_do(config, counts, log)
+        if todo and llm is None:
+            llm = load_llm(config)  # a plan that cannot work stops here, before anything is written
+        with MemoryWatch(config.memory.cpu, stop=config.memory.on_exceed == "stop") as watch:
+            try:
+                log.begin(restart)
+                return _run(config, llm, todo, bad, log, counts, progress, watch)
+            except KeyboardInterrupt:
+                if watch.exceeded_bytes is not None and watch.stop_on_exceed:
+                    raise BudgetError(f"stopped: {watch.message()}; the answers written are kept") from None
+                raise
+    finally:
+        log.close()
+
+
+def _run(config: JobConfig, llm, todo: list[Request], bad: list[BadLine], log: OutputLog, counts: JobCounts,
+         progress: bool | None, watch: MemoryWatch) -> dict:
+    """Write the bad lines, generate the rest; the report is written however this ends."""
+    timeline = job_timeline(llm) if todo else None
     try:
         for item in bad:
-            if item.key not in done:
-                _fail(log, counts, item, item.message)
-        todo = [r for r in requests if r.key not in done]
+            _fail(log, counts, item, item.message)
         if todo:
-            llm = llm if llm is not None else load_llm(config)
-            timeline = job_timeline(llm)
             generate_all(llm, todo, log, counts, _progress_on(config, progress), config.report.echo)
     except KeyboardInterrupt:
         counts.interrupted = True
         raise
     finally:
-        log.close()
-        report = finish(config, counts, llm, timeline)
+        watch.sample()
+        report = finish(config, counts, llm if todo else None, timeline, log, watch.peak_bytes)
     return report
+
+
+def nothing_to_do(config: JobConfig, counts: JobCounts, log: OutputLog) -> dict:
+    """A rerun of a finished job: keep its report (and any trace or plot), say so, change nothing."""
+    skipped = ", ".join(k for k in ("trace", "plot") if getattr(config.report, k))
+    logger.warning(f"nothing left to do: all {counts.n_requests} requests are answered in {config.output_path}"
+                 + (f", so no {skipped} was written (nothing ran)" if skipped else "")
+                 + "; rerun with --restart to run the job again")
+    report = _saved_report(config.report_path) or build_report(counts, None, None, None, None, None)
+    report["outputs"] = output_counts(log)
+    if config.report.print:
+        print(format_report(report), flush=True)
+        print(f"outputs: {config.output_path}\nreport: {config.report_path}", flush=True)
+    return report
+
+
+def _saved_report(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def output_counts(log: OutputLog) -> dict:
+    """What the output file holds now: answered requests and error lines (the exit code follows `failed`)."""
+    return {"path": str(log.path), "answered": len(log.done - log.failed), "failed": len(log.failed)}
 
 
 def as_config(config) -> JobConfig:
@@ -103,13 +157,7 @@ def prepare(llm, req: Request) -> Prepared:
         ids, text = list(llm.tokenizer.encode(req.prompt)), req.prompt
     else:
         ids, text = list(req.prompt), None
-    context, vocab = llm.spec.max_position_embeddings, llm.spec.vocab_size
-    if not ids:
-        raise OffloadError("the prompt is empty after tokenization; give at least one token")
-    if len(ids) >= context:
-        raise OffloadError(f"the prompt has {len(ids)} tokens but the model's context is {context}; shorten it")
-    if min(ids) < 0 or max(ids) >= vocab:
-        raise OffloadError(f"prompt token ids must lie in [0, {vocab}); use the model's own tokenizer")
+    llm.generator.check_prompt(ids)  # the one check, against the context this run's cache holds
     return Prepared(req, {"prompt_token_ids": ids, "prompt": text})
 
 
@@ -159,20 +207,32 @@ def job_timeline(llm) -> tuple[Timeline, str] | None:
     return timeline, "executor"
 
 
-def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, str] | None) -> dict:
+def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, str] | None,
+           log: OutputLog, peak_held_bytes: int | None = None) -> dict:
     """Build the report; write it (JSON, trace, plot) beside the outputs and print it."""
     tl, source = timeline if timeline is not None else (None, None)
     plan = getattr(llm, "plan", None)
-    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, plan), source)
-    write_report(report, config.report_path)
+    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, llm), source)
+    report["memory"]["cpu"]["peak_held_bytes"] = peak_held_bytes  # anonymous + shared: see jobs/memory.py
+    report["outputs"] = output_counts(log)
+    _write(config.report_path, lambda path: write_report(report, path))
     if tl is not None and config.report.trace:
-        write_trace(tl, Path(config.report.trace))
+        _write(Path(config.report.trace), lambda path: write_trace(tl, path))
     if tl is not None and config.report.plot:
-        write_plot(tl, report, Path(config.report.plot))
+        _write(Path(config.report.plot), lambda path: write_plot(tl, report, path))
     if config.report.print:
         print(format_report(report), flush=True)
         print(f"outputs: {config.output_path}\nreport: {config.report_path}", flush=True)
     return report
+
+
+def _write(path: Path, write) -> None:
+    """Write one report file, making its folder; a failure is logged, not raised (the outputs are safe)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
+    except OSError as e:
+        logger.error(f"could not write {path} ({e.strerror or e}); the outputs in this run are kept")
 
 
 def peak_memory(llm) -> dict:
@@ -184,8 +244,11 @@ def peak_memory(llm) -> dict:
     return peaks
 
 
-def budget_of(config: JobConfig, plan) -> dict:
-    """Budget bytes per tier: the config's where set, else the plan's."""
-    budget = getattr(plan, "budget", None)
+def budget_of(config: JobConfig, llm) -> dict:
+    """Budget bytes per tier: the config's where set, else the plan's (with the process's baseline, for RAM)."""
+    budget = getattr(getattr(llm, "plan", None), "budget", None)
+    cpu = config.memory.cpu
+    if cpu is None and budget is not None:
+        cpu = budget.cpu_bytes + (getattr(getattr(llm, "request", None), "host_baseline", None) or 0)
     return {"gpu": config.memory.gpu if config.memory.gpu is not None else getattr(budget, "gpu_bytes", None),
-            "cpu": config.memory.cpu if config.memory.cpu is not None else getattr(budget, "cpu_bytes", None)}
+            "cpu": cpu}

@@ -3,11 +3,11 @@ build a PlanRequest and call plan_for, so the plan a user reads is the plan that
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from offload.errors import ConfigError
 from offload.formats import QUANTIZATIONS, compute_format, weight_format
-from offload.hardware import HardwareProfile, default_hardware, load_hardware, parse_size
+from offload.hardware import HardwareProfile, default_hardware, format_bytes, load_hardware, parse_size
 from offload.planner.search import plan, plan_best_batch
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS, Budget, Plan, Workload
 from offload.spec import ModelSpec
@@ -34,6 +34,8 @@ class PlanRequest:
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     backend: str = "auto"  # auto | cpu | cuda: with cpu, dtype 'auto' computes in fp32 even where a GPU is planned
+    host_baseline: int | None = None  # RAM the process holds besides the plan (Python, torch, tokenizer),
+    # counted against cpu_memory; measured by jobs (memory.baseline); None: not counted
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -55,9 +57,19 @@ class PlanRequest:
         return load_hardware(self.hardware)
 
     def budget(self, hw: HardwareProfile) -> Budget:
-        return Budget.for_hardware(hw, gpu_bytes=_size(self.gpu_memory, "gpu_memory"),
-                                   cpu_bytes=_size(self.cpu_memory, "cpu_memory"),
-                                   disk_bytes=_size(self.disk_memory, "disk_memory") or 0)
+        gpu_bytes = _size(self.gpu_memory, "gpu_memory")
+        if gpu_bytes and not hw.has_gpu:
+            raise ConfigError(f"a GPU budget of {format_bytes(gpu_bytes)} was given (memory.gpu, --gpu-memory) but the "
+                              f"hardware profile {hw.name!r} has no GPU; leave the GPU budget unset or 0, or name "
+                              f"a hardware profile with a GPU")
+        budget = Budget.for_hardware(hw, gpu_bytes=gpu_bytes, cpu_bytes=_size(self.cpu_memory, "cpu_memory"),
+                                     disk_bytes=_size(self.disk_memory, "disk_memory") or 0)
+        baseline = self.host_baseline or 0
+        if baseline and budget.cpu_bytes <= baseline:
+            raise ConfigError(f"the CPU budget of {format_bytes(budget.cpu_bytes)} (memory.cpu, --cpu-memory) is not "
+                              f"more than this process's own {format_bytes(baseline)} (Python, torch, the "
+                              f"tokenizer: memory.baseline); raise the budget above that")
+        return replace(budget, cpu_bytes=budget.cpu_bytes - baseline)
 
     def compute_format(self, hw: HardwareProfile) -> str:
         """The compute format this request runs in on hw (resolving dtype 'auto')."""

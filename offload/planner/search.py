@@ -310,12 +310,11 @@ class Search:
         tier, need, have = min(shorts, key=lambda s: s[1] - s[2])
         what = (f"{self._model_name()} in {self.fmt} does not fit: the closest placement needs "
                 f"{format_bytes(need)} of {tier} memory but the budget allows {format_bytes(have)} "
-                f"(short by {(need - have) / 2**30:.2f} GiB)")
+                f"(short by {format_bytes(need - have)})")
         return what + "; " + "; ".join(self._hints(tier, need - have)) + "."
 
     def _hints(self, tier: str, short: int) -> list[str]:
         weights, kv = sum(self.w), sum(self.kv)
-        short_gib = math.ceil(short / 2**30 * 100) / 100
         hints = [f"weights take {format_bytes(weights)}, the KV cache {format_bytes(kv)} for batch "
                  f"{self.wl.batch_size} x {self.wl.seq_len} tokens"]
         if kv + self.ws_cpu > short or self.wl.batch_size > 1:
@@ -327,13 +326,41 @@ class Search:
             hints.append("--quantization " + ", ".join(savings))
         if tier == "gpu":
             hints.append("raise --gpu-memory, or set it to 0 to run on the CPU")
-        elif tier == "cpu":
-            # Host weights were already spilled to disk: what is short here is KV, workspace or buffers.
-            hints.append(f"raise --cpu-memory by {short_gib} GiB")
         else:
-            hints.append(f"let more weights spill to disk: raise --disk-memory by {short_gib} GiB "
-                         f"(it is {format_bytes(self.budget.disk_bytes)}), or --cpu-memory by as much")
+            hints.append(self._host_hint())
         return hints
+
+    def _host_hint(self) -> str:
+        """What to raise so that the CPU-only placement fits: RAM for every weight, or RAM and disk with the
+        weights that do not fit spilled. Budgets are sized for the margin taken from them."""
+        ram_only = _Candidate(["cpu"] * self.n, {p: ["cpu"] * self.n for p in PHASES}, False)
+        hint = f"raise --cpu-memory by {_up(self._budget_for(ram_only) - self.budget.cpu_bytes)} to hold every " \
+               f"weight in RAM"
+        spilled = self._build(0, use_gpu=False)
+        on_disk = sum(self.w[i] for i in range(self.n) if spilled.weight[i] == "disk")
+        disk = f"--disk-memory by {_up(on_disk - self.budget.disk_bytes)} (it is " \
+               f"{format_bytes(self.budget.disk_bytes)})"
+        if spilled.short and spilled.short[0] == "disk":
+            hint += f", or {disk} to spill the weights that do not fit to disk"
+        elif spilled.short and on_disk:
+            more = _up(self._budget_for(spilled) - self.budget.cpu_bytes)
+            hint += (f", or by {more} with {disk} to spill weights to disk" if on_disk > self.budget.disk_bytes
+                     else f", or by {more} with the weights that do not fit spilled to disk")
+        return hint
+
+    def _budget_for(self, cand: _Candidate) -> int:
+        """The CPU budget at which cand's host memory, margin included, just fits."""
+        used = self._host_usage(cand) - self.budget.margin_bytes("cpu")
+        return math.ceil(used / (1 - self.budget.margin_frac))
+
+
+def _up(n_bytes: int) -> str:
+    """A size rounded up in its unit (0.01 MiB, 0.01 GiB), so that raising a budget by it is always enough."""
+    n_bytes = max(int(n_bytes), 0)
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= scale:
+            return f"{math.ceil(n_bytes / scale * 100) / 100:.2f} {unit}"
+    return f"{n_bytes} B"
 
 
 def plan(spec: ModelSpec, hardware: HardwareProfile, budget: Budget, workload: Workload,

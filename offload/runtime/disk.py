@@ -2,13 +2,73 @@
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
+import shutil
+import tempfile
 import threading
+import weakref
 from pathlib import Path
 
 import torch
 
 from offload.runtime.backends.base import Backend
+
+
+SPILL_PREFIX = "offload-disk-"  # spill folders in the temp folder; a run's own is locked while it lives
+_NEW_PREFIX = ".offload-disk-new-"  # a folder not yet locked is made under this name, so no sweep takes it
+LOCK_NAME = ".lock"
+log = logging.getLogger("offload")
+
+
+class SpillFolder:
+    """A temporary folder for spilled weights, locked (flock) while this run uses it. It is removed by close(),
+    when garbage-collected, at interpreter exit (also after an exception, Ctrl-C or a SIGTERM the CLI handles),
+    and, if the run was killed outright, by the next run that makes a spill folder in the same place."""
+
+    def __init__(self, parent: str | Path | None = None):
+        parent = Path(parent or tempfile.gettempdir())
+        sweep_stale(parent)
+        new = Path(tempfile.mkdtemp(prefix=_NEW_PREFIX, dir=parent))
+        fd = os.open(new / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        self.path = parent / (SPILL_PREFIX + new.name.removeprefix(_NEW_PREFIX))
+        os.rename(new, self.path)
+        self._finalizer = weakref.finalize(self, _remove, self.path, fd)
+
+    @property
+    def name(self) -> str:
+        return str(self.path)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _remove(path: Path, fd: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    os.close(fd)
+
+
+def sweep_stale(parent: Path) -> list[Path]:
+    """Remove the spill folders under parent whose run has died (their lock is free); return them."""
+    removed = []
+    for folder in sorted(Path(parent).glob(SPILL_PREFIX + "*")):
+        try:
+            fd = os.open(folder / LOCK_NAME, os.O_RDWR)
+        except OSError:
+            continue  # no lock file: not made by this version of offload, left alone
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+        except BlockingIOError:
+            pass  # a live run's
+        finally:
+            os.close(fd)
+    if removed:
+        log.info(f"removed {len(removed)} spill folder(s) left by killed runs: {', '.join(map(str, removed))}")
+    return removed
 
 
 class DiskStore:

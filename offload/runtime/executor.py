@@ -14,7 +14,6 @@ says (staging slots, read-ahead buffers); a unit that would not fit them is an e
 
 from __future__ import annotations
 
-import tempfile
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +27,7 @@ from offload.planner.placement import Placement
 from offload.planner.types import PHASES
 from offload.profile.timeline import Timeline
 from offload.runtime.backends.base import Backend, Work
-from offload.runtime.disk import DiskStore, ReadAhead
+from offload.runtime.disk import DiskStore, ReadAhead, SpillFolder
 from offload.runtime.staging import StagingRing
 from offload.runtime.unit_store import UnitLayout, in_row_order, layout_of, materialize, write_into
 from offload.spec import ModelSpec
@@ -118,7 +117,7 @@ class PlacedModel:
     def _disk_store(self) -> DiskStore:
         if self.disk is None:
             if self._disk_dir is None:
-                self._disk_tmp = tempfile.TemporaryDirectory(prefix="offload-disk-")
+                self._disk_tmp = SpillFolder()  # removed on every exit path; a killed run's by the next
             self.disk = DiskStore(Path(self._disk_dir or self._disk_tmp.name))
         return self.disk
 

@@ -1,0 +1,98 @@
+"""Host memory of a job's process: its baseline before any weight (Python, torch, the tokenizer), which the CPU
+budget counts, and a watch that warns, or stops the job, when the memory it holds passes that budget.
+
+Memory "held" is resident anonymous and shared memory (RssAnon + RssShmem): what the OS cannot drop without
+swapping. Pages of the mmap'ed checkpoint (RssFile) are page cache the kernel reclaims under pressure; the
+report shows them apart (`ru_maxrss` counts both)."""
+
+from __future__ import annotations
+
+import _thread
+import functools
+import importlib
+import logging
+import threading
+from pathlib import Path
+
+from offload.errors import BudgetError
+from offload.hardware import format_bytes
+
+log = logging.getLogger("offload")
+WATCH_INTERVAL_S = 0.2  # a sample costs ~20 us (one read of /proc/self/status)
+BASELINE_ROUNDING_BYTES = 64 << 20  # two processes' baselines differ by a few MiB; rounded, they agree
+
+
+def held_bytes() -> int:
+    """Resident anonymous + shared bytes of this process (0 where /proc is not available)."""
+    try:
+        lines = Path("/proc/self/status").read_text().splitlines()
+    except OSError:
+        return 0
+    fields = dict(line.split(":", 1) for line in lines if line.startswith(("RssAnon", "RssShmem")))
+    return sum(int(v.split()[0]) * 1024 for v in fields.values())
+
+
+@functools.lru_cache(maxsize=None)
+def process_baseline_bytes(model_dir: str) -> int:
+    """What this process holds before any weight, with torch imported and the model's tokenizer loaded;
+    measured once per process and model (so that `offload plan` and the run it predicts agree)."""
+    importlib.import_module("torch")  # the runtime holds it, so the baseline does too
+    tokenizer = _load_tokenizer(Path(model_dir))
+    held = held_bytes()
+    del tokenizer
+    # rounded up, so that `offload plan` in one process and `offload run` in another plan with the same figure
+    return -(-held // BASELINE_ROUNDING_BYTES) * BASELINE_ROUNDING_BYTES
+
+
+def _load_tokenizer(path: Path):
+    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class MemoryWatch:
+    """A thread that samples held memory: keeps its peak, warns once when it passes budget_bytes, and with
+    stop=True interrupts the job (run_batch turns that into a BudgetError after flushing)."""
+
+    def __init__(self, budget_bytes: int | None, stop: bool = False, interval_s: float | None = None):
+        self.budget_bytes, self.stop_on_exceed = budget_bytes, stop
+        self.interval_s = interval_s or WATCH_INTERVAL_S
+        self.peak_bytes, self.exceeded_bytes = 0, None
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="offload-memory-watch", daemon=True)
+
+    def __enter__(self) -> "MemoryWatch":
+        if self.sample() and self.stop_on_exceed:
+            raise BudgetError(f"stopped before generating: {self.message()}")
+        if self.budget_bytes:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        self.sample()
+
+    def sample(self) -> bool:
+        """Measure; True the first time the budget is passed (and warn then)."""
+        held = held_bytes()
+        self.peak_bytes = max(self.peak_bytes, held)
+        if not self.budget_bytes or held <= self.budget_bytes or self.exceeded_bytes is not None:
+            return False
+        self.exceeded_bytes = held
+        log.warning(self.message() + ("" if self.stop_on_exceed else
+                                      " (memory.on_exceed: stop would stop the job here)"))
+        return True
+
+    def message(self) -> str:
+        return (f"this process holds {format_bytes(self.exceeded_bytes)}, more than the CPU budget of "
+                f"{format_bytes(self.budget_bytes)} (memory.cpu); lower schedule.batch_size or model.max_model_len, "
+                f"or raise memory.cpu")
+
+    def _run(self) -> None:
+        while not self._done.wait(self.interval_s):
+            if self.sample() and self.stop_on_exceed:
+                _thread.interrupt_main()  # run_batch turns it into a BudgetError once the outputs are flushed

@@ -1,0 +1,161 @@
+"""Bad input costs one request, never the job; `offload validate` catches every config-level mistake without
+running anything (issue 12, items 1, 2, 7 and 9)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from conftest import make_hf_model, save_hf_model
+from jobs_support import chat_line, completion_line, make_tiny_chat_model, read_records, write_batch, write_job
+from offload.cli.main import main
+from offload.errors import WeightsError
+from offload.jobs.run import run_batch
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def cli(*argv) -> tuple[int, str]:
+    """Run the CLI in-process; return (exit code, stderr + stdout)."""
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main([str(a) for a in argv])
+    return code, err.getvalue() + out.getvalue()
+
+
+def job(tmp_path, model_dir, lines, **sections):
+    write_batch(tmp_path / "in.jsonl", lines)
+    base = {"model": {"path": str(model_dir)}, "input": {"path": "in.jsonl"}, "output": {"path": "o.jsonl"},
+            "sampling": {"max_tokens": 2, "temperature": 0}, "report": {"print": False}}
+    return write_job(tmp_path / "job.yaml", **{**base, **sections})
+
+
+def by_id(path):
+    return {r["custom_id"]: r for r in read_records(path)}
+
+
+def test_prompt_longer_than_the_runs_context_is_one_error_line(tmp_path, tiny_model):
+    """Item 1: checked once, against max_model_len (64 here, the model allows 512), naming the custom_id and
+    the key to change; the other request is answered."""
+    config = job(tmp_path, tiny_model, [completion_line("long", list(range(100))), completion_line("ok", [5, 6])],
+                 model={"path": str(tiny_model), "max_model_len": 64})
+    report = run_batch(config)
+    records = by_id(tmp_path / "o.jsonl")
+    message = records["long"]["error"]["message"]
+    assert "custom_id 'long'" in message and "100 tokens" in message and "context (max_model_len) is 64" in message
+    assert "model.max_model_len" in message and "at most the model's 512" in message
+    assert records["ok"]["error"] is None and report["requests"]["done"] == 1
+
+
+def test_seed_out_of_range_is_an_error_line_and_validate_says_so(tmp_path, tiny_model):
+    """Item 2: seed 2**64 fails its request only; validate names it; a config seed is refused too."""
+    config = job(tmp_path, tiny_model, [completion_line("big", "hi", seed=2**64, temperature=0.5),
+                                        completion_line("ok", "hi", seed=2**64 - 1, temperature=0.5)])
+    code, message = cli("validate", config)
+    assert code == 2 and "custom_id 'big'" in message and "seed must be a whole number" in message
+    assert "'ok'" not in message
+    report = run_batch(config)
+    records = by_id(tmp_path / "o.jsonl")
+    assert "seed" in records["big"]["error"]["message"] and records["ok"]["error"] is None
+    assert report["requests"]["done"] == 1
+    code, message = cli("validate", config, "--seed", 2**70)
+    assert code == 2 and "key 'sampling.seed'" in message and "Traceback" not in message
+
+
+def test_generate_with_a_huge_seed_is_one_line(tiny_model, capsys):
+    assert main(["generate", "--model", str(tiny_model), "--prompt", "hi", "--seed", str(2**70),
+                 "--temperature", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "seed must be a whole number" in err
+
+
+def test_a_byte_order_mark_is_not_part_of_the_first_request(tmp_path, tiny_model):
+    """Item 7."""
+    config = job(tmp_path, tiny_model, [completion_line("a", "hi"), completion_line("b", "ho")])
+    (tmp_path / "in.jsonl").write_bytes(b"\xef\xbb\xbf" + (tmp_path / "in.jsonl").read_bytes())
+    assert cli("validate", config)[0] == 0
+    report = run_batch(config)
+    assert report["requests"]["failed"] == 0 and report["requests"]["done"] == 2
+
+
+CONFIG_MISTAKES = {  # item 9: name -> (YAML text of the job, words the message must hold)
+    "duplicated section": ("model: {{path: '{model}'}}\ninput: {{path: in.jsonl}}\nsampling:\n  max_tokens: 3\n"
+                           "sampling:\n  temperature: 0.5\n", ["key 'sampling' is given twice (lines 3 and 5)"]),
+    "infinite temperature": ("model: {{path: '{model}'}}\ninput: {{path: in.jsonl}}\nsampling: {{temperature: "
+                             "Infinity}}\n", ["key 'sampling.temperature'", "Infinity"]),
+    "nan top_p": ("model: {{path: '{model}'}}\ninput: {{path: in.jsonl}}\nsampling: {{top_p: .nan}}\n",
+                  ["key 'sampling.top_p'"]),
+    "gpu budget without a gpu": ("model: {{path: '{model}'}}\ninput: {{path: in.jsonl}}\nhardware: cpu-desktop\n"
+                                 "memory: {{gpu: 22GiB}}\n", ["GPU budget of 22.00 GiB", "'cpu-desktop' has no GPU"]),
+    "input is the output": ("model: {{path: '{model}'}}\ninput: {{path: in.jsonl}}\noutput: {{path: in.jsonl}}\n",
+                            ["'input.path' and key 'output.path' are the same file", "write over its input"]),
+    "report is the output": ("model: {{path: '{model}'}}\ninput: {{path: in.jsonl}}\noutput: {{path: o.jsonl}}\n"
+                             "report: {{path: o.jsonl}}\n", ["'output.path' and key 'report.path' are the same"]),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIG_MISTAKES))
+def test_validate_catches_each_config_mistake_and_run_refuses_it(tmp_path, tiny_model, name):
+    """Items 3 and 9: `offload validate` names the mistake; `offload run` refuses before writing anything."""
+    text, words = CONFIG_MISTAKES[name]
+    write_batch(tmp_path / "in.jsonl", [completion_line("a", "hi")])
+    before = (tmp_path / "in.jsonl").read_bytes()
+    (tmp_path / "job.yaml").write_text(text.format(model=tiny_model))
+    for command in ("validate", "run"):
+        code, message = cli(command, tmp_path / "job.yaml")
+        assert code == 2 and "Traceback" not in message, message
+        for word in words:
+            assert word in message, (word, message)
+    assert (tmp_path / "in.jsonl").read_bytes() == before and not (tmp_path / "o.jsonl").exists()
+
+
+def test_restart_cannot_overwrite_the_input(tmp_path, tiny_model):
+    """Item 3: the refusal of input == output is not undone by --restart."""
+    write_batch(tmp_path / "in.jsonl", [completion_line("a", "hi")])
+    before = (tmp_path / "in.jsonl").read_bytes()
+    code, message = cli("run", "--model", tiny_model, "--input", tmp_path / "in.jsonl", "--output",
+                        tmp_path / "in.jsonl", "--restart")
+    assert code == 2 and "write over its input" in message and (tmp_path / "in.jsonl").read_bytes() == before
+
+
+def test_an_unknown_role_is_an_error_line(tmp_path, tiny_model):
+    """Item 9: a role the chat template does not know is refused for that request, with a suggestion."""
+    robot = {**chat_line("r", "hi"), "body": {"messages": [{"role": "robot", "content": "hi"}]}}
+    config = job(tmp_path, tiny_model, [robot, chat_line("u", "hi")])
+    code, message = cli("validate", config)
+    assert code == 2 and "messages[0].role to be one of system, user, assistant, found 'robot'" in message
+    run_batch(config)
+    records = by_id(tmp_path / "o.jsonl")
+    assert "robot" in records["r"]["error"]["message"] and records["u"]["error"] is None
+
+
+def test_infinite_temperature_in_a_request_is_an_error_line(tmp_path, tiny_model):
+    config = job(tmp_path, tiny_model, ['{"custom_id": "inf", "url": "/v1/completions", '
+                                        '"body": {"prompt": "hi", "temperature": 1e999}}'])
+    code, message = cli("validate", config)
+    assert code == 2 and "temperature must be a finite number" in message
+
+
+def test_nan_weights_stop_with_one_sentence(tmp_path):
+    """Item 9: NaN weights used to give an empty answer and exit 0."""
+    model = make_hf_model("llama")
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = float("nan")
+    folder = save_hf_model(model, tmp_path / "nan")
+    write_batch(tmp_path / "in.jsonl", [completion_line("a", [1, 2, 3])])
+    config = write_job(tmp_path / "job.yaml", model={"path": str(folder)}, input={"path": "in.jsonl"},
+                       output={"path": "o.jsonl"}, sampling={"max_tokens": 2})
+    code, message = cli("run", config)
+    assert code == 2 and "NaN or infinite logits" in message and "Traceback" not in message
+    from offload import LLM
+
+    with pytest.raises(WeightsError, match="NaN"):
+        LLM(str(folder)).generate([[1, 2, 3]])
+    assert json.loads((tmp_path / "o.report.json").read_text())["requests"]["done"] == 0

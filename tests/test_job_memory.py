@@ -1,0 +1,131 @@
+"""Host budgets count the process's own baseline (Python, torch, the tokenizer), and a run warns, or stops if
+the job asks, when the memory it holds passes the budget (issue 12, item 10)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from jobs_support import completion_line, make_tiny_chat_model, read_records, write_batch, write_job
+from offload.errors import BudgetError
+from offload.jobs.config import load_config, plan_request
+from offload.jobs.memory import MemoryWatch, process_baseline_bytes
+from offload.jobs.run import run_batch
+from offload.planner import plan_for
+from offload.spec import load_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+MIB = 2**20
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
+
+
+def job(tmp_path, model_dir, n: int = 4, **memory):
+    write_batch(tmp_path / "in.jsonl", [completion_line(f"r{i}", f"Story {i}") for i in range(n)])
+    return write_job(tmp_path / "job.yaml", model={"path": str(model_dir)}, input={"path": "in.jsonl"},
+                     output={"path": "o.jsonl"}, memory=memory, sampling={"max_tokens": 3},
+                     report={"print": False})
+
+
+def test_a_jobs_cpu_budget_counts_the_process_baseline(tmp_path, tiny_model):
+    config = load_config(job(tmp_path, tiny_model, cpu="4GiB"))
+    request = plan_request(config)
+    baseline = process_baseline_bytes(str(tiny_model))
+    assert request.host_baseline == baseline > 100 * MIB  # torch alone holds more
+    plan = plan_for(load_spec(tiny_model), request.profile(), request)
+    assert plan.budget.cpu_bytes == 4 * 2**30 - baseline
+
+
+def test_a_budget_below_the_baseline_is_one_sentence(tmp_path, tiny_model, capsys):
+    from offload.cli.main import main
+
+    assert main(["validate", str(job(tmp_path, tiny_model, cpu="50MiB"))]) == 2
+    err = capsys.readouterr().err
+    assert "the CPU budget of 50.00 MiB" in err and "is not more than this process's own" in err
+    assert "memory.baseline" in err and "Traceback" not in err
+
+
+def test_the_watch_warns_once_the_held_memory_passes_the_budget(caplog):
+    with caplog.at_level(logging.WARNING, logger="offload"), MemoryWatch(MIB) as watch:
+        pass
+    assert watch.exceeded_bytes > MIB and watch.peak_bytes >= watch.exceeded_bytes
+    assert sum("more than the CPU budget of 1.00 MiB" in r.message for r in caplog.records) == 1
+
+
+def test_a_job_past_its_budget_warns_or_stops_as_asked(tmp_path, tiny_model, caplog):
+    """baseline 0 lets a 64 MiB budget plan the tiny model; the process holds far more, so the watch fires."""
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        report = run_batch(job(tmp_path, tiny_model, cpu="64MiB", baseline=0))
+    assert report["requests"]["done"] == 4 and "more than the CPU budget" in caplog.text
+    assert report["memory"]["cpu"]["peak_held_bytes"] > 64 * MIB
+    stop = tmp_path / "stop"
+    stop.mkdir()
+    with pytest.raises(BudgetError, match="stopped before generating: this process holds .* more than the CPU "
+                                          "budget of 64.00 MiB"):
+        run_batch(job(stop, tiny_model, n=40, cpu="64MiB", baseline=0, on_exceed="stop"))
+    assert not (stop / "o.jsonl").exists()
+
+
+def test_the_watch_stops_a_running_job_and_keeps_its_answers(tmp_path, tiny_model, monkeypatch):
+    """Memory passing the budget while generating: the watch thread interrupts, the job flushes and reports."""
+    import offload.jobs.memory as memory
+
+    calls = {"n": 0}
+    real = memory.held_bytes
+
+    def growing() -> int:  # within budget until generation has run a while
+        calls["n"] += 1
+        return real() if calls["n"] > 3 else 1
+
+    monkeypatch.setattr(memory, "held_bytes", growing)
+    monkeypatch.setattr(memory, "WATCH_INTERVAL_S", 0.05)
+    config = job(tmp_path, tiny_model, n=200, cpu="64MiB", baseline=0, on_exceed="stop")
+    with pytest.raises(BudgetError, match="stopped: this process holds"):
+        run_batch(config)
+    report = json.loads((tmp_path / "o.report.json").read_text())
+    assert report["requests"]["interrupted"] and report["requests"]["done"] < 200
+    assert report["requests"]["done"] == len(read_records(tmp_path / "o.jsonl"))
+
+
+PEAK_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[1])
+    from jobs_support import completion_line, write_batch, write_job
+    from offload.jobs.memory import process_baseline_bytes
+    from offload.jobs.run import run_batch
+    model, root, quantization = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
+    budget = process_baseline_bytes(str(model)) + 48 * 2**20  # the plan gets 48 MiB of it
+    write_batch(root / "in.jsonl", [completion_line(f"r{i}", f"Story number {i}") for i in range(32)])
+    out = []
+    for batch in (1, 8, 32):
+        config = write_job(root / "job.yaml", model={"path": str(model), "quantization": quantization,
+                           "max_model_len": 128}, input={"path": "in.jsonl"}, output={"path": f"o{batch}.jsonl"},
+                           memory={"cpu": budget}, schedule={"batch_size": batch},
+                           sampling={"max_tokens": 8}, report={"print": False})
+        report = run_batch(config)
+        out.append((batch, report["memory"]["cpu"]["peak_held_bytes"], budget, report["requests"]["done"]))
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_0"])
+def test_held_memory_stays_within_a_small_budget(tmp_path, tiny_model, quantization):
+    """Acceptance: peak held memory within the host budget (+5%) across batch sizes 1, 8 and 32, in a fresh
+    process (this one's memory is not its own)."""
+    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(ROOT / "tests"), str(tiny_model), str(tmp_path),
+                           quantization], capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    for batch, peak, budget, done in json.loads(proc.stdout.splitlines()[-1]):
+        assert done == 32 and peak <= 1.05 * budget, (batch, peak / MIB, budget / MIB)

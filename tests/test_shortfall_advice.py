@@ -1,0 +1,47 @@
+"""A plan that does not fit says what to raise, and doing what it says makes the plan fit, for budgets all
+around the model's size (issue 12, item 10: the advice near the model's size used to contradict itself)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from offload.errors import PlanError
+from offload.hardware import load_hardware, parse_size
+from offload.planner import PlanRequest, plan_for
+from offload.spec import spec_from_config
+
+# SmolLM2-135M's shape (the default model): 621 MiB of fp32 weights, 90 MiB of KV cache at 2048 tokens.
+SMOL = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+        "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152,
+        "max_position_embeddings": 8192, "tie_word_embeddings": True}
+SIZE = r"([\d.]+ [KMG]?i?B)"
+ADVICE = re.compile(rf"raise --cpu-memory by {SIZE} to hold every weight in RAM"
+                    rf"(?:, or (?:by {SIZE} with )?--disk-memory by {SIZE})?")
+MIB = 2**20
+
+
+def _plan(cpu: int, disk: int = 0):
+    request = PlanRequest(hardware="cpu-desktop", cpu_memory=cpu, disk_memory=disk, dtype="fp32", batch_size=1)
+    return plan_for(spec_from_config(SMOL), load_hardware("cpu-desktop"), request)
+
+
+@pytest.mark.parametrize("cpu_mib", [100, 300, 360, 372, 500, 700, 740])
+def test_following_the_advice_makes_the_plan_fit(cpu_mib):
+    with pytest.raises(PlanError) as e:
+        _plan(cpu_mib * MIB)
+    message = str(e.value)
+    assert "or --cpu-memory by as much" not in message
+    more_ram, with_disk_ram, disk = ADVICE.search(message).groups()
+    assert _plan(cpu_mib * MIB + parse_size(more_ram)).budget.disk_bytes == 0  # every weight in RAM
+    if disk is not None:  # or spill: the RAM it says (if any) and the disk it says
+        plan = _plan(cpu_mib * MIB + parse_size(with_disk_ram or 0), parse_size(disk))
+        assert plan.budget.disk_bytes > 0
+
+
+def test_short_by_is_exact_and_the_advice_rounds_up():
+    """357 MiB needed of 100 MiB (weights all on disk): short by 257 MiB; raising RAM by 271 MiB (the margin is
+    taken from the budget) and the disk by the weights spilled is what fits."""
+    with pytest.raises(PlanError, match=r"short by 257\.31 MiB.*or by 270\.86 MiB with --disk-memory by 6\d\d\.\d\d MiB"):
+        _plan(100 * MIB)
