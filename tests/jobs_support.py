@@ -47,3 +47,16 @@ def write_job(path: Path, **sections) -> Path:
 
 def read_records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_cli(*argv) -> tuple[int, str]:
+    """Run the CLI in-process; return (exit code, stderr + stdout)."""
+    import contextlib
+    import io
+
+    from offload.cli.main import main
+
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        code = main([str(a) for a in argv])
+    return code, err.getvalue() + out.getvalue()

@@ -3,15 +3,13 @@ running anything (issue 12, items 1, 2, 7 and 9)."""
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 
 import pytest
 import torch
 
 from conftest import make_hf_model, save_hf_model
-from jobs_support import chat_line, completion_line, make_tiny_chat_model, read_records, write_batch, write_job
+from jobs_support import run_cli, chat_line, completion_line, make_tiny_chat_model, read_records, write_batch, write_job
 from offload.cli.main import main
 from offload.errors import WeightsError
 from offload.jobs.run import run_batch
@@ -22,12 +20,7 @@ def tiny_model(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def cli(*argv) -> tuple[int, str]:
-    """Run the CLI in-process; return (exit code, stderr + stdout)."""
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        code = main([str(a) for a in argv])
-    return code, err.getvalue() + out.getvalue()
+cli = run_cli
 
 
 def job(tmp_path, model_dir, lines, **sections):

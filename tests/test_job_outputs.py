@@ -4,18 +4,15 @@ sentence (issue 12, items 4, 5, 6, 8 and 11)."""
 
 from __future__ import annotations
 
-import contextlib
 import errno
-import io
 import json
 import os
 
 import pytest
 
 from conftest import make_hf_model, save_hf_model, write_config
-from jobs_support import completion_line, make_tiny_chat_model, read_records, write_batch, write_job
+from jobs_support import run_cli, completion_line, make_tiny_chat_model, read_records, write_batch, write_job
 from offload.cli.exits import EXIT_ERROR, EXIT_FAILED_REQUESTS, EXIT_OK
-from offload.cli.main import main
 from offload.jobs.output import OutputLog
 
 
@@ -24,11 +21,7 @@ def tiny_model(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def cli(*argv) -> tuple[int, str]:
-    err, out = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
-        code = main([str(a) for a in argv])
-    return code, err.getvalue() + out.getvalue()
+cli = run_cli
 
 
 def job(tmp_path, model_dir, n: int = 3, lines=None, **sections):
