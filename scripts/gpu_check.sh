@@ -47,7 +47,7 @@ if [ "$smoke" -eq 0 ]; then
 else
     step sim_tests 300 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_sim.py
     step offload_sim 300 $py scripts/bench_offload.py --model configs/models/smollm2-135m --quantization q4_0 \
-        --gpu-memory 40MiB --hardware configs/hardware/rtx4090-ddr5.yaml --backend sim --prompt-len 32 \
+        --gpu-memory 680MiB --hardware configs/hardware/rtx4090-ddr5.yaml --backend sim --prompt-len 32 \
         --decode-tokens 4 --batches 1,4 --json "$out/offload.json"
 fi
 
