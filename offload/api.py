@@ -16,6 +16,7 @@ from offload.planner.request import DEFAULT_MAX_MODEL_LEN
 from offload.profile.timeline import Timeline
 from offload.runtime.backends import make_backend
 from offload.runtime.executor import PlacedModel
+from offload.runtime.host_memory import process_baseline_bytes
 from offload.sampling import SamplingParams
 from offload.spec import load_spec
 from offload.weights.default_model import resolve_model
@@ -70,10 +71,15 @@ class LLM:
                  max_batch_size: int | None = None, *, placement: Placement | None = None, gpu_memory=None,
                  cpu_memory=None, disk_memory=None, hardware=None, backend: str = "auto",
                  max_model_len: int | None = None, max_tokens: int | None = None, prefetch_depth: int = 2,
-                 prefill_chunk_tokens: int = 512, disk_dir: str | None = None):
+                 prefill_chunk_tokens: int = 512, disk_dir: str | None = None,
+                 host_baseline: int | str | None = "auto"):
+        """host_baseline: RAM this process holds besides the model (Python, torch, the tokenizer), counted against
+        cpu_memory as a job counts it; "auto" measures it, 0 or None counts nothing."""
+        if host_baseline == "auto":
+            host_baseline = process_baseline_bytes(str(resolve_model(model)))
         request = PlanRequest(str(model), quantization, dtype, hardware, gpu_memory, cpu_memory, disk_memory,
                               max_batch_size, max_model_len, max_tokens, prefetch_depth, prefill_chunk_tokens,
-                              backend)
+                              backend, host_baseline)
         self._load(request, placement, disk_dir)
 
     @classmethod

@@ -60,7 +60,7 @@ def test_cuda_peak_memory_within_plan(tiny):
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    llm = LLM(str(folder), hardware=gpu_profile(), gpu_memory="3MiB", cpu_memory="1GiB", backend="cuda",
+    llm = LLM(str(folder), hardware=gpu_profile(), gpu_memory="3MiB", cpu_memory="1GiB", backend="cuda", host_baseline=0,
               max_batch_size=4, max_model_len=64, dtype="fp32")
     llm.generate([[1, 2, 3, 4, 5]] * 4, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     assert torch.cuda.max_memory_allocated() - baseline <= llm.plan.tier("gpu").budget_bytes

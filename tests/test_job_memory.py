@@ -15,7 +15,7 @@ import pytest
 from jobs_support import completion_line, make_tiny_chat_model, read_records, write_batch, write_job
 from offload.errors import BudgetError
 from offload.jobs.config import load_config, plan_request
-from offload.jobs.memory import MemoryWatch, process_baseline_bytes
+from offload.runtime.host_memory import MemoryWatch, process_baseline_bytes
 from offload.jobs.run import run_batch
 from offload.planner import plan_for
 from offload.spec import load_spec
@@ -77,7 +77,7 @@ def test_a_job_past_its_budget_warns_or_stops_as_asked(tmp_path, tiny_model, cap
 
 def test_the_watch_stops_a_running_job_and_keeps_its_answers(tmp_path, tiny_model, monkeypatch):
     """Memory passing the budget while generating: the watch thread interrupts, the job flushes and reports."""
-    import offload.jobs.memory as memory
+    import offload.runtime.host_memory as memory
 
     calls = {"n": 0}
     real = memory.held_bytes
@@ -101,7 +101,7 @@ PEAK_SCRIPT = textwrap.dedent("""
     from pathlib import Path
     sys.path.insert(0, sys.argv[1])
     from jobs_support import completion_line, write_batch, write_job
-    from offload.jobs.memory import process_baseline_bytes
+    from offload.runtime.host_memory import process_baseline_bytes
     from offload.jobs.run import run_batch
     model, root, quantization = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
     budget = process_baseline_bytes(str(model)) + 48 * 2**20  # the plan gets 48 MiB of it

@@ -73,16 +73,19 @@ def test_plan_of_a_shipped_job_is_the_plan_its_run_uses(capsys, config):
 
 def test_plan_flags_and_llm_arguments_give_one_plan(capsys, tiny_dir):
     """`offload plan --flags` and LLM(...) with the same options: the same defaults, the same plan."""
-    flags = ["--model", str(tiny_dir), "--quantization", "q8_0", "--cpu-memory", "8MiB", "--hardware", "cpu-desktop",
-             "--set", "memory.baseline=0"]  # LLM(...) does not count the process's baseline; jobs do
-    llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory="8MiB", hardware="cpu-desktop")
+    flags = ["--model", str(tiny_dir), "--quantization", "q8_0", "--cpu-memory", "4GiB", "--hardware", "cpu-desktop"]
+    llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory="4GiB", hardware="cpu-desktop")
+    assert _plan_json(capsys, *flags) == json.loads(llm.plan.to_json())
+    assert llm.request.host_baseline > 0  # both count the process's own memory against the 4 GiB
+    flags += ["--set", "memory.baseline=0"]
+    llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory="4GiB", hardware="cpu-desktop", host_baseline=0)
     assert _plan_json(capsys, *flags) == json.loads(llm.plan.to_json())
 
 
 def test_executor_allocates_the_read_ahead_the_plan_budgeted(tiny_dir):
     """prefetch_depth 1 plans one read-ahead buffer; the executor allocates one, of the planned size, and its
     host memory never passes the plan's."""
-    llm = LLM(str(tiny_dir), quantization="q8_0", hardware="cpu-desktop", gpu_memory=0, cpu_memory="900KiB",
+    llm = LLM(str(tiny_dir), quantization="q8_0", hardware="cpu-desktop", gpu_memory=0, cpu_memory="900KiB", host_baseline=0,
               disk_memory="1GiB", max_batch_size=2, max_model_len=40, prefetch_depth=1, backend="cpu")
     plan = llm.plan
     assert plan.tier("disk").weights_bytes > 0 and plan.read_ahead_depth == 1
@@ -95,7 +98,7 @@ def test_executor_allocates_the_read_ahead_the_plan_budgeted(tiny_dir):
 
 
 def test_executor_allocates_the_staging_slots_the_plan_budgeted(tiny_dir):
-    llm = LLM(str(tiny_dir), quantization="q4_0", hardware=gpu_profile(), gpu_memory="600KiB", cpu_memory="1GiB",
+    llm = LLM(str(tiny_dir), quantization="q4_0", hardware=gpu_profile(), gpu_memory="600KiB", cpu_memory="1GiB", host_baseline=0,
               max_batch_size=2, max_model_len=48, prefetch_depth=3, backend="cpu")
     plan = llm.plan
     assert any("stream" in (u.prefill, u.decode) for u in plan.units)

@@ -60,7 +60,7 @@ def test_plan_from_a_config_file_with_flags_on_top(tmp_path, capsys):
     assert main(["plan", str(config), "--json", "--batch-size", "3"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["weight_format"] == "q8_0" and data["hardware"] == "cpu-desktop"
-    from offload.jobs.memory import process_baseline_bytes
+    from offload.runtime.host_memory import process_baseline_bytes
     from offload.weights.default_model import resolve_model
 
     baseline = process_baseline_bytes(str(resolve_model("default")))  # a job's RAM budget counts the process's own

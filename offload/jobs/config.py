@@ -14,6 +14,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from offload.errors import ConfigError
 from offload.formats import DTYPES, QUANTIZATIONS
 from offload.planner.request import PlanRequest
+from offload.runtime.host_memory import process_baseline_bytes
 from offload.profile.report import PLOT_EXTRA_HINT, plotting_available
 from offload.sampling import SEED_MAX, SEED_MIN
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS
@@ -420,11 +421,9 @@ def plan_request(config: JobConfig) -> PlanRequest:
     """What a job asks of the planner: the one request both `offload plan JOB` and `offload run JOB` plan from."""
     baseline = config.memory.baseline
     if baseline == "auto":
-        from offload.jobs.memory import process_baseline_bytes
-
         baseline = process_baseline_bytes(str(resolve_model(config.model.path)))
-    return PlanRequest(host_baseline=baseline, model=config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
-                       hardware=config.hardware, gpu_memory=config.memory.gpu, cpu_memory=config.memory.cpu,
+    return PlanRequest(model=config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
+                       host_baseline=baseline, hardware=config.hardware, gpu_memory=config.memory.gpu, cpu_memory=config.memory.cpu,
                        disk_memory=config.memory.disk, batch_size=config.schedule.batch_size,
                        max_model_len=config.model.max_model_len, max_tokens=config.sampling.max_tokens,
                        prefetch_depth=config.schedule.prefetch_depth,

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload.jobs.batch import CHAT, BadLine, Request, error_record, file_digest, read_requests, success_record
-from offload.jobs.memory import MemoryWatch
+from offload.runtime.host_memory import MemoryWatch
 from offload.jobs.output import OutputLog
 from offload.jobs.config import JobConfig, load_config, plan_request, validate_config
 from offload.errors import BudgetError, OffloadError
@@ -213,7 +213,7 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
     tl, source = timeline if timeline is not None else (None, None)
     plan = getattr(llm, "plan", None)
     report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, llm), source)
-    report["memory"]["cpu"]["peak_held_bytes"] = peak_held_bytes  # anonymous + shared: see jobs/memory.py
+    report["memory"]["cpu"]["peak_held_bytes"] = peak_held_bytes  # anonymous + shared: see runtime/host_memory.py
     report["outputs"] = output_counts(log)
     _write(config.report_path, lambda path: write_report(report, path))
     if tl is not None and config.report.trace:
