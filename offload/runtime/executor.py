@@ -3,8 +3,11 @@
 The loop is written once against Backend. For each unit in order (embed, layers, norm, lm_head):
 acquire its weights (resident / staging slot / host buffer / read-ahead buffer), move the hidden state to
 where it computes, compute, release — and as soon as a streamed block is released, the next streamed
-block's copy is issued into its slot, so copies run under compute. Consecutive layers held and computed in
-host RAM have nothing to acquire or release: they run as one group, back to back, each still timed as a unit.
+block's copy is issued into its slot, so copies run under compute; past the step's last streamed unit, the next
+step's first host-RAM units are copied ahead, so the link also works while the step's CPU blocks run.
+Consecutive layers held and computed in host RAM have nothing to acquire or release: they run as one group,
+back to back, each still timed as a unit. Every device interaction goes through the backend (launch, run_cpu,
+to_device / to_host, copies and events), so the simulated device runs this same loop.
 
 The executor, not the model math, chooses kernels: layers computed from host RAM in fp32 with packed weights
 run the fused C++ layer (offload.kernels.layer), whose handles are built once when the weights are placed;
