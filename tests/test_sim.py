@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import gpu_profile, make_hf_model, offload_logits, save_hf_model
+from conftest import assert_logits_close, gpu_profile, make_hf_model, offload_logits, save_hf_model
 from offload.errors import DeviceMemoryError
 from offload.generate import Generator, Sequence
 from offload.hardware import load_hardware
@@ -61,7 +61,9 @@ def test_compute_mode_equals_the_cpu_backend(tiny, mix, quantization):
     placement = _placement(tiny[1], mix)
     sim = _model(tiny, placement, SimBackend(HW, time_scale=0.05), quantization)
     ref = _model(tiny, placement, CPUBackend(), quantization)
-    assert torch.equal(offload_logits(sim, PROMPT), offload_logits(ref, PROMPT))
+    # equal to 1e-6 of the logit range: the simulated device's blocks run torch ops on its own thread, where a
+    # busy machine can give BLAS another thread split (and so other last bits) than on the main thread
+    assert_logits_close(offload_logits(sim, PROMPT), offload_logits(ref, PROMPT), rel=1e-6)
     assert _greedy(sim) == _greedy(ref)
 
 

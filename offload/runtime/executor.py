@@ -17,6 +17,7 @@ says (staging slots, read-ahead buffers); a unit that would not fit them is an e
 
 from __future__ import annotations
 
+import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +33,7 @@ from offload.profile.timeline import Timeline
 from offload.runtime.backends.base import Backend, Work
 from offload.runtime.disk import DiskStore, ReadAhead, SpillFolder
 from offload.runtime.staging import StagingRing
+from offload.runtime.threads import ThreadGovernor
 from offload.runtime.unit_store import UnitLayout, in_row_order, layout_of, materialize, write_into
 from offload.spec import ModelSpec
 
@@ -69,6 +71,8 @@ class PlacedModel:
         self._stream_queue: list[str] = []
         self._next_copy = 0  # past the end of the queue: copies for the next step of the same phase
         self._ahead: list[str] = []  # units copied ahead for the next step
+        self.threads = ThreadGovernor(torch.get_num_threads(), enabled=None if backend.computes else False)
+        self._step_began = 0.0
         self.backend.order_after_allocations()
         self._closer = weakref.finalize(self, backend.close)  # pinned registrations end before buffers are freed
 
@@ -187,6 +191,10 @@ class PlacedModel:
 
     def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV]) -> torch.Tensor:
         """Hidden states [B, S, D] after the final norm (on the host)."""
+        n_threads = self.threads.threads_for(step.phase)
+        if n_threads != torch.get_num_threads():
+            torch.set_num_threads(n_threads)
+        self._step_began = time.perf_counter()
         self._begin_step(step.phase)
         steps: dict = {}  # the step on each device, and the fused layer's table of it
         x = tokens
@@ -201,7 +209,9 @@ class PlacedModel:
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits [..., V] on the host; ends the step begun by forward()."""
         with self.backend.compute_context():
-            return self.backend.to_host(self._run("lm_head", hidden, self._phase, None, None, {})).float()
+            out = self.backend.to_host(self._run("lm_head", hidden, self._phase, None, None, {})).float()
+        self.threads.observe(self._phase, time.perf_counter() - self._step_began, hidden.numel() // hidden.shape[-1])
+        return out
 
     # the schedule -------------------------------------------------------------------------------------
     def _begin_step(self, phase: str) -> None:

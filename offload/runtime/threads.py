@@ -1,0 +1,55 @@
+"""ThreadGovernor: how many threads the CPU blocks use, chosen by measuring decode steps.
+
+On a machine that is not idle, a core can be taken away from one of the kernels' threads; every parallel region
+then waits at its barrier until that thread runs again, and a 2-thread decode on a 2-core machine with one busy
+process ran at 28% of its idle speed, against 75% with one thread (the demo job, this project's Zen 4 machine).
+So the governor keeps the thread count that gives the shortest decode steps: every PROBE_EVERY steps it tries
+the other count for PROBE_STEPS steps and keeps whichever is faster, which follows a machine whose load comes
+and goes. offload's CPU kernels split rows, not sums, across threads: the count changes their speed, not results.
+"""
+
+from __future__ import annotations
+
+import os
+
+PROBE_EVERY = 32  # decode steps between two probes of the other thread count (~3% of steps run on the slower one)
+PROBE_STEPS = 2  # steps each probe runs: one to settle, one to measure
+SMOOTHING = 0.3  # weight of the newest step in each count's running mean
+THREADS_ENV_VAR = "OFFLOAD_ADAPTIVE_THREADS"  # 0: keep the thread count fixed
+
+
+class ThreadGovernor:
+    """Chooses between max_threads and half of them for the next step from measured seconds per token."""
+
+    def __init__(self, max_threads: int, enabled: bool | None = None):
+        if enabled is None:
+            enabled = os.environ.get(THREADS_ENV_VAR, "1") != "0"
+        self.counts = sorted({max(1, max_threads), max(1, max_threads // 2)}, reverse=True)
+        self.enabled = enabled and len(self.counts) > 1
+        self.chosen = self.current = self.counts[0]
+        self.cost: dict[int, float | None] = dict.fromkeys(self.counts)  # seconds per token, running mean
+        self._steps = self._probing = 0
+
+    def threads_for(self, phase: str) -> int:
+        """The thread count for the next step of phase (prefill keeps the chosen count)."""
+        if not self.enabled or phase != "decode":
+            return self.chosen
+        self._steps += 1
+        if self._probing == 0 and self._steps % PROBE_EVERY == 0:
+            self._probing = PROBE_STEPS
+            self.current = next(n for n in self.counts if n != self.chosen)
+        elif self._probing == 0:
+            self.current = self.chosen
+        return self.current
+
+    def observe(self, phase: str, seconds: float, n_tokens: int) -> None:
+        """Record a finished step that ran with the count threads_for returned."""
+        if not self.enabled or phase != "decode" or n_tokens < 1:
+            return
+        per_token, old = seconds / n_tokens, self.cost[self.current]
+        self.cost[self.current] = per_token if old is None else (1 - SMOOTHING) * old + SMOOTHING * per_token
+        if self._probing:
+            self._probing -= 1
+            if self._probing == 0:
+                known = {n: c for n, c in self.cost.items() if c is not None}
+                self.chosen = min(known, key=known.get)

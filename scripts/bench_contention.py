@@ -1,0 +1,87 @@
+"""Tokens/s under a shared CPU: the demo prompts on the default model, idle and with one busy-looping process
+on the machine, in the same run; offload with its thread governor, offload with a fixed thread count, and
+llama.cpp on the same GGUF file (if llama-cpp-python is installed). Prints each one's busy ÷ idle ratio.
+
+  python scripts/bench_contention.py --max-tokens 128
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+BUSY_LOOP = "while True: pass"
+
+
+def demo_prompts() -> list[list[dict]]:
+    lines = (ROOT / "configs" / "prompts" / "demo.jsonl").read_text().splitlines()
+    bodies = [json.loads(line)["body"] for line in lines if line.strip()]
+    return [b["messages"] for b in bodies if "messages" in b]  # the chat requests
+
+
+def offload_tok_s(llm, prompts, max_tokens: int) -> float:
+    """Generated tokens per second of one batch of the demo prompts."""
+    from offload import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    start = time.perf_counter()
+    outs = llm.chat(prompts, params)
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def llama_cpp_tok_s(prompt_ids: list[int], n_decode: int, threads: int) -> float | None:
+    """llama.cpp's decode tok/s on the default model's GGUF file (a child process), or None without it."""
+    from bench_cpu_decode import bench_llama_cpp
+
+    result = bench_llama_cpp(prompt_ids, n_decode, threads, repeats=1)
+    return None if result is None else result[1]
+
+
+def measure(args, llm_adaptive, llm_fixed, prompts, prompt_ids) -> dict:
+    return {"offload (thread governor)": offload_tok_s(llm_adaptive, prompts, args.max_tokens),
+            "offload (fixed threads)": offload_tok_s(llm_fixed, prompts, args.max_tokens),
+            "llama.cpp": llama_cpp_tok_s(prompt_ids, args.max_tokens, args.threads)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--quantization", default="q8_0")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from offload import LLM
+    from offload.runtime.threads import ThreadGovernor
+
+    llm_adaptive = LLM("default", quantization=args.quantization, max_batch_size=16)
+    llm_fixed = LLM("default", quantization=args.quantization, max_batch_size=16)
+    llm_fixed.model.threads = ThreadGovernor(args.threads, enabled=False)
+    prompts = demo_prompts()
+    prompt_ids = llm_adaptive.apply_chat_template(prompts[0])
+    offload_tok_s(llm_adaptive, prompts[:1], 4)  # warm-up
+    idle = measure(args, llm_adaptive, llm_fixed, prompts, prompt_ids)
+    busy_proc = subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
+    try:
+        busy = measure(args, llm_adaptive, llm_fixed, prompts, prompt_ids)
+    finally:
+        busy_proc.kill()
+    print(f"demo prompts, {args.quantization}, {args.max_tokens} new tokens each, {args.threads} threads; "
+          f"busy: one process spinning on the machine")
+    for name in idle:
+        if idle[name] is None:
+            print(f"{name:26s} skipped (pip install llama-cpp-python)")
+            continue
+        print(f"{name:26s} idle {idle[name]:7.1f} tok/s   busy {busy[name]:7.1f} tok/s   busy / idle "
+              f"{busy[name] / idle[name]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
