@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -46,9 +47,14 @@ def llama_cpp_tok_s(prompt_ids: list[int], n_decode: int, threads: int) -> float
 
 
 def measure(args, llm_adaptive, llm_fixed, prompts, prompt_ids) -> dict:
-    return {"offload (thread governor)": offload_tok_s(llm_adaptive, prompts, args.max_tokens),
-            "offload (fixed threads)": offload_tok_s(llm_fixed, prompts, args.max_tokens),
-            "llama.cpp": llama_cpp_tok_s(prompt_ids, args.max_tokens, args.threads)}
+    """Median tok/s of --repeats runs each, offload's two variants alternating."""
+    runs: dict[str, list[float]] = {"offload (thread governor)": [], "offload (fixed threads)": []}
+    for _ in range(args.repeats):
+        runs["offload (thread governor)"].append(offload_tok_s(llm_adaptive, prompts, args.max_tokens))
+        runs["offload (fixed threads)"].append(offload_tok_s(llm_fixed, prompts, args.max_tokens))
+    out = {name: statistics.median(values) for name, values in runs.items()}
+    out["llama.cpp"] = llama_cpp_tok_s(prompt_ids, args.max_tokens, args.threads)
+    return out
 
 
 def main() -> None:
@@ -56,6 +62,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--quantization", default="q8_0")
+    ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from offload import LLM
@@ -73,8 +80,8 @@ def main() -> None:
         busy = measure(args, llm_adaptive, llm_fixed, prompts, prompt_ids)
     finally:
         busy_proc.kill()
-    print(f"demo prompts, {args.quantization}, {args.max_tokens} new tokens each, {args.threads} threads; "
-          f"busy: one process spinning on the machine")
+    print(f"demo prompts, {args.quantization}, {args.max_tokens} new tokens each, {args.threads} threads, median of "
+          f"{args.repeats} (llama.cpp: one prompt, one run); busy: one process spinning on the machine")
     for name in idle:
         if idle[name] is None:
             print(f"{name:26s} skipped (pip install llama-cpp-python)")

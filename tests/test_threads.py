@@ -20,7 +20,7 @@ def test_a_busy_core_moves_the_kernels_to_fewer_threads_and_back():
     idle = {2: 0.010, 1: 0.016}
     busy = {2: 0.040, 1: 0.018}  # one core taken: two threads wait at every barrier
     used = _run(gov, idle.get, 3 * PROBE_EVERY)
-    assert gov.chosen == 2 and 2 * PROBE_STEPS <= used.count(1) <= 3 * PROBE_STEPS  # only probes ran on one
+    assert gov.chosen == 2 and 2 * PROBE_STEPS <= used.count(1) <= 4 * PROBE_STEPS  # only probes ran on one
     used = _run(gov, busy.get, 2 * PROBE_EVERY)
     assert gov.chosen == 1 and used[-PROBE_EVERY:].count(1) >= PROBE_EVERY - PROBE_STEPS
     _run(gov, idle.get, 3 * PROBE_EVERY)

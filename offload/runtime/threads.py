@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 
 PROBE_EVERY = 32  # decode steps between two probes of the other thread count (~3% of steps run on the slower one)
+FIRST_PROBE = 8  # the first probe comes early: a short job would otherwise run on the worse count throughout
 PROBE_STEPS = 2  # steps each probe runs: one to settle, one to measure
 SMOOTHING = 0.3  # weight of the newest step in each count's running mean
 THREADS_ENV_VAR = "OFFLOAD_ADAPTIVE_THREADS"  # 0: keep the thread count fixed
@@ -35,7 +36,7 @@ class ThreadGovernor:
         if not self.enabled or phase != "decode":
             return self.chosen
         self._steps += 1
-        if self._probing == 0 and self._steps % PROBE_EVERY == 0:
+        if self._probing == 0 and (self._steps == FIRST_PROBE or self._steps % PROBE_EVERY == 0):
             self._probing = PROBE_STEPS
             self.current = next(n for n in self.counts if n != self.chosen)
         elif self._probing == 0:
