@@ -129,3 +129,33 @@ def test_held_memory_stays_within_a_small_budget(tmp_path, tiny_model, quantizat
     assert proc.returncode == 0, proc.stderr
     for batch, peak, budget, done in json.loads(proc.stdout.splitlines()[-1]):
         assert done == 32 and peak <= 1.05 * budget, (batch, peak / MIB, budget / MIB)
+
+
+RSS_SCRIPT = textwrap.dedent("""
+    import json, sys
+    from offload import LLM, SamplingParams
+    from offload.runtime.host_memory import peak_rss_bytes
+    quantization, budget = sys.argv[1], int(sys.argv[2])
+    out = []
+    for batch in (1, 8, 32):
+        llm = LLM("default", quantization=quantization, cpu_memory=budget, disk_memory="4GiB", max_batch_size=batch,
+                  max_model_len=256)
+        llm.generate(["Once upon a time"] * batch, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        llm.model.close()
+        del llm
+        out.append((batch, peak_rss_bytes()))
+    print(json.dumps(out))
+""")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_0"])
+def test_peak_rss_stays_within_a_small_budget(default_model_dir, quantization):
+    """Acceptance: the OS's peak resident size (VmHWM: weights, caches, the process itself, and any file pages
+    it maps) within the host budget (+5%) for batch sizes 1, 8 and 32, in a fresh process."""
+    budget = 1200 * MIB
+    proc = subprocess.run([sys.executable, "-c", RSS_SCRIPT, quantization, str(budget)], capture_output=True,
+                          text=True, timeout=600, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    for batch, peak in json.loads(proc.stdout.splitlines()[-1]):
+        assert peak <= 1.05 * budget, (quantization, batch, peak / MIB)

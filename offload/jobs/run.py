@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import logging
-import resource
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from offload.jobs.batch import CHAT, BadLine, Request, error_record, file_digest, read_requests, success_record
-from offload.runtime.host_memory import MemoryWatch
+from offload.runtime.host_memory import MemoryWatch, peak_rss_bytes
 from offload.jobs.output import OutputLog
 from offload.jobs.config import JobConfig, load_config, plan_request, validate_config
 from offload.errors import BudgetError, OffloadError
@@ -237,7 +236,7 @@ def _write(path: Path, write) -> None:
 
 def peak_memory(llm) -> dict:
     """Peak bytes per tier: RAM as the OS counts it; device memory as the runtime's backend reports it."""
-    peaks = {"cpu": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}  # ru_maxrss is in KiB on Linux
+    peaks = {"cpu": peak_rss_bytes()}
     backend = getattr(llm, "backend", None)
     if backend is not None and callable(getattr(backend, "peak_device_bytes", None)):
         peaks["gpu"] = int(backend.peak_device_bytes())

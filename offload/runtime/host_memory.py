@@ -3,7 +3,7 @@ budget counts, and a watch that warns, or stops the job, when the memory it hold
 
 Memory "held" is resident anonymous and shared memory (RssAnon + RssShmem): what the OS cannot drop without
 swapping. Pages of the mmap'ed checkpoint (RssFile) are page cache the kernel reclaims under pressure; the
-report shows them apart (`ru_maxrss` counts both)."""
+report shows them apart (the peak resident size counts both)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,20 @@ from offload.hardware import format_bytes
 log = logging.getLogger("offload")
 WATCH_INTERVAL_S = 0.2  # a sample costs ~20 us (one read of /proc/self/status)
 BASELINE_ROUNDING_BYTES = 64 << 20  # two processes' baselines differ by a few MiB; rounded, they agree
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident size (VmHWM). Not ru_maxrss: Linux carries that over fork and exec, so a
+    process started by a large one reports its parent's peak."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
 def held_bytes() -> int:

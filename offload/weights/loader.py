@@ -1,13 +1,18 @@
-"""Checkpoint: lazy, memory-mapped access to the tensors of a safetensors model (single file or sharded)."""
+"""Checkpoint: lazy access to the tensors of a safetensors model (single file or sharded), one read per tensor.
+
+Tensors are read with pread into memory of their own, not through a memory map: the pages of a mapped
+checkpoint stay in the process's resident set while it is open, which made loading a model peak at its size
+twice over (weights in their buffers plus the file's pages) against a host budget that counts both.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import struct
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from offload.errors import WeightsError
 from offload.spec import ModelSpec
@@ -15,10 +20,18 @@ from offload.spec import ModelSpec
 INDEX_NAME = "model.safetensors.index.json"
 LFS_MAGIC = b"version https://git-lfs.github.com/spec"
 _HEADER_LIMIT_BYTES = 100 * 1024 * 1024
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}  # safetensors dtype names
 
 
 def check_safetensors_file(path: Path) -> dict:
     """Validate a safetensors file's header against its size; return the header. Never reads the data."""
+    return read_safetensors_header(path)[0]
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header, offset of the data section) of a validated safetensors file."""
     if not path.is_file():
         raise WeightsError(f"weights file {path} does not exist; download the checkpoint again")
     size = path.stat().st_size
@@ -42,7 +55,7 @@ def check_safetensors_file(path: Path) -> dict:
     if 8 + header_len + data_end > size:
         raise WeightsError(f"{path} is truncated: its header needs {8 + header_len + data_end} bytes but the "
                            f"file has {size}; download it again")
-    return header
+    return header, 8 + header_len
 
 
 class Checkpoint:
@@ -52,13 +65,15 @@ class Checkpoint:
         self.folder = Path(folder)
         self._file_of: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
-        self._handles: dict[Path, object] = {}
+        self._where: dict[str, tuple[int, int, str]] = {}  # name -> (file offset, bytes, safetensors dtype)
         for path in self._weight_files():
-            header = check_safetensors_file(path)
+            header, data_start = read_safetensors_header(path)
             for name, info in header.items():
                 if name != "__metadata__":
                     self._file_of[name] = path
                     self._shapes[name] = tuple(info["shape"])
+                    begin, end = info["data_offsets"]
+                    self._where[name] = (data_start + begin, end - begin, info["dtype"])
 
     def _weight_files(self) -> list[Path]:
         index = self.folder / INDEX_NAME
@@ -97,10 +112,20 @@ class Checkpoint:
         if path is None:
             raise WeightsError(f"tensor {name} is missing from the checkpoint in {self.folder}; "
                                f"the weights do not match config.json — download the full checkpoint")
-        handle = self._handles.get(path)
-        if handle is None:
-            handle = self._handles[path] = safe_open(str(path), framework="pt")
-        t = handle.get_tensor(name)
+        offset, n_bytes, st_dtype = self._where[name]
+        if st_dtype not in _DTYPES:
+            raise WeightsError(f"tensor {name} in {path} is stored as {st_dtype}, which offload does not read; "
+                               f"convert the checkpoint to bf16, fp16 or fp32")
+        raw = torch.empty(n_bytes, dtype=torch.uint8)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [memoryview(raw.numpy())], offset) if n_bytes else 0
+        finally:
+            os.close(fd)
+        if got != n_bytes:
+            raise WeightsError(f"{path} ended while reading tensor {name} ({got} of {n_bytes} bytes); "
+                               f"download it again")
+        t = raw.view(_DTYPES[st_dtype]).view(self._shapes[name])
         return t.to(dtype) if dtype is not None and t.dtype != dtype else t
 
     def check_against(self, spec: ModelSpec) -> None:
