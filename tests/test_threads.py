@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from offload.runtime.threads import PROBE_EVERY, PROBE_STEPS, ThreadGovernor
+from offload.runtime.threads import MAX_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS, ThreadGovernor
 
 
 def _run(gov: ThreadGovernor, seconds_per_token, steps: int) -> list[int]:
@@ -20,11 +20,17 @@ def test_a_busy_core_moves_the_kernels_to_fewer_threads_and_back():
     idle = {2: 0.010, 1: 0.016}
     busy = {2: 0.040, 1: 0.018}  # one core taken: two threads wait at every barrier
     used = _run(gov, idle.get, 3 * PROBE_EVERY)
-    assert gov.chosen == 2 and 2 * PROBE_STEPS <= used.count(1) <= 4 * PROBE_STEPS  # only probes ran on one
-    used = _run(gov, busy.get, 2 * PROBE_EVERY)
+    assert gov.chosen == 2 and 2 * PROBE_STEPS <= used.count(1) <= 3 * PROBE_STEPS  # only probes ran on one
+    used = _run(gov, busy.get, MAX_PROBE_EVERY + PROBE_EVERY)  # probes back off while they confirm the choice
     assert gov.chosen == 1 and used[-PROBE_EVERY:].count(1) >= PROBE_EVERY - PROBE_STEPS
-    _run(gov, idle.get, 3 * PROBE_EVERY)
+    _run(gov, idle.get, 2 * MAX_PROBE_EVERY)
     assert gov.chosen == 2
+
+
+def test_probes_back_off_while_they_confirm_the_choice():
+    gov = ThreadGovernor(2, enabled=True)
+    used = _run(gov, {2: 0.010, 1: 0.016}.get, 2000)
+    assert used.count(1) <= 2 * PROBE_STEPS + 2000 // MAX_PROBE_EVERY * PROBE_STEPS  # under 1% past the start
 
 
 def test_prefill_and_a_disabled_governor_keep_the_count():

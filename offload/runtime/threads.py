@@ -3,16 +3,17 @@
 On a machine that is not idle, a core can be taken away from one of the kernels' threads; every parallel region
 then waits at its barrier until that thread runs again, and a 2-thread decode on a 2-core machine with one busy
 process ran at 28% of its idle speed, against 75% with one thread (the demo job, this project's Zen 4 machine).
-So the governor keeps the thread count that gives the shortest decode steps: every PROBE_EVERY steps it tries
-the other count for PROBE_STEPS steps and keeps whichever is faster, which follows a machine whose load comes
-and goes. offload's CPU kernels split rows, not sums, across threads: the count changes their speed, not results.
+So the governor keeps the thread count that gives the shortest decode steps: now and then it tries the other
+count for PROBE_STEPS steps and keeps whichever is faster, which follows a machine whose load comes and goes.
+A probe that confirms the choice doubles the wait before the next one (a probe of the worse count costs time). offload's CPU kernels split rows, not sums, across threads: the count changes their speed, not results.
 """
 
 from __future__ import annotations
 
 import os
 
-PROBE_EVERY = 32  # decode steps between two probes of the other thread count (~3% of steps run on the slower one)
+PROBE_EVERY = 32  # decode steps between two probes after a probe changed the count
+MAX_PROBE_EVERY = 256  # ... growing to this while probes confirm it (then under 1% of steps run on the other)
 FIRST_PROBE = 8  # the first probe comes early: a short job would otherwise run on the worse count throughout
 PROBE_STEPS = 2  # steps each probe runs: one to settle, one to measure
 SMOOTHING = 0.3  # weight of the newest step in each count's running mean
@@ -30,15 +31,17 @@ class ThreadGovernor:
         self.chosen = self.current = self.counts[0]
         self.cost: dict[int, float | None] = dict.fromkeys(self.counts)  # seconds per token, running mean
         self._steps = self._probing = 0
+        self._next_probe, self._interval = FIRST_PROBE, PROBE_EVERY
 
     def threads_for(self, phase: str) -> int:
         """The thread count for the next step of phase (prefill keeps the chosen count)."""
         if not self.enabled or phase != "decode":
             return self.chosen
         self._steps += 1
-        if self._probing == 0 and (self._steps == FIRST_PROBE or self._steps % PROBE_EVERY == 0):
+        if self._probing == 0 and self._steps >= self._next_probe:
             self._probing = PROBE_STEPS
             self.current = next(n for n in self.counts if n != self.chosen)
+            self.cost[self.current] = None  # measured afresh: the machine may have changed since the last probe
         elif self._probing == 0:
             self.current = self.chosen
         return self.current
@@ -53,4 +56,6 @@ class ThreadGovernor:
             self._probing -= 1
             if self._probing == 0:
                 known = {n: c for n, c in self.cost.items() if c is not None}
-                self.chosen = min(known, key=known.get)
+                before, self.chosen = self.chosen, min(known, key=known.get)
+                self._interval = PROBE_EVERY if self.chosen != before else min(2 * self._interval, MAX_PROBE_EVERY)
+                self._next_probe = self._steps + self._interval
