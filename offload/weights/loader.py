@@ -25,13 +25,8 @@ _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF
            "BOOL": torch.bool}  # safetensors dtype names
 
 
-def check_safetensors_file(path: Path) -> dict:
-    """Validate a safetensors file's header against its size; return the header. Never reads the data."""
-    return read_safetensors_header(path)[0]
-
-
 def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header, offset of the data section) of a validated safetensors file."""
+    """(header, offset of the data section) of a safetensors file validated against its size; never reads data."""
     if not path.is_file():
         raise WeightsError(f"weights file {path} does not exist; download the checkpoint again")
     size = path.stat().st_size

@@ -21,7 +21,6 @@ import time
 import torch
 
 from offload.errors import DeviceMemoryError
-from offload.formats import FLOAT_FORMATS
 from offload.hardware import HardwareProfile, format_bytes
 from offload.planner.costs import Phase, unit_cost
 from offload.profile.timeline import Span, Timeline
@@ -48,8 +47,8 @@ class SimEvent:
 class Pending:
     """A block's result on the simulated device: there once the compute stream has run it."""
 
-    def __init__(self, shape=None):
-        self.event, self.value, self.shape = SimEvent(), None, shape
+    def __init__(self):
+        self.event, self.value = SimEvent(), None
 
     def resolve(self) -> torch.Tensor:
         self.event.wait()
@@ -109,9 +108,6 @@ class TimedCosts:
             return torch.zeros(*x.shape[:-1], self.spec.vocab_size)
         return x
 
-    def hidden_bytes(self, x) -> int:
-        shape = x.shape if x is not None else (0,)
-        return int(torch.Size(shape).numel()) * FLOAT_FORMATS[self.compute]
 
 
 class SimBackend(Backend):
