@@ -24,6 +24,7 @@ from offload.weights.loader import Checkpoint
 from offload.weights.sources import CheckpointSource
 
 DEFAULT_MAX_BATCH_SIZE = 32  # sequences in flight when a placement is given and no batch size
+MAX_SEQS = 256  # sequences in flight at most when the planner chose the batch (vLLM's max_num_seqs)
 
 
 @dataclass
@@ -102,16 +103,21 @@ class LLM:
             placement = Placement.from_plan(self.plan)
             compute = self.plan.workload.compute_format
             self.max_batch_size = self.plan.workload.batch_size
+            # the plan budgets KV for its batch at the whole context; the pool hands slots out by need, so more
+            # short sequences run at once (up to vLLM's default of 256 and the step's tokens) unless the batch
+            # size was given
+            max_seqs = request.batch_size or min(max(MAX_SEQS, self.max_batch_size), placement.prefill_pass_tokens)
         else:
             compute = compute_format(request.dtype, self.backend.device.type != "cpu")
-            self.max_batch_size = request.batch_size or DEFAULT_MAX_BATCH_SIZE
+            self.max_batch_size = max_seqs = request.batch_size or DEFAULT_MAX_BATCH_SIZE
         dtype = torch_dtype(compute)
         source = CheckpointSource(Checkpoint(self.path), self.spec, dtype, request.quantization)
         self.model = PlacedModel(self.spec, source, placement, self.backend, dtype, disk_dir)
         self.tokenizer = _load_tokenizer(self.path)
         self.max_model_len = min(request.max_model_len or DEFAULT_MAX_MODEL_LEN, self.spec.max_position_embeddings)
-        self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), self.max_batch_size,
-                                   self.max_model_len, placement.prefill_pass_tokens)
+        self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_seqs, self.max_model_len,
+                                   placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
+                                   logits_rows=self.max_batch_size)
 
     @property
     def timeline(self) -> Timeline:

@@ -1,4 +1,14 @@
-"""Prefill and decode over a fixed set of cache slots, refilled as sequences finish (continuous batching)."""
+"""The scheduler: continuous batching with chunked prefill and mixed steps over a pooled KV cache.
+
+Each step carries one decode token of every running sequence that has its prompt in the cache, plus chunks of
+the prompts of sequences still being prefilled, up to a token budget (the plan's tokens per pass over the
+weights): one pass over the weights serves both, as vLLM's chunked-prefill scheduler does. The KV cache is one
+pool of token slots; a sequence gets a contiguous extent of prompt + max_tokens slots (at most the context)
+when it is admitted and gives it back when it finishes, so short requests leave room for more of them.
+
+`mixed=False` keeps the schedule offload had before (a step is all prompt chunks or all decode tokens, and
+prompts go first): `scripts/bench_batch.py` runs both side by side.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +20,11 @@ from typing import Callable
 import torch
 
 from offload.errors import ConfigError
+from offload.model.llama import ragged_step
 from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
+from offload.profile.timeline import StepShape
 from offload.sampling import SamplingParams, sample
-
 
 
 @dataclass
@@ -26,29 +37,76 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text_end: int | None = None  # where a stop string cut the text
-    slot: int = -1
+    base: int = -1  # first KV slot of its extent in the pool
+    extent: int = 0  # KV slots it holds
+    n_cached: int = 0  # prompt tokens whose K and V are in the cache
     generator: torch.Generator | None = None
+    _text: str = ""  # decoded so far (stop strings only): extended token by token
+    _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
 
     @property
     def n_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def prefilled(self) -> bool:
+        return self.n_cached >= len(self.prompt_ids)
+
+
+class KVPool:
+    """Contiguous extents of one cache row of `capacity` slots, handed out first fit and merged when returned."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.free = [(0, capacity)]  # (start, length), by start
+
+    def alloc(self, n: int) -> int | None:
+        """The first slot of n free slots in a row, or None when no free extent is that long."""
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                self.free[i] = (start + n, length - n)
+                if self.free[i][1] == 0:
+                    del self.free[i]
+                return start
+        return None
+
+    def release(self, start: int, n: int) -> None:
+        self.free.append((start, n))
+        self.free.sort()
+        merged = [self.free[0]]
+        for s, n_ in self.free[1:]:
+            last_s, last_n = merged[-1]
+            if last_s + last_n == s:
+                merged[-1] = (last_s, last_n + n_)
+            else:
+                merged.append((s, n_))
+        self.free = merged
+
+    @property
+    def n_free(self) -> int:
+        return sum(n for _, n in self.free)
+
 
 class Generator:
-    """Runs sequences through a Model in batches of at most max_batch_size cache slots."""
+    """Runs sequences through a Model, at most max_batch_size at once, in steps of at most step_tokens tokens."""
 
     def __init__(self, model: Model, tokenizer=None, eos_ids: tuple[int, ...] = (), max_batch_size: int = 32,
-                 max_model_len: int | None = None, prefill_pass_tokens: int = DEFAULT_PREFILL_PASS_TOKENS):
-        """prefill_pass_tokens: padded prompt tokens in one prefill pass over the weights (the residual stream the
-        plan budgets); a longer prompt is prefilled in several passes."""
+                 max_model_len: int | None = None, step_tokens: int = DEFAULT_PREFILL_PASS_TOKENS,
+                 kv_tokens: int | None = None, logits_rows: int | None = None, mixed: bool = True):
+        """step_tokens: tokens one step (one pass over the weights) carries; kv_tokens: slots of the KV pool
+        (None: max_batch_size sequences of the whole context); logits_rows: rows of logits computed at once
+        (None: max_batch_size); mixed: decode tokens ride along with prompt chunks."""
         self.model = model
-        self.prefill_pass_tokens = prefill_pass_tokens
+        self.step_tokens = max(step_tokens, max_batch_size)  # every running sequence's decode token fits a step
         self._now = getattr(model, "now", time.perf_counter)  # a simulated device keeps its own clock
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.max_batch_size = max_batch_size
         self.context_len = min(max_model_len or model.spec.max_position_embeddings,
                                model.spec.max_position_embeddings)
+        self.kv_tokens = kv_tokens or max_batch_size * self.context_len
+        self.logits_rows = logits_rows or max_batch_size
+        self.mixed = mixed
 
     def run(self, seqs: list[Sequence], on_finish: Callable[[Sequence], None] | None = None) -> None:
         """Generate until every sequence has finished; on_finish is called as each one does."""
@@ -56,40 +114,88 @@ class Generator:
             self._check(seq)
         if not seqs:
             return
-        n_slots = min(self.max_batch_size, len(seqs))
-        max_len = min(self.context_len, max(len(s.prompt_ids) + s.params.max_tokens for s in seqs))
-        cache = self.model.new_cache(n_slots, max_len)
-        pending, active = deque(seqs), {}
-        free = list(range(n_slots))[::-1]
-        while pending or active:
-            admitted = []
-            while pending and free:
+        for seq in seqs:
+            seq.extent = min(len(seq.prompt_ids) + seq.params.max_tokens, self.context_len)
+        # the pool: what the run's sequences need at most, within kv_tokens (the longest one always fits)
+        largest = sorted((s.extent for s in seqs), reverse=True)
+        capacity = max(min(self.kv_tokens, sum(largest[: self.max_batch_size])), largest[0])
+        cache = self.model.new_cache(1, capacity)
+        pool, pending, running = KVPool(capacity), deque(seqs), []
+        while pending or running:
+            while pending and len(running) < self.max_batch_size:
+                base = pool.alloc(pending[0].extent)
+                if base is None:
+                    break
                 seq = pending.popleft()
-                seq.slot, seq.generator = free.pop(), seq.params.make_generator()
-                active[seq.slot] = seq
-                admitted.append(seq)
-            if admitted:
-                for group in _prefill_groups(admitted, self.prefill_pass_tokens):
-                    start = self._now()
-                    logits = self._prefill(group, cache, max_len)
-                    self._count("prefill", start, sum(len(s.prompt_ids) for s in group))
-                    self._sample_next(group, logits)
-            else:
-                batch = list(active.values())
-                start = self._now()
-                logits = self._decode(batch, cache, max_len)
-                self._count("decode", start, len(batch))
-                self._sample_next(batch, logits)
-            for seq in [s for s in active.values() if s.finish_reason]:
-                del active[seq.slot]
-                free.append(seq.slot)
+                seq.base, seq.n_cached, seq.generator = base, 0, seq.params.make_generator()
+                running.append(seq)
+            self._step(running, cache, capacity)
+            for seq in [s for s in running if s.finish_reason]:
+                running.remove(seq)
+                pool.release(seq.base, seq.extent)
                 if on_finish:
                     on_finish(seq)
 
-    def _count(self, phase: str, start_s: float, n_tokens: int) -> None:
+    def _plan_step(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
+        """The decode sequences and the (sequence, chunk length) prompt chunks of the next step."""
+        decode = [s for s in running if s.prefilled]
+        prefilling = [s for s in running if not s.prefilled]
+        if not self.mixed and prefilling:
+            decode = []  # the old schedule: prompts first, decode waits
+        room, chunks = self.step_tokens - len(decode), []
+        for seq in prefilling:
+            if room <= 0:
+                break
+            n = min(room, len(seq.prompt_ids) - seq.n_cached)
+            chunks.append((seq, n))
+            room -= n
+        return decode, chunks
+
+    def _step(self, running: list[Sequence], cache, trash_slot: int) -> None:
+        """One forward pass over the weights: the decode tokens and prompt chunks, then sampling."""
+        decode, chunks = self._plan_step(running)
+        groups, tokens = [], []
+        if decode:
+            positions = torch.tensor([[s.n_tokens - 1] for s in decode])
+            groups.append((positions, torch.tensor([s.base for s in decode])))
+            tokens += [s.output_ids[-1] for s in decode]
+        for seq, n in chunks:
+            groups.append((torch.arange(seq.n_cached, seq.n_cached + n)[None], torch.tensor([seq.base])))
+            tokens += seq.prompt_ids[seq.n_cached: seq.n_cached + n]
+        phase = "prefill" if chunks else "decode"
+        start = self._now()
+        step = ragged_step(self.model.spec, self.model.dtype, groups, trash_slot, phase)
+        with torch.inference_mode():
+            hidden = self.model.forward(torch.tensor([tokens]), step, cache)[0]
+        # rows to sample: every decode token, and the last token of each prompt finished in this step
+        rows, sampled, at = list(range(len(decode))), list(decode), len(decode)
+        for seq, n in chunks:
+            at += n
+            seq.n_cached += n
+            if seq.prefilled:
+                rows.append(at - 1)
+                sampled.append(seq)
+        logits = self._logits(hidden, rows)
+        n_prompt = sum(n for _, n in chunks)
+        self._count(phase, start, len(tokens), StepShape(
+            phase, 0.0, n_prompt, len(decode), len(decode) + len(chunks), len(rows),
+            attended_keys=sum(s.n_tokens for s in decode) + sum(n * (s.n_cached - n) + n * (n + 1) // 2
+                                                                 for s, n in chunks),
+            kv_read_tokens=sum(s.n_tokens for s in decode) + sum(s.n_cached for s, _ in chunks)))
+        self._sample_next(sampled, logits)
+
+    def _logits(self, hidden: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
+        """Logits of hidden[rows], at most logits_rows at a time (the plan budgets that many)."""
+        out = []
+        for i in range(0, len(rows), self.logits_rows):
+            out += list(self.model.logits(hidden[rows[i: i + self.logits_rows]]))
+        return out
+
+    def _count(self, phase: str, start_s: float, n_tokens: int, shape: StepShape) -> None:
         timeline = getattr(self.model, "timeline", None)
         if timeline is not None:
-            timeline.add_phase(phase, self._now() - start_s, n_tokens)
+            elapsed = self._now() - start_s
+            timeline.add_phase(phase, elapsed, n_tokens, StepShape(**{**shape.__dict__, "seconds": elapsed}))
 
     def _check(self, seq: Sequence) -> None:
         try:
@@ -112,45 +218,7 @@ class Generator:
         if max(ids) >= vocab or min(ids) < 0:
             raise ConfigError(f"prompt token ids must lie in [0, {vocab}); use the model's own tokenizer")
 
-    def _prefill(self, group: list[Sequence], cache, max_len: int) -> torch.Tensor:
-        """Run the prompts of newly admitted sequences, in passes of at most prefill_pass_tokens padded tokens;
-        return last-token logits [b, V]."""
-        lengths = [len(s.prompt_ids) for s in group]
-        s_max, n = max(lengths), len(group)
-        tokens = torch.zeros(n, s_max, dtype=torch.long)
-        for i, seq in enumerate(group):
-            tokens[i, : lengths[i]] = torch.tensor(seq.prompt_ids)
-        limit = torch.tensor(lengths)[:, None]
-        span = max(1, self.prefill_pass_tokens // n)
-        last: list[torch.Tensor | None] = [None] * n
-        for start in range(0, s_max, span):
-            stop = min(start + span, s_max)
-            positions = torch.arange(start, stop)[None].expand(n, stop - start)
-            valid = positions < limit
-            positions = torch.where(valid, positions, torch.zeros_like(positions))
-            hidden = self._forward(group, tokens[:, start:stop], positions, valid, cache, max_len, "prefill")
-            for i, length in enumerate(lengths):
-                if start < length <= stop:
-                    last[i] = hidden[i, length - 1 - start]
-        return self.model.logits(torch.stack(last))
-
-    def _decode(self, batch: list[Sequence], cache, max_len: int) -> torch.Tensor:
-        """One token for each active sequence; return logits [b, V]."""
-        tokens = torch.tensor([[s.output_ids[-1]] for s in batch])
-        positions = torch.tensor([[s.n_tokens - 1] for s in batch])
-        valid = torch.ones(positions.shape, dtype=torch.bool)
-        hidden = self._forward(batch, tokens, positions, valid, cache, max_len, "decode")
-        return self.model.logits(hidden[:, 0])
-
-    def _forward(self, seqs, tokens, positions, valid, cache, max_len: int, phase: str) -> torch.Tensor:
-        slots = [s.slot for s in seqs]
-        all_rows = len(seqs) == cache[0].k.shape[0] and slots == list(range(len(seqs)))
-        step = self.model.make_step(positions, valid, trash_slot=max_len,
-                                    rows=None if all_rows else torch.tensor(slots), phase=phase)
-        with torch.inference_mode():
-            return self.model.forward(tokens, step, cache)
-
-    def _sample_next(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _sample_next(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         for seq, row in zip(seqs, logits):
             token = sample(row, seq.params, seq.generator)
             seq.output_ids.append(token)
@@ -166,7 +234,15 @@ class Generator:
             seq.finish_reason = "length"
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        """Whether the text now ends past a stop string: only the newest token's text is decoded (vLLM's
+        incremental detokenizing), and only the tail a new stop string could touch is searched."""
+        before = len(seq._text)
+        seq._text += self._new_text(seq)
+        longest = max(len(s) for s in seq.params.stop)
+        tail_from = max(0, before - longest + 1)
+        if not any(s in seq._text[tail_from:] for s in seq.params.stop):
+            return False
+        text = self._full_text(seq)  # once per sequence: where the stop string cuts the final text
         hits = [(text.find(s), s) for s in seq.params.stop if s in text]
         if not hits:
             return False
@@ -174,23 +250,24 @@ class Generator:
         seq.stop_text_end = at + len(stop) if seq.params.include_stop_str_in_output else at
         return True
 
+    def _new_text(self, seq: Sequence) -> str:
+        """The text the newest token adds, decoded with a few tokens of context before it; empty while it ends
+        inside a multi-byte character (the next token completes it)."""
+        prefix_start, read_end = seq._offsets
+        skip = seq.params.skip_special_tokens
+        prefix = self.tokenizer.decode(seq.output_ids[prefix_start:read_end], skip_special_tokens=skip)
+        full = self.tokenizer.decode(seq.output_ids[prefix_start:], skip_special_tokens=skip)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        seq._offsets = (read_end, len(seq.output_ids))
+        return full[len(prefix):]
+
+    def _full_text(self, seq: Sequence) -> str:
+        return self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+
     def text_of(self, seq: Sequence) -> str:
         """The decoded completion, cut at the stop string if one ended it."""
         if self.tokenizer is None:
             return ""
-        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
+        text = self._full_text(seq)
         return text if seq.stop_text_end is None else text[: seq.stop_text_end]
-
-
-def _prefill_groups(seqs: list[Sequence], tokens_per_pass: int) -> list[list[Sequence]]:
-    """Split sequences so that each group's padded prompts fit one pass of tokens_per_pass (a longer prompt is
-    a group of its own, prefilled in several passes)."""
-    groups, current, longest = [], [], 0
-    for seq in sorted(seqs, key=lambda s: len(s.prompt_ids)):
-        longest_if_added = max(longest, len(seq.prompt_ids))
-        if current and longest_if_added * (len(current) + 1) > tokens_per_pass:
-            groups.append(current)
-            current, longest_if_added = [], len(seq.prompt_ids)
-        current.append(seq)
-        longest = longest_if_added
-    return groups + [current] if current else groups

@@ -105,7 +105,8 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
     seqs = [Sequence(i, [1] * wl.prompt_len, params) for i in range(wl.batch_size)]
     Generator(model, max_batch_size=wl.batch_size, max_model_len=wl.prompt_len + decode_steps + 1,
-              prefill_pass_tokens=placement.prefill_pass_tokens).run(seqs)
+              step_tokens=placement.prefill_pass_tokens, mixed=False).run(seqs)  # the plan's shape: prompts, then
+    # decode steps of the whole batch (mixed steps would start some sequences' decode inside the prefill)
     model.flush()
     timeline = backend.timeline
     if trace is not None:

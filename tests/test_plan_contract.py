@@ -135,7 +135,7 @@ def test_a_prompt_longer_than_a_pass_is_prefilled_in_several(tiny_dir):
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     seq = Sequence(0, ids, params)
     llm.timeline.clear()
-    Generator(llm.model, max_batch_size=1, max_model_len=64, prefill_pass_tokens=16).run([seq])
+    Generator(llm.model, max_batch_size=1, max_model_len=64, step_tokens=16).run([seq])
     passes = [s for s in llm.timeline.spans if s.unit == "layer.0" and s.phase == "prefill"]
     assert [s.n_tokens for s in passes] == [16, 16, 8]
     assert seq.output_ids == llm.generate([ids], params)[0].token_ids

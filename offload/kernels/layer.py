@@ -127,28 +127,34 @@ def fused_layers_forward(layers: list[FusedLayer], x: torch.Tensor, table: StepT
 
 
 def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> torch.Tensor:
-    """[B * S, 4] int64 per new token: flat KV slot (-1: padding), flat slot of its row's key 0, first and
-    last key it sees; the same keys as llama.attention_mask (padding tokens see key 0 only).
+    """[B * S, 4] int64 per new token: flat KV slot (-1: padding), flat slot of its sequence's key 0 (its row,
+    plus its base in a pooled cache), first and last key it sees; the same keys as llama.attention_mask (padding
+    tokens see key 0 only). A ragged step's table is its groups' tables one after another.
 
     Built from Python lists: a decode step has a few tokens, where a dozen tiny tensor ops would cost more
     than the table is worth."""
+    if step.groups is not None:
+        parts = [token_table(g, n_rows, n_slots, sliding_window) for g in step.groups]
+        return torch.cat(parts) if parts else torch.empty(0, 4, dtype=torch.long)
     positions, write_index = step.positions.tolist(), step.write_index.tolist()
     b = len(positions)
     rows = list(range(b)) if step.rows is None else step.rows.tolist()
+    bases = [0] * b if step.bases is None else step.bases.tolist()
     if len(rows) != b or any(not 0 <= r < n_rows for r in rows):
         raise KernelError(f"fused layer: step rows {rows} do not fit a KV cache of {n_rows} rows for "
                           f"a batch of {b}; allocate the cache with more rows")
     table = []
-    for row, row_positions, row_slots in zip(rows, positions, write_index):
-        base = row * n_slots
+    for row, base, row_positions, row_slots in zip(rows, bases, positions, write_index):
+        first = row * n_slots + base
         for pos, slot in zip(row_positions, row_slots):
             if slot == n_slots - 1:  # padding writes to the trash slot T
-                table.append((-1, base, 0, 0))
+                table.append((-1, first, 0, 0))
                 continue
-            if pos >= n_slots - 1 or not 0 <= slot < n_slots:
+            if base + pos >= n_slots - 1 or not 0 <= slot < n_slots:
                 raise KernelError(f"fused layer: positions reach past the KV cache's {n_slots - 1} slots; "
                                   f"allocate the cache with a larger max_len")
-            table.append((base + slot, base, 0 if sliding_window is None else max(pos - sliding_window + 1, 0), pos))
+            table.append((row * n_slots + slot, first, 0 if sliding_window is None else max(pos - sliding_window + 1, 0),
+                          pos))
     return torch.tensor(table, dtype=torch.long) if table else torch.empty(0, 4, dtype=torch.long)
 
 

@@ -32,40 +32,100 @@ class LayerWeights:
 
 @dataclass
 class Step:
-    """What one forward pass needs besides weights: where each new token sits and what it may see."""
+    """What one forward pass needs besides weights: where each new token sits and what it may see.
+
+    A plain step is a grid of B sequences by S new tokens (padding marked invalid). A ragged step (groups set)
+    holds the tokens of several grids back to back as one row of T tokens: a mixed step's decode tokens (one
+    grid [b, 1]) and prompt chunks (a grid [1, c] each). The linears run once over all T tokens; attention runs
+    per group. Its top-level tensors are the flat [1, T] ones; each group is a plain step of its own.
+    """
 
     positions: torch.Tensor  # [B, S] long, position of each new token (pads: 0)
-    write_index: torch.Tensor  # [B, S] long, KV slot to write (pads: the trash slot)
+    write_index: torch.Tensor  # [B, S] long, KV slot to write within the row (bases added; pads: the trash slot)
     valid: torch.Tensor  # [B, S] bool, real tokens (not padding)
-    n_keys: int  # keys the step's queries see: cache slots 0 .. n_keys - 1
+    n_keys: int  # keys the step's queries see: slots base .. base + n_keys - 1 of each row
     cos: torch.Tensor  # [B, 1, S, head_dim]
     sin: torch.Tensor  # [B, 1, S, head_dim], first half negated (see apply_rope)
     rows: torch.Tensor | None = None  # [B] cache rows these sequences use; None: all rows, in order
     phase: str = "prefill"  # prefill | decode: the plan may compute a block differently in each
     sliding_window: int | None = None
+    bases: torch.Tensor | None = None  # [B] first KV slot of each sequence in its row (a pooled cache); None: 0
+    groups: tuple["Step", ...] | None = None  # a ragged step's grids, each b == 1 or s == 1
+    offsets: tuple[int, ...] = ()  # where each group's tokens begin in the flat row
     _mask: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def n_seqs(self) -> int:
+        """Sequences in this step (a ragged step's groups together)."""
+        if self.groups is not None:
+            return sum(g.n_seqs for g in self.groups)
+        return self.positions.shape[0]
+
+    @property
+    def n_tokens(self) -> int:
+        return self.positions.numel()
 
     @property
     def mask(self) -> torch.Tensor:
         """[B, 1, S, n_keys] bool, keys each query may attend to; made on first use (the fused CPU layer
         reads positions instead, so a decode step on the CPU never builds it)."""
+        if self.groups is not None:
+            raise ValueError("a ragged step has one mask per group: use step.groups[i].mask")
         if self._mask is None:
             self._mask = attention_mask(self.positions, self.valid, self.n_keys, self.sliding_window)
         return self._mask
 
     def slice(self, start: int, stop: int) -> "Step":
-        """The part of this step for new tokens start..stop-1 of every row (one chunk of a long prefill)."""
+        """The part of this step for new tokens start..stop-1 of every row (one chunk of a long prefill); of a
+        ragged step, flat tokens start..stop-1."""
+        if self.groups is not None:
+            return self._slice_ragged(start, stop)
         positions, valid = self.positions[:, start:stop], self.valid[:, start:stop]
         n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
         return Step(positions, self.write_index[:, start:stop], valid, n_keys, self.cos[:, :, start:stop],
-                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window)
+                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.bases)
+
+    def _rows_slice(self, start: int, stop: int) -> "Step":
+        """Rows start..stop-1 of a plain step."""
+        positions, valid = self.positions[start:stop], self.valid[start:stop]
+        n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
+        rows = self.rows[start:stop] if self.rows is not None else torch.arange(start, stop)
+        bases = None if self.bases is None else self.bases[start:stop]
+        return Step(positions, self.write_index[start:stop], valid, n_keys, self.cos[start:stop],
+                    self.sin[start:stop], rows, self.phase, self.sliding_window, bases)
+
+    def _slice_ragged(self, start: int, stop: int) -> "Step":
+        groups, offsets, at = [], [], 0
+        for g, t0 in zip(self.groups, self.offsets):
+            b, s = g.positions.shape
+            a, z = max(start, t0) - t0, min(stop, t0 + b * s) - t0
+            if z <= a:
+                continue
+            part = g if (a, z) == (0, b * s) else (g._rows_slice(a, z) if s == 1 else g.slice(a, z))
+            groups.append(part)
+            offsets.append(at)
+            at += z - a
+        return _ragged(groups, offsets, self.positions[:, start:stop], self.write_index[:, start:stop],
+                       self.valid[:, start:stop], self.cos[:, :, start:stop], self.sin[:, :, start:stop], self.phase,
+                       self.sliding_window)
 
     def to(self, device) -> "Step":
         """This step with its tensors on device (positions stay where they are), moved once for every layer."""
+        if self.groups is not None:
+            return _ragged([g.to(device) for g in self.groups], list(self.offsets), self.positions,
+                           self.write_index.to(device, non_blocking=True), self.valid, self.cos.to(device),
+                           self.sin.to(device), self.phase, self.sliding_window)
         rows = None if self.rows is None else self.rows.to(device, non_blocking=True)
+        bases = None if self.bases is None else self.bases.to(device, non_blocking=True)
         return Step(self.positions, self.write_index.to(device, non_blocking=True), self.valid, self.n_keys,
-                    self.cos.to(device), self.sin.to(device), rows, self.phase, self.sliding_window,
-                    self.mask.to(device))
+                    self.cos.to(device), self.sin.to(device), rows, self.phase, self.sliding_window, bases,
+                    _mask=self.mask.to(device))
+
+
+def _ragged(groups, offsets, positions, write_index, valid, cos, sin, phase, sliding_window) -> Step:
+    n_keys = max((g.n_keys for g in groups), default=1)
+    return Step(positions, write_index, valid, n_keys, cos, sin, None, phase, sliding_window, None,
+                tuple(groups), tuple(offsets))
 
 
 class LayerKV:
@@ -77,8 +137,9 @@ class LayerKV:
         self.v = torch.zeros_like(self.k)
 
     def update(self, step: "Step", k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return K, V [b, H, T, Dh] up to the
-        step's keys. The cache may live on another device than the computation (KV lives where a block decodes).
+        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return K, V [b, H, T, Dh]: each
+        sequence's keys from its base slot on, up to the step's keys. The cache may live on another device than
+        the computation (KV lives where a block decodes).
         """
         n_keys, dev, (batch, slots, heads, dh) = step.n_keys, self.k.device, self.k.shape
         row_ids = None if step.rows is None else step.rows.to(dev)  # None: every cache row takes part
@@ -87,9 +148,15 @@ class LayerKV:
         for cache, new in ((self.k, k), (self.v, v)):
             new = new.transpose(1, 2).reshape(-1, heads, dh)
             cache.view(batch * slots, heads, dh).index_copy_(0, flat, _to(new, dev, cache.dtype))
-        keys, values = self.k[:, :n_keys], self.v[:, :n_keys]
-        if row_ids is not None:
-            keys, values = keys.index_select(0, row_ids), values.index_select(0, row_ids)
+        if step.bases is not None:  # a pooled cache: each sequence's keys begin at its base slot
+            first = rows * slots + step.bases.to(dev)
+            index = (first[:, None] + torch.arange(n_keys, device=dev)[None]).clamp_(max=batch * slots - 1)
+            keys = self.k.view(batch * slots, heads, dh)[index]
+            values = self.v.view(batch * slots, heads, dh)[index]
+        else:
+            keys, values = self.k[:, :n_keys], self.v[:, :n_keys]
+            if row_ids is not None:
+                keys, values = keys.index_select(0, row_ids), values.index_select(0, row_ids)
         return _to(keys, k.device, k.dtype).transpose(1, 2), _to(values, k.device, k.dtype).transpose(1, 2)
 
     @property
@@ -187,21 +254,51 @@ def attention_mask(positions: torch.Tensor, valid: torch.Tensor, n_keys: int,
 
 
 def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, valid: torch.Tensor, trash_slot: int,
-              rows: torch.Tensor | None = None, phase: str = "prefill") -> Step:
-    """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens."""
+              rows: torch.Tensor | None = None, phase: str = "prefill", bases: torch.Tensor | None = None) -> Step:
+    """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens; bases [B]: the
+    first KV slot of each sequence in its cache row (a pooled cache)."""
     n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1  # no valid token: 1
-    write_index = torch.where(valid, positions, trash_slot)
+    slots = positions if bases is None else positions + bases[:, None]
+    write_index = torch.where(valid, slots, trash_slot)
     cos, sin = rope_cos_sin(spec, positions, dtype)
     return Step(positions=positions, write_index=write_index, valid=valid, n_keys=n_keys, cos=cos, sin=sin, rows=rows,
-                phase=phase, sliding_window=spec.sliding_window)
+                phase=phase, sliding_window=spec.sliding_window, bases=bases)
+
+
+def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Tensor, torch.Tensor]],
+                trash_slot: int, phase: str) -> Step:
+    """A ragged step over one pooled cache row: groups of (positions [b, s], bases [b]), each b == 1 or s == 1
+    and every token real; the tokens of the groups follow one another in the flat row."""
+    parts, offsets, at = [], [], 0
+    for positions, bases in groups:
+        b, s = positions.shape
+        if b != 1 and s != 1:
+            raise ValueError(f"a ragged step's groups are [b, 1] or [1, s] grids, found [{b}, {s}]")
+        valid = torch.ones_like(positions, dtype=torch.bool)
+        parts.append(make_step(spec, dtype, positions, valid, trash_slot, torch.zeros(b, dtype=torch.long), phase,
+                               bases))
+        offsets.append(at)
+        at += b * s
+    flat = lambda name: torch.cat([getattr(g, name).reshape(1, -1) for g in parts], dim=1)  # noqa: E731
+    cos = torch.cat([g.cos.permute(1, 0, 2, 3).reshape(1, 1, -1, spec.head_dim) for g in parts], dim=2)
+    sin = torch.cat([g.sin.permute(1, 0, 2, 3).reshape(1, 1, -1, spec.head_dim) for g in parts], dim=2)
+    return _ragged(parts, offsets, flat("positions"), flat("write_index"), flat("valid"), cos, sin, phase,
+                   spec.sliding_window)
 
 
 def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, kv: LayerKV):
     """Append k, v [B, Hkv, S, Dh] to the cache and attend with q [B, H, S, Dh] where the cache lives.
 
     A KV cache kept in CPU RAM for a block computed on the GPU (FlexGen's choice when the batch's cache does
-    not fit in VRAM) moves q, k, v and the output, not the whole cache.
+    not fit in VRAM) moves q, k, v and the output, not the whole cache. A ragged step attends group by group.
     """
+    if step.groups is not None:
+        outs = []
+        for g, t0 in zip(step.groups, step.offsets):
+            b, s = g.positions.shape
+            grid = [t[0, :, t0:t0 + b * s].unflatten(1, (b, s)).transpose(0, 1) for t in (q, k, v)]  # [b, H, s, Dh]
+            outs.append(attend(spec, *grid, g, kv).transpose(0, 1).flatten(1, 2))  # [H, b * s, Dh]
+        return torch.cat(outs, dim=1)[None]
     device, mask = q.device, step.mask
     if kv.k.device != device:
         q, k, v, mask = (t.to(kv.k.device) for t in (q, k, v, mask))

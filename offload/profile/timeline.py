@@ -32,6 +32,25 @@ class Span:
         return self.end_s - self.start_s
 
 
+@dataclass(frozen=True)
+class StepShape:
+    """What one step computed, enough for the cost model to price it again: the report re-costs the plan for
+    the steps actually run."""
+
+    phase: str  # prefill: the step carried prompt tokens (decode tokens may ride along); decode: it did not
+    seconds: float
+    n_prompt_tokens: int
+    n_decode_tokens: int
+    n_seqs: int  # sequences with a token in the step
+    n_logits: int  # rows of logits computed (sequences sampled)
+    attended_keys: int  # keys seen, summed over the step's tokens
+    kv_read_tokens: int  # cached positions read, summed over the step's sequences
+
+    @property
+    def n_tokens(self) -> int:
+        return self.n_prompt_tokens + self.n_decode_tokens
+
+
 @dataclass
 class Timeline:
     """A thread-safe list of spans plus the wall-clock extent of each phase."""
@@ -40,6 +59,7 @@ class Timeline:
     phase_time_s: dict[str, float] = field(default_factory=lambda: {"prefill": 0.0, "decode": 0.0})
     phase_tokens: dict[str, int] = field(default_factory=lambda: {"prefill": 0, "decode": 0})
     step_s: dict[str, list[float]] = field(default_factory=lambda: {"prefill": [], "decode": []})  # each pass
+    steps: list[StepShape] = field(default_factory=list)  # each step's shape, where the generator gave it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @staticmethod
@@ -52,12 +72,14 @@ class Timeline:
         with self._lock:
             self.spans.append(span)
 
-    def add_phase(self, phase: str, elapsed_s: float, n_tokens: int) -> None:
-        """Count one forward pass of a phase: its wall time and the tokens it processed."""
+    def add_phase(self, phase: str, elapsed_s: float, n_tokens: int, shape: StepShape | None = None) -> None:
+        """Count one forward pass of a phase: its wall time and the tokens it processed (and its shape)."""
         with self._lock:
             self.phase_time_s[phase] += elapsed_s
             self.phase_tokens[phase] += n_tokens
             self.step_s[phase].append(elapsed_s)
+            if shape is not None:
+                self.steps.append(shape)
 
     def intervals(self, resource: str, phase: str) -> list[tuple[float, float]]:
         """The resource's busy intervals in the phase, overlapping spans merged, in time order."""
@@ -91,3 +113,4 @@ class Timeline:
             self.phase_time_s = {"prefill": 0.0, "decode": 0.0}
             self.phase_tokens = {"prefill": 0, "decode": 0}
             self.step_s = {"prefill": [], "decode": []}
+            self.steps = []

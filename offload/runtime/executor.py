@@ -304,7 +304,7 @@ class PlacedModel:
         if step is None:  # the lm_head over hidden rows [..., D]
             n_tokens = x.numel() // x.shape[-1]
             return Work(name, kind, phase, n_tokens, n_tokens)
-        return Work(name, kind, phase, step.positions.numel(), step.positions.shape[0], step.n_keys)
+        return Work(name, kind, phase, step.n_tokens, step.n_seqs, step.n_keys)
 
     def _on_cpu(self, works: list[Work], fn, x, *args):
         """CPU blocks through the backend; on a worker thread when copies or reads run alongside."""
@@ -358,10 +358,16 @@ class PlacedModel:
         return self._layer(x, name, w, step, cache[index], steps, on_device)
 
     def _chunks(self, x, step: Step) -> list[tuple[int, int]]:
-        """Token ranges a layer computes at once: prefill in chunks of the planned size, else the whole pass."""
+        """Token ranges a layer computes at once: at most the planned chunk of tokens (a ragged step's flat
+        tokens; a plain step's prefill in columns of chunk / rows)."""
         b, s = x.shape[0], x.shape[1]
-        width = max(1, self.placement.prefill_chunk_tokens // max(b, 1))
-        if step.phase != "prefill" or s <= width:
+        if step.groups is not None:
+            width = max(1, self.placement.prefill_chunk_tokens)
+        else:
+            width = max(1, self.placement.prefill_chunk_tokens // max(b, 1))
+            if step.phase != "prefill":
+                return [(0, s)]
+        if s <= width:
             return [(0, s)]
         return [(a, min(a + width, s)) for a in range(0, s, width)]
 
