@@ -114,11 +114,12 @@ class Generator:
             self._check(seq)
         if not seqs:
             return
-        for seq in seqs:
-            seq.extent = min(len(seq.prompt_ids) + seq.params.max_tokens, self.context_len)
-        # the pool: what the run's sequences need at most, within kv_tokens (the longest one always fits)
+        for seq in seqs:  # every token but the last one sampled is written to the cache
+            seq.extent = min(len(seq.prompt_ids) + seq.params.max_tokens, self.context_len) - 1
+        # the pool: what the run's sequences need at most, within kv_tokens with its trash slot (the longest
+        # sequence always fits)
         largest = sorted((s.extent for s in seqs), reverse=True)
-        capacity = max(min(self.kv_tokens, sum(largest[: self.max_batch_size])), largest[0])
+        capacity = max(min(self.kv_tokens - 1, sum(largest[: self.max_batch_size])), largest[0])
         cache = self.model.new_cache(1, capacity)
         pool, pending, running = KVPool(capacity), deque(seqs), []
         while pending or running:
