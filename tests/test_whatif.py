@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from offload.cli.main import main
 from offload.hardware import load_hardware
 from offload.planner import PlanRequest, plan_for
 from offload.planner.bottleneck import measured_bottleneck, predicted_bottleneck
 from offload.planner.costs import PhaseCost
-from offload.planner.whatif import MORE_VRAM_BYTES, next_preset, what_ifs
+from offload.planner.whatif import MORE_VRAM_BYTES, next_preset, what_if_line, what_ifs
 from offload.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,3 +126,37 @@ def test_bottleneck_rules():
     assert measured_bottleneck(busy, idle_s=0.1) == "pcie"
     assert measured_bottleneck(busy, idle_s=1.2) == "overhead"
     assert measured_bottleneck(dict.fromkeys(busy, 0.0), idle_s=0.0) is None
+
+
+def _cli_json(capsys, argv: list[str]) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_explain_prints_bottleneck_and_what_ifs(capsys):
+    argv = ["plan", "--model", MODEL_70B, "--hardware", "rtx4090-ddr5", "--gpu-memory", "22GiB",
+            "--quantization", "q4_0"]
+    assert main(argv + ["--explain"]) == 0
+    out = capsys.readouterr().out
+    data = _cli_json(capsys, argv + ["--explain", "--json"])
+    assert "what_ifs" not in _cli_json(capsys, argv + ["--json"])  # the plain JSON is the plan that runs
+    names = {"gpu": "GPU compute", "cpu": "CPU compute", "pcie": "PCIe", "host_memory": "host memory"}
+    assert data["bottleneck"] == {p: predicted_bottleneck(PhaseCost(**{k: v for k, v in data["phases"][p].items()
+                                                                         if k in PhaseCost.__dataclass_fields__}))
+                                  for p in ("prefill", "decode")}
+    assert f"Bottleneck: prefill {names[data['bottleneck']['prefill']]}, decode " in out
+    assert "what-ifs (the same job re-planned with one change" in out
+    assert [w["label"] for w in data["what_ifs"]] == ["none", "q8_0", "+8 GiB VRAM", "batch 8", "batch 32",
+                                                      "hardware h200-server"]
+    for w in data["what_ifs"]:
+        assert f"  {what_if_line(w)}\n" in out
+    # what the same command says with the one change made by hand
+    batch = data["workload"]["batch_size"]
+    for label, flags in [("+8 GiB VRAM", ["--gpu-memory", "30GiB", "--batch-size", str(batch)]),
+                         ("batch 32", ["--batch-size", "32"])]:
+        other = _cli_json(capsys, argv + flags + ["--json"])
+        w = next(w for w in data["what_ifs"] if w["label"] == label)
+        assert w["decode_s_per_token"] == other["phases"]["decode"]["s_per_token"], label
+        assert w["decode_speedup"] == pytest.approx(data["phases"]["decode"]["s_per_token"]
+                                                    / other["phases"]["decode"]["s_per_token"])
+    assert "does not fit: the closest placement needs" in out
