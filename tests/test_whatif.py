@@ -15,6 +15,8 @@ from offload.planner import PlanRequest, plan_for
 from offload.planner.bottleneck import measured_bottleneck, predicted_bottleneck
 from offload.planner.costs import PhaseCost
 from offload.planner.whatif import MORE_VRAM_BYTES, next_preset, what_if_line, what_ifs
+from offload.profile.report import JobCounts, build_report, format_report
+from offload.profile.timeline import Span, Timeline
 from offload.spec import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,3 +162,53 @@ def test_plan_explain_prints_bottleneck_and_what_ifs(capsys):
         assert w["decode_speedup"] == pytest.approx(data["phases"]["decode"]["s_per_token"]
                                                     / other["phases"]["decode"]["s_per_token"])
     assert "does not fit: the closest placement needs" in out
+
+
+def _timeline() -> Timeline:
+    # prefill 1.0 s: cpu [0, 0.8]; decode 1.0 s: gpu [1, 1.3], pcie [1, 1.6] -> idle 0.4 s, pcie busiest
+    tl = Timeline()
+    tl.add(Span("cpu_block", "prefill", "layer.0", 0.0, 0.8, n_tokens=10))
+    tl.add(Span("gpu_block", "decode", "layer.0", 1.0, 1.3))
+    tl.add(Span("h2d_copy", "decode", "layer.0", 1.0, 1.6, n_bytes=1 << 20))
+    tl.add_phase("prefill", 1.0, 10)
+    tl.add_phase("decode", 1.0, 2)
+    return tl
+
+
+def test_report_has_bottlenecks_and_what_ifs():
+    plan, found = _what_ifs(REQUEST_70B)
+    changes = [w.to_dict() for w in found.values()]
+    report = build_report(JobCounts(n_done=1), _timeline(), plan, what_ifs=changes)
+    report = json.loads(json.dumps(report))  # as written to disk
+    assert report["what_ifs"] == changes
+    assert report["phases"]["prefill"]["bottleneck"] == "cpu" and report["phases"]["decode"]["bottleneck"] == "pcie"
+    assert report["phases"]["decode"]["predicted_bottleneck"] == predicted_bottleneck(plan.decode)
+    text = format_report(report)
+    assert "bottleneck CPU compute" in text and "bottleneck PCIe" in text
+    x = found["+8 GiB VRAM"].decode_speedup
+    assert f"+8 GiB VRAM: predicted {x:.2f}x decode" in text
+    assert f"q8_0: does not fit: {found['q8_0'].reason}" in text
+    assert build_report(JobCounts())["what_ifs"] is None
+
+
+def test_job_report_names_bottlenecks_and_what_ifs(tmp_path, capsys):
+    from jobs_support import completion_line, make_tiny_chat_model, write_batch, write_job
+    from offload.jobs.run import run_batch
+    from offload.planner.bottleneck import BOTTLENECKS
+
+    model = make_tiny_chat_model(tmp_path / "model")
+    write_batch(tmp_path / "in.jsonl", [completion_line(f"p{i}", f"Once upon a time {i}") for i in range(2)])
+    config = write_job(tmp_path / "job.yaml", model={"path": str(model)}, hardware="cpu-desktop",
+                       input={"path": "in.jsonl"}, output={"path": "out/o.jsonl"},
+                       sampling={"max_tokens": 3, "temperature": 0}, schedule={"batch_size": 2},
+                       report={"print": True, "progress": False})
+    run_batch(config)
+    saved = json.loads((tmp_path / "out" / "o.report.json").read_text())
+    labels = [w["label"] for w in saved["what_ifs"]]
+    assert labels == ["q8_0", "q4_0", "batch 1", "batch 4", "hardware t4-server"]
+    assert all(w["fits"] and w["decode_speedup"] > 0 for w in saved["what_ifs"])
+    for phase in saved["phases"].values():
+        assert phase["bottleneck"] in BOTTLENECKS and phase["predicted_bottleneck"] == "cpu"
+    out = capsys.readouterr().out
+    assert "what-ifs (the same job re-planned" in out and "  q4_0: predicted " in out
+    assert "bottleneck " in out
