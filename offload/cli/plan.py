@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 
 from offload.cli.job_flags import add_plan_flags, effective_config
@@ -13,25 +14,40 @@ def add_parser(sub) -> None:
     p = sub.add_parser("plan", help="place a model's blocks on GPU, CPU and disk and predict its speed")
     add_plan_flags(p)
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument("--explain", action="store_true", help="also print why the plan is what it is")
+    p.add_argument("--explain", action="store_true",
+                   help="also print why the plan is what it is, its bottleneck per phase and what-ifs (the same job "
+                        "re-planned with another quantization, more VRAM, half or double the batch, the next "
+                        "hardware preset); with --json, adds the keys bottleneck and what_ifs")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     from offload.jobs.config import plan_request
     from offload.planner import plan_for
+    from offload.planner.whatif import format_what_ifs, what_ifs
     from offload.spec import load_spec
     from offload.weights.default_model import resolve_model
 
     request = plan_request(effective_config(args, need_input=False))
     if request.hardware is None:
         log.info("planning for the calibrated profile (or an estimate; run `offload calibrate`)")
-    plan = plan_for(load_spec(resolve_model(request.model)), request.profile(), request)
+    spec, hw = load_spec(resolve_model(request.model)), request.profile()
+    plan = plan_for(spec, hw, request)
+    changes = [w.to_dict() for w in what_ifs(spec, hw, request, plan)] if args.explain else []
     if args.json:
-        print(plan.to_json())
+        print(plan.to_json() if not args.explain else json.dumps(explained_dict(plan, changes), indent=2))
         return 0
     print(plan.table())
     if args.explain:
         print()
         print(plan.explain())
+        print("\n".join(["", *format_what_ifs(changes)]))
     return 0
+
+
+def explained_dict(plan, changes: list[dict]) -> dict:
+    """The plan's JSON with the bottleneck of each phase and the what-ifs (--json --explain)."""
+    from offload.planner.bottleneck import predicted_bottleneck
+
+    bottleneck = {p: predicted_bottleneck(getattr(plan, p)) for p in ("prefill", "decode")}
+    return {**json.loads(plan.to_json()), "bottleneck": bottleneck, "what_ifs": changes}

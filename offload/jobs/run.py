@@ -13,6 +13,7 @@ from offload.runtime.host_memory import MemoryWatch, peak_rss_bytes
 from offload.jobs.output import OutputLog
 from offload.jobs.config import JobConfig, load_config, plan_request, validate_config
 from offload.errors import BudgetError, OffloadError
+from offload.planner.whatif import what_ifs
 from offload.profile.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
 from offload.profile.timeline import Timeline
 
@@ -211,7 +212,7 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
     """Build the report; write it (JSON, trace, plot) beside the outputs and print it."""
     tl, source = timeline if timeline is not None else (None, None)
     plan = getattr(llm, "plan", None)
-    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, llm), source)
+    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, llm), source, job_what_ifs(llm))
     report["memory"]["cpu"]["peak_held_bytes"] = peak_held_bytes  # anonymous + shared: see runtime/host_memory.py
     report["outputs"] = output_counts(log)
     _write(config.report_path, lambda path: write_report(report, path))
@@ -223,6 +224,18 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
         print(format_report(report), flush=True)
         print(f"outputs: {config.output_path}\nreport: {config.report_path}", flush=True)
     return report
+
+
+def job_what_ifs(llm) -> list[dict] | None:
+    """The planner's what-ifs for the job llm planned (None without a plan: a placement given by hand)."""
+    plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
+    if plan is None or request is None or spec is None:
+        return None
+    try:
+        return [w.to_dict() for w in what_ifs(spec, request.profile(), request, plan)]
+    except OffloadError as e:  # e.g. the hardware file changed during the job; the report is written without them
+        logger.warning(f"what-ifs left out of the report: {e}")
+        return None
 
 
 def _write(path: Path, write) -> None:

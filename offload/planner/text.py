@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from offload.hardware import format_bytes
+from offload.planner.bottleneck import bottleneck_name, predicted_bottleneck
 
 
 def _ms(seconds: float) -> str:
@@ -73,6 +74,12 @@ def _decision(plan, phase: str) -> str:
             f"host memory {_ms(cost.host_mem_s)}).")
 
 
+def bottleneck_line(plan) -> str:
+    """Which resource each phase waits on, by the rule of planner/bottleneck.py."""
+    names = ", ".join(f"{p} {bottleneck_name(predicted_bottleneck(getattr(plan, p)))}" for p in ("prefill", "decode"))
+    return f"Bottleneck: {names} (the resource with the most seconds per step; make it faster first)."
+
+
 def plan_explanation(plan) -> str:
     """Sentences saying what was placed where and why the step time is what it is."""
     gpu, cpu, disk = plan.tier("gpu"), plan.tier("cpu"), plan.tier("disk")
@@ -81,7 +88,7 @@ def plan_explanation(plan) -> str:
              f"Each placement counts weights, the KV cache for batch {plan.workload.batch_size} x "
              f"{plan.workload.seq_len} tokens, activations at the largest shape, staging slots, pinned "
              f"buffers and a {plan.budget.margin_frac:.0%} margin; no tier exceeds its budget."]
-    lines += [_decision(plan, "prefill"), _decision(plan, "decode")]
+    lines += [_decision(plan, "prefill"), _decision(plan, "decode"), bottleneck_line(plan)]
     lines.append("Streaming wins when the CPU would take longer on a unit than copying its weights over "
                  "PCIe; copies overlap compute, so the step takes the longest of compute, PCIe, disk and "
                  "host-memory time, not their sum.")

@@ -8,7 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from offload.errors import ConfigError
+from offload.planner.bottleneck import bottleneck_name, measured_bottleneck, predicted_bottleneck
 from offload.planner.types import PHASES
+from offload.planner.whatif import format_what_ifs
 from offload.profile.timeline import KINDS, RESOURCES
 
 TRACK_IDS = {"cpu": 1, "gpu": 2, "pcie": 3, "disk": 4, "wait": 5}  # Chrome trace tid per resource
@@ -32,8 +34,10 @@ class JobCounts:
 
 
 def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None = None,
-                 budget: dict | None = None, timeline_source: str | None = None) -> dict:
-    """The report as a JSON-ready dict; timeline and plan are optional (fields are then None)."""
+                 budget: dict | None = None, timeline_source: str | None = None,
+                 what_ifs: list[dict] | None = None) -> dict:
+    """The report as a JSON-ready dict; timeline, plan and what-ifs (WhatIf.to_dict()s) are optional (fields are
+    then None)."""
     return {
         "requests": {"total": counts.n_requests, "done": counts.n_done, "failed": counts.n_failed,
                      "skipped_already_done": counts.n_skipped, "interrupted": counts.interrupted},
@@ -41,8 +45,10 @@ def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None
         "generate_s": counts.generate_s,
         "generated_tokens_per_s": _ratio(counts.n_generated_tokens, counts.generate_s),
         "timeline_source": timeline_source if timeline is not None else None,
-        "phases": {p: phase_report(timeline, p, plan) for p in PHASES} if timeline is not None else None,
+        "phases": {p: _with_bottlenecks(phase_report(timeline, p, plan), getattr(plan, p, None))
+                   for p in PHASES} if timeline is not None else None,
         "memory": memory_report(peaks or {}, budget or {}),
+        "what_ifs": what_ifs,
     }
 
 
@@ -63,6 +69,14 @@ def phase_report(timeline, phase: str, plan=None) -> dict:
         "predicted_s_per_token": predicted, "measured_s_per_token": measured,
         "predicted_over_measured": _ratio(predicted, measured) if predicted is not None else None,
     }
+
+
+def _with_bottlenecks(phase: dict, cost=None) -> dict:
+    """A phase report with its measured bottleneck and, given the plan's PhaseCost, the predicted one (keys of
+    planner.bottleneck.BOTTLENECKS; the rules are there)."""
+    predicted = predicted_bottleneck(cost) if getattr(cost, "bound", None) is not None else None
+    return {**phase, "bottleneck": measured_bottleneck(phase["busy_s"], phase["idle_s"]),
+            "predicted_bottleneck": predicted}
 
 
 def memory_report(peaks: dict, budget: dict) -> dict:
@@ -114,10 +128,14 @@ def format_report(report: dict) -> str:
         lines.append(f"{'':>7}  split {_pct(p['cpu_vs_gpu']['cpu'])} CPU / {_pct(p['cpu_vs_gpu']['gpu'])} GPU; "
                      f"s/token measured {_fmt(p['measured_s_per_token'], '.4g')}, "
                      f"predicted {_fmt(p['predicted_s_per_token'], '.4g')}")
+        if "bottleneck" in p:  # reports saved before bottlenecks were added lack it
+            lines.append(f"{'':>7}  bottleneck {bottleneck_name(p['bottleneck'])} "
+                         f"(predicted {bottleneck_name(p['predicted_bottleneck'])})")
     for tier, m in report["memory"].items():
         if m["peak_bytes"] is not None or m["budget_bytes"] is not None:
             lines.append(f"{'vram' if tier == 'gpu' else 'ram':>7}: peak {_gib(m['peak_bytes'])} "
                          f"of budget {_gib(m['budget_bytes'])}")
+    lines += format_what_ifs(report.get("what_ifs") or [])
     return "\n".join(lines)
 
 
