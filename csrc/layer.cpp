@@ -152,6 +152,11 @@ void run_linear(const LayerArgs& a, const LinearArg& l, const float* x, float* y
 
 }  // namespace
 
+void attention_forward(const LayerArgs& a, float* qkv, float* att) {
+  rope_and_store(a, qkv);
+  attention(a, qkv, att);
+}
+
 void layer_forward(const LayerArgs& a) {
   const LayerShape& s = a.shape;
   const int64_t N = a.N, D = a.qkv.w.K, I = s.intermediate;

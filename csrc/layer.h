@@ -20,7 +20,7 @@ struct LinearArg {
 
 // Per new token n, the int64 row tokens[n * kTokenCols + ...]:
 constexpr int kSlot = 0;     // flat KV slot row * (T + 1) + write_index; -1: padding (writes nothing)
-constexpr int kRowBase = 1;  // flat slot of key 0 of the token's cache row: row * (T + 1)
+constexpr int kRowBase = 1;  // flat slot of key 0 of the token's sequence: row * (T + 1) + its base
 constexpr int kLo = 2;       // first key the token sees (inclusive)
 constexpr int kHi = 3;       // last key the token sees (inclusive)
 constexpr int kTokenCols = 4;
@@ -45,5 +45,10 @@ struct LayerArgs {
 
 // x -> x + attn(rms_norm(x)) -> + mlp(rms_norm(.)); writes this step's K, V into the cache.
 void layer_forward(const LayerArgs& a);
+
+// The attention of layer_forward alone, for layers whose linears run elsewhere (fp32 weights through torch):
+// rope on qkv [N, q | k | v] in place, this step's K, V into the cache, att [N, n_heads * head_dim] out. Reads
+// a.path, a.nthreads, a.shape, a.N, a.cos, a.sin, a.tokens and the caches; nothing else.
+void attention_forward(const LayerArgs& a, float* qkv, float* att);
 
 }  // namespace offload

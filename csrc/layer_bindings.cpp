@@ -64,6 +64,24 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
   layer_forward(a);
 }
 
+void cached_attention(const std::tuple<int64_t, int64_t, int64_t, int64_t, float>& shape, int path, int nthreads,
+                      int64_t N, uintptr_t qkv, uintptr_t att, uintptr_t cos, uintptr_t sin, uintptr_t tokens,
+                      uintptr_t k_cache, uintptr_t v_cache) {
+  if (path < P_SCALAR || path > P_AVX512 || N < 1)
+    throw std::invalid_argument("offload cached attention: bad kernel path id or token count");
+  LayerArgs a{};
+  a.path = path;
+  a.nthreads = nthreads < 1 ? 1 : nthreads;
+  a.shape = to_shape(shape);
+  a.N = N;
+  a.cos = ptr<float>(cos);
+  a.sin = ptr<float>(sin);
+  a.tokens = ptr<int64_t>(tokens);
+  a.k_cache = reinterpret_cast<float*>(k_cache);
+  a.v_cache = reinterpret_cast<float*>(v_cache);
+  attention_forward(a, reinterpret_cast<float*>(qkv), reinterpret_cast<float*>(att));
+}
+
 }  // namespace
 
 void bind_layer(py::module_& m) {
@@ -74,6 +92,10 @@ void bind_layer(py::module_& m) {
   m.def("layer_forward", &forward, py::call_guard<py::gil_scoped_release>(),
         "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, k_cache, v_cache): raw pointers, "
         "see offload/kernels/layer.py");
+  m.def("cached_attention", &cached_attention, py::call_guard<py::gil_scoped_release>(),
+        "cached_attention((n_heads, n_kv_heads, head_dim, intermediate, eps), path, nthreads, N, qkv, att, cos, sin, "
+        "tokens, k_cache, v_cache): rope, KV store and attention of one layer; raw pointers, see "
+        "offload/kernels/layer.py");
 }
 
 }  // namespace offload

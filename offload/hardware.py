@@ -80,6 +80,13 @@ class HardwareProfile:
     gpu_name: str = ""
     cpu_name: str = ""
     gpu_reserved_bytes: int = 0  # device memory the process holds outside offload's buffers: CUDA context, cuBLAS
+    # Measured by `offload calibrate` (empty in presets: the flat cpu_flops figures and no overhead terms):
+    # offload's CPU matmul rate per weight format by rows of activations, weights read from DRAM, as
+    # ((rows, FLOP/s), ...): decode-sized products are bound by memory, prefill-sized ones by compute
+    cpu_flops_by_rows: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
+    # CPU attention: FLOP/s of the fused C++ layer's and of torch's, and the rate KV caches are read at (bytes/s)
+    cpu_attention: dict[str, float] = field(default_factory=dict, hash=False)
+    overhead_s: dict[str, float] = field(default_factory=dict, hash=False)  # OVERHEAD_TERMS: seconds each
     source: str = field(default="", compare=False)
 
     @property
@@ -94,10 +101,44 @@ class HardwareProfile:
                               "add cpu.flops to its YAML or run `offload calibrate`")
         return rate
 
+    def cpu_matmul_rate(self, fmt: str, rows: int) -> float:
+        """CPU matmul FLOP/s for weights in fmt at `rows` activation rows: the calibrated curve, interpolated
+        in log(rows) and held flat past its ends; else the flat cpu_flops figure."""
+        curve = self.cpu_flops_by_rows.get(fmt)
+        if not curve:
+            return self.cpu_flops_for(fmt)
+        rows = max(rows, 1)
+        if rows <= curve[0][0]:
+            return curve[0][1]
+        for (r0, f0), (r1, f1) in zip(curve, curve[1:]):
+            if rows <= r1:
+                t = math.log(rows / r0) / math.log(r1 / r0)
+                return f0 + t * (f1 - f0)
+        return curve[-1][1]
+
+    def attention_rate(self, path: str) -> float:
+        """FLOP/s of CPU attention on a path (fused: offload's C++ layer; torch: scaled_dot_product_attention)."""
+        return self.cpu_attention.get(path) or self.cpu_flops_for("fp32")
+
+    @property
+    def kv_read_bps(self) -> float:
+        """Bytes/s CPU attention reads cached K and V at (the memory bandwidth where not calibrated)."""
+        return self.cpu_attention.get("kv_read") or self.cpu_mem_bps
+
+    def overhead(self, term: str) -> float:
+        """Seconds of one overhead term (see OVERHEAD_TERMS); 0 where not calibrated."""
+        return self.overhead_s.get(term, 0.0)
+
     def with_changes(self, **changes) -> HardwareProfile:
         """A copy with some figures replaced (for what-if planning)."""
         return replace(self, **changes)
 
+
+# Time a step takes besides its matmuls and attention, fitted by `offload calibrate`: per step (embedding,
+# Python), per CPU layer through the fused C++ layer, per CPU layer through torch ops, per sequence in the step
+# (bookkeeping), and per logit sampled (rows x vocabulary: softmax or argmax, the copy to Python).
+OVERHEAD_TERMS = ("step", "layer", "layer_unfused", "sequence", "logit")
+ATTENTION_KEYS = ("fused", "torch", "kv_read")  # FLOP/s on each path; bytes/s of KV reads
 
 # YAML layout: (section, key) -> (field, parser). Sections keep the file readable.
 _YAML_KEYS = {
@@ -113,11 +154,14 @@ _YAML_KEYS = {
     ("cpu", "memory"): ("ram_bytes", parse_size),
     ("cpu", "memory_bandwidth"): ("cpu_mem_bps", parse_rate),
     ("cpu", "flops"): ("cpu_flops", None),
+    ("cpu", "flops_by_rows"): ("cpu_flops_by_rows", "curve"),
+    ("cpu", "attention"): ("cpu_attention", "attention"),
     ("disk", "size"): ("disk_bytes", parse_size),
     ("disk", "read_bandwidth"): ("disk_read_bps", parse_rate),
 }
 _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, "gpu_mem_bps": 0.0, "gpu_reserved_bytes": 0,
-             "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0}
+             "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0,
+             "cpu_flops_by_rows": {}, "cpu_attention": {}, "overhead_s": {}}
 
 
 def _did_you_mean(word: str, options) -> str:
@@ -137,14 +181,55 @@ def _parse_cpu_flops(value, where: str) -> dict[str, float]:
     return out
 
 
+def _parse_curves(value, where: str) -> dict[str, tuple[tuple[int, float], ...]]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping of weight format to {{rows: FLOP/s}}, found {value!r}")
+    out = {}
+    for fmt, points in value.items():
+        if fmt not in WEIGHT_FORMATS:
+            raise ConfigError(f"{where}: unknown weight format {fmt!r}{_did_you_mean(str(fmt), WEIGHT_FORMATS)}; "
+                              f"use {', '.join(WEIGHT_FORMATS)}")
+        if not isinstance(points, dict) or not points:
+            raise ConfigError(f"{where}.{fmt}: expected a mapping of rows to FLOP/s, found {points!r}")
+        curve = []
+        for rows, rate in points.items():
+            if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+                raise ConfigError(f"{where}.{fmt}: rows must be whole numbers of 1 or more, found {rows!r}")
+            curve.append((rows, parse_rate(rate, f"{where}.{fmt}.{rows}")))
+        out[fmt] = tuple(sorted(curve))
+    return out
+
+
+def _parse_named_rates(value, where: str, names: tuple[str, ...], what: str, parse) -> dict[str, float]:
+    if not isinstance(value, dict):
+        raise ConfigError(f"{where}: expected a mapping of {', '.join(names)} to {what}, found {value!r}")
+    out = {}
+    for name, rate in value.items():
+        if name not in names:
+            raise ConfigError(f"{where}: unknown key {name!r}{_did_you_mean(str(name), names)}; "
+                              f"use {', '.join(names)}")
+        out[name] = parse(rate, f"{where}.{name}")
+    return out
+
+
+def _parse_seconds(value, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < 10 or value != value:
+        raise ConfigError(f"{where}: expected seconds as a number from 0 to 10, found {value!r}")
+    return float(value)
+
+
 def profile_from_dict(data: dict, source: str = "hardware.yaml") -> HardwareProfile:
     """Build a HardwareProfile from the sectioned YAML layout; errors name the file and key."""
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping with gpu/pcie/cpu/disk sections, found {type(data).__name__}")
     values: dict = {"name": str(data.get("name") or Path(source).stem)}
-    sections = {s for s, _ in _YAML_KEYS}
+    sections = {s for s, _ in _YAML_KEYS} | {"overhead"}
     for section, body in data.items():
         if section == "name":
+            continue
+        if section == "overhead":
+            values["overhead_s"] = _parse_named_rates(body, f"{source}: overhead", OVERHEAD_TERMS, "seconds",
+                                                      _parse_seconds)
             continue
         if section not in sections:
             raise ConfigError(f"{source}: unknown section {section!r}{_did_you_mean(section, sections)}; "
@@ -158,7 +243,14 @@ def profile_from_dict(data: dict, source: str = "hardware.yaml") -> HardwareProf
                 raise ConfigError(f"{where} is not a known key{_did_you_mean(key, keys)}; "
                                   f"{section} takes {', '.join(keys)}")
             name, parse = _YAML_KEYS[(section, key)]
-            values[name] = _parse_cpu_flops(value, where) if parse is None else _parse_value(parse, value, where)
+            if parse is None:
+                values[name] = _parse_cpu_flops(value, where)
+            elif parse == "curve":
+                values[name] = _parse_curves(value, where)
+            elif parse == "attention":
+                values[name] = _parse_named_rates(value, where, ATTENTION_KEYS, "FLOP/s or bytes/s", parse_rate)
+            else:
+                values[name] = _parse_value(parse, value, where)
     for f in fields(HardwareProfile):
         if f.name not in values and f.name != "source":
             if f.name not in _OPTIONAL:
@@ -184,7 +276,13 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
     out: dict = {"name": profile.name}
     for (section, key), (name, _) in _YAML_KEYS.items():
         value = getattr(profile, name)
+        if name == "cpu_flops_by_rows":
+            value = {fmt: dict(curve) for fmt, curve in value.items()}
+        if isinstance(value, dict) and not value and name != "cpu_flops":
+            continue  # not calibrated
         out.setdefault(section, {})[key] = dict(value) if isinstance(value, dict) else value
+    if profile.overhead_s:
+        out["overhead"] = dict(profile.overhead_s)
     return out
 
 

@@ -20,7 +20,7 @@ LAYERS = [
     {"weights"},
     {"runtime"},
     {"generate"},
-    {"api", "simulate"},
+    {"api", "simulate", "costfit"},
     {"jobs"},
     {"cli", "__main__"},
 ]

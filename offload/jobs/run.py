@@ -13,6 +13,7 @@ from offload.runtime.host_memory import MemoryWatch, peak_rss_bytes
 from offload.jobs.output import OutputLog
 from offload.jobs.config import JobConfig, load_config, plan_request, validate_config
 from offload.errors import BudgetError, OffloadError
+from offload.planner.recost import recost_steps
 from offload.planner.whatif import what_ifs
 from offload.profile.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
 from offload.profile.timeline import Timeline
@@ -212,7 +213,8 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
     """Build the report; write it (JSON, trace, plot) beside the outputs and print it."""
     tl, source = timeline if timeline is not None else (None, None)
     plan = getattr(llm, "plan", None)
-    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, llm), source, job_what_ifs(llm))
+    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, llm), source, job_what_ifs(llm),
+                          job_predicted_s(llm, tl))
     report["memory"]["cpu"]["peak_held_bytes"] = peak_held_bytes  # anonymous + shared: see runtime/host_memory.py
     report["outputs"] = output_counts(log)
     _write(config.report_path, lambda path: write_report(report, path))
@@ -224,6 +226,18 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
         print(format_report(report), flush=True)
         print(f"outputs: {config.output_path}\nreport: {config.report_path}", flush=True)
     return report
+
+
+def job_predicted_s(llm, timeline) -> dict[str, float] | None:
+    """The plan re-costed for the steps this run took, seconds per phase (None without a plan or steps)."""
+    plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
+    if plan is None or request is None or spec is None or timeline is None or not timeline.steps:
+        return None
+    try:
+        return recost_steps(spec, request.profile(), plan, timeline.steps)
+    except OffloadError as e:  # e.g. the hardware file changed during the job
+        logger.warning(f"the prediction for the steps run is left out of the report: {e}")
+        return None
 
 
 def job_what_ifs(llm) -> list[dict] | None:

@@ -307,17 +307,23 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return o.to(device)
 
 
-def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
-    """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv."""
+def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV,
+                  attention=None) -> torch.Tensor:
+    """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv. attention, if given,
+    replaces rope, the KV append and attention: qkv [B * S, q | k | v] -> [B * S, n_heads * head_dim] (the
+    executor passes the fused layer's attention for CPU layers whose linears run through torch)."""
     b, s, _ = x.shape
     h = rms_norm(x, w.attn_norm, spec.rms_norm_eps)
     qkv = linear(h, w.qkv, w.qkv_bias)
-    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-    q = q.view(b, s, spec.n_heads, spec.head_dim).transpose(1, 2)  # [B, H, S, Dh]
-    k = k.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-    v = v.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-    q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
-    o = attend(spec, q, k, v, step, kv).transpose(1, 2).reshape(b, s, spec.q_size)
+    if attention is not None:
+        o = attention(qkv.reshape(b * s, -1).contiguous()).view(b, s, spec.q_size)
+    else:
+        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+        q = q.view(b, s, spec.n_heads, spec.head_dim).transpose(1, 2)  # [B, H, S, Dh]
+        k = k.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        v = v.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        o = attend(spec, q, k, v, step, kv).transpose(1, 2).reshape(b, s, spec.q_size)
     x = x + linear(o, w.o, w.o_bias)
     h = rms_norm(x, w.mlp_norm, spec.rms_norm_eps)
     gate, up = linear(h, w.gate_up, w.gate_up_bias).split(spec.intermediate_size, dim=-1)

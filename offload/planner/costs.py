@@ -12,7 +12,7 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from offload.formats import FLOAT_FORMATS
+from offload.formats import FLOAT_FORMATS, QUANT_BLOCK_BYTES
 from offload.hardware import HardwareProfile
 from offload.spec import ModelSpec, UnitSpec
 
@@ -32,6 +32,11 @@ class Phase:
     ctx_len: int
     kv_read_len: int  # positions of cached K/V read per sequence in one step (0 in prefill)
     n_passes: int = 1  # passes over the weights the step takes (a long prefill runs in several)
+    n_logits: int | None = None  # rows the lm_head computes (None: one per sequence)
+
+    @property
+    def logit_rows(self) -> int:
+        return self.n_seqs if self.n_logits is None else self.n_logits
 
 
 def phases_for(batch_size: int, prompt_len: int, gen_len: int,
@@ -78,7 +83,8 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         return UnitCost(_roofline(0, row_bytes, 1, hw.gpu_mem_bps), _roofline(0, row_bytes, 1, hw.cpu_mem_bps),
                         math.inf, disk_s, row_bytes / hw.cpu_mem_bps, 0.0)
     # the lm_head runs on each sequence's last position only (prefill samples one token per sequence)
-    flops = unit.matmul_flops(phase.n_seqs if unit.kind == "lm_head" else phase.n_tokens)
+    rows = phase.logit_rows if unit.kind == "lm_head" else phase.n_tokens
+    flops = unit.matmul_flops(rows)
     attn_flops = kv_bytes = kv_move_bytes = 0
     if unit.kind == "layer":
         attn_flops = spec.attention_flops(phase.n_tokens, phase.ctx_len)
@@ -86,10 +92,13 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         if phase.name == "prefill":
             kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
     gpu_s = _roofline(flops + attn_flops, w_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
-    cpu_compute_s = flops / hw.cpu_flops_for(fmt) + attn_flops / hw.cpu_flops_for("fp32")
-    cpu_s = max(cpu_compute_s, (w_bytes + kv_bytes) / hw.cpu_mem_bps)
     passes = phase.n_passes  # every pass reads the weights again
-    cpu_s = max(cpu_compute_s, (passes * w_bytes + kv_bytes) / hw.cpu_mem_bps)
+    cpu_compute_s = flops / hw.cpu_matmul_rate(fmt, rows) + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
+    if hw.cpu_flops_by_rows.get(fmt):  # the calibrated rate includes reading the weights from DRAM
+        cpu_kv_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, ACT_BYTES_CPU) if unit.kind == "layer" else 0
+        cpu_s = cpu_compute_s + (passes - 1) * w_bytes / hw.cpu_mem_bps + cpu_kv_bytes / hw.kv_read_bps
+    else:
+        cpu_s = max(cpu_compute_s, (passes * w_bytes + kv_bytes) / hw.cpu_mem_bps)
     gpu_s = max(gpu_s, passes * w_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf)
     return UnitCost(
         gpu_s=gpu_s,
@@ -99,6 +108,27 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         host_mem_s=passes * w_bytes / hw.cpu_mem_bps,
         kv_move_s=kv_move_bytes / link if link else 0.0,
     )
+
+
+def step_phase_attention_flops(spec: ModelSpec, shape) -> float:
+    """Attention FLOPs of one step's shape (a profile.timeline.StepShape) over all layers, as unit_cost counts
+    them."""
+    n_tokens = max(shape.n_tokens, 1)
+    return spec.n_layers * spec.attention_flops(n_tokens, max(round(shape.attended_keys / n_tokens), 1))
+
+
+def cpu_path(fmt: str, compute: str) -> str:
+    """Which CPU code runs a layer: offload's fused C++ layer (packed quantized weights, fp32 activations) or
+    torch ops."""
+    return "fused" if fmt in QUANT_BLOCK_BYTES and compute == "fp32" else "torch"
+
+
+def overhead_s(hw: HardwareProfile, n_cpu_layers: int, path: str, n_seqs: int, n_logits: int = 0,
+               vocab: int = 0) -> float:
+    """Seconds a step takes besides matmuls, attention and copies (the calibrated overhead terms)."""
+    layer = hw.overhead("layer" if path == "fused" else "layer_unfused")
+    return (hw.overhead("step") + n_cpu_layers * layer + n_seqs * hw.overhead("sequence")
+            + n_logits * vocab * hw.overhead("logit"))
 
 
 def hop_s(spec: ModelSpec, hw: HardwareProfile, phase: Phase) -> float:
@@ -122,6 +152,7 @@ class PhaseCost:
     host_mem_s: float
     step_s: float
     bound: str  # which resource sets step_s: compute, pcie, disk or host_memory
+    overhead_s: float = 0.0  # calibrated per-step, per-layer and per-sequence time, included in step_s
 
     @property
     def tokens_per_s(self) -> float:
@@ -150,13 +181,45 @@ class PhaseCost:
 
 
 def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s: float, disk_s: float,
-            hops_s: float, host_mem_s: float, pipeline_s: float = 0.0) -> PhaseCost:
-    """The step takes the longer of the pipeline the executor runs (pipeline_s) and any one resource's busy time;
-    bound names the resource that is busiest (compute: the GPU + CPU chain)."""
+            hops_s: float, host_mem_s: float, pipeline_s: float = 0.0, overhead: float = 0.0) -> PhaseCost:
+    """The step takes the longer of the pipeline the executor runs (pipeline_s) and any one resource's busy time,
+    plus the overhead terms (the host runs them between the blocks); bound names the resource that is busiest
+    (compute: the GPU + CPU chain)."""
     candidates = {"compute": gpu_s + cpu_s + hops_s, "pcie": pcie_s, "disk": disk_s, "host_memory": host_mem_s}
     bound = max(candidates, key=candidates.get)
     return PhaseCost(phase, tokens_per_step, gpu_s, cpu_s, pcie_s, disk_s, hops_s, host_mem_s,
-                     max(candidates[bound], pipeline_s), bound)
+                     max(candidates[bound], pipeline_s) + overhead, bound, overhead)
+
+
+def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[UnitCost], kinds: list[str],
+               compute: list[str], decode: list[str], weight: list[str], depth: int, path: str,
+               steady: bool) -> PhaseCost:
+    """One step of phase for a placement: units in order with their costs and kinds, where each computes in
+    this phase (compute) and in decode (decode: where its KV lives), where its weights live (weight)."""
+    gpu = cpu = pcie = disk = host = 0.0
+    chain = []
+    for c, mode, dec, tier in zip(costs, compute, decode, weight):
+        kv_move = c.kv_move_s if (mode == "cpu") != (dec == "cpu") else 0.0  # prompt KV made here, used there
+        if mode == "cpu":
+            cpu += c.cpu_s
+        else:
+            gpu += c.gpu_s
+            if mode == "stream":
+                pcie += c.pcie_s
+        pcie += kv_move
+        if tier != "gpu":
+            host += c.host_mem_s
+            if tier == "disk":
+                disk += c.disk_s
+        chain.append((mode, tier, c, kv_move))
+    hop = hop_s(spec, hw, phase)
+    devices = ["cpu" if m == "cpu" else "gpu" for m in compute]
+    hops = sum(a != b for a, b in zip(devices, devices[1:])) * hop
+    logits = phase.logit_rows * spec.vocab_size * LOGIT_BYTES / hw.h2d_pinned_bps if devices[-1] == "gpu" else 0.0
+    pipeline = pipeline_s(chain, depth, hop, phase.n_passes, steady=steady) + logits
+    n_cpu_layers = sum(k == "layer" and m == "cpu" for k, m in zip(kinds, compute))
+    extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size)
+    return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra)
 
 
 def pipeline_s(units: list[tuple[str, str, UnitCost, float]], depth: int, hop_s: float, n_passes: int = 1,

@@ -16,8 +16,8 @@ from pathlib import Path
 from offload.errors import ConfigError, PlanError
 from offload.formats import QUANT_BLOCK_BYTES, WEIGHT_FORMATS
 from offload.hardware import HardwareProfile, format_bytes
-from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, LOGIT_BYTES, PhaseCost, combine, hop_s, phases_for,
-                                   pipeline_s, unit_cost, workspace_bytes)
+from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cpu_path, hop_s, phases_for, price_step,
+                                   unit_cost, workspace_bytes)
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec
 
@@ -42,7 +42,8 @@ class Search:
         self.spec, self.hw, self.budget, self.wl, self.fmt, self.depth = spec, hw, budget, workload, fmt, depth
         self.units = spec.units()
         self.n = len(self.units)
-        kinds = [u.kind for u in self.units]
+        kinds = self.kinds = [u.kind for u in self.units]
+        self.path = cpu_path(fmt, workload.compute_format)
         self.i_embed, self.i_norm, self.i_head = kinds.index("embed"), kinds.index("norm"), kinds.index("lm_head")
         self.streamable = [i for i, k in enumerate(kinds) if k in ("layer", "lm_head")]
         compute = workload.compute_format
@@ -57,7 +58,6 @@ class Search:
         self.gpu_s = {p: [c.gpu_s for c in cs] for p, cs in self.cost.items()}
         self.cpu_s = {p: [c.cpu_s for c in cs] for p, cs in self.cost.items()}
         self.gain_order = {p: self._gain_order(p) for p in PHASES}
-        self.hop = {p: hop_s(spec, hw, ph) for p, ph in self.phase.items()}
         self.gpu_possible = hw.has_gpu and budget.gpu_bytes > 0
         self.ws_gpu = workspace_bytes(spec, workload, ACT_BYTES_GPU, fmt in QUANT_BLOCK_BYTES)
         self.ws_cpu = workspace_bytes(spec, workload, ACT_BYTES_CPU, False)
@@ -222,36 +222,8 @@ class Search:
 
     def _phase_cost(self, phase: str, cand: _Candidate) -> PhaseCost:
         """Busy seconds per resource in one step of phase, overlapped into the step time."""
-        compute, decode, weight = cand.compute[phase], cand.compute["decode"], cand.weight
-        gpu = cpu = pcie = disk = host = 0.0
-        chain = []
-        for c, mode, dec, tier in zip(self.cost[phase], compute, decode, weight):
-            kv_move = c.kv_move_s if (mode == "cpu") != (dec == "cpu") else 0.0  # prompt KV made here, used there
-            if mode == "cpu":
-                cpu += c.cpu_s
-            else:
-                gpu += c.gpu_s
-                if mode == "stream":
-                    pcie += c.pcie_s
-            pcie += kv_move
-            if tier != "gpu":
-                host += c.host_mem_s
-                if tier == "disk":
-                    disk += c.disk_s
-            chain.append((mode, tier, c, kv_move))
-        hops, logits = self._hops(phase, compute)
-        ph = self.phase[phase]
-        pipeline = pipeline_s(chain, self.depth, self.hop[phase], ph.n_passes, steady=phase == "decode") + logits
-        return combine(phase, ph.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline)
-
-    def _hops(self, phase: str, compute: list[str]) -> tuple[float, float]:
-        """Hand-overs of hidden states between devices along the unit chain, and logits back to the host."""
-        devices = ["cpu" if m == "cpu" else "gpu" for m in compute]
-        switches = sum(a != b for a, b in zip(devices, devices[1:]))
-        logits_s = 0.0
-        if devices[-1] == "gpu":
-            logits_s = self.phase[phase].n_seqs * self.spec.vocab_size * LOGIT_BYTES / self.hw.h2d_pinned_bps
-        return switches * self.hop[phase], logits_s
+        return price_step(self.spec, self.hw, self.phase[phase], self.cost[phase], self.kinds, cand.compute[phase],
+                          cand.compute["decode"], cand.weight, self.depth, self.path, steady=phase == "decode")
 
     def _freeze(self, cand: _Candidate, pre, dec) -> Plan:
         units = []

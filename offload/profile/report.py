@@ -35,9 +35,9 @@ class JobCounts:
 
 def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None = None,
                  budget: dict | None = None, timeline_source: str | None = None,
-                 what_ifs: list[dict] | None = None) -> dict:
-    """The report as a JSON-ready dict; timeline, plan and what-ifs (WhatIf.to_dict()s) are optional (fields are
-    then None)."""
+                 what_ifs: list[dict] | None = None, predicted_s: dict[str, float] | None = None) -> dict:
+    """The report as a JSON-ready dict; timeline, plan, what-ifs (WhatIf.to_dict()s) and predicted_s (the plan
+    re-costed for the steps run, seconds per phase: planner.recost) are optional (fields are then None)."""
     return {
         "requests": {"total": counts.n_requests, "done": counts.n_done, "failed": counts.n_failed,
                      "skipped_already_done": counts.n_skipped, "interrupted": counts.interrupted},
@@ -45,28 +45,34 @@ def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None
         "generate_s": counts.generate_s,
         "generated_tokens_per_s": _ratio(counts.n_generated_tokens, counts.generate_s),
         "timeline_source": timeline_source if timeline is not None else None,
-        "phases": {p: _with_bottlenecks(phase_report(timeline, p, plan), getattr(plan, p, None))
+        "phases": {p: _with_bottlenecks(phase_report(timeline, p, plan, (predicted_s or {}).get(p)),
+                                        getattr(plan, p, None))
                    for p in PHASES} if timeline is not None else None,
         "memory": memory_report(peaks or {}, budget or {}),
         "what_ifs": what_ifs,
     }
 
 
-def phase_report(timeline, phase: str, plan=None) -> dict:
-    """Tokens/s, busy share of each resource, idle and wait time, and predicted vs measured s/token."""
+def phase_report(timeline, phase: str, plan=None, predicted_s: float | None = None) -> dict:
+    """Tokens/s, busy share of each resource, idle and wait time, and predicted vs measured s/token.
+
+    predicted: the plan re-costed for this run's steps of the phase (predicted_s) where given, else the plan's
+    own figure for its workload (plan_s_per_token), which assumes the plan's batch and lengths."""
     time_s = timeline.phase_time_s.get(phase, 0.0)
     n_tokens = timeline.phase_tokens.get(phase, 0)
     busy = {r: timeline.busy_s(r, phase) for r in RESOURCES}
     compute_s = busy["cpu"] + busy["gpu"]
     measured = _ratio(time_s, n_tokens)
-    predicted = _predicted_s_per_token(plan, phase)
+    plan_figure = _predicted_s_per_token(plan, phase)
+    predicted = _ratio(predicted_s, n_tokens) if predicted_s is not None else plan_figure
     return {
         "time_s": time_s, "tokens": n_tokens, "tokens_per_s": _ratio(n_tokens, time_s),
         "busy_s": busy, "busy_share": {r: _ratio(b, time_s) for r, b in busy.items()},
         "cpu_vs_gpu": {"cpu": _ratio(busy["cpu"], compute_s), "gpu": _ratio(busy["gpu"], compute_s)},
         "idle_s": max(0.0, time_s - _union_s([s for s in timeline.spans if s.phase == phase and s.resource])),
         "gpu_wait_for_weights_s": sum(s.duration_s for s in timeline.spans if s.phase == phase and s.kind == "wait"),
-        "predicted_s_per_token": predicted, "measured_s_per_token": measured,
+        "predicted_s_per_token": predicted, "measured_s_per_token": measured, "plan_s_per_token": plan_figure,
+        "predicted_for": "the steps run" if predicted_s is not None else "the plan's workload",
         "predicted_over_measured": _ratio(predicted, measured) if predicted is not None else None,
     }
 
@@ -127,7 +133,9 @@ def format_report(report: dict) -> str:
                      f"idle {p['idle_s']:.2f} s; GPU waited for weights {p['gpu_wait_for_weights_s']:.2f} s")
         lines.append(f"{'':>7}  split {_pct(p['cpu_vs_gpu']['cpu'])} CPU / {_pct(p['cpu_vs_gpu']['gpu'])} GPU; "
                      f"s/token measured {_fmt(p['measured_s_per_token'], '.4g')}, "
-                     f"predicted {_fmt(p['predicted_s_per_token'], '.4g')}")
+                     f"predicted {_fmt(p['predicted_s_per_token'], '.4g')} "
+                     f"({_ratio_text(p.get('predicted_over_measured'))} of measured, for "
+                     f"{p.get('predicted_for', 'the plan' + chr(39) + 's workload')})")
         if "bottleneck" in p:  # reports saved before bottlenecks were added lack it
             lines.append(f"{'':>7}  bottleneck {bottleneck_name(p['bottleneck'])} "
                          f"(predicted {bottleneck_name(p['predicted_bottleneck'])})")
@@ -137,6 +145,10 @@ def format_report(report: dict) -> str:
                          f"of budget {_gib(m['budget_bytes'])}")
     lines += format_what_ifs(report.get("what_ifs") or [])
     return "\n".join(lines)
+
+
+def _ratio_text(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}x"
 
 
 def _fmt(x, spec: str) -> str:

@@ -116,7 +116,7 @@ def calibrate(log=print) -> HardwareProfile:
     disk_read_bps = measure_disk_read_bps(folder)
     log(f"disk read: {disk_read_bps / 1e9:.2f} GB/s")
     gpu = measure_cuda(log) or {}
-    return HardwareProfile(
+    profile = HardwareProfile(
         name="calibrated", vram_bytes=gpu.get("vram_bytes", 0), ram_bytes=system_memory_bytes(),
         disk_bytes=shutil.disk_usage(folder).free, n_cores=system_cores(),
         h2d_pinned_bps=gpu.get("h2d_pinned_bps", 0.0), h2d_pageable_bps=gpu.get("h2d_pageable_bps", 0.0),
@@ -124,6 +124,7 @@ def calibrate(log=print) -> HardwareProfile:
         gpu_reserved_bytes=gpu.get("gpu_reserved_bytes", 0),
         cpu_flops=cpu_flops, disk_read_bps=disk_read_bps, gpu_name=gpu.get("gpu_name", ""),
         cpu_name=_cpu_name(), source=f"measured by offload calibrate ({', '.join(sorted(paths))} matmuls)")
+    return profile
 
 
 def _cpu_name() -> str:

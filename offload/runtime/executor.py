@@ -391,10 +391,15 @@ class PlacedModel:
         return steps[key]
 
     def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
-        """The fused C++ layer for a CPU layer where it can run, else the reference block math."""
+        """The fused C++ layer for a CPU layer where it can run; else the reference block math, with the fused
+        layer's attention for a CPU layer in fp32 (weights it cannot take: float ones through torch)."""
+        attention = None
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
             handle = self.fused_layers.get(name) or fused.fuse_layer(self.spec, w)
             views = self._fused_views([kv], x)
             if handle is not None and views is not None:
                 return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
-        return layer_forward(self.spec, w, x, step, kv)
+            if views is not None and fused.HAS_CACHED_ATTENTION:
+                table = self._step_table(step, views[0], steps)
+                attention = lambda qkv: fused.cached_attention(self.spec, qkv, table, views[0])  # noqa: E731
+        return layer_forward(self.spec, w, x, step, kv, attention)

@@ -1,0 +1,192 @@
+"""The CPU cost curves and overhead terms the report's predictions rest on, measured by `offload calibrate`.
+
+The planner prices a CPU layer by its matmuls (a FLOP rate that depends on how many activation rows share each
+read of the weights), its attention (FLOPs and KV bytes read) and the time a step spends elsewhere (Python, the
+executor, sampling). This module measures the matmul curve of offload's own CPU kernels (torch's for float
+weights), then runs the real scheduler and executor on random calibration models and fits the rest by
+non-negative least squares on relative error. It sits above the generator it drives.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from offload.formats import QUANTIZATIONS, compute_format, format_nbytes, weight_format
+from offload.hardware import OVERHEAD_TERMS, HardwareProfile
+
+CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # activation rows the matmul curve is measured at
+CPU_COMPUTE = compute_format("auto", False)  # what CPU layers compute in
+CURVE_FORMATS = tuple(weight_format(q, CPU_COMPUTE) for q in QUANTIZATIONS)  # each quantization's weights
+CURVE_BYTES = 96 * 2**20  # weights cycled through per measurement: past the last-level cache, as a model is
+
+
+def _calibration_spec(n_layers: int, vocab: int = 8192):
+    """A Llama-shaped model for the fit: layers large enough that a few of them outgrow the caches."""
+    from offload.spec import spec_from_config
+
+    return spec_from_config({"model_type": "llama", "hidden_size": 768, "num_attention_heads": 12,
+                             "num_key_value_heads": 4, "intermediate_size": 2048, "num_hidden_layers": n_layers,
+                             "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
+                            "the calibration model")
+
+
+def measure_cpu_curve(fmt: str, rows: tuple[int, ...] = CURVE_ROWS, repeats: int = 3) -> tuple[tuple[int, float], ...]:
+    """FLOP/s of offload's CPU matmul for weights in fmt at each number of activation rows: the linears of the
+    calibration model's layer, copied until they hold CURVE_BYTES, run one after another as a model's layers do."""
+    import torch
+
+    from offload import kernels
+
+    spec = _calibration_spec(1)
+    shapes = [t.shape for t in spec.layer_tensors(0) if t.role == "linear"]
+    per_layer = format_nbytes(sum(n * k for n, k in shapes), fmt)
+    gen = torch.Generator().manual_seed(0)
+    mats = []
+    for _ in range(max(1, int(CURVE_BYTES // per_layer))):
+        for n, k in shapes:
+            w = torch.randn(n, k, generator=gen) * k ** -0.5
+            mats.append(w if fmt == CPU_COMPUTE else kernels.pack(w, fmt))
+    linear = torch.nn.functional.linear if fmt == CPU_COMPUTE else kernels.linear
+    curve = []
+    for m in rows:
+        xs = {k: torch.randn(m, k, generator=gen) for _, k in shapes}
+        flops = sum(2 * m * n * k for n, k in shapes) * (len(mats) // len(shapes))
+
+        def run():
+            for w, (_, k) in zip(mats, shapes * (len(mats) // len(shapes))):
+                linear(xs[k], w)
+
+        curve.append((m, flops / _median_time(run, repeats)))
+    return tuple(curve)
+
+
+def _median_time(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+class _DistinctRandomSource:
+    """RandomSource with its own weights in every layer (shared ones would stay in the caches)."""
+
+    def __new__(cls, spec, dtype, quantization: str):
+        from offload.weights.sources import RandomSource
+
+        source = RandomSource(spec, dtype, quantization)
+        source._linear = source._random_linear
+        return source
+
+
+# (sequences, prompt tokens, new tokens): decode at several batches and contexts, prefill short and long
+FIT_RUNS = ((1, 8, 12), (4, 8, 12), (16, 8, 10), (48, 8, 8), (4, 900, 8), (1, 64, 2), (1, 1500, 2), (8, 200, 2))
+
+
+def measure_steps(spec, fmt: str) -> list:
+    """Run FIT_RUNS through the real executor and scheduler on random weights: the steps' shapes and times."""
+    import torch
+
+    from offload.generate import Generator, Sequence
+    from offload.planner.placement import Placement
+    from offload.runtime.backends.cpu import CPUBackend
+    from offload.runtime.executor import PlacedModel
+    from offload.runtime.threads import ThreadGovernor
+    from offload.sampling import SamplingParams
+
+    quant = QUANTIZATIONS[CURVE_FORMATS.index(fmt)]
+    model = PlacedModel(spec, _DistinctRandomSource(spec, torch.float32, quant), Placement.uniform(spec, "cpu", "cpu"),
+                        CPUBackend(), torch.float32)
+    model.threads = ThreadGovernor(torch.get_num_threads(), enabled=False)  # no probes: each step as it runs
+    gen = torch.Generator().manual_seed(1)
+    steps = []
+    for n_seqs, prompt_len, new in FIT_RUNS:
+        prompts = [torch.randint(0, spec.vocab_size, (prompt_len,), generator=gen).tolist() for _ in range(n_seqs)]
+        for warm_up in (True, False):  # the first run pays for allocations and page faults
+            seqs = [Sequence(i, p, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
+                    for i, p in enumerate(prompts)]
+            model.timeline.clear()
+            Generator(model, max_batch_size=n_seqs, max_model_len=prompt_len + new + 1).run(seqs)
+        steps += model.timeline.steps
+    model.close()
+    return steps
+
+
+def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list]], log=print) -> HardwareProfile:
+    """hw with the overhead terms and attention rates fitted to measured steps: runs of (spec, fmt, steps).
+
+    Each step's measured time less the calibrated matmul time (the plan re-costed with attention and overheads
+    left out) is fitted, in relative terms, by a step term, a per-layer term per path, a per-sequence term and
+    attention FLOPs over a rate per path: non-negative least squares."""
+    import numpy as np
+
+    from offload.planner.costs import cpu_path, step_phase_attention_flops
+    from offload.planner.recost import recost_steps
+    from offload.planner.search import plan
+    from offload.planner.types import Budget, Workload
+
+    bare = replace(hw, cpu_attention={"fused": 1e30, "torch": 1e30, "kv_read": 1e30}, overhead_s={})
+    names = ["step", "layer", "layer_unfused", "sequence", "logit", "attention_fused", "attention_torch", "kv_read"]
+    rows, targets = [], []
+    for spec, fmt, steps in runs:
+        compute = CPU_COMPUTE
+        wl = Workload(batch_size=1, prompt_len=64, gen_len=16, compute_format=compute)
+        p = plan(spec, bare, Budget(0, 64 * 2**30), wl, weight_format=fmt)
+        path = cpu_path(fmt, compute)
+        for shape in steps:
+            base = sum(recost_steps(spec, bare, p, [shape]).values())
+            attn = step_phase_attention_flops(spec, shape)
+            kv_bytes = spec.n_layers * 2 * shape.kv_read_tokens * spec.kv_size * 4  # fp32 K and V read once
+            rows.append([1.0, spec.n_layers * (path == "fused"), spec.n_layers * (path == "torch"), shape.n_seqs,
+                         shape.n_logits * spec.vocab_size, attn * (path == "fused"), attn * (path == "torch"),
+                         kv_bytes])
+            targets.append((shape.seconds, base))
+    a = np.array(rows, dtype=np.float64)
+    measured = np.array([t for t, _ in targets])
+    residual = measured - np.array([b for _, b in targets])
+    weights = 1.0 / measured  # relative error
+    coef = _nnls(a * weights[:, None], residual * weights)
+    fitted = dict(zip(names, coef))
+    predicted = np.array([b for _, b in targets]) + a @ coef
+    err = predicted / measured
+    log(f"overhead fit over {len(measured)} steps: predicted / measured {np.median(err):.2f} median, "
+        f"{err.min():.2f}-{err.max():.2f}")
+    attention = {p: float(1.0 / fitted[k]) if fitted[k] > 0 else 1e30
+                 for p, k in (("fused", "attention_fused"), ("torch", "attention_torch"), ("kv_read", "kv_read"))}
+    overhead = {k: float(fitted[k]) for k in OVERHEAD_TERMS}
+    return replace(hw, cpu_attention=attention, overhead_s=overhead)
+
+
+def _nnls(a, b, iterations: int = 50):
+    """Least squares with every coefficient >= 0: solve, drop the negative ones, solve again."""
+    import numpy as np
+
+    active = np.ones(a.shape[1], dtype=bool)
+    coef = np.zeros(a.shape[1])
+    for _ in range(iterations):
+        coef[:] = 0
+        if not active.any():
+            break
+        coef[active] = np.linalg.lstsq(a[:, active], b, rcond=None)[0]
+        if (coef >= 0).all():
+            break
+        active &= coef > 0
+    return np.clip(coef, 0, None)
+
+
+def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
+    """hw with the CPU matmul curves, attention rates and overhead terms measured on this machine."""
+    curves = {}
+    for fmt in CURVE_FORMATS:
+        curves[fmt] = measure_cpu_curve(fmt)
+        log(f"cpu matmul curve {fmt:5s}: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in curves[fmt]) + " GFLOP/s")
+    hw = replace(hw, cpu_flops_by_rows=curves)
+    runs = []
+    for n_layers, vocab in ((4, 8192), (12, 32768)):  # two of each: the per-step, per-layer and per-logit
+        spec = _calibration_spec(n_layers, vocab)  # terms come apart
+        for fmt in CURVE_FORMATS:
+            runs.append((spec, fmt, measure_steps(spec, fmt)))
+    return fit_overheads(hw, runs, log)

@@ -1,0 +1,47 @@
+"""The plan re-costed for the steps a run actually took: the report's predicted time, set against the measured.
+
+A plan predicts one step of its own workload (its batch, prompt and output lengths); a run takes other steps
+(mixed steps, batches that shrink as sequences finish, prompts of every length). Each step the generator ran
+is priced again by the same cost model and placement (planner.costs.price_step), so predicted ÷ measured time
+checks the cost model itself, not the guess of the workload. Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+from offload.hardware import HardwareProfile
+from offload.planner.costs import Phase, cpu_path, price_step, unit_cost
+from offload.planner.types import PHASES, Plan
+from offload.spec import ModelSpec
+
+
+def step_phase(shape) -> Phase:
+    """The cost model's Phase for one step's shape (a profile.timeline.StepShape)."""
+    n_tokens, n_seqs = max(shape.n_tokens, 1), max(shape.n_seqs, 1)
+    return Phase(shape.phase, n_seqs, n_tokens, max(round(shape.attended_keys / n_tokens), 1),
+                 round(shape.kv_read_tokens / n_seqs), 1, shape.n_logits)
+
+
+def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> dict[str, float]:
+    """Predicted seconds of the steps run, per phase, for plan's placement on hw."""
+    units = spec.units()
+    kinds = [u.kind for u in units]
+    by_name = {u.name: u for u in plan.units}
+    weight = [by_name[u.name].weight_tier for u in units]
+    modes = {p: [getattr(by_name[u.name], p) for u in units] for p in PHASES}
+    path = cpu_path(plan.weight_format, plan.workload.compute_format)
+    unit_memo: dict = {}
+    step_memo: dict[Phase, float] = {}
+    out = dict.fromkeys(PHASES, 0.0)
+    for shape in shapes:
+        phase = step_phase(shape)
+        if phase not in step_memo:
+            costs = []
+            for u in units:
+                key = (u.kind, tuple(t.shape for t in u.tensors), phase)
+                if key not in unit_memo:
+                    unit_memo[key] = unit_cost(spec, u, plan.weight_format, hw, phase, plan.workload.compute_format)
+                costs.append(unit_memo[key])
+            step_memo[phase] = price_step(spec, hw, phase, costs, kinds, modes[phase.name], modes["decode"], weight,
+                                          plan.prefetch_depth, path, steady=phase.name == "decode").step_s
+        out[phase.name] += step_memo[phase]
+    return out

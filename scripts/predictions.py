@@ -1,0 +1,102 @@
+"""Predicted ÷ measured time per token, per phase, for three jobs and three quantizations on this machine.
+
+Each job runs through `offload run`'s own code (jobs.run_batch) on the default model and the report's figures
+are printed: predicted is the plan re-costed for the steps the run took (planner.recost), with the hardware
+profile the planner uses (the one `offload calibrate` wrote, else the estimate: run `offload calibrate` first).
+The jobs:
+- demo: configs/demo.yaml's nine short prompts, 32 new tokens each;
+- batch: scripts/bench_batch.py's 64 prompts of 10 to ~480 tokens, 8 to 64 new tokens each;
+- long: 6 prompts of 1,000 to 4,000 tokens, 16 new tokens each.
+Prints a table; rows outside 0.85-1.15 are marked.
+
+  python scripts/predictions.py [--quantizations none q8_0 q4_0] [--jobs demo batch long]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+LOW, HIGH = 0.85, 1.15
+
+
+def demo_lines() -> list[dict]:
+    lines = (ROOT / "configs" / "prompts" / "demo.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def id_lines(prompts: list[list[int]], max_tokens: list[int], name: str) -> list[dict]:
+    return [{"custom_id": f"{name}-{i}", "method": "POST", "url": "/v1/completions",
+             "body": {"prompt": ids, "max_tokens": m}} for i, (ids, m) in enumerate(zip(prompts, max_tokens))]
+
+
+def batch_lines(tokenizer) -> list[dict]:
+    from bench_batch import prompt_ids
+
+    prompts, max_tokens = prompt_ids(tokenizer, 64)
+    return id_lines(prompts, max_tokens, "batch")
+
+
+def long_lines(vocab: int) -> list[dict]:
+    g = torch.Generator().manual_seed(3)
+    lengths = [1000, 4000, 1600, 3200, 2200, 2800]
+    prompts = [torch.randint(10, vocab, (n,), generator=g).tolist() for n in lengths]
+    return id_lines(prompts, [16] * len(prompts), "long")
+
+
+def run_job(lines: list[dict], quantization: str, max_model_len: int, folder: Path) -> dict:
+    from offload.jobs.run import run_batch
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = {"model": {"path": "default", "quantization": quantization, "max_model_len": max_model_len},
+              "input": {"path": str(folder / "in.jsonl")}, "output": {"path": str(folder / "out.jsonl")},
+              "sampling": {"temperature": 0, "ignore_eos": True},
+              "report": {"print": False, "progress": False}}
+    return run_batch(config, restart=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quantizations", nargs="+", default=["none", "q8_0", "q4_0"])
+    ap.add_argument("--jobs", nargs="+", default=["demo", "batch", "long"])
+    args = ap.parse_args()
+    from offload.hardware import default_hardware
+    from offload.weights.default_model import resolve_model
+    from transformers import AutoTokenizer
+
+    hw = default_hardware()
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model("default"))
+    jobs = {"demo": (demo_lines, 2048), "batch": (lambda: batch_lines(tokenizer), 2048),
+            "long": (lambda: long_lines(tokenizer.vocab_size), 4200)}
+    print(f"hardware profile: {hw.name} ({hw.source}); {torch.get_num_threads()} threads")
+    print(f"{'job':6s} {'quant':5s} {'phase':7s} {'tokens':>7s} {'measured s/tok':>15s} {'predicted s/tok':>16s} "
+          f"{'pred/meas':>9s}")
+    worst = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for job in args.jobs:
+            make, max_model_len = jobs[job]
+            lines = make()
+            for quant in args.quantizations:
+                report = run_job(lines, quant, max_model_len, Path(tmp) / f"{job}-{quant}")
+                for phase, p in report["phases"].items():
+                    if not p["tokens"]:
+                        continue
+                    ratio = p["predicted_over_measured"]
+                    mark = "" if ratio is not None and LOW <= ratio <= HIGH else "  <- outside 0.85-1.15"
+                    worst.append(ratio or 0.0)
+                    print(f"{job:6s} {quant:5s} {phase:7s} {p['tokens']:7d} {p['measured_s_per_token']:15.3e} "
+                          f"{p['predicted_s_per_token']:16.3e} {ratio:9.2f}{mark}", flush=True)
+    inside = sum(LOW <= r <= HIGH for r in worst)
+    print(f"{inside} of {len(worst)} rows within {LOW}-{HIGH}; range {min(worst):.2f}-{max(worst):.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Predictions that hold: the calibrated CPU cost terms, the plan re-costed for the steps a run took, and the
+fit of the overhead terms."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from offload.errors import ConfigError
+from offload.hardware import load_hardware, profile_from_dict, profile_to_dict
+from offload.planner.recost import recost_steps, step_phase
+from offload.planner.search import plan
+from offload.planner.types import Budget, Workload
+from offload.profile.timeline import StepShape
+from offload.spec import spec_from_config
+
+CPU = load_hardware("cpu-desktop")
+CURVE = {"q8_0": ((1, 40e9), (16, 100e9), (256, 160e9)), "fp32": ((1, 8e9), (64, 120e9))}
+CALIBRATED = replace(CPU, cpu_flops_by_rows=CURVE, cpu_attention={"fused": 30e9, "torch": 20e9, "kv_read": 12e9},
+                     overhead_s={"step": 2e-4, "layer": 1e-5, "layer_unfused": 3e-4, "sequence": 5e-5,
+                                 "logit": 1e-9})
+
+
+def _spec(n_layers: int = 6, vocab: int = 4096):
+    return spec_from_config({"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8,
+                             "num_key_value_heads": 4, "intermediate_size": 1024, "num_hidden_layers": n_layers,
+                             "vocab_size": vocab, "max_position_embeddings": 4096}, "test")
+
+
+def _plan(hw, fmt="q8_0", batch=4, prompt=64, gen=16):
+    wl = Workload(batch_size=batch, prompt_len=prompt, gen_len=gen, compute_format="fp32")
+    return plan(_spec(), hw, Budget(0, 64 * 2**30), wl, weight_format=fmt)
+
+
+def test_the_matmul_curve_is_interpolated_in_log_rows_and_held_flat_past_its_ends():
+    assert CALIBRATED.cpu_matmul_rate("q8_0", 1) == 40e9
+    assert CALIBRATED.cpu_matmul_rate("q8_0", 4) == pytest.approx(70e9)  # half way from 1 to 16 in log(rows)
+    assert CALIBRATED.cpu_matmul_rate("q8_0", 4096) == 160e9
+    assert CALIBRATED.cpu_matmul_rate("q4_0", 8) == CPU.cpu_flops_for("q4_0")  # no curve: the flat figure
+
+
+def test_calibrated_terms_survive_the_yaml_round_trip_and_bad_ones_are_named():
+    again = profile_from_dict(profile_to_dict(CALIBRATED), "round trip")
+    assert again.cpu_flops_by_rows == CURVE and again.cpu_attention == CALIBRATED.cpu_attention
+    assert again.overhead_s == CALIBRATED.overhead_s
+    data = profile_to_dict(CALIBRATED)
+    data["overhead"]["per_token"] = 1e-3
+    with pytest.raises(ConfigError, match="overhead.*per_token.*step, layer"):
+        profile_from_dict(data, "hw.yaml")
+    data = profile_to_dict(CALIBRATED)
+    data["cpu"]["flops_by_rows"]["q8_0"] = {0: 1e9}
+    with pytest.raises(ConfigError, match="rows must be whole numbers of 1 or more"):
+        profile_from_dict(data, "hw.yaml")
+
+
+def test_overhead_terms_add_to_the_plans_step_time():
+    bare, with_overhead = _plan(replace(CALIBRATED, overhead_s={})), _plan(CALIBRATED)
+    spec = _spec()
+    expected = 2e-4 + spec.n_layers * 1e-5 + 4 * 5e-5 + 4 * spec.vocab_size * 1e-9
+    assert with_overhead.decode.overhead_s == pytest.approx(expected)
+    assert with_overhead.decode.step_s - bare.decode.step_s == pytest.approx(expected)
+    unfused = _plan(CALIBRATED, fmt="fp32")  # float weights run through torch: the unfused per-layer term
+    assert unfused.decode.overhead_s == pytest.approx(expected - spec.n_layers * 1e-5 + spec.n_layers * 3e-4)
+
+
+def test_a_step_of_the_plans_own_shape_costs_what_the_plan_predicts():
+    """Re-costing is the plan's own cost model: a decode step of the plan's batch at the plan's mid-generation
+    context costs the plan's decode step."""
+    p = _plan(CALIBRATED, batch=4, prompt=64, gen=16)
+    mid = 64 + 16 // 2
+    shape = StepShape("decode", 0.0, 0, 4, 4, 4, attended_keys=4 * mid, kv_read_tokens=4 * mid)
+    assert recost_steps(_spec(), CALIBRATED, p, [shape])["decode"] == pytest.approx(p.decode.step_s)
+
+
+def test_recosting_sums_the_steps_of_each_phase_and_follows_their_shapes():
+    p, spec = _plan(CALIBRATED), _spec()
+    small = StepShape("decode", 0.0, 0, 2, 2, 2, attended_keys=40, kv_read_tokens=40)
+    big = StepShape("decode", 0.0, 0, 64, 64, 64, attended_keys=64 * 900, kv_read_tokens=64 * 900)
+    chunk = StepShape("prefill", 0.0, 500, 12, 13, 13, attended_keys=500 * 250 + 12 * 300, kv_read_tokens=5000)
+    one = {s: recost_steps(spec, CALIBRATED, p, [s]) for s in (small, big, chunk)}
+    both = recost_steps(spec, CALIBRATED, p, [small, big, chunk, small])
+    assert both["decode"] == pytest.approx(2 * one[small]["decode"] + one[big]["decode"])
+    assert both["prefill"] == pytest.approx(one[chunk]["prefill"])
+    assert one[big]["decode"] > 5 * one[small]["decode"]  # 32x the tokens, and long contexts to read
+    assert step_phase(chunk).n_tokens == 512 and step_phase(chunk).logit_rows == 13
+
+
+def test_the_fit_recovers_known_overhead_terms():
+    """Steps whose times are the bare cost model plus known terms give those terms back."""
+    from offload.costfit import fit_overheads
+
+    bare = replace(CALIBRATED, cpu_attention={"fused": 1e30, "torch": 1e30, "kv_read": 1e30}, overhead_s={})
+    truth = replace(CALIBRATED, cpu_attention={"fused": 25e9, "torch": 15e9, "kv_read": 9e9},
+                    overhead_s={"step": 3e-4, "layer": 2e-5, "layer_unfused": 4e-4, "sequence": 6e-5, "logit": 2e-9})
+    runs = []
+    for n_layers, vocab in ((3, 4096), (9, 16384)):
+        spec = _spec(n_layers, vocab)
+        for fmt in ("q8_0", "fp32"):
+            p = plan(spec, bare, Budget(0, 64 * 2**30), Workload(1, 64, 16, compute_format="fp32"), weight_format=fmt)
+            steps = []
+            for n, ctx, prompt in ((1, 20, 0), (4, 300, 0), (16, 50, 0), (32, 900, 0), (1, 200, 200), (3, 700, 300)):
+                shape = StepShape("prefill" if prompt else "decode", 0.0, prompt, n if not prompt else 0, n, n,
+                                  attended_keys=(prompt or n) * ctx, kv_read_tokens=n * ctx)
+                seconds = sum(recost_steps(spec, truth, p, [shape]).values())
+                steps.append(replace(shape, seconds=seconds))
+            runs.append((spec, fmt, steps))
+    fitted = fit_overheads(CALIBRATED, runs, log=lambda *a: None)
+    for term, value in truth.overhead_s.items():
+        assert fitted.overhead_s[term] == pytest.approx(value, rel=0.02, abs=1e-7), term
+    for key, value in truth.cpu_attention.items():
+        assert fitted.cpu_attention[key] == pytest.approx(value, rel=0.02), key
+
+
+def test_a_job_report_predicts_for_the_steps_it_ran(tmp_path, tiny_llama_job):
+    report = tiny_llama_job
+    for phase in ("prefill", "decode"):
+        p = report["phases"][phase]
+        assert p["predicted_for"] == "the steps run"
+        assert p["predicted_over_measured"] == pytest.approx(p["predicted_s_per_token"] / p["measured_s_per_token"])
+        assert p["plan_s_per_token"] is not None and p["plan_s_per_token"] != p["predicted_s_per_token"]
+
+
+@pytest.fixture
+def tiny_llama_job(tmp_path):
+    import json
+
+    from conftest import make_hf_model, save_hf_model
+    from offload.jobs.run import run_batch
+
+    folder = save_hf_model(make_hf_model("llama", num_hidden_layers=2), tmp_path / "tiny")
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": list(range(1, 4 + 3 * i)), "max_tokens": 5 + i}} for i in range(5)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = {"model": {"path": str(folder), "quantization": "q8_0"}, "hardware": "cpu-desktop",
+              "input": {"path": str(tmp_path / "in.jsonl")}, "output": {"path": str(tmp_path / "out.jsonl")},
+              "sampling": {"temperature": 0, "ignore_eos": True}, "report": {"print": False, "progress": False}}
+    return run_batch(config)
