@@ -31,9 +31,22 @@ def _calibration_spec(n_layers: int, vocab: int = 8192):
                             "the calibration model")
 
 
-def measure_cpu_curve(fmt: str, rows: tuple[int, ...] = CURVE_ROWS, repeats: int = 3) -> tuple[tuple[int, float], ...]:
-    """FLOP/s of offload's CPU matmul for weights in fmt at each number of activation rows: the linears of the
-    calibration model's layer, copied until they hold CURVE_BYTES, run one after another as a model's layers do."""
+def measure_cpu_curve(fmt: str, rows: tuple[int, ...] = CURVE_ROWS, repeats: int = 3,
+                      threads: int = 0) -> tuple[tuple[int, float], ...]:
+    """FLOP/s of offload's CPU matmul for weights in fmt at each number of activation rows, on `threads` threads
+    (0: torch's count): the linears of the calibration model's layer, copied until they hold CURVE_BYTES, run one
+    after another as a model's layers do."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _measure_curve(fmt, rows, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _measure_curve(fmt: str, rows: tuple[int, ...], repeats: int) -> tuple[tuple[int, float], ...]:
     import torch
 
     from offload import kernels
@@ -179,11 +192,16 @@ def _nnls(a, b, iterations: int = 50):
 
 def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     """hw with the CPU matmul curves, attention rates and overhead terms measured on this machine."""
-    curves = {}
+    import torch
+
+    curves, one_thread = {}, {}
     for fmt in CURVE_FORMATS:
         curves[fmt] = measure_cpu_curve(fmt)
         log(f"cpu matmul curve {fmt:5s}: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in curves[fmt]) + " GFLOP/s")
-    hw = replace(hw, cpu_flops_by_rows=curves)
+        if torch.get_num_threads() > 1:  # the thread governor may run steps on one thread
+            one_thread[fmt] = measure_cpu_curve(fmt, threads=1)
+            log(f"  on one thread: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in one_thread[fmt]) + " GFLOP/s")
+    hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread)
     runs = []
     for n_layers, vocab in ((4, 8192), (12, 32768)):  # two of each: the per-step, per-layer and per-logit
         spec = _calibration_spec(n_layers, vocab)  # terms come apart

@@ -168,6 +168,7 @@ class Generator:
         step = ragged_step(self.model.spec, self.model.dtype, groups, trash_slot, phase)
         with torch.inference_mode():
             hidden = self.model.forward(torch.tensor([tokens]), step, cache)[0]
+        threads = torch.get_num_threads()  # as the executor set it for this step
         # rows to sample: every decode token, and the last token of each prompt finished in this step
         rows, sampled, at = list(range(len(decode))), list(decode), len(decode)
         for seq, n in chunks:
@@ -182,7 +183,7 @@ class Generator:
             phase, 0.0, n_prompt, len(decode), len(decode) + len(chunks), len(rows),
             attended_keys=sum(s.n_tokens for s in decode) + sum(n * (s.n_cached - n) + n * (n + 1) // 2
                                                                  for s, n in chunks),
-            kv_read_tokens=sum(s.n_tokens for s in decode) + sum(s.n_cached for s, _ in chunks)))
+            kv_read_tokens=sum(s.n_tokens for s in decode) + sum(s.n_cached for s, _ in chunks), threads=threads))
         self._sample_next(sampled, logits)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:

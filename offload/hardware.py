@@ -84,6 +84,8 @@ class HardwareProfile:
     # offload's CPU matmul rate per weight format by rows of activations, weights read from DRAM, as
     # ((rows, FLOP/s), ...): decode-sized products are bound by memory, prefill-sized ones by compute
     cpu_flops_by_rows: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
+    # ... and on one thread (what a step gets when the thread governor has halved the count on a busy machine)
+    cpu_flops_one_thread: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
     # CPU attention: FLOP/s of the fused C++ layer's and of torch's, and the rate KV caches are read at (bytes/s)
     cpu_attention: dict[str, float] = field(default_factory=dict, hash=False)
     overhead_s: dict[str, float] = field(default_factory=dict, hash=False)  # OVERHEAD_TERMS: seconds each
@@ -101,12 +103,22 @@ class HardwareProfile:
                               "add cpu.flops to its YAML or run `offload calibrate`")
         return rate
 
-    def cpu_matmul_rate(self, fmt: str, rows: int) -> float:
-        """CPU matmul FLOP/s for weights in fmt at `rows` activation rows: the calibrated curve, interpolated
-        in log(rows) and held flat past its ends; else the flat cpu_flops figure."""
-        curve = self.cpu_flops_by_rows.get(fmt)
-        if not curve:
+    def cpu_matmul_rate(self, fmt: str, rows: int, threads: int = 0) -> float:
+        """CPU matmul FLOP/s for weights in fmt at `rows` activation rows on `threads` threads (0: all cores):
+        the calibrated curve, interpolated in log(rows) and held flat past its ends, and between the one-thread
+        and all-core curves by thread count; else the flat cpu_flops figure."""
+        full = self._curve_rate(self.cpu_flops_by_rows.get(fmt), rows)
+        if full is None:
             return self.cpu_flops_for(fmt)
+        one = self._curve_rate(self.cpu_flops_one_thread.get(fmt), rows)
+        if one is None or threads <= 0 or threads >= self.n_cores:
+            return full
+        return one + (full - one) * (threads - 1) / max(self.n_cores - 1, 1)
+
+    @staticmethod
+    def _curve_rate(curve, rows: int) -> float | None:
+        if not curve:
+            return None
         rows = max(rows, 1)
         if rows <= curve[0][0]:
             return curve[0][1]
@@ -155,13 +167,15 @@ _YAML_KEYS = {
     ("cpu", "memory_bandwidth"): ("cpu_mem_bps", parse_rate),
     ("cpu", "flops"): ("cpu_flops", None),
     ("cpu", "flops_by_rows"): ("cpu_flops_by_rows", "curve"),
+    ("cpu", "flops_by_rows_one_thread"): ("cpu_flops_one_thread", "curve"),
     ("cpu", "attention"): ("cpu_attention", "attention"),
     ("disk", "size"): ("disk_bytes", parse_size),
     ("disk", "read_bandwidth"): ("disk_read_bps", parse_rate),
 }
 _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, "gpu_mem_bps": 0.0, "gpu_reserved_bytes": 0,
              "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0,
-             "cpu_flops_by_rows": {}, "cpu_attention": {}, "overhead_s": {}}
+             "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_attention": {},
+             "overhead_s": {}}
 
 
 def _did_you_mean(word: str, options) -> str:
@@ -276,7 +290,7 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
     out: dict = {"name": profile.name}
     for (section, key), (name, _) in _YAML_KEYS.items():
         value = getattr(profile, name)
-        if name == "cpu_flops_by_rows":
+        if name in ("cpu_flops_by_rows", "cpu_flops_one_thread"):
             value = {fmt: dict(curve) for fmt, curve in value.items()}
         if isinstance(value, dict) and not value and name != "cpu_flops":
             continue  # not calibrated

@@ -136,3 +136,13 @@ def tiny_llama_job(tmp_path):
               "input": {"path": str(tmp_path / "in.jsonl")}, "output": {"path": str(tmp_path / "out.jsonl")},
               "sampling": {"temperature": 0, "ignore_eos": True}, "report": {"print": False, "progress": False}}
     return run_batch(config)
+
+
+def test_a_step_on_one_thread_is_priced_on_the_one_thread_curve():
+    hw = replace(CALIBRATED, n_cores=2, cpu_flops_one_thread={"q8_0": ((1, 25e9), (256, 80e9))})
+    assert hw.cpu_matmul_rate("q8_0", 1, threads=1) == 25e9
+    assert hw.cpu_matmul_rate("q8_0", 1, threads=2) == hw.cpu_matmul_rate("q8_0", 1) == 40e9
+    p, spec = _plan(hw), _spec()
+    full = StepShape("decode", 0.0, 0, 8, 8, 8, attended_keys=8 * 100, kv_read_tokens=8 * 100, threads=2)
+    one = replace(full, threads=1)
+    assert recost_steps(spec, hw, p, [one])["decode"] > 1.3 * recost_steps(spec, hw, p, [full])["decode"]

@@ -33,6 +33,7 @@ class Phase:
     kv_read_len: int  # positions of cached K/V read per sequence in one step (0 in prefill)
     n_passes: int = 1  # passes over the weights the step takes (a long prefill runs in several)
     n_logits: int | None = None  # rows the lm_head computes (None: one per sequence)
+    n_threads: int = 0  # CPU threads the step ran on (0: all cores)
 
     @property
     def logit_rows(self) -> int:
@@ -93,7 +94,7 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
             kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
     gpu_s = _roofline(flops + attn_flops, w_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
     passes = phase.n_passes  # every pass reads the weights again
-    cpu_compute_s = flops / hw.cpu_matmul_rate(fmt, rows) + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
+    cpu_compute_s = flops / hw.cpu_matmul_rate(fmt, rows, phase.n_threads) + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
     if hw.cpu_flops_by_rows.get(fmt):  # the calibrated rate includes reading the weights from DRAM
         cpu_kv_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, ACT_BYTES_CPU) if unit.kind == "layer" else 0
         cpu_s = cpu_compute_s + (passes - 1) * w_bytes / hw.cpu_mem_bps + cpu_kv_bytes / hw.kv_read_bps

@@ -18,7 +18,7 @@ def step_phase(shape) -> Phase:
     """The cost model's Phase for one step's shape (a profile.timeline.StepShape)."""
     n_tokens, n_seqs = max(shape.n_tokens, 1), max(shape.n_seqs, 1)
     return Phase(shape.phase, n_seqs, n_tokens, max(round(shape.attended_keys / n_tokens), 1),
-                 round(shape.kv_read_tokens / n_seqs), 1, shape.n_logits)
+                 round(shape.kv_read_tokens / n_seqs), 1, shape.n_logits, shape.threads)
 
 
 def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> dict[str, float]:

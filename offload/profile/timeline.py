@@ -45,6 +45,7 @@ class StepShape:
     n_logits: int  # rows of logits computed (sequences sampled)
     attended_keys: int  # keys seen, summed over the step's tokens
     kv_read_tokens: int  # cached positions read, summed over the step's sequences
+    threads: int = 0  # CPU threads the step ran on (0: not known)
 
     @property
     def n_tokens(self) -> int:
