@@ -95,6 +95,8 @@ class _DistinctRandomSource:
         return source
 
 
+FIT_MODELS = ((4, 8192), (12, 32768))  # (layers, vocabulary): two of each, so the per-step, per-layer and
+# per-logit terms come apart
 # (sequences, prompt tokens, new tokens): decode at several batches and contexts, prefill short and long
 FIT_RUNS = ((1, 8, 12), (4, 8, 12), (16, 8, 10), (48, 8, 8), (4, 900, 8), (1, 64, 2), (1, 1500, 2), (8, 200, 2))
 
@@ -203,15 +205,15 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
 
     curves, one_thread = {}, {}
     for fmt in CURVE_FORMATS:
-        curves[fmt] = measure_cpu_curve(fmt)
+        curves[fmt] = measure_cpu_curve(fmt, CURVE_ROWS)
         log(f"cpu matmul curve {fmt:5s}: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in curves[fmt]) + " GFLOP/s")
         if torch.get_num_threads() > 1:  # the thread governor may run steps on one thread
-            one_thread[fmt] = measure_cpu_curve(fmt, threads=1)
+            one_thread[fmt] = measure_cpu_curve(fmt, CURVE_ROWS, threads=1)
             log(f"  on one thread: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in one_thread[fmt]) + " GFLOP/s")
     hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread)
     runs = []
-    for n_layers, vocab in ((4, 8192), (12, 32768)):  # two of each: the per-step, per-layer and per-logit
-        spec = _calibration_spec(n_layers, vocab)  # terms come apart
+    for n_layers, vocab in FIT_MODELS:
+        spec = _calibration_spec(n_layers, vocab)
         for fmt in CURVE_FORMATS:
             runs.append((spec, fmt, measure_steps(spec, fmt)))
     return fit_overheads(hw, runs, log)

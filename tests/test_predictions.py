@@ -146,3 +146,33 @@ def test_a_step_on_one_thread_is_priced_on_the_one_thread_curve():
     full = StepShape("decode", 0.0, 0, 8, 8, 8, attended_keys=8 * 100, kv_read_tokens=8 * 100, threads=2)
     one = replace(full, threads=1)
     assert recost_steps(spec, hw, p, [one])["decode"] > 1.3 * recost_steps(spec, hw, p, [full])["decode"]
+
+
+def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatch):
+    """The whole of offload calibrate's cost part, shrunk: curves per format (and on one thread), the real
+    scheduler on random models, the fit; the profile keeps them through YAML."""
+    from offload import costfit
+
+    real_spec = costfit._calibration_spec
+    monkeypatch.setattr(costfit, "CURVE_ROWS", (1, 8))
+    monkeypatch.setattr(costfit, "CURVE_BYTES", 2**20)
+    monkeypatch.setattr(costfit, "FIT_MODELS", ((2, 512), (4, 1024)))
+    monkeypatch.setattr(costfit, "FIT_RUNS", ((1, 8, 4), (4, 8, 4), (1, 96, 2)))
+    monkeypatch.setattr(costfit, "_calibration_spec", lambda n, vocab=512: spec_from_config(
+        {**_small_config(n, vocab)}, "small"))
+    lines = []
+    hw = costfit.calibrate_cpu_costs(CPU, lines.append)
+    assert set(hw.cpu_flops_by_rows) == set(costfit.CURVE_FORMATS)
+    assert all(len(c) == 2 and all(r > 0 for _, r in c) for c in hw.cpu_flops_by_rows.values())
+    assert set(hw.overhead_s) == {"step", "layer", "layer_unfused", "sequence", "logit"}
+    assert set(hw.cpu_attention) == {"fused", "torch", "kv_read"}
+    assert any("overhead fit over" in line for line in lines)
+    again = profile_from_dict(profile_to_dict(hw), "round trip")
+    assert again.overhead_s == pytest.approx(hw.overhead_s) and again.cpu_flops_by_rows == hw.cpu_flops_by_rows
+    assert real_spec(2).n_layers == 2
+
+
+def _small_config(n_layers: int, vocab: int) -> dict:
+    return {"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 256, "num_hidden_layers": n_layers, "vocab_size": vocab,
+            "max_position_embeddings": 512}
