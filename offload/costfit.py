@@ -84,6 +84,36 @@ def _median_time(fn, repeats: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+K_CLASSES = (256, 512, 576, 640, 768, 1024, 1536, 2048, 3072, 4096)  # inner dimensions the K factor is measured at
+K_ROWS = 16  # activation rows of the K factor's products
+K_REFERENCE = 768  # the calibration model's hidden size: the curves' K
+
+
+def measure_k_factor(fmt: str, repeats: int = 3) -> tuple[tuple[int, float], ...]:
+    """The matmul rate of weights in fmt at each K of K_CLASSES against the rate at K_REFERENCE (K_ROWS rows,
+    2048 outputs, weights copied past the caches)."""
+    import torch
+
+    from offload import kernels
+
+    gen = torch.Generator().manual_seed(2)
+    rates = {}
+    for k in sorted(set(K_CLASSES) | {K_REFERENCE}):
+        n = 2048
+        copies = max(1, int(CURVE_BYTES // format_nbytes(n * k, fmt)))
+        mats = [torch.randn(n, k, generator=gen) * k ** -0.5 for _ in range(min(copies, 4))]
+        mats = [m if fmt == CPU_COMPUTE else kernels.pack(m, fmt) for m in mats] * max(1, copies // 4)
+        linear = torch.nn.functional.linear if fmt == CPU_COMPUTE else kernels.linear
+        x = torch.randn(K_ROWS, k, generator=gen)
+
+        def run():
+            for w in mats:
+                linear(x, w)
+
+        rates[k] = 2 * K_ROWS * n * k * len(mats) / _median_time(run, repeats)
+    return tuple((k, rates[k] / rates[K_REFERENCE]) for k in K_CLASSES)
+
+
 class _DistinctRandomSource:
     """RandomSource with its own weights in every layer (shared ones would stay in the caches)."""
 
@@ -210,7 +240,10 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
         if torch.get_num_threads() > 1:  # the thread governor may run steps on one thread
             one_thread[fmt] = measure_cpu_curve(fmt, CURVE_ROWS, threads=1)
             log(f"  on one thread: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in one_thread[fmt]) + " GFLOP/s")
-    hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread)
+    k_factor = {fmt: measure_k_factor(fmt) for fmt in CURVE_FORMATS}
+    for fmt, factors in k_factor.items():
+        log(f"cpu matmul {fmt:5s} by K, against K={K_REFERENCE}: " + ", ".join(f"{k}: {f:.2f}" for k, f in factors))
+    hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread, cpu_k_factor=k_factor)
     runs = []
     for n_layers, vocab in FIT_MODELS:
         spec = _calibration_spec(n_layers, vocab)

@@ -86,6 +86,9 @@ class HardwareProfile:
     cpu_flops_by_rows: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
     # ... and on one thread (what a step gets when the thread governor has halved the count on a busy machine)
     cpu_flops_one_thread: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
+    # ... times a factor by the weights' inner dimension K, ((K, factor), ...) per format (1 at the K the curves
+    # are measured at): a kernel's blocking fits some K better than others
+    cpu_k_factor: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
     # CPU attention: FLOP/s of the fused C++ layer's and of torch's, and the rate KV caches are read at (bytes/s)
     cpu_attention: dict[str, float] = field(default_factory=dict, hash=False)
     overhead_s: dict[str, float] = field(default_factory=dict, hash=False)  # OVERHEAD_TERMS: seconds each
@@ -115,8 +118,17 @@ class HardwareProfile:
             return full
         return one + (full - one) * (threads - 1) / max(self.n_cores - 1, 1)
 
+    def k_efficiency(self, fmt: str, shapes) -> float:
+        """The calibrated K factor of a unit's linears of shapes [(N, K), ...] in fmt, weighted by their work
+        (1 where not calibrated)."""
+        curve = self.cpu_k_factor.get(fmt)
+        if not curve or not shapes:
+            return 1.0
+        work = [(n * k, self._curve_rate(curve, k, log_scale=False)) for n, k in shapes]
+        return sum(w for w, _ in work) / sum(w / f for w, f in work)
+
     @staticmethod
-    def _curve_rate(curve, rows: int) -> float | None:
+    def _curve_rate(curve, rows: int, log_scale: bool = True) -> float | None:
         if not curve:
             return None
         rows = max(rows, 1)
@@ -124,7 +136,7 @@ class HardwareProfile:
             return curve[0][1]
         for (r0, f0), (r1, f1) in zip(curve, curve[1:]):
             if rows <= r1:
-                t = math.log(rows / r0) / math.log(r1 / r0)
+                t = math.log(rows / r0) / math.log(r1 / r0) if log_scale else (rows - r0) / (r1 - r0)
                 return f0 + t * (f1 - f0)
         return curve[-1][1]
 
@@ -168,13 +180,14 @@ _YAML_KEYS = {
     ("cpu", "flops"): ("cpu_flops", None),
     ("cpu", "flops_by_rows"): ("cpu_flops_by_rows", "curve"),
     ("cpu", "flops_by_rows_one_thread"): ("cpu_flops_one_thread", "curve"),
+    ("cpu", "k_factor"): ("cpu_k_factor", "curve"),
     ("cpu", "attention"): ("cpu_attention", "attention"),
     ("disk", "size"): ("disk_bytes", parse_size),
     ("disk", "read_bandwidth"): ("disk_read_bps", parse_rate),
 }
 _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, "gpu_mem_bps": 0.0, "gpu_reserved_bytes": 0,
              "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0,
-             "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_attention": {},
+             "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_k_factor": {}, "cpu_attention": {},
              "overhead_s": {}}
 
 
@@ -290,7 +303,7 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
     out: dict = {"name": profile.name}
     for (section, key), (name, _) in _YAML_KEYS.items():
         value = getattr(profile, name)
-        if name in ("cpu_flops_by_rows", "cpu_flops_one_thread"):
+        if name in ("cpu_flops_by_rows", "cpu_flops_one_thread", "cpu_k_factor"):
             value = {fmt: dict(curve) for fmt, curve in value.items()}
         if isinstance(value, dict) and not value and name != "cpu_flops":
             continue  # not calibrated

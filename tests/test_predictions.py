@@ -176,3 +176,20 @@ def _small_config(n_layers: int, vocab: int) -> dict:
     return {"model_type": "llama", "hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
             "intermediate_size": 256, "num_hidden_layers": n_layers, "vocab_size": vocab,
             "max_position_embeddings": 512}
+
+
+def test_the_k_factor_weighs_each_linear_by_its_work():
+    hw = replace(CALIBRATED, cpu_k_factor={"q8_0": ((512, 0.5), (768, 1.0))})
+    assert hw.k_efficiency("q8_0", [(1000, 512)]) == 0.5 and hw.k_efficiency("q8_0", [(1000, 768)]) == 1.0
+    assert hw.k_efficiency("q8_0", [(1000, 512), (1000, 768)]) == pytest.approx(1280 / (1024 + 768))
+    assert hw.k_efficiency("q8_0", [(1000, 640)]) == pytest.approx(0.75)  # linear in K between points
+    assert hw.k_efficiency("q4_0", [(1000, 512)]) == 1.0  # not calibrated for q4_0
+    spec = spec_from_config({"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8,
+                             "num_key_value_heads": 4, "intermediate_size": 512, "num_hidden_layers": 2,
+                             "vocab_size": 1024, "max_position_embeddings": 512}, "k512")
+    from offload.planner.costs import Phase, unit_cost
+
+    layer = next(u for u in spec.units() if u.kind == "layer")
+    phase = Phase("decode", 16, 16, 100, 100)
+    slow, fast = (unit_cost(spec, layer, "q8_0", h, phase, "fp32").cpu_s for h in (hw, CALIBRATED))
+    assert slow > 1.5 * fast  # every linear of this model has K = 512: matmuls take twice as long

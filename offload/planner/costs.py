@@ -94,7 +94,8 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
             kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
     gpu_s = _roofline(flops + attn_flops, w_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
     passes = phase.n_passes  # every pass reads the weights again
-    cpu_compute_s = flops / hw.cpu_matmul_rate(fmt, rows, phase.n_threads) + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
+    k_eff = hw.k_efficiency(fmt, [t.shape for t in unit.tensors if t.role == "linear"])
+    cpu_compute_s = flops / (hw.cpu_matmul_rate(fmt, rows, phase.n_threads) * k_eff) + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
     if hw.cpu_flops_by_rows.get(fmt):  # the calibrated rate includes reading the weights from DRAM
         cpu_kv_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, ACT_BYTES_CPU) if unit.kind == "layer" else 0
         cpu_s = cpu_compute_s + (passes - 1) * w_bytes / hw.cpu_mem_bps + cpu_kv_bytes / hw.kv_read_bps
