@@ -161,14 +161,13 @@ def measure_steps(spec, fmt: str) -> list:
 
 
 def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list]], log=print) -> HardwareProfile:
-    """hw with the overhead terms, attention rates and in-place matmul rates fitted to measured steps: runs of
-    (spec, fmt, steps).
+    """hw with the overhead terms and attention rates fitted to measured steps: runs of (spec, fmt, steps).
 
-    Each step's measured time is fitted, in relative terms (non-negative least squares), by its calibrated
-    matmul time (the plan re-costed with attention and overheads left out) times a factor per format (the
-    curves time the kernels alone; inside a layer, between norms and attention, they run a little slower), a
-    step term, a per-layer term per path, a per-sequence and a per-logit term, attention FLOPs over a rate per
-    path and KV bytes over a read rate. The factors scale the curves."""
+    Each step's measured time less its calibrated matmul time (the plan re-costed with attention and overheads
+    left out) is fitted, in relative terms (non-negative least squares), by a step term, a per-layer term per
+    path, a per-sequence and a per-logit term, attention FLOPs over a rate per path and KV bytes over a read
+    rate. (The matmul curves are not rescaled by the fit: the small calibration model's weights fit in the
+    last-level cache, a real model's do not.)"""
     import numpy as np
 
     from offload.planner.costs import cpu_path, step_phase_attention_flops
@@ -177,10 +176,8 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list]], log
     from offload.planner.types import Budget, Workload
 
     bare = replace(hw, cpu_attention={"fused": 1e30, "torch": 1e30, "kv_read": 1e30}, overhead_s={})
-    formats = sorted({fmt for _, fmt, _ in runs})
-    names = [f"matmul_{f}" for f in formats] + ["step", "layer", "layer_unfused", "sequence", "logit",
-                                                 "attention_fused", "attention_torch", "kv_read"]
-    rows, measured = [], []
+    names = ["step", "layer", "layer_unfused", "sequence", "logit", "attention_fused", "attention_torch", "kv_read"]
+    rows, measured, bases = [], [], []
     for spec, fmt, steps in runs:
         compute = CPU_COMPUTE
         wl = Workload(batch_size=1, prompt_len=64, gen_len=16, compute_format=compute)
@@ -190,26 +187,22 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list]], log
             base = sum(recost_steps(spec, bare, p, [shape]).values())
             attn = step_phase_attention_flops(spec, shape)
             kv_bytes = spec.n_layers * 2 * shape.kv_read_tokens * spec.kv_size * 4  # fp32 K and V read once
-            rows.append([base * (f == fmt) for f in formats] + [
-                1.0, spec.n_layers * (path == "fused"), spec.n_layers * (path == "torch"), shape.n_seqs,
-                shape.n_logits * spec.vocab_size, attn * (path == "fused"), attn * (path == "torch"), kv_bytes])
+            rows.append([1.0, spec.n_layers * (path == "fused"), spec.n_layers * (path == "torch"), shape.n_seqs,
+                         shape.n_logits * spec.vocab_size, attn * (path == "fused"), attn * (path == "torch"),
+                         kv_bytes])
             measured.append(shape.seconds)
-    a, measured = np.array(rows, dtype=np.float64), np.array(measured)
+            bases.append(base)
+    a, measured, bases = np.array(rows, dtype=np.float64), np.array(measured), np.array(bases)
     weights = 1.0 / measured  # relative error
-    coef = _nnls(a * weights[:, None], measured * weights)
+    coef = _nnls(a * weights[:, None], (measured - bases) * weights)
     fitted = dict(zip(names, coef))
-    err = (a @ coef) / measured
+    err = (bases + a @ coef) / measured
     log(f"overhead fit over {len(measured)} steps: predicted / measured {np.median(err):.2f} median, "
-        f"{err.min():.2f}-{err.max():.2f}; matmuls in place at " +
-        ", ".join(f"{f} {1 / max(fitted[f'matmul_{f}'], 1e-9):.2f}x" for f in formats) + " of the curves")
+        f"{err.min():.2f}-{err.max():.2f}")
     attention = {p: float(1.0 / fitted[k]) if fitted[k] > 0 else 1e30
                  for p, k in (("fused", "attention_fused"), ("torch", "attention_torch"), ("kv_read", "kv_read"))}
     overhead = {k: float(fitted[k]) for k in OVERHEAD_TERMS}
-    scale = {f: min(max(float(fitted[f"matmul_{f}"]), 0.5), 2.0) for f in formats}  # a wild factor: noise
-    curves = {f: tuple((m, r / scale.get(f, 1.0)) for m, r in c) for f, c in hw.cpu_flops_by_rows.items()}
-    one = {f: tuple((m, r / scale.get(f, 1.0)) for m, r in c) for f, c in hw.cpu_flops_one_thread.items()}
-    return replace(hw, cpu_attention=attention, overhead_s=overhead, cpu_flops_by_rows=curves,
-                   cpu_flops_one_thread=one)
+    return replace(hw, cpu_attention=attention, overhead_s=overhead)
 
 
 def _nnls(a, b, iterations: int = 50):
