@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -197,7 +197,7 @@ class Generator:
         timeline = getattr(self.model, "timeline", None)
         if timeline is not None:
             elapsed = self._now() - start_s
-            timeline.add_phase(phase, elapsed, n_tokens, StepShape(**{**shape.__dict__, "seconds": elapsed}))
+            timeline.add_phase(phase, elapsed, n_tokens, replace(shape, seconds=elapsed))
 
     def _check(self, seq: Sequence) -> None:
         try:

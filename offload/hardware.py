@@ -197,43 +197,32 @@ def _did_you_mean(word: str, options) -> str:
 
 
 def _parse_cpu_flops(value, where: str) -> dict[str, float]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a mapping of weight format to FLOP/s, found {value!r}")
-    out = {}
-    for fmt, rate in value.items():
-        if fmt not in WEIGHT_FORMATS:
-            raise ConfigError(f"{where}: unknown weight format {fmt!r}{_did_you_mean(str(fmt), WEIGHT_FORMATS)}; "
-                              f"use {', '.join(WEIGHT_FORMATS)}")
-        out[fmt] = parse_rate(rate, f"{where}.{fmt}")
-    return out
+    return _parse_named_rates(value, where, WEIGHT_FORMATS, "FLOP/s", parse_rate, "weight format")
 
 
 def _parse_curves(value, where: str) -> dict[str, tuple[tuple[int, float], ...]]:
-    if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a mapping of weight format to {{rows: FLOP/s}}, found {value!r}")
-    out = {}
-    for fmt, points in value.items():
-        if fmt not in WEIGHT_FORMATS:
-            raise ConfigError(f"{where}: unknown weight format {fmt!r}{_did_you_mean(str(fmt), WEIGHT_FORMATS)}; "
-                              f"use {', '.join(WEIGHT_FORMATS)}")
-        if not isinstance(points, dict) or not points:
-            raise ConfigError(f"{where}.{fmt}: expected a mapping of rows to FLOP/s, found {points!r}")
-        curve = []
-        for rows, rate in points.items():
-            if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-                raise ConfigError(f"{where}.{fmt}: rows must be whole numbers of 1 or more, found {rows!r}")
-            curve.append((rows, parse_rate(rate, f"{where}.{fmt}.{rows}")))
-        out[fmt] = tuple(sorted(curve))
-    return out
+    return _parse_named_rates(value, where, WEIGHT_FORMATS, "{rows: FLOP/s}", _parse_curve, "weight format")
 
 
-def _parse_named_rates(value, where: str, names: tuple[str, ...], what: str, parse) -> dict[str, float]:
+def _parse_curve(points, where: str) -> tuple[tuple[int, float], ...]:
+    if not isinstance(points, dict) or not points:
+        raise ConfigError(f"{where}: expected a mapping of rows to FLOP/s, found {points!r}")
+    curve = []
+    for rows, rate in points.items():
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ConfigError(f"{where}: rows must be whole numbers of 1 or more, found {rows!r}")
+        curve.append((rows, parse_rate(rate, f"{where}.{rows}")))
+    return tuple(sorted(curve))
+
+
+def _parse_named_rates(value, where: str, names: tuple[str, ...], what: str, parse, kind: str = "key") -> dict:
+    """A mapping of names (each one of `names`) to values read by parse(value, where)."""
     if not isinstance(value, dict):
-        raise ConfigError(f"{where}: expected a mapping of {', '.join(names)} to {what}, found {value!r}")
+        raise ConfigError(f"{where}: expected a mapping of {kind} to {what}, found {value!r}")
     out = {}
     for name, rate in value.items():
         if name not in names:
-            raise ConfigError(f"{where}: unknown key {name!r}{_did_you_mean(str(name), names)}; "
+            raise ConfigError(f"{where}: unknown {kind} {name!r}{_did_you_mean(str(name), names)}; "
                               f"use {', '.join(names)}")
         out[name] = parse(rate, f"{where}.{name}")
     return out
