@@ -11,8 +11,12 @@ QK = 32  # weights per quantization block, as GGUF's Q8_0 / Q4_0: one fp16 scale
 FLOAT_FORMATS = {"fp32": 4, "bf16": 2, "fp16": 2}  # bytes per weight
 QUANT_QS_BYTES = {"q8_0": QK, "q4_0": QK // 2}  # quant bytes per block, the scale excluded
 QUANT_BLOCK_BYTES = {f: 2 + n for f, n in QUANT_QS_BYTES.items()}  # bytes per block of QK weights
-WEIGHT_FORMATS = tuple(FLOAT_FORMATS) + tuple(QUANT_BLOCK_BYTES)  # every storage format the planner sizes
-PACKED_FORMATS = ("q8_0", "q4_0", "bf16", "fp16")  # what the CPU kernels multiply by (offload.kernels.pack)
+# Formats read from GGUF files and kept in GGUF's own block bytes, in row order (no split, no tiling):
+# (weights per block, bytes per block). Q4_1: fp16 d, fp16 m, 16 nibble bytes. The K-quants use super-blocks
+# of 256: Q4_K 4.5 bits per weight, Q5_K 5.5, Q6_K 6.5625 (ggml-common.h block_q4_K, block_q5_K, block_q6_K).
+GGUF_BLOCKS = {"q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
+WEIGHT_FORMATS = tuple(FLOAT_FORMATS) + tuple(QUANT_BLOCK_BYTES) + tuple(GGUF_BLOCKS)  # every storage format sized
+PACKED_FORMATS = ("q8_0", "q4_0", "bf16", "fp16") + tuple(GGUF_BLOCKS)  # what the CPU kernels multiply by
 ALIGN_BYTES = 64  # each plane of a unit's flat buffer starts at a multiple of this (SIMD loads, dtype views)
 QUANTIZATIONS = ("none",) + tuple(QUANT_BLOCK_BYTES)  # the user option; none keeps the compute format
 
@@ -24,11 +28,14 @@ _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
 def format_nbytes(n_elements: int, fmt: str) -> int:
-    """Bytes taken by n_elements weights stored in fmt (quantized formats need a multiple of QK)."""
+    """Bytes taken by n_elements weights stored in fmt (quantized formats need a multiple of their block)."""
     if fmt in FLOAT_FORMATS:
         return n_elements * FLOAT_FORMATS[fmt]
     if fmt in QUANT_BLOCK_BYTES:
         return (n_elements // QK) * QUANT_BLOCK_BYTES[fmt]
+    if fmt in GGUF_BLOCKS:
+        per_block, block_bytes = GGUF_BLOCKS[fmt]
+        return (n_elements // per_block) * block_bytes
     from offload.errors import ConfigError
 
     raise ConfigError(f"unknown weight format {fmt!r}; use one of {', '.join(WEIGHT_FORMATS)}")

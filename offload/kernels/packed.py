@@ -9,7 +9,8 @@ from offload.errors import KernelError
 from offload.formats import PACKED_FORMATS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES
 from offload.kernels import quant
 
-FMT_IDS = {"q8_0": 0, "q4_0": 1, "bf16": 2, "fp16": 3}  # csrc/kernels.h enum WFmt
+FMT_IDS = {"q8_0": 0, "q4_0": 1, "bf16": 2, "fp16": 3,  # csrc/kernels.h enum WFmt
+           "q4_1": 8, "q4_k": 9, "q5_k": 10, "q6_k": 11}  # GGUF block bytes in row order (formats.GGUF_BLOCKS)
 TILED_ID = 4  # csrc/kernels.h W_TILED: added to a quantized format's id for tiled block order
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
