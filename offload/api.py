@@ -18,10 +18,8 @@ from offload.runtime.backends import make_backend
 from offload.runtime.executor import PlacedModel
 from offload.runtime.host_memory import process_baseline_bytes
 from offload.sampling import SamplingParams
-from offload.spec import load_spec
 from offload.weights.default_model import resolve_model
-from offload.weights.loader import Checkpoint
-from offload.weights.sources import CheckpointSource
+from offload.weights.model_files import load_tokenizer, model_spec, weight_source
 
 DEFAULT_MAX_BATCH_SIZE = 32  # sequences in flight when a placement is given and no batch size
 MAX_SEQS = 256  # sequences in flight at most when the planner chose the batch (vLLM's max_num_seqs)
@@ -94,7 +92,7 @@ class LLM:
     def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None):
         self.request = request
         self.path = resolve_model(request.model)
-        self.spec = load_spec(self.path)
+        self.spec = model_spec(self.path)
         self.backend = make_backend(request.backend)
         self.plan = None
         if placement is None:
@@ -111,9 +109,9 @@ class LLM:
             compute = compute_format(request.dtype, self.backend.device.type != "cpu")
             self.max_batch_size = max_seqs = request.batch_size or DEFAULT_MAX_BATCH_SIZE
         dtype = torch_dtype(compute)
-        source = CheckpointSource(Checkpoint(self.path), self.spec, dtype, request.quantization)
+        source = weight_source(self.path, self.spec, dtype, request.quantization)
         self.model = PlacedModel(self.spec, source, placement, self.backend, dtype, disk_dir)
-        self.tokenizer = _load_tokenizer(self.path)
+        self.tokenizer = load_tokenizer(self.path)
         self.max_model_len = min(request.max_model_len or DEFAULT_MAX_MODEL_LEN, self.spec.max_position_embeddings)
         self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_seqs, self.max_model_len,
                                    placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
@@ -199,10 +197,3 @@ def _broadcast(params, n: int) -> list[SamplingParams]:
     return params
 
 
-def _load_tokenizer(path: Path):
-    """The folder's Hugging Face tokenizer, or None if it has no tokenizer files."""
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

@@ -18,6 +18,9 @@ GGUF_BLOCKS = {"q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k":
 WEIGHT_FORMATS = tuple(FLOAT_FORMATS) + tuple(QUANT_BLOCK_BYTES) + tuple(GGUF_BLOCKS)  # every storage format sized
 PACKED_FORMATS = ("q8_0", "q4_0", "bf16", "fp16") + tuple(GGUF_BLOCKS)  # what the CPU kernels multiply by
 ALIGN_BYTES = 64  # each plane of a unit's flat buffer starts at a multiple of this (SIMD loads, dtype views)
+# The weight format of a plan for a GGUF model run as stored: each linear keeps its file's format (ModelSpec
+# tensors carry it); the planner sizes every tensor by its own format.
+AS_STORED = "gguf"
 QUANTIZATIONS = ("none",) + tuple(QUANT_BLOCK_BYTES)  # the user option; none keeps the compute format
 
 # Names a user may give for the compute format, and the config.json torch_dtype names, mapped to ours.
@@ -39,6 +42,11 @@ def format_nbytes(n_elements: int, fmt: str) -> int:
     from offload.errors import ConfigError
 
     raise ConfigError(f"unknown weight format {fmt!r}; use one of {', '.join(WEIGHT_FORMATS)}")
+
+
+def is_quantized(fmt: str) -> bool:
+    """Whether fmt is a block-quantized storage format (offload's split q8_0/q4_0 or a GGUF block format)."""
+    return fmt in QUANT_BLOCK_BYTES or fmt in GGUF_BLOCKS
 
 
 def compute_format(dtype: str, has_gpu: bool) -> str:

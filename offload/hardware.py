@@ -60,6 +60,16 @@ def format_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+# A profile measured before offload read GGUF formats has no figures for them: price them by the kin format
+# their kernels resemble (4 and 5-bit blocks like q4_0, 6-bit like q8_0) rather than by fp32.
+KIN_FORMATS = {"q4_1": "q4_0", "q4_k": "q4_0", "q5_k": "q4_0", "q6_k": "q8_0"}
+
+
+def _measured(fmt: str, table: dict) -> str:
+    """fmt if table has a figure for it, else its kin format."""
+    return fmt if table.get(fmt) or fmt not in KIN_FORMATS else KIN_FORMATS[fmt]
+
+
 @dataclass(frozen=True)
 class HardwareProfile:
     """What the planner needs to know about a machine; bandwidths in bytes/s, rates in FLOP/s."""
@@ -99,8 +109,8 @@ class HardwareProfile:
         return self.vram_bytes > 0 and self.gpu_flops > 0 and self.h2d_pinned_bps > 0
 
     def cpu_flops_for(self, fmt: str) -> float:
-        """CPU matmul FLOP/s for weights in fmt (falls back to the fp32 figure)."""
-        rate = self.cpu_flops.get(fmt) or self.cpu_flops.get("fp32")
+        """CPU matmul FLOP/s for weights in fmt (falls back to a kin format's figure, then to fp32's)."""
+        rate = self.cpu_flops.get(_measured(fmt, self.cpu_flops)) or self.cpu_flops.get("fp32")
         if not rate:
             raise ConfigError(f"hardware profile {self.name!r} has no CPU matmul rate for {fmt!r} or fp32; "
                               "add cpu.flops to its YAML or run `offload calibrate`")
@@ -110,6 +120,7 @@ class HardwareProfile:
         """CPU matmul FLOP/s for weights in fmt at `rows` activation rows on `threads` threads (0: all cores):
         the calibrated curve, interpolated in log(rows) and held flat past its ends, and between the one-thread
         and all-core curves by thread count; else the flat cpu_flops figure."""
+        fmt = _measured(fmt, self.cpu_flops_by_rows)
         full = self._curve_rate(self.cpu_flops_by_rows.get(fmt), rows)
         if full is None:
             return self.cpu_flops_for(fmt)
@@ -121,7 +132,7 @@ class HardwareProfile:
     def k_efficiency(self, fmt: str, shapes) -> float:
         """The calibrated K factor of a unit's linears of shapes [(N, K), ...] in fmt, weighted by their work
         (1 where not calibrated)."""
-        curve = self.cpu_k_factor.get(fmt)
+        curve = self.cpu_k_factor.get(_measured(fmt, self.cpu_k_factor))
         if not curve or not shapes:
             return 1.0
         work = [(n * k, self._curve_rate(curve, k, log_scale=False)) for n, k in shapes]

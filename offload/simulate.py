@@ -22,7 +22,7 @@ from offload.profile.timeline import RESOURCES, Timeline
 from offload.runtime.backends.sim import SimBackend, TimedCosts
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
-from offload.spec import load_spec
+from offload.weights.model_files import model_spec
 from offload.weights.default_model import resolve_model
 from offload.weights.sources import MetaSource
 
@@ -93,7 +93,7 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
              plan: Plan | None = None) -> Simulation:
     """Plan request (or take plan), then run one prefill of the plan's batch and decode_steps decode steps on a
     timed simulated device of the planned GPU budget; write a Chrome trace to trace if given."""
-    spec = load_spec(resolve_model(request.model))
+    spec = model_spec(resolve_model(request.model))
     hw = request.profile()
     plan = plan or plan_for(spec, hw, request)
     wl = plan.workload

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from offload.errors import ConfigError
-from offload.formats import ALIGN_BYTES, DTYPE_ALIASES, FLOAT_FORMATS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES, format_nbytes
+from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANT_BLOCK_BYTES,
+                             QUANT_QS_BYTES, format_nbytes)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
@@ -33,10 +34,22 @@ class TensorSpec:
     name: str
     shape: tuple[int, ...]
     role: str
+    stored: str | None = None  # the format a GGUF file holds it in (None: a float checkpoint)
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def held_format(self, fmt: str, compute: str) -> str:
+        """The format this tensor is held in when linear weights are in fmt. Under AS_STORED a linear keeps the
+        quantized format its file stores it in; floats, embeddings (dequantized for lookup) and norms take the
+        compute format."""
+        if fmt == AS_STORED:
+            quantized = self.stored in QUANT_BLOCK_BYTES or self.stored in GGUF_BLOCKS
+            return self.stored if quantized and self.role == "linear" else compute
+        if fmt in FLOAT_FORMATS:
+            return fmt
+        return fmt if self.quantizable else compute
 
     @property
     def quantizable(self) -> bool:
@@ -45,17 +58,16 @@ class TensorSpec:
     def nbytes(self, fmt: str, compute: str = "fp32") -> int:
         """Bytes with linear weights in storage format fmt; under a quantized fmt, what cannot be quantized
         (embeddings, norms, biases, linears whose width is not a multiple of QK) stays in the compute format."""
-        if fmt in FLOAT_FORMATS:
-            return format_nbytes(self.numel, fmt)
-        if fmt not in QUANT_BLOCK_BYTES:
+        if fmt not in FLOAT_FORMATS and fmt not in QUANT_BLOCK_BYTES and fmt != AS_STORED:
             format_nbytes(0, fmt)  # raises the unknown-format error
-        return format_nbytes(self.numel, fmt if self.quantizable else compute)
+        return format_nbytes(self.numel, self.held_format(fmt, compute))
 
     def buffer_bytes(self, fmt: str, compute: str = "fp32") -> int:
         """nbytes as laid out in a unit's flat buffer: each plane (quants, scales) starts ALIGN_BYTES-aligned."""
-        if fmt in QUANT_BLOCK_BYTES and self.quantizable:
+        held = self.held_format(fmt, compute)
+        if held in QUANT_BLOCK_BYTES:
             blocks = self.numel // QK
-            return _aligned(blocks * QUANT_QS_BYTES[fmt]) + _aligned(blocks * 2)
+            return _aligned(blocks * QUANT_QS_BYTES[held]) + _aligned(blocks * 2)
         return _aligned(self.nbytes(fmt, compute))
 
 
@@ -82,6 +94,18 @@ class UnitSpec:
     @property
     def numel(self) -> int:
         return sum(t.numel for t in self.tensors)
+
+    def rate_format(self, fmt: str, compute: str = "fp32") -> str:
+        """The format whose kernel rate prices this unit's matmuls: fmt, or under AS_STORED the format holding
+        most of its linear weights."""
+        if fmt != AS_STORED:
+            return fmt
+        weight: dict[str, int] = {}
+        for t in self.tensors:
+            if t.role == "linear":
+                held = t.held_format(fmt, compute)
+                weight[held] = weight.get(held, 0) + t.numel
+        return max(weight, key=weight.get) if weight else compute
 
     @property
     def linear_numel(self) -> int:
@@ -115,8 +139,28 @@ class ModelSpec:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    stored_format: str = "fp32"  # the checkpoint's float format (config.json torch_dtype), not the compute one
+    stored_format: str = "fp32"  # the checkpoint's format (config.json torch_dtype; a GGUF's most used linear type)
     source: str = field(default="", compare=False)
+    stored_formats: tuple[tuple[str, str], ...] = ()  # (tensor name, format) of a GGUF model's tensors
+
+    @property
+    def from_gguf(self) -> bool:
+        return bool(self.stored_formats)
+
+    def with_stored_formats(self, formats: dict[str, str]) -> "ModelSpec":
+        """This spec with the formats a GGUF file stores its tensors in; stored_format becomes the format that
+        holds the most linear weights."""
+        spec = replace(self, stored_formats=tuple(sorted(formats.items())))
+        weight: dict[str, int] = {}
+        for t in spec.tensors():
+            if t.role == "linear" and t.stored:
+                weight[t.stored] = weight.get(t.stored, 0) + t.numel
+        return replace(spec, stored_format=max(weight, key=weight.get)) if weight else spec
+
+    def _stored(self, name: str) -> str | None:
+        if not self.stored_formats:
+            return None
+        return dict(self.stored_formats).get(name)
 
     @property
     def q_size(self) -> int:
@@ -129,30 +173,33 @@ class ModelSpec:
     def layer_tensors(self, i: int) -> tuple[TensorSpec, ...]:
         """The tensors of decoder layer i, with Hugging Face names and [out, in] shapes."""
         p, d, f = f"model.layers.{i}.", self.hidden_size, self.intermediate_size
-        ts = [TensorSpec(p + "input_layernorm.weight", (d,), "norm")]
+        ts = [self._tensor(p + "input_layernorm.weight", (d,), "norm")]
         for proj, out in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
-            ts.append(TensorSpec(f"{p}self_attn.{proj}_proj.weight", (out, d), "linear"))
+            ts.append(self._tensor(f"{p}self_attn.{proj}_proj.weight", (out, d), "linear"))
             if self.qkv_bias:
-                ts.append(TensorSpec(f"{p}self_attn.{proj}_proj.bias", (out,), "bias"))
-        ts.append(TensorSpec(p + "self_attn.o_proj.weight", (d, self.q_size), "linear"))
+                ts.append(self._tensor(f"{p}self_attn.{proj}_proj.bias", (out,), "bias"))
+        ts.append(self._tensor(p + "self_attn.o_proj.weight", (d, self.q_size), "linear"))
         if self.o_bias:
-            ts.append(TensorSpec(p + "self_attn.o_proj.bias", (d,), "bias"))
-        ts.append(TensorSpec(p + "post_attention_layernorm.weight", (d,), "norm"))
+            ts.append(self._tensor(p + "self_attn.o_proj.bias", (d,), "bias"))
+        ts.append(self._tensor(p + "post_attention_layernorm.weight", (d,), "norm"))
         for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-            ts.append(TensorSpec(f"{p}mlp.{proj}_proj.weight", shape, "linear"))
+            ts.append(self._tensor(f"{p}mlp.{proj}_proj.weight", shape, "linear"))
             if self.mlp_bias:
-                ts.append(TensorSpec(f"{p}mlp.{proj}_proj.bias", (shape[0],), "bias"))
+                ts.append(self._tensor(f"{p}mlp.{proj}_proj.bias", (shape[0],), "bias"))
         return tuple(ts)
+
+    def _tensor(self, name: str, shape: tuple[int, ...], role: str) -> TensorSpec:
+        return TensorSpec(name, shape, role, self._stored(name))
 
     def units(self) -> tuple[UnitSpec, ...]:
         """Embedding, layers 0..n-1, final norm, lm_head. A tied lm_head names the embedding tensor."""
-        embed = TensorSpec("model.embed_tokens.weight", (self.vocab_size, self.hidden_size), "embedding")
+        embed = self._tensor("model.embed_tokens.weight", (self.vocab_size, self.hidden_size), "embedding")
         head_name = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
         units = [UnitSpec("embed", "embed", None, (embed,))]
         units += [UnitSpec(f"layer.{i}", "layer", i, self.layer_tensors(i)) for i in range(self.n_layers)]
-        units.append(UnitSpec("norm", "norm", None, (TensorSpec("model.norm.weight", (self.hidden_size,), "norm"),)))
+        units.append(UnitSpec("norm", "norm", None, (self._tensor("model.norm.weight", (self.hidden_size,), "norm"),)))
         units.append(UnitSpec("lm_head", "lm_head", None,
-                              (TensorSpec(head_name, (self.vocab_size, self.hidden_size), "linear"),)))
+                              (self._tensor(head_name, (self.vocab_size, self.hidden_size), "linear"),)))
         return tuple(units)
 
     def tensors(self) -> tuple[TensorSpec, ...]:

@@ -25,13 +25,13 @@ def run(args) -> int:
     from offload.jobs.config import plan_request
     from offload.planner import plan_for
     from offload.planner.whatif import format_what_ifs, what_ifs
-    from offload.spec import load_spec
+    from offload.weights.model_files import model_spec
     from offload.weights.default_model import resolve_model
 
     request = plan_request(effective_config(args, need_input=False))
     if request.hardware is None:
         log.info("planning for the calibrated profile (or an estimate; run `offload calibrate`)")
-    spec, hw = load_spec(resolve_model(request.model)), request.profile()
+    spec, hw = model_spec(resolve_model(request.model)), request.profile()
     plan = plan_for(spec, hw, request)
     changes = [w.to_dict() for w in what_ifs(spec, hw, request, plan)] if args.explain else []
     if args.json:

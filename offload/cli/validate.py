@@ -36,8 +36,8 @@ def check_plan(config) -> None:
     work, such as a GPU budget without a GPU or one too small for the model, are refused here."""
     from offload.jobs.config import plan_request
     from offload.planner import plan_for
-    from offload.spec import load_spec
+    from offload.weights.model_files import model_spec
     from offload.weights.default_model import resolve_model
 
     request = plan_request(config)
-    plan_for(load_spec(resolve_model(request.model)), request.profile(), request)
+    plan_for(model_spec(resolve_model(request.model)), request.profile(), request)

@@ -19,6 +19,7 @@ from offload.profile.report import PLOT_EXTRA_HINT, plotting_available
 from offload.sampling import SEED_MAX, SEED_MIN
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS
 from offload.weights.default_model import resolve_model
+from offload.weights.model_files import has_model
 
 
 
@@ -301,8 +302,8 @@ def check_files(raw: dict) -> list[str]:
     model_path = _get_dotted(raw, "model.path")
     if isinstance(model_path, str) and model_path != "default":
         folder = resolve_model(model_path)
-        if not (folder / "config.json").is_file():
-            problems.append(f"key 'model.path': expected a model folder with config.json or 'default', "
+        if not has_model(folder):
+            problems.append(f"key 'model.path': expected a model folder with config.json, a .gguf file or 'default', "
                             f"found {model_path!r}, which {_what_is(folder)}")
     input_path = _get_dotted(raw, "input.path")
     if isinstance(input_path, str) and not Path(input_path).is_file():

@@ -11,7 +11,19 @@ import torch.nn.functional as F
 
 from offload.spec import ModelSpec, RopeSpec
 
-Weight = object  # a torch.Tensor [out, in], an offload.kernels.PackedWeight, or a DeviceQuantWeight
+Weight = object  # a torch.Tensor [out, in], an offload.kernels.PackedWeight, a DeviceQuantWeight or a StackedWeight
+
+
+@dataclass(frozen=True)
+class StackedWeight:
+    """Weights of different formats stacked along the output dimension, as one [sum(out), in] weight: a GGUF
+    layer whose q, k and v (or gate and up) are stored in different types. Each part computes its own slice."""
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
 
 @dataclass
@@ -172,6 +184,9 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tenso
     """x [..., in] @ w.T + bias, for dense tensors or packed (quantized) weights."""
     if isinstance(w, torch.Tensor):
         return F.linear(x, w, bias)
+    if isinstance(w, StackedWeight):
+        biases = bias.split([p.shape[0] for p in w.parts]) if bias is not None else [None] * len(w.parts)
+        return torch.cat([linear(x, p, b).to(x.dtype) for p, b in zip(w.parts, biases)], dim=-1)
     if hasattr(w, "apply"):  # weights that compute on their own device (dequantized there)
         return w.apply(x, bias)
     from offload.kernels import linear as packed_linear

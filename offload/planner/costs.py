@@ -12,7 +12,7 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass
 
-from offload.formats import FLOAT_FORMATS, QUANT_BLOCK_BYTES
+from offload.formats import AS_STORED, FLOAT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile
 from offload.spec import ModelSpec, UnitSpec
 
@@ -94,6 +94,7 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
             kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
     gpu_s = _roofline(flops + attn_flops, w_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
     passes = phase.n_passes  # every pass reads the weights again
+    fmt = unit.rate_format(fmt, compute)  # a GGUF unit run as stored is priced by its main format
     k_eff = hw.k_efficiency(fmt, [t.shape for t in unit.tensors if t.role == "linear"])
     cpu_compute_s = flops / (hw.cpu_matmul_rate(fmt, rows, phase.n_threads) * k_eff) + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
     if hw.cpu_flops_by_rows.get(fmt):  # the calibrated rate includes reading the weights from DRAM
@@ -119,10 +120,15 @@ def step_phase_attention_flops(spec: ModelSpec, shape) -> float:
     return spec.n_layers * spec.attention_flops(n_tokens, max(round(shape.attended_keys / n_tokens), 1))
 
 
+def main_format(spec: ModelSpec, fmt: str) -> str:
+    """The weight format that speaks for a plan's fmt: a GGUF model run as stored is its file's main format."""
+    return spec.stored_format if fmt == AS_STORED else fmt
+
+
 def cpu_path(fmt: str, compute: str) -> str:
     """Which CPU code runs a layer: offload's fused C++ layer (packed quantized weights, fp32 activations) or
     torch ops."""
-    return "fused" if fmt in QUANT_BLOCK_BYTES and compute == "fp32" else "torch"
+    return "fused" if is_quantized(fmt) and compute == "fp32" else "torch"
 
 
 def overhead_s(hw: HardwareProfile, n_cpu_layers: int, path: str, n_seqs: int, n_logits: int = 0,

@@ -9,7 +9,7 @@ checks the cost model itself, not the guess of the workload. Pure arithmetic: no
 from __future__ import annotations
 
 from offload.hardware import HardwareProfile
-from offload.planner.costs import Phase, cpu_path, price_step, unit_cost
+from offload.planner.costs import Phase, cpu_path, main_format, price_step, unit_cost
 from offload.planner.types import PHASES, Plan
 from offload.spec import ModelSpec
 
@@ -28,7 +28,7 @@ def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> di
     by_name = {u.name: u for u in plan.units}
     weight = [by_name[u.name].weight_tier for u in units]
     modes = {p: [getattr(by_name[u.name], p) for u in units] for p in PHASES}
-    path = cpu_path(plan.weight_format, plan.workload.compute_format)
+    path = cpu_path(main_format(spec, plan.weight_format), plan.workload.compute_format)
     unit_memo: dict = {}
     step_memo: dict[Phase, float] = {}
     out = dict.fromkeys(PHASES, 0.0)

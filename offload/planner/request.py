@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from offload.errors import ConfigError
-from offload.formats import QUANTIZATIONS, compute_format, weight_format
+from offload.formats import AS_STORED, QUANTIZATIONS, compute_format, weight_format
 from offload.hardware import HardwareProfile, default_hardware, format_bytes, load_hardware, parse_size
 from offload.planner.search import plan, plan_best_batch
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS, Budget, Plan, Workload
@@ -91,9 +91,17 @@ class PlanRequest:
 def plan_for(spec: ModelSpec, hw: HardwareProfile, request: PlanRequest) -> Plan:
     """The Plan for request on hw; the batch size is searched when the request leaves it open."""
     workload = request.workload(spec, hw)
-    fmt = weight_format(request.quantization, workload.compute_format)
+    fmt = plan_weight_format(spec, request.quantization, workload.compute_format)
     search = plan_best_batch if request.batch_size is None else plan
     return search(spec, hw, request.budget(hw), workload, weight_format=fmt, prefetch_depth=request.prefetch_depth)
+
+
+def plan_weight_format(spec: ModelSpec, quantization: str, compute: str) -> str:
+    """The plan's weight format: a GGUF model with quantization 'none' keeps each tensor as its file stores it
+    (AS_STORED); otherwise the quantization, or the compute format for 'none'."""
+    if spec.from_gguf and quantization == "none":
+        return AS_STORED
+    return weight_format(quantization, compute)
 
 
 def _size(value, what: str) -> int | None:

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from offload.errors import ConfigError, PlanError
-from offload.formats import QUANT_BLOCK_BYTES, WEIGHT_FORMATS
+from offload.formats import AS_STORED, QUANT_BLOCK_BYTES, WEIGHT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile, format_bytes
-from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cpu_path, hop_s, phases_for, price_step,
+from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cpu_path, main_format, hop_s, phases_for, price_step,
                                    unit_cost, workspace_bytes)
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec
@@ -43,7 +43,7 @@ class Search:
         self.units = spec.units()
         self.n = len(self.units)
         kinds = self.kinds = [u.kind for u in self.units]
-        self.path = cpu_path(fmt, workload.compute_format)
+        self.path = cpu_path(main_format(spec, fmt), workload.compute_format)
         self.i_embed, self.i_norm, self.i_head = kinds.index("embed"), kinds.index("norm"), kinds.index("lm_head")
         self.streamable = [i for i, k in enumerate(kinds) if k in ("layer", "lm_head")]
         compute = workload.compute_format
@@ -59,7 +59,7 @@ class Search:
         self.cpu_s = {p: [c.cpu_s for c in cs] for p, cs in self.cost.items()}
         self.gain_order = {p: self._gain_order(p) for p in PHASES}
         self.gpu_possible = hw.has_gpu and budget.gpu_bytes > 0
-        self.ws_gpu = workspace_bytes(spec, workload, ACT_BYTES_GPU, fmt in QUANT_BLOCK_BYTES)
+        self.ws_gpu = workspace_bytes(spec, workload, ACT_BYTES_GPU, is_quantized(main_format(spec, fmt)))
         self.ws_cpu = workspace_bytes(spec, workload, ACT_BYTES_CPU, False)
         chunk = min(workload.batch_size * workload.prompt_len, workload.prefill_chunk_tokens)
         self.hop_buffers = 2 * chunk * spec.hidden_size * ACT_BYTES_CPU
@@ -267,7 +267,10 @@ class Search:
             notes.append("the GPU budget is 0: everything runs on the CPU")
         if not self.hw.has_gpu:
             notes.append(f"{self.hw.name} has no GPU: every unit computes on the CPU")
-        if self.fmt in QUANT_BLOCK_BYTES:
+        if self.fmt == AS_STORED:
+            notes.append(f"weights as the GGUF file stores them (mostly {self.spec.stored_format}); embeddings are "
+                         f"dequantized to {self.wl.compute_format} for lookup")
+        elif self.fmt in QUANT_BLOCK_BYTES:
             notes.append(f"{self.fmt}: embeddings stay fp16, norms fp32; the GPU workspace holds bf16 "
                          "scratch for the largest layer tensor (lm_head is dequantized in slices of that size)")
         return tuple(notes)
@@ -341,7 +344,9 @@ def plan(spec: ModelSpec, hardware: HardwareProfile, budget: Budget, workload: W
 
     weight_format defaults to the workload's compute format (no quantization)."""
     fmt = weight_format or workload.compute_format
-    if fmt not in WEIGHT_FORMATS:
+    if fmt == AS_STORED and not spec.from_gguf:
+        raise ConfigError(f"weight format {AS_STORED!r} (as stored) needs a GGUF model; {spec.source} is not one")
+    if fmt not in WEIGHT_FORMATS and fmt != AS_STORED:
         raise ConfigError(f"weight format {fmt!r} is not supported; use one of {', '.join(WEIGHT_FORMATS)}")
     if prefetch_depth < 1:
         raise ConfigError(f"prefetch depth must be 1 or more, found {prefetch_depth}")

@@ -51,19 +51,15 @@ def process_baseline_bytes(model_dir: str) -> int:
     """What this process holds before any weight, with torch imported and the model's tokenizer loaded;
     measured once per process and model (so that `offload plan` and the run it predicts agree)."""
     importlib.import_module("torch")  # the runtime holds it, so the baseline does too
-    tokenizer = _load_tokenizer(Path(model_dir))
+    from offload.weights.model_files import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(model_dir))
     held = held_bytes()
     del tokenizer
     # rounded up, so that `offload plan` in one process and `offload run` in another plan with the same figure
     return -(-held // BASELINE_ROUNDING_BYTES) * BASELINE_ROUNDING_BYTES
 
 
-def _load_tokenizer(path: Path):
-    if not any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))
 
 
 class MemoryWatch:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.formats import ALIGN_BYTES
-from offload.model.llama import LayerWeights
+from offload.model.llama import LayerWeights, StackedWeight
 from offload.runtime.device_quant import DeviceQuantWeight
 
 
@@ -41,9 +41,17 @@ class UnitLayout:
 
 
 def _leaves(weights) -> list[tuple[str, object]]:
-    if isinstance(weights, LayerWeights):
-        return [(f.name, getattr(weights, f.name)) for f in dataclasses.fields(weights)]
-    return [("weight", weights)]
+    """(name, tensor or packed weight) of a unit; the parts of a StackedWeight field are named field/0, field/1."""
+    if not isinstance(weights, LayerWeights):
+        return [("weight", weights)]
+    leaves = []
+    for f in dataclasses.fields(weights):
+        leaf = getattr(weights, f.name)
+        if isinstance(leaf, StackedWeight):
+            leaves += [(f"{f.name}/{i}", part) for i, part in enumerate(leaf.parts)]
+        else:
+            leaves.append((f.name, leaf))
+    return leaves
 
 
 def layout_of(weights) -> UnitLayout:
@@ -72,10 +80,13 @@ def in_row_order(weights):
     is simplest (and needs no reordering scratch) in row order.
     """
     def rows(leaf):
+        if isinstance(leaf, StackedWeight):
+            return StackedWeight(tuple(rows(p) for p in leaf.parts))
         return leaf.to_rows() if getattr(leaf, "tiled", False) else leaf
 
     if isinstance(weights, LayerWeights):
-        return dataclasses.replace(weights, **{name: rows(leaf) for name, leaf in _leaves(weights)})
+        return dataclasses.replace(weights, **{f.name: rows(getattr(weights, f.name))
+                                               for f in dataclasses.fields(weights)})
     return rows(weights)
 
 
@@ -117,4 +128,8 @@ def materialize(layout: UnitLayout, buffer: torch.Tensor, on_device: bool):
             built[name] = PackedWeight(fmts[name], shapes[name], parts["qs"], parts["d"], tiled[name])
     if not layout.is_layer:
         return built["weight"]
+    stacked: dict[str, list] = {}
+    for name in sorted((n for n in built if "/" in n), key=lambda n: int(n.rsplit("/", 1)[1])):
+        stacked.setdefault(name.split("/")[0], []).append(built[name])
+    built.update({name: StackedWeight(tuple(parts)) for name, parts in stacked.items()})
     return LayerWeights(**{f.name: built.get(f.name) for f in dataclasses.fields(LayerWeights)})

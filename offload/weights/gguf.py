@@ -1,0 +1,282 @@
+"""GGUF model files: the architecture from the file's metadata, tensors used as they are stored, the tokenizer.
+
+A GGUF file (or a split set `name-00001-of-0000N.gguf`) is parsed with gguf-py's reader for its metadata and
+tensor table; tensor bytes are then read with pread into memory of their own (as the safetensors reader does:
+the pages of a mapped file would stay in the resident set). Quantized tensors keep their bytes: q8_0 and q4_0
+go into offload's split layout (the same blocks), q4_1 and the K-quants stay GGUF blocks; float tensors are
+converted to the compute format. llama.cpp's converter permutes the rows of llama's q and k weights for its
+rope; the rows are put back (a row permutation moves whole rows of blocks, so it is exact for every format).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from offload.errors import WeightsError
+from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QUANT_BLOCK_BYTES
+from offload.spec import ModelSpec, spec_from_config
+
+SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # GGUF general.architecture -> ours
+# GGUF tensor type names -> offload format names (the types offload computes with as stored)
+TENSOR_FORMATS = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
+                  "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+                "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+                "ffn_down": "mlp.down_proj"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LLAMA3_FACTORS = (8.0, 16.0, 32.0)  # rope factors of the Llama 3.1 / 3.2 / 3.3 releases, tried against rope_freqs
+
+
+def is_gguf(path: str | os.PathLike) -> bool:
+    return str(path).lower().endswith(".gguf")
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    """Where one tensor's bytes are: file, offset and size; its GGUF type and its torch shape [out, in]."""
+
+    name: str  # the Hugging Face name
+    path: Path
+    offset: int
+    n_bytes: int
+    ggml_type: str  # Q4_K, F32, ...
+    shape: tuple[int, ...]
+
+    @property
+    def fmt(self) -> str | None:
+        """offload's name of the tensor's type, None for a type offload does not compute with."""
+        return TENSOR_FORMATS.get(self.ggml_type)
+
+
+def shard_paths(path: Path) -> list[Path]:
+    """Every file of a split GGUF model given any of its shards (or the one file of an unsplit one)."""
+    m = SPLIT_NAME.match(path.name)
+    if not m:
+        return [path]
+    count = int(m["count"])
+    paths = [path.with_name(f"{m['stem']}-{i:05d}-of-{count:05d}.gguf") for i in range(1, count + 1)]
+    for p in paths:
+        if not p.is_file():
+            raise WeightsError(f"{p.name} is missing: {path.name} is one of {count} shards of a split GGUF model; "
+                               f"download every shard into {path.parent}")
+    return paths
+
+
+class GGUFFile:
+    """The metadata and tensor table of a GGUF model (one file or all shards of a split one)."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path).expanduser()
+        if not self.path.is_file():
+            raise WeightsError(f"GGUF file {self.path} does not exist; check the path or download the model")
+        self.fields: dict[str, object] = {}
+        self.tensors: dict[str, GGUFTensor] = {}  # by GGUF name
+        for shard in shard_paths(self.path):
+            self._read(shard)
+        self.architecture = str(self.fields.get("general.architecture", ""))
+
+    def _read(self, path: Path) -> None:
+        from gguf import GGUFReader
+
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != b"GGUF":
+            raise WeightsError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+                               f"download it again or pass the model's folder instead")
+        try:
+            reader = GGUFReader(path, "r")
+        except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on a cut or corrupt header
+            raise WeightsError(f"{path} is truncated or corrupt ({type(e).__name__}: {e}); download it again") from e
+        for key, field in reader.fields.items():
+            if not key.startswith("GGUF."):
+                self.fields.setdefault(key, _field_value(field))
+        for t in reader.tensors:
+            if t.data_offset + t.n_bytes > size:
+                raise WeightsError(f"{path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
+                                   f"but the file has {size}; download it again")
+            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
+            self.tensors[t.name] = GGUFTensor(t.name, path, int(t.data_offset), int(t.n_bytes),
+                                              t.tensor_type.name, shape)
+        del reader  # drops the file's memory map
+
+    def get(self, key: str, default=None):
+        return self.fields.get(key, default)
+
+    def arch_key(self, key: str, default=None):
+        """A metadata value of the model's architecture namespace (llama.block_count, ...)."""
+        return self.fields.get(f"{self.architecture}.{key}", default)
+
+    def read(self, tensor: GGUFTensor) -> np.ndarray:
+        """The tensor's bytes (uint8, its own memory)."""
+        raw = np.empty(tensor.n_bytes, dtype=np.uint8)
+        fd = os.open(tensor.path, os.O_RDONLY)
+        try:
+            got = os.preadv(fd, [memoryview(raw)], tensor.offset) if tensor.n_bytes else 0
+        finally:
+            os.close(fd)
+        if got != tensor.n_bytes:
+            raise WeightsError(f"{tensor.path} ended while reading tensor {tensor.name} ({got} of {tensor.n_bytes} "
+                               f"bytes); download it again")
+        return raw
+
+
+def _field_value(field):
+    """A metadata field as a Python value (str, number, bool or list of them)."""
+    try:
+        value = field.contents()
+    except Exception:  # a field gguf-py cannot decode: keep it out of the metadata rather than fail
+        return None
+    return value
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor name (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight)."""
+    parts = gguf_name.split(".")
+    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 2 and parts[0] in _TOP_NAMES:
+        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
+    return None
+
+
+def gguf_config(gf: GGUFFile) -> dict:
+    """A config.json-style dict for the model in gf (what spec_from_config reads)."""
+    arch = gf.architecture
+    if arch not in ARCHITECTURES:
+        raise WeightsError(f"{gf.path}: GGUF architecture {arch or 'missing'!r} is not supported; offload runs "
+                           f"{', '.join(ARCHITECTURES)} models")
+    model_type = ARCHITECTURES[arch]
+    if model_type == "llama" and "mistral" in str(gf.get("general.name", "")).lower():
+        model_type = "mistral"  # llama.cpp stores mistral models as llama
+    n_heads = gf.arch_key("attention.head_count")
+    hidden = gf.arch_key("embedding_length")
+    tokens = gf.get("tokenizer.ggml.tokens")
+    embed = gf.tensors.get("token_embd.weight")
+    vocab = gf.arch_key("vocab_size") or (len(tokens) if tokens else None) or (embed.shape[0] if embed else None)
+    config = {
+        "model_type": model_type,
+        "hidden_size": hidden,
+        "intermediate_size": gf.arch_key("feed_forward_length"),
+        "num_hidden_layers": gf.arch_key("block_count"),
+        "num_attention_heads": n_heads,
+        "num_key_value_heads": gf.arch_key("attention.head_count_kv") or n_heads,
+        "rms_norm_eps": gf.arch_key("attention.layer_norm_rms_epsilon", 1e-6),
+        "rope_theta": gf.arch_key("rope.freq_base", 10000.0),
+        "max_position_embeddings": gf.arch_key("context_length"),
+        "vocab_size": vocab,
+        "tie_word_embeddings": "output.weight" not in gf.tensors,
+        "bos_token_id": gf.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": gf.get("tokenizer.ggml.eos_token_id"),
+        "attention_bias": model_type != "qwen2" and "blk.0.attn_q.bias" in gf.tensors,
+        "mlp_bias": "blk.0.ffn_up.bias" in gf.tensors,
+        "torch_dtype": "float32",
+    }
+    key_length = gf.arch_key("attention.key_length")
+    if key_length:
+        config["head_dim"] = key_length
+    rope = _rope_scaling(gf, config)
+    if rope:
+        config["rope_scaling"] = rope
+    window = gf.arch_key("attention.sliding_window")
+    if window and model_type == "mistral":
+        config["sliding_window"] = window
+    return config
+
+
+def _rope_scaling(gf: GGUFFile, config: dict) -> dict | None:
+    """rope_scaling from GGUF metadata: linear scaling by key; Llama 3's by matching the rope_freqs tensor."""
+    kind = gf.arch_key("rope.scaling.type")
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(gf.arch_key("rope.scaling.factor", 1.0))}
+    if kind not in (None, "none"):
+        raise WeightsError(f"{gf.path}: rope scaling {kind!r} is not supported; offload supports linear scaling "
+                           f"and Llama 3's")
+    freqs = gf.tensors.get("rope_freqs.weight")
+    if freqs is None:
+        return None
+    factors = gf.read(freqs).view(np.float32) if freqs.ggml_type == "F32" else None
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    for factor in _LLAMA3_FACTORS:
+        rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192}
+        if factors is not None and np.allclose(factors, _llama3_factors(rope, config["rope_theta"], head_dim),
+                                               rtol=1e-3):
+            return rope
+    raise WeightsError(f"{gf.path}: its rope_freqs tensor matches no Llama 3 rope scaling offload knows "
+                       f"(factors {', '.join(str(f) for f in _LLAMA3_FACTORS)}); use the model's safetensors release")
+
+
+def _llama3_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
+    """The per-frequency divisors llama.cpp stores as rope_freqs for Llama 3 rope scaling."""
+    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    wavelen = 2 * np.pi / inv_freq
+    old = rope["original_max_position_embeddings"]
+    low, high = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
+    smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
+    out = np.where(wavelen < high, 1.0, np.where(wavelen > low, rope["factor"],
+                                                 1.0 / ((1 - smooth) / rope["factor"] + smooth)))
+    return out.astype(np.float32)
+
+
+def gguf_spec(gf: GGUFFile) -> ModelSpec:
+    """The ModelSpec of a GGUF model, with each tensor's stored format."""
+    config = gguf_config(gf)
+    spec = spec_from_config(config, source=str(gf.path))
+    formats = {}
+    for name, t in gf.tensors.items():
+        hf = hf_name(name)
+        if hf is not None:
+            formats[hf] = t.fmt or t.ggml_type
+    return spec.with_stored_formats(formats)
+
+
+def check_tensors(gf: GGUFFile, spec: ModelSpec, requantize: bool) -> None:
+    """Every tensor the spec needs is in the file with the right shape and a type offload computes with (or the
+    user asked for a quantization, and other types are dequantized and quantized again, with a warning)."""
+    by_hf = {hf_name(n): t for n, t in gf.tensors.items()}
+    odd = []
+    for ts in spec.tensors():
+        t = by_hf.get(ts.name)
+        if t is None:
+            raise WeightsError(f"{gf.path} has no tensor for {ts.name} (GGUF name {_gguf_name(ts.name)}); "
+                               f"the file is incomplete or not a {spec.architecture} model — download it again")
+        if t.shape != ts.shape:
+            raise WeightsError(f"tensor {t.name} in {gf.path} has shape {list(t.shape)} but the metadata implies "
+                               f"{list(ts.shape)}; the file is corrupt — download it again")
+        if t.fmt is None:
+            odd.append(t)
+    if odd and not requantize:
+        t = odd[0]
+        raise WeightsError(f"tensor {t.name} in {gf.path} is stored as {t.ggml_type}, which offload does not compute "
+                           f"with (it reads {', '.join(TENSOR_FORMATS)}); pass a quantization (q8_0 or q4_0) to "
+                           f"convert it, or use a file of a supported type")
+    if odd:
+        warnings.warn(f"{len(odd)} tensors of {gf.path.name} are stored as "
+                      f"{', '.join(sorted({t.ggml_type for t in odd}))}, which offload does not compute with; "
+                      f"they are dequantized and quantized again, which loses some accuracy", stacklevel=3)
+
+
+def _gguf_name(hf: str) -> str:
+    for short, long in {**_LAYER_NAMES, **_TOP_NAMES}.items():
+        if f".{long}." in f".{hf}":
+            layer = re.search(r"layers\.(\d+)\.", hf)
+            suffix = hf.rsplit(".", 1)[1]
+            return f"blk.{layer[1]}.{short}.{suffix}" if layer else f"{short}.{suffix}"
+    return hf
+
+
+def is_quantized(fmt: str) -> bool:
+    return fmt in QUANT_BLOCK_BYTES or fmt in GGUF_BLOCKS
+
+
+def is_float(fmt: str) -> bool:
+    return fmt in FLOAT_FORMATS

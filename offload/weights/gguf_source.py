@@ -1,0 +1,124 @@
+"""GGUFSource: the units of a GGUF model, one at a time, with each tensor in the form the kernels take.
+
+Quantized linears keep their file's blocks (q8_0/q4_0 in offload's tiled order, q4_1 and the K-quants as GGUF
+blocks); float linears take the compute dtype; embeddings are dequantized for lookup. With a quantization
+asked for, tensors of another type are dequantized and quantized to it (those already in it are kept).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from offload.formats import FLOAT_FORMATS, QK, is_quantized
+from offload.model.llama import LayerWeights, StackedWeight
+from offload.spec import ModelSpec, UnitSpec
+from offload.weights.gguf import GGUFFile, GGUFTensor, check_tensors, hf_name
+
+_FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+class GGUFSource:
+    """Reads one unit at a time from a GGUF file (or split set)."""
+
+    def __init__(self, gf: GGUFFile, spec: ModelSpec, dtype: torch.dtype, quantization: str = "none"):
+        check_tensors(gf, spec, requantize=quantization != "none")
+        self.gf, self.spec, self.dtype, self.quantization = gf, spec, dtype, quantization
+        self.by_name: dict[str, GGUFTensor] = {hf_name(n): t for n, t in gf.tensors.items() if hf_name(n)}
+        self.unpermute = spec.architecture in ("llama", "mistral")  # llama.cpp permutes llama's q and k rows
+
+    def load(self, unit: UnitSpec):
+        """LayerWeights for a layer; a tensor for embed and norm; a weight for the lm_head."""
+        if unit.kind == "layer":
+            return self._layer(unit.index)
+        name = unit.tensors[0].name
+        return self.linear(name) if unit.kind == "lm_head" else self.dense(name).contiguous()
+
+    def _layer(self, i: int) -> LayerWeights:
+        p, s = f"model.layers.{i}.", self.spec
+        qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+        gate_up = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
+
+        def bias(names: list[str], present: bool):
+            return torch.cat([self.dense(n + ".bias") for n in names]) if present else None
+
+        return LayerWeights(
+            attn_norm=self.dense(p + "input_layernorm.weight"),
+            qkv=stack([self.linear(n + ".weight") for n in qkv]), qkv_bias=bias(qkv, s.qkv_bias),
+            o=self.linear(p + "self_attn.o_proj.weight"), o_bias=bias([p + "self_attn.o_proj"], s.o_bias),
+            mlp_norm=self.dense(p + "post_attention_layernorm.weight"),
+            gate_up=stack([self.linear(n + ".weight") for n in gate_up]), gate_up_bias=bias(gate_up, s.mlp_bias),
+            down=self.linear(p + "mlp.down_proj.weight"), down_bias=bias([p + "mlp.down_proj"], s.mlp_bias))
+
+    def _raw(self, name: str) -> tuple[GGUFTensor, np.ndarray]:
+        """The tensor's bytes as rows [out, row bytes], with llama's q/k row permutation undone."""
+        t = self.by_name[name]
+        raw = self.gf.read(t).reshape(t.shape[0], -1)
+        if self.unpermute and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+            heads = self.spec.n_heads if ".q_proj." in name else self.spec.n_kv_heads
+            raw = raw[_unpermute_rows(t.shape[0], heads)]
+        return t, raw
+
+    def dense(self, name: str) -> torch.Tensor:
+        """The tensor as a dense tensor in the compute dtype (quantized ones dequantized)."""
+        t, raw = self._raw(name)
+        if t.fmt in FLOAT_FORMATS:
+            return _float_tensor(raw, t).to(self.dtype)
+        return _dequantized(raw, t).to(self.dtype)
+
+    def linear(self, name: str):
+        """A linear weight [out, in] as the kernels take it: as stored, or quantized to the asked format."""
+        from offload.kernels import TILED, PackedWeight, pack
+
+        t, raw = self._raw(name)
+        want = self.quantization
+        if want == "none" and t.fmt in FLOAT_FORMATS:
+            return _float_tensor(raw, t).to(self.dtype)
+        if t.fmt is not None and is_quantized(t.fmt) and want in ("none", t.fmt):
+            w = PackedWeight.from_gguf(raw, t.fmt, t.shape)
+            return w.to_tiled() if TILED else w
+        dense = _float_tensor(raw, t) if t.fmt in FLOAT_FORMATS else _dequantized(raw, t)
+        if t.shape[-1] % QK:  # cannot be quantized: kept in the compute dtype
+            return dense.to(self.dtype)
+        return pack(dense.float(), want)
+
+
+def stack(parts: list):
+    """Linears fused along the output dimension: one weight when the parts share a format, else a
+    StackedWeight (a GGUF layer whose q, k and v are stored in different types)."""
+    from offload.kernels import TILED, PackedWeight
+
+    if all(isinstance(p, torch.Tensor) for p in parts) and len({p.dtype for p in parts}) == 1:
+        return torch.cat(parts)
+    if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1 and parts[0].d is not None:
+        rows = [p.to_rows() for p in parts]
+        fused = PackedWeight(rows[0].fmt, (sum(p.shape[0] for p in rows), rows[0].shape[1]),
+                             torch.cat([p.qs for p in rows]), torch.cat([p.d for p in rows]))
+        return fused.to_tiled() if TILED else fused
+    if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
+        return PackedWeight(parts[0].fmt, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
+                            torch.cat([p.qs for p in parts]), None)
+    return StackedWeight(tuple(parts))
+
+
+def _unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
+    """Row order that undoes llama.cpp's permutation of a q or k weight (as transformers' GGUF loader does)."""
+    half = n_rows // n_heads // 2
+    return np.arange(n_rows).reshape(n_heads, half, 2).swapaxes(1, 2).reshape(-1)
+
+
+def _float_tensor(raw: np.ndarray, t: GGUFTensor) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(raw)).view(_FLOAT_DTYPES[t.fmt]).reshape(t.shape)
+
+
+def _dequantized(raw: np.ndarray, t: GGUFTensor) -> torch.Tensor:
+    """fp32 values of a quantized tensor: offload's own dequantization, gguf-py's for types offload does not
+    compute with."""
+    if t.fmt is not None:
+        from offload.kernels import PackedWeight
+
+        return PackedWeight.from_gguf(raw, t.fmt, t.shape).dequantize()
+    from gguf import GGMLQuantizationType, quants
+
+    values = quants.dequantize(np.ascontiguousarray(raw), GGMLQuantizationType[t.ggml_type])
+    return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(t.shape)

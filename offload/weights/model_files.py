@@ -1,0 +1,55 @@
+"""What a resolved model path holds, whatever its kind: a Hugging Face folder (config.json + safetensors), a
+config.json alone (planning only), or a GGUF file. The one place that tells them apart."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from offload.errors import WeightsError
+from offload.spec import ModelSpec, load_spec
+from offload.weights.gguf import GGUFFile, gguf_spec, is_gguf, shard_paths
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def model_spec(path: Path) -> ModelSpec:
+    """The architecture of the model at path (config.json, or a GGUF file's metadata)."""
+    return gguf_spec(GGUFFile(path)) if is_gguf(path) else load_spec(path)
+
+
+def has_model(path: Path) -> bool:
+    """Whether path names something a model can be read from (a folder with config.json, or a GGUF file)."""
+    return (path / "config.json").is_file() or (is_gguf(path) and path.is_file())
+
+
+def weight_source(path: Path, spec: ModelSpec, dtype, quantization: str):
+    """The unit source the executor loads from: GGUF tensors as stored, or a safetensors checkpoint."""
+    if is_gguf(path):
+        from offload.weights.gguf_source import GGUFSource
+
+        return GGUFSource(GGUFFile(path), spec, dtype, quantization)
+    from offload.weights.loader import Checkpoint
+    from offload.weights.sources import CheckpointSource
+
+    return CheckpointSource(Checkpoint(path), spec, dtype, quantization)
+
+
+def load_tokenizer(path: Path):
+    """The model's Hugging Face tokenizer (built from the GGUF metadata for a GGUF file), or None for a folder
+    without tokenizer files."""
+    from transformers import AutoTokenizer
+
+    if is_gguf(path):
+        gf = GGUFFile(path)
+        if not gf.get("tokenizer.ggml.model") or not gf.get("tokenizer.ggml.tokens"):
+            raise WeightsError(f"{path} has no tokenizer in its metadata (tokenizer.ggml.model and .tokens); "
+                               f"use a GGUF file converted with its tokenizer")
+        try:
+            first = shard_paths(path)[0]  # the tokenizer is in the first shard's metadata
+            return AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name)
+        except Exception as e:  # transformers' GGUF tokenizer conversion raises many kinds
+            raise WeightsError(f"the tokenizer in {path}'s metadata cannot be read ({type(e).__name__}: {e}); "
+                               f"use a GGUF file converted by a recent llama.cpp") from e
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        return None
+    return AutoTokenizer.from_pretrained(str(path))

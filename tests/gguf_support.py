@@ -1,0 +1,139 @@
+"""Tiny GGUF models written with gguf-py's writer, as llama.cpp's converter lays them out (for the tests)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+K_TINY = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
+ARCH_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf.startswith("model.layers."):
+        _, _, i, rest = hf.split(".", 3)
+        module, suffix = rest.rsplit(".", 1)
+        return f"blk.{i}.{_LAYER[module]}.{suffix}"
+    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+            "lm_head.weight": "output.weight"}[hf]
+
+
+def permute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """llama.cpp's convert_hf_to_gguf permutation of a llama q or k weight (rows per head interleaved)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def random_blocks(qtype, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
+    """Random bytes of a quantized type with small, finite fp16 scales: uint8 [rows, row bytes]."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+    block, size = GGML_QUANT_SIZES[qtype]
+    rows, cols = shape
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    scale = np.float32(0.15) / np.sqrt(cols)
+
+    def put(offset: int, values) -> None:
+        raw[:, :, offset:offset + 2] = np.asarray(values, np.float16).view(np.uint8).reshape(rows, cols // block, 2)
+
+    def rand(lo, hi):
+        return rng.uniform(lo, hi, (rows, cols // block, 1)).astype(np.float32)
+
+    if qtype in (T.Q4_K, T.Q5_K):
+        put(0, (rand(0.5, 1.5) * scale / 8)[..., 0])  # d: weights d * sc * q, sc < 64, q < 16 (32)
+        put(2, (rand(0.5, 1.5) * scale / 4)[..., 0])  # dmin
+    elif qtype == T.Q6_K:
+        put(size - 2, (rand(0.5, 1.5) * scale / 64)[..., 0])
+    elif qtype == T.Q4_1:
+        put(0, (rand(0.5, 1.5) * scale / 4)[..., 0])
+        put(2, (-rand(0.5, 1.5) * scale * 2)[..., 0])
+    else:
+        put(0, (rand(0.5, 1.5) * scale / 8)[..., 0])
+    return raw.reshape(rows, -1)
+
+
+def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, arch: str = "llama",
+               types: dict[str, str] | None = None, random_quants: bool = False) -> Path:
+    """Write a transformers model as a GGUF file: linear weights in qtype (or types[gguf name]), norms F32.
+
+    Types gguf-py cannot quantize to (the K-quants) get random blocks (random_quants must be set): the model is
+    then the one those blocks encode, which transformers reads back the same way."""
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    cfg = model.config
+    name = ARCH_NAMES[arch]
+    w = gguf.GGUFWriter(str(path), name)
+    w.add_name(f"tiny-{arch}")
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    w.add_vocab_size(cfg.vocab_size)
+    if tokenizer:
+        add_byte_tokenizer(w, cfg.vocab_size)
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    for hf, p in model.state_dict().items():
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        t = p.detach().float().numpy()
+        if name == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            t = permute(t, n_heads if ".q_proj." in hf else n_kv)
+        g = gguf_name(hf)
+        kind = (types or {}).get(g, qtype) if t.ndim == 2 else "F32"
+        qt = T[kind]
+        if qt == T.F32:
+            w.add_tensor(g, np.ascontiguousarray(t))
+        elif qt in (T.F16,):
+            w.add_tensor(g, t.astype(np.float16))
+        elif qt in (T.Q4_K, T.Q5_K, T.Q6_K):
+            assert random_quants, f"gguf-py cannot quantize to {kind}: pass random_quants=True"
+            w.add_tensor(g, random_blocks(qt, t.shape, seed=hash(g) % 2**31), raw_dtype=qt)
+        else:
+            w.add_tensor(g, gguf.quants.quantize(t, qt), raw_dtype=qt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def add_byte_tokenizer(w, vocab_size: int) -> None:
+    """A GPT-2 style byte-level BPE vocabulary: the 256 byte symbols, a few merges, then specials up to vocab."""
+    symbols = list(_bytes_to_unicode().values())
+    merges = ["Ġ t", "h e", "Ġt he"][: max(0, vocab_size - 256 - 3)]
+    tokens = symbols + [m.replace(" ", "") for m in merges]
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tokens += specials + [f"<unused{i}>" for i in range(vocab_size - len(tokens) - len(specials))]
+    tokens = tokens[:vocab_size]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * len(tokens))
+    w.add_token_merges(merges)
+    w.add_bos_token_id(tokens.index("<|endoftext|>"))
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_chat_template("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (byte-level BPE symbols)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
