@@ -58,7 +58,8 @@ def random_blocks(qtype, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
 
 
 def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, arch: str = "llama",
-               types: dict[str, str] | None = None, random_quants: bool = False) -> Path:
+               types: dict[str, str] | None = None, random_quants: bool = False, mkdir: bool = False,
+               split_max_tensors: int = 0) -> Path:
     """Write a transformers model as a GGUF file: linear weights in qtype (or types[gguf name]), norms F32.
 
     Types gguf-py cannot quantize to (the K-quants) get random blocks (random_quants must be set): the model is
@@ -68,8 +69,10 @@ def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, ar
 
     cfg = model.config
     name = ARCH_NAMES[arch]
-    w = gguf.GGUFWriter(str(path), name)
-    w.add_name(f"tiny-{arch}")
+    if mkdir:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(path), name, split_max_tensors=split_max_tensors)
+    w.add_name(f"tiny-{arch}")  # "mistral" in the name: llama.cpp's (and transformers') sign of a mistral model
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
