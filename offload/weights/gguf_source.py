@@ -7,6 +7,8 @@ asked for, tensors of another type are dequantized and quantized to it (those al
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
@@ -15,6 +17,7 @@ from offload.model.llama import LayerWeights, StackedWeight
 from offload.spec import ModelSpec, UnitSpec
 from offload.weights.gguf import GGUFFile, GGUFTensor, check_tensors, hf_name
 
+log = logging.getLogger(__name__)
 _FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -26,6 +29,12 @@ class GGUFSource:
         self.gf, self.spec, self.dtype, self.quantization = gf, spec, dtype, quantization
         self.by_name: dict[str, GGUFTensor] = {hf_name(n): t for n, t in gf.tensors.items() if hf_name(n)}
         self.unpermute = spec.architecture in ("llama", "mistral")  # llama.cpp permutes llama's q and k rows
+        if quantization != "none":
+            other = sorted({t.fmt for t in self.by_name.values() if t.fmt and t.fmt != quantization
+                            and t.fmt not in FLOAT_FORMATS})
+            if other:
+                log.info(f"{gf.path.name}: {', '.join(other)} tensors are dequantized and quantized to {quantization} "
+                         f"(quantization 'none' keeps them as stored)")
 
     def load(self, unit: UnitSpec):
         """LayerWeights for a layer; a tensor for embed and norm; a weight for the lm_head."""
