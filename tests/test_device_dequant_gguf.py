@@ -23,14 +23,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGMLQuantizationType
+from gguf import quants as gguf_quants
 
 from offload.errors import KernelError
 from offload.formats import GGUF_BLOCKS
 from offload.runtime import device_quant
 from offload.runtime.device_quant import DeviceQuantWeight, dequantize_gguf
-
-gguf_quants = pytest.importorskip("gguf.quants")
-from gguf import GGMLQuantizationType  # noqa: E402  (after the skip: gguf is an optional dependency)
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
