@@ -290,3 +290,19 @@ def test_cuda_triton_path_equals_the_torch_dequant(fmt, n, dtype):
     dq = DeviceQuantWeight(fmt, (m, k), raw.cuda(), None)
     assert_within(dq.apply(x.cuda(), bias.cuda()).cpu(), x, w, bias)  # CUDA tensors: the fused Triton kernels
     assert_within(dq.apply_torch(x.cuda(), bias.cuda()).cpu(), x, w, bias)  # the torch ops on the GPU
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_unit_store_streams_block_bytes_to_a_device_weight(fmt):
+    """A unit's flat buffer holds the block bytes as one plane; materialized on the device, the same matrix."""
+    from offload.runtime import unit_store
+
+    raw = gguf_blocks(fmt, 6, 2, seed=7)
+    w = DeviceQuantWeight(fmt, shape_of(raw, fmt), raw, None)
+    layout = unit_store.layout_of(w)
+    assert [(e.part, e.n_bytes, e.fmt) for e in layout.entries] == [("qs", raw.nbytes, fmt)]
+    buf = torch.empty(layout.n_bytes, dtype=torch.uint8)
+    unit_store.write_into(layout, w, buf)
+    back = unit_store.materialize(layout, buf, on_device=True)
+    assert isinstance(back, DeviceQuantWeight) and back.d is None
+    assert (back.fmt, back.shape) == (fmt, w.shape) and torch.equal(back.qs, raw)
