@@ -150,13 +150,13 @@ def dot_bf16_as_values(self, a, b, *rest):
     a, b = (self.cast_impl(t, tl.float32) if t.dtype == tl.bfloat16 else t for t in (a, b))
     return dot(self, a, b, *rest)
 interpreter.InterpreterBuilder.create_dot = dot_bf16_as_values
-from offload.kernels import triton_dequant, triton_gguf
+from offload.kernels import triton_gguf
 cases = torch.load(sys.argv[1], weights_only=False)
 out = {}
 for name, c in cases.items():
     x, raw, fmt = c["x"], c["raw"], c["fmt"]
     if c["kernel"] == "linear":  # the entry point DeviceQuantWeight calls, x of any leading shape
-        out[name] = triton_dequant.linear(x, raw, None, fmt, c["shape"], False, c["bias"])
+        out[name] = triton_gguf.linear(x, raw, fmt, c["shape"], c["bias"])
     else:
         y = torch.empty((x.shape[0], raw.shape[0]), dtype=x.dtype)
         out[name] = getattr(triton_gguf, c["kernel"])(x, raw, fmt, c["bias"], y)
@@ -179,7 +179,7 @@ def make_inputs(case, seed: int) -> dict:
 
 
 def linear_inputs() -> dict:
-    """Cases for triton_dequant.linear(): 3-D x on both sides of GEMV_MAX_ROWS, and a non-contiguous x."""
+    """Cases for triton_gguf.linear(): 3-D x on both sides of GEMV_MAX_ROWS, and a non-contiguous x."""
     cases = {}
     for i, (lead, fmt) in enumerate([((2, 3), "q4_k"), ((3, 11), "q6_k"), ((4,), "q5_k")]):
         c = make_inputs(("linear", fmt, True, 1, 37, 2, torch.bfloat16), seed=1000 + i)
@@ -227,14 +227,12 @@ def test_triton_linear_takes_any_leading_shape_and_strides(interpreted, name):
 
 
 @needs_triton
-def test_triton_linear_refuses_a_scale_plane_or_wrong_bytes():
-    from offload.kernels import triton_dequant
+def test_triton_linear_refuses_wrong_block_bytes():
+    from offload.kernels import triton_gguf
 
-    raw, x = gguf_blocks("q4_k", 4, 1, seed=5), torch.randn(1, 256)
-    with pytest.raises(KernelError, match="no scale plane"):
-        triton_dequant.linear(x, raw, torch.ones(4, 8, dtype=torch.float16), "q4_k", (4, 256))
+    raw = gguf_blocks("q4_k", 4, 1, seed=5)
     with pytest.raises(KernelError, match=r"block bytes must be a contiguous uint8 tensor \[4, 288\]"):
-        triton_dequant.linear(torch.randn(1, 512), raw, None, "q4_k", (4, 512))
+        triton_gguf.linear(torch.randn(1, 512), raw, "q4_k", (4, 512))
 
 
 @needs_triton

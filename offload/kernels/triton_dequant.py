@@ -1,5 +1,5 @@
 """Fused dequant-matmul kernels for the GPU in Triton: y = x @ W.T (+ bias) over q8_0/q4_0 weights (GGUF's
-q4_1 and K-quants: offload.kernels.triton_gguf, reached through linear() here).
+q4_1 and K-quants: offload.kernels.triton_gguf, which shares this module's tile choices and store).
 
 Each kernel reads the quantized bytes and the fp16 scales of W once, dequantizes them in registers (scales
 converted there, no bf16 copy of W is ever made) and accumulates in fp32. Two kernels:
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from offload.errors import KernelError
-from offload.formats import GGUF_BLOCKS, QK, QUANT_QS_BYTES
+from offload.formats import QK, QUANT_QS_BYTES
 
 try:
     import triton
@@ -143,17 +143,9 @@ def _store(acc, bias_ptr, y_ptr, n, rows, N, M, stride_y, HAS_BIAS: tl.constexpr
     tl.store(y_ptr + n[:, None] * stride_y + rows[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor | None, fmt: str, shape: tuple[int, int],
+def linear(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, fmt: str, shape: tuple[int, int],
            tiled: bool = False, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ W.T + bias in x's dtype; W [M, K] as q8_0/q4_0 quants and fp16 scales on x's device, or as
-    GGUF block bytes (d None: offload.kernels.triton_gguf)."""
-    if fmt in GGUF_BLOCKS:
-        if d is not None or tiled:
-            raise KernelError(f"{fmt} weights are GGUF block bytes in row order with no scale plane; got "
-                              f"{'a tiled order' if tiled else 'a scale plane'}")
-        from offload.kernels import triton_gguf  # it imports this module's shared kernels
-
-        return triton_gguf.linear(x, qs, fmt, shape, bias)
+    """x [..., K] @ W.T + bias in x's dtype; W [M, K] as q8_0/q4_0 quants and fp16 scales on x's device."""
     m, k = shape
     _check(x, qs, d, fmt, (m, k), bias)
     x2 = x.reshape(-1, k)  # [N, K]

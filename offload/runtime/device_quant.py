@@ -12,6 +12,8 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
+from types import ModuleType
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -135,7 +137,9 @@ class DeviceQuantWeight:
         if x.device.type == "cuda" and self.qs.device.type == "cuda":
             fused = _fused_kernels()
             if fused is not None:
-                return fused.linear(x, self.qs, self.d, self.fmt, self.shape, self.tiled, bias)
+                if self.d is None:  # GGUF block bytes
+                    return fused.gguf.linear(x, self.qs, self.fmt, self.shape, bias)
+                return fused.quant.linear(x, self.qs, self.d, self.fmt, self.shape, self.tiled, bias)
         return self.apply_torch(x, bias)
 
     def apply_torch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -160,13 +164,18 @@ class DeviceQuantWeight:
         return self.qs.nbytes + (0 if self.d is None else self.d.nbytes)
 
 
+class _FusedKernels(NamedTuple):
+    quant: ModuleType  # offload.kernels.triton_dequant: q8_0/q4_0
+    gguf: ModuleType  # offload.kernels.triton_gguf: GGUF block formats
+
+
 @functools.cache
-def _fused_kernels():
-    """offload.kernels.triton_dequant where Triton is installed, else None (warned once)."""
-    from offload.kernels import triton_dequant
+def _fused_kernels() -> _FusedKernels | None:
+    """The Triton kernel modules where Triton is installed, else None (warned once)."""
+    from offload.kernels import triton_dequant, triton_gguf
 
     if triton_dequant.TRITON_AVAILABLE:
-        return triton_dequant
+        return _FusedKernels(triton_dequant, triton_gguf)
     warnings.warn("offload: Triton is not installed, so quantized GPU layers are dequantized with torch ops "
                   "(slower, a bf16 copy per call); pip install triton", stacklevel=3)
     return None
