@@ -107,7 +107,8 @@ def assert_within(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias: torch
     assert y.dtype == x.dtype and y.shape == ref.shape
     err = (y.float() - ref).abs()
     worst = int((err - tol).argmax())
-    assert bool((err <= tol).all()), f"error {float(err.flatten()[worst]):.3g} > tolerance {float(tol.flatten()[worst]):.3g}"
+    assert bool((err <= tol).all()), (f"error {float(err.flatten()[worst]):.3g} > tolerance "
+                                      f"{float(tol.flatten()[worst]):.3g}")
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
