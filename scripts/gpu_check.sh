@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check: the CUDA tests, then a Llama-3.1-70B-shaped q4_0 model (random weights in memory) planned for a
-# 22 GiB budget, then the fused dequant kernels against the torch fallback; one JSON summary at the end.
+# The GPU check: the CUDA tests (the fused dequant kernels of q8_0/q4_0 and GGUF's q4_1/K-quants among them),
+# then a Llama-3.1-70B-shaped q4_0 model (random weights in memory) planned for a 22 GiB budget, then the fused
+# dequant kernels against the torch fallback; one JSON summary at the end.
 #   bash scripts/gpu_check.sh           on a machine with a CUDA GPU (no network needed: torch, transformers,
-#                                       safetensors, triton, numba, pybind11 and pytest must be installed)
+#                                       safetensors, gguf, triton, numba, pybind11 and pytest must be installed)
 #   bash scripts/gpu_check.sh --smoke   the same steps on a CPU-only machine: the simulated asynchronous GPU in
 #                                       place of CUDA and a scaled-down model (what CI runs)
 # Every step runs even if an earlier one failed; the exit code is non-zero if any step failed.
@@ -39,7 +40,8 @@ print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
 print('cpu kernels:', k.ACTIVE_PATH, '| triton:', t.TRITON_AVAILABLE)"
 if [ "$smoke" -eq 0 ]; then
     # only the CUDA test modules are collected: they need nothing the GPU machine lacks
-    step cuda_tests 240 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_dequant.py
+    step cuda_tests 300 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_dequant.py \
+        tests/test_device_dequant_gguf.py
     step offload_70b 300 $py scripts/bench_offload.py --model configs/models/llama-3.1-70b --quantization q4_0 \
         --gpu-memory 22GiB --hardware configs/hardware/h200-server.yaml --backend cuda --prompt-len 512 \
         --decode-tokens 8 --batches 1,32 --json "$out/offload.json"

@@ -1,4 +1,5 @@
-"""Fused dequant-matmul kernels for the GPU in Triton: y = x @ W.T (+ bias) over q8_0/q4_0 weights.
+"""Fused dequant-matmul kernels for the GPU in Triton: y = x @ W.T (+ bias) over q8_0/q4_0 weights (GGUF's
+q4_1 and K-quants: offload.kernels.triton_gguf, which shares this module's tile choices and store).
 
 Each kernel reads the quantized bytes and the fp16 scales of W once, dequantizes them in registers (scales
 converted there, no bf16 copy of W is ever made) and accumulates in fp32. Two kernels:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.formats import ALIGN_BYTES
+from offload.formats import ALIGN_BYTES, GGUF_BLOCKS
 from offload.model.llama import LayerWeights, StackedWeight
 from offload.runtime.device_quant import DeviceQuantWeight
 
@@ -27,7 +27,7 @@ class Entry:
     n_bytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-    fmt: str | None = None  # q8_0 / q4_0 for quantized planes
+    fmt: str | None = None  # q8_0 / q4_0 / a GGUF block format (formats.GGUF_BLOCKS) for quantized planes
     tiled: bool = False  # quantized planes in tiled block order (offload.kernels.packed)
 
 
@@ -62,6 +62,8 @@ def layout_of(weights) -> UnitLayout:
             continue
         if isinstance(leaf, torch.Tensor):
             parts = [("dense", leaf, None)]
+        elif leaf.fmt in GGUF_BLOCKS:  # GGUF block bytes: one plane, no scales
+            parts = [("qs", leaf.qs, leaf.fmt)]
         else:  # PackedWeight or DeviceQuantWeight: quants and scales planes
             parts = [("qs", leaf.qs, leaf.fmt), ("d", leaf.d, leaf.fmt)]
             if leaf.d is None:  # a half-precision PackedWeight has no scale plane
@@ -90,6 +92,14 @@ def in_row_order(weights):
     return rows(weights)
 
 
+def _in_features(fmt: str, qs_width: int) -> int:
+    """K of a quantized weight whose quants plane is qs_width wide (bytes, or int8 values for q8_0)."""
+    if fmt in GGUF_BLOCKS:
+        per_block, block_bytes = GGUF_BLOCKS[fmt]
+        return qs_width // block_bytes * per_block
+    return qs_width * (1 if fmt == "q8_0" else 2)
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
@@ -115,17 +125,17 @@ def materialize(layout: UnitLayout, buffer: torch.Tensor, on_device: bool):
         if e.fmt:
             fmts[e.field], tiled[e.field] = e.fmt, e.tiled
             if e.part == "qs":
-                shapes[e.field] = (e.shape[0], e.shape[1] * (1 if e.fmt == "q8_0" else 2))
+                shapes[e.field] = (e.shape[0], _in_features(e.fmt, e.shape[1]))
     built = {}
     for name, parts in views.items():
         if "dense" in parts:
             built[name] = parts["dense"]
         elif on_device:
-            built[name] = DeviceQuantWeight(fmts[name], shapes[name], parts["qs"], parts["d"], tiled[name])
+            built[name] = DeviceQuantWeight(fmts[name], shapes[name], parts["qs"], parts.get("d"), tiled[name])
         else:
             from offload.kernels import PackedWeight
 
-            built[name] = PackedWeight(fmts[name], shapes[name], parts["qs"], parts["d"], tiled[name])
+            built[name] = PackedWeight(fmts[name], shapes[name], parts["qs"], parts.get("d"), tiled[name])
     if not layout.is_layer:
         return built["weight"]
     stacked: dict[str, list] = {}
