@@ -171,30 +171,40 @@ def test_bad_inputs_raise_kernel_error(make, match):
         make()
 
 
-def test_fused_layer_with_k_quant_linears_matches_the_python_layer():
-    import offload.kernels.layer as fused
-    from offload.model.llama import LayerKV, LayerWeights, layer_forward, make_step
+def _spec():
     from offload.spec import ModelSpec, RopeSpec
 
-    if not fused.FUSABLE:
-        pytest.skip(f"fused layer needs the C++ extension ({K.ACTIVE_PATH})")
-    spec = ModelSpec(architecture="llama", vocab_size=64, hidden_size=256, intermediate_size=512, n_layers=1,
+    return ModelSpec(architecture="llama", vocab_size=64, hidden_size=256, intermediate_size=512, n_layers=1,
                      n_heads=4, n_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope=RopeSpec(),
                      max_position_embeddings=64, qkv_bias=True, sliding_window=None)
-    d, f = spec.hidden_size, spec.intermediate_size
+
+
+def _layer_weights(spec):
+    """A layer with q4_k (qkv, gate_up) and q6_k (o, down) linears; K = 256 or 512 (whole super-blocks)."""
+    from offload.model.llama import LayerWeights
 
     def lin(fmt, rows, cols, seed):
         return K.PackedWeight.from_gguf(gguf_blocks(fmt, rows, cols, seed), fmt, (rows, cols))
 
+    d, f, qkv_rows = spec.hidden_size, spec.intermediate_size, spec.q_size + 2 * spec.kv_size
     g = torch.Generator().manual_seed(0)
-    qkv_rows = spec.q_size + 2 * spec.kv_size
-    w = LayerWeights(attn_norm=torch.rand(d, generator=g) + 0.5, qkv=lin("q4_k", qkv_rows, d, 1),
-                     qkv_bias=torch.randn(qkv_rows, generator=g) * 0.1, o=lin("q6_k", d, spec.q_size, 2), o_bias=None,
-                     mlp_norm=torch.rand(d, generator=g) + 0.5, gate_up=lin("q4_k", 2 * f, d, 3), gate_up_bias=None,
-                     down=lin("q6_k", d, f, 4), down_bias=None)
+    return LayerWeights(attn_norm=torch.rand(d, generator=g) + 0.5, qkv=lin("q4_k", qkv_rows, d, 1),
+                        qkv_bias=torch.randn(qkv_rows, generator=g) * 0.1, o=lin("q6_k", d, spec.q_size, 2),
+                        o_bias=None, mlp_norm=torch.rand(d, generator=g) + 0.5, gate_up=lin("q4_k", 2 * f, d, 3),
+                        gate_up_bias=None, down=lin("q6_k", d, f, 4), down_bias=None)
+
+
+def test_fused_layer_with_k_quant_linears_matches_the_python_layer():
+    import offload.kernels.layer as fused
+    from offload.model.llama import LayerKV, layer_forward, make_step
+
+    if not fused.FUSABLE:
+        pytest.skip(f"fused layer needs the C++ extension ({K.ACTIVE_PATH})")
+    spec = _spec()
+    w, g = _layer_weights(spec), torch.Generator().manual_seed(1)
     for n_new, phase in ((5, "prefill"), (1, "decode")):
         kv, kv_ref = (LayerKV(2, spec.n_kv_heads, 16, spec.head_dim, torch.float32) for _ in range(2))
-        x = torch.randn(2, n_new, d, generator=g)
+        x = torch.randn(2, n_new, spec.hidden_size, generator=g)
         positions = torch.arange(n_new).repeat(2, 1)
         step = make_step(spec, torch.float32, positions, torch.ones_like(positions, dtype=torch.bool), trash_slot=16,
                          phase=phase)
@@ -203,3 +213,29 @@ def test_fused_layer_with_k_quant_linears_matches_the_python_layer():
         out = fused.fused_layer_forward(spec, w, x, step, kv)
         assert (out - ref).abs().max().item() <= 1e-5 * ref.abs().max().item()
         assert torch.allclose(kv.k[:, :16], kv_ref.k[:, :16], rtol=0, atol=1e-5 * kv_ref.k.abs().max().item())
+
+
+def test_unit_store_round_trip_keeps_the_gguf_blocks():
+    from offload.runtime import unit_store
+
+    w = _layer_weights(_spec())
+    for unit in (w, w.down):  # a layer, and a single weight
+        layout = unit_store.layout_of(unit)
+        assert [e.part for e in layout.entries if e.fmt] == ["qs"] * (4 if unit is w else 1)  # no scale planes
+        buf = torch.empty(layout.n_bytes, dtype=torch.uint8)
+        unit_store.write_into(layout, unit, buf)
+        back = unit_store.materialize(layout, buf, on_device=False)
+        pairs = [(back.down, unit.down), (back.qkv, unit.qkv)] if unit is w else [(back, unit)]
+        for got, want in pairs:
+            assert (got.fmt, got.shape, got.d) == (want.fmt, want.shape, None)
+            assert torch.equal(got.qs, want.qs) and got.qs.data_ptr() >= buf.data_ptr()  # a view of the buffer
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_calibration_times_the_kernels_on_gguf_blocks(fmt):
+    from offload.runtime import calibrate
+
+    flops, path = calibrate.measure_cpu_flops(fmt, m=2, k=256, n=64, repeats=1)
+    assert path == "offload.kernels" and flops > 0
+    fallback = calibrate._torch_matmul(fmt, 2, 256, 64)()  # the estimate without kernels: dequantized per call
+    assert fallback.shape == (2, 64) and torch.isfinite(fallback).all()

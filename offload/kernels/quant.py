@@ -126,6 +126,7 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
 
 
 _DEQUANT = {"q4_1": _q4_1, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+_FP16_FIELDS = {"q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # byte offsets of d (and m / dmin)
 
 
 def dequantize_gguf_np(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.ndarray:
@@ -138,3 +139,14 @@ def dequantize_gguf_np(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.
     for i in range(0, blocks.shape[0], DEQUANT_CHUNK_BLOCKS):
         out[i: i + DEQUANT_CHUNK_BLOCKS] = fn(blocks[i: i + DEQUANT_CHUNK_BLOCKS])
     return out.reshape(shape)
+
+
+def random_gguf_blocks(fmt: str, m: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random GGUF bytes uint8 [m, K / per_block * block_bytes] of a GGUF_BLOCKS format, fp16 fields set to small
+    positive values (random bytes there would make infinities and NaNs): weights to time kernels on."""
+    per_block, block_bytes = GGUF_BLOCKS[fmt]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (m * (k // per_block), block_bytes), dtype=np.uint8)
+    for at in _FP16_FIELDS[fmt]:
+        blocks[:, at: at + 2] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return blocks.reshape(m, -1)

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.formats import ALIGN_BYTES
+from offload.formats import ALIGN_BYTES, GGUF_BLOCKS
 from offload.model.llama import LayerWeights
 from offload.runtime.device_quant import DeviceQuantWeight
 
@@ -27,7 +27,7 @@ class Entry:
     n_bytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
-    fmt: str | None = None  # q8_0 / q4_0 for quantized planes
+    fmt: str | None = None  # q8_0 / q4_0 / a GGUF_BLOCKS format for quantized planes
     tiled: bool = False  # quantized planes in tiled block order (offload.kernels.packed)
 
 
@@ -54,6 +54,8 @@ def layout_of(weights) -> UnitLayout:
             continue
         if isinstance(leaf, torch.Tensor):
             parts = [("dense", leaf, None)]
+        elif leaf.fmt in GGUF_BLOCKS:  # GGUF's block bytes: one plane, no scales apart
+            parts = [("qs", leaf.qs, leaf.fmt)]
         else:  # PackedWeight or DeviceQuantWeight: quants and scales planes
             parts = [("qs", leaf.qs, leaf.fmt), ("d", leaf.d, leaf.fmt)]
             if leaf.d is None:  # a half-precision PackedWeight has no scale plane
@@ -95,6 +97,15 @@ def write_into(layout: UnitLayout, weights, buffer: torch.Tensor) -> None:
         buffer[e.offset: e.offset + e.n_bytes].copy_(_as_bytes(t))
 
 
+def _matrix_shape(fmt: str, qs_shape: tuple[int, ...]) -> tuple[int, int]:
+    """[M, K] of a quantized matrix from the shape of its quants plane."""
+    rows, width = qs_shape
+    if fmt in GGUF_BLOCKS:
+        per_block, block_bytes = GGUF_BLOCKS[fmt]
+        return rows, width // block_bytes * per_block
+    return rows, width * (1 if fmt == "q8_0" else 2)
+
+
 def materialize(layout: UnitLayout, buffer: torch.Tensor, on_device: bool):
     """Weights viewing buffer: quantized planes become DeviceQuantWeight (on_device) or PackedWeight (CPU kernels)."""
     views: dict[str, dict[str, torch.Tensor]] = {}
@@ -104,17 +115,17 @@ def materialize(layout: UnitLayout, buffer: torch.Tensor, on_device: bool):
         if e.fmt:
             fmts[e.field], tiled[e.field] = e.fmt, e.tiled
             if e.part == "qs":
-                shapes[e.field] = (e.shape[0], e.shape[1] * (1 if e.fmt == "q8_0" else 2))
+                shapes[e.field] = _matrix_shape(e.fmt, e.shape)
     built = {}
     for name, parts in views.items():
         if "dense" in parts:
             built[name] = parts["dense"]
         elif on_device:
-            built[name] = DeviceQuantWeight(fmts[name], shapes[name], parts["qs"], parts["d"], tiled[name])
+            built[name] = DeviceQuantWeight(fmts[name], shapes[name], parts["qs"], parts.get("d"), tiled[name])
         else:
             from offload.kernels import PackedWeight
 
-            built[name] = PackedWeight(fmts[name], shapes[name], parts["qs"], parts["d"], tiled[name])
+            built[name] = PackedWeight(fmts[name], shapes[name], parts["qs"], parts.get("d"), tiled[name])
     if not layout.is_layer:
         return built["weight"]
     return LayerWeights(**{f.name: built.get(f.name) for f in dataclasses.fields(LayerWeights)})
