@@ -13,7 +13,8 @@ import numpy as np
 
 from offload.formats import GGUF_BLOCKS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES
 
-DEQUANT_CHUNK_BLOCKS = 4096  # GGUF blocks dequantized per step: temporaries stay in the L2 cache (~2x faster)
+DEQUANT_CHUNK_BLOCKS = 4096  # GGUF blocks dequantized per step: temporaries stay in the L2 cache. Measured on
+# 512 x 4096 matrices: 1.3x (q4_k, q5_k, q6_k) to 1.9x (q4_1) faster than gguf-py's dequantize, same bits
 
 
 def split_gguf_blocks(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> tuple[np.ndarray, np.ndarray]:
