@@ -20,16 +20,31 @@ namespace {
 struct KernelTable {
   QuantXFn quantize_x;
   QuantX16Fn quantize_x16;
-  QGemmFn q8_0, q4_0;
+  QuantXKFn quantize_xk;
+  QGemmFn q8_0, q4_0, q4_1, q4_k, q5_k, q6_k;
   FGemmFn bf16, f16;
 };
 
 // Indexed by Path. The AVX-512 path reuses AVX2 code where 512-bit/VNNI brings nothing.
 const KernelTable kTables[3] = {
-    {quantize_x_ref, quantize_x16_ref, gemm_q8_0_ref, gemm_q4_0_ref, gemm_bf16_ref, gemm_f16_ref},
-    {quantize_x_avx2, quantize_x16_avx2, gemm_q8_0_avx2, gemm_q4_0_avx2, gemm_bf16_avx2, gemm_f16_avx2},
-    {quantize_x_avx2, quantize_x16_avx2, gemm_q8_0_avx512, gemm_q4_0_avx512, gemm_bf16_avx2, gemm_f16_avx2},
+    {quantize_x_ref, quantize_x16_ref, quantize_xk_ref, gemm_q8_0_ref, gemm_q4_0_ref, gemm_q4_1_ref, gemm_q4_k_ref,
+     gemm_q5_k_ref, gemm_q6_k_ref, gemm_bf16_ref, gemm_f16_ref},
+    {quantize_x_avx2, quantize_x16_avx2, quantize_xk_avx2, gemm_q8_0_avx2, gemm_q4_0_avx2, gemm_q4_1_avx2,
+     gemm_q4_k_avx2, gemm_q5_k_avx2, gemm_q6_k_avx2, gemm_bf16_avx2, gemm_f16_avx2},
+    {quantize_x_avx2, quantize_x16_avx2, quantize_xk_avx2, gemm_q8_0_avx512, gemm_q4_0_avx512, gemm_q4_1_avx512,
+     gemm_q4_k_avx512, gemm_q5_k_avx512, gemm_q6_k_avx512, gemm_bf16_avx2, gemm_f16_avx2},
 };
+
+QGemmFn qgemm_of(const KernelTable& t, int fmt) {
+  switch (fmt) {
+    case W_Q8_0: return t.q8_0;
+    case W_Q4_0: return t.q4_0;
+    case W_Q4_1: return t.q4_1;
+    case W_Q4_K: return t.q4_k;
+    case W_Q5_K: return t.q5_k;
+    default: return t.q6_k;
+  }
+}
 
 std::vector<std::string> cpu_features() {
   __builtin_cpu_init();
@@ -57,10 +72,20 @@ struct RowChunks {
 };
 
 struct Scratch {  // per calling thread, grown on demand: quantized activations
-  std::vector<int16_t> qs;  // int16 for q8_0 weights, int8 (first half of the bytes) for q4_0
+  std::vector<int16_t> qs;  // int16 for q8_0 weights, int8 (first half of the bytes) for the others
   std::vector<float> d, s, xf;
+  std::vector<int16_t> s16;
 };
 thread_local Scratch tls;
+
+// One row of activations quantized as fmt's kernels read them (see XQ).
+void quantize_row(const KernelTable& t, int fmt, const void* x, int xtype, int64_t K, int16_t* q16, float* d,
+                  float* s, int16_t* s16) {
+  int8_t* qs = reinterpret_cast<int8_t*>(q16);
+  if (fmt == W_Q8_0) t.quantize_x16(x, xtype, K, q16, d);
+  else if (is_gguf(fmt)) t.quantize_xk(x, xtype, K, qs, d, s, s16);
+  else t.quantize_x(x, xtype, K, qs, d, s);
+}
 
 void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N, const WView& w,
               const float* bias, float* y, int nth) {
@@ -68,26 +93,21 @@ void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N
   tls.qs.resize(size_t(N * K));
   tls.d.resize(size_t(N * nb));
   tls.s.resize(size_t(N * nb));
-  int16_t* q16 = tls.qs.data(); float* d = tls.d.data(); float* s = tls.s.data();
-  int8_t* qs = reinterpret_cast<int8_t*>(q16);
+  tls.s16.resize(size_t(N * (K / 16)));
+  int16_t* q16 = tls.qs.data(); float* d = tls.d.data(); float* s = tls.s.data(); int16_t* s16 = tls.s16.data();
   const int64_t xbytes = xtype == X_BF16 ? 2 : 4;
-  const bool wide = fmt == W_Q8_0;
-  const XQ xq{qs, d, s, N, K};
-  const QGemmFn fn = wide ? t.q8_0 : t.q4_0;
-  if (N == 1) {  // tiny: no barrier needed before the rows
-    if (wide) t.quantize_x16(x, xtype, K, q16, d);
-    else t.quantize_x(x, xtype, K, qs, d, s);
-  }
+  const int64_t q_row = fmt == W_Q8_0 ? K : K / 2;  // activation row stride in int16 units
+  const XQ xq{reinterpret_cast<int8_t*>(q16), d, s, N, K, s16};
+  const QGemmFn fn = qgemm_of(t, fmt);
+  if (N == 1) quantize_row(t, fmt, x, xtype, K, q16, d, s, s16);  // tiny: no barrier needed before the rows
   const RowChunks chunks(w.M, nth);
 #pragma omp parallel num_threads(nth) if (nth > 1)
   {
     if (N > 1) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t n = 0; n < N; ++n) {
-        const void* xn = static_cast<const char*>(x) + n * K * xbytes;
-        if (wide) t.quantize_x16(xn, xtype, K, q16 + n * K, d + n * nb);
-        else t.quantize_x(xn, xtype, K, qs + n * K, d + n * nb, s + n * nb);
-      }
+      for (int64_t n = 0; n < N; ++n)
+        quantize_row(t, fmt, static_cast<const char*>(x) + n * K * xbytes, xtype, K, q16 + n * q_row, d + n * nb,
+                     s + n * nb, s16 + n * (K / 16));
     }
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks.n; ++c) fn(w, xq, y, bias, chunks.r0(c), chunks.r1(c));
@@ -109,22 +129,25 @@ void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_
   for (int64_t c = 0; c < chunks.n; ++c) fn(w, xf, N, y, bias, chunks.r0(c), chunks.r1(c));
 }
 
-// y [N, M] fp32 = x [N, K] (fp32 or bf16) @ W[M, K]^T + bias.
-void linear(int path, uintptr_t x, int xtype, int64_t N, int64_t K, int fmt, uintptr_t wq, uintptr_t wd,
-            int64_t M, uintptr_t bias, uintptr_t y, int nthreads) {
-  if (path < 0 || path > 2 || fmt < 0 || fmt > W_TILED + W_Q4_0 || fmt == W_TILED + W_BF16 || xtype < 0 || xtype > 1)
-    throw std::invalid_argument("offload kernels: bad path, format or activation type id");
-  const bool tiled = fmt >= W_TILED;
-  fmt %= W_TILED;
-  if (N < 1 || M < 1 || K < 1 || ((fmt == W_Q8_0 || fmt == W_Q4_0) && K % QK != 0))
-    throw std::invalid_argument("offload kernels: bad shape (quantized formats need K % 32 == 0)");
-  const WView w{reinterpret_cast<const uint8_t*>(wq), reinterpret_cast<const uint16_t*>(wd), M, K, tiled};
+void packed_linear_x(int path, const void* x, int xtype, int64_t N, int fmt, const WView& w, const float* bias,
+                     float* y, int nthreads) {
   const int nth = nthreads < 1 ? 1 : nthreads;
-  const float* b = reinterpret_cast<const float*>(bias);
-  if (fmt == W_Q8_0 || fmt == W_Q4_0)
-    linear_q(kTables[path], fmt, reinterpret_cast<const void*>(x), xtype, N, w, b, reinterpret_cast<float*>(y), nth);
-  else
-    linear_half(kTables[path], fmt, reinterpret_cast<const void*>(x), xtype, N, w, b, reinterpret_cast<float*>(y), nth);
+  if (fmt == W_BF16 || fmt == W_F16) linear_half(kTables[path], fmt, x, xtype, N, w, bias, y, nth);
+  else linear_q(kTables[path], fmt, x, xtype, N, w, bias, y, nth);
+}
+
+// y [N, M] fp32 = x [N, K] (fp32 or bf16) @ W[M, K]^T + bias.
+void linear(int path, uintptr_t x, int xtype, int64_t N, int64_t K, int fmt_id, uintptr_t wq, uintptr_t wd,
+            int64_t M, uintptr_t bias, uintptr_t y, int nthreads) {
+  int fmt;
+  bool tiled;
+  if (path < 0 || path > 2 || !parse_fmt_id(fmt_id, fmt, tiled) || xtype < 0 || xtype > 1)
+    throw std::invalid_argument("offload kernels: bad path, format or activation type id");
+  if (N < 1 || M < 1 || K < 1 || !k_fits(fmt, K))
+    throw std::invalid_argument("offload kernels: bad shape (quantized formats need K a multiple of their block)");
+  const WView w{reinterpret_cast<const uint8_t*>(wq), reinterpret_cast<const uint16_t*>(wd), M, K, tiled};
+  packed_linear_x(path, reinterpret_cast<const void*>(x), xtype, N, fmt, w, reinterpret_cast<const float*>(bias),
+                  reinterpret_cast<float*>(y), nthreads);
 }
 
 // Quantize fp32 rows [M, K] into split-layout quants and fp16 scales (GGUF rounding).
@@ -159,9 +182,7 @@ void bind_layer(py::module_& m);  // layer_bindings.cpp
 
 void packed_linear(int path, const float* x, int64_t N, int fmt, const WView& w, const float* bias, float* y,
                    int nthreads) {
-  const int nth = nthreads < 1 ? 1 : nthreads;
-  if (fmt == W_Q8_0 || fmt == W_Q4_0) linear_q(kTables[path], fmt, x, X_F32, N, w, bias, y, nth);
-  else linear_half(kTables[path], fmt, x, X_F32, N, w, bias, y, nth);
+  packed_linear_x(path, x, X_F32, N, fmt, w, bias, y, nthreads);
 }
 }  // namespace offload
 

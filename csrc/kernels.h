@@ -8,6 +8,8 @@
 //    in row order); within a tile, block pairs (b, b+1) one after another, each pair holding the 4 rows'
 //    two blocks side by side (row 0's b and b+1, then row 1's...), then an odd last block of the 4 rows.
 //    The scales follow the same order. A matrix-vector product then reads one sequential stream.
+// GGUF block formats (q4_1, q4_k, q5_k, q6_k) are kept as GGUF's own block bytes in row order, in qs alone
+// (d is null): see kquant.h for their layouts.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -16,8 +18,26 @@ namespace offload {
 
 constexpr int64_t QK = 32;  // elements per quant block
 
-enum WFmt : int { W_Q8_0 = 0, W_Q4_0 = 1, W_BF16 = 2, W_F16 = 3 };
+enum WFmt : int { W_Q8_0 = 0, W_Q4_0 = 1, W_BF16 = 2, W_F16 = 3, W_Q4_1 = 8, W_Q4_K = 9, W_Q5_K = 10, W_Q6_K = 11 };
 constexpr int W_TILED = 4;  // format id + W_TILED: the same format in tiled order (q8_0 / q4_0 only)
+
+constexpr bool is_gguf(int fmt) { return fmt >= W_Q4_1 && fmt <= W_Q6_K; }
+// Weights and bytes per GGUF block (offload/formats.py GGUF_BLOCKS).
+constexpr int64_t gguf_block_weights(int fmt) { return fmt == W_Q4_1 ? 32 : 256; }
+constexpr int64_t gguf_block_bytes(int fmt) {
+  return fmt == W_Q4_1 ? 20 : fmt == W_Q4_K ? 144 : fmt == W_Q5_K ? 176 : 210;
+}
+// A format id as the Python face sends it -> (format, tiled order); false for an unknown id.
+inline bool parse_fmt_id(int id, int& fmt, bool& tiled) {
+  tiled = id == W_TILED + W_Q8_0 || id == W_TILED + W_Q4_0;
+  fmt = tiled ? id - W_TILED : id;
+  return (fmt >= W_Q8_0 && fmt <= W_F16) || is_gguf(fmt);
+}
+// Whether K suits the format: quantized formats need whole blocks in every row.
+inline bool k_fits(int fmt, int64_t K) {
+  if (is_gguf(fmt)) return K % gguf_block_weights(fmt) == 0;
+  return fmt == W_BF16 || fmt == W_F16 || K % 32 == 0;
+}
 enum XType : int { X_F32 = 0, X_BF16 = 1 };
 enum Path : int { P_SCALAR = 0, P_AVX2 = 1, P_AVX512 = 2 };
 
@@ -56,13 +76,15 @@ struct RowTile {
   }
 };
 
-// Activations quantized per block of 32, natural element order: int8 (q8_0 style) against q4_0
-// weights, int16 against q8_0 weights (whose 8-bit error would otherwise double: see quantize_x16_ref).
+// Activations quantized per block of 32: int8 (q8_0 style) against q4_0 and the GGUF formats, int16
+// against q8_0 weights (whose 8-bit error would otherwise double: see quantize_x16_ref). The order within
+// a block is natural, except for the SIMD q4_0 path (see quantize_x_avx2).
 struct XQ {
   const int8_t* qs;  // [N, K] int8, or int16 for q8_0 weights (then d is amax / 32767)
   const float* d;    // [N, K/32] scale of each block
-  const float* s;    // [N, K/32] d * sum(q) of each block (for q4_0's -8 offset)
+  const float* s;    // [N, K/32] d * sum(q) of each block (q4_0's -8 offset, the GGUF formats' minimums)
   int64_t N, K;
+  const int16_t* s16 = nullptr;  // [N, K/16] sum(q) of each 16 (q6_k's -32 offset); GGUF formats only
 };
 
 // Row-range kernels: y[n, r] for r in [r0, r1), all n < N; y is [N, M] fp32, bias [M] or null.
@@ -73,6 +95,8 @@ using FGemmFn = void (*)(const WView& w, const float* x, int64_t N, float* y, co
 using QuantXFn = void (*)(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
 // Quantize one row of K activations into int16 qs [K] and scales d [K/32].
 using QuantX16Fn = void (*)(const void* x, int xtype, int64_t K, int16_t* qs, float* d);
+// Quantize one row for the GGUF formats: quantize_x's values in natural order, and the sums s16 [K/16].
+using QuantXKFn = void (*)(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s, int16_t* s16);
 
 float fp16_to_f32(uint16_t h);
 uint16_t f32_to_fp16(float f);  // round to nearest even, like numpy's astype(float16)
@@ -89,6 +113,13 @@ void gemm_f16_ref(const WView& w, const float* x, int64_t N, float* y, const flo
 void quantize_w_q8_0_rows(const float* src, int64_t r0, int64_t r1, int64_t K, uint8_t* qs, uint16_t* d);
 void quantize_w_q4_0_rows(const float* src, int64_t r0, int64_t r1, int64_t K, uint8_t* qs, uint16_t* d);
 
+// Scalar references of the GGUF block formats (kquant_ref.cpp).
+void quantize_xk_ref(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s, int16_t* s16);
+void gemm_q4_1_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q4_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q5_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q6_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+
 // AVX2 + FMA + F16C (qgemm_avx2.cpp, fgemm_avx2.cpp).
 void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
 void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* d);
@@ -97,9 +128,18 @@ void gemm_q4_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, in
 void gemm_bf16_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_f16_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
 uint64_t read_bytes_avx2(const uint8_t* p, int64_t n);  // bandwidth probe: touches every byte
+void quantize_xk_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s, int16_t* s16);
+void gemm_q4_1_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q4_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q5_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q6_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 
 // AVX-512 VL + VNNI (qgemm_avx512.cpp): the AVX2 tiles with dpbusd dot products.
 void gemm_q8_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q4_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q4_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q4_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q5_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q6_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 
 }  // namespace offload

@@ -20,11 +20,11 @@ const T* ptr(uintptr_t p) { return reinterpret_cast<const T*>(p); }
 
 LinearArg to_linear(const LinearTuple& t) {
   const auto [fmt_id, qs, d, bias, M, K] = t;
-  const bool tiled = fmt_id >= W_TILED;
-  const int fmt = fmt_id % W_TILED;
-  if (fmt_id < W_Q8_0 || fmt_id > W_TILED + W_Q4_0 || M < 1 || K < 1 ||
-      ((fmt == W_Q8_0 || fmt == W_Q4_0) && K % QK != 0))
-    throw std::invalid_argument("offload fused layer: bad linear format or shape (quantized formats need K % 32 == 0)");
+  int fmt;
+  bool tiled;
+  if (!parse_fmt_id(fmt_id, fmt, tiled) || M < 1 || K < 1 || !k_fits(fmt, K))
+    throw std::invalid_argument("offload fused layer: bad linear format or shape (quantized formats need K a "
+                                "multiple of their block)");
   return {fmt, WView{ptr<uint8_t>(qs), ptr<uint16_t>(d), M, K, tiled}, ptr<float>(bias)};
 }
 

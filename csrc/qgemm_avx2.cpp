@@ -1,10 +1,12 @@
-// AVX2 + FMA + F16C quantized kernels: activation quantizer and q8_0 / q4_0 matmuls.
+// AVX2 + FMA + F16C quantized kernels: activation quantizers, q8_0 / q4_0 and GGUF block format matmuls.
 // Compiled with per-function target attributes; only called after a runtime CPU check.
 #include <immintrin.h>
 
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
+#include "kquant.h"
 
 #define KFN __attribute__((target("avx2,fma,f16c"))) inline
 
@@ -36,6 +38,7 @@ KFN __m256 load8(const void* x, int xtype, int64_t i) {
 }
 
 #include "qgemm_tiles.inc"
+#include "kquant_tiles.inc"
 
 // Loads one block of 32 activations into v[4] and returns its largest magnitude.
 KFN float load_block_amax(const void* x, int xtype, int64_t i, __m256 (&v)[4]) {
@@ -81,6 +84,21 @@ void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, 
   if (b < nb) _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), quantize_block(x, xtype, b * QK, d + b, s + b));
 }
 
+// int8 activations for the GGUF formats: natural order, and the sum of each 16 quants.
+__attribute__((target("avx2,fma,f16c")))
+void quantize_xk_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s, int16_t* s16) {
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const __m256i q = quantize_block(x, xtype, b * QK, d + b, s + b);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), q);
+    // pair sums, then 4-lane sums: [sum of weights 0-15 x4 | sum of 16-31 x4]
+    __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), q), _mm256_set1_epi16(1));
+    t = _mm256_hadd_epi32(t, t);
+    t = _mm256_hadd_epi32(t, t);
+    s16[2 * b] = int16_t(_mm256_extract_epi32(t, 0));
+    s16[2 * b + 1] = int16_t(_mm256_extract_epi32(t, 4));
+  }
+}
+
 __attribute__((target("avx2,fma,f16c")))
 void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* d) {
   for (int64_t b = 0; b < K / QK; ++b) {
@@ -106,6 +124,26 @@ void gemm_q8_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, in
 __attribute__((target("avx2,fma,f16c")))
 void gemm_q4_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
   gemm_rows<true>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q4_1_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q41>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q4_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q4K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q5_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q5K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q6_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q6K>(w, x, y, bias, r0, r1);
 }
 
 __attribute__((target("avx2,fma,f16c")))

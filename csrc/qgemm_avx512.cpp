@@ -1,11 +1,13 @@
-// AVX-512 (VL + VNNI) quantized kernels: the same tiles as the AVX2 path (qgemm_tiles.inc), with
+// AVX-512 (VL + VNNI) quantized kernels: the same tiles as the AVX2 path (qgemm_tiles.inc, kquant_tiles.inc), with
 // each u8 x s8 dot product done by one vpdpbusd. Compiled with per-function target attributes
 // and called only when the CPU reports avx512f, avx512bw, avx512vl and avx512vnni.
 #include <immintrin.h>
 
+#include <cstring>
 #include <vector>
 
 #include "kernels.h"
+#include "kquant.h"
 
 #define KFN __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni"))) inline
 
@@ -25,6 +27,7 @@ KFN __m256i dot_q8x16(__m256i w1, __m256i x1, __m256i w2, __m256i x2) {
 }
 
 #include "qgemm_tiles.inc"
+#include "kquant_tiles.inc"
 
 }  // namespace
 
@@ -36,6 +39,26 @@ void gemm_q8_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 void gemm_q4_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
   gemm_rows<true>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q4_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q41>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q4_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q4K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q5_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q5K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q6_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q6K>(w, x, y, bias, r0, r1);
 }
 
 }  // namespace offload

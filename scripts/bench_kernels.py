@@ -4,12 +4,15 @@ For the linear-layer shapes of SmolLM2-135M, Llama-3.1-8B and Llama-3.1-70B, at 
 prints per format and path: weight bytes per second, that rate over the memory read bandwidth measured
 in the same run, and the speedup over torch F.linear on the same shape in fp32 and bf16. Weights are
 rotated through copies larger than the last-level cache, as in real decoding, held (for both offload and
-torch) as offload holds weights: 2 MiB-aligned buffers advised for transparent huge pages. Then matrix-matrix
+torch) as offload holds weights: 2 MiB-aligned buffers advised for transparent huge pages. The GGUF block
+formats (q4_1, q4_k, q5_k, q6_k: random blocks with small scales, at shapes whose K is whole blocks) also show
+their weight bytes per second against q4_0's at the same shape, threads and path. Then matrix-matrix
 throughput at batch 16 and 128 against torch. All times are medians of several runs.
 
     python scripts/bench_kernels.py            # about 2-3 minutes on 2 cores
     python scripts/bench_kernels.py --models 8b --threads 2 --paths avx2 scalar
     python scripts/bench_kernels.py --formats q4_0 q4_0-rows --no-gemm   # tiled vs GGUF row order
+    python scripts/bench_kernels.py --models 8b --formats q4_0 q4_k q6_k --no-gemm   # K-quants vs q4_0
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import torch
 import torch.nn.functional as F
 
 import offload.kernels as K
+from offload.formats import GGUF_BLOCKS
+from offload.kernels.quant import random_gguf_blocks
 from offload.runtime.backends.base import host_empty
 
 SMALL_PAGES = False  # --small-pages: weights on ordinary 4 KiB pages instead of offload's 2 MiB-page buffers
@@ -87,7 +92,10 @@ def kernel_time_s(w: torch.Tensor, fmt: str, path: str, n: int) -> tuple[float, 
     fmt "q8_0-rows" / "q4_0-rows" keeps GGUF's row block order instead of the tiled order pack() makes.
     """
     fmt, _, order = fmt.partition("-")
-    p = K.pack(w, fmt)
+    if fmt in GGUF_BLOCKS:  # read from GGUF files, never packed: random blocks
+        p = K.PackedWeight.from_gguf(random_gguf_blocks(fmt, *w.shape), fmt, tuple(w.shape))
+    else:
+        p = K.pack(w, fmt)
     if order == "rows":
         p = p.to_rows()
     rot = Rotation(lambda: K.PackedWeight(fmt, p.shape, stored(p.qs), None if p.d is None else stored(p.d),
@@ -115,9 +123,11 @@ def gemv_rows(shape, count: int, fmts, paths, n_threads: int, bw_bps: float) -> 
     t32, t16 = torch_time_s(w, torch.float32, 1), torch_time_s(w, torch.bfloat16, 1)
     rows = []
     for fmt in fmts:
+        if fmt in GGUF_BLOCKS and shape[1] % GGUF_BLOCKS[fmt][0]:
+            continue  # K is not whole blocks (GGUF files keep such tensors in another type)
         for path in paths:
-            if path == "scalar" and fmt in ("bf16", "fp16") and shape[0] * shape[1] > 2**22:
-                continue  # the scalar half-precision reference is too slow to be worth the wait
+            if path == "scalar" and (fmt in ("bf16", "fp16") or fmt in GGUF_BLOCKS) and shape[0] * shape[1] > 2**22:
+                continue  # these scalar references are too slow to be worth the wait
             t, nbytes = kernel_time_s(w, fmt, path, 1)
             rows.append(dict(shape=shape, count=count, threads=n_threads, fmt=fmt, path=path, t=t, nbytes=nbytes,
                              gbps=nbytes / t / 1e9, x_bw=nbytes / t / bw_bps, vs_fp32=t32 / t, vs_bf16=t16 / t,
@@ -126,18 +136,25 @@ def gemv_rows(shape, count: int, fmts, paths, n_threads: int, bw_bps: float) -> 
 
 
 def print_gemv(rows: list[dict]) -> None:
+    """The table; the GGUF formats add their GB/s over q4_0's at the same shape, threads and path (if measured)."""
+    q4_0 = {(r["shape"], r["threads"], r["path"]): r["gbps"] for r in rows if r["fmt"] == "q4_0"}
     print(f"{'shape':>13} {'thr':>3} {'format':>9} {'path':>6} {'us':>9} {'GB/s':>6} {'xBW':>5} "
-          f"{'vs fp32':>8} {'vs bf16':>8}")
+          f"{'vs fp32':>8} {'vs bf16':>8} {'GB/s vs q4_0':>12}")
     for r in rows:
+        base = q4_0.get((r["shape"], r["threads"], r["path"])) if r["fmt"] in GGUF_BLOCKS else None
         print(f"{r['shape'][0]:>6}x{r['shape'][1]:<6} {r['threads']:>3} {r['fmt']:>9} {r['path']:>6} "
-              f"{r['t'] * 1e6:9.1f} {r['gbps']:6.1f} {r['x_bw']:5.2f} {r['vs_fp32']:7.2f}x {r['vs_bf16']:7.2f}x")
+              f"{r['t'] * 1e6:9.1f} {r['gbps']:6.1f} {r['x_bw']:5.2f} {r['vs_fp32']:7.2f}x {r['vs_bf16']:7.2f}x"
+              + (f" {r['gbps'] / base:11.2f}x" if base else ""))
 
 
 def print_layer_summary(model: str, rows: list[dict], bw: dict[int, float]) -> None:
     """Whole decoder block (each linear weighted by its count): bytes/s and speedup over torch."""
     keys = sorted({(r["threads"], r["fmt"], r["path"]) for r in rows})
+    shapes = {r["shape"] for r in rows}
     for n_threads, fmt, path in keys:
         sel = [r for r in rows if (r["threads"], r["fmt"], r["path"]) == (n_threads, fmt, path)]
+        if {r["shape"] for r in sel} != shapes:
+            continue  # a format that skipped some of the block's shapes (K not whole blocks)
         t = sum(r["t"] * r["count"] for r in sel)
         nbytes = sum(r["nbytes"] * r["count"] for r in sel)
         t32 = sum(r["t32"] * r["count"] for r in sel)
@@ -169,7 +186,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["135m", "8b", "70b"], choices=sorted(MODEL_KEYS))
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--formats", nargs="+", default=["q8_0", "q4_0", "bf16", "fp16"],
+    ap.add_argument("--formats", nargs="+", default=["q8_0", "q4_0", "bf16", "fp16"] + list(GGUF_BLOCKS),
                     choices=list(K.PACKED_FORMATS) + ["q8_0-rows", "q4_0-rows"],
                     help="weight formats; q8_0-rows / q4_0-rows: GGUF's row block order instead of the tiled one")
     ap.add_argument("--paths", nargs="+", default=[K.ACTIVE_PATH], help="kernel paths (e.g. avx2 scalar numba)")

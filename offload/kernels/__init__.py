@@ -1,9 +1,10 @@
-"""CPU matmul kernels over packed weights (q8_0, q4_0, bf16, fp16), dispatched once at import.
+"""CPU matmul kernels over packed weights (q8_0, q4_0, bf16, fp16, GGUF's q4_1 and K-quants), dispatched at import.
 
 ACTIVE_PATH is "avx512", "avx2", "scalar" (extension built, no SIMD) or "numba" (no extension).
 OFFLOAD_KERNELS=numba|scalar|avx2|avx512 forces a path (one this CPU can run).
 Activations are quantized per block of 32 on the fly: to int16 against q8_0 weights (results within
-1e-4 of the dequantized fp32 matmul) and to int8 against q4_0 weights (as llama.cpp; within ~1e-2).
+1e-4 of the dequantized fp32 matmul) and to int8 against q4_0 and the GGUF block formats (as llama.cpp;
+within ~1e-2).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import torch
 
 from offload.errors import KernelError
 from offload.kernels.dispatch import ENV_VAR, PATH_IDS, choose_path, load_extension
-from offload.formats import PACKED_FORMATS
+from offload.formats import GGUF_BLOCKS, PACKED_FORMATS
 from offload.kernels.packed import PackedWeight
 from offload.kernels.packed import pack as _pack
 
@@ -102,10 +103,12 @@ def linear_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = Non
 
 
 def _linear_numba(x: torch.Tensor, w: PackedWeight, bias, y: torch.Tensor) -> torch.Tensor:
-    """The numba fallback; bf16/fp16 weights go through torch's matmul."""
+    """The numba fallback; bf16/fp16 weights and the GGUF block formats go through torch's matmul."""
     from offload.kernels import numba_ops
 
-    if w.d is None:
+    if w.fmt in GGUF_BLOCKS:  # no numba kernels for these: the numpy dequantizer, then torch's matmul in fp32
+        y.copy_(x.float() @ w.dequantize().T)
+    elif w.d is None:
         y = x.float() @ w.qs.float().T
     else:
         w = w.to_rows()

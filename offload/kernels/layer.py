@@ -64,7 +64,7 @@ def weights_fusable(w) -> bool:
 
 def can_fuse(w, x: torch.Tensor, kv) -> bool:
     """Whether fused_layer_forward can run this layer: extension built, fp32 CPU activations and cache,
-    packed (q8_0/q4_0/bf16/fp16) linears, fp32 norms and biases."""
+    packed linears (any PackedWeight format, GGUF's q4_1 and K-quants included), fp32 norms and biases."""
     return x.dtype is _F32 and x.is_cpu and kv_view(kv) is not None and weights_fusable(w)
 
 

@@ -1,4 +1,4 @@
-"""PackedWeight: a [M, K] weight matrix in a kernel format (q8_0, q4_0, bf16, fp16), and pack()."""
+"""PackedWeight: a [M, K] weight matrix in a kernel format (q8_0, q4_0, bf16, fp16, GGUF's q4_1 and K-quants), and pack()."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from offload.errors import KernelError
-from offload.formats import PACKED_FORMATS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES
+from offload.formats import GGUF_BLOCKS, PACKED_FORMATS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES, format_nbytes
 from offload.kernels import quant
 
 FMT_IDS = {"q8_0": 0, "q4_0": 1, "bf16": 2, "fp16": 3,  # csrc/kernels.h enum WFmt
@@ -16,11 +16,12 @@ _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class PackedWeight:
-    """Weight [M, K] (out_features, in_features): quants [M, K*qb/32] + fp16 scales [M, K/32], or a half tensor.
+    """Weight [M, K] (out_features, in_features): quants [M, K*qb/32] + fp16 scales [M, K/32], or a half tensor,
+    or (GGUF_BLOCKS formats) GGUF's block bytes unchanged, uint8 [M, K / per_block * block_bytes], with d None.
 
-    Quantized blocks are in row order (GGUF's) or, with tiled=True, in the tiled order the CPU kernels read
+    q8_0/q4_0 blocks are in row order (GGUF's) or, with tiled=True, in the tiled order the CPU kernels read
     fastest (csrc/kernels.h: rows in tiles of 4, block pairs of the 4 rows side by side). Both hold the same
-    bytes; to_tiled() / to_rows() convert.
+    bytes; to_tiled() / to_rows() convert. The GGUF_BLOCKS formats are always in row order.
     """
 
     __slots__ = ("fmt", "shape", "qs", "d", "tiled", "fmt_id", "qs_ptr", "d_ptr", "_d32")
@@ -64,7 +65,9 @@ class PackedWeight:
         return PackedWeight(self.fmt, self.shape, qs, d)
 
     def dequantize(self) -> torch.Tensor:
-        """The weights as fp32 [M, K]."""
+        """The weights as fp32 [M, K] (GGUF_BLOCKS formats: bit for bit as gguf-py dequantizes them)."""
+        if self.fmt in GGUF_BLOCKS:
+            return torch.from_numpy(quant.dequantize_gguf_np(self.qs.numpy(), self.fmt, self.shape))
         if self.d is None:
             return self.qs.float()
         rows = self.to_rows()
@@ -72,23 +75,30 @@ class PackedWeight:
 
     def to_gguf(self) -> np.ndarray:
         """GGUF bytes of this matrix: uint8 [M, row_bytes] blocks, or the half values' bytes."""
-        if self.d is None:
+        if self.d is None:  # half values, or GGUF_BLOCKS formats (held as GGUF's bytes)
             return self.qs.view(torch.uint8).numpy().reshape(self.shape[0], -1)
         rows = self.to_rows()
         return quant.join_gguf_blocks(rows.qs.numpy(), rows.d.numpy(), self.fmt)
 
     @classmethod
     def from_gguf(cls, raw, fmt: str, shape: tuple[int, int]) -> "PackedWeight":
-        """Wrap GGUF tensor bytes (bytes / uint8 array, GGUF block layout) of torch shape [M, K], no requantizing."""
+        """Wrap GGUF tensor bytes (bytes / uint8 array, GGUF block layout) of torch shape [M, K], no requantizing.
+
+        GGUF_BLOCKS formats keep the bytes as they are: a writable contiguous array is wrapped without a copy
+        (the PackedWeight then shares its memory), anything else is copied once."""
         m, k = _check_shape(fmt, shape)
         raw = np.frombuffer(raw, dtype=np.uint8) if isinstance(raw, (bytes, bytearray, memoryview)) else np.asarray(raw)
         raw = raw.reshape(-1).view(np.uint8)
-        want = m * k * 2 if fmt in _HALF else m * (k // QK) * QUANT_BLOCK_BYTES[fmt]
+        want = format_nbytes(m * k, fmt)
         if raw.nbytes != want:
             raise KernelError(f"GGUF tensor of type {fmt} and shape [{m}, {k}] needs {want} bytes, got {raw.nbytes}; "
                               f"check the tensor's type and shape (GGUF lists dims innermost first)")
         if fmt in _HALF:
             return cls(fmt, (m, k), torch.from_numpy(raw.copy()).view(_HALF[fmt]).reshape(m, k), None)
+        if fmt in GGUF_BLOCKS:
+            if not (raw.flags.writeable and raw.flags.c_contiguous):
+                raw = raw.copy()  # torch cannot wrap read-only memory
+            return cls(fmt, (m, k), torch.from_numpy(raw).reshape(m, -1), None)
         qs, d = quant.split_gguf_blocks(raw, fmt, (m, k))
         qs_t = torch.from_numpy(qs)
         return cls(fmt, (m, k), qs_t.view(torch.int8) if fmt == "q8_0" else qs_t, torch.from_numpy(d))
@@ -143,6 +153,9 @@ def _check_shape(fmt: str, shape) -> tuple[int, int]:
     if fmt in QUANT_BLOCK_BYTES and shape[1] % QK:
         raise KernelError(f"{fmt} needs in_features divisible by {QK}, got shape {list(shape)}; "
                           f"keep this layer in bf16/fp16 or pad it")
+    if fmt in GGUF_BLOCKS and shape[1] % GGUF_BLOCKS[fmt][0]:
+        raise KernelError(f"{fmt} stores rows in blocks of {GGUF_BLOCKS[fmt][0]} weights, but the matrix has shape "
+                          f"{list(shape)}; check the tensor's shape (GGUF lists dims innermost first)")
     return int(shape[0]), int(shape[1])
 
 
@@ -151,6 +164,8 @@ def _check_parts(fmt: str, shape: tuple[int, int], qs: torch.Tensor, d: torch.Te
     m, k = shape
     if fmt in _HALF:
         want_qs, want_d = ((m, k), _HALF[fmt]), None
+    elif fmt in GGUF_BLOCKS:
+        want_qs, want_d = ((m, format_nbytes(k, fmt)), torch.uint8), None
     else:
         width = k if fmt == "q8_0" else k // 2
         want_qs = ((m, width), torch.int8 if fmt == "q8_0" else torch.uint8)
@@ -168,6 +183,9 @@ def pack(w: torch.Tensor, fmt: str, ext=None, n_threads: int | None = None) -> P
     """Quantize or convert w [M, K] (fp32/bf16/fp16) to fmt; q8_0/q4_0 match gguf-py's quantize bit for bit."""
     if not isinstance(w, torch.Tensor) or w.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise KernelError(f"pack() needs a float32/bfloat16/float16 torch tensor, got {getattr(w, 'dtype', type(w))}")
+    if fmt in GGUF_BLOCKS:
+        raise KernelError(f"offload reads {fmt} weights from GGUF files but does not quantize to {fmt}; "
+                          f"pack to q8_0 or q4_0 instead")
     m, k = _check_shape(fmt, tuple(w.shape))
     w = w.detach().to("cpu")
     if fmt in _HALF:

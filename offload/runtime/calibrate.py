@@ -10,7 +10,7 @@ from pathlib import Path
 
 from offload.hardware import (HardwareProfile, cache_path, system_cores,
                               system_memory_bytes)
-from offload.formats import FLOAT_FORMATS, QK, WEIGHT_FORMATS
+from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK, WEIGHT_FORMATS
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -36,6 +36,11 @@ def _torch_matmul(fmt: str, m: int, k: int, n: int):
     import torch
 
     x = torch.randn(m, k)
+    if fmt in GGUF_BLOCKS:
+        from offload.kernels.quant import dequantize_gguf_np, random_gguf_blocks
+
+        raw = random_gguf_blocks(fmt, n, k)
+        return lambda: x @ torch.from_numpy(dequantize_gguf_np(raw, fmt, (n, k))).T
     if fmt in FLOAT_FORMATS:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
         w, xd = torch.randn(n, k).to(dtype), x.to(dtype)
@@ -54,17 +59,22 @@ def _torch_matmul(fmt: str, m: int, k: int, n: int):
 
 
 def _kernel_matmul(fmt: str, m: int, k: int, n: int):
-    """offload's own CPU kernel for fmt, if the kernels package is importable and takes this call; else None."""
+    """offload's own CPU kernel for fmt, if the kernels package is importable and takes this call; else None.
+    GGUF_BLOCKS formats, which offload reads but does not quantize to, get random blocks with small scales."""
     try:
         from offload import kernels
+        from offload.kernels.quant import random_gguf_blocks
         pack, linear = kernels.pack, kernels.linear
     except (ImportError, AttributeError):
         return None
     import torch
 
-    x, w = torch.randn(m, k), torch.randn(n, k)
+    x = torch.randn(m, k)
     try:
-        packed = pack(w, fmt)
+        if fmt in GGUF_BLOCKS:
+            packed = kernels.PackedWeight.from_gguf(random_gguf_blocks(fmt, n, k), fmt, (n, k))
+        else:
+            packed = pack(torch.randn(n, k), fmt)
         linear(x, packed)
     except Exception:  # noqa: BLE001 - a kernel API that differs from this probe: use the torch estimate
         return None

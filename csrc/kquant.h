@@ -1,0 +1,42 @@
+// GGUF block formats read as stored (ggml-common.h layouts), shared by the scalar reference (kquant_ref.cpp)
+// and the SIMD tiles (kquant_tiles.inc). All values little-endian; fp16 fields are IEEE half.
+//
+//   q4_1 (32 weights, 20 bytes):  fp16 d, fp16 m, qs[16]; w[j] = d * (qs[j] & 15) + m, w[j + 16] = d * (qs[j] >> 4) + m
+//   q4_k (256, 144):  fp16 d, fp16 dmin, scales[12], qs[128]. Sub-block i (32 weights) has the 6-bit scale sc[i]
+//                     and minimum m[i] (unpack_k4_scales); its quants are the nibbles of qs[32 (i / 2) + l], low
+//                     for even i: w = d * sc[i] * q - dmin * m[i]
+//   q5_k (256, 176):  fp16 d, fp16 dmin, scales[12], qh[32], qs[128]; as q4_k with a fifth bit (qh[l] >> i) & 1
+//   q6_k (256, 210):  ql[128], qh[64], int8 scales[16], fp16 d. Sub-block i = 4h + t (h < 2, t < 4, 32 weights):
+//                     q = (nibble t / 2 of ql[64 h + 32 (t % 2) + l]) | ((qh[32 h + l] >> 2t) & 3) << 4, and
+//                     w = d * scales[2i + l / 16] * (q - 32)
+//
+// Every sub-block of 32 lines up with one activation block of 32, so the kernels work in integers per block.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace offload {
+
+constexpr int64_t QK_K = 256;  // weights per super-block of the K-quants
+constexpr int64_t kQ41Bytes = 20, kQ4KBytes = 144, kQ5KBytes = 176, kQ6KBytes = 210;
+
+// The 8 scales and 8 minimums of a q4_k / q5_k super-block, 6 bits each, from its 12 packed bytes:
+// bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for the
+// minimums; bytes 8-11 the low 4 bits of scales 4-7 (low nibbles) and of minimums 4-7 (high nibbles).
+// Out: out[0], out[1] = scales 0-3, 4-7 and out[2], out[3] = minimums 0-3, 4-7, one per byte.
+inline void unpack_k4_scales(const uint8_t* packed, uint32_t out[4]) {
+  uint32_t w[3];
+  std::memcpy(w, packed, 12);
+  out[0] = w[0] & 0x3f3f3f3fu;
+  out[1] = (w[2] & 0x0f0f0f0fu) | ((w[0] >> 2) & 0x30303030u);
+  out[2] = w[1] & 0x3f3f3f3fu;
+  out[3] = ((w[2] >> 4) & 0x0f0f0f0fu) | ((w[1] >> 2) & 0x30303030u);
+}
+
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+
+}  // namespace offload

@@ -1,0 +1,133 @@
+// Scalar references of the GGUF block formats (q4_1, q4_k, q5_k, q6_k): plain loops over the stored blocks,
+// the same integer dot products per activation block of 32 as the SIMD tiles (kquant_tiles.inc).
+//
+// Per activation block b of token n: y += dw_b * dx_b * dot_b - mw_b * xs_b, with dot_b the integer dot product
+// of the block's unsigned weight quants and int8 activations, dw_b, mw_b the block's weight scale and minimum
+// (fp32 products of the fp16 and 6-bit fields, as gguf-py dequantizes), dx_b, xs_b the activations' scale and
+// scale * sum. q6_k's quants carry an offset of 32 and a scale per 16 instead, folded into dot_b exactly.
+#include "kernels.h"
+#include "kquant.h"
+
+namespace offload {
+
+void quantize_xk_ref(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s, int16_t* s16) {
+  quantize_x_ref(x, xtype, K, qs, d, s);
+  for (int64_t h = 0; h < K / 16; ++h) {
+    int sum = 0;
+    for (int64_t i = 0; i < 16; ++i) sum += qs[h * 16 + i];
+    s16[h] = int16_t(sum);
+  }
+}
+
+namespace {
+
+// One token's quantized activations, from activation block b0 on.
+struct XRow {
+  const int8_t* q;
+  const float *d, *s;
+  const int16_t* s16;
+};
+
+int dot32(const uint8_t* wq, const int8_t* xq) {
+  int t = 0;
+  for (int l = 0; l < 32; ++l) t += int(wq[l]) * int(xq[l]);
+  return t;
+}
+
+// Adds one activation block's term to acc.
+inline void add_block(float& acc, float dw, float mw, const XRow& x, int64_t b, int dot) {
+  acc += dw * x.d[b] * float(dot) - mw * x.s[b];
+}
+
+float row_q4_1(const uint8_t* row, const XRow& x, int64_t K) {
+  float acc = 0.f;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * kQ41Bytes;
+    uint8_t q[32];
+    for (int j = 0; j < 16; ++j) q[j] = blk[4 + j] & 15, q[j + 16] = blk[4 + j] >> 4;
+    add_block(acc, fp16_to_f32(load_u16(blk)), -fp16_to_f32(load_u16(blk + 2)), x, b, dot32(q, x.q + b * 32));
+  }
+  return acc;
+}
+
+// q4_k and q5_k: the 6-bit scales and minimums times the super-block's d and dmin, then sub-blocks of 32.
+template <bool Q5>
+float row_qk(const uint8_t* row, const XRow& x, int64_t K) {
+  const int64_t bytes = Q5 ? kQ5KBytes : kQ4KBytes;
+  float acc = 0.f;
+  for (int64_t g = 0; g < K / QK_K; ++g) {
+    const uint8_t* blk = row + g * bytes;
+    const float d = fp16_to_f32(load_u16(blk)), dmin = fp16_to_f32(load_u16(blk + 2));
+    uint32_t packed[4];
+    unpack_k4_scales(blk + 4, packed);
+    uint8_t sm[16];  // scales 0-7, minimums 0-7
+    std::memcpy(sm, packed, 16);
+    const uint8_t* qh = blk + 16;
+    const uint8_t* qs = blk + (Q5 ? 48 : 16);
+    for (int i = 0; i < 8; ++i) {
+      uint8_t q[32];
+      for (int l = 0; l < 32; ++l) {
+        q[l] = (qs[32 * (i / 2) + l] >> (4 * (i % 2))) & 15;
+        if (Q5) q[l] |= ((qh[l] >> i) & 1) << 4;
+      }
+      const int64_t b = g * 8 + i;
+      add_block(acc, d * float(sm[i]), dmin * float(sm[8 + i]), x, b, dot32(q, x.q + b * 32));
+    }
+  }
+  return acc;
+}
+
+float row_q6_k(const uint8_t* row, const XRow& x, int64_t K) {
+  float acc = 0.f;
+  for (int64_t g = 0; g < K / QK_K; ++g) {
+    const uint8_t* blk = row + g * kQ6KBytes;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = fp16_to_f32(load_u16(blk + 208));
+    for (int i = 0; i < 8; ++i) {
+      const int h = i / 4, t = i % 4;
+      const uint8_t *ql = blk + 64 * h + 32 * (t % 2), *qh = blk + 128 + 32 * h;
+      const int64_t b = g * 8 + i;
+      int dot = 0;
+      for (int half = 0; half < 2; ++half) {  // scale per 16; the -32 offset through the activation sums
+        int part = 0;
+        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+          const int q = ((ql[l] >> (4 * (t / 2))) & 15) | (((qh[l] >> (2 * t)) & 3) << 4);
+          part += q * int(x.q[b * 32 + l]);
+        }
+        dot += int(sc[2 * i + half]) * (part - 32 * int(x.s16[2 * b + half]));
+      }
+      add_block(acc, d, 0.f, x, b, dot);
+    }
+  }
+  return acc;
+}
+
+template <float (*ROW)(const uint8_t*, const XRow&, int64_t)>
+void gemm_gguf_ref(int fmt, const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  const int64_t K = w.K, row_bytes = K / gguf_block_weights(fmt) * gguf_block_bytes(fmt);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t n = 0; n < x.N; ++n) {
+      const XRow xr{x.qs + n * K, x.d + n * (K / 32), x.s + n * (K / 32), x.s16 + n * (K / 16)};
+      y[n * w.M + r] = ROW(w.qs + r * row_bytes, xr, K) + (bias ? bias[r] : 0.f);
+    }
+}
+
+}  // namespace
+
+void gemm_q4_1_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_q4_1>(W_Q4_1, w, x, y, bias, r0, r1);
+}
+
+void gemm_q4_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_qk<false>>(W_Q4_K, w, x, y, bias, r0, r1);
+}
+
+void gemm_q5_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_qk<true>>(W_Q5_K, w, x, y, bias, r0, r1);
+}
+
+void gemm_q6_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_q6_k>(W_Q6_K, w, x, y, bias, r0, r1);
+}
+
+}  // namespace offload
