@@ -48,7 +48,7 @@ def gpu_profile(name: str = "rtx4090-ddr5"):
     return load_hardware(name).with_changes(gpu_reserved_bytes=0)
 
 
-SLOW_FIXTURES = {"default_model_dir", "default_llm", "default_hf"}  # the default model: converted once, ~1 min
+SLOW_FIXTURES = {"default_model_dir", "default_llm", "default_hf", "default_gguf_llm"}  # the default model (~1 min)
 
 
 def pytest_collection_modifyitems(items):
@@ -65,10 +65,41 @@ def tiny_llama(tmp_path) -> tuple[object, Path]:
 
 
 @pytest.fixture(scope="session")
-def default_model_dir() -> Path:
-    from offload.weights.default_model import default_model_dir
+def default_model_dir(tmp_path_factory) -> Path:
+    """The default model as an fp32 safetensors folder (transformers dequantizes its GGUF file): the float
+    reference the fp32 paths are held to. offload itself reads the GGUF file (LLM("default"))."""
+    from offload.weights.default_model import find_gguf
 
-    return default_model_dir()
+    folder = tmp_path_factory.mktemp("default-model") / "smollm2-135m-instruct"
+    convert_gguf(find_gguf(), folder)
+    return folder
+
+
+def convert_gguf(gguf_path: Path, folder: Path) -> Path:
+    """Dequantize a GGUF model with transformers and write config, tokenizer and fp32 safetensors."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
+    model.config.save_pretrained(folder)
+    model.generation_config.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    state = model.state_dict()
+    if model.config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)  # shared with the embedding; safetensors refuses aliases
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"),
+              metadata={"format": "pt"})
+    return folder
+
+
+@pytest.fixture(scope="session")
+def default_gguf_llm():
+    """offload on the default model's GGUF file, tensors as stored (Q4_1 linears, Q8_0 embedding)."""
+    from offload import LLM
+
+    return LLM("default")
 
 
 @pytest.fixture(scope="session")

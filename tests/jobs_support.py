@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 from pathlib import Path
@@ -15,12 +16,23 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 def make_tiny_chat_model(folder: Path) -> Path:
     """A 2-layer, 64-wide random Llama with SmolLM2's vocabulary, tokenizer and chat template."""
-    from offload.weights.default_model import default_model_dir
-
     save_hf_model(make_hf_model("llama", vocab_size=49152, max_position_embeddings=512), folder)
     for name in TOKENIZER_FILES:
-        if (default_model_dir() / name).is_file():
-            shutil.copy(default_model_dir() / name, folder / name)
+        if (_default_tokenizer_dir() / name).is_file():
+            shutil.copy(_default_tokenizer_dir() / name, folder / name)
+    return folder
+
+
+@functools.lru_cache(maxsize=1)
+def _default_tokenizer_dir() -> Path:
+    """The default model's tokenizer (from its GGUF metadata) saved as Hugging Face files, once per session."""
+    import tempfile
+
+    from offload.weights.default_model import find_gguf
+    from offload.weights.model_files import load_tokenizer
+
+    folder = Path(tempfile.mkdtemp(prefix="offload-tokenizer-"))
+    load_tokenizer(find_gguf()).save_pretrained(folder)
     return folder
 
 

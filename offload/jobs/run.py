@@ -124,8 +124,9 @@ def job_fingerprint(config: JobConfig) -> dict:
 
     model_dir = resolve_model(config.model.path)
     config_json = model_dir / "config.json"
+    gguf = {"model.gguf_bytes": model_dir.stat().st_size} if model_dir.suffix == ".gguf" and model_dir.is_file() else {}
     return {"model.path": config.model.path,
-            "model.config_sha256": file_digest(config_json) if config_json.is_file() else None,
+            "model.config_sha256": file_digest(config_json) if config_json.is_file() else None, **gguf,
             "model.quantization": config.model.quantization, "model.dtype": config.model.dtype,
             "input.path": config.input.path, "input.format": config.input.format, "input.chat": config.input.chat,
             **{f"sampling.{k}": v for k, v in sampling_defaults(config).items()}}
