@@ -26,7 +26,7 @@ from offload.weights.sources import CheckpointSource
 def cache_root(tmp_path, monkeypatch):
     """The cache turned on (conftest turns it off) in a folder of this test's own."""
     monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setenv(cache.ENV_VAR, "1")
+    monkeypatch.setenv(cache.PACKED_CACHE_ENV, "1")
     return tmp_path / "cache" / "packed"
 
 
@@ -88,10 +88,10 @@ def test_second_load_reads_packed_units_not_the_checkpoint_and_gives_the_same_by
 def test_cached_load_generates_the_same_greedy_tokens(cache_root, folder, monkeypatch):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = [[5, 17, 3, 99], [42]]
-    monkeypatch.setenv(cache.ENV_VAR, "0")
+    monkeypatch.setenv(cache.PACKED_CACHE_ENV, "0")
     uncached = [o.token_ids for o in LLM(str(folder), quantization="q4_0").generate(prompts, params)]
     assert not cache_root.exists()  # OFFLOAD_PACKED_CACHE=0 writes nothing
-    monkeypatch.setenv(cache.ENV_VAR, "1")
+    monkeypatch.setenv(cache.PACKED_CACHE_ENV, "1")
     writing = [o.token_ids for o in LLM(str(folder), quantization="q4_0").generate(prompts, params)]
     reading = [o.token_ids for o in LLM(str(folder), quantization="q4_0").generate(prompts, params)]
     assert uncached == writing == reading
@@ -180,7 +180,7 @@ def test_an_unwritable_cache_warns_once_and_loads(tmp_path, folder, monkeypatch)
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("")
     monkeypatch.setenv("OFFLOAD_CACHE", str(blocker))  # packed/ cannot be made under a file
-    monkeypatch.setenv(cache.ENV_VAR, "1")
+    monkeypatch.setenv(cache.PACKED_CACHE_ENV, "1")
     records = []
     handler = logging.Handler(logging.WARNING)
     handler.emit = records.append
@@ -191,7 +191,7 @@ def test_an_unwritable_cache_warns_once_and_loads(tmp_path, folder, monkeypatch)
     finally:
         logger.removeHandler(handler)
     assert len(records) == 1 and "could not write the packed-weight cache" in records[0].getMessage()
-    monkeypatch.setenv(cache.ENV_VAR, "0")
+    monkeypatch.setenv(cache.PACKED_CACHE_ENV, "0")
     reference, _ = load_units(folder)
     for name in reference:
         assert_same(reference[name], loaded[name])

@@ -43,7 +43,7 @@ from offload.weights.loader import _DTYPES, INDEX_NAME, Checkpoint
 log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1  # bump when a unit file's tensors, names or PackedWeight's byte order change
-ENV_VAR = "OFFLOAD_PACKED_CACHE"  # 0 turns the cache off
+PACKED_CACHE_ENV = "OFFLOAD_PACKED_CACHE"  # 0 turns the cache off
 CACHED_KINDS = ("layer", "lm_head")  # the units the packer touches
 ENTRY_FILE = "entry.json"
 TMP_PREFIX = ".tmp-"
@@ -57,7 +57,7 @@ def packed_root() -> Path:
 
 
 def cache_enabled() -> bool:
-    return os.environ.get(ENV_VAR, "1") != "0"
+    return os.environ.get(PACKED_CACHE_ENV, "1") != "0"
 
 
 def checkpoint_fingerprint(ckpt: Checkpoint) -> list:
@@ -182,7 +182,7 @@ class PackedCache:
 
     def _give_up(self, reason: str) -> None:
         log.warning(f"could not write the packed-weight cache in {self.root} ({reason}); loading goes on without "
-                    f"it (set {ENV_VAR}=0 to stop trying)")
+                    f"it (set {PACKED_CACHE_ENV}=0 to stop trying)")
         self.writing = False
         if self._cleanup is not None:
             self._cleanup()
