@@ -283,17 +283,19 @@ def list_entries(root: Path | None = None) -> list[CacheEntry]:
     root = packed_root() if root is None else root
     entries = []
     for folder in sorted(root.iterdir()) if root.is_dir() else []:
-        if not folder.is_dir():
-            continue
         try:
             meta = json.loads((folder / ENTRY_FILE).read_text())
         except (OSError, ValueError):
             meta = {}
-        n_bytes = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        try:
+            n_bytes = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+            mtime_s = folder.stat().st_mtime
+        except OSError:  # not a folder, or renamed or removed by a load that finished meanwhile
+            continue
         complete = not folder.name.startswith(TMP_PREFIX) and bool(meta.get("units"))
         entries.append(CacheEntry(folder, meta.get("model", "?"), meta.get("quantization", "?"),
                                   meta.get("dtype", "?"), bool(meta.get("tiled")), n_bytes,
-                                  meta.get("created_s", folder.stat().st_mtime), complete))
+                                  meta.get("created_s", mtime_s), complete))
     return sorted(entries, key=lambda e: e.created_s)
 
 
