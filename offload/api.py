@@ -58,7 +58,8 @@ class RequestOutput:
 
 
 class LLM:
-    """A model loaded for generation; model is a Hugging Face folder or 'default'.
+    """A model loaded for generation; model is a Hugging Face folder, a Hub id (org/name) in the local Hugging Face
+    cache, or 'default'. Quantized weights come from the packed-weight cache after the first load (weights/cache.py).
 
     Where each block goes comes from the planner (memory budgets, hardware profile, workload: see PlanRequest
     for every option and its default) unless a Placement is given; max_batch_size None lets the planner choose

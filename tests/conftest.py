@@ -48,6 +48,13 @@ def gpu_profile(name: str = "rtx4090-ddr5"):
     return load_hardware(name).with_changes(gpu_reserved_bytes=0)
 
 
+@pytest.fixture(autouse=True)
+def no_packed_cache(monkeypatch):
+    """Tests load quantized models without the packed-weight cache (tests/test_packed_cache.py turns it on,
+    in a folder of its own): it would fill the user's cache with entries of throwaway checkpoints."""
+    monkeypatch.setenv("OFFLOAD_PACKED_CACHE", "0")
+
+
 SLOW_FIXTURES = {"default_model_dir", "default_llm", "default_hf", "default_gguf_llm"}  # the default model (~1 min)
 
 

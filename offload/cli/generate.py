@@ -5,7 +5,8 @@ from __future__ import annotations
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for one or more prompts")
-    p.add_argument("--model", default="default", help="model folder, .gguf file, config.json folder, or 'default'")
+    p.add_argument("--model", default="default",
+                   help="model folder, .gguf file, Hugging Face Hub id (org/name, from the local HF cache), or 'default'")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -18,7 +18,8 @@ OVERRIDES = {
 def add_plan_flags(p) -> None:
     """What decides the plan: model, hardware, budgets, workload."""
     p.add_argument("config", nargs="?", help="a job YAML file such as configs/demo.yaml (flags override it)")
-    p.add_argument("--model", help="model folder, .gguf file, a name in configs/models, or 'default' (model.path)")
+    p.add_argument("--model", help="model folder, .gguf file, a Hub id (org/name) in the local Hugging Face cache, a "
+                                    "name in configs/models, or 'default' (model.path)")
     p.add_argument("--quantization", help="none, q8_0 or q4_0 (model.quantization)")
     p.add_argument("--dtype", help="compute format: auto, fp32, bf16 or fp16 (model.dtype)")
     p.add_argument("--max-model-len", type=int, help="tokens per sequence the KV cache holds (model.max_model_len)")

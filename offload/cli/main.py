@@ -1,4 +1,5 @@
-"""The `offload` command line: generate, plan, simulate, calibrate, run, validate. Errors print one line unless --debug."""
+"""The `offload` command line: generate, plan, simulate, calibrate, run, validate, cache.
+Errors print one line unless --debug."""
 
 from __future__ import annotations
 
@@ -9,11 +10,11 @@ import sys
 import threading
 
 from offload import __version__
-from offload.cli import calibrate, generate, plan, run, simulate, validate
+from offload.cli import cache, calibrate, generate, plan, run, simulate, validate
 from offload.cli.exits import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED
 from offload.errors import OffloadError
 
-COMMANDS = (generate, plan, simulate, calibrate, run, validate)  # each module adds its parser: add_parser(subparsers)
+COMMANDS = (generate, plan, simulate, calibrate, run, validate, cache)  # each adds its parser: add_parser(sub)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 

@@ -11,7 +11,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from offload.errors import ConfigError
+from offload.errors import ConfigError, WeightsError
 from offload.formats import DTYPES, QUANTIZATIONS
 from offload.planner.request import PlanRequest
 from offload.runtime.host_memory import process_baseline_bytes
@@ -301,8 +301,11 @@ def check_files(raw: dict) -> list[str]:
     problems = []
     model_path = _get_dotted(raw, "model.path")
     if isinstance(model_path, str) and model_path != "default":
-        folder = resolve_model(model_path)
-        if not has_model(folder):
+        try:
+            folder = resolve_model(model_path)
+        except WeightsError as e:  # a Hub id that is not in the local Hugging Face cache
+            folder, problems = None, [f"key 'model.path': {e}"]
+        if folder is not None and not has_model(folder):
             problems.append(f"key 'model.path': expected a model folder with config.json, a .gguf file or 'default', "
                             f"found {model_path!r}, which {_what_is(folder)}")
     input_path = _get_dotted(raw, "input.path")

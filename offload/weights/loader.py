@@ -61,7 +61,8 @@ class Checkpoint:
         self._file_of: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._where: dict[str, tuple[int, int, str]] = {}  # name -> (file offset, bytes, safetensors dtype)
-        for path in self._weight_files():
+        self.files = self._weight_files()  # the safetensors files, in order
+        for path in self.files:
             header, data_start = read_safetensors_header(path)
             for name, info in header.items():
                 if name != "__metadata__":

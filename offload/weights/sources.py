@@ -10,6 +10,7 @@ from offload.formats import QK, QUANTIZATIONS
 from offload.model.llama import LayerWeights
 from offload.model.model import Model
 from offload.spec import ModelSpec, UnitSpec
+from offload.weights.cache import open_packed_cache
 from offload.weights.loader import Checkpoint
 
 
@@ -66,15 +67,21 @@ def load_layer(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pa
 
 
 class CheckpointSource:
-    """Reads one unit at a time from a safetensors checkpoint, packing linear weights if quantized."""
+    """Reads one unit at a time from a safetensors checkpoint, packing linear weights if quantized; packed units
+    come from the packed-weight cache when an earlier load wrote them (weights/cache.py)."""
 
     def __init__(self, ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, quantization: str = "none"):
         ckpt.check_against(spec)
         self.ckpt, self.spec, self.dtype = ckpt, spec, dtype
         self.pack = packer(quantization, dtype)
+        self.cache = open_packed_cache(ckpt, spec, dtype, quantization)  # None: not quantized, or turned off
 
     def load(self, unit: UnitSpec):
         """LayerWeights for a layer; a tensor (or packed lm_head) for embed, norm and lm_head."""
+        return self.read(unit) if self.cache is None else self.cache.load(unit, self.read)
+
+    def read(self, unit: UnitSpec):
+        """load() from the checkpoint itself, never the cache."""
         if unit.kind == "layer":
             return load_layer(self.ckpt, self.spec, unit.index, self.dtype, self.pack)
         tensor = self.ckpt.get(unit.tensors[0].name, self.dtype)
