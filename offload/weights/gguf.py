@@ -10,6 +10,8 @@ rope; the rows are put back (a row permutation moves whole rows of blocks, so it
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 import warnings
@@ -20,6 +22,7 @@ import numpy as np
 
 from offload.errors import WeightsError
 from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QUANT_BLOCK_BYTES
+from offload.paths import cache_dir
 from offload.spec import ModelSpec, spec_from_config
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
@@ -32,6 +35,8 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "a
                 "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                 "ffn_down": "mlp.down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+TABLE_VERSION = 1  # of the cached metadata/tensor tables (cache_dir()/gguf)
+LONG_ARRAY = 1024  # metadata arrays longer than this (vocabulary, merges, scores) keep only their length
 _LLAMA3_FACTORS = (8.0, 16.0, 32.0)  # rope factors of the Llama 3.1 / 3.2 / 3.3 releases, tried against rope_freqs
 
 
@@ -78,38 +83,30 @@ class GGUFFile:
         if not self.path.is_file():
             raise WeightsError(f"GGUF file {self.path} does not exist; check the path or download the model")
         self.fields: dict[str, object] = {}
+        self.array_lengths: dict[str, int] = {}  # long arrays (the vocabulary, merges): only their lengths
         self.tensors: dict[str, GGUFTensor] = {}  # by GGUF name
         for shard in shard_paths(self.path):
-            self._read(shard)
+            self._add(shard, _table(shard))
         self.architecture = str(self.fields.get("general.architecture", ""))
 
-    def _read(self, path: Path) -> None:
-        from gguf import GGUFReader
-
+    def _add(self, path: Path, table: dict) -> None:
         size = path.stat().st_size
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != b"GGUF":
-            raise WeightsError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
-                               f"download it again or pass the model's folder instead")
-        try:
-            reader = GGUFReader(path, "r")
-        except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on a cut or corrupt header
-            raise WeightsError(f"{path} is truncated or corrupt ({type(e).__name__}: {e}); download it again") from e
-        for key, field in reader.fields.items():
-            if not key.startswith("GGUF."):
-                self.fields.setdefault(key, _field_value(field))
-        for t in reader.tensors:
-            if t.data_offset + t.n_bytes > size:
-                raise WeightsError(f"{path} is truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
-                                   f"but the file has {size}; download it again")
-            shape = tuple(int(n) for n in reversed(t.shape.tolist()))
-            self.tensors[t.name] = GGUFTensor(t.name, path, int(t.data_offset), int(t.n_bytes),
-                                              t.tensor_type.name, shape)
-        del reader  # drops the file's memory map
+        for key, value in table["fields"].items():
+            self.fields.setdefault(key, value)
+        for key, n in table["array_lengths"].items():
+            self.array_lengths.setdefault(key, n)
+        for name, offset, n_bytes, ggml_type, shape in table["tensors"]:
+            if offset + n_bytes > size:
+                raise WeightsError(f"{path} is truncated: tensor {name} ends at byte {offset + n_bytes} but the file "
+                                   f"has {size}; download it again")
+            self.tensors[name] = GGUFTensor(name, path, offset, n_bytes, ggml_type, tuple(shape))
 
     def get(self, key: str, default=None):
         return self.fields.get(key, default)
+
+    def has(self, key: str) -> bool:
+        """Whether the metadata holds key (a long array counts though only its length is kept)."""
+        return key in self.fields or key in self.array_lengths
 
     def arch_key(self, key: str, default=None):
         """A metadata value of the model's architecture namespace (llama.block_count, ...)."""
@@ -129,13 +126,66 @@ class GGUFFile:
         return raw
 
 
+def _table(path: Path) -> dict:
+    """The metadata and tensor table of one GGUF file: from the table cache when this file (path, size, mtime)
+    was read before, else parsed with gguf-py's reader (seconds for a 50k-token vocabulary) and cached."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise WeightsError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
+                           f"download it again or pass the model's folder instead")
+    cached = table_cache_path(path)
+    try:
+        return json.loads(cached.read_text())
+    except (OSError, ValueError):
+        pass
+    table = _parse(path)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(table))
+        tmp.replace(cached)
+    except OSError:  # a read-only cache: parse again next time
+        pass
+    return table
+
+
+def table_cache_path(path: Path) -> Path:
+    """Where the parsed table of a GGUF file is kept: keyed by its resolved path, size and modification time."""
+    st = path.stat()
+    key = hashlib.sha1(f"{TABLE_VERSION}|{path.resolve()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:20]
+    return cache_dir() / "gguf" / f"{path.stem[:60]}-{key}.json"
+
+
+def _parse(path: Path) -> dict:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path, "r")
+    except Exception as e:  # gguf-py raises ValueError/IndexError/struct errors on a cut or corrupt header
+        raise WeightsError(f"{path} is truncated or corrupt ({type(e).__name__}: {e}); download it again") from e
+    fields, lengths = {}, {}
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if len(field.data) > LONG_ARRAY:
+            lengths[key] = len(field.data)
+        else:
+            fields[key] = _field_value(field)
+    tensors = [[t.name, int(t.data_offset), int(t.n_bytes), t.tensor_type.name,
+                [int(n) for n in reversed(t.shape.tolist())]] for t in reader.tensors]
+    del reader  # drops the file's memory map
+    return {"fields": fields, "array_lengths": lengths, "tensors": tensors}
+
+
 def _field_value(field):
-    """A metadata field as a Python value (str, number, bool or list of them)."""
+    """A metadata field as a JSON-safe Python value (str, number, bool or list of them); None where gguf-py
+    cannot decode it."""
     try:
         value = field.contents()
     except Exception:  # a field gguf-py cannot decode: keep it out of the metadata rather than fail
         return None
-    return value
+    return json.loads(json.dumps(value, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -159,9 +209,9 @@ def gguf_config(gf: GGUFFile) -> dict:
         model_type = "mistral"  # llama.cpp stores mistral models as llama
     n_heads = gf.arch_key("attention.head_count")
     hidden = gf.arch_key("embedding_length")
-    tokens = gf.get("tokenizer.ggml.tokens")
     embed = gf.tensors.get("token_embd.weight")
-    vocab = gf.arch_key("vocab_size") or (len(tokens) if tokens else None) or (embed.shape[0] if embed else None)
+    vocab = (gf.arch_key("vocab_size") or gf.array_lengths.get("tokenizer.ggml.tokens")
+             or len(gf.get("tokenizer.ggml.tokens") or ()) or (embed.shape[0] if embed else None))
     config = {
         "model_type": model_type,
         "hidden_size": hidden,

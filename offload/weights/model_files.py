@@ -3,11 +3,13 @@ config.json alone (planning only), or a GGUF file. The one place that tells them
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from pathlib import Path
 
 from offload.errors import WeightsError
 from offload.spec import ModelSpec, load_spec
-from offload.weights.gguf import GGUFFile, gguf_spec, is_gguf, shard_paths
+from offload.weights.gguf import GGUFFile, gguf_spec, is_gguf, shard_paths, table_cache_path
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
@@ -40,16 +42,37 @@ def load_tokenizer(path: Path):
     from transformers import AutoTokenizer
 
     if is_gguf(path):
-        gf = GGUFFile(path)
-        if not gf.get("tokenizer.ggml.model") or not gf.get("tokenizer.ggml.tokens"):
-            raise WeightsError(f"{path} has no tokenizer in its metadata (tokenizer.ggml.model and .tokens); "
-                               f"use a GGUF file converted with its tokenizer")
-        try:
-            first = shard_paths(path)[0]  # the tokenizer is in the first shard's metadata
-            return AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name)
-        except Exception as e:  # transformers' GGUF tokenizer conversion raises many kinds
-            raise WeightsError(f"the tokenizer in {path}'s metadata cannot be read ({type(e).__name__}: {e}); "
-                               f"use a GGUF file converted by a recent llama.cpp") from e
+        return _gguf_tokenizer(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
     return AutoTokenizer.from_pretrained(str(path))
+
+
+def _gguf_tokenizer(path: Path):
+    """The tokenizer of a GGUF file, built by transformers from its metadata (seconds for a large vocabulary) the
+    first time and kept as Hugging Face files next to the file's cached table (cache_dir()/gguf)."""
+    from transformers import AutoTokenizer
+
+    gf = GGUFFile(path)
+    if not gf.get("tokenizer.ggml.model") or not gf.has("tokenizer.ggml.tokens"):
+        raise WeightsError(f"{path} has no tokenizer in its metadata (tokenizer.ggml.model and .tokens); "
+                           f"use a GGUF file converted with its tokenizer")
+    first = shard_paths(path)[0]  # the tokenizer is in the first shard's metadata
+    saved = table_cache_path(first).with_suffix(".tokenizer")
+    if (saved / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(saved))
+        except Exception:  # a damaged copy: build it again below
+            shutil.rmtree(saved, ignore_errors=True)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name)
+    except Exception as e:  # transformers' GGUF tokenizer conversion raises many kinds
+        raise WeightsError(f"the tokenizer in {path}'s metadata cannot be read ({type(e).__name__}: {e}); "
+                           f"use a GGUF file converted by a recent llama.cpp") from e
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(saved)
+    except OSError:  # read-only cache, or another process saved it first
+        shutil.rmtree(tmp, ignore_errors=True)
+    return tokenizer
