@@ -6,10 +6,10 @@ from __future__ import annotations
 import torch
 
 from offload.errors import ConfigError
-from offload.formats import QK, QUANTIZATIONS
-from offload.model.llama import LayerWeights
+from offload.formats import AS_STORED, FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANTIZATIONS
+from offload.model.llama import LayerWeights, StackedWeight
 from offload.model.model import Model
-from offload.spec import ModelSpec, UnitSpec
+from offload.spec import ModelSpec, TensorSpec, UnitSpec
 from offload.weights.cache import open_packed_cache
 from offload.weights.loader import Checkpoint
 
@@ -136,37 +136,59 @@ class RandomSource:
 
 class MetaSource:
     """Weights of the right shapes, formats and byte sizes that exist nowhere (meta tensors), for a timed
-    simulation: the executor places and schedules them like real ones, and nothing reads them."""
+    simulation: the executor places and schedules them like real ones, and nothing reads them. A GGUF model
+    with quantization 'none' gets each linear in the format its file stores it in."""
 
     def __init__(self, spec: ModelSpec, dtype: torch.dtype, quantization: str = "none"):
         if quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
         self.spec, self.dtype, self.quantization = spec, dtype, quantization
+        self.weight_format = AS_STORED if spec.from_gguf and quantization == "none" else quantization
 
     def _tensor(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         return torch.empty(*shape, dtype=dtype or self.dtype, device="meta")
 
-    def _linear(self, out_features: int, in_features: int):
-        if self.quantization == "none" or in_features % QK:
+    def _linear(self, t: TensorSpec):
+        """A meta weight [out, in] in the format the plan holds tensor t in."""
+        out_features, in_features = t.shape
+        fmt = "none" if self.weight_format == "none" else t.held_format(self.weight_format, "fp32")
+        if fmt in FLOAT_FORMATS or fmt == "none":
             return self._tensor(out_features, in_features)
         from offload.kernels import TILED, PackedWeight
 
-        q8 = self.quantization == "q8_0"
+        if fmt in GGUF_BLOCKS:
+            per_block, block_bytes = GGUF_BLOCKS[fmt]
+            qs = self._tensor(out_features, in_features // per_block * block_bytes, dtype=torch.uint8)
+            return PackedWeight(fmt, (out_features, in_features), qs, None)
+        q8 = fmt == "q8_0"
         qs = self._tensor(out_features, in_features if q8 else in_features // 2,
                           dtype=torch.int8 if q8 else torch.uint8)
         d = self._tensor(out_features, in_features // QK, dtype=torch.float16)
-        return PackedWeight(self.quantization, (out_features, in_features), qs, d, tiled=TILED)
+        return PackedWeight(fmt, (out_features, in_features), qs, d, tiled=TILED)
+
+    def _fused(self, parts: list[TensorSpec]):
+        """Linears fused along the output dimension, or stacked where their formats differ."""
+        weights = [self._linear(t) for t in parts]
+        kinds = {(getattr(w, "fmt", None), getattr(w, "dtype", None)) for w in weights}
+        if len(kinds) > 1:
+            return StackedWeight(tuple(weights))
+        merged = TensorSpec(parts[0].name, (sum(t.shape[0] for t in parts), parts[0].shape[1]), "linear",
+                            parts[0].stored)
+        return self._linear(merged)
 
     def load(self, unit: UnitSpec):
         s = self.spec
         if unit.kind in ("embed", "norm"):
             return self._tensor(*unit.tensors[0].shape)
         if unit.kind == "lm_head":
-            return self._linear(s.vocab_size, s.hidden_size)
-        qkv_out, f = s.q_size + 2 * s.kv_size, s.intermediate_size
+            return self._linear(unit.tensors[0])
+        by_name = {t.name.rsplit(".", 2)[-2]: t for t in unit.tensors if t.role == "linear"}
+        f = s.intermediate_size
+        qkv_out = s.q_size + 2 * s.kv_size
         return LayerWeights(
-            attn_norm=self._tensor(s.hidden_size), qkv=self._linear(qkv_out, s.hidden_size),
-            qkv_bias=self._tensor(qkv_out) if s.qkv_bias else None, o=self._linear(s.hidden_size, s.q_size),
+            attn_norm=self._tensor(s.hidden_size), qkv=self._fused([by_name[n] for n in ("q_proj", "k_proj", "v_proj")]),
+            qkv_bias=self._tensor(qkv_out) if s.qkv_bias else None, o=self._linear(by_name["o_proj"]),
             o_bias=self._tensor(s.hidden_size) if s.o_bias else None, mlp_norm=self._tensor(s.hidden_size),
-            gate_up=self._linear(2 * f, s.hidden_size), gate_up_bias=self._tensor(2 * f) if s.mlp_bias else None,
-            down=self._linear(s.hidden_size, f), down_bias=self._tensor(s.hidden_size) if s.mlp_bias else None)
+            gate_up=self._fused([by_name["gate_proj"], by_name["up_proj"]]),
+            gate_up_bias=self._tensor(2 * f) if s.mlp_bias else None,
+            down=self._linear(by_name["down_proj"]), down_bias=self._tensor(s.hidden_size) if s.mlp_bias else None)
