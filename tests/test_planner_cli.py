@@ -48,7 +48,7 @@ def test_plan_default_model_without_calibration_uses_an_estimate(capsys):
     assert main(["plan", "--model", "default", "--json"]) == 0
     captured = capsys.readouterr()
     data = json.loads(captured.out)
-    assert data["model"] == "smollm2-135m-instruct" and data["hardware"] == "estimated"
+    assert data["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and data["weight_format"] == "gguf" and data["hardware"] == "estimated"
     assert "offload calibrate" in captured.err
 
 
