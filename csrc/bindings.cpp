@@ -72,7 +72,7 @@ struct RowChunks {
 };
 
 struct Scratch {  // per calling thread, grown on demand: quantized activations
-  std::vector<int16_t> qs;  // int16 for q8_0 weights, int8 (first half of the bytes) for the others
+  std::vector<int16_t> qs;  // int16 for takes_x16 formats, int8 (first half of the bytes) for the others
   std::vector<float> d, s, xf;
   std::vector<int16_t> s16;
 };
@@ -82,7 +82,7 @@ thread_local Scratch tls;
 void quantize_row(const KernelTable& t, int fmt, const void* x, int xtype, int64_t K, int16_t* q16, float* d,
                   float* s, int16_t* s16) {
   int8_t* qs = reinterpret_cast<int8_t*>(q16);
-  if (fmt == W_Q8_0) t.quantize_x16(x, xtype, K, q16, d);
+  if (takes_x16(fmt)) t.quantize_x16(x, xtype, K, q16, d, s);
   else if (is_gguf(fmt)) t.quantize_xk(x, xtype, K, qs, d, s, s16);
   else t.quantize_x(x, xtype, K, qs, d, s);
 }
@@ -96,7 +96,7 @@ void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N
   tls.s16.resize(size_t(N * (K / 16)));
   int16_t* q16 = tls.qs.data(); float* d = tls.d.data(); float* s = tls.s.data(); int16_t* s16 = tls.s16.data();
   const int64_t xbytes = xtype == X_BF16 ? 2 : 4;
-  const int64_t q_row = fmt == W_Q8_0 ? K : K / 2;  // activation row stride in int16 units
+  const int64_t q_row = takes_x16(fmt) ? K : K / 2;  // activation row stride in int16 units
   const XQ xq{reinterpret_cast<int8_t*>(q16), d, s, N, K, s16};
   const QGemmFn fn = qgemm_of(t, fmt);
   if (N == 1) quantize_row(t, fmt, x, xtype, K, q16, d, s, s16);  // tiny: no barrier needed before the rows

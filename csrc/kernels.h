@@ -38,6 +38,8 @@ inline bool k_fits(int fmt, int64_t K) {
   if (is_gguf(fmt)) return K % gguf_block_weights(fmt) == 0;
   return fmt == W_BF16 || fmt == W_F16 || K % 32 == 0;
 }
+// Whether fmt's kernels take int16 activations (quantize_x16) rather than int8.
+constexpr bool takes_x16(int fmt) { return fmt == W_Q8_0 || fmt == W_Q4_1; }
 enum XType : int { X_F32 = 0, X_BF16 = 1 };
 enum Path : int { P_SCALAR = 0, P_AVX2 = 1, P_AVX512 = 2 };
 
@@ -76,11 +78,12 @@ struct RowTile {
   }
 };
 
-// Activations quantized per block of 32: int8 (q8_0 style) against q4_0 and the GGUF formats, int16
-// against q8_0 weights (whose 8-bit error would otherwise double: see quantize_x16_ref). The order within
-// a block is natural, except for the SIMD q4_0 path (see quantize_x_avx2).
+// Activations quantized per block of 32: int8 (q8_0 style) against q4_0 and the K-quants (as llama.cpp's
+// q8_K), int16 against q8_0 weights (whose 8-bit error would otherwise double: see quantize_x16_ref) and q4_1
+// (int8 activations flipped the default model's greedy answer: see kquant_ref.cpp). The order within a block
+// is natural, except for the SIMD q4_0 path (see quantize_x_avx2).
 struct XQ {
-  const int8_t* qs;  // [N, K] int8, or int16 for q8_0 weights (then d is amax / 32767)
+  const int8_t* qs;  // [N, K] int8, or int16 for takes_x16 formats (then d is amax / 32767)
   const float* d;    // [N, K/32] scale of each block
   const float* s;    // [N, K/32] d * sum(q) of each block (q4_0's -8 offset, the GGUF formats' minimums)
   int64_t N, K;
@@ -93,8 +96,8 @@ using FGemmFn = void (*)(const WView& w, const float* x, int64_t N, float* y, co
                          int64_t r0, int64_t r1);
 // Quantize one row of K activations (fp32 or bf16) into qs [K], d [K/32], s [K/32].
 using QuantXFn = void (*)(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
-// Quantize one row of K activations into int16 qs [K] and scales d [K/32].
-using QuantX16Fn = void (*)(const void* x, int xtype, int64_t K, int16_t* qs, float* d);
+// Quantize one row of K activations into int16 qs [K], scales d [K/32] and d * sum(q) s [K/32].
+using QuantX16Fn = void (*)(const void* x, int xtype, int64_t K, int16_t* qs, float* d, float* s);
 // Quantize one row for the GGUF formats: quantize_x's values in natural order, and the sums s16 [K/16].
 using QuantXKFn = void (*)(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s, int16_t* s16);
 
@@ -104,7 +107,7 @@ float bf16_to_f32(uint16_t h);
 
 // Scalar references (ref.cpp).
 void quantize_x_ref(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
-void quantize_x16_ref(const void* x, int xtype, int64_t K, int16_t* qs, float* d);
+void quantize_x16_ref(const void* x, int xtype, int64_t K, int16_t* qs, float* d, float* s);
 void gemm_q8_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q4_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_bf16_ref(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
@@ -122,7 +125,7 @@ void gemm_q6_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int
 
 // AVX2 + FMA + F16C (qgemm_avx2.cpp, fgemm_avx2.cpp).
 void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
-void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* d);
+void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* d, float* s);
 void gemm_q8_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q4_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_bf16_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);

@@ -2,9 +2,15 @@
 // the same integer dot products per activation block of 32 as the SIMD tiles (kquant_tiles.inc).
 //
 // Per activation block b of token n: y += dw_b * dx_b * dot_b - mw_b * xs_b, with dot_b the integer dot product
-// of the block's unsigned weight quants and int8 activations, dw_b, mw_b the block's weight scale and minimum
+// of the block's unsigned weight quants and the activation quants, dw_b, mw_b the block's weight scale and minimum
 // (fp32 products of the fp16 and 6-bit fields, as gguf-py dequantizes), dx_b, xs_b the activations' scale and
-// scale * sum. q6_k's quants carry an offset of 32 and a scale per 16 instead, folded into dot_b exactly.
+// scale * sum (the sum of the quants, an exact integer). q6_k's quants carry an offset of 32 and a scale per 16
+// instead, folded into dot_b exactly.
+//
+// Activations: int16 against q4_1 (quantize_x16), int8 against the K-quants (as llama.cpp's q8_K). With int8
+// activations (llama.cpp's q8_1) the default model's Q4_1 file answered "What is the capital of France?" with
+// "L'Étoile, la Marseillaise" (so does llama.cpp), its logits 2.7e-2 of their range away from transformers'
+// dequantized fp32 model; with int16 it answers Paris, 1.1e-4 away (tests/test_kernels_gguf.py).
 #include "kernels.h"
 #include "kquant.h"
 
@@ -21,14 +27,16 @@ void quantize_xk_ref(const void* x, int xtype, int64_t K, int8_t* qs, float* d, 
 
 namespace {
 
-// One token's quantized activations, from activation block b0 on.
+// One token's quantized activations: q (int8) or q16 (int16, for takes_x16 formats), the other one null.
 struct XRow {
   const int8_t* q;
+  const int16_t* q16;
   const float *d, *s;
   const int16_t* s16;
 };
 
-int dot32(const uint8_t* wq, const int8_t* xq) {
+template <class X>
+int dot32(const uint8_t* wq, const X* xq) {
   int t = 0;
   for (int l = 0; l < 32; ++l) t += int(wq[l]) * int(xq[l]);
   return t;
@@ -45,7 +53,7 @@ float row_q4_1(const uint8_t* row, const XRow& x, int64_t K) {
     const uint8_t* blk = row + b * kQ41Bytes;
     uint8_t q[32];
     for (int j = 0; j < 16; ++j) q[j] = blk[4 + j] & 15, q[j + 16] = blk[4 + j] >> 4;
-    add_block(acc, fp16_to_f32(load_u16(blk)), -fp16_to_f32(load_u16(blk + 2)), x, b, dot32(q, x.q + b * 32));
+    add_block(acc, fp16_to_f32(load_u16(blk)), -fp16_to_f32(load_u16(blk + 2)), x, b, dot32(q, x.q16 + b * 32));
   }
   return acc;
 }
@@ -105,9 +113,11 @@ float row_q6_k(const uint8_t* row, const XRow& x, int64_t K) {
 template <float (*ROW)(const uint8_t*, const XRow&, int64_t)>
 void gemm_gguf_ref(int fmt, const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
   const int64_t K = w.K, row_bytes = K / gguf_block_weights(fmt) * gguf_block_bytes(fmt);
+  const bool x16 = takes_x16(fmt);
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t n = 0; n < x.N; ++n) {
-      const XRow xr{x.qs + n * K, x.d + n * (K / 32), x.s + n * (K / 32), x.s16 + n * (K / 16)};
+      const XRow xr{x16 ? nullptr : x.qs + n * K, x16 ? reinterpret_cast<const int16_t*>(x.qs) + n * K : nullptr,
+                    x.d + n * (K / 32), x.s + n * (K / 32), x16 ? nullptr : x.s16 + n * (K / 16)};
       y[n * w.M + r] = ROW(w.qs + r * row_bytes, xr, K) + (bias ? bias[r] : 0.f);
     }
 }

@@ -100,7 +100,7 @@ void quantize_xk_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d,
 }
 
 __attribute__((target("avx2,fma,f16c")))
-void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* d) {
+void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* d, float* s) {
   for (int64_t b = 0; b < K / QK; ++b) {
     __m256 v[4];
     const float amax = load_block_amax(x, xtype, b * QK, v);
@@ -113,6 +113,8 @@ void quantize_x16_avx2(const void* x, int xtype, int64_t K, int16_t* qs, float* 
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK), lo);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qs + b * QK + 16), hi);
     d[b] = amax / 32767.f;
+    const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+    s[b] = d[b] * hsum8(_mm256_cvtepi32_ps(sum));  // |sum| < 2^24: exact in fp32 in any order, as the reference
   }
 }
 

@@ -58,13 +58,19 @@ void quantize_x_ref(const void* x, int xtype, int64_t K, int8_t* qs, float* d, f
 
 // int16 activations for q8_0 weights: per-block error ~1/256 of int8's, so a q8_0 layer stays as
 // close to its dequantized fp32 weights as the GPU path (greedy tokens match; int8 flipped some).
-void quantize_x16_ref(const void* x, int xtype, int64_t K, int16_t* qs, float* d) {
+// The sum of a block's 32 quants is at most 32 * 32767 < 2^24: exact in fp32, so s = d * sum rounds once.
+void quantize_x16_ref(const void* x, int xtype, int64_t K, int16_t* qs, float* d, float* s) {
   for (int64_t b = 0; b < K / QK; ++b) {
     float amax = 0.f;
     for (int64_t i = 0; i < QK; ++i) amax = std::fmax(amax, std::fabs(load_x(x, xtype, b * QK + i)));
     const float id = amax != 0.f ? 32767.f / amax : 0.f;
-    for (int64_t i = 0; i < QK; ++i) qs[b * QK + i] = int16_t(std::nearbyint(load_x(x, xtype, b * QK + i) * id));
+    int sum = 0;
+    for (int64_t i = 0; i < QK; ++i) {
+      qs[b * QK + i] = int16_t(std::nearbyint(load_x(x, xtype, b * QK + i) * id));
+      sum += qs[b * QK + i];
+    }
     d[b] = amax / 32767.f;
+    s[b] = d[b] * float(sum);
   }
 }
 

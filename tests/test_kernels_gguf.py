@@ -5,8 +5,11 @@ bad inputs.
 Tolerances, as normalized error ||y - y_ref|| / ||y_ref||:
   SIMD paths vs the scalar reference (same integer dot products, other fp32 summation order): 1e-5
   (measured <= 2.7e-7 over these shapes);
-  scalar reference vs x @ dequantize(w).T in fp32 (int8 activation rounding, as q4_0's 2e-2): 3e-2 (measured
-  <= 1.6e-2 over these shapes, ~5e-3 typical; one output alone, M = N = 1, swings most).
+  scalar reference vs x @ dequantize(w).T in fp32: q4_1 (int16 activations, as q8_0's 1e-4): 1e-4 (measured
+  <= 5.3e-5 over these shapes, ~2e-5 typical, fp32 and bf16 inputs); the K-quants (int8 activations, as q4_0's 2e-2): 3e-2 (measured <= 1.6e-2,
+  ~5e-3 typical; one output alone, M = N = 1, swings most).
+The default model's Q4_1 file read as stored, against transformers' dequantized fp32 model: see
+test_default_q4_1_model_answers_paris_and_matches_transformers.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from offload.formats import GGUF_BLOCKS
 gguf = pytest.importorskip("gguf")
 
 TOL_REF = 1e-5
-TOL_FLOAT = 3e-2
+TOL_FLOAT = {"q4_1": 1e-4, "q4_k": 3e-2, "q5_k": 3e-2, "q6_k": 3e-2}
 FORMATS = list(GGUF_BLOCKS)
 SIMD = [p for p, need in (("avx2", {"avx2", "fma", "f16c"}),
                           ("avx512", {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}))
@@ -96,7 +99,7 @@ def test_gguf_bytes_are_wrapped_as_they_are(fmt):
 def test_scalar_ref_matches_float_reference(fmt, m, n_blocks, n):
     w, x, bias = case(fmt, m, n_blocks, n, seed=m + n)
     want = x @ w.dequantize().T + bias
-    assert nerr(K.linear_ref(x, w, bias), want) < TOL_FLOAT
+    assert nerr(K.linear_ref(x, w, bias), want) < TOL_FLOAT[fmt]
 
 
 @pytest.mark.parametrize("path", SIMD or ["none"])
@@ -112,7 +115,7 @@ def test_simd_matches_scalar_ref(path, fmt, m, n_blocks, n, xdtype, with_bias):
     got, ref = K.linear_path(x, w, bias, path), K.linear_ref(x, w, bias)
     assert got.dtype == torch.float32 and got.shape == (n, m)
     assert nerr(got, ref) < TOL_REF
-    assert nerr(got, x.float() @ w.dequantize().T + (0 if bias is None else bias)) < TOL_FLOAT
+    assert nerr(got, x.float() @ w.dequantize().T + (0 if bias is None else bias)) < TOL_FLOAT[fmt]
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -136,7 +139,7 @@ def test_numba_fallback_dequantizes_and_multiplies(fmt):
     w, x, bias = case(fmt, 13, 3, 3)
     got = K._linear_numba(x, w, bias, torch.empty(3, 13))
     assert torch.allclose(got, x @ w.dequantize().T + bias, rtol=1e-5, atol=1e-5)
-    assert nerr(got, K.linear_ref(x, w, bias)) < TOL_FLOAT
+    assert nerr(got, K.linear_ref(x, w, bias)) < TOL_FLOAT[fmt]
 
 
 @pytest.mark.slow
@@ -239,3 +242,21 @@ def test_calibration_times_the_kernels_on_gguf_blocks(fmt):
     assert path == "offload.kernels" and flops > 0
     fallback = calibrate._torch_matmul(fmt, 2, 256, 64)()  # the estimate without kernels: dequantized per call
     assert fallback.shape == (2, 64) and torch.isfinite(fallback).all()
+
+
+TOL_DEFAULT_LOGITS = 1e-3  # of the logit range (measured 1.1e-4 on AVX-512; int8 activations: 2.7e-2)
+
+
+@pytest.mark.slow
+def test_default_q4_1_model_answers_paris_and_matches_transformers(default_gguf_llm, default_hf):
+    """The default model's Q4_1 file as stored, int16 activations: int8 ones (llama.cpp's q8_1) answered
+    "L'Étoile, la Marseillaise", like llama.cpp on this file; transformers dequantizes the same file to fp32."""
+    from conftest import assert_logits_close, hf_logits, offload_logits
+    from offload.sampling import SamplingParams
+
+    llm = default_gguf_llm
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=12, temperature=0))[0]
+    assert "Paris" in out.text, out.text
+    ids = llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
+    assert_logits_close(offload_logits(llm.model, ids), hf_logits(default_hf, ids), rel=TOL_DEFAULT_LOGITS)

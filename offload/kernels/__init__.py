@@ -2,9 +2,8 @@
 
 ACTIVE_PATH is "avx512", "avx2", "scalar" (extension built, no SIMD) or "numba" (no extension).
 OFFLOAD_KERNELS=numba|scalar|avx2|avx512 forces a path (one this CPU can run).
-Activations are quantized per block of 32 on the fly: to int16 against q8_0 weights (results within
-1e-4 of the dequantized fp32 matmul) and to int8 against q4_0 and the GGUF block formats (as llama.cpp;
-within ~1e-2).
+Activations are quantized per block of 32 on the fly: to int16 against q8_0 and q4_1 weights (results within
+1e-4 of the dequantized fp32 matmul) and to int8 against q4_0 and the K-quants (as llama.cpp; within ~1e-2).
 """
 
 from __future__ import annotations
