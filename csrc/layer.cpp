@@ -147,7 +147,21 @@ void add_rows(float* y, const float* x, const float* r, int64_t n) {
 }
 
 void run_linear(const LayerArgs& a, const LinearArg& l, const float* x, float* y) {
-  packed_linear(a.path, x, a.N, l.fmt, l.w, l.bias, y, a.nthreads);
+  if (l.parts.empty()) {
+    packed_linear(a.path, x, a.N, l.fmt, l.w, l.bias, y, a.nthreads);
+    return;
+  }
+  // a stacked linear: each part into its own [N, Mp], then into its columns of y [N, M]
+  std::vector<float> part_y;
+  int64_t col = 0;
+  for (const LinearArg& p : l.parts) {
+    const int64_t mp = p.w.M;
+    part_y.resize(static_cast<size_t>(a.N * mp));
+    packed_linear(a.path, x, a.N, p.fmt, p.w, p.bias, part_y.data(), a.nthreads);
+    for (int64_t n = 0; n < a.N; ++n)
+      std::copy(part_y.data() + n * mp, part_y.data() + (n + 1) * mp, y + n * l.w.M + col);
+    col += mp;
+  }
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 // and fp32 activations, so a decode token pays no per-op Python/torch dispatch.
 #pragma once
 #include <cstdint>
+#include <vector>
 
 #include "kernels.h"
 
@@ -11,11 +12,14 @@ namespace offload {
 void packed_linear(int path, const float* x, int64_t N, int fmt, const WView& w, const float* bias, float* y,
                    int nthreads);
 
-// One packed weight matrix [M, K] in format fmt (WFmt), with an optional fp32 bias [M].
+// One packed weight matrix [M, K] in format fmt (WFmt), with an optional fp32 bias [M]. A stacked linear (a GGUF
+// layer whose q, k and v are stored in different formats) has parts instead: row blocks of its M rows, each a
+// matrix of its own; w.M and w.K then give the whole shape and fmt / w's pointers are unused.
 struct LinearArg {
   int fmt;
   WView w;
   const float* bias;
+  std::vector<LinearArg> parts;
 };
 
 // Per new token n, the int64 row tokens[n * kTokenCols + ...]:

@@ -25,7 +25,22 @@ LinearArg to_linear(const LinearTuple& t) {
   if (!parse_fmt_id(fmt_id, fmt, tiled) || M < 1 || K < 1 || !k_fits(fmt, K))
     throw std::invalid_argument("offload fused layer: bad linear format or shape (quantized formats need K a "
                                 "multiple of their block)");
-  return {fmt, WView{ptr<uint8_t>(qs), ptr<uint16_t>(d), M, K, tiled}, ptr<float>(bias)};
+  return {fmt, WView{ptr<uint8_t>(qs), ptr<uint16_t>(d), M, K, tiled}, ptr<float>(bias), {}};
+}
+
+// One linear: a single part, or the row blocks of a stacked linear (parts of one K, rows adding up).
+LinearArg to_stacked(const std::vector<LinearTuple>& parts) {
+  if (parts.empty()) throw std::invalid_argument("offload fused layer: a linear needs at least one part");
+  if (parts.size() == 1) return to_linear(parts[0]);
+  LinearArg l{-1, WView{nullptr, nullptr, 0, 0, false}, nullptr, {}};
+  for (const LinearTuple& t : parts) {
+    l.parts.push_back(to_linear(t));
+    const WView& w = l.parts.back().w;
+    if (l.w.K != 0 && w.K != l.w.K) throw std::invalid_argument("offload fused layer: stacked parts differ in K");
+    l.w.K = w.K;
+    l.w.M += w.M;
+  }
+  return l;
 }
 
 LayerShape to_shape(const std::tuple<int64_t, int64_t, int64_t, int64_t, float>& t) {
@@ -43,9 +58,9 @@ struct FusedWeights {
 };
 
 FusedWeights make_weights(const std::tuple<int64_t, int64_t, int64_t, int64_t, float>& shape, uintptr_t attn_norm,
-                          uintptr_t mlp_norm, const std::array<LinearTuple, 4>& linears) {
+                          uintptr_t mlp_norm, const std::array<std::vector<LinearTuple>, 4>& linears) {
   FusedWeights w{to_shape(shape), ptr<float>(attn_norm), ptr<float>(mlp_norm),
-                 to_linear(linears[0]), to_linear(linears[1]), to_linear(linears[2]), to_linear(linears[3])};
+                 to_stacked(linears[0]), to_stacked(linears[1]), to_stacked(linears[2]), to_stacked(linears[3])};
   const LayerShape& s = w.shape;
   const int64_t D = w.qkv.w.K, q_size = s.n_heads * s.head_dim, kv_size = s.n_kv_heads * s.head_dim;
   if (w.qkv.w.M != q_size + 2 * kv_size || w.o.w.M != D || w.o.w.K != q_size || w.gate_up.w.K != D ||
@@ -88,7 +103,8 @@ void bind_layer(py::module_& m) {
   py::class_<FusedWeights>(m, "FusedWeights", "one decoder layer's packed weights, as raw pointers");
   m.def("fused_weights", &make_weights,
         "fused_weights((n_heads, n_kv_heads, head_dim, intermediate, eps), attn_norm, mlp_norm, "
-        "[(fmt, qs, d, bias, M, K)] * 4 for qkv, o, gate_up, down)");
+        "[[(fmt, qs, d, bias, M, K), ...]] * 4 for qkv, o, gate_up, down: each linear one part, or the row "
+        "blocks of a stacked linear)");
   m.def("layer_forward", &forward, py::call_guard<py::gil_scoped_release>(),
         "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, k_cache, v_cache): raw pointers, "
         "see offload/kernels/layer.py");

@@ -128,6 +128,9 @@ def test_mixed_type_layer_logits(tmp_path):
 
     layer = GGUFSource(GGUFFile(path), llm.spec, torch.float32).load(llm.spec.units()[1])
     assert isinstance(layer.qkv, StackedWeight) and [p.shape[0] for p in layer.qkv.parts] == [64, 32, 32]
+    from offload.kernels.layer import FUSABLE, weights_fusable
+
+    assert weights_fusable(layer) == FUSABLE  # the C++ layer runs the parts one after another
 
 
 def test_spec_from_metadata(tmp_path):

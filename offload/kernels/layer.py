@@ -56,7 +56,7 @@ class StepTable:
 
 def weights_fusable(w) -> bool:
     """Whether a layer's weights suit the fused layer: packed linears, fp32 CPU norms and biases."""
-    if not FUSABLE or not all(isinstance(m, PackedWeight) for m in (w.qkv, w.o, w.gate_up, w.down)):
+    if not FUSABLE or not all(_packed(m) for m in (w.qkv, w.o, w.gate_up, w.down)):
         return False
     biases = (w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias)
     return _is_f32_cpu(w.attn_norm) and _is_f32_cpu(w.mlp_norm) and all(b is None or _is_f32_cpu(b) for b in biases)
@@ -190,8 +190,21 @@ def _make_fused_weights(spec, w):
     return _C.fused_weights(shape, w.attn_norm.data_ptr(), w.mlp_norm.data_ptr(), linears)
 
 
-def _linear_tuple(m: PackedWeight, bias: torch.Tensor | None, name: str) -> tuple:
+def _packed(m) -> bool:
+    """A PackedWeight, or a stack of them (a StackedWeight's parts run one after another in the fused layer)."""
+    parts = getattr(m, "parts", None)
+    return isinstance(m, PackedWeight) or (parts is not None and all(isinstance(p, PackedWeight) for p in parts))
+
+
+def _linear_tuple(m, bias: torch.Tensor | None, name: str) -> list[tuple]:
+    """The parts of one linear as the C++ layer takes them: [(fmt, qs, d, bias, M, K)], one per row block."""
     rows, cols = m.shape
     if bias is not None and tuple(bias.shape) != (rows,):
         raise KernelError(f"fused layer: {name} bias must be [{rows}], got {list(bias.shape)}")
-    return (m.fmt_id, m.qs_ptr, m.d_ptr, 0 if bias is None else bias.data_ptr(), rows, cols)
+    parts = getattr(m, "parts", (m,))
+    out, row = [], 0
+    for p in parts:
+        part_bias = 0 if bias is None else bias[row: row + p.shape[0]].data_ptr()
+        out.append((p.fmt_id, p.qs_ptr, p.d_ptr, part_bias, p.shape[0], p.shape[1]))
+        row += p.shape[0]
+    return out
