@@ -71,7 +71,7 @@ class PackedWeight:
         if self.d is None:
             return self.qs.float()
         rows = self.to_rows()
-        return torch.from_numpy(quant.dequantize_np(rows.qs.numpy().view(np.uint8), rows.d.numpy(), self.fmt))
+        return quant.dequantize_torch(rows.qs, rows.d, self.fmt)
 
     def to_gguf(self) -> np.ndarray:
         """GGUF bytes of this matrix: uint8 [M, row_bytes] blocks, or the half values' bytes."""

@@ -73,6 +73,19 @@ def dequantize_np(qs: np.ndarray, d: np.ndarray, fmt: str) -> np.ndarray:
     return (q * d.astype(np.float32)[:, :, None]).reshape(m, nb * QK)
 
 
+def dequantize_torch(qs, d, fmt: str):
+    """dequantize_np with torch's threads, for whole matrices (an embedding): fp32 [M, K], the same values."""
+    import torch
+
+    m, nb = d.shape
+    if fmt == "q8_0":
+        q = qs.view(torch.int8).reshape(m, nb, QK).float()
+    else:
+        b = qs.view(torch.uint8).reshape(m, nb, QK // 2)
+        q = torch.cat([b & 15, b >> 4], dim=2).float().sub_(8)
+    return q.mul_(d.float()[:, :, None]).reshape(m, nb * QK)
+
+
 def _nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
     """uint8 [n, groups * 32] -> [n, 2 * groups, 32]: each 32 bytes' low nibbles, then their high nibbles."""
     q = qs.reshape(qs.shape[0], groups, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
