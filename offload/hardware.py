@@ -108,6 +108,10 @@ class HardwareProfile:
     def has_gpu(self) -> bool:
         return self.vram_bytes > 0 and self.gpu_flops > 0 and self.h2d_pinned_bps > 0
 
+    def rated_format(self, fmt: str) -> str:
+        """The format whose calibrated CPU figures price fmt: fmt itself, or its kin where it has none."""
+        return _measured(fmt, self.cpu_flops_by_rows)
+
     def cpu_flops_for(self, fmt: str) -> float:
         """CPU matmul FLOP/s for weights in fmt (falls back to a kin format's figure, then to fp32's)."""
         rate = self.cpu_flops.get(_measured(fmt, self.cpu_flops)) or self.cpu_flops.get("fp32")

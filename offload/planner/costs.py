@@ -94,7 +94,7 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
             kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
     gpu_s = _roofline(flops + attn_flops, w_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
     passes = phase.n_passes  # every pass reads the weights again
-    fmt = unit.rate_format(fmt, compute)  # a GGUF unit run as stored is priced by its main format
+    fmt = hw.rated_format(unit.rate_format(fmt, compute))  # a GGUF unit: its main format (or that one's kin)
     k_eff = hw.k_efficiency(fmt, [t.shape for t in unit.tensors if t.role == "linear"])
     cpu_compute_s = flops / (hw.cpu_matmul_rate(fmt, rows, phase.n_threads) * k_eff) + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
     if hw.cpu_flops_by_rows.get(fmt):  # the calibrated rate includes reading the weights from DRAM
