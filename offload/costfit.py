@@ -12,12 +12,15 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-from offload.formats import QUANTIZATIONS, compute_format, format_nbytes, weight_format
+from offload.formats import GGUF_BLOCKS, QUANTIZATIONS, compute_format, format_nbytes, weight_format
 from offload.hardware import OVERHEAD_TERMS, HardwareProfile
 
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # activation rows the matmul curve is measured at
 CPU_COMPUTE = compute_format("auto", False)  # what CPU layers compute in
 CURVE_FORMATS = tuple(weight_format(q, CPU_COMPUTE) for q in QUANTIZATIONS)  # each quantization's weights
+# GGUF formats read as stored get matmul curves too (the default model is Q4_1; Q4_K_M files are Q4_K and Q6_K);
+# their overhead terms are the fused layer's, fitted on CURVE_FORMATS. Q5_K is priced by Q4_K's curves.
+GGUF_CURVE_FORMATS = ("q4_1", "q4_k", "q6_k")
 CURVE_BYTES = 96 * 2**20  # weights cycled through per measurement: past the last-level cache, as a model is
 
 
@@ -58,8 +61,7 @@ def _measure_curve(fmt: str, rows: tuple[int, ...], repeats: int) -> tuple[tuple
     mats = []
     for _ in range(max(1, int(CURVE_BYTES // per_layer))):
         for n, k in shapes:
-            w = torch.randn(n, k, generator=gen) * k ** -0.5
-            mats.append(w if fmt == CPU_COMPUTE else kernels.pack(w, fmt))
+            mats.append(_random_weight(fmt, n, k, gen))
     linear = torch.nn.functional.linear if fmt == CPU_COMPUTE else kernels.linear
     curve = []
     for m in rows:
@@ -98,11 +100,11 @@ def measure_k_factor(fmt: str, repeats: int = 3) -> tuple[tuple[int, float], ...
 
     gen = torch.Generator().manual_seed(2)
     rates = {}
-    for k in sorted(set(K_CLASSES) | {K_REFERENCE}):
+    block = GGUF_BLOCKS.get(fmt, (1, 0))[0]
+    for k in sorted(k for k in set(K_CLASSES) | {K_REFERENCE} if k % block == 0):
         n = 2048
         copies = max(1, int(CURVE_BYTES // format_nbytes(n * k, fmt)))
-        mats = [torch.randn(n, k, generator=gen) * k ** -0.5 for _ in range(min(copies, 4))]
-        mats = [m if fmt == CPU_COMPUTE else kernels.pack(m, fmt) for m in mats] * max(1, copies // 4)
+        mats = [_random_weight(fmt, n, k, gen) for _ in range(min(copies, 4))] * max(1, copies // 4)
         linear = torch.nn.functional.linear if fmt == CPU_COMPUTE else kernels.linear
         x = torch.randn(K_ROWS, k, generator=gen)
 
@@ -111,7 +113,21 @@ def measure_k_factor(fmt: str, repeats: int = 3) -> tuple[tuple[int, float], ...
                 linear(x, w)
 
         rates[k] = 2 * K_ROWS * n * k * len(mats) / _median_time(run, repeats)
-    return tuple((k, rates[k] / rates[K_REFERENCE]) for k in K_CLASSES)
+    return tuple((k, rates[k] / rates[K_REFERENCE]) for k in K_CLASSES if k in rates)
+
+
+def _random_weight(fmt: str, n: int, k: int, gen):
+    """A random [n, k] weight in fmt as the kernels take it (GGUF formats: random blocks with small scales)."""
+    import torch
+
+    from offload import kernels
+
+    if fmt in GGUF_BLOCKS:
+        from offload.kernels.quant import random_gguf_blocks
+
+        return kernels.PackedWeight.from_gguf(random_gguf_blocks(fmt, n, k), fmt, (n, k))
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    return w if fmt == CPU_COMPUTE else kernels.pack(w, fmt)
 
 
 class _DistinctRandomSource:
@@ -227,13 +243,13 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     import torch
 
     curves, one_thread = {}, {}
-    for fmt in CURVE_FORMATS:
+    for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS:
         curves[fmt] = measure_cpu_curve(fmt, CURVE_ROWS)
         log(f"cpu matmul curve {fmt:5s}: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in curves[fmt]) + " GFLOP/s")
         if torch.get_num_threads() > 1:  # the thread governor may run steps on one thread
             one_thread[fmt] = measure_cpu_curve(fmt, CURVE_ROWS, threads=1)
             log(f"  on one thread: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in one_thread[fmt]) + " GFLOP/s")
-    k_factor = {fmt: measure_k_factor(fmt) for fmt in CURVE_FORMATS}
+    k_factor = {fmt: measure_k_factor(fmt) for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS}
     for fmt, factors in k_factor.items():
         log(f"cpu matmul {fmt:5s} by K, against K={K_REFERENCE}: " + ", ".join(f"{k}: {f:.2f}" for k, f in factors))
     hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread, cpu_k_factor=k_factor)

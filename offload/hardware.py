@@ -62,12 +62,14 @@ def format_bytes(n: float) -> str:
 
 # A profile measured before offload read GGUF formats has no figures for them: price them by the kin format
 # their kernels resemble (4 and 5-bit blocks like q4_0, 6-bit like q8_0) rather than by fp32.
-KIN_FORMATS = {"q4_1": "q4_0", "q4_k": "q4_0", "q5_k": "q4_0", "q6_k": "q8_0"}
+KIN_FORMATS = {"q4_1": ("q4_0",), "q4_k": ("q4_0",), "q5_k": ("q4_k", "q4_0"), "q6_k": ("q8_0",)}
 
 
 def _measured(fmt: str, table: dict) -> str:
-    """fmt if table has a figure for it, else its kin format."""
-    return fmt if table.get(fmt) or fmt not in KIN_FORMATS else KIN_FORMATS[fmt]
+    """fmt if table has a figure for it, else its first kin format that has one (else its last kin)."""
+    if table.get(fmt) or fmt not in KIN_FORMATS:
+        return fmt
+    return next((kin for kin in KIN_FORMATS[fmt] if table.get(kin)), KIN_FORMATS[fmt][-1])
 
 
 @dataclass(frozen=True)
