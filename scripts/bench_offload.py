@@ -26,7 +26,7 @@ from offload.runtime.backends import make_backend
 from offload.runtime.backends.sim import SimBackend
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
-from offload.spec import load_spec
+from offload.weights.model_files import model_spec
 from offload.weights.sources import RandomSource
 
 GOAL = 0.8  # streamed decode keeps the link busy this share of wall time, or hides this share of copy time
@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
 
-    spec = load_spec(args.model)
+    spec = model_spec(Path(args.model))
     batches = [int(b) for b in args.batches.split(",")]
     request = PlanRequest(str(args.model), args.quantization, "auto", args.hardware, args.gpu_memory,
                           args.cpu_memory, batch_size=max(batches), max_model_len=args.prompt_len + args.decode_tokens

@@ -73,10 +73,10 @@ def main() -> None:
     args = ap.parse_args()
     from offload.hardware import default_hardware
     from offload.weights.default_model import resolve_model
-    from transformers import AutoTokenizer
+    from offload.weights.model_files import load_tokenizer
 
     hw = default_hardware()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("default"))
+    tokenizer = load_tokenizer(resolve_model("default"))
     jobs = {"demo": (demo_lines, 2048), "batch": (lambda: batch_lines(tokenizer), 2048),
             "long": (lambda: long_lines(tokenizer.vocab_size), 4200)}
     print(f"hardware profile: {hw.name} ({hw.source}); {torch.get_num_threads()} threads")
