@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -157,10 +158,12 @@ class ModelSpec:
                 weight[t.stored] = weight.get(t.stored, 0) + t.numel
         return replace(spec, stored_format=max(weight, key=weight.get)) if weight else spec
 
+    @functools.cached_property
+    def _stored_by_name(self) -> dict[str, str]:
+        return dict(self.stored_formats)
+
     def _stored(self, name: str) -> str | None:
-        if not self.stored_formats:
-            return None
-        return dict(self.stored_formats).get(name)
+        return self._stored_by_name.get(name)
 
     @property
     def q_size(self) -> int:

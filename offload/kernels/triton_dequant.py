@@ -208,6 +208,12 @@ def _check(x: torch.Tensor, qs: torch.Tensor, d: torch.Tensor, fmt: str, shape: 
         if (tuple(t.shape), t.dtype) != want or not t.is_contiguous() or t.device != x.device:
             raise KernelError(f"{fmt} weight {list(shape)}: {name} must be a contiguous {want[1]} tensor "
                               f"{list(want[0])} on {x.device}, got {t.dtype} {list(t.shape)} on {t.device}")
+    check_x_and_bias(x, (m, k), bias)
+
+
+def check_x_and_bias(x: torch.Tensor, shape: tuple[int, int], bias: torch.Tensor | None) -> None:
+    """Raise KernelError unless x [..., K] and bias [M] suit a fused dequant product with a weight of shape."""
+    m, k = shape
     if x.dtype not in _X_DTYPES or x.shape[-1] != k:
         raise KernelError(f"fused dequant needs fp32/bf16/fp16 activations [..., {k}], got {x.dtype} "
                           f"{list(x.shape)}")

@@ -17,7 +17,7 @@ import torch
 
 from offload.errors import KernelError
 from offload.formats import GGUF_BLOCKS
-from offload.kernels.triton_dequant import (_LAUNCH, _X_DTYPES, GEMV_MAX_ROWS, GEMV_PRODUCTS, TRITON_AVAILABLE,
+from offload.kernels.triton_dequant import (_LAUNCH, check_x_and_bias, GEMV_MAX_ROWS, GEMV_PRODUCTS, TRITON_AVAILABLE,
                                             _jit, _store, tl, triton)
 
 # fmt: (kernel id, sub-blocks per block, weights per sub-block); bytes per block from formats.GGUF_BLOCKS
@@ -205,9 +205,4 @@ def _check(x: torch.Tensor, qs: torch.Tensor, fmt: str, shape: tuple[int, int], 
     if tuple(qs.shape) != want or qs.dtype != torch.uint8 or not qs.is_contiguous() or qs.device != x.device:
         raise KernelError(f"{fmt} weight {list(shape)}: block bytes must be a contiguous uint8 tensor {list(want)} "
                           f"on {x.device}, got {qs.dtype} {list(qs.shape)} on {qs.device}")
-    if x.dtype not in _X_DTYPES or x.shape[-1] != k:
-        raise KernelError(f"fused dequant needs fp32/bf16/fp16 activations [..., {k}], got {x.dtype} "
-                          f"{list(x.shape)}")
-    if bias is not None and (tuple(bias.shape) != (m,) or not bias.is_contiguous() or bias.device != x.device):
-        raise KernelError(f"bias must be a contiguous tensor [{m}] on {x.device}, got {list(bias.shape)} on "
-                          f"{bias.device}")
+    check_x_and_bias(x, shape, bias)

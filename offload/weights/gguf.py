@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from offload.errors import WeightsError
-from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QUANT_BLOCK_BYTES
 from offload.paths import cache_dir
 from offload.spec import ModelSpec, spec_from_config
 
@@ -36,6 +35,7 @@ _LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "a
                 "ffn_down": "mlp.down_proj"}
 _TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
 TABLE_VERSION = 1  # of the cached metadata/tensor tables (cache_dir()/gguf)
+_TABLES: dict[Path, dict] = {}  # tables read in this process, by their cache path (which names size and mtime)
 LONG_ARRAY = 1024  # metadata arrays longer than this (vocabulary, merges, scores) keep only their length
 _LLAMA3_FACTORS = (8.0, 16.0, 32.0)  # rope factors of the Llama 3.1 / 3.2 / 3.3 releases, tried against rope_freqs
 
@@ -135,11 +135,14 @@ def _table(path: Path) -> dict:
         raise WeightsError(f"{path} is not a GGUF file (it starts with {magic!r}, not b'GGUF'); "
                            f"download it again or pass the model's folder instead")
     cached = table_cache_path(path)
+    if cached in _TABLES:
+        return _TABLES[cached]
     try:
-        return json.loads(cached.read_text())
+        table = _TABLES[cached] = json.loads(cached.read_text())
+        return table
     except (OSError, ValueError):
         pass
-    table = _parse(path)
+    table = _TABLES[cached] = _parse(path)
     try:
         cached.parent.mkdir(parents=True, exist_ok=True)
         tmp = cached.with_suffix(f".{os.getpid()}.tmp")
@@ -322,11 +325,3 @@ def _gguf_name(hf: str) -> str:
             suffix = hf.rsplit(".", 1)[1]
             return f"blk.{layer[1]}.{short}.{suffix}" if layer else f"{short}.{suffix}"
     return hf
-
-
-def is_quantized(fmt: str) -> bool:
-    return fmt in QUANT_BLOCK_BYTES or fmt in GGUF_BLOCKS
-
-
-def is_float(fmt: str) -> bool:
-    return fmt in FLOAT_FORMATS

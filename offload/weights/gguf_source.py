@@ -99,14 +99,12 @@ def stack(parts: list):
 
     if all(isinstance(p, torch.Tensor) for p in parts) and len({p.dtype for p in parts}) == 1:
         return torch.cat(parts)
-    if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1 and parts[0].d is not None:
-        rows = [p.to_rows() for p in parts]
-        fused = PackedWeight(rows[0].fmt, (sum(p.shape[0] for p in rows), rows[0].shape[1]),
-                             torch.cat([p.qs for p in rows]), torch.cat([p.d for p in rows]))
-        return fused.to_tiled() if TILED else fused
     if all(isinstance(p, PackedWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
-        return PackedWeight(parts[0].fmt, (sum(p.shape[0] for p in parts), parts[0].shape[1]),
-                            torch.cat([p.qs for p in parts]), None)
+        rows = [p.to_rows() for p in parts]  # rows of blocks concatenate in row order (GGUF formats: always)
+        d = None if rows[0].d is None else torch.cat([p.d for p in rows])
+        fused = PackedWeight(rows[0].fmt, (sum(p.shape[0] for p in rows), rows[0].shape[1]),
+                             torch.cat([p.qs for p in rows]), d)
+        return fused.to_tiled() if TILED else fused  # to_tiled: itself for formats without a tiled order
     return StackedWeight(tuple(parts))
 
 
