@@ -88,7 +88,7 @@ class HardwareProfile:
     cpu_mem_bps: float  # read bandwidth reached by all cores together
     # CPU matmul rate per weight format at a batch of 16+ tokens (compute-bound regime).
     cpu_flops: dict[str, float] = field(hash=False)
-    disk_read_bps: float
+    disk_read_bps: float  # a cold sequential read from the device
     gpu_name: str = ""
     cpu_name: str = ""
     gpu_reserved_bytes: int = 0  # device memory the process holds outside offload's buffers: CUDA context, cuBLAS
@@ -104,7 +104,14 @@ class HardwareProfile:
     # CPU attention: FLOP/s of the fused C++ layer's and of torch's, and the rate KV caches are read at (bytes/s)
     cpu_attention: dict[str, float] = field(default_factory=dict, hash=False)
     overhead_s: dict[str, float] = field(default_factory=dict, hash=False)  # OVERHEAD_TERMS: seconds each
+    page_cache_bps: float = 0.0  # a read served by the OS page cache (0: not measured)
     source: str = field(default="", compare=False)
+
+    @property
+    def page_cache_rate(self) -> float:
+        """Bytes/s of a read the page cache serves: measured, else a quarter of the memory bandwidth (one copy
+        by one thread)."""
+        return self.page_cache_bps or self.cpu_mem_bps / 4
 
     @property
     def has_gpu(self) -> bool:
@@ -201,11 +208,12 @@ _YAML_KEYS = {
     ("cpu", "attention"): ("cpu_attention", "attention"),
     ("disk", "size"): ("disk_bytes", parse_size),
     ("disk", "read_bandwidth"): ("disk_read_bps", parse_rate),
+    ("disk", "page_cache_bandwidth"): ("page_cache_bps", parse_rate),
 }
 _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, "gpu_mem_bps": 0.0, "gpu_reserved_bytes": 0,
              "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0,
              "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_k_factor": {}, "cpu_attention": {},
-             "overhead_s": {}}
+             "overhead_s": {}, "page_cache_bps": 0.0}
 
 
 def _did_you_mean(word: str, options) -> str:
@@ -311,7 +319,7 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
         value = getattr(profile, name)
         if name in ("cpu_flops_by_rows", "cpu_flops_one_thread", "cpu_k_factor"):
             value = {fmt: dict(curve) for fmt, curve in value.items()}
-        if isinstance(value, dict) and not value and name != "cpu_flops":
+        if (isinstance(value, dict) and not value and name != "cpu_flops") or (name == "page_cache_bps" and not value):
             continue  # not calibrated
         out.setdefault(section, {})[key] = dict(value) if isinstance(value, dict) else value
     if profile.overhead_s:
@@ -359,6 +367,49 @@ def system_memory_bytes() -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 8 * 2**30
+
+
+def _cgroup_memory_room() -> int | None:
+    """Bytes this process's memory cgroup (v2 or v1) lets it add beside the anonymous memory charged to it now;
+    None when it has no limit."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2
+            folder, limit_file, anon_key = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", "anon"
+        elif "memory" in controllers.split(","):
+            folder, limit_file, anon_key = (Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes",
+                                            "total_rss")
+        else:
+            continue
+        try:
+            limit = (folder / limit_file).read_text().strip()
+            stat = dict(ln.split() for ln in (folder / "memory.stat").read_text().splitlines() if ln.count(" ") == 1)
+        except (OSError, ValueError):
+            continue
+        limit = 2**62 if limit == "max" else min(int(limit), int(stat.get("hierarchical_memory_limit", 2**62)))
+        if limit >= 2**60:
+            continue
+        return limit - int(stat.get(anon_key, 0))
+    return None
+
+
+def page_cache_room_bytes(to_allocate: int) -> int:
+    """Bytes of page cache the OS can keep for a run that will still allocate to_allocate bytes: what is
+    available now (MemAvailable, and the memory cgroup's limit where one is set) less that, less a reserve of
+    1/16 of RAM for everything else."""
+    try:
+        info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return 0
+    room = _cgroup_memory_room()
+    if room is not None:
+        available = min(available, room)
+    return max(0, available - to_allocate - system_memory_bytes() // 16)
 
 
 def system_cores() -> int:

@@ -4,6 +4,8 @@ import json
 
 import pytest
 
+from offload.planner.costs import PAGE_BYTES
+
 from offload.errors import PlanError
 from offload.hardware import HardwareProfile
 from offload.planner import Budget, Workload, plan
@@ -59,17 +61,30 @@ def test_cpu_only_fits_to_the_byte_and_fails_one_byte_below():
         plan(spec, tiny_hw(vram_bytes=0), Budget(0, need - 1, margin_frac=0), WORKLOAD)
 
 
-def test_disk_spill_counts_read_ahead_buffers_byte_exact():
+def _pages(n: int) -> int:
+    return -(-n // PAGE_BYTES) * PAGE_BYTES
+
+
+def test_disk_spill_moves_the_embedding_first_byte_exact():
+    """An embedding on disk is read a row at a time: moving it first frees 32768 bytes and needs no read-ahead."""
     spec = spec_from_config(TINY)
     p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, 240_255, disk_bytes=10**6, margin_frac=0), WORKLOAD)
-    # Spill from the end: lm_head, then layer.1 (RAM still short once 2 read-ahead buffers of the largest
-    # disk unit are counted: 240256 - 32768 - 73984 + 2 * 73984 = 281472), then layer.0:
-    # 281472 - 73984 = 207488 fits.
-    assert [u.name for u in p.units if u.weight_tier == "disk"] == ["layer.0", "layer.1", "lm_head"]
-    assert p.tier("disk").weights_bytes == 2 * LAYER + LM_HEAD == 180_736
-    assert p.tier("cpu").pinned_bytes == 2 * LAYER
-    assert p.tier("cpu").total_bytes == 207_488
-    assert p.decode.disk_s > 0 and p.read_ahead_depth == 2 and p.read_buffer_bytes == LAYER
+    assert [u.name for u in p.units if u.weight_tier == "disk"] == ["embed"]
+    assert p.tier("cpu").total_bytes == 240_256 - EMBED and p.tier("cpu").pinned_bytes == 0
+    assert p.read_ahead_depth == 0 and p.read_buffer_bytes == 0
+
+
+def test_disk_spill_counts_the_read_ahead_arena_byte_exact():
+    # After the embedding (207488 bytes), layer.1 then layer.0 go (each adds a page-rounded read-ahead unit
+    # as it leaves RAM: 207488 - 73984 + 77824 = 211328, then - 73984 + 77824 = 215168), then the lm_head,
+    # whose read-ahead fits beside them (two units ahead at most: the arena stays 2 * 77824): 182400 fits.
+    spec = spec_from_config(TINY)
+    p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, 207_487, disk_bytes=10**6, margin_frac=0), WORKLOAD)
+    assert [u.name for u in p.units if u.weight_tier == "disk"] == ["embed", "layer.0", "layer.1", "lm_head"]
+    assert p.tier("disk").weights_bytes == EMBED + 2 * LAYER + LM_HEAD
+    assert p.tier("cpu").pinned_bytes == p.read_buffer_bytes == 2 * _pages(LAYER)
+    assert p.tier("cpu").total_bytes == 240_256 - EMBED - 2 * LAYER - LM_HEAD + 2 * _pages(LAYER) == 182_400
+    assert p.decode.disk_s > 0 and p.read_ahead_depth == 2
     assert p.prefetch_depth == 0 and p.staging_slot_bytes == 0  # nothing streams: no staging slots
 
 

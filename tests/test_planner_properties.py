@@ -1,6 +1,8 @@
 """Property tests over random specs, budgets, workloads and machines: fit or say so, never over-commit."""
 
 import pytest
+
+from offload.planner.costs import read_ahead_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,8 +59,8 @@ def test_no_plan_exceeds_a_budget_and_every_unit_is_placed_once(spec, budget, wo
     buffers = {u.name: u.buffer_bytes(fmt, workload.compute_format) for u in spec.units()}
     streamed = [buffers[u.name] for u in p.units if "stream" in (u.prefill, u.decode) and u.kind != "norm"]
     assert p.staging_slot_bytes == max(streamed, default=0)  # a slot holds the largest streamed unit's buffer
-    on_disk = [buffers[u.name] for u in p.units if u.weight_tier == "disk"]
-    assert p.read_buffer_bytes == max(on_disk, default=0) and p.read_ahead_depth == (2 if on_disk else 0)
+    read = [buffers[u.name] for u in p.units if u.weight_tier == "disk" and u.kind != "embed"]  # embed: by rows
+    assert p.read_buffer_bytes == read_ahead_bytes(read, 2) and p.read_ahead_depth == (2 if read else 0)
     assert p.prefill.step_s > 0 and p.decode.step_s > 0
 
 

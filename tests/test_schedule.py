@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+
+from offload.planner.costs import read_ahead_bytes
 import torch
 
 from conftest import gpu_profile, make_hf_model, save_hf_model
@@ -106,11 +108,12 @@ def test_disk_read_ahead_stays_within_its_bound(model_dir, read_ahead):
     for compute in ("cpu", "stream"):
         placement = Placement.uniform(spec, "disk", compute, read_ahead=read_ahead)
         model = run_placed(model_dir, placement)
-        assert 1 <= model.reader.max_in_use <= read_ahead
-        assert len(model.reader.buffers) == read_ahead
-        largest = max(model.layouts[n].n_bytes for n in model.order)
+        reader = model.reader
+        assert 1 <= reader.max_in_use <= read_ahead and reader.max_bytes_in_use <= reader.arena_bytes
+        read = [model.layouts[n].n_bytes for n in model.order if n not in model._embed_rows]
+        assert reader.arena_bytes == read_ahead_bytes(read, read_ahead)  # sized per unit, not by the largest
         ring = model.ring.n_slots * model.ring.slot_bytes if model.ring else 0
-        assert model.backend.memory.peak_bytes["cpu"] <= read_ahead * largest + _kv_bytes(model, "cpu")
+        assert model.backend.memory.peak_bytes["cpu"] <= reader.arena_bytes + _kv_bytes(model, "cpu")
         assert model.backend.memory.peak_bytes["gpu"] <= ring + _kv_bytes(model, "gpu")
         reads = [s for s in model.timeline.spans if s.kind == "disk_read"]
         assert len(reads) >= len(model.order)

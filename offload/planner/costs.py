@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from offload.formats import AS_STORED, FLOAT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile
@@ -20,6 +20,7 @@ HOP_LATENCY_S = 20e-6  # one hidden-state hand-over between CPU and GPU: copy la
 ACT_BYTES_GPU = 2  # activations in bf16/fp16 on the GPU
 ACT_BYTES_CPU = 4  # activations in fp32 on the CPU
 LOGIT_BYTES = 4
+PAGE_BYTES = 4096  # each unit in the disk read-ahead arena starts on a page
 
 
 @dataclass(frozen=True)
@@ -201,12 +202,15 @@ def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s
 
 def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[UnitCost], kinds: list[str],
                compute: list[str], decode: list[str], weight: list[str], depth: int, path: str,
-               steady: bool) -> PhaseCost:
+               steady: bool, cached: frozenset[int] = frozenset()) -> PhaseCost:
     """One step of phase for a placement: units in order with their costs and kinds, where each computes in
-    this phase (compute) and in decode (decode: where its KV lives), where its weights live (weight)."""
+    this phase (compute) and in decode (decode: where its KV lives), where its weights live (weight); the disk
+    units in cached are read from the page cache, at its rate, instead of the disk."""
     gpu = cpu = pcie = disk = host = 0.0
     chain = []
-    for c, mode, dec, tier in zip(costs, compute, decode, weight):
+    for i, (c, mode, dec, tier) in enumerate(zip(costs, compute, decode, weight)):
+        if i in cached and tier == "disk" and c.disk_s < math.inf:
+            c = replace(c, disk_s=c.disk_s * hw.disk_read_bps / hw.page_cache_rate)
         kv_move = c.kv_move_s if (mode == "cpu") != (dec == "cpu") else 0.0  # prompt KV made here, used there
         if mode == "cpu":
             cpu += c.cpu_s
@@ -228,6 +232,14 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
     n_cpu_layers = sum(k == "layer" and m == "cpu" for k, m in zip(kinds, compute))
     extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size)
     return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra)
+
+
+def read_ahead_bytes(sizes: list[int], depth: int) -> int:
+    """The read-ahead arena for disk units of these sizes, read in this order step after step, depth at a time:
+    the largest sum of depth consecutive units (cyclically), each rounded up to a page."""
+    sizes = [-(-n // PAGE_BYTES) * PAGE_BYTES for n in sizes]
+    k = min(depth, len(sizes))
+    return max((sum(sizes[(j + t) % len(sizes)] for t in range(k)) for j in range(len(sizes))), default=0)
 
 
 def pipeline_s(units: list[tuple[str, str, UnitCost, float]], depth: int, hop_s: float, n_passes: int = 1,

@@ -36,8 +36,8 @@ class UnitPlacement:
 @dataclass(frozen=True)
 class Placement:
     """What the executor runs and allocates: every unit's placement, the staging slots (prefetch_depth of
-    staging_slot_bytes), the disk read-ahead buffers (read_ahead of read_buffer_bytes) and the tokens of one
-    prefill pass. Sizes left None are taken from the units' own buffers (a placement made by hand)."""
+    staging_slot_bytes), the disk read-ahead (read_ahead units ahead, in an arena of read_buffer_bytes) and the
+    tokens of one prefill pass. Sizes left None are taken from the units' own buffers (a placement made by hand)."""
 
     units: dict[str, UnitPlacement]
     prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
@@ -46,6 +46,7 @@ class Placement:
     read_buffer_bytes: int | None = None
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # tokens one layer computes at once in prefill
     prefill_pass_tokens: int = DEFAULT_PREFILL_PASS_TOKENS  # padded prompt tokens per pass over the weights
+    page_cache: frozenset[str] | None = None  # disk units the OS page cache is left to keep (None: every one)
 
     def __post_init__(self):
         for name, p in self.units.items():
@@ -58,6 +59,11 @@ class Placement:
     def __getitem__(self, unit: str) -> UnitPlacement:
         return self.units[unit]
 
+    def page_cache_keeps(self, unit: str) -> bool:
+        """Whether the page cache may keep a disk unit's pages after a read (else they are dropped behind it, so
+        that the cache does not grow past what the plan counted on)."""
+        return self.page_cache is None or unit in self.page_cache
+
     @classmethod
     def from_plan(cls, plan: Plan) -> "Placement":
         """The placement a planner Plan decided, with the buffers it budgeted."""
@@ -66,7 +72,8 @@ class Placement:
         return cls(units, prefetch_depth=max(1, plan.prefetch_depth), read_ahead=max(1, plan.read_ahead_depth),
                    staging_slot_bytes=plan.staging_slot_bytes, read_buffer_bytes=plan.read_buffer_bytes,
                    prefill_chunk_tokens=plan.workload.prefill_chunk_tokens,
-                   prefill_pass_tokens=plan.workload.prefill_pass_tokens)
+                   prefill_pass_tokens=plan.workload.prefill_pass_tokens,
+                   page_cache=frozenset(u.name for u in plan.units if u.page_cached))
 
     @classmethod
     def uniform(cls, spec: ModelSpec, weights: str, compute: str, **kwargs) -> "Placement":

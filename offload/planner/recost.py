@@ -28,6 +28,7 @@ def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> di
     by_name = {u.name: u for u in plan.units}
     weight = [by_name[u.name].weight_tier for u in units]
     modes = {p: [getattr(by_name[u.name], p) for u in units] for p in PHASES}
+    cached = frozenset(i for i, u in enumerate(units) if by_name[u.name].page_cached)
     path = cpu_path(main_format(spec, plan.weight_format), plan.workload.compute_format)
     unit_memo: dict = {}
     step_memo: dict[Phase, float] = {}
@@ -42,6 +43,7 @@ def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> di
                     unit_memo[key] = unit_cost(spec, u, plan.weight_format, hw, phase, plan.workload.compute_format)
                 costs.append(unit_memo[key])
             step_memo[phase] = price_step(spec, hw, phase, costs, kinds, modes[phase.name], modes["decode"], weight,
-                                          plan.prefetch_depth, path, steady=phase.name == "decode").step_s
+                                          plan.prefetch_depth, path, steady=phase.name == "decode",
+                                          cached=cached).step_s
         out[phase.name] += step_memo[phase]
     return out

@@ -7,7 +7,8 @@ from dataclasses import dataclass, field, replace
 
 from offload.errors import ConfigError
 from offload.formats import AS_STORED, QUANTIZATIONS, compute_format, weight_format
-from offload.hardware import HardwareProfile, default_hardware, format_bytes, load_hardware, parse_size
+from offload.hardware import (HardwareProfile, default_hardware, format_bytes, load_hardware, page_cache_room_bytes,
+                              parse_size)
 from offload.planner.search import plan, plan_best_batch
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS, Budget, Plan, Workload
 from offload.spec import ModelSpec
@@ -69,7 +70,10 @@ class PlanRequest:
             raise ConfigError(f"the CPU budget of {format_bytes(budget.cpu_bytes)} (memory.cpu, --cpu-memory) is not "
                               f"more than this process's own {format_bytes(baseline)} (Python, torch, the "
                               f"tokenizer: memory.baseline); raise the budget above that")
-        return replace(budget, cpu_bytes=budget.cpu_bytes - baseline)
+        budget = replace(budget, cpu_bytes=budget.cpu_bytes - baseline)
+        if self.hardware is None:  # this machine: how much of the disk units its page cache can keep
+            budget = replace(budget, page_cache_bytes=page_cache_room_bytes(budget.cpu_bytes))
+        return budget
 
     def compute_format(self, hw: HardwareProfile) -> str:
         """The compute format this request runs in on hw (resolving dtype 'auto')."""

@@ -16,8 +16,8 @@ from pathlib import Path
 from offload.errors import ConfigError, PlanError
 from offload.formats import AS_STORED, QUANT_BLOCK_BYTES, WEIGHT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile, format_bytes
-from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cpu_path, main_format, hop_s, phases_for, price_step,
-                                   unit_cost, workspace_bytes)
+from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cpu_path, hop_s, main_format, phases_for,
+                                   price_step, read_ahead_bytes, unit_cost, workspace_bytes)
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec
 
@@ -31,6 +31,7 @@ class _Candidate:
     use_gpu: bool
     staging_slot: int = 0
     gpu_fixed: int = 0  # margin + workspace + resident weights + GPU KV
+    cached: frozenset[int] = frozenset()  # disk units the page cache keeps between reads
     short: tuple[str, int, int] | None = None  # (tier, needed, allowed) when it does not fit
 
 
@@ -199,21 +200,49 @@ class Search:
         return (self.budget.margin_bytes("cpu") + (self.ws_cpu if any_cpu else 0) + kv_cpu + weights
                 + self._pinned(cand))
 
-    def _pinned(self, cand: _Candidate) -> int:
-        on_disk = [self.buf[i] for i in range(self.n) if cand.weight[i] == "disk"]
-        return (self.hop_buffers if cand.use_gpu else 0) + self.depth * max(on_disk, default=0)
+    def _pinned(self, cand: _Candidate, weight: list[str] | None = None) -> int:
+        """Host buffers besides weights: the hidden-state hand-over (with a GPU) and the disk read-ahead arena."""
+        return (self.hop_buffers if cand.use_gpu else 0) + self._read_ahead(weight or cand.weight)
+
+    def _disk_reads(self, weight: list[str]) -> list[int]:
+        """Disk units read whole at every step, in order (an embedding on disk reads only the rows looked up)."""
+        return [i for i in range(self.n) if weight[i] == "disk" and i != self.i_embed]
+
+    def _read_ahead(self, weight: list[str]) -> int:
+        return read_ahead_bytes([self.buf[i] for i in self._disk_reads(weight)], self.depth)
+
+    def _spill(self, cand: _Candidate, order: list[int]) -> tuple[list[str], int]:
+        """Weights after moving units to disk in order until the host budget holds (or nothing is left to move),
+        and the host bytes they use."""
+        weight = list(cand.weight)
+        other = self._host_usage(cand) - self._pinned(cand)
+        for i in order:
+            if other + self._pinned(cand, weight) <= self.budget.cpu_bytes:
+                break
+            weight[i] = "disk"
+            other -= self.w[i]
+        return weight, other + self._pinned(cand, weight)
 
     def _place_host_weights(self, cand: _Candidate) -> None:
-        """Keep offloaded weights in RAM while it lasts, then spill the last units to disk."""
-        spill = [i for i in reversed(range(self.n)) if cand.weight[i] == "cpu" and i != self.i_norm]
-        used, largest = self._host_usage(cand), 0
-        while used > self.budget.cpu_bytes and spill:
-            i = spill.pop(0)
-            cand.weight[i] = "disk"
-            used -= self.w[i]
-            if self.buf[i] > largest:  # the read-ahead buffers grow with the largest disk unit
-                used += self.depth * (self.buf[i] - largest)
-                largest = self.buf[i]
+        """Keep offloaded weights in RAM while it lasts, then move units to disk: the embedding first (a step reads
+        only the rows it looks up), then layers from the last, or the lm_head before them, whichever keeps more
+        in RAM once the read-ahead arena they need is counted. The disk units the page cache has room for
+        beside the budget are left to it; the others are dropped from it once read."""
+        movable = [i for i in reversed(range(self.n)) if cand.weight[i] == "cpu" and i != self.i_norm]
+        first = [i for i in movable if i == self.i_embed]
+        layers = [i for i in movable if self.kinds[i] == "layer"]
+        rest = [i for i in movable if i not in first and i not in layers]
+        tried = [self._spill(cand, order) for order in (first + layers + rest, first + rest + layers)]
+        fits = [t for t in tried if t[1] <= self.budget.cpu_bytes]
+        cand.weight, used = (min(fits, key=lambda t: sum(self.w[i] for i in self._disk_reads(t[0]))) if fits
+                             else min(tried, key=lambda t: t[1]))
+        room, kept = self.budget.page_cache_bytes, []
+        for i in self._disk_reads(cand.weight):
+            if self.buf[i] > room:
+                break
+            room -= self.buf[i]
+            kept.append(i)
+        cand.cached = frozenset(kept)
         on_disk = sum(self.w[i] for i in range(self.n) if cand.weight[i] == "disk")
         if used > self.budget.cpu_bytes:
             cand.short = ("cpu", used, self.budget.cpu_bytes)
@@ -223,22 +252,22 @@ class Search:
     def _phase_cost(self, phase: str, cand: _Candidate) -> PhaseCost:
         """Busy seconds per resource in one step of phase, overlapped into the step time."""
         return price_step(self.spec, self.hw, self.phase[phase], self.cost[phase], self.kinds, cand.compute[phase],
-                          cand.compute["decode"], cand.weight, self.depth, self.path, steady=phase == "decode")
+                          cand.compute["decode"], cand.weight, self.depth, self.path, steady=phase == "decode",
+                          cached=cand.cached)
 
     def _freeze(self, cand: _Candidate, pre, dec) -> Plan:
         units = []
         for i, u in enumerate(self.units):
             kv_tier = ("cpu" if cand.compute["decode"][i] == "cpu" else "gpu") if u.kind == "layer" else None
             units.append(UnitPlan(u.name, u.kind, u.index, cand.weight[i], cand.compute["prefill"][i],
-                                  cand.compute["decode"][i], kv_tier, self.w[i], self.kv[i]))
+                                  cand.compute["decode"][i], kv_tier, self.w[i], self.kv[i], i in cand.cached))
         n_streamed = sum("stream" in (u.prefill, u.decode) for u in units)
         depth = min(self.depth, n_streamed)  # copies run this many streamed units ahead
-        on_disk = [self.buf[i] for i, u in enumerate(units) if u.weight_tier == "disk"]
-        read_ahead = self.depth if on_disk else 0  # disk reads run this many units ahead
+        read_ahead = self.depth if self._disk_reads(cand.weight) else 0  # disk reads run this many units ahead
         tiers = (self._gpu_tier(cand, units, depth), self._cpu_tier(cand, units), self._disk_tier(units))
         return Plan(self._model_name(), self.hw.name, self.fmt, self.wl, self.budget, tuple(units),
-                    tiers, pre, dec, depth, cand.staging_slot if depth else 0, read_ahead, max(on_disk, default=0),
-                    self._notes(cand))
+                    tiers, pre, dec, depth, cand.staging_slot if depth else 0, read_ahead,
+                    self._read_ahead(cand.weight), self._notes(cand))
 
     def _gpu_tier(self, cand: _Candidate, units: list[UnitPlan], depth: int) -> TierUsage:
         if not cand.use_gpu:

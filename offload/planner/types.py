@@ -28,6 +28,7 @@ class Budget:
     cpu_bytes: int
     disk_bytes: int = 0
     margin_frac: float = 0.05
+    page_cache_bytes: int = 0  # page cache the OS can keep for disk units besides cpu_bytes (measured when planning)
 
     def __post_init__(self):
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):
@@ -93,6 +94,7 @@ class UnitPlan:
     kv_tier: str | None  # layers only: where the decode computes
     weight_bytes: int
     kv_bytes: int
+    page_cached: bool = False  # a disk unit the page cache is left to keep between reads (its reads are cheap)
 
 
 @dataclass(frozen=True)
@@ -134,8 +136,8 @@ class Plan:
     decode: PhaseCost
     prefetch_depth: int  # staging slots on the GPU (copies run this many streamed units ahead)
     staging_slot_bytes: int
-    read_ahead_depth: int  # pinned host buffers that disk units are read ahead into
-    read_buffer_bytes: int
+    read_ahead_depth: int  # disk units read ahead of use at most
+    read_buffer_bytes: int  # the arena they are read into (pinned where they are copied to a GPU)
     notes: tuple[str, ...] = field(default=())
 
     def unit(self, name: str) -> UnitPlan:

@@ -1,4 +1,5 @@
-"""Disk tier: unit buffers stored in files, read ahead by a thread into a bounded set of (pinned) buffers."""
+"""Disk tier: disk units are read from the files that already hold their bytes (or, for a format no file holds,
+from a spill file), ahead of use by a thread, into one arena sized for the units it holds at once."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import torch
 
+from offload.planner.costs import PAGE_BYTES
 from offload.runtime.backends.base import Backend
+from offload.weights.extents import Extent
 
 
 SPILL_PREFIX = "offload-disk-"  # spill folders in the temp folder; a run's own is locked while it lives
@@ -72,52 +75,109 @@ def sweep_stale(parent: Path) -> list[Path]:
 
 
 class DiskStore:
-    """One file per unit under folder, holding the unit's flat buffer."""
+    """Where each disk unit's bytes are: extents of files that already hold them (the checkpoint, a GGUF file, the
+    packed-weight cache), or a spill file written for this run (a format no file holds)."""
 
-    def __init__(self, folder: Path):
-        self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=True)
+    def __init__(self, spill_dir: str | Path | None = None):
+        self._spill_dir = spill_dir
+        self._spill: SpillFolder | None = None
+        self.extents: dict[str, tuple[Extent, ...]] = {}
         self.sizes: dict[str, int] = {}
+        self.drop: set[str] = set()  # units whose pages are dropped from the page cache once read
+        self.spilled: list[str] = []
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _close_fds, self._fds)
 
-    def path(self, unit: str) -> Path:
-        return self.folder / f"{unit}.bin"
+    def add(self, unit: str, extents: tuple[Extent, ...] | list[Extent], n_bytes: int) -> None:
+        """unit's bytes are read from these extents of existing files."""
+        self.extents[unit], self.sizes[unit] = tuple(extents), n_bytes
+
+    @property
+    def spill_folder(self) -> Path | None:
+        return None if self._spill is None and self._spill_dir is None else Path(self._spill_dir or self._spill.name)
 
     def store(self, unit: str, buffer: torch.Tensor) -> None:
-        """Write a host uint8 buffer as unit's file (a meta buffer, in a timed simulation, only its size)."""
+        """Write a host uint8 buffer as unit's spill file (a meta buffer, in a timed simulation, only its size)."""
         if not buffer.is_meta:
-            with open(self.path(unit), "wb") as f:
+            if self._spill_dir is None and self._spill is None:
+                self._spill = SpillFolder()  # removed on every exit path; a killed run's by the next
+            folder = self.spill_folder
+            folder.mkdir(parents=True, exist_ok=True)
+            path = folder / f"{unit}.bin"
+            with open(path, "wb") as f:
                 f.write(buffer.numpy().tobytes())
+            self.extents[unit] = (Extent(str(path), 0, buffer.numel(), 0),)
+            self.spilled.append(unit)
         self.sizes[unit] = buffer.numel()
 
+    def _fd(self, path: str) -> int:
+        with self._lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
+
     def read_into(self, unit: str, buffer: torch.Tensor) -> int:
-        """Read unit's file into the start of buffer with one pread; returns bytes read."""
-        n = self.sizes[unit]
-        fd = os.open(self.path(unit), os.O_RDONLY)
-        try:
-            view = memoryview(buffer.numpy())[:n]
-            got = os.preadv(fd, [view], 0)
-        finally:
-            os.close(fd)
-        if got != n:
-            raise OSError(f"short read of {self.path(unit)}: {got} of {n} bytes; the offload disk cache is damaged")
-        return n
+        """Read unit's bytes into the start of buffer, extent by extent; returns bytes read."""
+        view = buffer.numpy()
+        for e in self.extents[unit]:
+            fd = self._fd(e.path)
+            got = os.preadv(fd, [memoryview(view[e.into: e.into + e.n_bytes])], e.offset)
+            if got != e.n_bytes:
+                raise OSError(f"short read of {e.path}: {got} of {e.n_bytes} bytes at {e.offset}; the file changed "
+                              f"or is damaged: load the model again")
+            if e.rows is not None:
+                piece = buffer[e.into: e.into + e.n_bytes].view(len(e.rows), -1)
+                piece.copy_(piece[torch.tensor(e.rows)])
+            if unit in self.drop:  # keep the page cache from holding what the plan does not keep
+                os.posix_fadvise(fd, e.offset, e.n_bytes, os.POSIX_FADV_DONTNEED)
+        return self.sizes[unit]
+
+    def read_rows(self, unit: str, rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
+        """Rows of a dense single-tensor unit (an embedding): [len(rows), row_bytes] uint8, one pread per row."""
+        (e,) = self.extents[unit]
+        out = torch.empty(len(rows), row_bytes, dtype=torch.uint8)
+        fd, view = self._fd(e.path), out.numpy()
+        for i, r in enumerate(rows.tolist()):
+            if os.preadv(fd, [memoryview(view[i])], e.offset + r * row_bytes) != row_bytes:
+                raise OSError(f"short read of {e.path} at row {r}; the file changed or is damaged: load the model again")
+        return out
+
+    def close(self) -> None:
+        self._finalizer()
+        if self._spill is not None:
+            self._spill.close()
+
+
+def _close_fds(fds: dict[str, int]) -> None:
+    for fd in fds.values():
+        os.close(fd)
+    fds.clear()
+
+
+def _page(n: int) -> int:
+    return -(-n // PAGE_BYTES) * PAGE_BYTES
 
 
 class ReadAhead:
-    """A reader thread that fills at most n_buffers buffers with disk units, in the order they will be used."""
+    """A reader thread that reads disk units, in the order they will be used, into one arena of arena_bytes:
+    each unit takes its own size (page-rounded), placed after the previous one and wrapping around, so at
+    most depth units are ahead and the arena never holds more than it was sized for."""
 
-    def __init__(self, backend: Backend, store: DiskStore, n_buffers: int, buffer_bytes: int):
-        self.backend, self.store = backend, store
-        self.buffers = [backend.alloc("cpu", buffer_bytes, pinned=True) for _ in range(n_buffers)]
-        self.buffer_bytes = buffer_bytes
+    def __init__(self, backend: Backend, store: DiskStore, depth: int, arena_bytes: int, pinned: bool):
+        self.backend, self.store, self.depth = backend, store, depth
+        self.arena = backend.alloc("cpu", arena_bytes, pinned=pinned)
+        self.arena_bytes = arena_bytes
         self._cond = threading.Condition()
-        self._free = list(range(n_buffers))
-        self._ready: dict[str, int] = {}
+        self._live: list[list] = []  # [unit, start, end, released] in read order
+        self._ready: dict[str, tuple[int, int]] = {}
         self._ready_t: dict[str, float] = {}  # when each read unit's bytes were there (the backend's clock)
-        self._free_t = [0.0] * n_buffers  # when each buffer was last given back
+        self._free_t = 0.0  # when arena space was last given back
         self._queue: list[tuple[str, str]] = []
         self._error: BaseException | None = None
         self.max_in_use = 0
+        self.max_bytes_in_use = 0
         self._thread = threading.Thread(target=self._run, name="offload-disk-reader", daemon=True)
         self._thread.start()
 
@@ -127,34 +187,60 @@ class ReadAhead:
             self._queue.extend((u, phase) for u in units)
             self._cond.notify_all()
 
+    def _where(self, n: int) -> int | None:
+        """Start of a free range of n bytes after the newest unit (wrapping to 0), or None while there is none."""
+        if len(self._live) >= self.depth:
+            return None
+        if not self._live:
+            return 0 if n <= self.arena_bytes else None
+        head, tail = self._live[-1][2], self._live[0][1]
+        if self._live[-1][1] >= tail:  # not wrapped: free is [head, arena) and [0, tail)
+            if head + n <= self.arena_bytes:
+                return head
+            return 0 if n <= tail else None
+        return head if head + n <= tail else None  # wrapped: free is [head, tail)
+
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._queue and self._free):
+                while True:
+                    if self._queue:
+                        unit, phase = self._queue[0]
+                        n = _page(self.store.sizes[unit])
+                        start = self._where(n)
+                        if start is not None:
+                            break
                     self._cond.wait()
-                unit, phase = self._queue.pop(0)
-                i = self._free.pop(0)
-                self.max_in_use = max(self.max_in_use, len(self.buffers) - len(self._free))
+                self._queue.pop(0)
+                self._live.append([unit, start, start + n, False])
+                self.max_in_use = max(self.max_in_use, len(self._live))
+                self.max_bytes_in_use = max(self.max_bytes_in_use, sum(e - s for _, s, e, _ in self._live))
+                free_t = self._free_t
+            buffer = self.arena[start: start + n]
             try:
-                ready_t = self.backend.read_disk(self.store, unit, self.buffers[i], phase, self._free_t[i])
+                ready_t = self.backend.read_disk(self.store, unit, buffer, phase, free_t)
             except BaseException as e:  # noqa: BLE001 - handed to the consumer
                 with self._cond:
                     self._error = e
                     self._cond.notify_all()
                 return
             with self._cond:
-                self._ready[unit], self._ready_t[unit] = i, ready_t
+                self._ready[unit], self._ready_t[unit] = (start, n), ready_t
                 self._cond.notify_all()
 
+    def _buffer(self, unit: str) -> torch.Tensor:
+        start, n = self._ready[unit]
+        return self.arena[start: start + n]
+
     def acquire(self, unit: str) -> torch.Tensor:
-        """Block until unit has been read; return its buffer."""
+        """Block until unit has been read; return its bytes."""
         with self._cond:
             while unit not in self._ready:
                 if self._error is not None:
                     raise self._error
                 self._cond.wait()
             self.backend.host_wait_until(self._ready_t[unit])
-            return self.buffers[self._ready[unit]]
+            return self._buffer(unit)
 
     def ready_t(self, unit: str) -> float:
         """When unit's bytes were there (acquired units only): a copy of them starts no earlier."""
@@ -162,17 +248,21 @@ class ReadAhead:
             return self._ready_t[unit]
 
     def try_acquire(self, unit: str) -> torch.Tensor | None:
-        """unit's buffer if it has been read already, else None (never blocks)."""
+        """unit's bytes if they have been read already, else None (never blocks)."""
         with self._cond:
             if self._error is not None:
                 raise self._error
-            i = self._ready.get(unit)
-            return None if i is None else self.buffers[i]
+            return self._buffer(unit) if unit in self._ready else None
 
     def release(self, unit: str) -> None:
-        """Give unit's buffer back to the reader."""
+        """Give unit's space back to the reader (reclaimed once every unit read before it is released too)."""
         with self._cond:
-            i = self._ready.pop(unit)
-            self._free_t[i] = self.backend.now()
-            self._free.append(i)
+            start, _ = self._ready.pop(unit)
+            for entry in self._live:
+                if entry[0] == unit and entry[1] == start and not entry[3]:
+                    entry[3] = True
+                    break
+            while self._live and self._live[0][3]:
+                self._live.pop(0)
+            self._free_t = self.backend.now()
             self._cond.notify_all()

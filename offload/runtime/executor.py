@@ -27,11 +27,13 @@ import torch
 from offload.errors import PlanError
 from offload.kernels import layer as fused
 from offload.model.llama import LayerKV, Step, layer_forward, make_step, unit_forward
+from offload.planner.costs import read_ahead_bytes
 from offload.planner.placement import Placement
 from offload.planner.types import PHASES
 from offload.profile.timeline import Timeline
 from offload.runtime.backends.base import Backend, Work
-from offload.runtime.disk import DiskStore, ReadAhead, SpillFolder
+from offload.profile.timeline import Span
+from offload.runtime.disk import DiskStore, ReadAhead
 from offload.runtime.staging import StagingRing
 from offload.runtime.threads import ThreadGovernor
 from offload.runtime.unit_store import UnitLayout, in_row_order, layout_of, materialize, write_into
@@ -54,10 +56,14 @@ class PlacedModel:
         self._cpu = torch.device("cpu")
         self.layouts: dict[str, UnitLayout] = {}
         self.resident, self.host_buffers, self.host_weights = {}, {}, {}
-        self._disk_dir, self._disk_tmp = disk_dir, None
-        self.disk = None
+        self.disk = DiskStore(disk_dir)
         for unit in self.units:
-            self._place(unit, source.load(unit))
+            self._place(unit, source.load(unit), source)
+        self.disk.drop = {n for n in self.disk.sizes if not placement.page_cache_keeps(n)}
+        # an embedding computed on the CPU from disk reads only the rows a step looks up
+        self._embed_rows = {u.name for u in self.units if u.kind == "embed" and placement[u.name].weights == "disk"
+                            and placement[u.name].prefill == placement[u.name].decode == "cpu"
+                            and len(self.disk.extents.get(u.name, ())) == 1}
         self.ring = self._make_ring()
         self.reader = self._make_reader()
         self._cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
@@ -65,7 +71,7 @@ class PlacedModel:
         # the schedule's unit lists, fixed by the placement: made once, not at every step
         self._streamed = {phase: [n for n in self.order if placement[n].mode(phase) == "stream"]
                           for phase in PHASES}
-        self._on_disk = [n for n in self.order if placement[n].weights == "disk"]
+        self._on_disk = [n for n in self.order if placement[n].weights == "disk" and n not in self._embed_rows]
         self._schedule = {phase: self._group_host_layers(phase) for phase in PHASES}
         self._kv_bytes: dict[str, int] = {}
         self._stream_queue: list[str] = []
@@ -93,7 +99,7 @@ class PlacedModel:
         self.backend.synchronize()
 
     # building ----------------------------------------------------------------------------------------
-    def _place(self, unit, weights) -> None:
+    def _place(self, unit, weights, source) -> None:
         p = self.placement[unit.name]
         if "cpu" not in (p.prefill, p.decode):  # GPU-only compute: GGUF row order (see in_row_order)
             weights = in_row_order(weights)
@@ -115,18 +121,15 @@ class PlacedModel:
                 handle = fused.fuse_layer(self.spec, self.host_weights[unit.name])
                 if handle is not None:
                     self.fused_layers[unit.name] = handle
-        else:
-            host = torch.empty(layout.n_bytes, dtype=torch.uint8, device=self.backend.meta_or("cpu"))
-            write_into(layout, weights, host)
-            self._disk_store().store(unit.name, host)
+        else:  # read from the file that holds the unit's bytes as the layout has them, else from a spill copy
+            extents = source.extents(unit, layout) if hasattr(source, "extents") else None
+            if extents is not None:
+                self.disk.add(unit.name, extents, layout.n_bytes)
+            else:
+                host = torch.empty(layout.n_bytes, dtype=torch.uint8, device=self.backend.meta_or("cpu"))
+                write_into(layout, weights, host)
+                self.disk.store(unit.name, host)
             self.backend.track("disk", layout.n_bytes)
-
-    def _disk_store(self) -> DiskStore:
-        if self.disk is None:
-            if self._disk_dir is None:
-                self._disk_tmp = SpillFolder()  # removed on every exit path; a killed run's by the next
-            self.disk = DiskStore(Path(self._disk_dir or self._disk_tmp.name))
-        return self.disk
 
     def _make_ring(self) -> StagingRing | None:
         streamed = [n for n in self.order if "stream" in (self.placement[n].prefill, self.placement[n].decode)]
@@ -136,11 +139,18 @@ class PlacedModel:
         return StagingRing(self.backend, self.placement.prefetch_depth, slot_bytes)
 
     def _make_reader(self) -> ReadAhead | None:
-        on_disk = [n for n in self.order if self.placement[n].weights == "disk"]
+        on_disk = [n for n in self.order if self.placement[n].weights == "disk" and n not in self._embed_rows]
         if not on_disk:
             return None
-        size = self._buffer_bytes(on_disk, self.placement.read_buffer_bytes, "disk read-ahead buffer")
-        return ReadAhead(self.backend, self.disk, self.placement.read_ahead, size)
+        depth = self.placement.read_ahead
+        need = read_ahead_bytes([self.layouts[n].n_bytes for n in on_disk], depth)
+        planned = self.placement.read_buffer_bytes
+        if planned is not None and planned < read_ahead_bytes([max(self.layouts[n].n_bytes for n in on_disk)], 1):
+            raise PlanError(f"the plan sized the disk read-ahead at {planned} bytes, less than its largest disk unit "
+                            f"takes; the plan was made for another model or format: plan again for this one")
+        # the arena is pinned only for units copied to a GPU from it; CPU-computed ones are read in place
+        streamed = any("stream" in (self.placement[n].prefill, self.placement[n].decode) for n in on_disk)
+        return ReadAhead(self.backend, self.disk, depth, need if planned is None else planned, pinned=streamed)
 
     def _buffer_bytes(self, units: list[str], planned: int | None, what: str) -> int:
         """The planned size of a buffer that must hold any of units (their largest, for a hand-made placement)."""
@@ -289,8 +299,11 @@ class PlacedModel:
 
     def _run(self, name: str, x, phase: str, step: Step | None, cache, steps: dict):
         """Acquire, compute and release one unit; step and cache are None for the lm_head."""
-        weights, on_device = self._acquire(name, phase)
         work = self._work(name, phase, step, x)
+        if name in self._embed_rows:
+            rows, ids = self._embedding_rows(name, x, phase)
+            return self._on_cpu([work], self._compute_cpu, ids, name, rows, step, cache, steps)
+        weights, on_device = self._acquire(name, phase)
         if on_device:
             y = self.backend.launch(work, self._compute, self.backend.to_device(x), name, weights, step, cache,
                                     steps, True)
@@ -298,6 +311,17 @@ class PlacedModel:
             y = self._on_cpu([work], self._compute_cpu, self.backend.to_host(x), name, weights, step, cache, steps)
         self._release(name, phase)
         return y
+
+    def _embedding_rows(self, name: str, tokens: torch.Tensor, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of a disk embedding these tokens look up, read from its file, and the tokens as indices into
+        them."""
+        entry = self.layouts[name].entries[0]
+        ids, inverse = torch.unique(tokens.reshape(-1), return_inverse=True)
+        row_bytes = entry.n_bytes // entry.shape[0]
+        start = self.backend.now()
+        raw = self.disk.read_rows(name, ids, row_bytes)
+        self.timeline.add(Span("disk_read", phase, name, start, self.backend.now(), n_bytes=raw.numel()))
+        return raw.view(entry.dtype).view(len(ids), entry.shape[1]), inverse.view(tokens.shape)
 
     def _work(self, name: str, phase: str, step: Step | None, x) -> Work:
         kind = self._kind_index[name][0]

@@ -38,6 +38,7 @@ from offload.formats import format_of_dtype
 from offload.model.llama import LayerWeights
 from offload.paths import cache_dir
 from offload.spec import ModelSpec, UnitSpec
+from offload.weights.extents import unit_extents
 from offload.weights.loader import _DTYPES, INDEX_NAME, Checkpoint
 
 log = logging.getLogger(__name__)
@@ -128,6 +129,30 @@ class PackedCache:
             except OSError as e:
                 self._give_up(f"{e.strerror or e}" + (f": {e.filename}" if e.filename else ""))
         return weights
+
+    def extents(self, unit: UnitSpec, layout):
+        """Where the unit's buffer (layout) sits in this complete entry's files, or None (not complete yet, or
+        the unit's tensors are not there as the layout holds them)."""
+        if self.reader is None:
+            opened = _open_entry(self.folder, self.names)
+            if opened is None:
+                return None
+            self.entry, self.reader = opened
+        if unit.name not in self.entry["units"]:
+            return None
+        reader = self.reader
+
+        def locate(name: str, entry):
+            # a dense entry is a tensor, or the quants plane of a half-precision packed weight
+            stored_names = (name, name + ".qs") if entry.part == "dense" else (f"{name}.{entry.part}",)
+            for stored in stored_names:
+                if stored in reader:
+                    path, offset, n_bytes, dtype = reader.where(stored)
+                    return (path, offset, n_bytes, None) if dtype == entry.dtype else None
+            return None
+
+        fields = self.entry["units"][unit.name]["fields"]
+        return unit_extents(layout, {f: (f"{unit.name}.{f}",) for f in fields}, locate)
 
     def _read_unit(self, unit: UnitSpec):
         parts = {}

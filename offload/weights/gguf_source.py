@@ -12,9 +12,11 @@ import logging
 import numpy as np
 import torch
 
-from offload.formats import FLOAT_FORMATS, QK, is_quantized
+from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK, is_quantized
 from offload.model.llama import LayerWeights, StackedWeight
 from offload.spec import ModelSpec, UnitSpec
+from offload.weights.extents import Extent, unit_extents
+from offload.weights.sources import unit_tensor_names
 from offload.weights.gguf import GGUFFile, GGUFTensor, check_tensors, hf_name
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,28 @@ class GGUFSource:
             mlp_norm=self.dense(p + "post_attention_layernorm.weight"),
             gate_up=stack([self.linear(n + ".weight") for n in gate_up]), gate_up_bias=bias(gate_up, s.mlp_bias),
             down=self.linear(p + "mlp.down_proj.weight"), down_bias=bias([p + "mlp.down_proj"], s.mlp_bias))
+
+    def extents(self, unit: UnitSpec, layout) -> tuple[Extent, ...] | None:
+        """Where the unit's buffer (layout) sits in the GGUF file: entries kept as GGUF blocks (q4_1, K-quants) or
+        as floats of the compute dtype are; q8_0/q4_0 (split into planes, tiled) and converted ones are not."""
+        if self.quantization != "none":
+            return None
+
+        def locate(name: str, entry):
+            t = self.by_name.get(name)
+            if t is None:
+                return None
+            as_blocks = entry.part == "qs" and entry.fmt in GGUF_BLOCKS and entry.fmt == t.fmt
+            as_floats = entry.part == "dense" and t.fmt in FLOAT_FORMATS and _FLOAT_DTYPES[t.fmt] == entry.dtype
+            if not (as_blocks or as_floats):
+                return None
+            rows = None
+            if self.unpermute and (".self_attn.q_proj." in name or ".self_attn.k_proj." in name):
+                heads = self.spec.n_heads if ".q_proj." in name else self.spec.n_kv_heads
+                rows = tuple(_unpermute_rows(t.shape[0], heads).tolist())
+            return t.path, t.offset, t.n_bytes, rows
+
+        return unit_extents(layout, unit_tensor_names(self.spec, unit), locate)
 
     def _raw(self, name: str) -> tuple[GGUFTensor, np.ndarray]:
         """The tensor's bytes as rows [out, row bytes], with llama's q/k row permutation undone."""

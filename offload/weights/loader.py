@@ -102,6 +102,11 @@ class Checkpoint:
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
 
+    def where(self, name: str) -> tuple[Path, int, int, torch.dtype | None]:
+        """(file, offset, bytes, torch dtype or None if offload does not read it) of a tensor in the checkpoint."""
+        offset, n_bytes, st_dtype = self._where[name]
+        return self._file_of[name], offset, n_bytes, _DTYPES.get(st_dtype)
+
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read one tensor (optionally converted to dtype)."""
         path = self._file_of.get(name)

@@ -10,7 +10,8 @@ from offload.formats import AS_STORED, FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANTIZAT
 from offload.model.llama import LayerWeights, StackedWeight
 from offload.model.model import Model
 from offload.spec import ModelSpec, TensorSpec, UnitSpec
-from offload.weights.cache import open_packed_cache
+from offload.weights.cache import CACHED_KINDS, open_packed_cache
+from offload.weights.extents import Extent, unit_extents
 from offload.weights.loader import Checkpoint
 
 
@@ -40,30 +41,39 @@ def packer(quantization: str, dtype: torch.dtype):
     return pack_or_keep
 
 
+def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...] | None]:
+    """Each LayerWeights field's checkpoint tensors, in the order they are fused (None: the model has none)."""
+    p = f"model.layers.{i}."
+    qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+    gate_up = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
+
+    def names(modules: list[str], suffix: str, present: bool = True) -> tuple[str, ...] | None:
+        return tuple(m + suffix for m in modules) if present else None
+
+    return {"attn_norm": (p + "input_layernorm.weight",), "qkv": names(qkv, ".weight"),
+            "qkv_bias": names(qkv, ".bias", spec.qkv_bias), "o": (p + "self_attn.o_proj.weight",),
+            "o_bias": names([p + "self_attn.o_proj"], ".bias", spec.o_bias),
+            "mlp_norm": (p + "post_attention_layernorm.weight",), "gate_up": names(gate_up, ".weight"),
+            "gate_up_bias": names(gate_up, ".bias", spec.mlp_bias), "down": (p + "mlp.down_proj.weight",),
+            "down_bias": names([p + "mlp.down_proj"], ".bias", spec.mlp_bias)}
+
+
+def unit_tensor_names(spec: ModelSpec, unit: UnitSpec) -> dict[str, tuple[str, ...] | None]:
+    """layer_tensor_names for a layer; {"weight": (its tensor,)} for embed, norm and lm_head."""
+    return layer_tensor_names(spec, unit.index) if unit.kind == "layer" else {"weight": (unit.tensors[0].name,)}
+
+
 def load_layer(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> LayerWeights:
     """Read layer i's tensors, fusing q/k/v and gate/up."""
-    p = f"model.layers.{i}."
+    def get(names: tuple[str, ...] | None, linear: bool = False):
+        if names is None:
+            return None
+        t = torch.cat([ckpt.get(n, dtype) for n in names]) if len(names) > 1 else ckpt.get(names[0], dtype)
+        return pack(t) if linear else t
 
-    def get(name: str) -> torch.Tensor:
-        return ckpt.get(p + name, dtype)
-
-    def bias(names: list[str], present: bool) -> torch.Tensor | None:
-        return torch.cat([get(n + ".bias") for n in names]) if present else None
-
-    qkv = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
-    gate_up = ["mlp.gate_proj", "mlp.up_proj"]
-    return LayerWeights(
-        attn_norm=get("input_layernorm.weight"),
-        qkv=pack(torch.cat([get(n + ".weight") for n in qkv])),
-        qkv_bias=bias(qkv, spec.qkv_bias),
-        o=pack(get("self_attn.o_proj.weight")),
-        o_bias=bias(["self_attn.o_proj"], spec.o_bias),
-        mlp_norm=get("post_attention_layernorm.weight"),
-        gate_up=pack(torch.cat([get(n + ".weight") for n in gate_up])),
-        gate_up_bias=bias(gate_up, spec.mlp_bias),
-        down=pack(get("mlp.down_proj.weight")),
-        down_bias=bias(["mlp.down_proj"], spec.mlp_bias),
-    )
+    names = layer_tensor_names(spec, i)
+    return LayerWeights(**{field: get(group, field in ("qkv", "o", "gate_up", "down"))
+                           for field, group in names.items()})
 
 
 class CheckpointSource:
@@ -79,6 +89,18 @@ class CheckpointSource:
     def load(self, unit: UnitSpec):
         """LayerWeights for a layer; a tensor (or packed lm_head) for embed, norm and lm_head."""
         return self.read(unit) if self.cache is None else self.cache.load(unit, self.read)
+
+    def extents(self, unit: UnitSpec, layout) -> tuple[Extent, ...] | None:
+        """Where the unit's buffer (layout) sits in files as it is: the checkpoint when its tensors are stored in the
+        compute dtype and not quantized, else the packed-weight cache once it is complete; None otherwise."""
+        if self.cache is not None and unit.kind in CACHED_KINDS:
+            return self.cache.extents(unit, layout)
+
+        def locate(name: str, entry):
+            path, offset, n_bytes, dtype = self.ckpt.where(name)
+            return (path, offset, n_bytes, None) if entry.part == "dense" and dtype == entry.dtype else None
+
+        return unit_extents(layout, unit_tensor_names(self.spec, unit), locate)
 
     def read(self, unit: UnitSpec):
         """load() from the checkpoint itself, never the cache."""

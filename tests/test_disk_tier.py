@@ -1,0 +1,87 @@
+"""The disk tier: disk units are read from the files that already hold their bytes (a safetensors checkpoint in the
+compute dtype, a GGUF file's blocks, the packed-weight cache), not from a copy written for the run; whatever the
+source, a model run from disk gives the same greedy tokens as the same model held in RAM."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import make_hf_model, save_hf_model
+from gguf_support import K_TINY, write_gguf
+
+from offload import LLM, SamplingParams
+from offload.planner import Placement
+from offload.weights.model_files import model_spec
+
+PROMPTS = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+
+
+def _run(path, weights: str, **kwargs) -> tuple[list[list[int]], LLM]:
+    spec = model_spec(path)
+    page_cache = kwargs.pop("page_cache", None)
+    placement = Placement.uniform(spec, weights, "cpu", page_cache=page_cache)
+    llm = LLM(str(path), placement=placement, backend="cpu", host_baseline=0, **kwargs)
+    out = llm.generate(PROMPTS, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    return [o.token_ids for o in out], llm
+
+
+def _same_tokens_from_disk(path, **kwargs) -> LLM:
+    in_ram, _ = _run(path, "cpu", **kwargs)
+    from_disk, llm = _run(path, "disk", **kwargs)
+    assert from_disk == in_ram
+    return llm
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_checkpoint_in_the_compute_dtype_is_read_in_place(tmp_path, dtype):
+    model = make_hf_model("llama")
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    path = save_hf_model(model, tmp_path / "tiny")
+    llm = _same_tokens_from_disk(path, dtype=dtype)
+    disk = llm.model.disk
+    assert disk.spilled == [] and disk.spill_folder is None  # no spill folder is made at all
+    assert {e.path for ex in disk.extents.values() for e in ex} == {str(path / "model.safetensors")}
+    assert "embed" in llm.model._embed_rows  # read a row at a time
+
+
+def test_a_checkpoint_in_another_dtype_is_spilled_once_converted(tmp_path):
+    path = save_hf_model(make_hf_model("llama").to(torch.bfloat16), tmp_path / "tiny")
+    llm = _same_tokens_from_disk(path, dtype="fp32")
+    assert sorted(llm.model.disk.spilled) == sorted(llm.model.disk.sizes)
+
+
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+def test_quantized_units_are_read_from_the_packed_cache(tmp_path, monkeypatch, quantization):
+    monkeypatch.setenv("OFFLOAD_PACKED_CACHE", "1")
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))
+    path = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
+    _run(path, "cpu", quantization=quantization)  # writes the cache entry
+    llm = _same_tokens_from_disk(path, quantization=quantization)
+    disk = llm.model.disk
+    assert disk.spilled == []
+    files = {e.path for ex in disk.extents.values() for e in ex}
+    assert files and all(f.startswith(str(tmp_path / "cache")) or f.endswith("model.safetensors") for f in files)
+
+
+@pytest.mark.parametrize("qtype,in_file", [("F32", True), ("Q4_1", True), ("Q4_K", True), ("Q6_K", True),
+                                           ("Q8_0", False)])
+def test_gguf_blocks_are_read_from_the_gguf_file(tmp_path, qtype, in_file):
+    """q4_1 and the K-quants keep GGUF's blocks (and q/k rows are put back in order after the read); q8_0 is
+    split into planes in the kernels' order, which no file holds, so it is spilled."""
+    k_quant = qtype.endswith("_K")
+    model = make_hf_model("llama", **({**K_TINY, "vocab_size": 300} if k_quant else {"vocab_size": 300}))
+    path = write_gguf(model, tmp_path / f"tiny-{qtype}.gguf", qtype, random_quants=k_quant)
+    llm = _same_tokens_from_disk(path, dtype="fp32")
+    layers = [n for n in llm.model.disk.sizes if n.startswith("layer.")]
+    spilled = [n for n in llm.model.disk.spilled if n.startswith("layer.")]
+    assert layers and spilled == ([] if in_file else layers)
+    if in_file:
+        assert any(e.rows is not None for e in llm.model.disk.extents["layer.0"])  # q and k rows reordered
+
+
+def test_units_dropped_from_the_page_cache_read_the_same(tmp_path):
+    path = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
+    in_ram, _ = _run(path, "cpu")
+    dropped, llm = _run(path, "disk", page_cache=frozenset())
+    assert dropped == in_ram and llm.model.disk.drop == set(llm.model.disk.sizes)
