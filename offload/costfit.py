@@ -21,6 +21,10 @@ CURVE_FORMATS = tuple(weight_format(q, CPU_COMPUTE) for q in QUANTIZATIONS)  # e
 # GGUF formats read as stored get matmul curves too (the default model is Q4_1; Q4_K_M files are Q4_K and Q6_K);
 # their overhead terms are the fused layer's, fitted on CURVE_FORMATS. Q5_K is priced by Q4_K's curves.
 GGUF_CURVE_FORMATS = ("q4_1", "q4_k", "q6_k")
+# Float weights other than fp32 run where a float compute format is asked for (dtype bf16 on the CPU): torch's
+# matmul with activations in that format, measured as such.
+FLOAT_CURVE_FORMATS = ("bf16",)
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CURVE_BYTES = 96 * 2**20  # weights cycled through per measurement: past the last-level cache, as a model is
 
 
@@ -52,7 +56,6 @@ def measure_cpu_curve(fmt: str, rows: tuple[int, ...] = CURVE_ROWS, repeats: int
 def _measure_curve(fmt: str, rows: tuple[int, ...], repeats: int) -> tuple[tuple[int, float], ...]:
     import torch
 
-    from offload import kernels
 
     spec = _calibration_spec(1)
     shapes = [t.shape for t in spec.layer_tensors(0) if t.role == "linear"]
@@ -62,10 +65,10 @@ def _measure_curve(fmt: str, rows: tuple[int, ...], repeats: int) -> tuple[tuple
     for _ in range(max(1, int(CURVE_BYTES // per_layer))):
         for n, k in shapes:
             mats.append(_random_weight(fmt, n, k, gen))
-    linear = torch.nn.functional.linear if fmt == CPU_COMPUTE else kernels.linear
+    linear, x_dtype = _linear_for(fmt)
     curve = []
     for m in rows:
-        xs = {k: torch.randn(m, k, generator=gen) for _, k in shapes}
+        xs = {k: torch.randn(m, k, generator=gen).to(x_dtype) for _, k in shapes}
         flops = sum(2 * m * n * k for n, k in shapes) * (len(mats) // len(shapes))
 
         def run():
@@ -96,7 +99,6 @@ def measure_k_factor(fmt: str, repeats: int = 3) -> tuple[tuple[int, float], ...
     2048 outputs, weights copied past the caches)."""
     import torch
 
-    from offload import kernels
 
     gen = torch.Generator().manual_seed(2)
     rates = {}
@@ -105,8 +107,8 @@ def measure_k_factor(fmt: str, repeats: int = 3) -> tuple[tuple[int, float], ...
         n = 2048
         copies = max(1, int(CURVE_BYTES // format_nbytes(n * k, fmt)))
         mats = [_random_weight(fmt, n, k, gen) for _ in range(min(copies, 4))] * max(1, copies // 4)
-        linear = torch.nn.functional.linear if fmt == CPU_COMPUTE else kernels.linear
-        x = torch.randn(K_ROWS, k, generator=gen)
+        linear, x_dtype = _linear_for(fmt)
+        x = torch.randn(K_ROWS, k, generator=gen).to(x_dtype)
 
         def run():
             for w in mats:
@@ -114,6 +116,20 @@ def measure_k_factor(fmt: str, repeats: int = 3) -> tuple[tuple[int, float], ...
 
         rates[k] = 2 * K_ROWS * n * k * len(mats) / _median_time(run, repeats)
     return tuple((k, rates[k] / rates[K_REFERENCE]) for k in K_CLASSES if k in rates)
+
+
+def _linear_for(fmt: str):
+    """(the matmul CPU layers run for weights in fmt, the activations' torch dtype): the block math's for float
+    weights, with activations in their format; offload's kernels, with fp32 activations, for the others."""
+    import torch
+
+    from offload import kernels
+
+    if fmt in _TORCH_DTYPES:  # the block math's own dispatch: torch's matmul, or offload's kernel for a row or two
+        from offload.model.llama import linear
+
+        return (lambda x, w: linear(x, w, None)), getattr(torch, _TORCH_DTYPES[fmt])
+    return kernels.linear, torch.float32
 
 
 def _random_weight(fmt: str, n: int, k: int, gen):
@@ -127,7 +143,7 @@ def _random_weight(fmt: str, n: int, k: int, gen):
 
         return kernels.PackedWeight.from_gguf(random_gguf_blocks(fmt, n, k), fmt, (n, k))
     w = torch.randn(n, k, generator=gen) * k ** -0.5
-    return w if fmt == CPU_COMPUTE else kernels.pack(w, fmt)
+    return w.to(getattr(torch, _TORCH_DTYPES[fmt])) if fmt in _TORCH_DTYPES else kernels.pack(w, fmt)
 
 
 class _DistinctRandomSource:
@@ -243,13 +259,13 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     import torch
 
     curves, one_thread = {}, {}
-    for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS:
+    for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS:
         curves[fmt] = measure_cpu_curve(fmt, CURVE_ROWS)
         log(f"cpu matmul curve {fmt:5s}: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in curves[fmt]) + " GFLOP/s")
         if torch.get_num_threads() > 1:  # the thread governor may run steps on one thread
             one_thread[fmt] = measure_cpu_curve(fmt, CURVE_ROWS, threads=1)
             log(f"  on one thread: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in one_thread[fmt]) + " GFLOP/s")
-    k_factor = {fmt: measure_k_factor(fmt) for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS}
+    k_factor = {fmt: measure_k_factor(fmt) for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS}
     for fmt, factors in k_factor.items():
         log(f"cpu matmul {fmt:5s} by K, against K={K_REFERENCE}: " + ", ".join(f"{k}: {f:.2f}" for k, f in factors))
     hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread, cpu_k_factor=k_factor)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -100,7 +101,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, ar
             w.add_tensor(g, t.astype(np.float16))
         elif qt in (T.Q4_K, T.Q5_K, T.Q6_K):
             assert random_quants, f"gguf-py cannot quantize to {kind}: pass random_quants=True"
-            w.add_tensor(g, random_blocks(qt, t.shape, seed=hash(g) % 2**31), raw_dtype=qt)
+            w.add_tensor(g, random_blocks(qt, t.shape, seed=zlib.crc32(g.encode())), raw_dtype=qt)
         else:
             w.add_tensor(g, gguf.quants.quantize(t, qt), raw_dtype=qt)
     w.write_header_to_file()

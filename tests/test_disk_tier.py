@@ -26,9 +26,14 @@ def _run(path, weights: str, **kwargs) -> tuple[list[list[int]], LLM]:
 
 
 def _same_tokens_from_disk(path, **kwargs) -> LLM:
+    """Tokens of the model in RAM, from disk units the page cache keeps (computed in place where they can be) and
+    from disk units read ahead and dropped from the page cache, all equal; the last LLM is returned."""
     in_ram, _ = _run(path, "cpu", **kwargs)
-    from_disk, llm = _run(path, "disk", **kwargs)
-    assert from_disk == in_ram
+    kept, kept_llm = _run(path, "disk", **kwargs)
+    read, llm = _run(path, "disk", page_cache=frozenset(), **kwargs)
+    assert kept == in_ram and read == in_ram
+    assert not llm.model._in_place and llm.model.reader is not None
+    llm.kept = kept_llm.model
     return llm
 
 
@@ -43,6 +48,8 @@ def test_a_checkpoint_in_the_compute_dtype_is_read_in_place(tmp_path, dtype):
     assert disk.spilled == [] and disk.spill_folder is None  # no spill folder is made at all
     assert {e.path for ex in disk.extents.values() for e in ex} == {str(path / "model.safetensors")}
     assert "embed" in llm.model._embed_rows  # read a row at a time
+    kept = llm.kept  # the page cache keeps them: every layer and the lm_head computed in place, nothing read ahead
+    assert kept._in_place == set(kept.disk.sizes) - {"embed"} and kept.reader is None
 
 
 def test_a_checkpoint_in_another_dtype_is_spilled_once_converted(tmp_path):
@@ -85,3 +92,4 @@ def test_units_dropped_from_the_page_cache_read_the_same(tmp_path):
     in_ram, _ = _run(path, "cpu")
     dropped, llm = _run(path, "disk", page_cache=frozenset())
     assert dropped == in_ram and llm.model.disk.drop == set(llm.model.disk.sizes)
+    assert llm.model.reader.max_in_use >= 1

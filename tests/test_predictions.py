@@ -162,7 +162,8 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
         {**_small_config(n, vocab)}, "small"))
     lines = []
     hw = costfit.calibrate_cpu_costs(CPU, lines.append)
-    assert set(hw.cpu_flops_by_rows) == set(costfit.CURVE_FORMATS + costfit.GGUF_CURVE_FORMATS)
+    assert set(hw.cpu_flops_by_rows) == set(costfit.CURVE_FORMATS + costfit.GGUF_CURVE_FORMATS
+                                            + costfit.FLOAT_CURVE_FORMATS)
     assert hw.rated_format("q4_k") == "q4_k" and hw.rated_format("q5_k") == "q4_k"
     assert all(len(c) == 2 and all(r > 0 for _, r in c) for c in hw.cpu_flops_by_rows.values())
     assert set(hw.overhead_s) == {"step", "layer", "layer_unfused", "sequence", "logit"}

@@ -205,12 +205,15 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
                steady: bool, cached: frozenset[int] = frozenset()) -> PhaseCost:
     """One step of phase for a placement: units in order with their costs and kinds, where each computes in
     this phase (compute) and in decode (decode: where its KV lives), where its weights live (weight); the disk
-    units in cached are read from the page cache, at its rate, instead of the disk."""
+    units in cached are the page cache's: computed in place by the CPU, or copied from it at its rate."""
     gpu = cpu = pcie = disk = host = 0.0
     chain = []
     for i, (c, mode, dec, tier) in enumerate(zip(costs, compute, decode, weight)):
-        if i in cached and tier == "disk" and c.disk_s < math.inf:
-            c = replace(c, disk_s=c.disk_s * hw.disk_read_bps / hw.page_cache_rate)
+        if i in cached and tier == "disk":
+            if mode == "cpu" and dec == "cpu":  # computed from the page cache's pages where they are
+                tier = "cpu"
+            elif c.disk_s < math.inf:  # copied out of the page cache on the way to the GPU
+                c = replace(c, disk_s=c.disk_s * hw.disk_read_bps / hw.page_cache_rate)
         kv_move = c.kv_move_s if (mode == "cpu") != (dec == "cpu") else 0.0  # prompt KV made here, used there
         if mode == "cpu":
             cpu += c.cpu_s

@@ -202,14 +202,19 @@ class Search:
 
     def _pinned(self, cand: _Candidate, weight: list[str] | None = None) -> int:
         """Host buffers besides weights: the hidden-state hand-over (with a GPU) and the disk read-ahead arena."""
-        return (self.hop_buffers if cand.use_gpu else 0) + self._read_ahead(weight or cand.weight)
+        skip = self._in_place(cand) if weight is None else frozenset()
+        return (self.hop_buffers if cand.use_gpu else 0) + self._read_ahead(weight or cand.weight, skip)
 
-    def _disk_reads(self, weight: list[str]) -> list[int]:
+    def _in_place(self, cand: _Candidate) -> frozenset[int]:
+        """Disk units the page cache keeps and only the CPU computes: the executor maps them, reads none ahead."""
+        return frozenset(i for i in cand.cached if all(cand.compute[p][i] == "cpu" for p in PHASES))
+
+    def _disk_reads(self, weight: list[str], skip: frozenset[int] = frozenset()) -> list[int]:
         """Disk units read whole at every step, in order (an embedding on disk reads only the rows looked up)."""
-        return [i for i in range(self.n) if weight[i] == "disk" and i != self.i_embed]
+        return [i for i in range(self.n) if weight[i] == "disk" and i != self.i_embed and i not in skip]
 
-    def _read_ahead(self, weight: list[str]) -> int:
-        return read_ahead_bytes([self.buf[i] for i in self._disk_reads(weight)], self.depth)
+    def _read_ahead(self, weight: list[str], skip: frozenset[int] = frozenset()) -> int:
+        return read_ahead_bytes([self.buf[i] for i in self._disk_reads(weight, skip)], self.depth)
 
     def _spill(self, cand: _Candidate, order: list[int]) -> tuple[list[str], int]:
         """Weights after moving units to disk in order until the host budget holds (or nothing is left to move),
@@ -263,11 +268,12 @@ class Search:
                                   cand.compute["decode"][i], kv_tier, self.w[i], self.kv[i], i in cand.cached))
         n_streamed = sum("stream" in (u.prefill, u.decode) for u in units)
         depth = min(self.depth, n_streamed)  # copies run this many streamed units ahead
-        read_ahead = self.depth if self._disk_reads(cand.weight) else 0  # disk reads run this many units ahead
+        read = self._disk_reads(cand.weight, self._in_place(cand))
+        read_ahead = self.depth if read else 0  # disk reads run this many units ahead
         tiers = (self._gpu_tier(cand, units, depth), self._cpu_tier(cand, units), self._disk_tier(units))
         return Plan(self._model_name(), self.hw.name, self.fmt, self.wl, self.budget, tuple(units),
                     tiers, pre, dec, depth, cand.staging_slot if depth else 0, read_ahead,
-                    self._read_ahead(cand.weight), self._notes(cand))
+                    self._read_ahead(cand.weight, self._in_place(cand)), self._notes(cand))
 
     def _gpu_tier(self, cand: _Candidate, units: list[UnitPlan], depth: int) -> TierUsage:
         if not cand.use_gpu:

@@ -11,7 +11,7 @@ from offload.errors import ConfigError
 from offload.planner.bottleneck import bottleneck_name, measured_bottleneck, predicted_bottleneck
 from offload.planner.types import PHASES
 from offload.planner.whatif import format_what_ifs
-from offload.profile.timeline import KINDS, RESOURCES
+from offload.profile.timeline import KINDS, RESOURCES, disk_reads
 
 TRACK_IDS = {"cpu": 1, "gpu": 2, "pcie": 3, "disk": 4, "wait": 5}  # Chrome trace tid per resource
 PHASE_COLORS = {"prefill": "tab:orange", "decode": "tab:blue"}
@@ -49,6 +49,7 @@ def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None
                                         getattr(plan, p, None))
                    for p in PHASES} if timeline is not None else None,
         "memory": memory_report(peaks or {}, budget or {}),
+        "disk": disk_reads(timeline) if timeline is not None else None,
         "what_ifs": what_ifs,
     }
 
@@ -143,6 +144,11 @@ def format_report(report: dict) -> str:
         if m["peak_bytes"] is not None or m["budget_bytes"] is not None:
             lines.append(f"{'vram' if tier == 'gpu' else 'ram':>7}: peak {_gib(m['peak_bytes'])} "
                          f"of budget {_gib(m['budget_bytes'])}")
+    disk = report.get("disk") or {}
+    if disk.get("requested_bytes"):
+        lines.append(f"{'disk':>7}: {_gib(disk['requested_bytes'])} read by the disk tier, "
+                     f"{_gib(disk['device_bytes'])} of it from the device "
+                     f"({_pct(disk['page_cache_share'])} served by the page cache)")
     lines += format_what_ifs(report.get("what_ifs") or [])
     return "\n".join(lines)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 # Resources a span occupies; the report computes each one's busy share per phase.
 RESOURCES = ("cpu", "gpu", "pcie", "disk")
@@ -52,6 +53,26 @@ class StepShape:
         return self.n_prompt_tokens + self.n_decode_tokens
 
 
+def device_read_bytes() -> int:
+    """Bytes this process (all its threads) has had read from a storage device, page faults included: what the
+    page cache did not serve (/proc/self/io read_bytes; 0 where it is not available)."""
+    try:
+        for line in Path("/proc/self/io").read_text().splitlines():
+            if line.startswith("read_bytes:"):
+                return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def disk_reads(timeline) -> dict:
+    """Bytes the disk tier asked for since the timeline began, and how many of them the device had to read."""
+    requested = sum(s.n_bytes for s in timeline.spans if s.kind == "disk_read")
+    device = max(0, device_read_bytes() - timeline.device_read_at_start)
+    return {"requested_bytes": requested, "device_bytes": device,
+            "page_cache_share": max(0.0, 1 - device / requested) if requested else None}
+
+
 @dataclass
 class Timeline:
     """A thread-safe list of spans plus the wall-clock extent of each phase."""
@@ -62,6 +83,7 @@ class Timeline:
     step_s: dict[str, list[float]] = field(default_factory=lambda: {"prefill": [], "decode": []})  # each pass
     steps: list[StepShape] = field(default_factory=list)  # each step's shape, where the generator gave it
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    device_read_at_start: int = field(default_factory=lambda: device_read_bytes())  # /proc/self/io read_bytes
 
     @staticmethod
     def now() -> float:
@@ -115,3 +137,4 @@ class Timeline:
             self.phase_tokens = {"prefill": 0, "decode": 0}
             self.step_s = {"prefill": [], "decode": []}
             self.steps = []
+            self.device_read_at_start = device_read_bytes()

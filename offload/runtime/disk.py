@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import fcntl
 import logging
+import mmap
 import os
 import shutil
 import tempfile
@@ -17,6 +18,7 @@ import torch
 from offload.planner.costs import PAGE_BYTES
 from offload.runtime.backends.base import Backend
 from offload.weights.extents import Extent
+from offload.weights.loader import pread_into
 
 
 SPILL_PREFIX = "offload-disk-"  # spill folders in the temp folder; a run's own is locked while it lives
@@ -85,7 +87,8 @@ class DiskStore:
         self.sizes: dict[str, int] = {}
         self.drop: set[str] = set()  # units whose pages are dropped from the page cache once read
         self.spilled: list[str] = []
-        self._fds: dict[str, int] = {}
+        self._fds: dict[tuple[str, bool], int] = {}
+        self._maps: dict[str, mmap.mmap] = {}  # files whose units are used in place (map_unit)
         self._lock = threading.Lock()
         self._finalizer = weakref.finalize(self, _close_fds, self._fds)
 
@@ -111,34 +114,84 @@ class DiskStore:
             self.spilled.append(unit)
         self.sizes[unit] = buffer.numel()
 
-    def _fd(self, path: str) -> int:
+    def _fd(self, path: str, dropped: bool = False) -> int:
+        """The file open for reading: one descriptor for reads the page cache keeps, another for reads it drops
+        (set to read nothing ahead)."""
         with self._lock:
-            fd = self._fds.get(path)
-            if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
-            return fd
+            return self._fd_locked(path, dropped)
+
+    def _fd_locked(self, path: str, dropped: bool = False) -> int:
+        fd = self._fds.get((path, dropped))
+        if fd is None:
+            fd = self._fds[(path, dropped)] = os.open(path, os.O_RDONLY)
+            if dropped:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        return fd
 
     def read_into(self, unit: str, buffer: torch.Tensor) -> int:
         """Read unit's bytes into the start of buffer, extent by extent; returns bytes read."""
         view = buffer.numpy()
-        for e in self.extents[unit]:
-            fd = self._fd(e.path)
-            got = os.preadv(fd, [memoryview(view[e.into: e.into + e.n_bytes])], e.offset)
+        extents = sorted(self.extents[unit], key=lambda e: (e.path, e.offset))  # in file order: one sweep
+        drop = unit in self.drop  # keep the page cache from holding what the plan does not keep
+        for e in extents:
+            got = pread_into(self._fd(e.path, drop), memoryview(view[e.into: e.into + e.n_bytes]), e.offset, drop)
             if got != e.n_bytes:
                 raise OSError(f"short read of {e.path}: {got} of {e.n_bytes} bytes at {e.offset}; the file changed "
                               f"or is damaged: load the model again")
             if e.rows is not None:
                 piece = buffer[e.into: e.into + e.n_bytes].view(len(e.rows), -1)
                 piece.copy_(piece[torch.tensor(e.rows)])
-            if unit in self.drop:  # keep the page cache from holding what the plan does not keep
-                os.posix_fadvise(fd, e.offset, e.n_bytes, os.POSIX_FADV_DONTNEED)
+        if drop:  # pages read ahead by the OS past a piece, and partial pages at the ends
+            self.drop_pages((e.path, e.offset, e.n_bytes) for e in extents)
         return self.sizes[unit]
+
+    def map_unit(self, unit: str, layout) -> object | None:
+        """The unit's weights as views of its files mapped into memory (no copy: the page cache's pages are the
+        weights), or None where its bytes are not laid out in the files as the kernels take them (rows reordered
+        after the read, a quantized plane or a stacked part in pieces) or it was spilled."""
+        if unit in self.spilled or unit not in self.extents:
+            return None
+        extents = self.extents[unit]
+        pieces: dict[int, list[Extent]] = {}
+        for entry in layout.entries:
+            mine = [e for e in extents if entry.offset <= e.into < entry.offset + entry.n_bytes]
+            if any(e.rows is not None for e in mine):
+                return None
+            if len(mine) > 1 and (entry.part != "dense" or "/" in entry.field):
+                return None
+            pieces[entry.offset] = sorted(mine, key=lambda e: e.into)
+
+        def view(entry):
+            tensors = [self._mapped(e).view(entry.dtype) for e in pieces[entry.offset]]
+            if len(tensors) == 1:
+                return tensors[0].view(entry.shape)
+            if len(entry.shape) == 1:  # a fused bias: a few KiB, copied
+                return torch.cat(tensors)
+            return tuple(t.view(-1, entry.shape[1]) for t in tensors)
+
+        from offload.runtime.unit_store import materialize
+
+        return materialize(layout, None, on_device=False, view=view)
+
+    def _mapped(self, e: Extent) -> torch.Tensor:
+        """e's bytes as a uint8 tensor over the file's private read-only mapping (made once per file)."""
+        with self._lock:
+            mm = self._maps.get(e.path)
+            if mm is None:
+                mm = self._maps[e.path] = mmap.mmap(self._fd_locked(e.path), 0, flags=mmap.MAP_PRIVATE,
+                                                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        return torch.frombuffer(mm, dtype=torch.uint8, count=e.n_bytes, offset=e.offset)
+
+    def drop_pages(self, ranges) -> None:
+        """Tell the OS the page cache need not keep these (path, offset, n_bytes) ranges of model files."""
+        for path, offset, n_bytes in ranges:
+            os.posix_fadvise(self._fd(str(path), True), offset, n_bytes, os.POSIX_FADV_DONTNEED)
 
     def read_rows(self, unit: str, rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
         """Rows of a dense single-tensor unit (an embedding): [len(rows), row_bytes] uint8, one pread per row."""
         (e,) = self.extents[unit]
         out = torch.empty(len(rows), row_bytes, dtype=torch.uint8)
-        fd, view = self._fd(e.path), out.numpy()
+        fd, view = self._fd(e.path, unit in self.drop), out.numpy()
         for i, r in enumerate(rows.tolist()):
             if os.preadv(fd, [memoryview(view[i])], e.offset + r * row_bytes) != row_bytes:
                 raise OSError(f"short read of {e.path} at row {r}; the file changed or is damaged: load the model again")
@@ -150,7 +203,7 @@ class DiskStore:
             self._spill.close()
 
 
-def _close_fds(fds: dict[str, int]) -> None:
+def _close_fds(fds: dict) -> None:
     for fd in fds.values():
         os.close(fd)
     fds.clear()

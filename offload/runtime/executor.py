@@ -34,6 +34,7 @@ from offload.profile.timeline import Timeline
 from offload.runtime.backends.base import Backend, Work
 from offload.profile.timeline import Span
 from offload.runtime.disk import DiskStore, ReadAhead
+from offload.runtime.host_memory import keep_heap_small
 from offload.runtime.staging import StagingRing
 from offload.runtime.threads import ThreadGovernor
 from offload.runtime.unit_store import UnitLayout, in_row_order, layout_of, materialize, write_into
@@ -57,13 +58,17 @@ class PlacedModel:
         self.layouts: dict[str, UnitLayout] = {}
         self.resident, self.host_buffers, self.host_weights = {}, {}, {}
         self.disk = DiskStore(disk_dir)
+        keep_heap_small()
         for unit in self.units:
+            if hasattr(source, "drop_after_read"):  # the page cache keeps only what the plan counts on
+                source.drop_after_read(placement.page_cache is not None and not placement.page_cache_keeps(unit.name))
             self._place(unit, source.load(unit), source)
         self.disk.drop = {n for n in self.disk.sizes if not placement.page_cache_keeps(n)}
         # an embedding computed on the CPU from disk reads only the rows a step looks up
         self._embed_rows = {u.name for u in self.units if u.kind == "embed" and placement[u.name].weights == "disk"
                             and placement[u.name].prefill == placement[u.name].decode == "cpu"
                             and len(self.disk.extents.get(u.name, ())) == 1}
+        self._in_place = self._map_kept_units()
         self.ring = self._make_ring()
         self.reader = self._make_reader()
         self._cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
@@ -71,7 +76,8 @@ class PlacedModel:
         # the schedule's unit lists, fixed by the placement: made once, not at every step
         self._streamed = {phase: [n for n in self.order if placement[n].mode(phase) == "stream"]
                           for phase in PHASES}
-        self._on_disk = [n for n in self.order if placement[n].weights == "disk" and n not in self._embed_rows]
+        self._on_disk = [n for n in self.order if placement[n].weights == "disk" and n not in self._embed_rows
+                         and n not in self._in_place]
         self._schedule = {phase: self._group_host_layers(phase) for phase in PHASES}
         self._kv_bytes: dict[str, int] = {}
         self._stream_queue: list[str] = []
@@ -113,10 +119,14 @@ class PlacedModel:
             self.resident[unit.name] = materialize(layout, buf, on_device=True)
         elif p.weights == "cpu":
             streamed = "stream" in (p.prefill, p.decode)
-            buf = self.backend.alloc("cpu", layout.n_bytes, pinned=streamed)
-            write_into(layout, weights, buf)
-            self.host_buffers[unit.name] = buf
-            self.host_weights[unit.name] = materialize(layout, buf, on_device=False)
+            if streamed or not self.backend.computes:  # one flat (pinned) buffer: one copy per stream
+                buf = self.backend.alloc("cpu", layout.n_bytes, pinned=streamed)
+                write_into(layout, weights, buf)
+                self.host_buffers[unit.name] = buf
+                self.host_weights[unit.name] = materialize(layout, buf, on_device=False)
+            else:  # computed where it was loaded: no second copy, not even for a moment
+                self.backend.track("cpu", layout.n_bytes)
+                self.host_weights[unit.name] = weights
             if self.fuse and unit.kind == "layer" and "cpu" in (p.prefill, p.decode):
                 handle = fused.fuse_layer(self.spec, self.host_weights[unit.name])
                 if handle is not None:
@@ -131,6 +141,26 @@ class PlacedModel:
                 self.disk.store(unit.name, host)
             self.backend.track("disk", layout.n_bytes)
 
+    def _map_kept_units(self) -> set[str]:
+        """Disk units the page cache keeps and the CPU computes: their weights are views of their files' mapped
+        pages, made once, so a step reads them where the page cache holds them, with no copy and no read-ahead."""
+        mapped = set()
+        for name in self.disk.extents:
+            p = self.placement[name]
+            if (name in self.disk.drop or name in self._embed_rows or p.prefill != "cpu" or p.decode != "cpu"
+                    or not self.backend.computes):
+                continue
+            weights = self.disk.map_unit(name, self.layouts[name])
+            if weights is None:
+                continue
+            mapped.add(name)
+            self.host_weights[name] = weights
+            if self.fuse and self._kind_index[name][0] == "layer":
+                handle = fused.fuse_layer(self.spec, weights)
+                if handle is not None:
+                    self.fused_layers[name] = handle
+        return mapped
+
     def _make_ring(self) -> StagingRing | None:
         streamed = [n for n in self.order if "stream" in (self.placement[n].prefill, self.placement[n].decode)]
         if not streamed:
@@ -139,7 +169,8 @@ class PlacedModel:
         return StagingRing(self.backend, self.placement.prefetch_depth, slot_bytes)
 
     def _make_reader(self) -> ReadAhead | None:
-        on_disk = [n for n in self.order if self.placement[n].weights == "disk" and n not in self._embed_rows]
+        on_disk = [n for n in self.order if self.placement[n].weights == "disk" and n not in self._embed_rows
+                   and n not in self._in_place]
         if not on_disk:
             return None
         depth = self.placement.read_ahead
@@ -168,7 +199,8 @@ class PlacedModel:
         schedule: list = []
         for name in self.order[:-1]:
             p = self.placement[name]
-            if self._kind_index[name][0] == "layer" and p.weights == "cpu" and p.mode(phase) == "cpu":
+            held = p.weights == "cpu" or name in self._in_place
+            if self._kind_index[name][0] == "layer" and held and p.mode(phase) == "cpu":
                 if not schedule or not isinstance(schedule[-1], tuple):
                     schedule.append(())
                 schedule[-1] += (name,)
@@ -284,7 +316,7 @@ class PlacedModel:
                 self.backend.host_wait(next(s.copy_handle for s in self.ring.slots if s.unit == name and s.in_use))
                 self.reader.release(name)
             return materialize(self.layouts[name], buf, on_device=True), True
-        if p.weights == "cpu":
+        if p.weights == "cpu" or name in self._in_place:
             return self.host_weights[name], False
         return materialize(self.layouts[name], self.reader.acquire(name), on_device=False), False
 
@@ -294,7 +326,7 @@ class PlacedModel:
         if mode == "stream":
             self.ring.release(name)
             self._issue_copies(phase)  # block j+k's copy goes into the slot block j just left
-        elif mode == "cpu" and p.weights == "disk":
+        elif mode == "cpu" and p.weights == "disk" and name not in self._in_place:
             self.reader.release(name)
 
     def _run(self, name: str, x, phase: str, step: Step | None, cache, steps: dict):

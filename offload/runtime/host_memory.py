@@ -22,6 +22,28 @@ WATCH_INTERVAL_S = 0.2  # a sample costs ~20 us (one read of /proc/self/status)
 BASELINE_ROUNDING_BYTES = 64 << 20  # two processes' baselines differ by a few MiB; rounded, they agree
 
 
+MMAP_THRESHOLD_BYTES = 1 << 20  # glibc serves allocations from this size with mmap, and unmaps them when freed
+
+
+@functools.lru_cache(maxsize=None)
+def keep_heap_small() -> bool:
+    """Have glibc's malloc hand every allocation of a MiB or more back to the OS when it is freed.
+
+    glibc raises its mmap threshold (up to 32 MiB) each time a mapped block is freed, so after the first units
+    of a model are loaded and released, later ones of a few MiB come from the heap, and the heap keeps their
+    pages once they are freed: a load leaves tens of MiB held beyond the budget. A fixed threshold stops that.
+    Once per process; False where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        m_mmap_threshold = -3
+        return bool(libc.mallopt(m_mmap_threshold, MMAP_THRESHOLD_BYTES))
+    except (OSError, AttributeError):
+        return False
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident size (VmHWM). Not ru_maxrss: Linux carries that over fork and exec, so a
     process started by a large one reports its parent's peak."""

@@ -116,12 +116,18 @@ def write_into(layout: UnitLayout, weights, buffer: torch.Tensor) -> None:
         buffer[e.offset: e.offset + e.n_bytes].copy_(_as_bytes(t))
 
 
-def materialize(layout: UnitLayout, buffer: torch.Tensor, on_device: bool):
-    """Weights viewing buffer: quantized planes become DeviceQuantWeight (on_device) or PackedWeight (CPU kernels)."""
+def materialize(layout: UnitLayout, buffer: torch.Tensor | None, on_device: bool, view=None):
+    """Weights viewing buffer: quantized planes become DeviceQuantWeight (on_device) or PackedWeight (CPU kernels).
+
+    view(entry), when given, supplies each entry's tensor instead of the buffer: a tensor shaped as the entry, or
+    for a dense linear a tuple of row blocks that together make it (they become a StackedWeight)."""
+    if view is None:
+        def view(e: Entry) -> torch.Tensor:
+            return buffer[e.offset: e.offset + e.n_bytes].view(e.dtype).view(e.shape)
     views: dict[str, dict[str, torch.Tensor]] = {}
     fmts, shapes, tiled = {}, {}, {}
     for e in layout.entries:
-        views.setdefault(e.field, {})[e.part] = buffer[e.offset: e.offset + e.n_bytes].view(e.dtype).view(e.shape)
+        views.setdefault(e.field, {})[e.part] = view(e)
         if e.fmt:
             fmts[e.field], tiled[e.field] = e.fmt, e.tiled
             if e.part == "qs":
@@ -129,7 +135,8 @@ def materialize(layout: UnitLayout, buffer: torch.Tensor, on_device: bool):
     built = {}
     for name, parts in views.items():
         if "dense" in parts:
-            built[name] = parts["dense"]
+            dense = parts["dense"]
+            built[name] = StackedWeight(dense) if isinstance(dense, tuple) else dense
         elif on_device:
             built[name] = DeviceQuantWeight(fmts[name], shapes[name], parts["qs"], parts.get("d"), tiled[name])
         else:

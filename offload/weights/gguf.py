@@ -23,6 +23,7 @@ import numpy as np
 from offload.errors import WeightsError
 from offload.paths import cache_dir
 from offload.spec import ModelSpec, spec_from_config
+from offload.weights.loader import pread_into
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # GGUF general.architecture -> ours
@@ -112,12 +113,14 @@ class GGUFFile:
         """A metadata value of the model's architecture namespace (llama.block_count, ...)."""
         return self.fields.get(f"{self.architecture}.{key}", default)
 
+    drop_after_read = False  # leave the page cache none of the bytes read (a run whose plan keeps them elsewhere)
+
     def read(self, tensor: GGUFTensor) -> np.ndarray:
         """The tensor's bytes (uint8, its own memory)."""
         raw = np.empty(tensor.n_bytes, dtype=np.uint8)
         fd = os.open(tensor.path, os.O_RDONLY)
         try:
-            got = os.preadv(fd, [memoryview(raw)], tensor.offset) if tensor.n_bytes else 0
+            got = pread_into(fd, memoryview(raw), tensor.offset, self.drop_after_read)
         finally:
             os.close(fd)
         if got != tensor.n_bytes:

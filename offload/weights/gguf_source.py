@@ -83,6 +83,10 @@ class GGUFSource:
 
         return unit_extents(layout, unit_tensor_names(self.spec, unit), locate)
 
+    def drop_after_read(self, drop: bool) -> None:
+        """Whether reads of the file leave their pages out of the page cache."""
+        self.gf.drop_after_read = drop
+
     def _raw(self, name: str) -> tuple[GGUFTensor, np.ndarray]:
         """The tensor's bytes as rows [out, row bytes], with llama's q/k row permutation undone."""
         t = self.by_name[name]

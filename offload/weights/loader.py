@@ -53,8 +53,31 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + header_len
 
 
+DROP_PIECE_BYTES = 8 << 20  # a read the page cache must not keep is done and dropped this much at a time
+
+
+def pread_into(fd: int, view: memoryview, offset: int, drop: bool = False) -> int:
+    """Read len(view) bytes at offset into view; returns the bytes read. With drop, the pages read are dropped
+    from the page cache piece by piece, so the read never holds more than a piece of it there, and fd is set to
+    read no further ahead than asked (it is meant for such reads)."""
+    n = len(view)
+    if not drop:
+        return os.preadv(fd, [view], offset) if n else 0
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past what is asked: nothing left behind
+    done = 0
+    while done < n:
+        got = os.preadv(fd, [view[done: done + DROP_PIECE_BYTES]], offset + done)
+        os.posix_fadvise(fd, offset + done, got, os.POSIX_FADV_DONTNEED)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
 class Checkpoint:
     """The tensors of one model folder, opened lazily; `get` reads one tensor through the file's mmap."""
+
+    drop_after_read = False  # leave the page cache none of the bytes read (a run whose plan keeps them elsewhere)
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -120,7 +143,7 @@ class Checkpoint:
         raw = torch.empty(n_bytes, dtype=torch.uint8)
         fd = os.open(path, os.O_RDONLY)
         try:
-            got = os.preadv(fd, [memoryview(raw.numpy())], offset) if n_bytes else 0
+            got = pread_into(fd, memoryview(raw.numpy()), offset, self.drop_after_read)
         finally:
             os.close(fd)
         if got != n_bytes:

@@ -102,6 +102,12 @@ class CheckpointSource:
 
         return unit_extents(layout, unit_tensor_names(self.spec, unit), locate)
 
+    def drop_after_read(self, drop: bool) -> None:
+        """Whether reads of the checkpoint (and the packed cache) leave their pages out of the page cache."""
+        self.ckpt.drop_after_read = drop
+        if self.cache is not None and self.cache.reader is not None:
+            self.cache.reader.drop_after_read = drop
+
     def read(self, unit: UnitSpec):
         """load() from the checkpoint itself, never the cache."""
         if unit.kind == "layer":
