@@ -2,7 +2,7 @@
 run's reads leave behind stay within the CPU budget + 5% when the page cache has no room beside the budget.
 
 The run goes in a child process placed in a memory cgroup of its own (root and a cgroup v1 or v2 memory
-controller needed; skipped otherwise). Its limit, 1 GiB, is far enough above what the run should use (~400 MiB)
+controller needed; skipped otherwise). Its limit, 1 GiB, is far enough above what the run should use (~450 MiB)
 that the kernel reclaims nothing for it (a page cache left to grow would show in the peak), and low enough that
 the planner finds no room for the page cache to keep disk units beside the budget (it keeps 1/16 of RAM aside).
 """
@@ -25,7 +25,7 @@ import json, sys
 from offload import LLM, SamplingParams
 from offload.runtime.host_memory import process_baseline_bytes
 model = sys.argv[1]
-budget = process_baseline_bytes(model) + 64 * 2**20
+budget = process_baseline_bytes(model) + 192 * 2**20
 llm = LLM(model, dtype="bf16", cpu_memory=budget, disk_memory="1GiB", max_model_len=48, max_tokens=8,
           max_batch_size=1, backend="cpu")
 out = llm.generate([list(range(1, 17))], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
@@ -64,8 +64,8 @@ def _memory_cgroup(tmp_name: str) -> tuple[Path, str, str] | None:
 
 
 def test_resident_memory_and_page_cache_stay_within_the_budget(tmp_path):
-    config = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=8, vocab_size=32000, max_position_embeddings=64)
+    config = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=8,
+                  num_key_value_heads=8, vocab_size=8000, max_position_embeddings=64)
     path = save_hf_model(make_hf_model("llama", **config).to(torch.bfloat16), tmp_path / "model")
     cgroup = _memory_cgroup(f"offload-test-{os.getpid()}")
     if cgroup is None:

@@ -21,6 +21,9 @@ ACT_BYTES_GPU = 2  # activations in bf16/fp16 on the GPU
 ACT_BYTES_CPU = 4  # activations in fp32 on the CPU
 LOGIT_BYTES = 4
 PAGE_BYTES = 4096  # each unit in the disk read-ahead arena starts on a page
+DROP_PIECE_BYTES = 8 << 20  # a read the page cache is not to keep is done, and dropped, this much at a time
+READ_AHEAD_TRAIL_BYTES = 16 << 20  # the OS's read-ahead runs up to this far past such a read
+READ_PAGE_CACHE_BYTES = DROP_PIECE_BYTES + READ_AHEAD_TRAIL_BYTES  # page cache dropped reads hold at any time
 
 
 @dataclass(frozen=True)

@@ -71,8 +71,9 @@ class PlanRequest:
                               f"more than this process's own {format_bytes(baseline)} (Python, torch, the "
                               f"tokenizer: memory.baseline); raise the budget above that")
         budget = replace(budget, cpu_bytes=budget.cpu_bytes - baseline)
-        if self.hardware is None:  # this machine: how much of the disk units its page cache can keep
-            budget = replace(budget, page_cache_bytes=page_cache_room_bytes(budget.cpu_bytes))
+        if self.hardware is None and budget.disk_bytes:  # this machine: how much of the disk units its page
+            room = page_cache_room_bytes(budget.cpu_bytes)   # cache can keep (rounded: a plan and its run agree)
+            budget = replace(budget, page_cache_bytes=room // PAGE_CACHE_ROUNDING * PAGE_CACHE_ROUNDING)
         return budget
 
     def compute_format(self, hw: HardwareProfile) -> str:
@@ -90,6 +91,9 @@ class PlanRequest:
             gen = min(gen, total // 4) or 1
         return Workload(batch_size=self.batch_size or 1, prompt_len=total - gen, gen_len=gen,
                         prefill_chunk_tokens=self.prefill_chunk_tokens, compute_format=self.compute_format(hw))
+
+
+PAGE_CACHE_ROUNDING = 256 << 20
 
 
 def plan_for(spec: ModelSpec, hw: HardwareProfile, request: PlanRequest) -> Plan:

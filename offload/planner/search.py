@@ -17,7 +17,8 @@ from offload.errors import ConfigError, PlanError
 from offload.formats import AS_STORED, QUANT_BLOCK_BYTES, WEIGHT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile, format_bytes
 from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cpu_path, hop_s, main_format, phases_for,
-                                   price_step, read_ahead_bytes, unit_cost, workspace_bytes)
+                                   price_step, read_ahead_bytes, unit_cost, workspace_bytes,
+                                   READ_PAGE_CACHE_BYTES)
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec
 
@@ -201,9 +202,13 @@ class Search:
                 + self._pinned(cand))
 
     def _pinned(self, cand: _Candidate, weight: list[str] | None = None) -> int:
-        """Host buffers besides weights: the hidden-state hand-over (with a GPU) and the disk read-ahead arena."""
+        """Host memory besides weights: the hidden-state hand-over (with a GPU), the disk read-ahead arena and the
+        page cache the disk reads hold while they are dropped behind them (the piece being read and what the OS
+        reads ahead of it: READ_PAGE_CACHE_BYTES, or a unit where that is less)."""
         skip = self._in_place(cand) if weight is None else frozenset()
-        return (self.hop_buffers if cand.use_gpu else 0) + self._read_ahead(weight or cand.weight, skip)
+        read = [self.buf[i] for i in self._disk_reads(weight or cand.weight, skip)]
+        in_flight = min(max(read, default=0), READ_PAGE_CACHE_BYTES)
+        return (self.hop_buffers if cand.use_gpu else 0) + read_ahead_bytes(read, self.depth) + in_flight
 
     def _in_place(self, cand: _Candidate) -> frozenset[int]:
         """Disk units the page cache keeps and only the CPU computes: the executor maps them, reads none ahead."""
@@ -214,6 +219,7 @@ class Search:
         return [i for i in range(self.n) if weight[i] == "disk" and i != self.i_embed and i not in skip]
 
     def _read_ahead(self, weight: list[str], skip: frozenset[int] = frozenset()) -> int:
+        """The read-ahead arena the executor allocates."""
         return read_ahead_bytes([self.buf[i] for i in self._disk_reads(weight, skip)], self.depth)
 
     def _spill(self, cand: _Candidate, order: list[int]) -> tuple[list[str], int]:

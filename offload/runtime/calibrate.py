@@ -9,6 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from offload.weights.loader import pread_into
 from offload.hardware import (HardwareProfile, cache_path, system_cores,
                               system_memory_bytes)
 from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK, WEIGHT_FORMATS
@@ -91,9 +92,9 @@ def measure_cpu_flops(fmt: str, m: int = 32, k: int = 2048, n: int = 2048, repea
 
 
 def measure_disk(folder: Path, n_bytes: int = 512 * 2**20, log=print) -> tuple[float, float]:
-    """(cold, page cache) read bytes/s of a fresh file in folder: a cold sequential read as the disk tier does it
-    (pread in 64 MiB pieces, the file's cached pages dropped first with POSIX_FADV_DONTNEED), then the same read
-    served by the page cache. O_DIRECT is timed too, and logged, for comparison. The file is larger than the
+    """(cold, page cache) read bytes/s of a fresh file in folder: a cold read as the disk tier reads units the page
+    cache does not keep (64 MiB units, each read in pieces dropped behind: weights.loader.pread_into, the file's
+    cached pages dropped first with POSIX_FADV_DONTNEED), then plain reads served by the page cache. O_DIRECT is timed too, and logged, for comparison. The file is larger than the
     128 MiB a drive's own cache commonly holds."""
     folder.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=folder, prefix="offload-calibrate-")
@@ -108,13 +109,18 @@ def measure_disk(folder: Path, n_bytes: int = 512 * 2**20, log=print) -> tuple[f
         buffer = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
 
         def read_all(flags: int, drop: bool) -> float:
+            """With drop, the file starts cold and is read as the disk tier reads a unit the page cache does not
+            keep: in pieces dropped behind, with what the OS read past each unit dropped too."""
             rfd = os.open(name, os.O_RDONLY | flags)
             try:
                 if drop:
                     os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
                 t0 = time.perf_counter()
                 for offset in range(0, n_bytes, piece):
-                    os.preadv(rfd, [buffer], offset)
+                    if flags:
+                        os.preadv(rfd, [buffer], offset)
+                    else:
+                        pread_into(rfd, memoryview(buffer), offset, drop=drop)
                 return n_bytes / (time.perf_counter() - t0)
             finally:
                 os.close(rfd)

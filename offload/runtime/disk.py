@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from offload.planner.costs import PAGE_BYTES
+from offload.planner.costs import PAGE_BYTES, READ_AHEAD_TRAIL_BYTES
 from offload.runtime.backends.base import Backend
 from offload.weights.extents import Extent
 from offload.weights.loader import pread_into
@@ -114,35 +114,37 @@ class DiskStore:
             self.spilled.append(unit)
         self.sizes[unit] = buffer.numel()
 
-    def _fd(self, path: str, dropped: bool = False) -> int:
-        """The file open for reading: one descriptor for reads the page cache keeps, another for reads it drops
-        (set to read nothing ahead)."""
+    def _fd(self, path: str, rows: bool = False) -> int:
+        """The file open for reading: one descriptor for whole units, another, set to read nothing ahead, for an
+        embedding's rows (a read-ahead past a row would mostly bring pages no step asks for)."""
         with self._lock:
-            return self._fd_locked(path, dropped)
+            return self._fd_locked(path, rows)
 
-    def _fd_locked(self, path: str, dropped: bool = False) -> int:
-        fd = self._fds.get((path, dropped))
+    def _fd_locked(self, path: str, rows: bool = False) -> int:
+        fd = self._fds.get((path, rows))
         if fd is None:
-            fd = self._fds[(path, dropped)] = os.open(path, os.O_RDONLY)
-            if dropped:
+            fd = self._fds[(path, rows)] = os.open(path, os.O_RDONLY)
+            if rows:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
         return fd
 
     def read_into(self, unit: str, buffer: torch.Tensor) -> int:
-        """Read unit's bytes into the start of buffer, extent by extent; returns bytes read."""
+        """Read unit's bytes into the start of buffer, extent by extent in file order; returns bytes read."""
         view = buffer.numpy()
         extents = sorted(self.extents[unit], key=lambda e: (e.path, e.offset))  # in file order: one sweep
         drop = unit in self.drop  # keep the page cache from holding what the plan does not keep
         for e in extents:
-            got = pread_into(self._fd(e.path, drop), memoryview(view[e.into: e.into + e.n_bytes]), e.offset, drop)
+            got = pread_into(self._fd(e.path), memoryview(view[e.into: e.into + e.n_bytes]), e.offset, drop,
+                             trail=False)  # the next extent may be read on from here: the trail goes at the end
             if got != e.n_bytes:
                 raise OSError(f"short read of {e.path}: {got} of {e.n_bytes} bytes at {e.offset}; the file changed "
                               f"or is damaged: load the model again")
             if e.rows is not None:
                 piece = buffer[e.into: e.into + e.n_bytes].view(len(e.rows), -1)
                 piece.copy_(piece[torch.tensor(e.rows)])
-        if drop:  # pages read ahead by the OS past a piece, and partial pages at the ends
+        if drop:  # partial pages at the ends of extents, and what the OS read past the unit
             self.drop_pages((e.path, e.offset, e.n_bytes) for e in extents)
+            self.drop_pages((e.path, e.offset + e.n_bytes, READ_AHEAD_TRAIL_BYTES) for e in extents[-1:])
         return self.sizes[unit]
 
     def map_unit(self, unit: str, layout) -> object | None:
@@ -185,13 +187,13 @@ class DiskStore:
     def drop_pages(self, ranges) -> None:
         """Tell the OS the page cache need not keep these (path, offset, n_bytes) ranges of model files."""
         for path, offset, n_bytes in ranges:
-            os.posix_fadvise(self._fd(str(path), True), offset, n_bytes, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(self._fd(str(path)), offset, n_bytes, os.POSIX_FADV_DONTNEED)
 
     def read_rows(self, unit: str, rows: torch.Tensor, row_bytes: int) -> torch.Tensor:
         """Rows of a dense single-tensor unit (an embedding): [len(rows), row_bytes] uint8, one pread per row."""
         (e,) = self.extents[unit]
         out = torch.empty(len(rows), row_bytes, dtype=torch.uint8)
-        fd, view = self._fd(e.path, unit in self.drop), out.numpy()
+        fd, view = self._fd(e.path, rows=True), out.numpy()
         for i, r in enumerate(rows.tolist()):
             if os.preadv(fd, [memoryview(view[i])], e.offset + r * row_bytes) != row_bytes:
                 raise OSError(f"short read of {e.path} at row {r}; the file changed or is damaged: load the model again")

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from offload.planner.costs import DROP_PIECE_BYTES, READ_AHEAD_TRAIL_BYTES
 from offload.errors import WeightsError
 from offload.spec import ModelSpec
 
@@ -53,17 +54,16 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
     return header, 8 + header_len
 
 
-DROP_PIECE_BYTES = 8 << 20  # a read the page cache must not keep is done and dropped this much at a time
 
 
-def pread_into(fd: int, view: memoryview, offset: int, drop: bool = False) -> int:
+def pread_into(fd: int, view: memoryview, offset: int, drop: bool = False, trail: bool = True) -> int:
     """Read len(view) bytes at offset into view; returns the bytes read. With drop, the pages read are dropped
-    from the page cache piece by piece, so the read never holds more than a piece of it there, and fd is set to
-    read no further ahead than asked (it is meant for such reads)."""
+    from the page cache piece by piece, so the read never holds much more than a piece of it there; the OS's
+    read-ahead, which keeps a cold read near the disk's speed, runs past it, and with trail what it read past
+    the end is dropped too (leave it to a caller that reads on from there)."""
     n = len(view)
     if not drop:
         return os.preadv(fd, [view], offset) if n else 0
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # no read-ahead past what is asked: nothing left behind
     done = 0
     while done < n:
         got = os.preadv(fd, [view[done: done + DROP_PIECE_BYTES]], offset + done)
@@ -71,6 +71,8 @@ def pread_into(fd: int, view: memoryview, offset: int, drop: bool = False) -> in
         if got <= 0:
             break
         done += got
+    if trail:  # what the OS read ahead past the end
+        os.posix_fadvise(fd, offset + done, READ_AHEAD_TRAIL_BYTES, os.POSIX_FADV_DONTNEED)
     return done
 
 
