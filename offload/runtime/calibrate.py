@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import os
 import shutil
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -91,14 +92,20 @@ def measure_cpu_flops(fmt: str, m: int = 32, k: int = 2048, n: int = 2048, repea
     return 2 * m * k * n / _best_time(fn, repeats), path
 
 
-def measure_disk(folder: Path, n_bytes: int = 512 * 2**20, log=print) -> tuple[float, float]:
-    """(cold, page cache) read bytes/s of a fresh file in folder: a cold read as the disk tier reads units the page
-    cache does not keep (64 MiB units, each read in pieces dropped behind: weights.loader.pread_into, the file's
-    cached pages dropped first with POSIX_FADV_DONTNEED), then plain reads served by the page cache. O_DIRECT is timed too, and logged, for comparison. The file is larger than the
-    128 MiB a drive's own cache commonly holds."""
+DISK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # units read out of file order, as a model's layers are stored (safetensors
+# sorts tensor names: layer 10 comes before layer 2), so each read starts without the OS's read-ahead
+
+
+def measure_disk(folder: Path, n_bytes: int = 512 * 2**20, log=print, repeats: int = 3) -> tuple[float, float]:
+    """(cold, page cache) read bytes/s of a fresh file in folder, median of repeats.
+
+    Cold: the file's cached pages dropped first (POSIX_FADV_DONTNEED), then read as the disk tier reads units the
+    page cache does not keep: 64 MiB units in DISK_ORDER, each in pieces dropped behind (weights.loader.pread_into)
+    with what the OS read past it dropped too. Page cache: plain reads of the file once cached. O_DIRECT is timed
+    too and logged for comparison. The file is larger than the 128 MiB a drive's own cache commonly holds."""
     folder.mkdir(parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=folder, prefix="offload-calibrate-")
-    piece = 64 * 2**20
+    unit = n_bytes // len(DISK_ORDER)
     try:
         block = os.urandom(8 * 2**20)
         with os.fdopen(fd, "wb") as f:
@@ -106,21 +113,19 @@ def measure_disk(folder: Path, n_bytes: int = 512 * 2**20, log=print) -> tuple[f
                 f.write(block)
             f.flush()
             os.fsync(f.fileno())
-        buffer = mmap.mmap(-1, piece)  # page-aligned, as O_DIRECT needs
+        buffer = mmap.mmap(-1, unit)  # page-aligned, as O_DIRECT needs
 
-        def read_all(flags: int, drop: bool) -> float:
-            """With drop, the file starts cold and is read as the disk tier reads a unit the page cache does not
-            keep: in pieces dropped behind, with what the OS read past each unit dropped too."""
+        def read_all(flags: int = 0, cold: bool = True) -> float:
             rfd = os.open(name, os.O_RDONLY | flags)
             try:
-                if drop:
+                if cold:
                     os.posix_fadvise(rfd, 0, 0, os.POSIX_FADV_DONTNEED)
                 t0 = time.perf_counter()
-                for offset in range(0, n_bytes, piece):
+                for k in DISK_ORDER:
                     if flags:
-                        os.preadv(rfd, [buffer], offset)
+                        os.preadv(rfd, [buffer], k * unit)
                     else:
-                        pread_into(rfd, memoryview(buffer), offset, drop=drop)
+                        pread_into(rfd, memoryview(buffer), k * unit, drop=cold)
                 return n_bytes / (time.perf_counter() - t0)
             finally:
                 os.close(rfd)
@@ -128,12 +133,12 @@ def measure_disk(folder: Path, n_bytes: int = 512 * 2**20, log=print) -> tuple[f
         direct = None
         if hasattr(os, "O_DIRECT"):
             try:
-                direct = read_all(os.O_DIRECT, drop=True)
+                direct = read_all(os.O_DIRECT)
             except OSError:
                 pass  # a file system without O_DIRECT (tmpfs)
-        cold = read_all(0, drop=True)
-        read_all(0, drop=False)
-        cached = read_all(0, drop=False)
+        cold = statistics.median(read_all() for _ in range(repeats))
+        read_all(cold=False)
+        cached = statistics.median(read_all(cold=False) for _ in range(repeats))
         if direct:
             log(f"disk cold read: {cold / 1e9:.2f} GB/s through the page cache, {direct / 1e9:.2f} GB/s with O_DIRECT "
                 f"({'O_DIRECT' if direct > cold else 'the page cache'} is faster)")

@@ -87,6 +87,7 @@ class DiskStore:
         self.sizes: dict[str, int] = {}
         self.drop: set[str] = set()  # units whose pages are dropped from the page cache once read
         self.spilled: list[str] = []
+        self._trail: tuple[str, int, int] | None = None  # past the last dropped read: dropped again at the next
         self._fds: dict[tuple[str, bool], int] = {}
         self._maps: dict[str, mmap.mmap] = {}  # files whose units are used in place (map_unit)
         self._lock = threading.Lock()
@@ -133,6 +134,9 @@ class DiskStore:
         view = buffer.numpy()
         extents = sorted(self.extents[unit], key=lambda e: (e.path, e.offset))  # in file order: one sweep
         drop = unit in self.drop  # keep the page cache from holding what the plan does not keep
+        if self._trail is not None:  # read ahead past the last unit, landed after it was dropped
+            self.drop_pages([self._trail])
+            self._trail = None
         for e in extents:
             got = pread_into(self._fd(e.path), memoryview(view[e.into: e.into + e.n_bytes]), e.offset, drop,
                              trail=False)  # the next extent may be read on from here: the trail goes at the end
@@ -144,7 +148,9 @@ class DiskStore:
                 piece.copy_(piece[torch.tensor(e.rows)])
         if drop:  # partial pages at the ends of extents, and what the OS read past the unit
             self.drop_pages((e.path, e.offset, e.n_bytes) for e in extents)
-            self.drop_pages((e.path, e.offset + e.n_bytes, READ_AHEAD_TRAIL_BYTES) for e in extents[-1:])
+            last = extents[-1]
+            self._trail = (last.path, last.offset + last.n_bytes, READ_AHEAD_TRAIL_BYTES)
+            self.drop_pages([self._trail])
         return self.sizes[unit]
 
     def map_unit(self, unit: str, layout) -> object | None:

@@ -59,11 +59,14 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
 def pread_into(fd: int, view: memoryview, offset: int, drop: bool = False, trail: bool = True) -> int:
     """Read len(view) bytes at offset into view; returns the bytes read. With drop, the pages read are dropped
     from the page cache piece by piece, so the read never holds much more than a piece of it there; the OS's
-    read-ahead, which keeps a cold read near the disk's speed, runs past it, and with trail what it read past
-    the end is dropped too (leave it to a caller that reads on from there)."""
+    read-ahead, which keeps a cold read near the disk's speed, runs past it. With trail (a read on its own) fd
+    is set to read nothing ahead and the range past the end is dropped too; a caller that reads on from there
+    (the disk tier, unit by unit) passes trail=False and drops what was read past its last read itself."""
     n = len(view)
     if not drop:
         return os.preadv(fd, [view], offset) if n else 0
+    if trail:  # a read on its own: without read-ahead, none of it lands in the page cache after the drop below
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
     done = 0
     while done < n:
         got = os.preadv(fd, [view[done: done + DROP_PIECE_BYTES]], offset + done)
