@@ -369,32 +369,36 @@ def system_memory_bytes() -> int:
         return 8 * 2**30
 
 
-def _cgroup_memory_room() -> int | None:
-    """Bytes this process's memory cgroup (v2 or v1) lets it add beside the anonymous memory charged to it now;
-    None when it has no limit."""
+def memory_cgroup() -> tuple[Path, bool] | None:
+    """(folder, is v2) of this process's memory cgroup, or None where /proc or the memory controller is missing."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        if controllers == "":  # v2
-            folder, limit_file, anon_key = Path("/sys/fs/cgroup") / path.lstrip("/"), "memory.max", "anon"
-        elif "memory" in controllers.split(","):
-            folder, limit_file, anon_key = (Path("/sys/fs/cgroup/memory") / path.lstrip("/"), "memory.limit_in_bytes",
-                                            "total_rss")
-        else:
-            continue
-        try:
-            limit = (folder / limit_file).read_text().strip()
-            stat = dict(ln.split() for ln in (folder / "memory.stat").read_text().splitlines() if ln.count(" ") == 1)
-        except (OSError, ValueError):
-            continue
-        limit = 2**62 if limit == "max" else min(int(limit), int(stat.get("hierarchical_memory_limit", 2**62)))
-        if limit >= 2**60:
-            continue
-        return limit - int(stat.get(anon_key, 0))
+        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").is_file():
+            return Path("/sys/fs/cgroup") / path.lstrip("/"), True
+        if "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory") / path.lstrip("/"), False
     return None
+
+
+def _cgroup_memory_room() -> int | None:
+    """Bytes this process's memory cgroup (v2 or v1) lets it add beside the anonymous memory charged to it now;
+    None when it has no limit."""
+    found = memory_cgroup()
+    if found is None:
+        return None
+    folder, v2 = found
+    limit_file, anon_key = ("memory.max", "anon") if v2 else ("memory.limit_in_bytes", "total_rss")
+    try:
+        limit = (folder / limit_file).read_text().strip()
+        stat = dict(ln.split() for ln in (folder / "memory.stat").read_text().splitlines() if ln.count(" ") == 1)
+    except (OSError, ValueError):
+        return None
+    limit = 2**62 if limit == "max" else min(int(limit), int(stat.get("hierarchical_memory_limit", 2**62)))
+    return None if limit >= 2**60 else limit - int(stat.get(anon_key, 0))
 
 
 def page_cache_room_bytes(to_allocate: int) -> int:

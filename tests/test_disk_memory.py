@@ -19,6 +19,8 @@ import pytest
 import torch
 from conftest import make_hf_model, save_hf_model
 
+from offload.hardware import memory_cgroup
+
 LIMIT_BYTES = 2**30
 CHILD = r"""
 import json, sys
@@ -37,30 +39,20 @@ print(json.dumps({"budget": budget, "disk": llm.plan.tier("disk").weights_bytes,
 def _memory_cgroup(tmp_name: str) -> tuple[Path, str, str] | None:
     """A new memory cgroup under this process's own: (folder, limit file, peak file), or None where none can be
     made."""
-    if os.geteuid() != 0:
+    found = memory_cgroup() if os.geteuid() == 0 else None
+    if found is None:
         return None
+    parent, v2 = found
+    limit, peak = ("memory.max", "memory.peak") if v2 else ("memory.limit_in_bytes", "memory.max_usage_in_bytes")
+    folder = parent / tmp_name
     try:
-        lines = Path("/proc/self/cgroup").read_text().splitlines()
+        folder.mkdir()
     except OSError:
         return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "" and Path("/sys/fs/cgroup/cgroup.controllers").is_file():
-            root, limit, peak = Path("/sys/fs/cgroup"), "memory.max", "memory.peak"
-        elif "memory" in controllers.split(","):
-            root, limit, peak = Path("/sys/fs/cgroup/memory"), "memory.limit_in_bytes", "memory.max_usage_in_bytes"
-        else:
-            continue
-        folder = root / path.lstrip("/") / tmp_name
-        try:
-            folder.mkdir()
-        except OSError:
-            return None
-        if not (folder / limit).exists() or not (folder / peak).exists():
-            folder.rmdir()
-            return None
-        return folder, limit, peak
-    return None
+    if not (folder / limit).exists() or not (folder / peak).exists():
+        folder.rmdir()
+        return None
+    return folder, limit, peak
 
 
 def test_resident_memory_and_page_cache_stay_within_the_budget(tmp_path):

@@ -155,3 +155,20 @@ def test_the_cuda_context_reserve_counts_against_the_gpu_budget_byte_exact():
     assert p.tier("gpu").reserved_bytes == 20_000 and p.tier("gpu").total_bytes == need == 250_016
     assert p.n_gpu_units == 5
     assert plan(spec, hw, Budget(gpu_bytes=need - 1, cpu_bytes=10**6, margin_frac=0), WORKLOAD).n_gpu_units < 5
+
+
+def test_disk_units_the_page_cache_keeps_are_computed_in_place():
+    """With page cache room beside the budget for every disk unit, the plan leaves them to it: computed from mapped
+    pages, with no read-ahead arena, no page cache in flight and no disk time; with no room, none of them."""
+    spec = spec_from_config({**TINY, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 6})
+    weights = sum(u.nbytes("bf16", "bf16") for u in spec.units())
+    hw = tiny_hw(vram_bytes=0)
+    for room, kept in ((10**12, "all"), (1, "none")):
+        budget = Budget(0, int(0.6 * weights), disk_bytes=10**9, margin_frac=0, page_cache_bytes=room)
+        p = plan(spec, hw, budget, WORKLOAD)
+        read = [u for u in p.units if u.weight_tier == "disk" and u.kind != "embed"]
+        assert read and all(u.page_cached == (kept == "all") for u in read)
+        if kept == "all":
+            assert p.read_buffer_bytes == 0 and p.tier("cpu").pinned_bytes == 0 and p.decode.disk_s < 1e-3
+        else:
+            assert p.read_buffer_bytes > 0 and p.decode.disk_s > 0
