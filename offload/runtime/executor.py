@@ -59,9 +59,11 @@ class PlacedModel:
         self.resident, self.host_buffers, self.host_weights = {}, {}, {}
         self.disk = DiskStore(disk_dir)
         keep_heap_small()
+        # where the page cache has no room for some disk unit, the load leaves it only the units it keeps
+        short = any(p.weights == "disk" and not placement.page_cache_keeps(n) for n, p in placement.units.items())
         for unit in self.units:
-            if hasattr(source, "drop_after_read"):  # the page cache keeps only what the plan counts on
-                source.drop_after_read(placement.page_cache is not None and not placement.page_cache_keeps(unit.name))
+            if hasattr(source, "drop_after_read"):
+                source.drop_after_read(short and not placement.page_cache_keeps(unit.name))
             self._place(unit, source.load(unit), source)
         self.disk.drop = {n for n in self.disk.sizes if not placement.page_cache_keeps(n)}
         # an embedding computed on the CPU from disk reads only the rows a step looks up
