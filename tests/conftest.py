@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -155,3 +158,37 @@ def write_config(folder: Path, **changes) -> None:
         else:
             config[key] = value
     path.write_text(json.dumps(config))
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child Python that imports offload from this checkout."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def run_interpreted(worker: str, inputs: dict, folder: Path) -> dict:
+    """The outputs worker writes for inputs, run with TRITON_INTERPRET=1 in a child process (setting it here would
+    make every later test's kernels interpreted); worker takes the inputs' and the outputs' .pt paths."""
+    torch.save(inputs, folder / "in.pt")
+    proc = subprocess.run([sys.executable, "-c", worker, str(folder / "in.pt"), str(folder / "out.pt")],
+                          env=child_env(TRITON_INTERPRET="1"), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stderr[-4000:]}"
+    return torch.load(folder / "out.pt", weights_only=False)
+
+
+def assert_thread_count_invariant(linear, x: torch.Tensor, w, bias) -> torch.Tensor:
+    """linear(x, w, bias) on one thread and on two gives the same bits (each row is computed whole by one
+    thread, in the same order); returns it."""
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = linear(x, w, bias)
+        torch.set_num_threads(2)
+        two = linear(x, w, bias)
+    finally:
+        torch.set_num_threads(old)
+    assert torch.equal(one, two)
+    return one

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_interpreted
 from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
@@ -33,7 +31,6 @@ from offload.runtime.device_quant import DeviceQuantWeight, dequantize_gguf
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
-ROOT = Path(__file__).resolve().parents[1]
 FORMATS = tuple(GGUF_BLOCKS)
 QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q4_k": GGMLQuantizationType.Q4_K,
           "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K}
@@ -196,16 +193,9 @@ def linear_inputs() -> dict:
 def interpreted(tmp_path_factory) -> tuple[dict, dict]:
     """(inputs, outputs) of every case, the kernels run under TRITON_INTERPRET=1 in a subprocess (setting it
     here would make every later test's kernels interpreted)."""
-    folder = tmp_path_factory.mktemp("triton_gguf")
     inputs = {case_id(c): make_inputs(c, seed=i) for i, c in enumerate(CASES)}
     inputs.update(linear_inputs())
-    torch.save(inputs, folder / "in.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(folder / "in.pt"), str(folder / "out.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stderr[-4000:]}"
-    return inputs, torch.load(folder / "out.pt", weights_only=False)
+    return inputs, run_interpreted(WORKER, inputs, tmp_path_factory.mktemp("triton_gguf"))
 
 
 @needs_triton

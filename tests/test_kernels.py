@@ -6,6 +6,7 @@ import sys
 
 import pytest
 import torch
+from conftest import assert_thread_count_invariant
 
 import offload.kernels as K
 from offload.errors import KernelError
@@ -71,15 +72,7 @@ def test_simd_matches_scalar_ref(path, fmt, order, m, k, n, xdtype, with_bias):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_thread_count_does_not_change_results(fmt):
     w, x, bias = case(203, 576, 5, fmt)
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = K.linear(x, w, bias)
-        torch.set_num_threads(2)
-        two = K.linear(x, w, bias)
-    finally:
-        torch.set_num_threads(old)
-    assert torch.equal(one, two)  # each row is computed whole by one thread, in the same order
+    assert_thread_count_invariant(K.linear, x, w, bias)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])

@@ -21,6 +21,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from conftest import assert_thread_count_invariant
 
 import offload.kernels as K
 from offload.errors import KernelError
@@ -121,15 +122,7 @@ def test_simd_matches_scalar_ref(path, fmt, m, n_blocks, n, xdtype, with_bias):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_linear_dispatch_and_thread_count(fmt):
     w, x, bias = case(fmt, 203, 3, 5)
-    old = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = K.linear(x, w, bias)
-        torch.set_num_threads(2)
-        two = K.linear(x, w, bias)
-    finally:
-        torch.set_num_threads(old)
-    assert torch.equal(one, two)  # each row is computed whole by one thread
+    one = assert_thread_count_invariant(K.linear, x, w, bias)
     assert nerr(one, K.linear_ref(x, w, bias)) < TOL_REF
     assert torch.equal(K.linear(x.bfloat16(), w), K.linear(x.bfloat16().float(), w))
 

@@ -20,17 +20,16 @@ import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
+from conftest import child_env, run_interpreted
 
 from offload.kernels.packed import pack
 from offload.runtime.device_quant import DeviceQuantWeight
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
-ROOT = Path(__file__).resolve().parents[1]
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-9, torch.float16: 2.0**-11}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -124,16 +123,9 @@ def linear_inputs() -> dict:
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> tuple[dict, dict]:
     """(inputs, outputs) of every case, the kernels run under TRITON_INTERPRET=1 in a subprocess."""
-    folder = tmp_path_factory.mktemp("triton_interpret")
     inputs = {case_id(c): make_inputs(c, seed=i) for i, c in enumerate(CASES)}
     inputs.update(linear_inputs())
-    torch.save(inputs, folder / "in.pt")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", WORKER, str(folder / "in.pt"), str(folder / "out.pt")],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreted kernels failed:\n{proc.stderr[-4000:]}"
-    return inputs, torch.load(folder / "out.pt", weights_only=False)
+    return inputs, run_interpreted(WORKER, inputs, tmp_path_factory.mktemp("triton_interpret"))
 
 
 @needs_triton
@@ -181,8 +173,8 @@ except KernelError as e:
 
 
 def test_module_imports_without_triton_and_the_fallback_still_computes():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-c", NO_TRITON], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", NO_TRITON], env=child_env(), capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "available: False refused: the fused dequant kernels need Triton" in proc.stdout
 

@@ -181,16 +181,19 @@ def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:
 
 
 HALF_KERNEL_ROWS = 2  # up to this many rows, offload's kernel beats torch's bf16 matmul on the CPU (~1.5x at 1)
+HALF_ACTIVATIONS = (torch.float32, torch.bfloat16)  # what offload's CPU kernels take
+HALF_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # dense weights they take as a PackedWeight view
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ w.T + bias, for dense tensors or packed (quantized) weights. Half-precision weights on the
     CPU, for a row or two (a decode step), go through offload's kernel, which streams them faster than torch."""
     if isinstance(w, torch.Tensor):
-        if (w.dtype in (torch.bfloat16, torch.float16) and w.device.type == "cpu" and x.dtype in HALF_ACTIVATIONS
-                and x.numel() <= HALF_KERNEL_ROWS * x.shape[-1] and w.dim() == 2 and w.is_contiguous()
-                and _half_kernel() is not None):
-            return linear(x, _half_kernel()(w), bias)
+        if (x.numel() <= HALF_KERNEL_ROWS * x.shape[-1] and w.dtype in HALF_WEIGHTS and w.device.type == "cpu"
+                and x.dtype in HALF_ACTIVATIONS and w.dim() == 2 and w.is_contiguous()):
+            as_packed = _half_kernel()
+            if as_packed is not None:
+                return linear(x, as_packed(w), bias)
         return F.linear(x, w, bias)
     if isinstance(w, StackedWeight):
         biases = bias.split([p.shape[0] for p in w.parts]) if bias is not None else [None] * len(w.parts)
@@ -203,9 +206,6 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tenso
     return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
 
 
-HALF_ACTIVATIONS = (torch.float32, torch.bfloat16)  # what offload's CPU kernels take
-
-
 @functools.lru_cache(maxsize=None)
 def _half_kernel():
     """A function making a dense half-precision weight a PackedWeight view for offload's C++ kernels (None
@@ -214,8 +214,7 @@ def _half_kernel():
 
     if ACTIVE_PATH == "numba":  # no C++ extension: torch's matmul is the faster one
         return None
-    fmts = {torch.bfloat16: "bf16", torch.float16: "fp16"}
-    return lambda w: PackedWeight(fmts[w.dtype], tuple(w.shape), w, None)
+    return lambda w: PackedWeight(HALF_WEIGHTS[w.dtype], tuple(w.shape), w, None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -240,10 +240,15 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
     return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra)
 
 
+def page_rounded(n: int) -> int:
+    """n bytes rounded up to a whole page: what a unit takes in the read-ahead arena."""
+    return -(-n // PAGE_BYTES) * PAGE_BYTES
+
+
 def read_ahead_bytes(sizes: list[int], depth: int) -> int:
     """The read-ahead arena for disk units of these sizes, read in this order step after step, depth at a time:
     the largest sum of depth consecutive units (cyclically), each rounded up to a page."""
-    sizes = [-(-n // PAGE_BYTES) * PAGE_BYTES for n in sizes]
+    sizes = [page_rounded(n) for n in sizes]
     k = min(depth, len(sizes))
     return max((sum(sizes[(j + t) % len(sizes)] for t in range(k)) for j in range(len(sizes))), default=0)
 

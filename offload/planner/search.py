@@ -16,9 +16,8 @@ from pathlib import Path
 from offload.errors import ConfigError, PlanError
 from offload.formats import AS_STORED, QUANT_BLOCK_BYTES, WEIGHT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile, format_bytes
-from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cpu_path, hop_s, main_format, phases_for,
-                                   price_step, read_ahead_bytes, unit_cost, workspace_bytes,
-                                   READ_PAGE_CACHE_BYTES)
+from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, READ_PAGE_CACHE_BYTES, PhaseCost, cpu_path,
+                                   main_format, phases_for, price_step, read_ahead_bytes, unit_cost, workspace_bytes)
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec
 
@@ -274,12 +273,12 @@ class Search:
                                   cand.compute["decode"][i], kv_tier, self.w[i], self.kv[i], i in cand.cached))
         n_streamed = sum("stream" in (u.prefill, u.decode) for u in units)
         depth = min(self.depth, n_streamed)  # copies run this many streamed units ahead
-        read = self._disk_reads(cand.weight, self._in_place(cand))
-        read_ahead = self.depth if read else 0  # disk reads run this many units ahead
+        in_place = self._in_place(cand)
+        read_ahead = self.depth if self._disk_reads(cand.weight, in_place) else 0  # units read ahead at most
         tiers = (self._gpu_tier(cand, units, depth), self._cpu_tier(cand, units), self._disk_tier(units))
         return Plan(self._model_name(), self.hw.name, self.fmt, self.wl, self.budget, tuple(units),
                     tiers, pre, dec, depth, cand.staging_slot if depth else 0, read_ahead,
-                    self._read_ahead(cand.weight, self._in_place(cand)), self._notes(cand))
+                    self._read_ahead(cand.weight, in_place), self._notes(cand))
 
     def _gpu_tier(self, cand: _Candidate, units: list[UnitPlan], depth: int) -> TierUsage:
         if not cand.use_gpu:

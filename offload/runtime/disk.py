@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from offload.planner.costs import PAGE_BYTES, READ_AHEAD_TRAIL_BYTES
+from offload.planner.costs import READ_AHEAD_TRAIL_BYTES, page_rounded
 from offload.runtime.backends.base import Backend
 from offload.weights.extents import Extent
 from offload.weights.loader import pread_into
@@ -99,7 +99,10 @@ class DiskStore:
 
     @property
     def spill_folder(self) -> Path | None:
-        return None if self._spill is None and self._spill_dir is None else Path(self._spill_dir or self._spill.name)
+        """The folder spill files go to: the one asked for, else this run's own once one is written."""
+        if self._spill_dir is not None:
+            return Path(self._spill_dir)
+        return None if self._spill is None else self._spill.path
 
     def store(self, unit: str, buffer: torch.Tensor) -> None:
         """Write a host uint8 buffer as unit's spill file (a meta buffer, in a timed simulation, only its size)."""
@@ -205,20 +208,11 @@ class DiskStore:
                 raise OSError(f"short read of {e.path} at row {r}; the file changed or is damaged: load the model again")
         return out
 
-    def close(self) -> None:
-        self._finalizer()
-        if self._spill is not None:
-            self._spill.close()
-
 
 def _close_fds(fds: dict) -> None:
     for fd in fds.values():
         os.close(fd)
     fds.clear()
-
-
-def _page(n: int) -> int:
-    return -(-n // PAGE_BYTES) * PAGE_BYTES
 
 
 class ReadAhead:
@@ -267,7 +261,7 @@ class ReadAhead:
                 while True:
                     if self._queue:
                         unit, phase = self._queue[0]
-                        n = _page(self.store.sizes[unit])
+                        n = page_rounded(self.store.sizes[unit])
                         start = self._where(n)
                         if start is not None:
                             break

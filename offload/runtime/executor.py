@@ -30,9 +30,8 @@ from offload.model.llama import LayerKV, Step, layer_forward, make_step, unit_fo
 from offload.planner.costs import read_ahead_bytes
 from offload.planner.placement import Placement
 from offload.planner.types import PHASES
-from offload.profile.timeline import Timeline
+from offload.profile.timeline import Span, Timeline
 from offload.runtime.backends.base import Backend, Work
-from offload.profile.timeline import Span
 from offload.runtime.disk import DiskStore, ReadAhead
 from offload.runtime.host_memory import keep_heap_small
 from offload.runtime.staging import StagingRing
@@ -129,10 +128,8 @@ class PlacedModel:
             else:  # computed where it was loaded: no second copy, not even for a moment
                 self.backend.track("cpu", layout.n_bytes)
                 self.host_weights[unit.name] = weights
-            if self.fuse and unit.kind == "layer" and "cpu" in (p.prefill, p.decode):
-                handle = fused.fuse_layer(self.spec, self.host_weights[unit.name])
-                if handle is not None:
-                    self.fused_layers[unit.name] = handle
+            if "cpu" in (p.prefill, p.decode):
+                self._fuse_host_layer(unit.name)
         else:  # read from the file that holds the unit's bytes as the layout has them, else from a spill copy
             extents = source.extents(unit, layout) if hasattr(source, "extents") else None
             if extents is not None:
@@ -157,11 +154,15 @@ class PlacedModel:
                 continue
             mapped.add(name)
             self.host_weights[name] = weights
-            if self.fuse and self._kind_index[name][0] == "layer":
-                handle = fused.fuse_layer(self.spec, weights)
-                if handle is not None:
-                    self.fused_layers[name] = handle
+            self._fuse_host_layer(name)
         return mapped
+
+    def _fuse_host_layer(self, name: str) -> None:
+        """The fused C++ layer's handle of a layer the CPU computes from host memory, made once, where it fits."""
+        if self.fuse and self._kind_index[name][0] == "layer":
+            handle = fused.fuse_layer(self.spec, self.host_weights[name])
+            if handle is not None:
+                self.fused_layers[name] = handle
 
     def _make_ring(self) -> StagingRing | None:
         streamed = [n for n in self.order if "stream" in (self.placement[n].prefill, self.placement[n].decode)]
