@@ -3,7 +3,9 @@
 Plans the model for a GPU budget, runs it through the executor, and prints per batch and phase: tokens/s, the
 share of wall time the PCIe link was busy, achieved copy bandwidth against the measured pinned bandwidth, the
 share of copy time hidden under GPU compute, time the GPU waited for weights, and peak device memory against
-the budget. --backend sim runs the same schedule on the simulated asynchronous GPU (compute mode, on the CPU),
+the budget, and the plan's prediction for the steps run over the measured time of each phase (on cuda and cpu;
+the plan is made for --hardware, so on a GPU unlike that profile the ratio shows the profile's error too).
+--backend sim runs the same schedule on the simulated asynchronous GPU (compute mode, on the CPU),
 which is how machines without a GPU exercise it. --json writes every figure to a file.
 
   python scripts/bench_offload.py --model configs/models/llama-3.1-70b --quantization q4_0 --gpu-memory 22GiB
@@ -22,6 +24,7 @@ from offload.formats import torch_dtype
 from offload.generate import Generator, Sequence
 from offload.hardware import format_bytes
 from offload.planner import Placement, PlanRequest, plan_for
+from offload.planner.recost import recost_steps
 from offload.runtime.backends import make_backend
 from offload.runtime.backends.sim import SimBackend
 from offload.runtime.executor import PlacedModel
@@ -32,8 +35,9 @@ from offload.weights.sources import RandomSource
 GOAL = 0.8  # streamed decode keeps the link busy this share of wall time, or hides this share of copy time
 
 
-def run_phase(model, batch: int, prompt_len: int, new_tokens: int, vocab: int, pinned_bps: float) -> dict:
-    """Generate new_tokens for batch random prompts; return the timeline figures of both phases."""
+def run_phase(model, batch: int, prompt_len: int, new_tokens: int, vocab: int, pinned_bps: float, predict) -> dict:
+    """Generate new_tokens for batch random prompts; return the timeline figures of both phases, with the plan's
+    prediction for the steps run (predict(steps): seconds per phase) over the measured wall time."""
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     seqs = [Sequence(i, torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params) for i in range(batch)]
@@ -43,6 +47,7 @@ def run_phase(model, batch: int, prompt_len: int, new_tokens: int, vocab: int, p
     Generator(model, max_batch_size=batch).run(seqs)
     model.flush()
     out = {"peak_device_bytes": model.backend.peak_device_bytes()}
+    predicted = predict(tl.steps) if predict else {}
     for phase in ("prefill", "decode"):
         wall, copy_s = tl.phase_time_s[phase], tl.busy_s("pcie", phase)
         achieved = tl.bytes_moved("h2d_copy", phase) / copy_s if copy_s else 0.0
@@ -54,6 +59,7 @@ def run_phase(model, batch: int, prompt_len: int, new_tokens: int, vocab: int, p
             "gpu_wait_s": sum(s.duration_s for s in tl.spans if s.kind == "wait" and s.phase == phase),
             "cpu_share": tl.busy_s("cpu", phase) / wall if wall else 0.0,
             "gpu_share": tl.busy_s("gpu", phase) / wall if wall else 0.0,
+            "predicted_over_measured": predicted[phase] / wall if wall and phase in predicted else None,
         }
     return out
 
@@ -69,7 +75,8 @@ def _line(batch: int, phase: str, f: dict) -> str:
     hidden = "-" if f["copy_hidden_share"] is None else f"{f['copy_hidden_share']:.0%}"
     return (f"batch {batch:3d} {phase:7s}: {f['tokens_per_s']:9.2f} tok/s  PCIe busy {f['pcie_busy_share']:4.0%} at "
             f"{f['pcie_bps'] / 1e9:6.2f} GB/s{vs}  copy hidden {hidden}  GPU waited {f['gpu_wait_s'] * 1e3:.1f} ms  "
-            f"busy CPU {f['cpu_share']:.0%} / GPU {f['gpu_share']:.0%}")
+            f"busy CPU {f['cpu_share']:.0%} / GPU {f['gpu_share']:.0%}  predicted/measured "
+            f"{'-' if f['predicted_over_measured'] is None else format(f['predicted_over_measured'], '.2f')}")
 
 
 def main() -> None:
@@ -109,7 +116,8 @@ def main() -> None:
                "measured_pinned_bps": pinned_bps, "gpu_budget_bytes": budget, "batches": {}}
     for batch in batches:
         r = run_phase(model, batch, args.prompt_len if batch == 1 else 16, args.decode_tokens, spec.vocab_size,
-                      pinned_bps)
+                      pinned_bps, None if backend.name == "sim" else lambda shapes: recost_steps(spec, hardware, plan,
+                                                                                                  shapes))
         for phase in ("prefill", "decode"):
             print(_line(batch, phase, r[phase]))
         peak = r["peak_device_bytes"]

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check: the CUDA tests (the fused dequant kernels of q8_0/q4_0 and GGUF's q4_1/K-quants among them),
-# then a Llama-3.1-70B-shaped q4_0 model (random weights in memory) planned for a 22 GiB budget, then the fused
-# dequant kernels against the torch fallback; one JSON summary at the end.
+# The GPU check: `offload calibrate --quick` (the GPU figures the plans below use), the CUDA tests (the fused
+# dequant kernels of q8_0/q4_0 and GGUF's q4_1/K-quants among them), a Llama-3.1-70B-shaped q4_0 model (random
+# weights in memory) planned for a 22 GiB budget, offload against accelerate on a random 3B bf16 checkpoint with
+# a 2 GiB GPU budget (scripts/bench_gpu_offload.py), then the fused dequant kernels against the torch fallback;
+# one JSON summary at the end.
 #   bash scripts/gpu_check.sh           on a machine with a CUDA GPU (no network needed: torch, transformers,
 #                                       safetensors, gguf, triton, numba, pybind11 and pytest must be installed)
 #   bash scripts/gpu_check.sh --smoke   the same steps on a CPU-only machine: the simulated asynchronous GPU in
@@ -14,7 +16,7 @@ smoke=0
 [ "${1:-}" = "--smoke" ] && smoke=1
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
-py=python
+py=python3
 [ -x .venv/bin/python ] && py=.venv/bin/python
 : > "$out/steps.jsonl"
 failed=0
@@ -27,24 +29,52 @@ step() {  # step NAME TIMEOUT_S COMMAND...: run it, keep its log, record its exi
     timeout "$limit" "$@" > "$out/$name.log" 2>&1
     rc=$?
     tail -n 30 "$out/$name.log"
-    echo "{\"step\": \"$name\", \"rc\": $rc, \"seconds\": $(( $(date +%s) - start ))}" >> "$out/steps.jsonl"
-    [ "$rc" -eq 0 ] || failed=1
+    record "$name" "$rc" "$start"
+}
+
+record() {  # record NAME RC START: a step's exit code and seconds in steps.jsonl; returns RC
+    echo "{\"step\": \"$1\", \"rc\": $2, \"seconds\": $(( $(date +%s) - $3 ))}" >> "$out/steps.jsonl"
+    [ "$2" -eq 0 ] || failed=1
+    return "$2"
 }
 
 if [ "$smoke" -eq 0 ]; then
-    step install 300 $py -m pip install --quiet --no-deps --no-build-isolation -e .
+    # Packages the GPU machine lacks travel as wheels in .whl/ (gguf, pydantic, a setuptools new enough for
+    # pyproject's license field); offload itself runs from this folder with its kernels built in place.
+    if compgen -G ".whl/*.whl" > /dev/null; then
+        step wheels 120 $py -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+            --target /tmp/site .whl/*.whl
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    fi
+    export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+    step install 300 $py setup.py -q build_ext --inplace
 fi
-step environment 60 $py -c "import torch, offload.kernels as k, offload.kernels.triton_dequant as t
+step environment 60 $py -c "import os, torch, offload.kernels as k, offload.kernels.triton_dequant as t
 print('torch', torch.__version__, 'cuda', torch.cuda.is_available(),
       torch.cuda.get_device_name(0) if torch.cuda.is_available() else '(no GPU)')
-print('cpu kernels:', k.ACTIVE_PATH, '| triton:', t.TRITON_AVAILABLE)"
+print('cpu kernels:', k.ACTIVE_PATH, '| triton:', t.TRITON_AVAILABLE, '| cores:', os.cpu_count(),
+      '| RAM:', os.sysconf('SC_PHYS_PAGES') * os.sysconf('SC_PAGE_SIZE') >> 30, 'GiB')"
 if [ "$smoke" -eq 0 ]; then
+    # the 3B checkpoint for bench_gpu_offload is written beside the tests (one CPU core; the tests use the GPU)
+    model3b=$(mktemp -d)/llama-3b
+    $py scripts/make_llama.py --out "$model3b" --hidden 3072 --layers 28 --intermediate 8192 --heads 24 \
+        --kv-heads 8 --vocab 32000 > "$out/make_llama.log" 2>&1 &
+    maker=$!
+    hardware=(--hardware configs/hardware/h200-server.yaml)  # the preset, unless calibrate measures this GPU
+    step calibrate 180 $py -m offload calibrate --quick && hardware=()
     # only the CUDA test modules are collected: they need nothing the GPU machine lacks
     step cuda_tests 300 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_triton_dequant.py \
         tests/test_device_dequant_gguf.py
     step offload_70b 300 $py scripts/bench_offload.py --model configs/models/llama-3.1-70b --quantization q4_0 \
-        --gpu-memory 22GiB --hardware configs/hardware/h200-server.yaml --backend cuda --prompt-len 512 \
-        --decode-tokens 8 --batches 1,32 --json "$out/offload.json"
+        --gpu-memory 22GiB --cpu-memory 100GiB "${hardware[@]}" --backend cuda --prompt-len 512 --decode-tokens 8 --batches 1,32 \
+        --json "$out/offload.json"
+    start=$(date +%s)
+    wait "$maker"
+    record make_llama $? "$start"
+    tail -n 3 "$out/make_llama.log"
+    step offload_vs_accelerate 400 $py scripts/bench_gpu_offload.py --model "$model3b" --gpu-memory 2GiB \
+        "${hardware[@]}" --batches 1,16 --prompt-len 32 --tokens 16 --repeats 1 --timeout 180 --json "$out/gpu_offload.json"
+    rm -rf "$(dirname "$model3b")"
     step triton_dequant 120 $py scripts/bench_triton_dequant.py
 else
     step sim_tests 300 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_sim.py
@@ -66,7 +96,8 @@ if bench.is_file():
     summary["offload"] = {b: {"peak_within_budget": r["peak_within_budget"],
                               "decode_link_goal_met": r["decode_link_goal_met"],
                               **{p: {k: r[p][k] for k in ("tokens_per_s", "pcie_busy_share", "pcie_over_pinned",
-                                                           "copy_hidden_share", "gpu_wait_s")}
+                                                           "copy_hidden_share", "gpu_wait_s",
+                                                           "predicted_over_measured")}
                                  for p in ("prefill", "decode")}}
                           for b, r in data["batches"].items()}
     summary["offload"]["build_s"] = data["build_s"]
