@@ -16,8 +16,8 @@ so one never holds GPU memory while the other runs; a child loads once and measu
               llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)). gpu_memory
               counts everything offload puts on the GPU (weights, KV, staging slots, workspace, the CUDA context
               the hardware profile reserves, a margin), so its plan holds fewer weights there than accelerate's.
-              Its plan's predicted decode tokens/s (the same placement re-costed for the steps the measured
-              generate took, offload.planner.recost) is reported against the measured rate.
+              Its plan's prediction (the same placement re-costed for the steps the measured generate took,
+              offload.planner.recost) is reported as predicted ÷ measured time per decode token.
 
 --device cpu is a smoke mode for machines without a GPU: accelerate loads on the CPU without a device_map,
 offload runs backend="cpu" with gpu_memory=0. Its figures mean nothing; it exercises this script.
@@ -273,7 +273,8 @@ def summarize_batch(runs: dict, b: str, agree_k: int) -> dict:
            for t in TOOLS}
     a, o = out["accelerate"], out["offload"]
     out["offload_over_accelerate"] = ratio(o["decode_tokens_per_s"], a["decode_tokens_per_s"])
-    out["predicted_over_measured"] = ratio(o["predicted_tokens_per_s"], o["decode_tokens_per_s"])
+    # predicted ÷ measured time per token, as offload's report and scripts/predictions.py give it
+    out["predicted_over_measured"] = ratio(o["decode_tokens_per_s"], o["predicted_tokens_per_s"])
     if done["accelerate"] and done["offload"]:  # the first run of each: greedy outputs do not change per run
         common = [common_prefix(x, y) for x, y in zip(done["accelerate"][0]["output_ids"],
                                                        done["offload"][0]["output_ids"])]
@@ -306,8 +307,8 @@ def table(summary: dict, runs: dict, budget: int, agree_k: int) -> str:
         place = next((r["placement"]["summary"] for r in runs[t] if r.get("placement")), "-")
         lines.append(f"{t}: load {fmt(load, 1)} s, GPU peak while loading {fmt_gib(load_peak)} GiB (medians); {place}")
     lines.append("tok/s: batch*(N-1)/(t_N - t_1), median; prefill: t_1; peak: torch.cuda.max_memory_allocated after "
-                 "the load (no CUDA context); pred/meas: offload's plan re-costed / measured tok/s; agree@K: "
-                 "sequences whose first K greedy tokens are equal")
+                 "the load (no CUDA context); pred/meas: offload's plan re-costed ÷ measured time per decode token; "
+                 "agree@K: sequences whose first K greedy tokens are equal")
     return "\n".join(lines)
 
 

@@ -108,9 +108,12 @@ def bench_split(fmts, device) -> list[dict]:
                 out.append(r)
                 print(f"{fmt} {name:>8} n={n:<3} gemv {r['gemv_s'] * 1e6:8.1f} us  gemm {r['gemm_s'] * 1e6:8.1f} us"
                       f"  gemv/gemm {r['gemv_over_gemm']:.2f}", flush=True)
-    faster = [n for n in SPLIT_ROWS if all(r["gemv_over_gemm"] < 1 for r in out if r["n"] == n)]
-    print(f"gemv is faster on every matrix up to n = {max(faster, default=0)} "
-          f"(GEMV_MAX_ROWS is {T.GEMV_MAX_ROWS})")
+    every = [n for n in SPLIT_ROWS if all(r["gemv_over_gemm"] < 1 for r in out if r["n"] == n)]
+    total = {n: sum(r["gemv_s"] for r in out if r["n"] == n) / sum(r["gemm_s"] for r in out if r["n"] == n)
+             for n in SPLIT_ROWS}
+    print("gemv over gemm, summed over the matrices: " + ", ".join(f"n={n} {t:.2f}" for n, t in total.items()))
+    print(f"gemv is faster on every matrix at n = {', '.join(map(str, every)) or 'none'}; "
+          f"GEMV_MAX_ROWS is {T.GEMV_MAX_ROWS}")
     return out
 
 

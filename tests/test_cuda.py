@@ -48,22 +48,27 @@ def test_cuda_placements_match_cpu(tiny, mix, quantization):
 
 
 def test_cuda_peak_memory_within_plan(tiny):
-    """What offload allocates on the device stays within the planned GPU tier. cuBLAS workspaces and what earlier
-    tests left are outside it: they exist before the baseline is taken."""
+    """What offload allocates on the device stays within the planned GPU tier. The backend's compute stream gets a
+    cuBLAS workspace of its own (32 MiB on sm_90, through torch's allocator: seen on an H200, where this test
+    once warmed other streams only and found 34 MB over a 3 MiB tier); it is part of the CUDA reserve a
+    calibrated profile counts in the GPU budget, so the plan here reserves it, and what the tier says it uses
+    (weights, KV, workspace, staging, margin and that reserve) is checked.
+    What earlier tests left on the device is outside it: it exists before the baseline is taken."""
     from offload import LLM, SamplingParams
+    from offload.runtime.backends.cuda import CUBLAS_WORKSPACE_BYTES
 
     folder, _ = tiny
-    warm = torch.ones(64, 64, device="cuda")
-    for stream in (torch.cuda.Stream(), torch.cuda.current_stream()):
-        with torch.cuda.stream(stream):
-            warm @ warm  # noqa: B018 - creates this stream's cuBLAS workspace before the baseline
+    torch.ones(64, 64, device="cuda") @ torch.ones(64, 64, device="cuda")  # the default stream's workspace
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    llm = LLM(str(folder), hardware=gpu_profile(), gpu_memory="3MiB", cpu_memory="1GiB", backend="cuda", host_baseline=0,
-              max_batch_size=4, max_model_len=64, dtype="fp32")
+    hardware = gpu_profile().with_changes(gpu_reserved_bytes=CUBLAS_WORKSPACE_BYTES)
+    llm = LLM(str(folder), hardware=hardware, gpu_memory=8 * 2**20 + CUBLAS_WORKSPACE_BYTES, cpu_memory="1GiB",
+              backend="cuda", host_baseline=0, max_batch_size=4, max_model_len=64, dtype="fp32")
     llm.generate([[1, 2, 3, 4, 5]] * 4, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
-    assert torch.cuda.max_memory_allocated() - baseline <= llm.plan.tier("gpu").budget_bytes
+    tier = llm.plan.tier("gpu")
+    assert tier.reserved_bytes == CUBLAS_WORKSPACE_BYTES and tier.weights_bytes > 0
+    assert torch.cuda.max_memory_allocated() - baseline <= tier.total_bytes
 
 
 def test_cuda_blocks_with_kv_cache_in_cpu_ram(tiny):

@@ -30,9 +30,11 @@ except ImportError:  # the torch fallback in offload.runtime.device_quant takes 
     TRITON_AVAILABLE = False
 
 # Up to this many rows of x the gemv kernel runs, beyond it the gemm kernel: gemv does N multiply-adds per
-# weight on the CUDA cores, tl.dot pads x to 16 rows on the tensor cores. 8 is a guess in between, not yet
-# measured (no GPU where this was written): scripts/bench_triton_dequant.py times both at 1..16 rows.
-GEMV_MAX_ROWS = 8
+# weight on the CUDA cores, tl.dot pads x to 16 rows on the tensor cores. Measured on an H200
+# (scripts/bench_triton_dequant.py, Llama-3.1-8B's o and gate_up in q4_0 and q8_0): gemv's time grows with every
+# row (gate_up q4_0: 114 us at 1 row, 1131 us at 8) while gemm's stays flat up to 16 rows (86 us); at 1 row gemv
+# is 1.4x faster on o and 1.3x slower on gate_up, from 2 rows on gemm is faster on the sum of both.
+GEMV_MAX_ROWS = 1
 # gemv holds BN x BM x (blocks x bytes) products in registers: 8192 fp32 values is 64 per thread at 4 warps.
 GEMV_PRODUCTS = 8192
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
