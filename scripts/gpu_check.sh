@@ -8,6 +8,10 @@
 #                                       safetensors, gguf, triton, numba, pybind11 and pytest must be installed)
 #   bash scripts/gpu_check.sh --smoke   the same steps on a CPU-only machine: the simulated asynchronous GPU in
 #                                       place of CUDA and a scaled-down model (what CI runs)
+# Packages a GPU machine without network lacks are installed from .whl/ (git-ignored), filled beforehand with
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#       --platform manylinux_2_17_x86_64 -d .whl gguf pydantic pydantic_core annotated-types typing-inspection setuptools
+# (the versions matching each other: pydantic's pins pydantic_core's).
 # Every step runs even if an earlier one failed; the exit code is non-zero if any step failed.
 # Figures and logs go to $OUT (the device tool's output folder) or to a fresh temporary folder.
 set -uo pipefail
