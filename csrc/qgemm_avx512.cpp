@@ -26,6 +26,7 @@ KFN __m256i dot_q8x16(__m256i w1, __m256i x1, __m256i w2, __m256i x2) {
   return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w1, x1), w2, x2);
 }
 
+#define GEMM_TOKENS 4  // 32 vector registers: 16 accumulators of a 4 x 4 tile
 #include "qgemm_tiles.inc"
 #include "kquant_tiles.inc"
 
