@@ -3,9 +3,11 @@
 // attention are plain loops (tiny next to the matmuls at decode), attention parallel over tokens x heads.
 #include "layer.h"
 
+#include <immintrin.h>
 #include <omp.h>
 
 #include <algorithm>
+#include <climits>
 #include <cmath>
 #include <vector>
 
@@ -104,22 +106,168 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const float
   attend_body(q, k, v, stride, n_keys, dh, scale, scores, out);
 }
 
+// ---- Blocked attention (AVX2): online softmax over blocks of 8 keys, never more than 8 scores per query held.
+// A task is a tile of up to kTileTokens consecutive tokens of one sequence and one KV head, with that head's
+// whole GQA group of query heads: each key and value row is loaded once for all of the tile's queries.
+
+constexpr int kTileTokens = 4;
+constexpr int kMaxGroup = 16;  // query heads per KV head the blocked path takes (more: the per-query loop)
+
+// e^x on 8 lanes (Cephes' polynomial on [-ln2/2, ln2/2] after x = n ln2 + r; relative error ~2e-7), x
+// clamped to [-87.3, 88.7]: lanes below underflow to ~1e-38, which callers mask where they need a zero.
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma"))) inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum8f(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Lane j: the full sum of a[j]'s 8 lanes.
+__attribute__((target("avx2,fma"))) inline __m256 transpose_sum8(const __m256 (&a)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+struct TileQuery {
+  const float* q;  // [dh], already scaled
+  int64_t lo, hi;  // keys seen, inclusive, as offsets from the row's key 0
+  float m, l;      // running max and sum of the online softmax
+  float* out;      // [dh] running sum of p * v
+};
+
+// The queries of one tile over keys [k_lo, k_hi] of one KV head (k, v: key 0 of that head, rows stride floats
+// apart); dh a multiple of 8.
+__attribute__((target("avx2,fma"))) void attend_tile_avx2(TileQuery* qs, int nq, const float* k, const float* v,
+                                                           int64_t stride, int64_t k_lo, int64_t k_hi, int64_t dh) {
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int i = 0; i < nq; ++i) {
+    qs[i].m = -INFINITY;
+    qs[i].l = 0.f;
+    std::fill(qs[i].out, qs[i].out + dh, 0.f);
+  }
+  alignas(32) float p[8];
+  for (int64_t j0 = k_lo; j0 <= k_hi; j0 += 8) {
+    const int64_t nk = std::min<int64_t>(8, k_hi - j0 + 1);
+    for (int i = 0; i < nq; ++i) {
+      TileQuery& t = qs[i];
+      if (j0 > t.hi || j0 + nk - 1 < t.lo) continue;
+      __m256 acc[8];
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < dh; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(t.q + d);
+        for (int j = 0; j < nk; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j0 + j) * stride + d), acc[j]);
+      }
+      __m256 s = transpose_sum8(acc);
+      // keys outside [lo, hi] (and past the block's end) get no weight
+      const __m256 pos = _mm256_add_ps(lane, _mm256_set1_ps(float(j0)));
+      const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(pos, _mm256_set1_ps(float(t.lo)), _CMP_GE_OQ),
+                                      _mm256_cmp_ps(pos, _mm256_set1_ps(float(std::min(t.hi, j0 + nk - 1))), _CMP_LE_OQ));
+      s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, ok);
+      const float m_new = std::max(t.m, hmax8(s));
+      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(m_new))), ok);
+      _mm256_store_ps(p, e);
+      const float corr = t.m == -INFINITY ? 0.f : std::exp(t.m - m_new);
+      t.l = t.l * corr + hsum8f(e);
+      t.m = m_new;
+      const __m256 c = _mm256_set1_ps(corr);
+      for (int64_t d = 0; d < dh; d += 8) {
+        __m256 o = _mm256_mul_ps(_mm256_loadu_ps(t.out + d), c);
+        for (int j = 0; j < nk; ++j)
+          o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + (j0 + j) * stride + d), o);
+        _mm256_storeu_ps(t.out + d, o);
+      }
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    const __m256 inv = _mm256_set1_ps(1.f / qs[i].l);
+    for (int64_t d = 0; d < dh; d += 8) _mm256_storeu_ps(qs[i].out + d, _mm256_mul_ps(_mm256_loadu_ps(qs[i].out + d), inv));
+  }
+}
+
 // att [N, n_heads * dh]: each token's heads over keys [lo, hi] of its cache row (GQA: head h reads kv head
-// h / (n_heads / n_kv_heads)).
+// h / (n_heads / n_kv_heads)). The SIMD paths run blocked tiles (above); the scalar path, and head sizes the
+// tiles do not take, one query at a time (the reference).
 void attention(const LayerArgs& a, const float* qkv, float* att) {
   const LayerShape& s = a.shape;
   const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh;
-  const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads, tasks = a.N * s.n_heads;
+  const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads;
   int64_t max_keys = 1, work = 0;
   for (int64_t n = 0; n < a.N; ++n) {
     const int64_t keys = a.tokens[n * kTokenCols + kHi] - a.tokens[n * kTokenCols + kLo] + 1;
     max_keys = std::max(max_keys, keys);
     work += keys * s.n_heads * dh;
   }
-  const AttendFn fn = a.path == P_SCALAR ? attend_ref : attend_avx2;
   const float scale = 1.f / std::sqrt(float(dh));
   // Short decode attention runs on the calling thread: a parallel region costs a barrier, and a barrier
   // costs a whole time slice when another process has taken one of the cores.
+  const bool blocked = a.path != P_SCALAR && dh % 8 == 0 && group <= kMaxGroup;
+  if (blocked) {
+    // tiles: runs of up to kTileTokens consecutive tokens of the same cache row
+    std::vector<int64_t> tile_start;
+    for (int64_t n = 0; n < a.N; ++n) {
+      const int64_t* tok = a.tokens + n * kTokenCols;
+      if (tile_start.empty() || n - tile_start.back() >= kTileTokens ||
+          a.tokens[tile_start.back() * kTokenCols + kRowBase] != tok[kRowBase])
+        tile_start.push_back(n);
+    }
+    const int64_t n_tiles = int64_t(tile_start.size()), tasks = n_tiles * s.n_kv_heads;
+    tile_start.push_back(a.N);
+    const bool parallel = a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 18);
+#pragma omp parallel num_threads(a.nthreads) if (parallel)
+    {
+      std::vector<float> qbuf(size_t(kTileTokens * group * dh));
+      TileQuery qs[kTileTokens * kMaxGroup];
+#pragma omp for schedule(dynamic, 1)
+      for (int64_t t = 0; t < tasks; ++t) {
+        const int64_t tile = t / s.n_kv_heads, g = t % s.n_kv_heads;
+        const int64_t n0 = tile_start[size_t(tile)], n1 = tile_start[size_t(tile) + 1];
+        const int64_t base = a.tokens[n0 * kTokenCols + kRowBase];
+        int64_t k_lo = INT64_MAX, k_hi = -1;
+        int nq = 0;
+        for (int64_t n = n0; n < n1; ++n) {
+          const int64_t* tok = a.tokens + n * kTokenCols;
+          k_lo = std::min(k_lo, tok[kLo]);
+          k_hi = std::max(k_hi, tok[kHi]);
+          for (int64_t hh = 0; hh < group; ++hh, ++nq) {
+            const int64_t h = g * group + hh;
+            float* qv = qbuf.data() + nq * dh;
+            const float* src = qkv + n * width + h * dh;
+            for (int64_t d = 0; d < dh; ++d) qv[d] = src[d] * scale;
+            qs[nq] = TileQuery{qv, tok[kLo], tok[kHi], 0.f, 0.f, att + n * q_size + h * dh};
+          }
+        }
+        attend_tile_avx2(qs, nq, a.k_cache + base * stride + g * dh, a.v_cache + base * stride + g * dh, stride,
+                         k_lo, k_hi, dh);
+      }
+    }
+    return;
+  }
+  const int64_t tasks = a.N * s.n_heads;
+  const AttendFn fn = a.path == P_SCALAR ? attend_ref : attend_avx2;
   const bool parallel = a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 18);
 #pragma omp parallel num_threads(a.nthreads) if (parallel)
   {
@@ -134,11 +282,27 @@ void attention(const LayerArgs& a, const float* qkv, float* att) {
   }
 }
 
-// act [N, I] = silu(gate) * up from gate_up [N, 2I] (rows: gate | up).
-void silu_mul(const float* gate_up, int64_t N, int64_t I, float* act) {
+// act [N, I] = silu(gate) * up from gate_up [N, 2I] (rows: gate | up); rows split over the threads.
+void silu_mul_ref(const float* g, const float* u, int64_t I, float* act) {
+  for (int64_t i = 0; i < I; ++i) act[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+}
+
+__attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* g, const float* u, int64_t I, float* act) {
+  int64_t i = 0;
+  for (; i + 8 <= I; i += 8) {
+    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+    _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+  }
+  silu_mul_ref(g + i, u + i, I - i, act + i);
+}
+
+void silu_mul(const float* gate_up, int64_t N, int64_t I, float* act, int path, int nth) {
+#pragma omp parallel for num_threads(nth) if (nth > 1 && N * I >= (int64_t(1) << 15))
   for (int64_t n = 0; n < N; ++n) {
     const float *g = gate_up + n * 2 * I, *u = g + I;
-    for (int64_t i = 0; i < I; ++i) act[n * I + i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+    if (path == P_SCALAR) silu_mul_ref(g, u, I, act + n * I);
+    else silu_mul_avx2(g, u, I, act + n * I);
   }
 }
 
@@ -191,7 +355,7 @@ void layer_forward(const LayerArgs& a) {
 
   rms_norm_rows(a.out, a.mlp_norm, N, D, s.eps, h, a.nthreads);
   run_linear(a, a.gate_up, h, gate_up);
-  silu_mul(gate_up, N, I, act);
+  silu_mul(gate_up, N, I, act, a.path, a.nthreads);
   run_linear(a, a.down, act, tmp);
   add_rows(a.out, a.out, tmp, N * D);
 }

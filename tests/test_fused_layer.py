@@ -239,3 +239,42 @@ def test_executor_builds_fused_handles_once_at_placement(tmp_path):
     llm.generate([{"prompt_token_ids": [5, 9, 31]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert all(llm.model.fused_layers[n] is h for n, h in handles.items())
     assert all(set(vars(llm.model.host_weights[n])) == set(LayerWeights.__dataclass_fields__) for n in handles)
+
+
+@pytest.mark.parametrize("n_heads,n_kv,head_dim,window,lengths", [
+    (9, 3, 64, None, [1500, 700]),  # SmolLM2's heads, a long prompt and a shorter one in one step
+    (8, 1, 128, None, [301]),  # a whole group of 8 query heads on one KV head, 128-wide heads
+    (4, 4, 32, 100, [450, 9]),  # sliding window: keys [pos - 99, pos]
+])
+def test_long_prompt_attention_matches_exact_softmax(n_heads, n_kv, head_dim, window, lengths):
+    """The blocked online-softmax attention against softmax(q k^T) v in float64 over prompts of up to 1500
+    tokens: max |diff| <= 1e-5 x max |ref| (fp32 scores, a polynomial exp)."""
+    max_len = max(lengths) + 1
+    spec = ModelSpec(architecture="llama", vocab_size=64, hidden_size=n_heads * head_dim, intermediate_size=96,
+                     n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rms_norm_eps=1e-5,
+                     rope=RopeSpec(), max_position_embeddings=max_len, sliding_window=window)
+    width = max(lengths)
+    positions = torch.zeros(len(lengths), width, dtype=torch.long)
+    valid = torch.zeros_like(positions, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        positions[b, :n] = torch.arange(n)
+        valid[b, :n] = True
+    step = make_step(spec, torch.float32, positions, valid, trash_slot=max_len, phase="prefill")
+    kv = LayerKV(len(lengths), n_kv, max_len, head_dim, torch.float32)
+    view = fused.kv_view(kv)
+    table = fused.step_table(spec, step, view)
+    qkv = _randn(len(lengths) * width, spec.q_size + 2 * spec.kv_size) * 2
+    att = fused.cached_attention(spec, qkv, table, view)  # ropes qkv in place
+    q = qkv[:, :spec.q_size].double().view(len(lengths), width, n_heads, head_dim)
+    group = n_heads // n_kv
+    for b, n in enumerate(lengths):
+        k = kv.k[b, :n].double().repeat_interleave(group, dim=1)  # [n, heads, dh]
+        v = kv.v[b, :n].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[b, :n], k) / head_dim ** 0.5
+        pos = torch.arange(n)
+        seen = pos[None, :] <= pos[:, None]
+        if window is not None:
+            seen &= pos[None, :] > pos[:, None] - window
+        ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v).reshape(n, -1)
+        got = att.view(len(lengths), width, -1)[b, :n].double()
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
