@@ -179,6 +179,7 @@ uint64_t read_bytes(uintptr_t p, int64_t n, int nthreads) {
 
 namespace offload {
 void bind_layer(py::module_& m);  // layer_bindings.cpp
+double peak_flops(const std::string& kind, int64_t iterations, int nthreads);  // peak.cpp
 
 void packed_linear(int path, const float* x, int64_t N, int fmt, const WView& w, const float* bias, float* y,
                    int nthreads) {
@@ -193,6 +194,8 @@ PYBIND11_MODULE(_C, m) {
         "linear(path, x, xtype, N, K, fmt, wq, wd, M, bias, y, nthreads): raw pointers, see offload.kernels");
   m.def("quantize_weights", &quantize_weights, py::call_guard<py::gil_scoped_release>());
   m.def("read_bytes", &read_bytes, py::call_guard<py::gil_scoped_release>());
+  m.def("peak_flops", &peak_flops, py::call_guard<py::gil_scoped_release>(),
+        "peak_flops(kind, iterations, nthreads): FLOP/s of vnni_u8, vnni_s16, avx2_u8, avx2_s16 or fma32 multiply-adds");
   m.def("fp16_to_f32", [](uint16_t h) { return fp16_to_f32(h); });
   m.def("f32_to_fp16", [](float f) { return f32_to_fp16(f); });
   bind_layer(m);

@@ -7,7 +7,8 @@ rotated through copies larger than the last-level cache, as in real decoding, he
 torch) as offload holds weights: 2 MiB-aligned buffers advised for transparent huge pages. The GGUF block
 formats (q4_1, q4_k, q5_k, q6_k: random blocks with small scales, at shapes whose K is whole blocks) also show
 their weight bytes per second against q4_0's at the same shape, threads and path. Then matrix-matrix
-throughput at batch 16 and 128 against torch. All times are medians of several runs.
+throughput at batch 1, 8, 32, 128 and 512 against torch, and as a fraction of the peak rate of the kernel's own
+multiply-add instruction (vpdpbusd, vpdpwssd, vpmaddubsw or FMA), measured in the same run. All times are medians of several runs.
 
     python scripts/bench_kernels.py            # about 2-3 minutes on 2 cores
     python scripts/bench_kernels.py --models 8b --threads 2 --paths avx2 scalar
@@ -163,10 +164,29 @@ def print_layer_summary(model: str, rows: list[dict], bw: dict[int, float]) -> N
               f"{nbytes / t / bw[n_threads]:.2f}x read BW; {t32 / t:5.2f}x torch fp32, {t16 / t:5.2f}x torch bf16")
 
 
+# The multiply-add instruction each format's matrix-matrix kernel is built from, per path (csrc/peak.cpp).
+PEAK_KIND = {("avx512", "q4_0"): "vnni_u8", ("avx512", "q8_0"): "vnni_s16", ("avx2", "q4_0"): "avx2_u8",
+             ("avx2", "q8_0"): "avx2_s16", ("avx512", "bf16"): "fma32", ("avx2", "bf16"): "fma32",
+             ("avx512", "fp16"): "fma32", ("avx2", "fp16"): "fma32"}
+PEAK_KIND.update({(p, f): ("vnni_s16" if p == "avx512" else "avx2_s16") if f == "q4_1" else
+                  ("vnni_u8" if p == "avx512" else "avx2_u8") for p in ("avx2", "avx512") for f in GGUF_BLOCKS})
+
+
+def peak_flops(kind: str, n_threads: int) -> float:
+    """FLOP/s of one multiply-add instruction kind on n_threads threads, best of 5 runs of about 0.1 s."""
+    return max(K._C.peak_flops(kind, 2_000_000, n_threads) for _ in range(5))
+
+
 def gemm_report(shapes, batches, fmts, threads) -> None:
-    """Matrix-matrix throughput (GFLOP/s) of the active path against torch fp32 and bf16."""
+    """Matrix-matrix throughput (GFLOP/s) of the active path against torch fp32 and bf16, and as a fraction of the
+    peak of the kernel's own multiply-add instruction, measured in this run."""
+    peaks = {(kind, n): peak_flops(kind, n) for kind in {PEAK_KIND.get((K.ACTIVE_PATH, f.partition("-")[0])) for f in fmts} - {None}
+             for n in threads} if K.ACTIVE_PATH in ("avx2", "avx512") else {}
     print(f"\n== matrix-matrix (path {K.ACTIVE_PATH}) ==")
-    print(f"{'shape':>13} {'batch':>5} {'thr':>3} {'format':>6} {'GFLOP/s':>8} {'vs fp32':>8} {'vs bf16':>8}")
+    for (kind, n), rate in sorted(peaks.items()):
+        print(f"peak of {kind} multiply-adds on {n} thread(s): {rate / 1e9:.0f} GFLOP/s")
+    print(f"{'shape':>13} {'batch':>5} {'thr':>3} {'format':>6} {'GFLOP/s':>8} {'x peak':>7} {'vs fp32':>8} "
+          f"{'vs bf16':>8}")
     for shape in shapes:
         w = torch.randn(shape) * 0.02
         for n in batches:
@@ -175,10 +195,14 @@ def gemm_report(shapes, batches, fmts, threads) -> None:
                 t32, t16 = torch_time_s(w, torch.float32, n), torch_time_s(w, torch.bfloat16, n)
                 flop = 2.0 * n * shape[0] * shape[1]
                 print(f"{shape[0]:>6}x{shape[1]:<6} {n:>5} {n_threads:>3} {'torch':>6} {flop / t32 / 1e9:8.1f} "
-                      f"{'(fp32)':>8} {flop / t16 / 1e9:7.1f}b")
+                      f"{'':>7} {'(fp32)':>8} {flop / t16 / 1e9:7.1f}b")
                 for fmt in fmts:
+                    if fmt in GGUF_BLOCKS and shape[1] % GGUF_BLOCKS[fmt][0]:
+                        continue
                     t, _ = kernel_time_s(w, fmt, K.ACTIVE_PATH, n)
-                    print(f"{shape[0]:>6}x{shape[1]:<6} {n:>5} {n_threads:>3} {fmt:>6} {flop / t / 1e9:8.1f} "
+                    peak = peaks.get((PEAK_KIND.get((K.ACTIVE_PATH, fmt.partition("-")[0])), n_threads))
+                    frac = f"{flop / t / peak:7.2f}" if peak else f"{'-':>7}"
+                    print(f"{shape[0]:>6}x{shape[1]:<6} {n:>5} {n_threads:>3} {fmt:>6} {flop / t / 1e9:8.1f} {frac} "
                           f"{t32 / t:7.2f}x {t16 / t:7.2f}x")
 
 
@@ -190,7 +214,7 @@ def main() -> None:
                     choices=list(K.PACKED_FORMATS) + ["q8_0-rows", "q4_0-rows"],
                     help="weight formats; q8_0-rows / q4_0-rows: GGUF's row block order instead of the tiled one")
     ap.add_argument("--paths", nargs="+", default=[K.ACTIVE_PATH], help="kernel paths (e.g. avx2 scalar numba)")
-    ap.add_argument("--batches", nargs="+", type=int, default=[16, 128])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128, 512])
     ap.add_argument("--no-gemm", action="store_true", help="skip the matrix-matrix section")
     ap.add_argument("--small-pages", action="store_true",
                     help="keep weights (offload's and torch's) on 4 KiB pages instead of 2 MiB transparent huge pages")
