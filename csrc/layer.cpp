@@ -152,6 +152,22 @@ __attribute__((target("avx2,fma"))) inline __m256 transpose_sum8(const __m256 (&
   return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
 
+// out[0 : 8 CN] += sum_j p[j] * v[j * stride + 0 : 8 CN] over nk <= 8 rows of v.
+template <int CN>
+__attribute__((target("avx2,fma"))) inline void pv_chunks(const float* p, const float* v, int64_t stride, int64_t nk,
+                                                           float* out) {
+  __m256 o[CN];
+#pragma GCC unroll 8
+  for (int c = 0; c < CN; ++c) o[c] = _mm256_loadu_ps(out + 8 * c);
+  for (int64_t j = 0; j < nk; ++j) {
+    const __m256 pj = _mm256_broadcast_ss(p + j);
+#pragma GCC unroll 8
+    for (int c = 0; c < CN; ++c) o[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * stride + 8 * c), o[c]);
+  }
+#pragma GCC unroll 8
+  for (int c = 0; c < CN; ++c) _mm256_storeu_ps(out + 8 * c, o[c]);
+}
+
 struct TileQuery {
   const float* q;  // [dh], already scaled
   int64_t lo, hi;  // keys seen, inclusive, as offsets from the row's key 0
@@ -161,45 +177,75 @@ struct TileQuery {
 
 // The queries of one tile over keys [k_lo, k_hi] of one KV head (k, v: key 0 of that head, rows stride floats
 // apart); dh a multiple of 8.
+// DH > 0: head size known at compile time; each block of 8 K and V rows is first copied into contiguous buffers
+// (shared by all the tile's queries), so every load in the loops below is one base plus a constant offset.
+template <int DH>
 __attribute__((target("avx2,fma"))) void attend_tile_avx2(TileQuery* qs, int nq, const float* k, const float* v,
-                                                           int64_t stride, int64_t k_lo, int64_t k_hi, int64_t dh) {
+                                                           int64_t stride, int64_t k_lo, int64_t k_hi, int64_t dh_) {
+  const int64_t dh = DH ? DH : dh_;
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  alignas(32) float kbuf[DH ? 8 * DH : 1], vbuf[DH ? 8 * DH : 1];
+  const int64_t bs = DH ? DH : stride;  // row stride of the block being read
   for (int i = 0; i < nq; ++i) {
     qs[i].m = -INFINITY;
     qs[i].l = 0.f;
     std::fill(qs[i].out, qs[i].out + dh, 0.f);
   }
-  alignas(32) float p[8];
   for (int64_t j0 = k_lo; j0 <= k_hi; j0 += 8) {
     const int64_t nk = std::min<int64_t>(8, k_hi - j0 + 1);
+    const float *kb = k + j0 * stride, *vb = v + j0 * stride;
+    if (DH) {
+      for (int64_t j = 0; j < nk; ++j) {
+        std::copy(kb + j * stride, kb + j * stride + DH, kbuf + j * DH);
+        std::copy(vb + j * stride, vb + j * stride + DH, vbuf + j * DH);
+      }
+      kb = kbuf;
+      vb = vbuf;
+    }
     for (int i = 0; i < nq; ++i) {
       TileQuery& t = qs[i];
       if (j0 > t.hi || j0 + nk - 1 < t.lo) continue;
       __m256 acc[8];
       for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < dh; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(t.q + d);
-        for (int j = 0; j < nk; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j0 + j) * stride + d), acc[j]);
+      if (nk == 8) {
+        for (int64_t d = 0; d < dh; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(t.q + d);
+#pragma GCC unroll 8
+          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + j * bs + d), acc[j]);
+        }
+      } else {
+        for (int64_t d = 0; d < dh; d += 8) {
+          const __m256 qv = _mm256_loadu_ps(t.q + d);
+          for (int j = 0; j < nk; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + j * bs + d), acc[j]);
+        }
       }
       __m256 s = transpose_sum8(acc);
-      // keys outside [lo, hi] (and past the block's end) get no weight
-      const __m256 pos = _mm256_add_ps(lane, _mm256_set1_ps(float(j0)));
-      const __m256 ok = _mm256_and_ps(_mm256_cmp_ps(pos, _mm256_set1_ps(float(t.lo)), _CMP_GE_OQ),
-                                      _mm256_cmp_ps(pos, _mm256_set1_ps(float(std::min(t.hi, j0 + nk - 1))), _CMP_LE_OQ));
-      s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, ok);
-      const float m_new = std::max(t.m, hmax8(s));
-      const __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(s, _mm256_set1_ps(m_new))), ok);
-      _mm256_store_ps(p, e);
-      const float corr = t.m == -INFINITY ? 0.f : std::exp(t.m - m_new);
-      t.l = t.l * corr + hsum8f(e);
-      t.m = m_new;
-      const __m256 c = _mm256_set1_ps(corr);
-      for (int64_t d = 0; d < dh; d += 8) {
-        __m256 o = _mm256_mul_ps(_mm256_loadu_ps(t.out + d), c);
-        for (int j = 0; j < nk; ++j)
-          o = _mm256_fmadd_ps(_mm256_set1_ps(p[j]), _mm256_loadu_ps(v + (j0 + j) * stride + d), o);
-        _mm256_storeu_ps(t.out + d, o);
+      // keys outside [lo, hi] (and past the block's end) get no weight; a block wholly inside needs no mask
+      const bool whole = nk == 8 && j0 >= t.lo && j0 + 7 <= t.hi;
+      __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+      if (!whole) {
+        const __m256 pos = _mm256_add_ps(lane, _mm256_set1_ps(float(j0)));
+        ok = _mm256_and_ps(_mm256_cmp_ps(pos, _mm256_set1_ps(float(t.lo)), _CMP_GE_OQ),
+                           _mm256_cmp_ps(pos, _mm256_set1_ps(float(std::min(t.hi, j0 + nk - 1))), _CMP_LE_OQ));
+        s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, ok);
       }
+      const float block_max = hmax8(s);
+      if (block_max > t.m) {  // a new running max: rescale what was summed so far (rarely, after the first blocks)
+        const float corr = t.m == -INFINITY ? 0.f : std::exp(t.m - block_max);
+        t.l *= corr;
+        const __m256 c = _mm256_set1_ps(corr);
+        for (int64_t d = 0; d < dh; d += 8) _mm256_storeu_ps(t.out + d, _mm256_mul_ps(_mm256_loadu_ps(t.out + d), c));
+        t.m = block_max;
+      }
+      __m256 e = exp8(_mm256_sub_ps(s, _mm256_set1_ps(t.m)));
+      if (!whole) e = _mm256_and_ps(e, ok);
+      t.l += hsum8f(e);
+      alignas(32) float p[8];
+      _mm256_store_ps(p, e);
+      int64_t d = 0;  // out += p . V, CN chunks of 8 at a time: CN independent accumulators, not one chain
+      for (; d + 64 <= dh; d += 64) pv_chunks<8>(p, vb + d, bs, nk, t.out + d);
+      for (; d + 32 <= dh; d += 32) pv_chunks<4>(p, vb + d, bs, nk, t.out + d);
+      for (; d < dh; d += 8) pv_chunks<1>(p, vb + d, bs, nk, t.out + d);
     }
   }
   for (int i = 0; i < nq; ++i) {
@@ -260,8 +306,10 @@ void attention(const LayerArgs& a, const float* qkv, float* att) {
             qs[nq] = TileQuery{qv, tok[kLo], tok[kHi], 0.f, 0.f, att + n * q_size + h * dh};
           }
         }
-        attend_tile_avx2(qs, nq, a.k_cache + base * stride + g * dh, a.v_cache + base * stride + g * dh, stride,
-                         k_lo, k_hi, dh);
+        const float *kc = a.k_cache + base * stride + g * dh, *vc = a.v_cache + base * stride + g * dh;
+        if (dh == 64) attend_tile_avx2<64>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+        else if (dh == 128) attend_tile_avx2<128>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+        else attend_tile_avx2<0>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
       }
     }
     return;
