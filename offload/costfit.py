@@ -79,6 +79,25 @@ def _measure_curve(fmt: str, rows: tuple[int, ...], repeats: int) -> tuple[tuple
     return tuple(curve)
 
 
+def monotone_curve(curve: tuple[tuple[int, float], ...]) -> tuple[tuple[int, float], ...]:
+    """The closest curve (least squares in log rate) whose rate never falls as rows grow: pool-adjacent-violators.
+
+    More activation rows per read of the weights never make a matmul kernel slower per FLOP, so a point below one
+    at fewer rows is the machine's noise during its measurement (this one's speed swings by tens of percent within
+    a minute); pooling it with its neighbours keeps a single slow moment from bending the planner's prices."""
+    import math
+
+    blocks: list[list[float]] = []  # [sum of log rates, count]
+    for _, rate in curve:
+        blocks.append([math.log(rate), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            total, count = blocks.pop()
+            blocks[-1][0] += total
+            blocks[-1][1] += count
+    rates = [math.exp(total / count) for total, count in blocks for _ in range(int(count))]
+    return tuple((rows, rate) for (rows, _), rate in zip(curve, rates))
+
+
 def _median_time(fn, repeats: int) -> float:
     fn()
     times = []
@@ -254,17 +273,25 @@ def _nnls(a, b, iterations: int = 50):
     return np.clip(coef, 0, None)
 
 
+def _curve_text(measured, kept) -> str:
+    """rows: GFLOP/s of each point, with the measured figure beside a point the monotone fit moved by over 2%."""
+    return ", ".join(f"{m}: {k / 1e9:.0f}" + (f" (measured {r / 1e9:.0f})" if abs(k / r - 1) > 0.02 else "")
+                     for (m, r), (_, k) in zip(measured, kept))
+
+
 def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     """hw with the CPU matmul curves, attention rates and overhead terms measured on this machine."""
     import torch
 
     curves, one_thread = {}, {}
     for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS:
-        curves[fmt] = measure_cpu_curve(fmt, CURVE_ROWS)
-        log(f"cpu matmul curve {fmt:5s}: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in curves[fmt]) + " GFLOP/s")
+        measured = measure_cpu_curve(fmt, CURVE_ROWS)
+        curves[fmt] = monotone_curve(measured)
+        log(f"cpu matmul curve {fmt:5s}: " + _curve_text(measured, curves[fmt]) + " GFLOP/s")
         if torch.get_num_threads() > 1:  # the thread governor may run steps on one thread
-            one_thread[fmt] = measure_cpu_curve(fmt, CURVE_ROWS, threads=1)
-            log(f"  on one thread: " + ", ".join(f"{m}: {r / 1e9:.0f}" for m, r in one_thread[fmt]) + " GFLOP/s")
+            measured = measure_cpu_curve(fmt, CURVE_ROWS, threads=1)
+            one_thread[fmt] = monotone_curve(measured)
+            log("  on one thread: " + _curve_text(measured, one_thread[fmt]) + " GFLOP/s")
     k_factor = {fmt: measure_k_factor(fmt) for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS}
     for fmt, factors in k_factor.items():
         log(f"cpu matmul {fmt:5s} by K, against K={K_REFERENCE}: " + ", ".join(f"{k}: {f:.2f}" for k, f in factors))

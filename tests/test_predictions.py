@@ -195,3 +195,17 @@ def test_the_k_factor_weighs_each_linear_by_its_work():
     phase = Phase("decode", 16, 16, 100, 100)
     slow, fast = (unit_cost(spec, layer, "q8_0", h, phase, "fp32").cpu_s for h in (hw, CALIBRATED))
     assert slow > 1.5 * fast  # every linear of this model has K = 512: matmuls take twice as long
+
+
+def test_monotone_curve_pools_a_slow_point_with_its_neighbours():
+    from offload.costfit import monotone_curve
+
+    measured = ((1, 40e9), (8, 90e9), (64, 70e9), (128, 130e9), (512, 125e9))
+    kept = monotone_curve(measured)
+    rates = [r for _, r in kept]
+    assert [m for m, _ in kept] == [1, 8, 64, 128, 512]
+    assert all(a <= b * (1 + 1e-12) for a, b in zip(rates, rates[1:]))
+    assert rates[0] == pytest.approx(40e9)  # points already in order stay as measured
+    assert rates[1] == rates[2] == pytest.approx((90e9 * 70e9) ** 0.5)  # the dip pooled: geometric mean
+    assert rates[3] == rates[4] == pytest.approx((130e9 * 125e9) ** 0.5)
+    assert [r for _, r in monotone_curve(((1, 5.0), (2, 6.0)))] == pytest.approx([5.0, 6.0])
