@@ -13,6 +13,15 @@ flight at most, the number of passes over the weights, the ratio mixed / before,
 are identical. Medians of --repeats runs, the two schedules alternating.
 
 Usage: python scripts/bench_batch.py [--model default] [--quantization q8_0] [--n-prompts 64] [--batch 16]
+
+Two more measurements, each instead of the above:
+- --scaling: decode tokens/s with 32 sequences in flight against 1 (same prompts of 16 tokens, 64 new tokens
+  each, every block on the CPU): how much one read of the weights per step serves many sequences.
+- --against-transformers: the same offline job (--n-prompts chat-length prompts x 32 new tokens, greedy, no
+  stop at end-of-sequence) through transformers' batched `generate` in fp32 and bf16 and through offload with
+  quantization none, dtype bf16, q8_0 and q4_0, one after another in this process on the same threads;
+  tokens/s and each one's ratio against transformers bf16. --model may be a Hugging Face folder or a GGUF
+  file (transformers dequantizes it).
 """
 
 from __future__ import annotations
@@ -71,6 +80,120 @@ def run(llm, prompts, max_tokens, batch: int, mixed: bool) -> dict:
             "outputs": [s.output_ids for s in seqs]}
 
 
+def scaling(args) -> None:
+    """Decode tokens/s at 32 sequences in flight over the same at 1."""
+    from offload import LLM, SamplingParams
+    from offload.planner.placement import Placement
+    from offload.weights.default_model import resolve_model
+    from offload.weights.model_files import model_spec
+
+    placement = Placement.uniform(model_spec(resolve_model(args.model)), "cpu", "cpu")
+    llm = LLM(args.model, quantization=args.quantization, backend="cpu", max_batch_size=32, placement=placement)
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [100 + (7 * i + j) % 900 for j in range(16)]} for i in range(32)]
+    llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
+    rates: dict[int, list[float]] = {1: [], 32: []}
+    for _ in range(args.repeats):
+        for n in rates:
+            llm.timeline.clear()
+            llm.generate(prompts[:n], params)
+            t = llm.timeline
+            rates[n].append(t.phase_tokens["decode"] / t.phase_time_s["decode"])
+    one, many = statistics.median(rates[1]), statistics.median(rates[32])
+    print(f"model: {llm.path.name}, {args.quantization}, every block on the CPU; {torch.get_num_threads()} threads; "
+          f"16-token prompts, 64 new tokens; median of {args.repeats}")
+    print(f"decode, 1 sequence:   {one:8.1f} tok/s")
+    print(f"decode, 32 sequences: {many:8.1f} tok/s")
+    print(f"ratio 32 / 1: {many / one:.1f}x")
+
+
+def chat_prompts(n: int) -> list[list[int]]:
+    """n prompts of one to four short sentences, as token ids of the default tokenizer's kind (no tokenizer needed:
+    ids drawn from the vocabulary's first thousands, fixed by the seed)."""
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(12, 50, (n,), generator=g).tolist()
+    return [torch.randint(200, 3000, (k,), generator=g).tolist() for k in lengths]
+
+
+def bench_transformers(path, prompts: list[list[int]], new_tokens: int, dtype) -> tuple[float, list[list[int]]]:
+    """Seconds of transformers' batched greedy generate over all prompts (left padding), and its outputs."""
+    from transformers import AutoModelForCausalLM
+
+    if path.is_file():  # a GGUF file: dequantized in fp32 (asked for bf16, transformers keeps its blocks packed
+        # and computes through them), then plain nn.Linear weights cast to dtype
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model = model.to(dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    model.eval()
+    width = max(len(p) for p in prompts)
+    pad = 0
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
+    with torch.inference_mode():
+        model.generate(input_ids=ids[:2, -8:], attention_mask=mask[:2, -8:], **{**kwargs, "max_new_tokens": 2,
+                                                                                 "min_new_tokens": 2})  # warm-up
+        start = time.perf_counter()
+        out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+        seconds = time.perf_counter() - start
+    del model
+    return seconds, out[:, width:].tolist()
+
+
+def bench_offload(model: str, prompts: list[list[int]], new_tokens: int, quantization: str,
+                  dtype: str) -> tuple[float, list[list[int]]]:
+    """Seconds of offload's generate over all prompts (the planner chooses the batch), and its outputs."""
+    import gc
+
+    from offload import LLM, SamplingParams
+
+    llm = LLM(model, quantization=quantization, dtype=dtype, backend="cpu")
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": p} for p in prompts[:2]],
+                 SamplingParams(max_tokens=2, temperature=0, ignore_eos=True))  # warm-up
+    start = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    seconds = time.perf_counter() - start
+    llm.model.close()
+    del llm
+    gc.collect()
+    return seconds, [o.token_ids for o in outs]
+
+
+def against_transformers(args) -> None:
+    from offload.weights.default_model import resolve_model
+
+    path = resolve_model(args.model)
+    prompts = chat_prompts(args.n_prompts)
+    new_tokens = 32
+    generated = len(prompts) * new_tokens
+    rows = []
+    outputs = {}
+    threads = torch.get_num_threads()  # each run starts on these (offload's governor may lower its own count)
+    for name, dtype in (("transformers fp32", torch.float32), ("transformers bf16", torch.bfloat16)):
+        torch.set_num_threads(threads)
+        seconds, outputs[name] = bench_transformers(path, prompts, new_tokens, dtype)
+        rows.append((name, seconds))
+    for name, quant, dtype in (("offload none (fp32)", "none", "auto"), ("offload bf16", "none", "bf16"),
+                               ("offload q8_0", "q8_0", "auto"), ("offload q4_0", "q4_0", "auto")):
+        torch.set_num_threads(threads)
+        seconds, outputs[name] = bench_offload(args.model, prompts, new_tokens, quant, dtype)
+        rows.append((name, seconds))
+    lengths = sorted(len(p) for p in prompts)
+    print(f"model: {path.name}; {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens, {new_tokens} new tokens "
+          f"each, greedy; {threads} threads; one run each, in this order")
+    base = dict(rows)["transformers bf16"]
+    for name, seconds in rows:
+        print(f"{name:>20}: {generated / seconds:8.1f} generated tok/s   {base / seconds:5.2f}x transformers bf16")
+    best = max((r for r in rows if r[0].startswith("offload")), key=lambda r: -r[1])
+    print(f"offload's best ({best[0]}) / transformers bf16: {base / best[1]:.2f}x")
+    ref = outputs["transformers fp32"]
+    for name in ("offload none (fp32)",):
+        same = sum(a[:8] == b[:8] for a, b in zip(outputs[name], ref))
+        print(f"{name}: first 8 greedy tokens equal to transformers fp32 in {same}/{len(ref)} prompts")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
@@ -78,7 +201,14 @@ def main() -> None:
     parser.add_argument("--n-prompts", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="KV slots of the longest request (both schedules)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scaling", action="store_true", help="decode tok/s at 32 sequences over 1 (see above)")
+    parser.add_argument("--against-transformers", action="store_true",
+                        help="the same job through transformers generate and offload (see above)")
     args = parser.parse_args()
+    if args.scaling:
+        return scaling(args)
+    if args.against_transformers:
+        return against_transformers(args)
 
     from offload import LLM
 

@@ -1,12 +1,18 @@
-"""CPU prefill and decode tokens/s: offload against llama.cpp on the same GGUF file, same threads, same run.
+"""CPU prefill and decode tokens/s: offload against llama.cpp on the same weights, same threads, same run.
 
-Default: the default model (SmolLM2-135M, its Q4_1 GGUF file), offload with each quantization.
-With --gguf PATH: that file, offload using its tensors as stored. llama.cpp runs through llama-cpp-python
-(its column is skipped with a message if that package is not installed). Prints the median of --repeats runs
-and offload's ratio against llama.cpp.
+Prompts of about 200 and 2,000 tokens (--prompt-lens), then --decode-tokens greedy tokens; medians of --repeats.
+--model picks the weights:
+- default: the default model (SmolLM2-135M): offload with each quantization (none, q8_0, q4_0, requantized from
+  its Q4_1 file) against llama.cpp on that Q4_1 file;
+- a GGUF file: offload using its tensors as stored, and llama.cpp, on that file;
+- a Hugging Face Llama folder: its weights written as an F16 GGUF file and quantized by llama.cpp to Q8_0 and
+  Q4_0 (in a temporary folder); offload (tensors as stored) and llama.cpp run each file.
+llama.cpp runs through llama-cpp-python, in a child process (its column is skipped with a message if that
+package is not installed). Prints offload's ratio against llama.cpp for each row.
 
-  python scripts/bench_cpu_decode.py --threads 2 --decode-tokens 64
-  python scripts/bench_cpu_decode.py --gguf model.Q4_K_M.gguf
+  python scripts/bench_cpu_decode.py --threads 2
+  python scripts/bench_cpu_decode.py --model model.Q4_K_M.gguf
+  python scripts/bench_cpu_decode.py --model path/to/llama-folder --prompt-lens 200,2000 --repeats 2
 """
 
 from __future__ import annotations
@@ -27,23 +33,31 @@ from offload import LLM, SamplingParams
 from offload.planner.placement import Placement
 from offload.weights.default_model import find_gguf
 
-PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 3
+def prompt_ids(n: int, vocab: int) -> list[int]:
+    """n token ids spread over the vocabulary (fixed; no tokenizer needed)."""
+    return [100 + (i * 7919) % max(vocab - 200, 1) for i in range(n)]
 
 
-def bench_offload(model: str, quantization: str, prompt_ids: list[int], n_decode: int,
-                  repeats: int) -> tuple[float, float]:
-    """Median (prefill tok/s, decode tok/s) of offload with every block computed on the CPU."""
-    llm = LLM(model, quantization=quantization, backend="cpu", max_batch_size=1, placement=_all_cpu(model))
+def bench_offload(model: str, quantization: str, prompts: list[list[int]], n_decode: int,
+                  repeats: int) -> list[tuple[float, float]]:
+    """Per prompt: median (prefill tok/s, decode tok/s) of offload with every block computed on the CPU."""
+    longest = max(len(p) for p in prompts) + n_decode + 8
+    llm = LLM(model, quantization=quantization, backend="cpu", max_batch_size=1, placement=_all_cpu(model),
+              max_model_len=longest)
     params = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
-    llm.generate({"prompt_token_ids": prompt_ids}, params)  # warm-up
-    prefill, decode = [], []
-    for _ in range(repeats):
-        llm.timeline.clear()
-        llm.generate({"prompt_token_ids": prompt_ids}, params)
-        t = llm.timeline
-        prefill.append(t.phase_tokens["prefill"] / t.phase_time_s["prefill"])
-        decode.append(t.phase_tokens["decode"] / t.phase_time_s["decode"])
-    return statistics.median(prefill), statistics.median(decode)
+    results = []
+    for ids in prompts:
+        llm.generate({"prompt_token_ids": ids}, params)  # warm-up
+        prefill, decode = [], []
+        for _ in range(repeats):
+            llm.timeline.clear()
+            llm.generate({"prompt_token_ids": ids}, params)
+            t = llm.timeline
+            prefill.append(t.phase_tokens["prefill"] / t.phase_time_s["prefill"])
+            decode.append(t.phase_tokens["decode"] / t.phase_time_s["decode"])
+        results.append((statistics.median(prefill), statistics.median(decode)))
+    llm.model.close()
+    return results
 
 
 def _all_cpu(model: str) -> Placement:
@@ -53,8 +67,9 @@ def _all_cpu(model: str) -> Placement:
     return Placement.uniform(model_spec(resolve_model(model)), "cpu", "cpu")
 
 
-def bench_llama_cpp(gguf: str, prompt_ids: list[int], n_decode: int, threads: int, repeats: int):
-    """Median (prefill tok/s, decode tok/s) of llama.cpp on the GGUF file, or None if it is not installed.
+def bench_llama_cpp(gguf: str, prompts: list[list[int]], n_decode: int, threads: int, repeats: int):
+    """Per prompt: median (prefill tok/s, decode tok/s) of llama.cpp on the GGUF file, or None if it is not
+    installed.
 
     Runs in a child process: llama-cpp-python redirects the process's stdout while it loads.
     """
@@ -62,34 +77,62 @@ def bench_llama_cpp(gguf: str, prompt_ids: list[int], n_decode: int, threads: in
         return None
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "llama_cpp.json"
-        args = json.dumps([gguf, prompt_ids, n_decode, threads, repeats])
+        args = json.dumps([gguf, prompts, n_decode, threads, repeats])
         out = subprocess.run([sys.executable, __file__, "--llama-cpp-child", args, str(result)],
                              capture_output=True, text=True)
         if out.returncode != 0 or not result.is_file():
             print(f"llama.cpp run failed: {out.stderr.strip().splitlines()[-1:]}")
             return None
-        return tuple(json.loads(result.read_text()))
+        return [tuple(r) for r in json.loads(result.read_text())]
 
 
-def _llama_cpp_child(gguf: str, prompt_ids: list[int], n_decode: int, threads: int,
-                     repeats: int) -> tuple[float, float]:
+def _llama_cpp_child(gguf: str, prompts: list[list[int]], n_decode: int, threads: int,
+                     repeats: int) -> list[tuple[float, float]]:
     import numpy as np
     from llama_cpp import Llama
 
-    llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024,
-                n_batch=512, verbose=False)
-    prefill, decode = [], []
-    for _ in range(repeats + 1):
-        llm.reset()
-        start = time.perf_counter()
-        llm.eval(prompt_ids)
-        mid = time.perf_counter()
-        for _ in range(n_decode):
-            llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
-        end = time.perf_counter()
-        prefill.append(len(prompt_ids) / (mid - start))
-        decode.append(n_decode / (end - mid))
-    return statistics.median(prefill[1:]), statistics.median(decode[1:])
+    n_ctx = max(len(p) for p in prompts) + n_decode + 16
+    llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512, verbose=False)
+    results = []
+    for ids in prompts:
+        prefill, decode = [], []
+        for _ in range(repeats + 1):  # the first run is a warm-up
+            llm.reset()
+            start = time.perf_counter()
+            llm.eval(ids)
+            mid = time.perf_counter()
+            for _ in range(n_decode):  # greedy on the last position's logits (llama.cpp keeps only those)
+                logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))
+                llm.eval([int(np.argmax(logits))])
+            end = time.perf_counter()
+            prefill.append(len(ids) / (mid - start))
+            decode.append(n_decode / (end - mid))
+        results.append((statistics.median(prefill[1:]), statistics.median(decode[1:])))
+    return results
+
+
+def variants(model: str, tmp: Path, threads: int) -> list[tuple[str, str, str, str]]:
+    """(label, model for offload, offload's quantization, GGUF file for llama.cpp) for each row."""
+    path = Path(model)
+    if model == "default":
+        gguf = str(find_gguf())
+        return [(q, "default", q, gguf) for q in ("none", "q8_0", "q4_0")]
+    if path.is_file():
+        return [("as stored", str(path), "none", str(path))]
+    if not (path / "config.json").is_file():
+        sys.exit(f"--model {model}: expected 'default', a GGUF file or a Hugging Face folder with config.json")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from make_gguf import quantize, write_f16_from_hf
+
+    f16 = tmp / "f16.gguf"
+    write_f16_from_hf(f16, path)
+    rows = []
+    for kind in ("Q8_0", "Q4_0"):
+        out = tmp / f"{path.name}.{kind}.gguf"
+        quantize(f16, out, kind, threads)
+        rows.append((kind.lower() + " (as stored)", str(out), "none", str(out)))
+    f16.unlink()
+    return rows
 
 
 def main() -> None:
@@ -97,33 +140,42 @@ def main() -> None:
         Path(sys.argv[3]).write_text(json.dumps(_llama_cpp_child(*json.loads(sys.argv[2]))))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="default", help="'default', a GGUF file or a Hugging Face Llama folder")
+    ap.add_argument("--gguf", help="the same as --model with a GGUF file")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
-    ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--gguf", help="a GGUF file: offload (tensors as stored) and llama.cpp both run it")
+    ap.add_argument("--prompt-lens", default="200,2000", help="prompt lengths in tokens, comma-separated")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    model = args.gguf or "default"
-    gguf = args.gguf or str(find_gguf())
-    tokenizer = LLM(model, placement=_all_cpu(model), backend="cpu").tokenizer
-    prompt_ids = tokenizer.encode(PROMPT)
-    print(f"{Path(gguf).name}, {len(prompt_ids)}-token prompt, {args.decode_tokens} decode tokens, "
-          f"{args.threads} threads, median of {args.repeats}")
-    variants = ("none",) if args.gguf else ("none", "q8_0", "q4_0")
-    results = {q: bench_offload(model, q, prompt_ids, args.decode_tokens, args.repeats) for q in variants}
-    ref = bench_llama_cpp(gguf, prompt_ids, args.decode_tokens, args.threads, args.repeats)
-    if ref is None:
-        print("llama.cpp column skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
-    else:
-        print(f"llama.cpp (same GGUF)   prefill {ref[0]:8.1f} tok/s   decode {ref[1]:7.1f} tok/s")
-    base = results["none"]
-    for q, (pre, dec) in results.items():
-        name = "as stored" if args.gguf else q
-        line = (f"offload {name:9s}       prefill {pre:8.1f} tok/s   decode {dec:7.1f} tok/s   "
-                f"decode vs first row {dec / base[1]:.2f}x")
-        if ref is not None:
-            line += f"   vs llama.cpp: prefill {pre / ref[0]:.2f}x, decode {dec / ref[1]:.2f}x"
-        print(line)
+    model = args.gguf or args.model
+    lengths = [int(n) for n in args.prompt_lens.split(",")]
+    with tempfile.TemporaryDirectory() as tmp:
+        rows = variants(model, Path(tmp), args.threads)
+        from offload.weights.default_model import resolve_model
+        from offload.weights.model_files import model_spec
+
+        vocab = model_spec(resolve_model(rows[0][1])).vocab_size
+        prompts = [prompt_ids(n, vocab) for n in lengths]
+        print(f"{Path(rows[0][3]).name if model != 'default' else 'default model'}: prompts of "
+              f"{', '.join(map(str, lengths))} tokens, then {args.decode_tokens} greedy tokens; {args.threads} threads; "
+              f"median of {args.repeats}")
+        ref_cache: dict[str, list | None] = {}
+        for label, offload_model, quant, gguf in rows:
+            ours = bench_offload(offload_model, quant, prompts, args.decode_tokens, args.repeats)
+            torch.set_num_threads(args.threads)
+            if gguf not in ref_cache:
+                ref_cache[gguf] = bench_llama_cpp(gguf, prompts, args.decode_tokens, args.threads, args.repeats)
+            ref = ref_cache[gguf]
+            for i, n in enumerate(lengths):
+                pre, dec = ours[i]
+                line = f"offload {label:16s} {n:5d}-token prompt: prefill {pre:8.1f} tok/s, decode {dec:7.1f} tok/s"
+                if ref is not None:
+                    line += (f" | llama.cpp {Path(gguf).name}: prefill {ref[i][0]:8.1f}, decode {ref[i][1]:7.1f}"
+                             f" | ratio prefill {pre / ref[i][0]:.2f}x, decode {dec / ref[i][1]:.2f}x")
+                print(line, flush=True)
+        if any(r is None for r in ref_cache.values()):
+            print("llama.cpp column skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
 
 
 if __name__ == "__main__":

@@ -81,6 +81,84 @@ def write_f16(path: Path, shape: str, seed: int = 0) -> None:
     w.close()
 
 
+def _permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """HF's q/k rows (rotate-half pairs) in GGUF's llama order (interleaved pairs), as llama.cpp's converter does."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_f16_from_hf(path: Path, folder: Path) -> None:
+    """An F16 GGUF file of a Hugging Face Llama-architecture folder's weights (config.json + safetensors), for
+    llama.cpp to run the same weights. The tokenizer metadata is the default model's (the benchmarks feed token
+    ids): the folder's vocabulary must have its size."""
+    import json
+
+    import gguf
+    import torch
+    from safetensors import safe_open
+
+    from offload.weights.default_model import find_gguf
+
+    config = json.loads((folder / "config.json").read_text())
+    if config.get("model_type") not in ("llama", "mistral") or config.get("attention_bias") or config.get("mlp_bias"):
+        sys.exit(f"{folder}: only Llama/Mistral-architecture folders without biases can be written as GGUF here")
+    src = gguf.GGUFReader(find_gguf())
+    tokens = [bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in src.fields["tokenizer.ggml.tokens"].data]
+    merges = [bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode() for i in src.fields["tokenizer.ggml.merges"].data]
+    vocab, hidden = config["vocab_size"], config["hidden_size"]
+    if vocab != len(tokens):
+        sys.exit(f"{folder}: vocabulary of {vocab} tokens; the GGUF written here borrows the default model's "
+                 f"tokenizer of {len(tokens)}, so pass a GGUF file of this model instead")
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
+    tensors = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            for name in st.keys():
+                tensors[name] = st.get_tensor(name)
+
+    def get(name: str, dtype=np.float16) -> np.ndarray:
+        return tensors[name].to(torch.float32).numpy().astype(dtype)
+
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name(folder.name)
+    w.add_block_count(config["num_hidden_layers"])
+    w.add_context_length(config.get("max_position_embeddings", 4096))
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(config["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv)
+    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))
+    rope = config.get("rope_parameters") or {}
+    w.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
+    w.add_vocab_size(vocab)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types([1] * vocab)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_tensor("token_embd.weight", get("model.embed_tokens.weight"))
+    for i in range(config["num_hidden_layers"]):
+        p, h = f"blk.{i}.", f"model.layers.{i}."
+        w.add_tensor(p + "attn_norm.weight", get(h + "input_layernorm.weight", np.float32))
+        w.add_tensor(p + "attn_q.weight", _permute_rope(get(h + "self_attn.q_proj.weight"), heads))
+        w.add_tensor(p + "attn_k.weight", _permute_rope(get(h + "self_attn.k_proj.weight"), kv))
+        w.add_tensor(p + "attn_v.weight", get(h + "self_attn.v_proj.weight"))
+        w.add_tensor(p + "attn_output.weight", get(h + "self_attn.o_proj.weight"))
+        w.add_tensor(p + "ffn_norm.weight", get(h + "post_attention_layernorm.weight", np.float32))
+        w.add_tensor(p + "ffn_gate.weight", get(h + "mlp.gate_proj.weight"))
+        w.add_tensor(p + "ffn_up.weight", get(h + "mlp.up_proj.weight"))
+        w.add_tensor(p + "ffn_down.weight", get(h + "mlp.down_proj.weight"))
+    w.add_tensor("output_norm.weight", get("model.norm.weight", np.float32))
+    head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
+    w.add_tensor("output.weight", get(head))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
 def quantize(src: Path, dst: Path, kind: str, threads: int) -> None:
     import llama_cpp
 
