@@ -174,7 +174,7 @@ def main() -> None:
                     line += (f" | llama.cpp {Path(gguf).name}: prefill {ref[i][0]:8.1f}, decode {ref[i][1]:7.1f}"
                              f" | ratio prefill {pre / ref[i][0]:.2f}x, decode {dec / ref[i][1]:.2f}x")
                 print(line, flush=True)
-        if any(r is None for r in ref_cache.values()):
+        if importlib.util.find_spec("llama_cpp") is None:
             print("llama.cpp column skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
 
 
