@@ -177,13 +177,67 @@ struct TileQuery {
 
 // The queries of one tile over keys [k_lo, k_hi] of one KV head (k, v: key 0 of that head, rows stride floats
 // apart); dh a multiple of 8.
-// DH > 0: head size known at compile time; each block of 8 K and V rows is first copied into contiguous buffers
-// (shared by all the tile's queries), so every load in the loops below is one base plus a constant offset.
+// Lane j: q . k_j over dh for the nk <= 8 rows of kb (row stride bs); lanes past nk are 0.
+template <int DH>
+__attribute__((target("avx2,fma"))) inline __m256 block_scores(const float* q, const float* kb, int64_t bs,
+                                                                 int64_t nk, int64_t dh) {
+  __m256 acc[8];
+  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
+  if (nk == 8) {
+    for (int64_t d = 0; d < dh; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + j * bs + d), acc[j]);
+    }
+  } else {
+    for (int64_t d = 0; d < dh; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int j = 0; j < nk; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + j * bs + d), acc[j]);
+    }
+  }
+  return transpose_sum8(acc);
+}
+
+// One query's online-softmax step over a block of nk keys (key j0 first; scores s): the running max, sum and
+// out (+= p . V) brought up to date.
+__attribute__((target("avx2,fma"))) inline void softmax_step(TileQuery& t, __m256 s, int64_t j0, int64_t nk,
+                                                              const float* vb, int64_t bs, int64_t dh) {
+  // keys outside [lo, hi] (and past the block's end) get no weight; a block wholly inside needs no mask
+  const bool whole = nk == 8 && j0 >= t.lo && j0 + 7 <= t.hi;
+  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+  if (!whole) {
+    const __m256 pos = _mm256_add_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(float(j0)));
+    ok = _mm256_and_ps(_mm256_cmp_ps(pos, _mm256_set1_ps(float(t.lo)), _CMP_GE_OQ),
+                       _mm256_cmp_ps(pos, _mm256_set1_ps(float(std::min(t.hi, j0 + nk - 1))), _CMP_LE_OQ));
+    s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, ok);
+  }
+  const float block_max = hmax8(s);
+  if (block_max > t.m) {  // a new running max: rescale what was summed so far (rarely, after the first blocks)
+    const float corr = t.m == -INFINITY ? 0.f : std::exp(t.m - block_max);
+    t.l *= corr;
+    const __m256 c = _mm256_set1_ps(corr);
+    for (int64_t d = 0; d < dh; d += 8) _mm256_storeu_ps(t.out + d, _mm256_mul_ps(_mm256_loadu_ps(t.out + d), c));
+    t.m = block_max;
+  }
+  __m256 e = exp8(_mm256_sub_ps(s, _mm256_set1_ps(t.m)));
+  if (!whole) e = _mm256_and_ps(e, ok);
+  t.l += hsum8f(e);
+  alignas(32) float p[8];
+  _mm256_store_ps(p, e);
+  int64_t d = 0;  // out += p . V, CN chunks of 8 at a time: CN independent accumulators, not one chain
+  for (; d + 64 <= dh; d += 64) pv_chunks<8>(p, vb + d, bs, nk, t.out + d);
+  for (; d + 32 <= dh; d += 32) pv_chunks<4>(p, vb + d, bs, nk, t.out + d);
+  for (; d < dh; d += 8) pv_chunks<1>(p, vb + d, bs, nk, t.out + d);
+}
+
+// The queries of one tile over keys [k_lo, k_hi] of one KV head (k, v: key 0 of that head, rows stride floats
+// apart), 8 keys at a time. DH > 0: the head size, known at compile time; each block of K and V rows is then first
+// copied into contiguous buffers shared by all the tile's queries, so every load in the loops is one base plus a
+// constant offset.
 template <int DH>
 __attribute__((target("avx2,fma"))) void attend_tile_avx2(TileQuery* qs, int nq, const float* k, const float* v,
                                                            int64_t stride, int64_t k_lo, int64_t k_hi, int64_t dh_) {
   const int64_t dh = DH ? DH : dh_;
-  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
   alignas(32) float kbuf[DH ? 8 * DH : 1], vbuf[DH ? 8 * DH : 1];
   const int64_t bs = DH ? DH : stride;  // row stride of the block being read
   for (int i = 0; i < nq; ++i) {
@@ -203,49 +257,8 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(TileQuery* qs, int nq,
       vb = vbuf;
     }
     for (int i = 0; i < nq; ++i) {
-      TileQuery& t = qs[i];
-      if (j0 > t.hi || j0 + nk - 1 < t.lo) continue;
-      __m256 acc[8];
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-      if (nk == 8) {
-        for (int64_t d = 0; d < dh; d += 8) {
-          const __m256 qv = _mm256_loadu_ps(t.q + d);
-#pragma GCC unroll 8
-          for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + j * bs + d), acc[j]);
-        }
-      } else {
-        for (int64_t d = 0; d < dh; d += 8) {
-          const __m256 qv = _mm256_loadu_ps(t.q + d);
-          for (int j = 0; j < nk; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + j * bs + d), acc[j]);
-        }
-      }
-      __m256 s = transpose_sum8(acc);
-      // keys outside [lo, hi] (and past the block's end) get no weight; a block wholly inside needs no mask
-      const bool whole = nk == 8 && j0 >= t.lo && j0 + 7 <= t.hi;
-      __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-      if (!whole) {
-        const __m256 pos = _mm256_add_ps(lane, _mm256_set1_ps(float(j0)));
-        ok = _mm256_and_ps(_mm256_cmp_ps(pos, _mm256_set1_ps(float(t.lo)), _CMP_GE_OQ),
-                           _mm256_cmp_ps(pos, _mm256_set1_ps(float(std::min(t.hi, j0 + nk - 1))), _CMP_LE_OQ));
-        s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, ok);
-      }
-      const float block_max = hmax8(s);
-      if (block_max > t.m) {  // a new running max: rescale what was summed so far (rarely, after the first blocks)
-        const float corr = t.m == -INFINITY ? 0.f : std::exp(t.m - block_max);
-        t.l *= corr;
-        const __m256 c = _mm256_set1_ps(corr);
-        for (int64_t d = 0; d < dh; d += 8) _mm256_storeu_ps(t.out + d, _mm256_mul_ps(_mm256_loadu_ps(t.out + d), c));
-        t.m = block_max;
-      }
-      __m256 e = exp8(_mm256_sub_ps(s, _mm256_set1_ps(t.m)));
-      if (!whole) e = _mm256_and_ps(e, ok);
-      t.l += hsum8f(e);
-      alignas(32) float p[8];
-      _mm256_store_ps(p, e);
-      int64_t d = 0;  // out += p . V, CN chunks of 8 at a time: CN independent accumulators, not one chain
-      for (; d + 64 <= dh; d += 64) pv_chunks<8>(p, vb + d, bs, nk, t.out + d);
-      for (; d + 32 <= dh; d += 32) pv_chunks<4>(p, vb + d, bs, nk, t.out + d);
-      for (; d < dh; d += 8) pv_chunks<1>(p, vb + d, bs, nk, t.out + d);
+      if (j0 > qs[i].hi || j0 + nk - 1 < qs[i].lo) continue;
+      softmax_step(qs[i], block_scores<DH>(qs[i].q, kb, bs, nk, dh), j0, nk, vb, bs, dh);
     }
   }
   for (int i = 0; i < nq; ++i) {
@@ -254,70 +267,87 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(TileQuery* qs, int nq,
   }
 }
 
+// Tiles of attention_blocked: runs of up to kTileTokens consecutive tokens of the same cache row; the last entry
+// is N.
+std::vector<int64_t> tile_starts(const LayerArgs& a) {
+  std::vector<int64_t> start;
+  for (int64_t n = 0; n < a.N; ++n) {
+    const int64_t* tok = a.tokens + n * kTokenCols;
+    if (start.empty() || n - start.back() >= kTileTokens || a.tokens[start.back() * kTokenCols + kRowBase] != tok[kRowBase])
+      start.push_back(n);
+  }
+  start.push_back(a.N);
+  return start;
+}
+
+// One tile (tokens [n0, n1)) and KV head g: its queries scaled into qbuf, then attend_tile over their keys.
+void attend_task(const LayerArgs& a, const float* qkv, float* att, int64_t n0, int64_t n1, int64_t g, float* qbuf,
+                 TileQuery* qs) {
+  const LayerShape& s = a.shape;
+  const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh;
+  const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads;
+  const float scale = 1.f / std::sqrt(float(dh));
+  int64_t k_lo = INT64_MAX, k_hi = -1;
+  int nq = 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t* tok = a.tokens + n * kTokenCols;
+    k_lo = std::min(k_lo, tok[kLo]);
+    k_hi = std::max(k_hi, tok[kHi]);
+    for (int64_t h = g * group; h < (g + 1) * group; ++h, ++nq) {
+      float* qv = qbuf + nq * dh;
+      const float* src = qkv + n * width + h * dh;
+      for (int64_t d = 0; d < dh; ++d) qv[d] = src[d] * scale;
+      qs[nq] = TileQuery{qv, tok[kLo], tok[kHi], 0.f, 0.f, att + n * q_size + h * dh};
+    }
+  }
+  const int64_t base = a.tokens[n0 * kTokenCols + kRowBase];
+  const float *kc = a.k_cache + base * stride + g * dh, *vc = a.v_cache + base * stride + g * dh;
+  if (dh == 64) attend_tile_avx2<64>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  else if (dh == 128) attend_tile_avx2<128>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  else attend_tile_avx2<0>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+}
+
+// Keys x heads x head size of a step's attention: small ones run on the calling thread (a parallel region costs
+// a barrier, and a barrier costs a whole time slice when another process has taken one of the cores).
+bool attention_in_parallel(const LayerArgs& a, int64_t tasks) {
+  int64_t work = 0;
+  for (int64_t n = 0; n < a.N; ++n)
+    work += (a.tokens[n * kTokenCols + kHi] - a.tokens[n * kTokenCols + kLo] + 1) * a.shape.n_heads * a.shape.head_dim;
+  return a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 18);
+}
+
+// att [N, n_heads * dh] by tiles of tokens x a KV head's query group (SIMD paths, dh a multiple of 8).
+void attention_blocked(const LayerArgs& a, const float* qkv, float* att) {
+  const LayerShape& s = a.shape;
+  const std::vector<int64_t> start = tile_starts(a);
+  const int64_t tasks = int64_t(start.size() - 1) * s.n_kv_heads, group = s.n_heads / s.n_kv_heads;
+#pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
+  {
+    std::vector<float> qbuf(size_t(kTileTokens * group * s.head_dim));
+    TileQuery qs[kTileTokens * kMaxGroup];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const size_t tile = size_t(t / s.n_kv_heads);
+      attend_task(a, qkv, att, start[tile], start[tile + 1], t % s.n_kv_heads, qbuf.data(), qs);
+    }
+  }
+}
+
 // att [N, n_heads * dh]: each token's heads over keys [lo, hi] of its cache row (GQA: head h reads kv head
-// h / (n_heads / n_kv_heads)). The SIMD paths run blocked tiles (above); the scalar path, and head sizes the
-// tiles do not take, one query at a time (the reference).
+// h / (n_heads / n_kv_heads)). The SIMD paths run blocked tiles; the scalar path, and head sizes the tiles do not
+// take, one query at a time (the reference).
 void attention(const LayerArgs& a, const float* qkv, float* att) {
   const LayerShape& s = a.shape;
   const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh;
   const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads;
-  int64_t max_keys = 1, work = 0;
-  for (int64_t n = 0; n < a.N; ++n) {
-    const int64_t keys = a.tokens[n * kTokenCols + kHi] - a.tokens[n * kTokenCols + kLo] + 1;
-    max_keys = std::max(max_keys, keys);
-    work += keys * s.n_heads * dh;
-  }
+  if (a.path != P_SCALAR && dh % 8 == 0 && group <= kMaxGroup) return attention_blocked(a, qkv, att);
+  int64_t max_keys = 1;
+  for (int64_t n = 0; n < a.N; ++n)
+    max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - a.tokens[n * kTokenCols + kLo] + 1);
   const float scale = 1.f / std::sqrt(float(dh));
-  // Short decode attention runs on the calling thread: a parallel region costs a barrier, and a barrier
-  // costs a whole time slice when another process has taken one of the cores.
-  const bool blocked = a.path != P_SCALAR && dh % 8 == 0 && group <= kMaxGroup;
-  if (blocked) {
-    // tiles: runs of up to kTileTokens consecutive tokens of the same cache row
-    std::vector<int64_t> tile_start;
-    for (int64_t n = 0; n < a.N; ++n) {
-      const int64_t* tok = a.tokens + n * kTokenCols;
-      if (tile_start.empty() || n - tile_start.back() >= kTileTokens ||
-          a.tokens[tile_start.back() * kTokenCols + kRowBase] != tok[kRowBase])
-        tile_start.push_back(n);
-    }
-    const int64_t n_tiles = int64_t(tile_start.size()), tasks = n_tiles * s.n_kv_heads;
-    tile_start.push_back(a.N);
-    const bool parallel = a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 18);
-#pragma omp parallel num_threads(a.nthreads) if (parallel)
-    {
-      std::vector<float> qbuf(size_t(kTileTokens * group * dh));
-      TileQuery qs[kTileTokens * kMaxGroup];
-#pragma omp for schedule(dynamic, 1)
-      for (int64_t t = 0; t < tasks; ++t) {
-        const int64_t tile = t / s.n_kv_heads, g = t % s.n_kv_heads;
-        const int64_t n0 = tile_start[size_t(tile)], n1 = tile_start[size_t(tile) + 1];
-        const int64_t base = a.tokens[n0 * kTokenCols + kRowBase];
-        int64_t k_lo = INT64_MAX, k_hi = -1;
-        int nq = 0;
-        for (int64_t n = n0; n < n1; ++n) {
-          const int64_t* tok = a.tokens + n * kTokenCols;
-          k_lo = std::min(k_lo, tok[kLo]);
-          k_hi = std::max(k_hi, tok[kHi]);
-          for (int64_t hh = 0; hh < group; ++hh, ++nq) {
-            const int64_t h = g * group + hh;
-            float* qv = qbuf.data() + nq * dh;
-            const float* src = qkv + n * width + h * dh;
-            for (int64_t d = 0; d < dh; ++d) qv[d] = src[d] * scale;
-            qs[nq] = TileQuery{qv, tok[kLo], tok[kHi], 0.f, 0.f, att + n * q_size + h * dh};
-          }
-        }
-        const float *kc = a.k_cache + base * stride + g * dh, *vc = a.v_cache + base * stride + g * dh;
-        if (dh == 64) attend_tile_avx2<64>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
-        else if (dh == 128) attend_tile_avx2<128>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
-        else attend_tile_avx2<0>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
-      }
-    }
-    return;
-  }
   const int64_t tasks = a.N * s.n_heads;
   const AttendFn fn = a.path == P_SCALAR ? attend_ref : attend_avx2;
-  const bool parallel = a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 18);
-#pragma omp parallel num_threads(a.nthreads) if (parallel)
+#pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
   {
     std::vector<float> scores(static_cast<size_t>(max_keys));
 #pragma omp for schedule(dynamic, 1)

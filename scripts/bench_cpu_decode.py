@@ -1,6 +1,7 @@
 """CPU prefill and decode tokens/s: offload against llama.cpp on the same weights, same threads, same run.
 
-Prompts of about 200 and 2,000 tokens (--prompt-lens), then --decode-tokens greedy tokens; medians of --repeats.
+Prompts of about 200 and 2,000 tokens (--prompt-lens), then --decode-tokens greedy tokens; medians of --repeats,
+the two tools alternating run by run (llama.cpp in a fresh child each time, warmed up on each prompt first).
 --model picks the weights:
 - default: the default model (SmolLM2-135M): offload with each quantization (none, q8_0, q4_0, requantized from
   its Q4_1 file) against llama.cpp on that Q4_1 file;
@@ -38,26 +39,26 @@ def prompt_ids(n: int, vocab: int) -> list[int]:
     return [100 + (i * 7919) % max(vocab - 200, 1) for i in range(n)]
 
 
-def bench_offload(model: str, quantization: str, prompts: list[list[int]], n_decode: int,
-                  repeats: int) -> list[tuple[float, float]]:
-    """Per prompt: median (prefill tok/s, decode tok/s) of offload with every block computed on the CPU."""
-    longest = max(len(p) for p in prompts) + n_decode + 8
-    llm = LLM(model, quantization=quantization, backend="cpu", max_batch_size=1, placement=_all_cpu(model),
-              max_model_len=longest)
-    params = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
-    results = []
-    for ids in prompts:
-        llm.generate({"prompt_token_ids": ids}, params)  # warm-up
-        prefill, decode = [], []
-        for _ in range(repeats):
-            llm.timeline.clear()
-            llm.generate({"prompt_token_ids": ids}, params)
-            t = llm.timeline
-            prefill.append(t.phase_tokens["prefill"] / t.phase_time_s["prefill"])
-            decode.append(t.phase_tokens["decode"] / t.phase_time_s["decode"])
-        results.append((statistics.median(prefill), statistics.median(decode)))
-    llm.model.close()
-    return results
+class OffloadRunner:
+    """offload with every block computed on the CPU, loaded once; run(ids) times one prompt and its decode."""
+
+    def __init__(self, model: str, quantization: str, prompts: list[list[int]], n_decode: int):
+        longest = max(len(p) for p in prompts) + n_decode + 8
+        self.llm = LLM(model, quantization=quantization, backend="cpu", max_batch_size=1,
+                       placement=_all_cpu(model), max_model_len=longest)
+        self.params = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
+        for ids in prompts:
+            self.llm.generate({"prompt_token_ids": ids}, self.params)  # warm-up
+
+    def run(self, ids: list[int]) -> tuple[float, float]:
+        """(prefill tok/s, decode tok/s) of one generate over the prompt."""
+        self.llm.timeline.clear()
+        self.llm.generate({"prompt_token_ids": ids}, self.params)
+        t = self.llm.timeline
+        return t.phase_tokens["prefill"] / t.phase_time_s["prefill"], t.phase_tokens["decode"] / t.phase_time_s["decode"]
+
+    def close(self) -> None:
+        self.llm.model.close()
 
 
 def _all_cpu(model: str) -> Placement:
@@ -111,6 +112,10 @@ def _llama_cpp_child(gguf: str, prompts: list[list[int]], n_decode: int, threads
     return results
 
 
+def _medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
 def variants(model: str, tmp: Path, threads: int) -> list[tuple[str, str, str, str]]:
     """(label, model for offload, offload's quantization, GGUF file for llama.cpp) for each row."""
     path = Path(model)
@@ -160,13 +165,22 @@ def main() -> None:
         print(f"{Path(rows[0][3]).name if model != 'default' else 'default model'}: prompts of "
               f"{', '.join(map(str, lengths))} tokens, then {args.decode_tokens} greedy tokens; {args.threads} threads; "
               f"median of {args.repeats}")
-        ref_cache: dict[str, list | None] = {}
+        has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
         for label, offload_model, quant, gguf in rows:
-            ours = bench_offload(offload_model, quant, prompts, args.decode_tokens, args.repeats)
-            torch.set_num_threads(args.threads)
-            if gguf not in ref_cache:
-                ref_cache[gguf] = bench_llama_cpp(gguf, prompts, args.decode_tokens, args.threads, args.repeats)
-            ref = ref_cache[gguf]
+            # the two tools alternate, one run each per repeat: this machine's speed drifts over minutes
+            runner = OffloadRunner(offload_model, quant, prompts, args.decode_tokens)
+            mine: list[list[tuple[float, float]]] = [[] for _ in prompts]
+            theirs: list[list[tuple[float, float]]] = [[] for _ in prompts]
+            for _ in range(args.repeats):
+                torch.set_num_threads(args.threads)
+                for i, ids in enumerate(prompts):
+                    mine[i].append(runner.run(ids))
+                ref_run = bench_llama_cpp(gguf, prompts, args.decode_tokens, args.threads, 1) if has_llama_cpp else None
+                for i, r in enumerate(ref_run or []):
+                    theirs[i].append(r)
+            runner.close()
+            ours = [_medians(m) for m in mine]
+            ref = [_medians(t) for t in theirs] if all(theirs) else None
             for i, n in enumerate(lengths):
                 pre, dec = ours[i]
                 line = f"offload {label:16s} {n:5d}-token prompt: prefill {pre:8.1f} tok/s, decode {dec:7.1f} tok/s"
@@ -174,7 +188,7 @@ def main() -> None:
                     line += (f" | llama.cpp {Path(gguf).name}: prefill {ref[i][0]:8.1f}, decode {ref[i][1]:7.1f}"
                              f" | ratio prefill {pre / ref[i][0]:.2f}x, decode {dec / ref[i][1]:.2f}x")
                 print(line, flush=True)
-        if importlib.util.find_spec("llama_cpp") is None:
+        if not has_llama_cpp:
             print("llama.cpp column skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
 
 
