@@ -256,10 +256,17 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(TileQuery* qs, int nq,
       kb = kbuf;
       vb = vbuf;
     }
-    for (int i = 0; i < nq; ++i) {
-      if (j0 > qs[i].hi || j0 + nk - 1 < qs[i].lo) continue;
-      softmax_step(qs[i], block_scores<DH>(qs[i].q, kb, bs, nk, dh), j0, nk, vb, bs, dh);
+    // two queries at a time: one's scores are computed while the other's softmax waits on its exp
+    auto sees = [&](const TileQuery& t) { return j0 <= t.hi && j0 + nk - 1 >= t.lo; };
+    int i = 0;
+    for (; i + 2 <= nq; i += 2) {
+      const bool a = sees(qs[i]), b = sees(qs[i + 1]);
+      const __m256 sa = a ? block_scores<DH>(qs[i].q, kb, bs, nk, dh) : _mm256_setzero_ps();
+      const __m256 sb = b ? block_scores<DH>(qs[i + 1].q, kb, bs, nk, dh) : _mm256_setzero_ps();
+      if (a) softmax_step(qs[i], sa, j0, nk, vb, bs, dh);
+      if (b) softmax_step(qs[i + 1], sb, j0, nk, vb, bs, dh);
     }
+    if (i < nq && sees(qs[i])) softmax_step(qs[i], block_scores<DH>(qs[i].q, kb, bs, nk, dh), j0, nk, vb, bs, dh);
   }
   for (int i = 0; i < nq; ++i) {
     const __m256 inv = _mm256_set1_ps(1.f / qs[i].l);
