@@ -106,67 +106,12 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const float
   attend_body(q, k, v, stride, n_keys, dh, scale, scores, out);
 }
 
-// ---- Blocked attention (AVX2): online softmax over blocks of 8 keys, never more than 8 scores per query held.
-// A task is a tile of up to kTileTokens consecutive tokens of one sequence and one KV head, with that head's
-// whole GQA group of query heads: each key and value row is loaded once for all of the tile's queries.
+// ---- Blocked attention: a task is a tile of up to kTileTokens consecutive tokens of one sequence and one KV head,
+// with that head's whole GQA group of query heads: each key and value row is loaded once for all of the tile's
+// queries (attention_tiles.inc, compiled for AVX2 and for AVX-512).
 
 constexpr int kTileTokens = 4;
 constexpr int kMaxGroup = 16;  // query heads per KV head the blocked path takes (more: the per-query loop)
-
-// e^x on 8 lanes (Cephes' polynomial on [-ln2/2, ln2/2] after x = n ln2 + r; relative error ~2e-7), x
-// clamped to [-87.3, 88.7]: lanes below underflow to ~1e-38, which callers mask where they need a zero.
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.7f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-__attribute__((target("avx2,fma"))) inline float hmax8(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-__attribute__((target("avx2,fma"))) inline float hsum8f(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-// Lane j: the full sum of a[j]'s 8 lanes.
-__attribute__((target("avx2,fma"))) inline __m256 transpose_sum8(const __m256 (&a)[8]) {
-  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
-  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
-}
-
-// out[0 : 8 CN] += sum_j p[j] * v[j * stride + 0 : 8 CN] over nk <= 8 rows of v.
-template <int CN>
-__attribute__((target("avx2,fma"))) inline void pv_chunks(const float* p, const float* v, int64_t stride, int64_t nk,
-                                                           float* out) {
-  __m256 o[CN];
-#pragma GCC unroll 8
-  for (int c = 0; c < CN; ++c) o[c] = _mm256_loadu_ps(out + 8 * c);
-  for (int64_t j = 0; j < nk; ++j) {
-    const __m256 pj = _mm256_broadcast_ss(p + j);
-#pragma GCC unroll 8
-    for (int c = 0; c < CN; ++c) o[c] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + j * stride + 8 * c), o[c]);
-  }
-#pragma GCC unroll 8
-  for (int c = 0; c < CN; ++c) _mm256_storeu_ps(out + 8 * c, o[c]);
-}
 
 struct TileQuery {
   const float* q;  // [dh], already scaled
@@ -175,104 +120,21 @@ struct TileQuery {
   float* out;      // [dh] running sum of p * v
 };
 
-// The queries of one tile over keys [k_lo, k_hi] of one KV head (k, v: key 0 of that head, rows stride floats
-// apart); dh a multiple of 8.
-// Lane j: q . k_j over dh for the nk <= 8 rows of kb (row stride bs); lanes past nk are 0.
-template <int DH>
-__attribute__((target("avx2,fma"))) inline __m256 block_scores(const float* q, const float* kb, int64_t bs,
-                                                                 int64_t nk, int64_t dh) {
-  __m256 acc[8];
-  for (int j = 0; j < 8; ++j) acc[j] = _mm256_setzero_ps();
-  if (nk == 8) {
-    for (int64_t d = 0; d < dh; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-#pragma GCC unroll 8
-      for (int j = 0; j < 8; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + j * bs + d), acc[j]);
-    }
-  } else {
-    for (int64_t d = 0; d < dh; d += 8) {
-      const __m256 qv = _mm256_loadu_ps(q + d);
-      for (int j = 0; j < nk; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + j * bs + d), acc[j]);
-    }
-  }
-  return transpose_sum8(acc);
-}
+namespace avx2 {
+#define AFN __attribute__((target("avx2,fma"))) inline
+#define ATTN_PAIR_SCORES 0
+#include "attention_tiles.inc"
+#undef ATTN_PAIR_SCORES
+#undef AFN
+}  // namespace avx2
 
-// One query's online-softmax step over a block of nk keys (key j0 first; scores s): the running max, sum and
-// out (+= p . V) brought up to date.
-__attribute__((target("avx2,fma"))) inline void softmax_step(TileQuery& t, __m256 s, int64_t j0, int64_t nk,
-                                                              const float* vb, int64_t bs, int64_t dh) {
-  // keys outside [lo, hi] (and past the block's end) get no weight; a block wholly inside needs no mask
-  const bool whole = nk == 8 && j0 >= t.lo && j0 + 7 <= t.hi;
-  __m256 ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
-  if (!whole) {
-    const __m256 pos = _mm256_add_ps(_mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_ps(float(j0)));
-    ok = _mm256_and_ps(_mm256_cmp_ps(pos, _mm256_set1_ps(float(t.lo)), _CMP_GE_OQ),
-                       _mm256_cmp_ps(pos, _mm256_set1_ps(float(std::min(t.hi, j0 + nk - 1))), _CMP_LE_OQ));
-    s = _mm256_blendv_ps(_mm256_set1_ps(-INFINITY), s, ok);
-  }
-  const float block_max = hmax8(s);
-  if (block_max > t.m) {  // a new running max: rescale what was summed so far (rarely, after the first blocks)
-    const float corr = t.m == -INFINITY ? 0.f : std::exp(t.m - block_max);
-    t.l *= corr;
-    const __m256 c = _mm256_set1_ps(corr);
-    for (int64_t d = 0; d < dh; d += 8) _mm256_storeu_ps(t.out + d, _mm256_mul_ps(_mm256_loadu_ps(t.out + d), c));
-    t.m = block_max;
-  }
-  __m256 e = exp8(_mm256_sub_ps(s, _mm256_set1_ps(t.m)));
-  if (!whole) e = _mm256_and_ps(e, ok);
-  t.l += hsum8f(e);
-  alignas(32) float p[8];
-  _mm256_store_ps(p, e);
-  int64_t d = 0;  // out += p . V, CN chunks of 8 at a time: CN independent accumulators, not one chain
-  for (; d + 64 <= dh; d += 64) pv_chunks<8>(p, vb + d, bs, nk, t.out + d);
-  for (; d + 32 <= dh; d += 32) pv_chunks<4>(p, vb + d, bs, nk, t.out + d);
-  for (; d < dh; d += 8) pv_chunks<1>(p, vb + d, bs, nk, t.out + d);
-}
-
-// The queries of one tile over keys [k_lo, k_hi] of one KV head (k, v: key 0 of that head, rows stride floats
-// apart), 8 keys at a time. DH > 0: the head size, known at compile time; each block of K and V rows is then first
-// copied into contiguous buffers shared by all the tile's queries, so every load in the loops is one base plus a
-// constant offset.
-template <int DH>
-__attribute__((target("avx2,fma"))) void attend_tile_avx2(TileQuery* qs, int nq, const float* k, const float* v,
-                                                           int64_t stride, int64_t k_lo, int64_t k_hi, int64_t dh_) {
-  const int64_t dh = DH ? DH : dh_;
-  alignas(32) float kbuf[DH ? 8 * DH : 1], vbuf[DH ? 8 * DH : 1];
-  const int64_t bs = DH ? DH : stride;  // row stride of the block being read
-  for (int i = 0; i < nq; ++i) {
-    qs[i].m = -INFINITY;
-    qs[i].l = 0.f;
-    std::fill(qs[i].out, qs[i].out + dh, 0.f);
-  }
-  for (int64_t j0 = k_lo; j0 <= k_hi; j0 += 8) {
-    const int64_t nk = std::min<int64_t>(8, k_hi - j0 + 1);
-    const float *kb = k + j0 * stride, *vb = v + j0 * stride;
-    if (DH) {
-      for (int64_t j = 0; j < nk; ++j) {
-        std::copy(kb + j * stride, kb + j * stride + DH, kbuf + j * DH);
-        std::copy(vb + j * stride, vb + j * stride + DH, vbuf + j * DH);
-      }
-      kb = kbuf;
-      vb = vbuf;
-    }
-    // two queries at a time: one's scores are computed while the other's softmax waits on its exp
-    auto sees = [&](const TileQuery& t) { return j0 <= t.hi && j0 + nk - 1 >= t.lo; };
-    int i = 0;
-    for (; i + 2 <= nq; i += 2) {
-      const bool a = sees(qs[i]), b = sees(qs[i + 1]);
-      const __m256 sa = a ? block_scores<DH>(qs[i].q, kb, bs, nk, dh) : _mm256_setzero_ps();
-      const __m256 sb = b ? block_scores<DH>(qs[i + 1].q, kb, bs, nk, dh) : _mm256_setzero_ps();
-      if (a) softmax_step(qs[i], sa, j0, nk, vb, bs, dh);
-      if (b) softmax_step(qs[i + 1], sb, j0, nk, vb, bs, dh);
-    }
-    if (i < nq && sees(qs[i])) softmax_step(qs[i], block_scores<DH>(qs[i].q, kb, bs, nk, dh), j0, nk, vb, bs, dh);
-  }
-  for (int i = 0; i < nq; ++i) {
-    const __m256 inv = _mm256_set1_ps(1.f / qs[i].l);
-    for (int64_t d = 0; d < dh; d += 8) _mm256_storeu_ps(qs[i].out + d, _mm256_mul_ps(_mm256_loadu_ps(qs[i].out + d), inv));
-  }
-}
+namespace avx512 {
+#define AFN __attribute__((target("avx2,fma,avx512f,avx512vl"))) inline
+#define ATTN_PAIR_SCORES 1
+#include "attention_tiles.inc"
+#undef ATTN_PAIR_SCORES
+#undef AFN
+}  // namespace avx512
 
 // Tiles of attention_blocked: runs of up to kTileTokens consecutive tokens of the same cache row; the last entry
 // is N.
@@ -309,9 +171,10 @@ void attend_task(const LayerArgs& a, const float* qkv, float* att, int64_t n0, i
   }
   const int64_t base = a.tokens[n0 * kTokenCols + kRowBase];
   const float *kc = a.k_cache + base * stride + g * dh, *vc = a.v_cache + base * stride + g * dh;
-  if (dh == 64) attend_tile_avx2<64>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
-  else if (dh == 128) attend_tile_avx2<128>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
-  else attend_tile_avx2<0>(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  const bool wide = a.path == P_AVX512;
+  if (dh == 64) (wide ? avx512::attend_tile<64> : avx2::attend_tile<64>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  else if (dh == 128) (wide ? avx512::attend_tile<128> : avx2::attend_tile<128>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  else (wide ? avx512::attend_tile<0> : avx2::attend_tile<0>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
 }
 
 // Keys x heads x head size of a step's attention: small ones run on the calling thread (a parallel region costs
@@ -376,7 +239,7 @@ __attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* g, const flo
   int64_t i = 0;
   for (; i + 8 <= I; i += 8) {
     const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+    const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), avx2::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
     _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
   }
   silu_mul_ref(g + i, u + i, I - i, act + i);

@@ -19,8 +19,9 @@ Two more measurements, each instead of the above:
   each, every block on the CPU): how much one read of the weights per step serves many sequences.
 - --against-transformers: the same offline job (--n-prompts chat-length prompts x 32 new tokens, greedy, no
   stop at end-of-sequence) through transformers' batched `generate` in fp32 and bf16 and through offload with
-  quantization none, dtype bf16, q8_0 and q4_0, one after another in this process on the same threads;
-  tokens/s and each one's ratio against transformers bf16. --model may be a Hugging Face folder or a GGUF
+  quantization none, dtype bf16, q8_0 and q4_0, one after another in this process on the same threads, in
+  rounds (--repeats, default 3 for the other modes: pass --repeats 1 for a quick look); median tokens/s and each
+  one's ratio against transformers bf16. --model may be a Hugging Face folder or a GGUF
   file (transformers dequantizes it).
 """
 
@@ -161,37 +162,44 @@ def bench_offload(model: str, prompts: list[list[int]], new_tokens: int, quantiz
     return seconds, [o.token_ids for o in outs]
 
 
+AGAINST = (("transformers fp32", None, torch.float32), ("transformers bf16", None, torch.bfloat16),
+           ("offload none (fp32)", ("none", "auto"), None), ("offload bf16", ("none", "bf16"), None),
+           ("offload q8_0", ("q8_0", "auto"), None), ("offload q4_0", ("q4_0", "auto"), None))
+
+
 def against_transformers(args) -> None:
+    """Each configuration once per round, rounds repeated --repeats times; medians."""
     from offload.weights.default_model import resolve_model
 
     path = resolve_model(args.model)
     prompts = chat_prompts(args.n_prompts)
     new_tokens = 32
     generated = len(prompts) * new_tokens
-    rows = []
+    seconds: dict[str, list[float]] = {name: [] for name, _, _ in AGAINST}
     outputs = {}
     threads = torch.get_num_threads()  # each run starts on these (offload's governor may lower its own count)
-    for name, dtype in (("transformers fp32", torch.float32), ("transformers bf16", torch.bfloat16)):
-        torch.set_num_threads(threads)
-        seconds, outputs[name] = bench_transformers(path, prompts, new_tokens, dtype)
-        rows.append((name, seconds))
-    for name, quant, dtype in (("offload none (fp32)", "none", "auto"), ("offload bf16", "none", "bf16"),
-                               ("offload q8_0", "q8_0", "auto"), ("offload q4_0", "q4_0", "auto")):
-        torch.set_num_threads(threads)
-        seconds, outputs[name] = bench_offload(args.model, prompts, new_tokens, quant, dtype)
-        rows.append((name, seconds))
+    for _ in range(args.repeats):
+        for name, offload_args, dtype in AGAINST:
+            torch.set_num_threads(threads)
+            if offload_args is None:
+                t, outputs[name] = bench_transformers(path, prompts, new_tokens, dtype)
+            else:
+                t, outputs[name] = bench_offload(args.model, prompts, new_tokens, *offload_args)
+            seconds[name].append(t)
     lengths = sorted(len(p) for p in prompts)
     print(f"model: {path.name}; {len(prompts)} prompts of {lengths[0]}-{lengths[-1]} tokens, {new_tokens} new tokens "
-          f"each, greedy; {threads} threads; one run each, in this order")
-    base = dict(rows)["transformers bf16"]
-    for name, seconds in rows:
-        print(f"{name:>20}: {generated / seconds:8.1f} generated tok/s   {base / seconds:5.2f}x transformers bf16")
-    best = max((r for r in rows if r[0].startswith("offload")), key=lambda r: -r[1])
-    print(f"offload's best ({best[0]}) / transformers bf16: {base / best[1]:.2f}x")
+          f"each, greedy; {threads} threads; median of {args.repeats} rounds, each running every configuration once")
+    median = {name: statistics.median(ts) for name, ts in seconds.items()}
+    base = median["transformers bf16"]
+    for name, _, _ in AGAINST:
+        spread = max(seconds[name]) / min(seconds[name])
+        print(f"{name:>20}: {generated / median[name]:8.1f} generated tok/s   {base / median[name]:5.2f}x transformers "
+              f"bf16   (runs {spread:.2f}x apart)")
+    best = min((n for n, o, _ in AGAINST if o), key=median.get)
+    print(f"offload's best ({best}) / transformers bf16: {base / median[best]:.2f}x")
     ref = outputs["transformers fp32"]
-    for name in ("offload none (fp32)",):
-        same = sum(a[:8] == b[:8] for a, b in zip(outputs[name], ref))
-        print(f"{name}: first 8 greedy tokens equal to transformers fp32 in {same}/{len(ref)} prompts")
+    same = sum(a[:8] == b[:8] for a, b in zip(outputs["offload none (fp32)"], ref))
+    print(f"offload none (fp32): first 8 greedy tokens equal to transformers fp32 in {same}/{len(ref)} prompts")
 
 
 def main() -> None:

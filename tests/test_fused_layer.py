@@ -241,14 +241,21 @@ def test_executor_builds_fused_handles_once_at_placement(tmp_path):
     assert all(set(vars(llm.model.host_weights[n])) == set(LayerWeights.__dataclass_fields__) for n in handles)
 
 
+ATTENTION_PATHS = ["scalar"] + [p for p in ("avx2", "avx512") if ACTIVE_PATH in ("avx2", "avx512") and
+                                  (p == "avx2" or ACTIVE_PATH == "avx512")]
+
+
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
 @pytest.mark.parametrize("n_heads,n_kv,head_dim,window,lengths", [
     (9, 3, 64, None, [1500, 700]),  # SmolLM2's heads, a long prompt and a shorter one in one step
     (8, 1, 128, None, [301]),  # a whole group of 8 query heads on one KV head, 128-wide heads
-    (4, 4, 32, 100, [450, 9]),  # sliding window: keys [pos - 99, pos]
+    (4, 4, 32, 100, [450, 9]),  # sliding window: keys [pos - 99, pos]; a head size without its own tiles
+    (6, 2, 24, None, [77]),  # head size not a multiple of 8: the per-query loop on every path
 ])
-def test_long_prompt_attention_matches_exact_softmax(n_heads, n_kv, head_dim, window, lengths):
-    """The blocked online-softmax attention against softmax(q k^T) v in float64 over prompts of up to 1500
-    tokens: max |diff| <= 1e-5 x max |ref| (fp32 scores, a polynomial exp)."""
+def test_long_prompt_attention_matches_exact_softmax(path, n_heads, n_kv, head_dim, window, lengths):
+    """Attention on each kernel path (blocked online softmax on AVX2 and AVX-512, one query at a time on the
+    scalar path) against softmax(q k^T) v in float64 over prompts of up to 1500 tokens: max |diff| <= 1e-5 x
+    max |ref| (fp32 scores, a polynomial exp)."""
     max_len = max(lengths) + 1
     spec = ModelSpec(architecture="llama", vocab_size=64, hidden_size=n_heads * head_dim, intermediate_size=96,
                      n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rms_norm_eps=1e-5,
@@ -264,7 +271,7 @@ def test_long_prompt_attention_matches_exact_softmax(n_heads, n_kv, head_dim, wi
     view = fused.kv_view(kv)
     table = fused.step_table(spec, step, view)
     qkv = _randn(len(lengths) * width, spec.q_size + 2 * spec.kv_size) * 2
-    att = fused.cached_attention(spec, qkv, table, view)  # ropes qkv in place
+    att = fused.cached_attention(spec, qkv, table, view, path)  # ropes qkv in place
     q = qkv[:, :spec.q_size].double().view(len(lengths), width, n_heads, head_dim)
     group = n_heads // n_kv
     for b, n in enumerate(lengths):

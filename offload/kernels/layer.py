@@ -15,6 +15,7 @@ import torch
 
 from offload.errors import KernelError
 from offload.kernels import _C, ACTIVE_PATH_ID, PackedWeight
+from offload.kernels.dispatch import PATH_IDS
 
 _F32 = torch.float32
 FUSABLE = _C is not None and hasattr(_C, "layer_forward")  # the extension has the fused layer
@@ -127,16 +128,18 @@ def fused_layers_forward(layers: list[FusedLayer], x: torch.Tensor, table: StepT
     return outs[(len(layers) - 1) % 2]
 
 
-def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView) -> torch.Tensor:
+def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, path: str | None = None) -> torch.Tensor:
     """The fused layer's attention alone, for a layer whose linears ran elsewhere: qkv [N, q | k | v] fp32 (rope
-    applied in place), this step's K and V written to the cache; returns [N, n_heads * head_dim]."""
+    applied in place), this step's K and V written to the cache; returns [N, n_heads * head_dim]. path: a kernel
+    path of PATH_IDS (tests compare them), else the active one."""
     n = qkv.shape[0]
     if table.tokens.shape[0] != n or not _is_f32_cpu(qkv) or qkv.shape[1] != spec.q_size + 2 * spec.kv_size:
         raise KernelError(f"cached attention: qkv {list(qkv.shape)} does not match the step's {table.tokens.shape[0]} "
                           f"tokens of width {spec.q_size + 2 * spec.kv_size} (fp32, contiguous)")
     att = torch.empty(n, spec.q_size, dtype=_F32)
     shape = (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.intermediate_size, spec.rms_norm_eps)
-    _C.cached_attention(shape, ACTIVE_PATH_ID, torch.get_num_threads(), n, qkv.data_ptr(), att.data_ptr(),
+    path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
+    _C.cached_attention(shape, path_id, torch.get_num_threads(), n, qkv.data_ptr(), att.data_ptr(),
                         table.cos.data_ptr(), table.sin.data_ptr(), table.tokens.data_ptr(), view.k_ptr, view.v_ptr)
     return att
 
