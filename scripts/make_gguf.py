@@ -24,37 +24,54 @@ SHAPES = {  # name: (hidden, intermediate, layers, heads, kv heads)
 }
 
 
-def write_f16(path: Path, shape: str, seed: int = 0) -> None:
-    """An F16 GGUF file of random weights with the default model's tokenizer metadata."""
+def _f16_writer(path: Path, name: str, hidden: int, inter: int, layers: int, heads: int, kv: int,
+                context: int = 4096, eps: float = 1e-5, rope_theta: float = 10000.0):
+    """A GGUFWriter for an F16 Llama file with its header and the default model's tokenizer metadata (SmolLM2's
+    vocabulary: the size the caller's embedding must have)."""
     import gguf
 
     from offload.weights.default_model import find_gguf
 
-    hidden, inter, layers, heads, kv = SHAPES[shape]
     src = gguf.GGUFReader(find_gguf())
     tokens = [bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in src.fields["tokenizer.ggml.tokens"].data]
     merges = [bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode() for i in src.fields["tokenizer.ggml.merges"].data]
-    vocab = len(tokens)
     w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(f"random-llama-{shape}")
+    w.add_name(name)
     w.add_block_count(layers)
-    w.add_context_length(4096)
+    w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(inter)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_rope_freq_base(10000.0)
-    w.add_vocab_size(vocab)
+    w.add_layer_norm_rms_eps(eps)
+    w.add_rope_freq_base(rope_theta)
+    w.add_vocab_size(len(tokens))
     w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
-    w.add_token_types([1] * vocab)
+    w.add_token_types([1] * len(tokens))
     w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_chat_template(src.fields["tokenizer.chat_template"].contents())
+    return w
+
+
+def default_vocab_size() -> int:
+    """Tokens in the default model's vocabulary (the tokenizer every file written here carries)."""
+    import gguf
+
+    from offload.weights.default_model import find_gguf
+
+    return len(gguf.GGUFReader(find_gguf()).fields["tokenizer.ggml.tokens"].data)
+
+
+def write_f16(path: Path, shape: str, seed: int = 0) -> None:
+    """An F16 GGUF file of random weights with the default model's tokenizer metadata."""
+    hidden, inter, layers, heads, kv = SHAPES[shape]
+    vocab = default_vocab_size()
+    w = _f16_writer(path, f"random-llama-{shape}", hidden, inter, layers, heads, kv)
     rng = np.random.default_rng(seed)
     head_dim = hidden // heads
 
@@ -92,22 +109,16 @@ def write_f16_from_hf(path: Path, folder: Path) -> None:
     ids): the folder's vocabulary must have its size."""
     import json
 
-    import gguf
     import torch
     from safetensors import safe_open
-
-    from offload.weights.default_model import find_gguf
 
     config = json.loads((folder / "config.json").read_text())
     if config.get("model_type") not in ("llama", "mistral") or config.get("attention_bias") or config.get("mlp_bias"):
         sys.exit(f"{folder}: only Llama/Mistral-architecture folders without biases can be written as GGUF here")
-    src = gguf.GGUFReader(find_gguf())
-    tokens = [bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in src.fields["tokenizer.ggml.tokens"].data]
-    merges = [bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode() for i in src.fields["tokenizer.ggml.merges"].data]
     vocab, hidden = config["vocab_size"], config["hidden_size"]
-    if vocab != len(tokens):
+    if vocab != default_vocab_size():
         sys.exit(f"{folder}: vocabulary of {vocab} tokens; the GGUF written here borrows the default model's "
-                 f"tokenizer of {len(tokens)}, so pass a GGUF file of this model instead")
+                 f"tokenizer of {default_vocab_size()}, so pass a GGUF file of this model instead")
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
     tensors = {}
     for f in sorted(folder.glob("*.safetensors")):
@@ -118,26 +129,10 @@ def write_f16_from_hf(path: Path, folder: Path) -> None:
     def get(name: str, dtype=np.float16) -> np.ndarray:
         return tensors[name].to(torch.float32).numpy().astype(dtype)
 
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name(folder.name)
-    w.add_block_count(config["num_hidden_layers"])
-    w.add_context_length(config.get("max_position_embeddings", 4096))
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(config["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv)
-    w.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-5))
     rope = config.get("rope_parameters") or {}
-    w.add_rope_freq_base(float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
-    w.add_vocab_size(vocab)
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("smollm")
-    w.add_token_list(tokens)
-    w.add_token_types([1] * vocab)
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w = _f16_writer(path, folder.name, hidden, config["intermediate_size"], config["num_hidden_layers"], heads, kv,
+                    config.get("max_position_embeddings", 4096), config.get("rms_norm_eps", 1e-5),
+                    float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
     w.add_tensor("token_embd.weight", get("model.embed_tokens.weight"))
     for i in range(config["num_hidden_layers"]):
         p, h = f"blk.{i}.", f"model.layers.{i}."

@@ -242,3 +242,20 @@ def test_unpermute_inverts_llama_cpp_permutation():
     w = np.arange(32 * 3).reshape(32, 3)
     for heads in (1, 2, 4):
         assert np.array_equal(permute(w, heads)[_unpermute_rows(32, heads)], w)
+
+
+def test_benchmark_gguf_writer_keeps_a_folders_weights(tmp_path):
+    """scripts/make_gguf.write_f16_from_hf (what bench_cpu_decode hands llama.cpp): offload reading the written
+    file gives the folder's greedy tokens (q/k rows permuted to GGUF's order and back; F16 weights)."""
+    from conftest import make_hf_model, save_hf_model
+    from offload import LLM, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    from make_gguf import default_vocab_size, write_f16_from_hf
+
+    folder = save_hf_model(make_hf_model(vocab_size=default_vocab_size()), tmp_path / "hf")
+    write_f16_from_hf(tmp_path / "model.gguf", folder)
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [100, 2000, 345, 77, 9000]}
+    want = LLM(str(folder)).generate(prompt, params)[0].token_ids
+    assert LLM(str(tmp_path / "model.gguf")).generate(prompt, params)[0].token_ids == want
