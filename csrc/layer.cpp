@@ -1,6 +1,7 @@
 // Fused Llama decoder layer: the math of offload/model/llama.py::layer_forward in one call.
-// The matmuls go through the dispatched packed kernels (packed_linear); the elementwise parts and
-// attention are plain loops (tiny next to the matmuls at decode), attention parallel over tokens x heads.
+// The matmuls go through the dispatched packed kernels (packed_linear); norms and rope are plain loops, silu x up
+// is vectorized, and attention runs blocked with an online softmax on the SIMD paths (attention_tiles.inc), one
+// query at a time on the scalar path (the reference).
 #include "layer.h"
 
 #include <immintrin.h>
