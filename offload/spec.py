@@ -12,7 +12,8 @@ from offload.errors import ConfigError
 from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANT_BLOCK_BYTES,
                              QUANT_QS_BYTES, format_nbytes)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
+MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
 
 
@@ -29,8 +30,29 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MoESpec:
+    """The mixture-of-experts part of a model: each MoE layer's MLP is n_experts experts of width expert_size, of
+    which top_k run per token (picked by a router, their weights renormalised when norm_topk), plus a shared expert
+    of width shared_size (0: none) scaled by its own sigmoid gate; dense_layers keep an ordinary MLP."""
+
+    n_experts: int
+    top_k: int
+    expert_size: int
+    shared_size: int = 0
+    norm_topk: bool = True
+    dense_layers: tuple[int, ...] = ()
+    naming: str = "qwen"  # checkpoint tensor names: mixtral (block_sparse_moe.experts.e.w1/w2/w3) | qwen (mlp.*)
+
+    def expected_experts(self, n_tokens: int) -> float:
+        """Distinct experts a layer runs for n_tokens tokens routed independently and uniformly: what a step reads
+        of its expert weights (k for one token, nearly all of them in a long prefill)."""
+        return self.n_experts * (1.0 - (1.0 - self.top_k / self.n_experts) ** max(n_tokens, 0))
+
+
+@dataclass(frozen=True)
 class TensorSpec:
-    """One tensor of a unit; role is linear, embedding, norm or bias."""
+    """One tensor of a unit; role is linear, embedding, norm, bias or router (a router's or shared-expert gate's
+    small matrix, kept in the compute format as llama.cpp keeps it: top-k choices are sensitive to its rounding)."""
 
     name: str
     shape: tuple[int, ...]
@@ -78,12 +100,14 @@ def _aligned(n_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class UnitSpec:
-    """A placeable unit: the embedding, one decoder layer, the final norm, or the lm_head."""
+    """A placeable unit: the embedding, one decoder layer, the final norm, or the lm_head. A MoE layer i is two
+    units: layer.i (attention, the norms and the shared expert) and experts.i (the router and the routed experts)."""
 
     name: str
-    kind: str  # embed | layer | norm | lm_head
+    kind: str  # embed | layer | experts | norm | lm_head
     index: int | None
     tensors: tuple[TensorSpec, ...]
+    moe: MoESpec | None = None  # set on an experts unit
 
     def nbytes(self, fmt: str, compute: str = "fp32") -> int:
         return sum(t.nbytes(fmt, compute) for t in self.tensors)
@@ -114,8 +138,18 @@ class UnitSpec:
         return sum(t.numel for t in self.tensors if t.role == "linear")
 
     def matmul_flops(self, n_tokens: int) -> int:
-        """Multiply-add FLOPs of this unit's linear layers for n_tokens tokens (attention scores excluded)."""
+        """Multiply-add FLOPs of this unit's linear layers for n_tokens tokens (attention scores excluded); of an
+        experts unit, the top_k experts each token runs."""
+        if self.moe is not None:
+            return 2 * self.linear_numel * n_tokens * self.moe.top_k // self.moe.n_experts
         return 2 * self.linear_numel * n_tokens
+
+    def touched_fraction(self, n_tokens: int) -> float:
+        """The share of this unit's weights a step of n_tokens tokens reads: all of them, but of an experts unit
+        only the experts its tokens are routed to (expected)."""
+        if self.moe is None:
+            return 1.0
+        return self.moe.expected_experts(n_tokens) / self.moe.n_experts
 
 
 @dataclass(frozen=True)
@@ -143,6 +177,12 @@ class ModelSpec:
     stored_format: str = "fp32"  # the checkpoint's format (config.json torch_dtype; a GGUF's most used linear type)
     source: str = field(default="", compare=False)
     stored_formats: tuple[tuple[str, str], ...] = ()  # (tensor name, format) of a GGUF model's tensors
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3)
+    moe: MoESpec | None = None
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether layer i's MLP is a mixture of experts (a unit experts.i follows layer.i)."""
+        return self.moe is not None and i not in self.moe.dense_layers
 
     @property
     def from_gguf(self) -> bool:
@@ -181,14 +221,48 @@ class ModelSpec:
             ts.append(self._tensor(f"{p}self_attn.{proj}_proj.weight", (out, d), "linear"))
             if self.qkv_bias:
                 ts.append(self._tensor(f"{p}self_attn.{proj}_proj.bias", (out,), "bias"))
+        if self.qk_norm:
+            ts += [self._tensor(f"{p}self_attn.{x}_norm.weight", (self.head_dim,), "norm") for x in "qk"]
         ts.append(self._tensor(p + "self_attn.o_proj.weight", (d, self.q_size), "linear"))
         if self.o_bias:
             ts.append(self._tensor(p + "self_attn.o_proj.bias", (d,), "bias"))
         ts.append(self._tensor(p + "post_attention_layernorm.weight", (d,), "norm"))
-        for proj, shape in (("gate", (f, d)), ("up", (f, d)), ("down", (d, f))):
-            ts.append(self._tensor(f"{p}mlp.{proj}_proj.weight", shape, "linear"))
-            if self.mlp_bias:
-                ts.append(self._tensor(f"{p}mlp.{proj}_proj.bias", (shape[0],), "bias"))
+        if self.is_moe_layer(i):  # the shared expert stays with attention; the routed experts are a unit apart
+            if self.moe.shared_size:
+                ts += self._mlp_tensors(p + "mlp.shared_expert.", self.moe.shared_size, False)
+                ts.append(self._tensor(p + "mlp.shared_expert_gate.weight", (1, d), "router"))
+            return tuple(ts)
+        return tuple(ts + self._mlp_tensors(p + "mlp.", f, self.mlp_bias))
+
+    def _mlp_tensors(self, prefix: str, width: int, bias: bool) -> list[TensorSpec]:
+        """gate, up and down of an MLP of this width, named prefix + {gate,up,down}_proj."""
+        d, ts = self.hidden_size, []
+        for proj, shape in (("gate", (width, d)), ("up", (width, d)), ("down", (d, width))):
+            ts.append(self._tensor(f"{prefix}{proj}_proj.weight", shape, "linear"))
+            if bias:
+                ts.append(self._tensor(f"{prefix}{proj}_proj.bias", (shape[0],), "bias"))
+        return ts
+
+    def expert_names(self, i: int, e: int) -> tuple[str, str, str]:
+        """The checkpoint names of expert e of layer i: gate, up and down."""
+        if self.moe.naming == "mixtral":
+            p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
+            return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+        p = f"model.layers.{i}.mlp.experts.{e}."
+        return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
+
+    def router_name(self, i: int) -> str:
+        block = "block_sparse_moe" if self.moe.naming == "mixtral" else "mlp"
+        return f"model.layers.{i}.{block}.gate.weight"
+
+    def expert_tensors(self, i: int) -> tuple[TensorSpec, ...]:
+        """The tensors of unit experts.i: the router [n_experts, hidden], then each expert's gate, up and down."""
+        d, f = self.hidden_size, self.moe.expert_size
+        ts = [self._tensor(self.router_name(i), (self.moe.n_experts, d), "router")]
+        for e in range(self.moe.n_experts):
+            gate, up, down = self.expert_names(i, e)
+            ts += [self._tensor(gate, (f, d), "linear"), self._tensor(up, (f, d), "linear"),
+                   self._tensor(down, (d, f), "linear")]
         return tuple(ts)
 
     def _tensor(self, name: str, shape: tuple[int, ...], role: str) -> TensorSpec:
@@ -199,7 +273,10 @@ class ModelSpec:
         embed = self._tensor("model.embed_tokens.weight", (self.vocab_size, self.hidden_size), "embedding")
         head_name = "model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"
         units = [UnitSpec("embed", "embed", None, (embed,))]
-        units += [UnitSpec(f"layer.{i}", "layer", i, self.layer_tensors(i)) for i in range(self.n_layers)]
+        for i in range(self.n_layers):
+            units.append(UnitSpec(f"layer.{i}", "layer", i, self.layer_tensors(i)))
+            if self.is_moe_layer(i):
+                units.append(UnitSpec(f"experts.{i}", "experts", i, self.expert_tensors(i), self.moe))
         units.append(UnitSpec("norm", "norm", None, (self._tensor("model.norm.weight", (self.hidden_size,), "norm"),)))
         units.append(UnitSpec("lm_head", "lm_head", None,
                               (self._tensor(head_name, (self.vocab_size, self.hidden_size), "linear"),)))
@@ -234,12 +311,21 @@ class ModelSpec:
         """FLOPs of one layer's QK^T and PV for n_tokens queries over ctx_len keys each."""
         return 4 * n_tokens * self.kv_len(ctx_len) * self.q_size
 
+    @property
+    def mlp_width(self) -> int:
+        """The widest MLP activation per token: the dense MLP's, or in a MoE layer its top_k experts' and the
+        shared expert's together (a token's gate and up rows are gathered for each of its experts)."""
+        if self.moe is None:
+            return self.intermediate_size
+        moe = self.moe.top_k * self.moe.expert_size + self.moe.shared_size
+        return max(moe, self.intermediate_size if self.moe.dense_layers else 0)
+
     def activation_bytes(self, n_tokens: int, ctx_len: int, elem_bytes: int = 2) -> int:
         """Peak working set of one layer for n_tokens queries over ctx_len keys (residual, qkv, scores, MLP)."""
-        d, f = self.hidden_size, self.intermediate_size
-        # x, normed x and attention output [T, d]; q, k, v [T, q+2kv]; gate and up [T, f];
-        # attention scores [n_heads, T, ctx] kept in fp32 for the softmax.
-        per_token = 3 * d + self.q_size + 2 * self.kv_size + 2 * f
+        d, f = self.hidden_size, self.mlp_width
+        # x, normed x and attention output [T, d] (a MoE layer hands the experts unit [T, 2d]); q, k, v [T, q+2kv];
+        # gate and up [T, f]; attention scores [n_heads, T, ctx] kept in fp32 for the softmax.
+        per_token = 3 * d + self.q_size + 2 * self.kv_size + 2 * f + (2 * d if self.moe else 0)
         scores = self.n_heads * n_tokens * self.kv_len(ctx_len) * 4
         return n_tokens * per_token * elem_bytes + scores
 
@@ -319,10 +405,11 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     window = config.get("sliding_window")
-    if arch == "qwen2" and not config.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen2_moe", "qwen3_moe") and not config.get("use_sliding_window", False):
         window = None
     dtype = config.get("dtype", config.get("torch_dtype")) or "float32"
     attention_bias = bool(config.get("attention_bias", False))
+    moe = _moe_from_config(config, arch, source)
     return ModelSpec(
         architecture=arch,
         vocab_size=_count(config, "vocab_size", source),
@@ -336,12 +423,40 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
         rope=_rope_from_config(config, source),
         max_position_embeddings=_count(config, "max_position_embeddings", source, default=2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or attention_bias,
-        o_bias=arch != "qwen2" and attention_bias,
+        qkv_bias=arch == "qwen2" or (arch == "qwen2_moe" and bool(config.get("qkv_bias", True))) or attention_bias,
+        o_bias=arch not in ("qwen2", "qwen2_moe") and attention_bias,
         mlp_bias=arch == "llama" and bool(config.get("mlp_bias", False)),
         sliding_window=int(window) if window else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
         stored_format=DTYPE_ALIASES.get(str(dtype), "fp32"),
         source=source,
+        qk_norm=arch == "qwen3_moe",
+        moe=moe,
     )
+
+
+def _moe_from_config(config: dict, arch: str, source: str) -> MoESpec | None:
+    """The MoESpec of a Mixtral, Qwen2-MoE or Qwen3-MoE config (None for a dense architecture)."""
+    if arch not in MOE_ARCHITECTURES:
+        return None
+    if arch == "mixtral":
+        n_experts = _count(config, "num_local_experts", source)
+        expert_size, shared, norm, dense = _count(config, "intermediate_size", source), 0, True, ()
+    else:
+        key = "num_experts" if "num_experts" in config else "num_local_experts"  # Qwen's key; transformers 5 writes both
+        n_experts = _count(config, key, source)
+        expert_size = _count(config, "moe_intermediate_size", source)
+        shared = config.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
+        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+            raise ConfigError(f"{source}: key 'shared_expert_intermediate_size' must be a whole number of 0 or more, "
+                              f"found {shared!r}; fix config.json (or restore it from the model's source)")
+        norm = bool(config.get("norm_topk_prob", False))
+        step = _count(config, "decoder_sparse_step", source, default=1)
+        only = config.get("mlp_only_layers") or []
+        n_layers = _count(config, "num_hidden_layers", source)
+        dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
+    top_k = _count(config, "num_experts_per_tok", source)
+    if top_k > n_experts:
+        raise ConfigError(f"{source}: num_experts_per_tok={top_k} is more than the {n_experts} experts; fix the config")
+    return MoESpec(n_experts, top_k, expert_size, shared, norm, dense, "mixtral" if arch == "mixtral" else "qwen")

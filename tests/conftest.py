@@ -16,16 +16,26 @@ TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_la
             rms_norm_eps=1e-5, tie_word_embeddings=False)
 
 
+# tiny mixtures of experts: 6 experts of width 32 (wide enough to quantize), 2 per token
+TINY_MOE = {"mixtral": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=64),
+            "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
+                              shared_expert_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[1]),
+            "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32,
+                              norm_topk_prob=True)}
+
+
 def make_hf_model(arch: str = "llama", **overrides):
     """A tiny randomly initialised transformers model in fp32 (weights scaled up so logits spread)."""
     import transformers
 
     config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config}[arch]
+                  "qwen2": transformers.Qwen2Config, "mixtral": transformers.MixtralConfig,
+                  "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
     model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM}[arch]
+                 "qwen2": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
+                 "qwen2_moe": transformers.Qwen2MoeForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[arch]
     torch.manual_seed(overrides.pop("seed", 0))
-    config = config_cls(**{**TINY, **overrides})
+    config = config_cls(**{**TINY, **TINY_MOE.get(arch, {}), **overrides})
     config._attn_implementation = "eager"
     model = model_cls(config).float().eval()
     with torch.no_grad():

@@ -59,6 +59,8 @@ def weights_fusable(w) -> bool:
     """Whether a layer's weights suit the fused layer: packed linears, fp32 CPU norms and biases."""
     if not FUSABLE or not all(_packed(m) for m in (w.qkv, w.o, w.gate_up, w.down)):
         return False
+    if w.q_norm is not None or w.shared_gate is not None:  # Qwen3's q/k norms, a MoE layer's shared expert
+        return False
     biases = (w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias)
     return _is_f32_cpu(w.attn_norm) and _is_f32_cpu(w.mlp_norm) and all(b is None or _is_f32_cpu(b) for b in biases)
 

@@ -1,4 +1,5 @@
-"""Llama-family block math (llama, mistral, qwen2): device-agnostic, weights passed in, gpt-fast style."""
+"""Llama-family block math (llama, mistral, qwen2, and the attention part of Mixtral / Qwen-MoE layers):
+device-agnostic, weights passed in, gpt-fast style. The routed experts are offload.model.moe's."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ class StackedWeight:
 
 @dataclass
 class LayerWeights:
-    """One decoder layer; q/k/v and gate/up are fused along the output dimension."""
+    """One decoder layer; q/k/v and gate/up are fused along the output dimension. Of a MoE layer, the attention
+    part: gate_up and down are its shared expert's (None: it has none) and shared_gate that expert's gate."""
 
     attn_norm: torch.Tensor
     qkv: Weight
@@ -40,6 +42,9 @@ class LayerWeights:
     gate_up_bias: torch.Tensor | None
     down: Weight
     down_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None = None  # [head_dim], Qwen3's per-head RMSNorm of q and k
+    k_norm: torch.Tensor | None = None
+    shared_gate: torch.Tensor | None = None  # [1, hidden], a MoE layer's shared-expert gate
 
 
 @dataclass
@@ -344,14 +349,33 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     return o.to(device)
 
 
+def qk_norm(spec: ModelSpec, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
+    """qkv [..., q | k | v] with each head of q and k RMS-normed (Qwen3), v as it was."""
+    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q = rms_norm(q.unflatten(-1, (spec.n_heads, spec.head_dim)), w.q_norm, spec.rms_norm_eps).flatten(-2)
+    k = rms_norm(k.unflatten(-1, (spec.n_kv_heads, spec.head_dim)), w.k_norm, spec.rms_norm_eps).flatten(-2)
+    return torch.cat([q, k, v], dim=-1)
+
+
+def mlp(spec_width: int, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(h)) * up(h)) with gate and up fused in w.gate_up."""
+    gate, up = linear(h, w.gate_up, w.gate_up_bias).split(spec_width, dim=-1)
+    return linear(F.silu(gate) * up, w.down, w.down_bias)
+
+
 def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV,
-                  attention=None) -> torch.Tensor:
+                  attention=None, moe: bool = False) -> torch.Tensor:
     """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv. attention, if given,
     replaces rope, the KV append and attention: qkv [B * S, q | k | v] -> [B * S, n_heads * head_dim] (the
-    executor passes the fused layer's attention for CPU layers whose linears run through torch)."""
+    executor passes the fused layer's attention for CPU layers whose linears run through torch).
+
+    moe: the attention part of a MoE layer, which returns [B, S, 2D]: the residual stream (with the shared
+    expert's output added) and the normed hidden state the routed experts take (offload.model.moe)."""
     b, s, _ = x.shape
     h = rms_norm(x, w.attn_norm, spec.rms_norm_eps)
     qkv = linear(h, w.qkv, w.qkv_bias)
+    if w.q_norm is not None:
+        qkv = qk_norm(spec, w, qkv)
     if attention is not None:
         o = attention(qkv.reshape(b * s, -1).contiguous()).view(b, s, spec.q_size)
     else:
@@ -363,17 +387,8 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
         o = attend(spec, q, k, v, step, kv).transpose(1, 2).reshape(b, s, spec.q_size)
     x = x + linear(o, w.o, w.o_bias)
     h = rms_norm(x, w.mlp_norm, spec.rms_norm_eps)
-    gate, up = linear(h, w.gate_up, w.gate_up_bias).split(spec.intermediate_size, dim=-1)
-    return x + linear(F.silu(gate) * up, w.down, w.down_bias)
-
-
-def unit_forward(spec: ModelSpec, kind: str, w, x: torch.Tensor, step: Step | None, kv: LayerKV | None,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """One placement unit: embed (token ids [B, S] -> [B, S, D] in dtype), layer, norm, or lm_head (-> logits)."""
-    if kind == "embed":
-        return F.embedding(x, w).to(dtype)
-    if kind == "norm":
-        return rms_norm(x, w, spec.rms_norm_eps)
-    if kind == "lm_head":
-        return linear(x, w, None)
-    return layer_forward(spec, w, x, step, kv)
+    if not moe:
+        return x + mlp(spec.intermediate_size, w, h)
+    if w.gate_up is not None:  # the shared expert, scaled by its sigmoid gate
+        x = x + torch.sigmoid(linear(h, w.shared_gate, None)) * mlp(spec.moe.shared_size, w, h)
+    return torch.cat([x, h], dim=-1)

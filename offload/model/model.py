@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.model.llama import LayerKV, LayerWeights, Step, make_step, unit_forward
+from offload.model.llama import LayerKV, LayerWeights, Step, make_step
+from offload.model.units import unit_forward
 from offload.spec import ModelSpec
 
 
@@ -17,10 +18,11 @@ class Model:
 
     spec: ModelSpec
     embed_tokens: torch.Tensor  # [V, D]
-    layers: list[LayerWeights]
+    layers: list[LayerWeights]  # of a MoE model, each MoE layer's attention part
     norm: torch.Tensor  # [D]
     lm_head: object  # [V, D] tensor or PackedWeight
     dtype: torch.dtype
+    experts: dict[int, object] | None = None  # layer index -> ExpertWeights of its routed experts (MoE models)
 
     def new_cache(self, batch: int, max_len: int) -> list[LayerKV]:
         s = self.spec
@@ -34,8 +36,10 @@ class Model:
     def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV]) -> torch.Tensor:
         """Hidden states [B, S, D] after the final norm, for tokens [B, S]."""
         x = unit_forward(self.spec, "embed", self.embed_tokens, tokens, step, None, self.dtype)
-        for w, kv in zip(self.layers, cache):
-            x = unit_forward(self.spec, "layer", w, x, step, kv, self.dtype)
+        for i, (w, kv) in enumerate(zip(self.layers, cache)):
+            x = unit_forward(self.spec, "layer", w, x, step, kv, self.dtype, i)
+            if self.experts and i in self.experts:
+                x = unit_forward(self.spec, "experts", self.experts[i], x, step, None, self.dtype, i)
         return unit_forward(self.spec, "norm", self.norm, x, step, None, self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

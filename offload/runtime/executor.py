@@ -26,7 +26,8 @@ import torch
 
 from offload.errors import PlanError
 from offload.kernels import layer as fused
-from offload.model.llama import LayerKV, Step, layer_forward, make_step, unit_forward
+from offload.model.llama import LayerKV, Step, layer_forward, make_step
+from offload.model.units import unit_forward
 from offload.planner.costs import read_ahead_bytes
 from offload.planner.placement import Placement
 from offload.planner.types import PHASES
@@ -158,8 +159,10 @@ class PlacedModel:
         return mapped
 
     def _fuse_host_layer(self, name: str) -> None:
-        """The fused C++ layer's handle of a layer the CPU computes from host memory, made once, where it fits."""
-        if self.fuse and self._kind_index[name][0] == "layer":
+        """The fused C++ layer's handle of a layer the CPU computes from host memory, made once, where it fits (a
+        MoE layer's attention part does not: it ends at the experts' hand-over)."""
+        kind, index = self._kind_index[name]
+        if self.fuse and kind == "layer" and not self.spec.is_moe_layer(index):
             handle = fused.fuse_layer(self.spec, self.host_weights[name])
             if handle is not None:
                 self.fused_layers[name] = handle
@@ -452,13 +455,13 @@ class PlacedModel:
     def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
         """The fused C++ layer for a CPU layer where it can run; else the reference block math, with the fused
         layer's attention for a CPU layer in fp32 (weights it cannot take: float ones through torch)."""
-        attention = None
+        attention, moe = None, self.spec.is_moe_layer(self._kind_index[name][1])
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
-            handle = self.fused_layers.get(name) or fused.fuse_layer(self.spec, w)
+            handle = None if moe else self.fused_layers.get(name) or fused.fuse_layer(self.spec, w)
             views = self._fused_views([kv], x)
             if handle is not None and views is not None:
                 return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
             if views is not None and fused.HAS_CACHED_ATTENTION:
                 table = self._step_table(step, views[0], steps)
                 attention = lambda qkv: fused.cached_attention(self.spec, qkv, table, views[0])  # noqa: E731
-        return layer_forward(self.spec, w, x, step, kv, attention)
+        return layer_forward(self.spec, w, x, step, kv, attention, moe)

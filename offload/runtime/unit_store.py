@@ -14,14 +14,17 @@ import torch
 
 from offload.formats import ALIGN_BYTES, GGUF_BLOCKS
 from offload.model.llama import LayerWeights, StackedWeight
+from offload.model.moe import ExpertWeights
 from offload.runtime.device_quant import DeviceQuantWeight
+
+HOLDERS = {"layer": LayerWeights, "experts": ExpertWeights}  # a unit's weights: one of these, or a single weight
 
 
 @dataclass(frozen=True)
 class Entry:
     """One tensor inside the buffer: which field (and plane of a quantized weight), where, and what."""
 
-    field: str  # LayerWeights field name, or "weight" for single-tensor units
+    field: str  # LayerWeights / ExpertWeights field name (an expert's: gate_up#e), or "weight" for single tensors
     part: str  # dense | qs | d
     offset: int
     n_bytes: int
@@ -33,29 +36,37 @@ class Entry:
 
 @dataclass(frozen=True)
 class UnitLayout:
-    """Where each tensor of a unit sits in its flat buffer; is_layer says LayerWeights vs a single tensor."""
+    """Where each tensor of a unit sits in its flat buffer; holder: the HOLDERS key of its weights' class, or
+    "weight" for a single tensor."""
 
-    is_layer: bool
+    holder: str
     entries: tuple[Entry, ...]
     n_bytes: int
 
 
+def _holder(weights) -> str:
+    return next((k for k, cls in HOLDERS.items() if isinstance(weights, cls)), "weight")
+
+
 def _leaves(weights) -> list[tuple[str, object]]:
-    """(name, tensor or packed weight) of a unit; the parts of a StackedWeight field are named field/0, field/1."""
-    if not isinstance(weights, LayerWeights):
+    """(name, tensor or packed weight) of a unit; the parts of a StackedWeight field are named field/0, field/1,
+    the experts of a tuple field field#0, field#1."""
+    if _holder(weights) == "weight":
         return [("weight", weights)]
     leaves = []
     for f in dataclasses.fields(weights):
-        leaf = getattr(weights, f.name)
-        if isinstance(leaf, StackedWeight):
-            leaves += [(f"{f.name}/{i}", part) for i, part in enumerate(leaf.parts)]
-        else:
-            leaves.append((f.name, leaf))
+        value = getattr(weights, f.name)
+        named = [(f"{f.name}#{e}", v) for e, v in enumerate(value)] if isinstance(value, tuple) else [(f.name, value)]
+        for name, leaf in named:
+            if isinstance(leaf, StackedWeight):
+                leaves += [(f"{name}/{i}", part) for i, part in enumerate(leaf.parts)]
+            else:
+                leaves.append((name, leaf))
     return leaves
 
 
 def layout_of(weights) -> UnitLayout:
-    """The layout for a LayerWeights or a single weight (tensor or PackedWeight)."""
+    """The layout for a LayerWeights, an ExpertWeights or a single weight (tensor or PackedWeight)."""
     entries, offset = [], 0
     for name, leaf in _leaves(weights):
         if leaf is None:
@@ -72,7 +83,7 @@ def layout_of(weights) -> UnitLayout:
         for part, t, fmt in parts:
             entries.append(Entry(name, part, offset, t.nbytes, t.dtype, tuple(t.shape), fmt, tiled))
             offset += -(-t.nbytes // ALIGN_BYTES) * ALIGN_BYTES
-    return UnitLayout(isinstance(weights, LayerWeights), tuple(entries), offset)
+    return UnitLayout(_holder(weights), tuple(entries), offset)
 
 
 def in_row_order(weights):
@@ -86,8 +97,11 @@ def in_row_order(weights):
             return StackedWeight(tuple(rows(p) for p in leaf.parts))
         return leaf.to_rows() if getattr(leaf, "tiled", False) else leaf
 
-    if isinstance(weights, LayerWeights):
-        return dataclasses.replace(weights, **{f.name: rows(getattr(weights, f.name))
+    def field(value):
+        return tuple(rows(v) for v in value) if isinstance(value, tuple) else rows(value)
+
+    if _holder(weights) != "weight":
+        return dataclasses.replace(weights, **{f.name: field(getattr(weights, f.name))
                                                for f in dataclasses.fields(weights)})
     return rows(weights)
 
@@ -143,10 +157,15 @@ def materialize(layout: UnitLayout, buffer: torch.Tensor | None, on_device: bool
             from offload.kernels import PackedWeight
 
             built[name] = PackedWeight(fmts[name], shapes[name], parts["qs"], parts.get("d"), tiled[name])
-    if not layout.is_layer:
+    if layout.holder == "weight":
         return built["weight"]
     stacked: dict[str, list] = {}
     for name in sorted((n for n in built if "/" in n), key=lambda n: int(n.rsplit("/", 1)[1])):
         stacked.setdefault(name.split("/")[0], []).append(built[name])
     built.update({name: StackedWeight(tuple(parts)) for name, parts in stacked.items()})
-    return LayerWeights(**{f.name: built.get(f.name) for f in dataclasses.fields(LayerWeights)})
+    experts: dict[str, list] = {}
+    for name in sorted((n for n in built if "#" in n and "/" not in n), key=lambda n: int(n.rsplit("#", 1)[1])):
+        experts.setdefault(name.split("#")[0], []).append(built[name])
+    built.update({name: tuple(parts) for name, parts in experts.items()})
+    cls = HOLDERS[layout.holder]
+    return cls(**{f.name: built.get(f.name) for f in dataclasses.fields(cls)})

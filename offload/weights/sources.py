@@ -9,6 +9,7 @@ from offload.errors import ConfigError
 from offload.formats import AS_STORED, FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANTIZATIONS
 from offload.model.llama import LayerWeights, StackedWeight
 from offload.model.model import Model
+from offload.model.moe import ExpertWeights
 from offload.spec import ModelSpec, TensorSpec, UnitSpec
 from offload.weights.cache import CACHED_KINDS, open_packed_cache
 from offload.weights.extents import Extent, unit_extents
@@ -23,10 +24,11 @@ def load_model(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.flo
     ckpt.check_against(spec)
     pack = packer(quantization, dtype)
     layers = [load_layer(ckpt, spec, i, dtype, pack) for i in range(spec.n_layers)]
+    experts = {i: load_experts(ckpt, spec, i, dtype, pack) for i in range(spec.n_layers) if spec.is_moe_layer(i)}
     embed = ckpt.get("model.embed_tokens.weight", dtype)
     head = embed if spec.tie_word_embeddings else ckpt.get("lm_head.weight", dtype)
     return Model(spec=spec, embed_tokens=embed, layers=layers, norm=ckpt.get("model.norm.weight", dtype),
-                 lm_head=pack(head), dtype=dtype)
+                 lm_head=pack(head), dtype=dtype, experts=experts or None)
 
 
 def packer(quantization: str, dtype: torch.dtype):
@@ -45,7 +47,10 @@ def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...] | N
     """Each LayerWeights field's checkpoint tensors, in the order they are fused (None: the model has none)."""
     p = f"model.layers.{i}."
     qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
-    gate_up = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
+    moe = spec.is_moe_layer(i)
+    mlp = f"{p}mlp.shared_expert." if moe else f"{p}mlp."
+    has_mlp = not moe or spec.moe.shared_size > 0  # a MoE layer's only dense MLP is its shared expert
+    gate_up = [f"{mlp}gate_proj", f"{mlp}up_proj"]
 
     def names(modules: list[str], suffix: str, present: bool = True) -> tuple[str, ...] | None:
         return tuple(m + suffix for m in modules) if present else None
@@ -53,13 +58,33 @@ def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...] | N
     return {"attn_norm": (p + "input_layernorm.weight",), "qkv": names(qkv, ".weight"),
             "qkv_bias": names(qkv, ".bias", spec.qkv_bias), "o": (p + "self_attn.o_proj.weight",),
             "o_bias": names([p + "self_attn.o_proj"], ".bias", spec.o_bias),
-            "mlp_norm": (p + "post_attention_layernorm.weight",), "gate_up": names(gate_up, ".weight"),
-            "gate_up_bias": names(gate_up, ".bias", spec.mlp_bias), "down": (p + "mlp.down_proj.weight",),
-            "down_bias": names([p + "mlp.down_proj"], ".bias", spec.mlp_bias)}
+            "mlp_norm": (p + "post_attention_layernorm.weight",), "gate_up": names(gate_up, ".weight", has_mlp),
+            "gate_up_bias": names(gate_up, ".bias", spec.mlp_bias and not moe),
+            "down": names([mlp + "down_proj"], ".weight", has_mlp),
+            "down_bias": names([mlp + "down_proj"], ".bias", spec.mlp_bias and not moe),
+            "q_norm": names([p + "self_attn.q_norm"], ".weight", spec.qk_norm),
+            "k_norm": names([p + "self_attn.k_norm"], ".weight", spec.qk_norm),
+            "shared_gate": names([p + "mlp.shared_expert_gate"], ".weight", moe and has_mlp)}
+
+
+LINEAR_FIELDS = ("qkv", "o", "gate_up", "down")  # the LayerWeights fields that are matrices the linears multiply
+
+
+def expert_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...]]:
+    """Each field of layer i's ExpertWeights as unit_store lays it out (router, gate_up#e, down#e) with its checkpoint
+    tensors, in the order they are fused."""
+    names = {"router": (spec.router_name(i),)}
+    for e in range(spec.moe.n_experts):
+        gate, up, down = spec.expert_names(i, e)
+        names[f"gate_up#{e}"], names[f"down#{e}"] = (gate, up), (down,)
+    return names
 
 
 def unit_tensor_names(spec: ModelSpec, unit: UnitSpec) -> dict[str, tuple[str, ...] | None]:
-    """layer_tensor_names for a layer; {"weight": (its tensor,)} for embed, norm and lm_head."""
+    """layer_tensor_names for a layer, expert_tensor_names for experts; {"weight": (its tensor,)} for embed, norm
+    and lm_head."""
+    if unit.kind == "experts":
+        return expert_tensor_names(spec, unit.index)
     return layer_tensor_names(spec, unit.index) if unit.kind == "layer" else {"weight": (unit.tensors[0].name,)}
 
 
@@ -72,8 +97,16 @@ def load_layer(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pa
         return pack(t) if linear else t
 
     names = layer_tensor_names(spec, i)
-    return LayerWeights(**{field: get(group, field in ("qkv", "o", "gate_up", "down"))
-                           for field, group in names.items()})
+    return LayerWeights(**{field: get(group, field in LINEAR_FIELDS) for field, group in names.items()})
+
+
+def load_experts(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> ExpertWeights:
+    """Read layer i's router and experts, fusing each expert's gate and up; the router stays in dtype."""
+    n = spec.moe.n_experts
+    names = expert_tensor_names(spec, i)
+    fused = [pack(torch.cat([ckpt.get(t, dtype) for t in names[f"gate_up#{e}"]])) for e in range(n)]
+    down = [pack(ckpt.get(names[f"down#{e}"][0], dtype)) for e in range(n)]
+    return ExpertWeights(ckpt.get(names["router"][0], dtype).contiguous(), tuple(fused), tuple(down))
 
 
 class CheckpointSource:
@@ -112,6 +145,8 @@ class CheckpointSource:
         """load() from the checkpoint itself, never the cache."""
         if unit.kind == "layer":
             return load_layer(self.ckpt, self.spec, unit.index, self.dtype, self.pack)
+        if unit.kind == "experts":
+            return load_experts(self.ckpt, self.spec, unit.index, self.dtype, self.pack)
         tensor = self.ckpt.get(unit.tensors[0].name, self.dtype)
         return self.pack(tensor) if unit.kind == "lm_head" else tensor.contiguous()
 
@@ -124,9 +159,9 @@ class RandomSource:
         self.gen = torch.Generator().manual_seed(seed)
         self._made: dict[tuple[int, int], object] = {}  # one random matrix per shape, shared by every layer
 
-    def _linear(self, out_features: int, in_features: int):
+    def _linear(self, out_features: int, in_features: int, expert: int = -1):
         """A random [out, in] weight; every layer gets the same one (a 70B model builds in seconds, not minutes)."""
-        key = (out_features, in_features)
+        key = (out_features, in_features, expert)
         if key not in self._made:
             self._made[key] = self._random_linear(out_features, in_features)
         return self._made[key]
@@ -152,14 +187,23 @@ class RandomSource:
             return torch.ones(s.hidden_size, dtype=self.dtype)
         if unit.kind == "lm_head":
             return self._linear(s.vocab_size, s.hidden_size)
+        if unit.kind == "experts":  # experts differ from one another (shared by every layer, as the layers are)
+            f, n = s.moe.expert_size, s.moe.n_experts
+            router = torch.randn(n, s.hidden_size, generator=self.gen, dtype=self.dtype)
+            return ExpertWeights(router, tuple(self._linear(2 * f, s.hidden_size, e) for e in range(n)),
+                                 tuple(self._linear(s.hidden_size, f, e) for e in range(n)))
         qkv_out = s.q_size + 2 * s.kv_size
+        moe = s.is_moe_layer(unit.index)
+        f = (s.moe.shared_size if moe else s.intermediate_size) or None
+        norm = (lambda: torch.ones(s.head_dim, dtype=self.dtype)) if s.qk_norm else (lambda: None)
         return LayerWeights(
             attn_norm=torch.ones(s.hidden_size, dtype=self.dtype), qkv=self._linear(qkv_out, s.hidden_size),
             qkv_bias=torch.zeros(qkv_out, dtype=self.dtype) if s.qkv_bias else None,
             o=self._linear(s.hidden_size, s.q_size), o_bias=None,
             mlp_norm=torch.ones(s.hidden_size, dtype=self.dtype),
-            gate_up=self._linear(2 * s.intermediate_size, s.hidden_size), gate_up_bias=None,
-            down=self._linear(s.hidden_size, s.intermediate_size), down_bias=None)
+            gate_up=self._linear(2 * f, s.hidden_size) if f else None, gate_up_bias=None,
+            down=self._linear(s.hidden_size, f) if f else None, down_bias=None, q_norm=norm(), k_norm=norm(),
+            shared_gate=torch.zeros(1, s.hidden_size, dtype=self.dtype) if moe and f else None)
 
 
 class MetaSource:
@@ -210,13 +254,23 @@ class MetaSource:
             return self._tensor(*unit.tensors[0].shape)
         if unit.kind == "lm_head":
             return self._linear(unit.tensors[0])
+        if unit.kind == "experts":
+            linears = [t for t in unit.tensors if t.role == "linear"]  # gate, up, down of each expert in turn
+            return ExpertWeights(self._tensor(*unit.tensors[0].shape),
+                                 tuple(self._fused(linears[j:j + 2]) for j in range(0, len(linears), 3)),
+                                 tuple(self._linear(t) for t in linears[2::3]))
         by_name = {t.name.rsplit(".", 2)[-2]: t for t in unit.tensors if t.role == "linear"}
-        f = s.intermediate_size
+        moe = s.is_moe_layer(unit.index)
+        f = s.moe.shared_size if moe else s.intermediate_size
         qkv_out = s.q_size + 2 * s.kv_size
+        has_mlp, bias = "gate_proj" in by_name, s.mlp_bias and not moe
+        norm = (lambda: self._tensor(s.head_dim)) if s.qk_norm else (lambda: None)
         return LayerWeights(
             attn_norm=self._tensor(s.hidden_size), qkv=self._fused([by_name[n] for n in ("q_proj", "k_proj", "v_proj")]),
             qkv_bias=self._tensor(qkv_out) if s.qkv_bias else None, o=self._linear(by_name["o_proj"]),
             o_bias=self._tensor(s.hidden_size) if s.o_bias else None, mlp_norm=self._tensor(s.hidden_size),
-            gate_up=self._fused([by_name["gate_proj"], by_name["up_proj"]]),
-            gate_up_bias=self._tensor(2 * f) if s.mlp_bias else None,
-            down=self._linear(by_name["down_proj"]), down_bias=self._tensor(s.hidden_size) if s.mlp_bias else None)
+            gate_up=self._fused([by_name["gate_proj"], by_name["up_proj"]]) if has_mlp else None,
+            gate_up_bias=self._tensor(2 * f) if bias else None,
+            down=self._linear(by_name["down_proj"]) if has_mlp else None,
+            down_bias=self._tensor(s.hidden_size) if bias else None, q_norm=norm(), k_norm=norm(),
+            shared_gate=self._tensor(1, s.hidden_size) if moe and has_mlp else None)

@@ -106,6 +106,11 @@ class TimedCosts:
             return torch.empty(*x.shape, self.spec.hidden_size, device="meta")
         if work.kind == "lm_head":
             return torch.zeros(*x.shape[:-1], self.spec.vocab_size)
+        d = self.spec.hidden_size  # a MoE layer's attention part hands its experts [.., 2D]; they return [.., D]
+        if work.kind == "layer" and self.units[work.unit].index is not None and self.spec.is_moe_layer(self.units[work.unit].index):
+            return torch.empty(*x.shape[:-1], 2 * d, device="meta")
+        if work.kind == "experts":
+            return torch.empty(*x.shape[:-1], d, device="meta")
         return x
 
 

@@ -1,0 +1,26 @@
+"""One placement unit's forward: the dispatch from a unit's kind to its block math (dense layers and the attention
+part of MoE layers in offload.model.llama, routed experts in offload.model.moe)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from offload.model.llama import LayerKV, Step, layer_forward, linear, rms_norm
+from offload.model.moe import experts_forward
+from offload.spec import ModelSpec
+
+
+def unit_forward(spec: ModelSpec, kind: str, w, x: torch.Tensor, step: Step | None, kv: LayerKV | None,
+                 dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
+    """One placement unit: embed (token ids [B, S] -> [B, S, D] in dtype), layer `index`, experts (a MoE layer's
+    routed experts: [B, S, 2D] -> [B, S, D]), norm, or lm_head (-> logits)."""
+    if kind == "experts":
+        return experts_forward(spec.moe, w, x)
+    if kind == "embed":
+        return F.embedding(x, w).to(dtype)
+    if kind == "norm":
+        return rms_norm(x, w, spec.rms_norm_eps)
+    if kind == "lm_head":
+        return linear(x, w, None)
+    return layer_forward(spec, w, x, step, kv, moe=index is not None and spec.is_moe_layer(index))
