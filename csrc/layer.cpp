@@ -18,7 +18,7 @@ namespace {
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
 struct LayerScratch {  // per calling thread, grown on demand
-  std::vector<float> h, qkv, att, tmp, gate_up, act;
+  std::vector<float> h, qkv, att, tmp, gate_up, act, resid;
 };
 thread_local LayerScratch tls_layer;
 
@@ -259,6 +259,33 @@ void add_rows(float* y, const float* x, const float* r, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] + r[i];
 }
 
+// Qwen3: each head of q and of k RMS-normed over head_dim, in place, before rope.
+void qk_norm(const LayerArgs& a, float* qkv) {
+  const LayerShape& s = a.shape;
+  const int64_t q_size = s.n_heads * s.head_dim, width = q_size + 2 * s.n_kv_heads * s.head_dim;
+  for (int64_t n = 0; n < a.N; ++n) {
+    rms_norm_rows(qkv + n * width, a.q_norm, s.n_heads, s.head_dim, s.eps, qkv + n * width, 1);
+    rms_norm_rows(qkv + n * width + q_size, a.k_norm, s.n_kv_heads, s.head_dim, s.eps, qkv + n * width + q_size, 1);
+  }
+}
+
+// The MoE hand-over: out [N, 2D] = residual + (shared expert of h, scaled by its sigmoid gate) | h.
+void moe_handover(const LayerArgs& a, const float* resid, const float* h, const float* shared, float* out) {
+  const int64_t N = a.N, D = a.qkv.w.K;
+  for (int64_t n = 0; n < N; ++n) {
+    const float *r = resid + n * D, *hn = h + n * D;
+    float* o = out + n * 2 * D;
+    float g = 0.f;
+    if (shared != nullptr) {
+      double dot = 0.0;
+      for (int64_t i = 0; i < D; ++i) dot += double(hn[i]) * double(a.shared_gate[i]);
+      g = 1.f / (1.f + std::exp(-float(dot)));
+    }
+    for (int64_t i = 0; i < D; ++i) o[i] = shared != nullptr ? r[i] + g * shared[n * D + i] : r[i];
+    std::copy(hn, hn + D, o + D);
+  }
+}
+
 void run_linear(const LayerArgs& a, const LinearArg& l, const float* x, float* y) {
   if (l.parts.empty()) {
     packed_linear(a.path, x, a.N, l.fmt, l.w, l.bias, y, a.nthreads);
@@ -297,9 +324,23 @@ void layer_forward(const LayerArgs& a) {
 
   rms_norm_rows(a.x, a.attn_norm, N, D, s.eps, h, a.nthreads);
   run_linear(a, a.qkv, h, qkv);
+  if (a.q_norm != nullptr) qk_norm(a, qkv);
   rope_and_store(a, qkv);
   attention(a, qkv, att);
   run_linear(a, a.o, att, tmp);
+  if (a.moe) {
+    float* resid = grow(b.resid, N * D);
+    add_rows(resid, a.x, tmp, N * D);
+    rms_norm_rows(resid, a.mlp_norm, N, D, s.eps, h, a.nthreads);
+    const bool shared = a.gate_up.w.M > 0;
+    if (shared) {
+      run_linear(a, a.gate_up, h, gate_up);
+      silu_mul(gate_up, N, I, act, a.path, a.nthreads);
+      run_linear(a, a.down, act, tmp);
+    }
+    moe_handover(a, resid, h, shared ? tmp : nullptr, a.out);
+    return;
+  }
   add_rows(a.out, a.x, tmp, N * D);
 
   rms_norm_rows(a.out, a.mlp_norm, N, D, s.eps, h, a.nthreads);
@@ -307,6 +348,44 @@ void layer_forward(const LayerArgs& a) {
   silu_mul(gate_up, N, I, act, a.path, a.nthreads);
   run_linear(a, a.down, act, tmp);
   add_rows(a.out, a.out, tmp, N * D);
+}
+
+void experts_forward(const ExpertsArgs& e) {
+  const int64_t N = e.N, D = e.D, F = e.F, K = e.top_k;
+  // counting sort of the (token, slot) pairs by expert: expert x's pairs are order[start[x] .. start[x + 1])
+  std::vector<int64_t> start(size_t(e.n_experts + 1), 0), order(size_t(N * K));
+  for (int64_t j = 0; j < N * K; ++j) ++start[size_t(e.ids[j] + 1)];
+  for (int64_t x = 0; x < e.n_experts; ++x) start[size_t(x + 1)] += start[size_t(x)];
+  std::vector<int64_t> fill(start.begin(), start.end() - 1);
+  for (int64_t j = 0; j < N * K; ++j) order[size_t(fill[size_t(e.ids[j])]++)] = j;
+
+  for (int64_t n = 0; n < N; ++n) std::copy(e.x + n * 2 * D, e.x + n * 2 * D + D, e.out + n * D);
+  LayerScratch& b = tls_layer;
+  LayerArgs a{};
+  a.path = e.path;
+  a.nthreads = e.nthreads;
+  for (int64_t x = 0; x < e.n_experts; ++x) {
+    const int64_t c = start[size_t(x + 1)] - start[size_t(x)];
+    if (c == 0) continue;
+    const int64_t* pairs = order.data() + start[size_t(x)];
+    float* h = grow(b.h, c * D);
+    for (int64_t r = 0; r < c; ++r) {
+      const float* src = e.x + (pairs[r] / K) * 2 * D + D;
+      std::copy(src, src + D, h + r * D);
+    }
+    float* gate_up = grow(b.gate_up, c * 2 * F);
+    float* act = grow(b.act, c * F);
+    float* y = grow(b.tmp, c * D);
+    a.N = c;
+    run_linear(a, (*e.gate_up)[size_t(x)], h, gate_up);
+    silu_mul(gate_up, c, F, act, e.path, e.nthreads);
+    run_linear(a, (*e.down)[size_t(x)], act, y);
+    for (int64_t r = 0; r < c; ++r) {
+      const float w = e.weights[pairs[r]];
+      float* o = e.out + (pairs[r] / K) * D;
+      for (int64_t i = 0; i < D; ++i) o[i] += w * y[r * D + i];
+    }
+  }
 }
 
 }  // namespace offload

@@ -38,7 +38,11 @@ struct LayerArgs {
   int path, nthreads;  // kernel path (Path) and thread count
   LayerShape shape;
   const float *attn_norm, *mlp_norm;  // [D]
-  LinearArg qkv, o, gate_up, down;    // qkv rows: q | k | v; gate_up rows: gate | up
+  LinearArg qkv, o, gate_up, down;    // qkv rows: q | k | v; gate_up rows: gate | up (a MoE layer: none, M = 0,
+                                      // or its shared expert's)
+  const float *q_norm, *k_norm;       // [head_dim] per-head RMSNorm of q and k before rope (Qwen3); null: none
+  const float* shared_gate;           // [D] a MoE layer's shared-expert gate (sigmoid(h . g) scales it); null: none
+  int moe;                            // 1: the attention part of a MoE layer: out is [N, 2D] = residual | normed h
   int64_t N;                          // new tokens (batch x sequence, flattened)
   const float* x;                     // [N, D] hidden states in
   float* out;                         // [N, D] hidden states out (may not alias x)
@@ -47,8 +51,25 @@ struct LayerArgs {
   float *k_cache, *v_cache;           // [slots, n_kv_heads, head_dim], token-major
 };
 
-// x -> x + attn(rms_norm(x)) -> + mlp(rms_norm(.)); writes this step's K, V into the cache.
+// x -> x + attn(rms_norm(x)) -> + mlp(rms_norm(.)); writes this step's K, V into the cache. With a.moe, the MLP is
+// the shared expert's (if any) and out gets [residual | rms_norm(residual before it)] for the routed experts.
 void layer_forward(const LayerArgs& a);
+
+// The routed experts of a MoE layer (moe.cpp): out [N, D] = x[:, :D] + sum over each token's top_k experts of
+// weight * down(silu(gate(h)) * up(h)), h = x[:, D:], for x [N, 2D]; ids / weights [N, top_k] are the router's
+// choice (made by the caller). Each expert runs once over the tokens routed to it.
+struct ExpertsArgs {
+  int path, nthreads;
+  int64_t n_experts, top_k, D, F;
+  const std::vector<LinearArg>* gate_up;  // per expert [2F, D], rows gate | up
+  const std::vector<LinearArg>* down;     // per expert [D, F]
+  int64_t N;
+  const float* x;
+  const int64_t* ids;
+  const float* weights;
+  float* out;
+};
+void experts_forward(const ExpertsArgs& a);
 
 // The attention of layer_forward alone, for layers whose linears run elsewhere (fp32 weights through torch):
 // rope on qkv [N, q | k | v] in place, this step's K, V into the cache, att [N, n_heads * head_dim] out. Reads

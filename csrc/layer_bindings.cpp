@@ -55,18 +55,66 @@ struct FusedWeights {
   LayerShape shape;
   const float *attn_norm, *mlp_norm;
   LinearArg qkv, o, gate_up, down;
+  const float *q_norm, *k_norm, *shared_gate;
+  int moe;
 };
 
+// (q_norm, k_norm, shared_gate, moe): the extras of Qwen3 and MoE layers (null pointers: none).
+using ExtrasTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, int>;
+
 FusedWeights make_weights(const std::tuple<int64_t, int64_t, int64_t, int64_t, float>& shape, uintptr_t attn_norm,
-                          uintptr_t mlp_norm, const std::array<std::vector<LinearTuple>, 4>& linears) {
-  FusedWeights w{to_shape(shape), ptr<float>(attn_norm), ptr<float>(mlp_norm),
-                 to_stacked(linears[0]), to_stacked(linears[1]), to_stacked(linears[2]), to_stacked(linears[3])};
+                          uintptr_t mlp_norm, const std::array<std::vector<LinearTuple>, 4>& linears,
+                          const ExtrasTuple& extras) {
+  const auto [q_norm, k_norm, shared_gate, moe] = extras;
+  // a MoE layer without a shared expert has no MLP of its own: gate_up and down stay empty (M = 0)
+  const bool no_mlp = moe && linears[2].empty() && linears[3].empty();
+  const LinearArg none{-1, WView{nullptr, nullptr, 0, 0, false}, nullptr, {}};
+  FusedWeights w{to_shape(shape), ptr<float>(attn_norm), ptr<float>(mlp_norm), to_stacked(linears[0]),
+                 to_stacked(linears[1]), no_mlp ? none : to_stacked(linears[2]), no_mlp ? none : to_stacked(linears[3]),
+                 ptr<float>(q_norm), ptr<float>(k_norm), ptr<float>(shared_gate), moe};
   const LayerShape& s = w.shape;
   const int64_t D = w.qkv.w.K, q_size = s.n_heads * s.head_dim, kv_size = s.n_kv_heads * s.head_dim;
-  if (w.qkv.w.M != q_size + 2 * kv_size || w.o.w.M != D || w.o.w.K != q_size || w.gate_up.w.K != D ||
-      w.gate_up.w.M != 2 * s.intermediate || w.down.w.K != s.intermediate || w.down.w.M != D)
+  const bool mlp_ok = no_mlp || (w.gate_up.w.K == D && w.gate_up.w.M == 2 * s.intermediate &&
+                                 w.down.w.K == s.intermediate && w.down.w.M == D);
+  if (w.qkv.w.M != q_size + 2 * kv_size || w.o.w.M != D || w.o.w.K != q_size || !mlp_ok)
     throw std::invalid_argument("offload fused layer: linear shapes do not match the layer shape");
+  if ((w.q_norm == nullptr) != (w.k_norm == nullptr) || (moe && !no_mlp && w.shared_gate == nullptr))
+    throw std::invalid_argument("offload fused layer: q_norm and k_norm go together; a shared expert needs its gate");
   return w;
+}
+
+// The routed experts of one MoE layer, built once per layer by the Python face.
+struct FusedExperts {
+  int64_t n_experts, top_k, D, F;
+  std::vector<LinearArg> gate_up, down;
+};
+
+FusedExperts make_experts(int64_t top_k, const std::vector<std::vector<LinearTuple>>& gate_up,
+                          const std::vector<std::vector<LinearTuple>>& down) {
+  if (gate_up.empty() || gate_up.size() != down.size() || top_k < 1 || top_k > int64_t(gate_up.size()))
+    throw std::invalid_argument("offload fused experts: one gate_up and one down per expert, 1 <= top_k <= experts");
+  FusedExperts e{int64_t(gate_up.size()), top_k, 0, 0, {}, {}};
+  for (size_t x = 0; x < gate_up.size(); ++x) {
+    e.gate_up.push_back(to_stacked(gate_up[x]));
+    e.down.push_back(to_stacked(down[x]));
+    const WView &gu = e.gate_up.back().w, &dn = e.down.back().w;
+    if (x == 0) e.D = gu.K, e.F = dn.K;
+    if (gu.K != e.D || gu.M != 2 * e.F || dn.K != e.F || dn.M != e.D)
+      throw std::invalid_argument("offload fused experts: every expert needs gate_up [2F, D] and down [D, F]");
+  }
+  return e;
+}
+
+void experts(const FusedExperts& w, int path, int nthreads, int64_t N, uintptr_t x, uintptr_t ids, uintptr_t weights,
+             uintptr_t out) {
+  if (path < P_SCALAR || path > P_AVX512 || N < 1)
+    throw std::invalid_argument("offload fused experts: bad kernel path id or token count");
+  const int64_t* id = ptr<int64_t>(ids);
+  for (int64_t j = 0; j < N * w.top_k; ++j)
+    if (id[j] < 0 || id[j] >= w.n_experts) throw std::invalid_argument("offload fused experts: expert id out of range");
+  ExpertsArgs a{path, nthreads < 1 ? 1 : nthreads, w.n_experts, w.top_k, w.D, w.F, &w.gate_up, &w.down, N,
+                ptr<float>(x), id, ptr<float>(weights), reinterpret_cast<float*>(out)};
+  experts_forward(a);
 }
 
 void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t x, uintptr_t out, uintptr_t cos,
@@ -74,8 +122,9 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
   if (path < P_SCALAR || path > P_AVX512 || N < 1)
     throw std::invalid_argument("offload fused layer: bad kernel path id or token count");
   LayerArgs a{path, nthreads < 1 ? 1 : nthreads, w.shape, w.attn_norm, w.mlp_norm, w.qkv, w.o, w.gate_up, w.down,
-              N, ptr<float>(x), reinterpret_cast<float*>(out), ptr<float>(cos), ptr<float>(sin),
-              ptr<int64_t>(tokens), reinterpret_cast<float*>(k_cache), reinterpret_cast<float*>(v_cache)};
+              w.q_norm, w.k_norm, w.shared_gate, w.moe, N, ptr<float>(x), reinterpret_cast<float*>(out),
+              ptr<float>(cos), ptr<float>(sin), ptr<int64_t>(tokens), reinterpret_cast<float*>(k_cache),
+              reinterpret_cast<float*>(v_cache)};
   layer_forward(a);
 }
 
@@ -104,7 +153,13 @@ void bind_layer(py::module_& m) {
   m.def("fused_weights", &make_weights,
         "fused_weights((n_heads, n_kv_heads, head_dim, intermediate, eps), attn_norm, mlp_norm, "
         "[[(fmt, qs, d, bias, M, K), ...]] * 4 for qkv, o, gate_up, down: each linear one part, or the row "
-        "blocks of a stacked linear)");
+        "blocks of a stacked linear; (q_norm, k_norm, shared_gate, moe))");
+  py::class_<FusedExperts>(m, "FusedExperts", "one MoE layer's routed experts' packed weights, as raw pointers");
+  m.def("fused_experts", &make_experts,
+        "fused_experts(top_k, [[(fmt, qs, d, bias, M, K), ...] per expert] for gate_up, the same for down)");
+  m.def("experts_forward", &experts, py::call_guard<py::gil_scoped_release>(),
+        "experts_forward(experts, path, nthreads, N, x [N, 2D], ids [N, k] int64, weights [N, k] fp32, out [N, D]): "
+        "raw pointers, see offload/kernels/layer.py");
   m.def("layer_forward", &forward, py::call_guard<py::gil_scoped_release>(),
         "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, k_cache, v_cache): raw pointers, "
         "see offload/kernels/layer.py");

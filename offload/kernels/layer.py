@@ -32,6 +32,15 @@ class FusedLayer:
 
     weights: object  # the LayerWeights the pointers point into
     view: object  # _C.fused_weights(...)
+    moe: bool = False  # the attention part of a MoE layer: returns [.., 2D] (residual | normed h)
+
+
+@dataclass(frozen=True)
+class FusedExperts:
+    """One MoE layer's routed experts as the C++ code reads them; holds the weights so they stay valid."""
+
+    weights: object  # the ExpertWeights
+    view: object  # _C.fused_experts(...)
 
 
 @dataclass(frozen=True)
@@ -55,14 +64,19 @@ class StepTable:
     sin: torch.Tensor
 
 
-def weights_fusable(w) -> bool:
-    """Whether a layer's weights suit the fused layer: packed linears, fp32 CPU norms and biases."""
-    if not FUSABLE or not all(_packed(m) for m in (w.qkv, w.o, w.gate_up, w.down)):
+HAS_MOE = _C is not None and hasattr(_C, "experts_forward")  # the extension has MoE layers and experts
+
+
+def weights_fusable(w, moe: bool = False) -> bool:
+    """Whether a layer's weights suit the fused layer: packed linears, fp32 CPU norms and biases (moe: the
+    attention part of a MoE layer, whose MLP is its shared expert or none)."""
+    mlp = (w.gate_up, w.down) if not moe or w.gate_up is not None else ()
+    if not FUSABLE or (moe and not HAS_MOE) or not all(_packed(m) for m in (w.qkv, w.o, *mlp)):
         return False
-    if w.q_norm is not None or w.shared_gate is not None:  # Qwen3's q/k norms, a MoE layer's shared expert
+    if (w.shared_gate is not None) != (moe and bool(mlp)) or (w.q_norm is None) != (w.k_norm is None):
         return False
-    biases = (w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias)
-    return _is_f32_cpu(w.attn_norm) and _is_f32_cpu(w.mlp_norm) and all(b is None or _is_f32_cpu(b) for b in biases)
+    floats = (w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias, w.q_norm, w.k_norm, w.shared_gate)
+    return _is_f32_cpu(w.attn_norm) and _is_f32_cpu(w.mlp_norm) and all(b is None or _is_f32_cpu(b) for b in floats)
 
 
 def can_fuse(w, x: torch.Tensor, kv) -> bool:
@@ -71,9 +85,38 @@ def can_fuse(w, x: torch.Tensor, kv) -> bool:
     return x.dtype is _F32 and x.is_cpu and kv_view(kv) is not None and weights_fusable(w)
 
 
-def fuse_layer(spec, w) -> FusedLayer | None:
-    """The C++ view of a layer's weights, or None where they do not suit the fused layer."""
-    return FusedLayer(w, _make_fused_weights(spec, w)) if weights_fusable(w) else None
+def fuse_layer(spec, w, moe: bool = False) -> FusedLayer | None:
+    """The C++ view of a layer's weights, or None where they do not suit the fused layer (moe: a MoE layer's
+    attention part)."""
+    return FusedLayer(w, _make_fused_weights(spec, w, moe), moe) if weights_fusable(w, moe) else None
+
+
+def fuse_experts(moe, w) -> FusedExperts | None:
+    """The C++ view of a MoE layer's routed experts (ExpertWeights), or None unless every expert's linears are
+    packed and the router is fp32 CPU memory."""
+    if not HAS_MOE or not _is_f32_cpu(w.router) or not all(_packed(m) for m in w.gate_up + w.down):
+        return None
+    gate_up = [_linear_tuple(m, None, f"expert {e} gate_up") for e, m in enumerate(w.gate_up)]
+    down = [_linear_tuple(m, None, f"expert {e} down") for e, m in enumerate(w.down)]
+    return FusedExperts(w, _C.fused_experts(moe.top_k, gate_up, down))
+
+
+def fused_experts_forward(moe, experts: FusedExperts, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """offload.model.moe.experts_forward in C++: x [..., 2D] fp32 (residual | normed h) -> [..., D]. The router
+    (a small fp32 matmul, softmax and top-k) runs in torch, the experts in one C++ call. path: a kernel path of
+    PATH_IDS (tests compare them), else the active one."""
+    from offload.model.moe import route
+
+    d = x.shape[-1] // 2
+    x = x.contiguous()
+    h = x.view(-1, 2 * d)[:, d:]
+    weights, ids = route(moe, torch.nn.functional.linear(h, experts.weights.router))
+    weights, ids = weights.contiguous(), ids.contiguous()
+    out = x.new_empty(*x.shape[:-1], d)
+    path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
+    _C.experts_forward(experts.view, path_id, torch.get_num_threads(), h.shape[0], x.data_ptr(),
+                       ids.data_ptr(), weights.data_ptr(), out.data_ptr())
+    return out
 
 
 def kv_view(kv) -> KVView | None:
@@ -117,7 +160,11 @@ def fused_layers_forward(layers: list[FusedLayer], x: torch.Tensor, table: StepT
         raise KernelError(f"fused layers: KV caches of shapes {[list(v.kv.k.shape) for v in views]} do not match the "
                           f"step table's {list(table.key)}; make every layer's cache with the same batch and max_len")
     x = x.contiguous()
+    if any(layer.moe for layer in layers[:-1]):
+        raise KernelError("fused layers: a MoE layer's attention part hands over to its experts; run it last")
     outs = [torch.empty_like(x) for _ in range(min(len(layers), 2))]  # layer j writes outs[j % 2]
+    if layers[-1].moe:  # residual | normed h for the experts
+        outs[(len(layers) - 1) % 2] = x.new_empty(b, s, 2 * d)
     out_ptrs = [t.data_ptr() for t in outs]
     n_tokens, n_threads, x_ptr = b * s, torch.get_num_threads(), x.data_ptr()
     ptrs = (table.cos.data_ptr(), table.sin.data_ptr(), table.tokens.data_ptr())
@@ -184,15 +231,17 @@ def _rows_f32(t: torch.Tensor, dh: int) -> torch.Tensor:
     return t if _is_f32_cpu(t) else t.reshape(-1, dh).to("cpu", _F32).contiguous()
 
 
-def _make_fused_weights(spec, w):
-    linears = [_linear_tuple(m, bias, name) for m, bias, name in
+def _make_fused_weights(spec, w, moe: bool = False):
+    linears = [_linear_tuple(m, bias, name) if m is not None else [] for m, bias, name in
                ((w.qkv, w.qkv_bias, "qkv"), (w.o, w.o_bias, "o"), (w.gate_up, w.gate_up_bias, "gate_up"),
                 (w.down, w.down_bias, "down"))]
     for name, norm in (("attn_norm", w.attn_norm), ("mlp_norm", w.mlp_norm)):
         if tuple(norm.shape) != (spec.hidden_size,):
             raise KernelError(f"fused layer: {name} must be [{spec.hidden_size}], got {list(norm.shape)}")
-    shape = (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.intermediate_size, spec.rms_norm_eps)
-    return _C.fused_weights(shape, w.attn_norm.data_ptr(), w.mlp_norm.data_ptr(), linears)
+    width = spec.moe.shared_size if moe else spec.intermediate_size
+    shape = (spec.n_heads, spec.n_kv_heads, spec.head_dim, width, spec.rms_norm_eps)
+    extras = tuple(0 if t is None else t.data_ptr() for t in (w.q_norm, w.k_norm, w.shared_gate)) + (int(moe),)
+    return _C.fused_weights(shape, w.attn_norm.data_ptr(), w.mlp_norm.data_ptr(), linears, extras)
 
 
 def _packed(m) -> bool:

@@ -49,7 +49,7 @@ class PlacedModel:
         """fuse: run host-RAM layers through the fused C++ layer (None: wherever the kernels and dtype allow)."""
         self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
         self.fuse = backend.computes and fused.FUSABLE and dtype == torch.float32 if fuse is None else fuse
-        self.fused_layers: dict[str, fused.FusedLayer] = {}  # host-resident layers, built once here
+        self.fused_layers: dict[str, fused.FusedLayer | fused.FusedExperts] = {}  # host-resident, built once here
         self._kv_views: dict[int, fused.KVView | None] = {}  # id(LayerKV) -> the fused layer's view of it
         self.units = spec.units()
         self.order = [u.name for u in self.units]
@@ -159,13 +159,22 @@ class PlacedModel:
         return mapped
 
     def _fuse_host_layer(self, name: str) -> None:
-        """The fused C++ layer's handle of a layer the CPU computes from host memory, made once, where it fits (a
-        MoE layer's attention part does not: it ends at the experts' hand-over)."""
+        """The fused C++ handle of a layer (or experts unit) the CPU computes from host memory, made once, where it
+        fits."""
         kind, index = self._kind_index[name]
-        if self.fuse and kind == "layer" and not self.spec.is_moe_layer(index):
-            handle = fused.fuse_layer(self.spec, self.host_weights[name])
-            if handle is not None:
-                self.fused_layers[name] = handle
+        if not self.fuse or kind not in ("layer", "experts"):
+            return
+        handle = self._fused_handle(name, self.host_weights[name])
+        if handle is not None:
+            self.fused_layers[name] = handle
+
+    def _fused_handle(self, name: str, w):
+        """The C++ view of a layer's (or a MoE layer's attention part's) or an experts unit's weights; None where
+        they do not suit it."""
+        kind, index = self._kind_index[name]
+        if kind == "experts":
+            return fused.fuse_experts(self.spec.moe, w)
+        return fused.fuse_layer(self.spec, w, self.spec.is_moe_layer(index))
 
     def _make_ring(self) -> StagingRing | None:
         streamed = [n for n in self.order if "stream" in (self.placement[n].prefill, self.placement[n].decode)]
@@ -200,13 +209,14 @@ class PlacedModel:
         return planned
 
     def _group_host_layers(self, phase: str) -> list[str | tuple[str, ...]]:
-        """The units before the lm_head in order, runs of consecutive layers whose weights live in host RAM and
-        compute there grouped in tuples: they have nothing to acquire or release, so they run back to back."""
+        """The units before the lm_head in order, runs of consecutive layers (and MoE experts units) whose weights
+        live in host RAM and compute there grouped in tuples: they have nothing to acquire or release, so they run
+        back to back."""
         schedule: list = []
         for name in self.order[:-1]:
             p = self.placement[name]
             held = p.weights == "cpu" or name in self._in_place
-            if self._kind_index[name][0] == "layer" and held and p.mode(phase) == "cpu":
+            if self._kind_index[name][0] in ("layer", "experts") and held and p.mode(phase) == "cpu":
                 if not schedule or not isinstance(schedule[-1], tuple):
                     schedule.append(())
                 schedule[-1] += (name,)
@@ -376,18 +386,22 @@ class PlacedModel:
 
     def _run_host_layers(self, names: tuple[str, ...], x, step: Step, cache, steps: dict):
         """Compute consecutive layers held and computed in host RAM, timing each one as a unit of its own."""
-        kvs = [cache[self._kind_index[n][1]] for n in names]
+        kvs = [cache[i] if kind == "layer" else None for kind, i in (self._kind_index[n] for n in names)]
         works = [self._work(n, step.phase, step, x) for n in names]
         return self._on_cpu(works, self._host_layers, self.backend.to_host(x), names, step, kvs, steps)
 
     def _host_layers(self, x, names, step: Step, kvs: list[LayerKV], steps: dict, ends: list[float]):
-        """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one."""
+        """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one (a
+        MoE model's layers and experts units alternate: one by one, each through its own C++ call where it can)."""
         layers = [self.fused_layers.get(n) for n in names]
-        views = self._fused_views(kvs, x) if self.fuse and all(layers) else None
+        dense = all(kv is not None for kv in kvs)
+        views = self._fused_views(kvs, x) if self.fuse and dense and all(layers) else None
         if views is not None and len(self._chunks(x, step)) == 1:
             return fused.fused_layers_forward(layers, x, self._step_table(step, views[0], steps), views, ends)
         for name, kv in zip(names, kvs):
-            x = self._layer(x, name, self.host_weights[name], step, kv, steps, False)
+            w = self.host_weights[name]
+            x = self._layer(x, name, w, step, kv, steps, False) if kv is not None else \
+                self._compute(x, name, w, step, None, steps, False)
             ends.append(Timeline.now())
         return x
 
@@ -415,6 +429,10 @@ class PlacedModel:
     def _compute(self, x, name: str, w, step: Step, cache, steps: dict, on_device: bool):
         """One unit's block math; a layer goes through _layer."""
         kind, index = self._kind_index[name]
+        if kind == "experts" and not on_device and self.fuse and x.dtype == torch.float32:
+            handle = self.fused_layers.get(name) or self._fused_handle(name, w)  # read from disk: made for this use
+            if handle is not None:
+                return fused.fused_experts_forward(self.spec.moe, handle, x)
         if kind != "layer":
             return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
         return self._layer(x, name, w, step, cache[index], steps, on_device)
@@ -457,7 +475,7 @@ class PlacedModel:
         layer's attention for a CPU layer in fp32 (weights it cannot take: float ones through torch)."""
         attention, moe = None, self.spec.is_moe_layer(self._kind_index[name][1])
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
-            handle = None if moe else self.fused_layers.get(name) or fused.fuse_layer(self.spec, w)
+            handle = self.fused_layers.get(name) or self._fused_handle(name, w)
             views = self._fused_views([kv], x)
             if handle is not None and views is not None:
                 return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
