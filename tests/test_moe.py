@@ -177,3 +177,31 @@ def test_bad_moe_config_is_named(changes, needle):
               "vocab_size": 10, "intermediate_size": 32, "num_local_experts": 8, "num_experts_per_tok": 2, **changes}
     with pytest.raises(ConfigError, match=needle):
         spec_from_config(config)
+
+
+def test_packed_cache_holds_experts_units(models, tmp_path, monkeypatch):
+    """A second q4_0 load reads each experts unit from the packed-weight cache, not the checkpoint's floats, and
+    a disk placement reads them from the cache's files in place."""
+    from offload.weights import cache
+
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv(cache.PACKED_CACHE_ENV, "1")
+    hf, folder, spec = models["mixtral"]
+
+    def load():
+        ckpt = Checkpoint(folder)
+        read, get = [], ckpt.get
+        ckpt.get = lambda name, dtype=None: read.append(name) or get(name, dtype)
+        source = CheckpointSource(ckpt, spec, torch.float32, "q4_0")
+        return source, {u.name: source.load(u) for u in spec.units()}, read
+
+    _, first, read_first = load()
+    source, second, read_second = load()
+    assert any(".experts." in n for n in read_first) and not any(".experts." in n for n in read_second)
+    for a, b in zip(first["experts.1"].gate_up + first["experts.1"].down, second["experts.1"].gate_up +
+                    second["experts.1"].down):
+        assert torch.equal(a.qs, b.qs) and torch.equal(a.d, b.d)
+    model = PlacedModel(spec, source, split_placement(spec, ("disk", "cpu"), ("cpu", "cpu")), CPUBackend())
+    assert not model.disk.spilled and "experts.0" in model.disk.extents
+    resident = load_model(Checkpoint(folder), spec, quantization="q4_0")
+    assert greedy(model, PROMPTS) == greedy(resident, PROMPTS)

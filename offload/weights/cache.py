@@ -1,7 +1,8 @@
 """The packed-weight cache: quantized weights written on the first load of a checkpoint, read on later loads.
 
 Loading with quantization q8_0/q4_0 reads every bf16/fp32 weight and packs it (quantized, tiled for the CPU
-kernels); for an 8B model that is most of the load. The first such load also writes each layer and the lm_head,
+kernels); for an 8B model that is most of the load. The first such load also writes each layer (and each MoE
+layer's experts unit) and the lm_head,
 as the packer gives them, to $OFFLOAD_CACHE/packed/<key>/ as safetensors files, one per unit: PackedWeight
 quants and scales exactly as the kernels take them, plus the layer's norms and biases in the compute dtype.
 Later loads read those instead. The embedding and final norm are not cached: nothing quantizes them, so they
@@ -36,6 +37,7 @@ import torch
 from offload.errors import WeightsError
 from offload.formats import format_of_dtype
 from offload.model.llama import LayerWeights
+from offload.model.moe import ExpertWeights
 from offload.paths import cache_dir
 from offload.spec import ModelSpec, UnitSpec
 from offload.weights.extents import unit_extents
@@ -45,7 +47,7 @@ log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1  # bump when a unit file's tensors, names or PackedWeight's byte order change
 PACKED_CACHE_ENV = "OFFLOAD_PACKED_CACHE"  # 0 turns the cache off
-CACHED_KINDS = ("layer", "lm_head")  # the units the packer touches
+CACHED_KINDS = ("layer", "experts", "lm_head")  # the units the packer touches
 ENTRY_FILE = "entry.json"
 TMP_PREFIX = ".tmp-"
 MIN_FREE_BYTES = 1 << 30  # stop writing rather than leave less than this free on the cache's disk
@@ -166,6 +168,10 @@ class PackedCache:
                 d = self.reader.get(name + ".d") if name + ".d" in self.reader else None
                 parts[field] = PackedWeight(desc["fmt"], tuple(desc["shape"]), self.reader.get(name + ".qs"), d,
                                             tiled=desc["tiled"])
+        if unit.kind == "experts":
+            n = unit.moe.n_experts
+            return ExpertWeights(parts["router"], tuple(parts[f"gate_up#{e}"] for e in range(n)),
+                                 tuple(parts[f"down#{e}"] for e in range(n)))
         return LayerWeights(**parts) if unit.kind == "layer" else parts["weight"]
 
     def _store(self, name: str, weights) -> None:
@@ -220,6 +226,9 @@ def _flatten(name: str, weights) -> tuple[dict[str, torch.Tensor], dict]:
 
     if isinstance(weights, LayerWeights):
         parts = {f.name: getattr(weights, f.name) for f in fields(weights)}
+    elif isinstance(weights, ExpertWeights):  # each expert's linears by the names unit_store lays them out under
+        parts = {"router": weights.router, **{f"gate_up#{e}": w for e, w in enumerate(weights.gate_up)},
+                 **{f"down#{e}": w for e, w in enumerate(weights.down)}}
     else:
         parts = {"weight": weights}
     tensors, described = {}, {}
