@@ -350,41 +350,68 @@ void layer_forward(const LayerArgs& a) {
   add_rows(a.out, a.out, tmp, N * D);
 }
 
+namespace {
+
+// y [c, D] = down(silu(gate(h)) * up(h)) of one expert for its c tokens' rows h gathered from x's second half.
+void run_expert(const ExpertsArgs& e, int64_t x, const int64_t* pairs, int64_t c, int nthreads, float* y) {
+  const int64_t D = e.D, F = e.F;
+  LayerScratch& b = tls_layer;  // the calling thread's own (an OpenMP worker has its own)
+  float* h = grow(b.h, c * D);
+  for (int64_t r = 0; r < c; ++r) {
+    const float* src = e.x + (pairs[r] / e.top_k) * 2 * D + D;
+    std::copy(src, src + D, h + r * D);
+  }
+  float* gate_up = grow(b.gate_up, c * 2 * F);
+  float* act = grow(b.act, c * F);
+  LayerArgs a{};
+  a.path = e.path;
+  a.nthreads = nthreads;
+  a.N = c;
+  run_linear(a, (*e.gate_up)[size_t(x)], h, gate_up);
+  silu_mul(gate_up, c, F, act, e.path, nthreads);
+  run_linear(a, (*e.down)[size_t(x)], act, y);
+}
+
+constexpr int64_t kFewTokens = 4;  // experts with at most this many tokens each run side by side, one per thread
+
+}  // namespace
+
 void experts_forward(const ExpertsArgs& e) {
-  const int64_t N = e.N, D = e.D, F = e.F, K = e.top_k;
+  const int64_t N = e.N, D = e.D, K = e.top_k;
   // counting sort of the (token, slot) pairs by expert: expert x's pairs are order[start[x] .. start[x + 1])
   std::vector<int64_t> start(size_t(e.n_experts + 1), 0), order(size_t(N * K));
   for (int64_t j = 0; j < N * K; ++j) ++start[size_t(e.ids[j] + 1)];
   for (int64_t x = 0; x < e.n_experts; ++x) start[size_t(x + 1)] += start[size_t(x)];
   std::vector<int64_t> fill(start.begin(), start.end() - 1);
   for (int64_t j = 0; j < N * K; ++j) order[size_t(fill[size_t(e.ids[j])]++)] = j;
-
-  for (int64_t n = 0; n < N; ++n) std::copy(e.x + n * 2 * D, e.x + n * 2 * D + D, e.out + n * D);
-  LayerScratch& b = tls_layer;
-  LayerArgs a{};
-  a.path = e.path;
-  a.nthreads = e.nthreads;
+  std::vector<int64_t> active;
+  int64_t most = 0;
   for (int64_t x = 0; x < e.n_experts; ++x) {
     const int64_t c = start[size_t(x + 1)] - start[size_t(x)];
-    if (c == 0) continue;
-    const int64_t* pairs = order.data() + start[size_t(x)];
-    float* h = grow(b.h, c * D);
-    for (int64_t r = 0; r < c; ++r) {
-      const float* src = e.x + (pairs[r] / K) * 2 * D + D;
-      std::copy(src, src + D, h + r * D);
-    }
-    float* gate_up = grow(b.gate_up, c * 2 * F);
-    float* act = grow(b.act, c * F);
-    float* y = grow(b.tmp, c * D);
-    a.N = c;
-    run_linear(a, (*e.gate_up)[size_t(x)], h, gate_up);
-    silu_mul(gate_up, c, F, act, e.path, e.nthreads);
-    run_linear(a, (*e.down)[size_t(x)], act, y);
-    for (int64_t r = 0; r < c; ++r) {
-      const float w = e.weights[pairs[r]];
-      float* o = e.out + (pairs[r] / K) * D;
-      for (int64_t i = 0; i < D; ++i) o[i] += w * y[r * D + i];
-    }
+    if (c > 0) active.push_back(x);
+    most = std::max(most, c);
+  }
+  // y rows of every active expert, in order; a decode step's few small products run one expert per thread (each
+  // matmul alone is too short to split well), a prefill's large ones each over all threads
+  std::vector<float> ys(size_t(N * K * D));
+  auto run = [&](size_t j, int nthreads) {
+    const int64_t x = active[j];
+    run_expert(e, x, order.data() + start[size_t(x)], start[size_t(x + 1)] - start[size_t(x)], nthreads,
+               ys.data() + start[size_t(x)] * D);
+  };
+  if (e.nthreads > 1 && most <= kFewTokens && active.size() > 1) {
+#pragma omp parallel for num_threads(e.nthreads) schedule(dynamic, 1)
+    for (size_t j = 0; j < active.size(); ++j) run(j, 1);
+  } else {
+    for (size_t j = 0; j < active.size(); ++j) run(j, e.nthreads);
+  }
+  for (int64_t n = 0; n < N; ++n) std::copy(e.x + n * 2 * D, e.x + n * 2 * D + D, e.out + n * D);
+  for (int64_t j = 0; j < N * K; ++j) {  // in expert order, as the reference adds them
+    const int64_t pair = order[size_t(j)];
+    const float w = e.weights[pair];
+    const float* y = ys.data() + j * D;
+    float* o = e.out + (pair / K) * D;
+    for (int64_t i = 0; i < D; ++i) o[i] += w * y[i];
   }
 }
 
