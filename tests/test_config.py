@@ -164,7 +164,7 @@ def test_shipped_configs_validate():
     for name in ("demo.yaml", "cpu-only.yaml"):
         code, message = validate(root / name)
         assert code == 0, message
-    for name in ("llama-3.1-70b-24gb.yaml", "llama-3.1-8b-8gb.yaml"):  # their model folders are the user's
+    for name in ("llama-3.1-70b-24gb.yaml", "llama-3.1-8b-8gb.yaml", "qwen3-30b-a3b-8gb.yaml"):  # the user's models
         with pytest.raises(ConfigError) as e:
             load_config(root / name)
         assert "model.path" in str(e.value) and "hardware" not in str(e.value)

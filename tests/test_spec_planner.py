@@ -69,6 +69,9 @@ def test_sliding_window_caps_kv():
     ("qwen2.5-72b", 72.71, 80, 152064, False),
     ("mistral-7b", 7.24, 32, 32000, False),
     ("smollm2-135m", 0.1345, 30, 49152, True),
+    ("mixtral-8x7b", 46.70, 32, 32000, False),
+    ("qwen3-30b-a3b", 30.53, 48, 151936, False),
+    ("qwen3-235b-a22b", 235.09, 94, 151936, False),
 ])
 def test_shipped_model_configs_match_published_sizes(name, n_params_b, n_layers, vocab, tied):
     spec = load_spec(MODELS / name)

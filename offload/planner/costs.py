@@ -66,8 +66,9 @@ class UnitCost:
     cpu_s: float  # compute on the CPU from host memory
     pcie_s: float  # copy of the unit's weights host -> device (inf: never streamed)
     disk_s: float  # read of the unit's weights from disk
-    host_mem_s: float  # weights (and CPU-side KV) read once from DRAM by a CPU kernel or by DMA
+    host_mem_s: float  # the unit's weights read once from DRAM by DMA (a copy to the GPU moves all of them)
     kv_move_s: float  # prefill only: moving the prompt's KV across PCIe when decode runs elsewhere
+    host_cpu_s: float  # the weights a CPU kernel reads from DRAM: all, but of an experts unit only those routed to
 
 
 def _roofline(flops: float, nbytes: float, flops_rate: float, mem_bps: float) -> float:
@@ -76,9 +77,23 @@ def _roofline(flops: float, nbytes: float, flops_rate: float, mem_bps: float) ->
     return max(flops / flops_rate, nbytes / mem_bps)
 
 
+def expert_reads(unit: UnitSpec, fmt: str, compute: str, n_tokens: int) -> tuple[float, float]:
+    """(bytes of an experts unit a pass of n_tokens reads, activation rows each expert it runs gets): the router
+    and the experts the tokens are routed to (expected), each running once for the tokens routed to it."""
+    w_bytes = unit.nbytes(fmt, compute)
+    router = sum(t.nbytes(fmt, compute) for t in unit.tensors if t.role == "router")
+    touched = unit.touched_fraction(n_tokens)
+    experts = touched * unit.moe.n_experts
+    return router + (w_bytes - router) * touched, n_tokens * unit.moe.top_k / experts if experts else 1.0
+
+
 def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase,
               compute: str = "fp16") -> UnitCost:
-    """Cost of one unit in one phase step with weights stored in fmt, activations and KV in compute."""
+    """Cost of one unit in one phase step with weights stored in fmt, activations and KV in compute.
+
+    An experts unit computed where its weights are (the CPU, or the GPU once resident or copied) reads only the
+    experts its tokens are routed to; a copy to the GPU or a disk read moves all of them (the routing is not known
+    when the copy is issued ahead)."""
     kv_elem_bytes = FLOAT_FORMATS[compute]
     w_bytes = unit.nbytes(fmt, compute)
     link = hw.h2d_pinned_bps if hw.has_gpu else 0.0
@@ -86,27 +101,23 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         row_bytes = phase.n_tokens * w_bytes // spec.vocab_size
         disk_s = row_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf
         return UnitCost(_roofline(0, row_bytes, 1, hw.gpu_mem_bps), _roofline(0, row_bytes, 1, hw.cpu_mem_bps),
-                        math.inf, disk_s, row_bytes / hw.cpu_mem_bps, 0.0)
+                        math.inf, disk_s, row_bytes / hw.cpu_mem_bps, 0.0, row_bytes / hw.cpu_mem_bps)
     # the lm_head runs on each sequence's last position only (prefill samples one token per sequence)
     rows = phase.logit_rows if unit.kind == "lm_head" else phase.n_tokens
     flops = unit.matmul_flops(rows)
+    passes = phase.n_passes  # every pass reads the weights again
+    read_bytes, matmul_rows = w_bytes, rows  # what computing reads of the weights per pass; rows per matmul
+    if unit.moe is not None:
+        read_bytes, matmul_rows = expert_reads(unit, fmt, compute, -(-phase.n_tokens // passes))
     attn_flops = kv_bytes = kv_move_bytes = 0
     if unit.kind == "layer":
         attn_flops = spec.attention_flops(phase.n_tokens, phase.ctx_len)
         kv_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, kv_elem_bytes) if phase.kv_read_len else 0
         if phase.name == "prefill":
             kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
-    gpu_s = _roofline(flops + attn_flops, w_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
-    passes = phase.n_passes  # every pass reads the weights again
-    fmt = hw.rated_format(unit.rate_format(fmt, compute))  # a GGUF unit: its main format (or that one's kin)
-    k_eff = hw.k_efficiency(fmt, [t.shape for t in unit.tensors if t.role == "linear"])
-    cpu_compute_s = flops / (hw.cpu_matmul_rate(fmt, rows, phase.n_threads) * k_eff) + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
-    if hw.cpu_flops_by_rows.get(fmt):  # the calibrated rate includes reading the weights from DRAM
-        cpu_kv_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, ACT_BYTES_CPU) if unit.kind == "layer" else 0
-        cpu_s = cpu_compute_s + (passes - 1) * w_bytes / hw.cpu_mem_bps + cpu_kv_bytes / hw.kv_read_bps
-    else:
-        cpu_s = max(cpu_compute_s, (passes * w_bytes + kv_bytes) / hw.cpu_mem_bps)
-    gpu_s = max(gpu_s, passes * w_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf)
+    gpu_s = _roofline(flops + attn_flops, read_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
+    cpu_s = _cpu_s(spec, unit, fmt, hw, phase, compute, flops, attn_flops, matmul_rows, read_bytes, kv_bytes)
+    gpu_s = max(gpu_s, passes * read_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf)
     return UnitCost(
         gpu_s=gpu_s,
         cpu_s=cpu_s,
@@ -114,7 +125,23 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         disk_s=passes * w_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf,
         host_mem_s=passes * w_bytes / hw.cpu_mem_bps,
         kv_move_s=kv_move_bytes / link if link else 0.0,
+        host_cpu_s=passes * read_bytes / hw.cpu_mem_bps,
     )
+
+
+def _cpu_s(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase, compute: str,
+           flops: float, attn_flops: float, rows: float, read_bytes: float, kv_bytes: int) -> float:
+    """Seconds of one unit on the CPU: its matmuls at the kernel rate for `rows` activation rows (the calibrated
+    rate includes reading the weights from DRAM; the flat one is a roofline against read_bytes) and attention."""
+    passes = phase.n_passes
+    fmt = hw.rated_format(unit.rate_format(fmt, compute))  # a GGUF unit: its main format (or that one's kin)
+    k_eff = hw.k_efficiency(fmt, [t.shape for t in unit.tensors if t.role == "linear"])
+    matmul_s = flops / (hw.cpu_matmul_rate(fmt, rows, phase.n_threads) * k_eff)
+    cpu_compute_s = matmul_s + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
+    if hw.cpu_flops_by_rows.get(fmt):
+        kv_read = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, ACT_BYTES_CPU) if unit.kind == "layer" else 0
+        return cpu_compute_s + (passes - 1) * read_bytes / hw.cpu_mem_bps + kv_read / hw.kv_read_bps
+    return max(cpu_compute_s, (passes * read_bytes + kv_bytes) / hw.cpu_mem_bps)
 
 
 def step_phase_attention_flops(spec: ModelSpec, shape) -> float:
@@ -143,11 +170,12 @@ def overhead_s(hw: HardwareProfile, n_cpu_layers: int, path: str, n_seqs: int, n
             + n_logits * vocab * hw.overhead("logit"))
 
 
-def hop_s(spec: ModelSpec, hw: HardwareProfile, phase: Phase) -> float:
-    """One hand-over of the hidden states [n_tokens, hidden] between CPU and GPU."""
+def hop_s(spec: ModelSpec, hw: HardwareProfile, phase: Phase, width: int = 1) -> float:
+    """One hand-over of the hidden states [n_tokens, width x hidden] between CPU and GPU (width 2: a MoE layer's
+    attention part hands its experts [residual | normed hidden])."""
     if not hw.has_gpu:
         return 0.0
-    return HOP_LATENCY_S + phase.n_tokens * spec.hidden_size * ACT_BYTES_GPU / hw.h2d_pinned_bps
+    return HOP_LATENCY_S + phase.n_tokens * width * spec.hidden_size * ACT_BYTES_GPU / hw.h2d_pinned_bps
 
 
 @dataclass(frozen=True)
@@ -211,6 +239,7 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
     units in cached are the page cache's: computed in place by the CPU, or copied from it at its rate."""
     gpu = cpu = pcie = disk = host = 0.0
     chain = []
+    hop, wide = hop_s(spec, hw, phase), hop_s(spec, hw, phase, 2)  # an experts unit takes [residual | normed]
     for i, (c, mode, dec, tier) in enumerate(zip(costs, compute, decode, weight)):
         if i in cached and tier == "disk":
             if mode == "cpu" and dec == "cpu":  # computed from the page cache's pages where they are
@@ -226,16 +255,17 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
                 pcie += c.pcie_s
         pcie += kv_move
         if tier != "gpu":
-            host += c.host_mem_s
+            # a copy (or a disk read into RAM) moves every expert; a CPU kernel reads only those routed to
+            host += c.host_cpu_s if mode == "cpu" and tier != "disk" else c.host_mem_s
             if tier == "disk":
                 disk += c.disk_s
-        chain.append((mode, tier, c, kv_move))
-    hop = hop_s(spec, hw, phase)
+        chain.append((mode, tier, c, kv_move, wide if kinds[i] == "experts" else hop))
     devices = ["cpu" if m == "cpu" else "gpu" for m in compute]
-    hops = sum(a != b for a, b in zip(devices, devices[1:])) * hop
+    hops = sum(unit[4] for unit, a, b in zip(chain[1:], devices, devices[1:]) if a != b)
     logits = phase.logit_rows * spec.vocab_size * LOGIT_BYTES / hw.h2d_pinned_bps if devices[-1] == "gpu" else 0.0
-    pipeline = pipeline_s(chain, depth, hop, phase.n_passes, steady=steady) + logits
-    n_cpu_layers = sum(k == "layer" and m == "cpu" for k, m in zip(kinds, compute))
+    pipeline = pipeline_s(chain, depth, phase.n_passes, steady=steady) + logits
+    # a MoE layer's attention part and its experts are a C++ call each on the CPU: each pays a layer's overhead
+    n_cpu_layers = sum(k in ("layer", "experts") and m == "cpu" for k, m in zip(kinds, compute))
     extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size)
     return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra)
 
@@ -253,20 +283,20 @@ def read_ahead_bytes(sizes: list[int], depth: int) -> int:
     return max((sum(sizes[(j + t) % len(sizes)] for t in range(k)) for j in range(len(sizes))), default=0)
 
 
-def pipeline_s(units: list[tuple[str, str, UnitCost, float]], depth: int, hop_s: float, n_passes: int = 1,
+def pipeline_s(units: list[tuple[str, str, UnitCost, float, float]], depth: int, n_passes: int = 1,
                steady: bool = False) -> float:
     """Seconds of one phase step as the executor schedules it, for units in order as (mode, weight tier, cost,
-    extra seconds on its block).
+    extra seconds on its block, seconds of the hand-over of its input where that changes device).
 
     Each streamed unit's copy starts once the link is free, a staging slot is (the streamed unit `depth` before
     it has computed) and its bytes are (read from disk, for a disk unit); each disk read once the disk and one
-    of `depth` read-ahead buffers are; GPU and CPU blocks follow the hidden state, with a hand-over of hop_s
-    where it changes device, and the host waits for a CPU block's input. Copies of host-RAM units run ahead
+    of `depth` read-ahead buffers are; GPU and CPU blocks follow the hidden state, with its hand-over where
+    it changes device, and the host waits for a CPU block's input. Copies of host-RAM units run ahead
     into the next pass or step while slots are free (the executor prefetches across steps), disk reads do not.
     A step of several passes (a long prefill) runs the chain once per pass, each with its share of the compute
     and the whole weights' copies; steady gives one step after the pipeline has filled (a decode step).
     """
-    pipe = _Pipeline(depth, hop_s, units[0][0] != "cpu" if units else False)
+    pipe = _Pipeline(depth, units[0][0] != "cpu" if units else False)
     ends = []
     for _ in range(min(n_passes, 3) if not steady else 3):
         pipe.step(units, n_passes)
@@ -279,15 +309,15 @@ def pipeline_s(units: list[tuple[str, str, UnitCost, float]], depth: int, hop_s:
 class _Pipeline:
     """The clocks of pipeline_s: link, GPU, CPU, disk, host, the hidden state, staging slots and read buffers."""
 
-    def __init__(self, depth: int, hop_s: float, on_gpu: bool):
-        self.hop_s, self.on_gpu = hop_s, on_gpu
+    def __init__(self, depth: int, on_gpu: bool):
+        self.on_gpu = on_gpu
         self.t_gpu = self.t_copy = self.t_cpu = self.t_disk = self.t_host = self.t_x = 0.0
         self.slots = deque([(0.0, 0.0)] * max(depth, 1))  # (when its last block ends, when the host released it)
         self.buffers = deque([0.0] * max(depth, 1))  # when each read-ahead buffer is free again
 
     def step(self, units, n_passes: int) -> None:
         begin, after_disk = self.t_x, False  # the step starts when the host has the previous step's answer
-        for mode, tier, c, extra_s in units:
+        for mode, tier, c, extra_s, hop_s in units:
             ready = 0.0
             if tier == "disk":
                 self.t_disk = max(self.t_disk, self.buffers.popleft(), begin) + c.disk_s / n_passes
@@ -300,11 +330,11 @@ class _Pipeline:
                 ready = self.t_copy
                 if tier == "disk":
                     self.buffers.append(self.t_copy)
-            self._compute(mode, tier, (c.cpu_s if mode == "cpu" else c.gpu_s) + extra_s, ready, n_passes)
+            self._compute(mode, tier, (c.cpu_s if mode == "cpu" else c.gpu_s) + extra_s, ready, n_passes, hop_s)
 
-    def _compute(self, mode: str, tier: str, seconds: float, ready: float, n_passes: int) -> None:
+    def _compute(self, mode: str, tier: str, seconds: float, ready: float, n_passes: int, hop_s: float) -> None:
         if (mode == "cpu") == self.on_gpu:  # the hidden state changes device
-            self.t_x += self.hop_s
+            self.t_x += hop_s
         if mode == "cpu":
             self.t_cpu = max(self.t_cpu, self.t_x, self.t_host, ready) + seconds / n_passes
             self.t_x = self.t_host = self.t_cpu
@@ -326,5 +356,8 @@ def workspace_bytes(spec: ModelSpec, workload, act_bytes: int, dequant_scratch: 
     working = max(spec.activation_bytes(chunk, p, act_bytes),
                   spec.activation_bytes(b, workload.seq_len, act_bytes))
     logits = b * spec.vocab_size * LOGIT_BYTES
-    scratch = max(t.numel for t in spec.layer_tensors(0) if t.role == "linear") * 2 if dequant_scratch else 0
+    largest = max(t.numel for t in spec.layer_tensors(0) if t.role == "linear")
+    if spec.moe is not None:  # a MoE layer's largest tensor may be an expert's (layer_tensors holds attention only)
+        largest = max(largest, spec.moe.expert_size * spec.hidden_size)
+    scratch = largest * 2 if dequant_scratch else 0
     return hidden + working + logits + scratch

@@ -9,6 +9,7 @@ arithmetic: no torch.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +20,17 @@ from offload.hardware import HardwareProfile, format_bytes
 from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, READ_PAGE_CACHE_BYTES, PhaseCost, cpu_path,
                                    main_format, phases_for, price_step, read_ahead_bytes, unit_cost, workspace_bytes)
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
-from offload.spec import ModelSpec
+from offload.spec import ModelSpec, UnitSpec
+
+STREAMABLE = ("layer", "experts", "lm_head")  # kinds that may stream to the GPU (or compute on the CPU)
+
+
+@functools.lru_cache(maxsize=4)
+def _units(spec: ModelSpec) -> tuple[tuple[UnitSpec, ...], list[tuple]]:
+    """spec's units, and for each a key that units alike in kind, shapes and stored formats share (the layers, the
+    experts units: sized and priced once); kept for the several plans of one model (plan_best_batch, what-ifs)."""
+    units = spec.units()
+    return units, [(u.kind, tuple((t.shape, t.stored) for t in u.tensors)) for u in units]
 
 
 @dataclass
@@ -41,20 +52,21 @@ class Search:
     def __init__(self, spec: ModelSpec, hw: HardwareProfile, budget: Budget, workload: Workload,
                  fmt: str, depth: int):
         self.spec, self.hw, self.budget, self.wl, self.fmt, self.depth = spec, hw, budget, workload, fmt, depth
-        self.units = spec.units()
+        self.units, self.alike = _units(spec)
         self.n = len(self.units)
         kinds = self.kinds = [u.kind for u in self.units]
         self.path = cpu_path(main_format(spec, fmt), workload.compute_format)
         self.i_embed, self.i_norm, self.i_head = kinds.index("embed"), kinds.index("norm"), kinds.index("lm_head")
-        self.streamable = [i for i, k in enumerate(kinds) if k in ("layer", "lm_head")]
+        self.streamable = [i for i, k in enumerate(kinds) if k in STREAMABLE]
         compute = workload.compute_format
-        self.w = [u.nbytes(fmt, compute) for u in self.units]
-        self.buf = [u.buffer_bytes(fmt, compute) for u in self.units]  # what a slot or read buffer holds
+        self.w = self._per_unit(lambda u: u.nbytes(fmt, compute))
+        self.buf = self._per_unit(lambda u: u.buffer_bytes(fmt, compute))  # what a slot or read buffer holds
         layer_kv = spec.layer_kv_bytes(workload.batch_size, workload.seq_len, workload.kv_elem_bytes)
         self.kv = [layer_kv if k == "layer" else 0 for k in kinds]
         self.phase = dict(zip(PHASES, phases_for(workload.batch_size, workload.prompt_len, workload.gen_len,
                                                  workload.prefill_pass_tokens)))
-        self.cost = {p: self._unit_costs(ph) for p, ph in self.phase.items()}
+        self.cost = {p: self._per_unit(lambda u, ph=ph: unit_cost(spec, u, fmt, hw, ph, compute))
+                     for p, ph in self.phase.items()}
         # Plain float lists per phase: the search reads them many times.
         self.gpu_s = {p: [c.gpu_s for c in cs] for p, cs in self.cost.items()}
         self.cpu_s = {p: [c.cpu_s for c in cs] for p, cs in self.cost.items()}
@@ -63,17 +75,17 @@ class Search:
         self.ws_gpu = workspace_bytes(spec, workload, ACT_BYTES_GPU, is_quantized(main_format(spec, fmt)))
         self.ws_cpu = workspace_bytes(spec, workload, ACT_BYTES_CPU, False)
         chunk = min(workload.batch_size * workload.prompt_len, workload.prefill_chunk_tokens)
-        self.hop_buffers = 2 * chunk * spec.hidden_size * ACT_BYTES_CPU
+        width = 2 if spec.moe else 1  # a MoE layer's attention part hands its experts [residual | normed hidden]
+        self.hop_buffers = 2 * chunk * width * spec.hidden_size * ACT_BYTES_CPU
         self.order = self._residency_order()
 
-    def _unit_costs(self, phase) -> list:
-        """unit_cost for each unit; layers share one shape, so their cost is computed once."""
+    def _per_unit(self, value) -> list:
+        """value(unit) for each unit, computed once for units alike."""
         memo: dict = {}
         out = []
-        for u in self.units:
-            key = (u.kind, tuple(t.shape for t in u.tensors))
+        for u, key in zip(self.units, self.alike):
             if key not in memo:
-                memo[key] = unit_cost(self.spec, u, self.fmt, self.hw, phase, self.wl.compute_format)
+                memo[key] = value(u)
             out.append(memo[key])
         return out
 
@@ -119,12 +131,19 @@ class Search:
             if cand.short and cand.short[0] == "gpu" and k > 0:
                 return  # more residents cannot fit either
             yield cand
-            if "stream" in cand.compute["decode"]:
+            streamed = [self.kinds[i] for i, m in enumerate(cand.compute["decode"]) if m == "stream"]
+            if "experts" in streamed:
+                # A streamed experts unit copies every expert for the few a decode step reads; where the scan's
+                # overlap estimate favours it the step's pipeline may not: weigh the same residents without it.
+                yield self._build(k, use_gpu=True, decode_kinds=("layer", "lm_head"))
+            if streamed:
                 # Streaming in decode is chosen for the decode step alone; it also moves the prompt's KV cache
                 # in prefill, which a short generation may not repay: weigh the same residents without it.
-                yield self._build(k, use_gpu=True, stream_decode=False)
+                yield self._build(k, use_gpu=True, decode_kinds=())
 
-    def _build(self, k: int, use_gpu: bool, stream_decode: bool = True) -> _Candidate:
+    def _build(self, k: int, use_gpu: bool, decode_kinds: tuple[str, ...] = STREAMABLE) -> _Candidate:
+        """The candidate with the first k units of the residency order on the GPU, streaming in decode only
+        units of decode_kinds."""
         weight = ["cpu"] * self.n
         for i in self.order[:k]:
             weight[i] = "gpu"
@@ -137,22 +156,21 @@ class Search:
             if cand.gpu_fixed > self.budget.gpu_bytes:
                 cand.short = ("gpu", cand.gpu_fixed, self.budget.gpu_bytes)
                 return cand
-            self._choose_streams(cand, stream_decode)
+            self._choose_streams(cand, decode_kinds)
         self._place_host_weights(cand)
         return cand
 
-    def _choose_streams(self, cand: _Candidate, stream_decode: bool = True) -> None:
-        """Decide per phase which offloaded units stream to the GPU; the rest compute on the CPU."""
+    def _choose_streams(self, cand: _Candidate, decode_kinds: tuple[str, ...] = STREAMABLE) -> None:
+        """Decide per phase which offloaded units stream to the GPU (in decode, only units of decode_kinds); the
+        rest compute on the CPU."""
         offloaded = [i for i in self.streamable if cand.weight[i] != "gpu"]
-        if not offloaded:
-            return
-        slot = max(self.buf[i] for i in offloaded)
-        room = self.budget.gpu_bytes - cand.gpu_fixed - self.depth * slot
-        if room < 0:
+        stageable, room = self._stageable(cand, offloaded)
+        if not stageable:
             return  # no room for staging slots: offloaded units compute on the CPU
-        if stream_decode:
-            self._scan("decode", cand, offloaded, room)
-        self._scan("prefill", cand, offloaded, math.inf)
+        if decode_kinds:
+            in_decode = [i for i in stageable if self.kinds[i] in decode_kinds]
+            self._scan("decode", cand, offloaded, in_decode, room)
+        self._scan("prefill", cand, offloaded, stageable, math.inf)
         head = cand.compute
         for p in PHASES:
             head[p][self.i_norm] = "gpu" if cand.weight[self.i_norm] == "gpu" else (
@@ -160,22 +178,35 @@ class Search:
         streamed = [i for i in offloaded if "stream" in (head["prefill"][i], head["decode"][i])]
         cand.staging_slot = max((self.buf[i] for i in streamed), default=0)
 
-    def _scan(self, phase: str, cand: _Candidate, offloaded: list[int], kv_room: float) -> None:
-        """Stream units in order of compute saved per PCIe second; keep the prefix with the shortest step.
+    def _stageable(self, cand: _Candidate, offloaded: list[int]) -> tuple[list[int], int]:
+        """The offloaded units that may stream and the GPU bytes left beside their staging slots: every one where
+        `depth` slots of the largest fit, else those no larger than the largest slot that does fit (an experts
+        unit can be many times an attention part)."""
+        for slot in sorted({self.buf[i] for i in offloaded}, reverse=True):
+            room = self.budget.gpu_bytes - cand.gpu_fixed - self.depth * slot
+            if room >= 0:
+                return [i for i in offloaded if self.buf[i] <= slot], room
+        return [], 0
+
+    def _scan(self, phase: str, cand: _Candidate, offloaded: list[int], stageable: list[int],
+              kv_room: float) -> None:
+        """Stream stageable units in order of compute saved per PCIe second; keep the prefix with the shortest step.
 
         Along that order compute time only falls and PCIe time only rises, so the step time
-        max(compute, pcie, host memory) falls then rises: the scan stops once PCIe alone is longer.
+        max(compute, pcie, host memory) falls then rises: the scan stops once PCIe alone is longer. A streamed
+        experts unit costs host memory all its experts, where the CPU would read only those routed to.
         """
         costs, gpu_s, cpu_s = self.cost[phase], self.gpu_s[phase], self.cpu_s[phase]
         compute, decode = cand.compute[phase], cand.compute["decode"]
         weight = cand.weight
         busy = sum(gpu_s[i] if weight[i] == "gpu" else cpu_s[i] for i in range(self.n))
-        host = sum(costs[i].host_mem_s for i in offloaded)
+        host = sum(costs[i].host_cpu_s for i in offloaded)
         link = 0.0
         if phase == "prefill":
             link = sum(costs[i].kv_move_s for i in offloaded if decode[i] != "cpu")
         best_s, best_m, kv_used = max(busy, link, host), 0, 0
-        gain = [i for i in self.gain_order[phase] if weight[i] != "gpu"]
+        allowed = set(stageable)
+        gain = [i for i in self.gain_order[phase] if i in allowed]
         for m, i in enumerate(gain, 1):
             if phase == "decode":
                 kv_used += self.kv[i]
@@ -183,6 +214,7 @@ class Search:
                     break
             busy += gpu_s[i] - cpu_s[i]
             link += costs[i].pcie_s
+            host += costs[i].host_mem_s - costs[i].host_cpu_s
             if phase == "prefill":
                 link += costs[i].kv_move_s if decode[i] == "cpu" else -costs[i].kv_move_s
             step_s = max(busy, link, host)
@@ -226,8 +258,9 @@ class Search:
         and the host bytes they use."""
         weight = list(cand.weight)
         other = self._host_usage(cand) - self._pinned(cand)
+        floor = self.hop_buffers if cand.use_gpu else 0  # pinned bytes are never fewer: count them once it may fit
         for i in order:
-            if other + self._pinned(cand, weight) <= self.budget.cpu_bytes:
+            if other + floor <= self.budget.cpu_bytes >= other + self._pinned(cand, weight):
                 break
             weight[i] = "disk"
             other -= self.w[i]
@@ -235,12 +268,12 @@ class Search:
 
     def _place_host_weights(self, cand: _Candidate) -> None:
         """Keep offloaded weights in RAM while it lasts, then move units to disk: the embedding first (a step reads
-        only the rows it looks up), then layers from the last, or the lm_head before them, whichever keeps more
-        in RAM once the read-ahead arena they need is counted. The disk units the page cache has room for
-        beside the budget are left to it; the others are dropped from it once read."""
+        only the rows it looks up), then layers and experts units from the last, or the lm_head before them,
+        whichever keeps more in RAM once the read-ahead arena they need is counted. The disk units the page cache
+        has room for beside the budget are left to it; the others are dropped from it once read."""
         movable = [i for i in reversed(range(self.n)) if cand.weight[i] == "cpu" and i != self.i_norm]
         first = [i for i in movable if i == self.i_embed]
-        layers = [i for i in movable if self.kinds[i] == "layer"]
+        layers = [i for i in movable if self.kinds[i] in ("layer", "experts")]
         rest = [i for i in movable if i not in first and i not in layers]
         tried = [self._spill(cand, order) for order in (first + layers + rest, first + rest + layers)]
         fits = [t for t in tried if t[1] <= self.budget.cpu_bytes]

@@ -11,18 +11,23 @@ def _ms(seconds: float) -> str:
 
 
 def _unit_rows(plan) -> list[tuple]:
-    """Units with consecutive layers of identical placement merged into one row (layer.0-39)."""
+    """Units with consecutive layers of identical placement merged into one row (layer.0-39); a MoE model's
+    experts units likewise (experts.0-11), each row where its first unit comes."""
     rows: list[list] = []
+    open_rows: dict[str, list] = {}  # kind -> its last row, which the next unit of that kind may extend
     for u in plan.units:
         key = (u.kind, u.weight_tier, u.prefill, u.decode, u.kv_tier, u.weight_bytes)
-        if rows and u.kind == "layer" and rows[-1][0] == key:
-            rows[-1][2] = u.index
-            rows[-1][3] += 1
-        else:
-            rows.append([key, u.name, u.index, 1, u])
+        row = open_rows.get(u.kind)
+        if row is not None and row[0] == key and row[2] + 1 == u.index:
+            row[2] = u.index
+            row[3] += 1
+            continue
+        rows.append([key, u.name, u.index, 1, u])
+        if u.kind in ("layer", "experts"):
+            open_rows[u.kind] = rows[-1]
     out = []
     for key, name, last, count, u in rows:
-        label = f"layer.{u.index}-{last}" if count > 1 else name
+        label = f"{u.kind}.{u.index}-{last}" if count > 1 else name
         kv = format_bytes(u.kv_bytes) if u.kind == "layer" else "-"
         out.append((label, str(count), format_bytes(u.weight_bytes), u.weight_tier, u.prefill, u.decode,
                     kv, u.kv_tier or "-"))
@@ -57,11 +62,32 @@ def plan_table(plan) -> str:
     lines.append("")
     lines.append(f"prefetch depth {plan.prefetch_depth}, staging slot {format_bytes(plan.staging_slot_bytes)}")
     lines.append(plan.summary_line)
+    if plan.moe_summary:
+        lines.append(plan.moe_summary)
     return "\n".join(lines)
 
 
+def moe_split(plan) -> str | None:
+    """Where a MoE model's attention parts and experts are: "attention 32/32 on GPU, experts 12/32 layers on GPU,
+    20 on CPU (decode), 20 streamed (prefill)"; None for a dense model."""
+    experts = [u for u in plan.units if u.kind == "experts"]
+    if not experts:
+        return None
+    layers = [u for u in plan.units if u.kind == "layer"]
+    resident = sum(u.weight_tier == "gpu" for u in experts)
+    parts = [f"attention {sum(u.weight_tier == 'gpu' for u in layers)}/{len(layers)} on GPU",
+             f"experts {resident}/{len(experts)} layers on GPU"]
+    for phase in ("decode", "prefill"):
+        modes = [getattr(u, phase) for u in experts if u.weight_tier != "gpu"]
+        where = [f"{modes.count(m)} {label}" for m, label in (("cpu", "on CPU"), ("stream", "streamed")) if m in modes]
+        if where:
+            parts.append(f"{' + '.join(where)} ({phase})")
+    return ", ".join(parts)
+
+
 def _decision(plan, phase: str) -> str:
-    modes = [getattr(u, phase) for u in plan.units if u.kind in ("layer", "lm_head") and u.weight_tier != "gpu"]
+    modes = [getattr(u, phase) for u in plan.units
+             if u.kind in ("layer", "experts", "lm_head") and u.weight_tier != "gpu"]
     if not modes:
         return f"{phase}: every layer and the lm_head are resident on the GPU."
     n_stream, n_cpu = modes.count("stream"), modes.count("cpu")
@@ -85,6 +111,7 @@ def plan_explanation(plan) -> str:
     gpu, cpu, disk = plan.tier("gpu"), plan.tier("cpu"), plan.tier("disk")
     lines = [f"{plan.summary_line}: {format_bytes(gpu.weights_bytes)} of weights on the GPU, "
              f"{format_bytes(cpu.weights_bytes)} in RAM, {format_bytes(disk.weights_bytes)} on disk.",
+             *([f"{plan.moe_summary}."] if plan.moe_summary else []),
              f"Each placement counts weights, the KV cache for batch {plan.workload.batch_size} x "
              f"{plan.workload.seq_len} tokens, activations at the largest shape, staging slots, pinned "
              f"buffers and a {plan.budget.margin_frac:.0%} margin; no tier exceeds its budget."]

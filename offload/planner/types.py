@@ -10,7 +10,7 @@ from offload.errors import ConfigError
 from offload.formats import FLOAT_FORMATS
 from offload.hardware import HardwareProfile
 from offload.planner.costs import PhaseCost
-from offload.planner.text import plan_explanation, plan_table
+from offload.planner.text import moe_split, plan_explanation, plan_table
 
 TIERS = ("gpu", "cpu", "disk")  # where weights (and KV caches) live
 PHASES = ("prefill", "decode")
@@ -156,6 +156,11 @@ class Plan:
         return f"offloaded {self.n_gpu_units}/{len(self.units)} blocks to GPU"
 
     @property
+    def moe_summary(self) -> str | None:
+        """Of a MoE model, where its attention parts and experts are (see text.moe_split); None for a dense one."""
+        return moe_split(self)
+
+    @property
     def job_s(self) -> float:
         """Predicted time of the whole workload: one prefill plus gen_len decode steps."""
         return self.prefill.step_s + self.workload.gen_len * self.decode.step_s
@@ -165,6 +170,7 @@ class Plan:
             "model": self.model, "hardware": self.hardware, "weight_format": self.weight_format,
             "workload": asdict(self.workload), "budget": asdict(self.budget),
             "summary": self.summary_line, "n_gpu_units": self.n_gpu_units, "n_units": len(self.units),
+            **({"moe_summary": self.moe_summary} if self.moe_summary else {}),
             "prefetch_depth": self.prefetch_depth, "staging_slot_bytes": self.staging_slot_bytes,
             "read_ahead_depth": self.read_ahead_depth, "read_buffer_bytes": self.read_buffer_bytes,
             "tiers": {t.tier: {**asdict(t), "total_bytes": t.total_bytes} for t in self.tiers},
