@@ -101,10 +101,11 @@ def _aligned(n_bytes: int) -> int:
 @dataclass(frozen=True)
 class UnitSpec:
     """A placeable unit: the embedding, one decoder layer, the final norm, or the lm_head. A MoE layer i is two
-    units: layer.i (attention, the norms and the shared expert) and experts.i (the router and the routed experts)."""
+    units: layer.i (attention, the norms and the shared expert) and experts.i (the router and the routed experts);
+    a dense layer whose MLP is split off is layer.i (attention, norms) and mlp.i."""
 
     name: str
-    kind: str  # embed | layer | experts | norm | lm_head
+    kind: str  # embed | layer | experts | mlp | norm | lm_head
     index: int | None
     tensors: tuple[TensorSpec, ...]
     moe: MoESpec | None = None  # set on an experts unit
@@ -179,10 +180,16 @@ class ModelSpec:
     stored_formats: tuple[tuple[str, str], ...] = ()  # (tensor name, format) of a GGUF model's tensors
     qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3)
     moe: MoESpec | None = None
+    split_mlp: bool = False  # every dense layer's MLP a unit of its own (mlp.i after layer.i): a plan's choice
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts (a unit experts.i follows layer.i)."""
         return self.moe is not None and i not in self.moe.dense_layers
+
+    def hands_over(self, i: int) -> bool:
+        """Whether unit layer.i ends at the hand-over [residual | normed h] to a unit of its own for its MLP
+        (experts.i of a MoE layer, or mlp.i of a dense layer when the MLPs are split off)."""
+        return self.split_mlp or self.is_moe_layer(i)
 
     @property
     def from_gguf(self) -> bool:
@@ -232,7 +239,11 @@ class ModelSpec:
                 ts += self._mlp_tensors(p + "mlp.shared_expert.", self.moe.shared_size, False)
                 ts.append(self._tensor(p + "mlp.shared_expert_gate.weight", (1, d), "router"))
             return tuple(ts)
-        return tuple(ts + self._mlp_tensors(p + "mlp.", f, self.mlp_bias))
+        return tuple(ts) if self.split_mlp else tuple(ts + self.mlp_tensors(i))
+
+    def mlp_tensors(self, i: int) -> list[TensorSpec]:
+        """The dense MLP of layer i: gate, up and down (with biases where the model has them)."""
+        return self._mlp_tensors(f"model.layers.{i}.mlp.", self.intermediate_size, self.mlp_bias)
 
     def _mlp_tensors(self, prefix: str, width: int, bias: bool) -> list[TensorSpec]:
         """gate, up and down of an MLP of this width, named prefix + {gate,up,down}_proj."""
@@ -277,6 +288,8 @@ class ModelSpec:
             units.append(UnitSpec(f"layer.{i}", "layer", i, self.layer_tensors(i)))
             if self.is_moe_layer(i):
                 units.append(UnitSpec(f"experts.{i}", "experts", i, self.expert_tensors(i), self.moe))
+            elif self.split_mlp:
+                units.append(UnitSpec(f"mlp.{i}", "mlp", i, tuple(self.mlp_tensors(i))))
         units.append(UnitSpec("norm", "norm", None, (self._tensor("model.norm.weight", (self.hidden_size,), "norm"),)))
         units.append(UnitSpec("lm_head", "lm_head", None,
                               (self._tensor(head_name, (self.vocab_size, self.hidden_size), "linear"),)))

@@ -101,20 +101,37 @@ def fuse_experts(moe, w) -> FusedExperts | None:
     return FusedExperts(w, _C.fused_experts(moe.top_k, gate_up, down))
 
 
-def fused_experts_forward(moe, experts: FusedExperts, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
-    """offload.model.moe.experts_forward in C++: x [..., 2D] fp32 (residual | normed h) -> [..., D]. The router
-    (a small fp32 matmul, softmax and top-k) runs in torch, the experts in one C++ call. path: a kernel path of
-    PATH_IDS (tests compare them), else the active one."""
-    from offload.model.moe import route
+def fuse_mlp(w) -> FusedExperts | None:
+    """The C++ view of a split-off dense MLP (MLPWeights) as one expert every token takes with weight 1, or None
+    where it does not suit it (float weights, biases)."""
+    if not HAS_MOE or w.gate_up_bias is not None or w.down_bias is not None or not (_packed(w.gate_up) and _packed(w.down)):
+        return None
+    view = _C.fused_experts(1, [_linear_tuple(w.gate_up, None, "gate_up")], [_linear_tuple(w.down, None, "down")])
+    return FusedExperts(w, view)
 
+
+def fused_mlp_forward(mlp: FusedExperts, x: torch.Tensor) -> torch.Tensor:
+    """offload.model.llama.mlp_forward in C++: x [..., 2D] fp32 (residual | normed h) -> [..., D]."""
+    x = x.contiguous()
+    n, d = x.numel() // x.shape[-1], x.shape[-1] // 2
+    ids, weights = torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)
+    out = x.new_empty(*x.shape[:-1], d)
+    _C.experts_forward(mlp.view, ACTIVE_PATH_ID, torch.get_num_threads(), n, x.data_ptr(), ids.data_ptr(),
+                       weights.data_ptr(), out.data_ptr())
+    return out
+
+
+def fused_experts_forward(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                          path: str | None = None) -> torch.Tensor:
+    """offload.model.moe.experts_forward's experts in one C++ call, for the router's choice (weights fp32 and ids
+    int64, [tokens, top_k]): x [..., 2D] fp32 (residual | normed h) -> [..., D]. path: a kernel path of PATH_IDS
+    (tests compare them), else the active one."""
     d = x.shape[-1] // 2
     x = x.contiguous()
-    h = x.view(-1, 2 * d)[:, d:]
-    weights, ids = route(moe, torch.nn.functional.linear(h, experts.weights.router))
-    weights, ids = weights.contiguous(), ids.contiguous()
+    weights, ids = weights.float().contiguous(), ids.contiguous()
     out = x.new_empty(*x.shape[:-1], d)
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
-    _C.experts_forward(experts.view, path_id, torch.get_num_threads(), h.shape[0], x.data_ptr(),
+    _C.experts_forward(experts.view, path_id, torch.get_num_threads(), x.numel() // (2 * d), x.data_ptr(),
                        ids.data_ptr(), weights.data_ptr(), out.data_ptr())
     return out
 
@@ -238,7 +255,7 @@ def _make_fused_weights(spec, w, moe: bool = False):
     for name, norm in (("attn_norm", w.attn_norm), ("mlp_norm", w.mlp_norm)):
         if tuple(norm.shape) != (spec.hidden_size,):
             raise KernelError(f"fused layer: {name} must be [{spec.hidden_size}], got {list(norm.shape)}")
-    width = spec.moe.shared_size if moe else spec.intermediate_size
+    width = w.gate_up.shape[0] // 2 if w.gate_up is not None else 0  # a MoE layer's shared expert, or none
     shape = (spec.n_heads, spec.n_kv_heads, spec.head_dim, width, spec.rms_norm_eps)
     extras = tuple(0 if t is None else t.data_ptr() for t in (w.q_norm, w.k_norm, w.shared_gate)) + (int(moe),)
     return _C.fused_weights(shape, w.attn_norm.data_ptr(), w.mlp_norm.data_ptr(), linears, extras)

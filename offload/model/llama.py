@@ -48,6 +48,16 @@ class LayerWeights:
 
 
 @dataclass
+class MLPWeights:
+    """A dense layer's MLP as a unit of its own (its attention part hands it [residual | normed h])."""
+
+    gate_up: Weight
+    gate_up_bias: torch.Tensor | None
+    down: Weight
+    down_bias: torch.Tensor | None
+
+
+@dataclass
 class Step:
     """What one forward pass needs besides weights: where each new token sits and what it may see.
 
@@ -357,7 +367,7 @@ def qk_norm(spec: ModelSpec, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor
     return torch.cat([q, k, v], dim=-1)
 
 
-def mlp(spec_width: int, w: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+def mlp(spec_width: int, w: LayerWeights | MLPWeights, h: torch.Tensor) -> torch.Tensor:
     """down(silu(gate(h)) * up(h)) with gate and up fused in w.gate_up."""
     gate, up = linear(h, w.gate_up, w.gate_up_bias).split(spec_width, dim=-1)
     return linear(F.silu(gate) * up, w.down, w.down_bias)
@@ -369,8 +379,9 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     replaces rope, the KV append and attention: qkv [B * S, q | k | v] -> [B * S, n_heads * head_dim] (the
     executor passes the fused layer's attention for CPU layers whose linears run through torch).
 
-    moe: the attention part of a MoE layer, which returns [B, S, 2D]: the residual stream (with the shared
-    expert's output added) and the normed hidden state the routed experts take (offload.model.moe)."""
+    moe: a layer whose MLP is a unit of its own (a MoE layer's routed experts, offload.model.moe, or a dense MLP
+    split off); it returns [B, S, 2D]: the residual stream (with a MoE layer's shared expert's output added) and
+    the normed hidden state that unit takes."""
     b, s, _ = x.shape
     h = rms_norm(x, w.attn_norm, spec.rms_norm_eps)
     qkv = linear(h, w.qkv, w.qkv_bias)
@@ -392,3 +403,9 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     if w.gate_up is not None:  # the shared expert, scaled by its sigmoid gate
         x = x + torch.sigmoid(linear(h, w.shared_gate, None)) * mlp(spec.moe.shared_size, w, h)
     return torch.cat([x, h], dim=-1)
+
+
+def mlp_forward(spec: ModelSpec, w: MLPWeights, x: torch.Tensor) -> torch.Tensor:
+    """A split-off dense MLP: x [..., 2D] = [residual | normed h] -> residual + mlp(h)."""
+    d = x.shape[-1] // 2
+    return x[..., :d] + mlp(spec.intermediate_size, w, x[..., d:])

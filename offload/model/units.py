@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from offload.model.llama import LayerKV, Step, layer_forward, linear, rms_norm
+from offload.model.llama import LayerKV, Step, layer_forward, linear, mlp_forward, rms_norm
 from offload.model.moe import experts_forward
 from offload.spec import ModelSpec
 
@@ -14,13 +14,16 @@ from offload.spec import ModelSpec
 def unit_forward(spec: ModelSpec, kind: str, w, x: torch.Tensor, step: Step | None, kv: LayerKV | None,
                  dtype: torch.dtype, index: int | None = None) -> torch.Tensor:
     """One placement unit: embed (token ids [B, S] -> [B, S, D] in dtype), layer `index`, experts (a MoE layer's
-    routed experts: [B, S, 2D] -> [B, S, D]), norm, or lm_head (-> logits)."""
+    routed experts: [B, S, 2D] -> [B, S, D]), mlp (a split-off dense MLP, the same shapes), norm, or lm_head
+    (-> logits)."""
     if kind == "experts":
         return experts_forward(spec.moe, w, x)
+    if kind == "mlp":
+        return mlp_forward(spec, w, x)
     if kind == "embed":
         return F.embedding(x, w).to(dtype)
     if kind == "norm":
         return rms_norm(x, w, spec.rms_norm_eps)
     if kind == "lm_head":
         return linear(x, w, None)
-    return layer_forward(spec, w, x, step, kv, moe=index is not None and spec.is_moe_layer(index))
+    return layer_forward(spec, w, x, step, kv, moe=index is not None and spec.hands_over(index))

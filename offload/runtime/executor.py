@@ -27,6 +27,7 @@ import torch
 from offload.errors import PlanError
 from offload.kernels import layer as fused
 from offload.model.llama import LayerKV, Step, layer_forward, make_step
+from offload.model.moe import route_hidden
 from offload.model.units import unit_forward
 from offload.planner.costs import read_ahead_bytes
 from offload.planner.placement import Placement
@@ -162,7 +163,7 @@ class PlacedModel:
         """The fused C++ handle of a layer (or experts unit) the CPU computes from host memory, made once, where it
         fits."""
         kind, index = self._kind_index[name]
-        if not self.fuse or kind not in ("layer", "experts"):
+        if not self.fuse or kind not in ("layer", "experts", "mlp"):
             return
         handle = self._fused_handle(name, self.host_weights[name])
         if handle is not None:
@@ -174,7 +175,9 @@ class PlacedModel:
         kind, index = self._kind_index[name]
         if kind == "experts":
             return fused.fuse_experts(self.spec.moe, w)
-        return fused.fuse_layer(self.spec, w, self.spec.is_moe_layer(index))
+        if kind == "mlp":
+            return fused.fuse_mlp(w)
+        return fused.fuse_layer(self.spec, w, self.spec.hands_over(index))
 
     def _make_ring(self) -> StagingRing | None:
         streamed = [n for n in self.order if "stream" in (self.placement[n].prefill, self.placement[n].decode)]
@@ -216,7 +219,7 @@ class PlacedModel:
         for name in self.order[:-1]:
             p = self.placement[name]
             held = p.weights == "cpu" or name in self._in_place
-            if self._kind_index[name][0] in ("layer", "experts") and held and p.mode(phase) == "cpu":
+            if self._kind_index[name][0] in ("layer", "experts", "mlp") and held and p.mode(phase) == "cpu":
                 if not schedule or not isinstance(schedule[-1], tuple):
                     schedule.append(())
                 schedule[-1] += (name,)
@@ -429,10 +432,12 @@ class PlacedModel:
     def _compute(self, x, name: str, w, step: Step, cache, steps: dict, on_device: bool):
         """One unit's block math; a layer goes through _layer."""
         kind, index = self._kind_index[name]
-        if kind == "experts" and not on_device and self.fuse and x.dtype == torch.float32:
+        if kind in ("experts", "mlp") and not on_device and self.fuse and x.dtype == torch.float32:
             handle = self.fused_layers.get(name) or self._fused_handle(name, w)  # read from disk: made for this use
             if handle is not None:
-                return fused.fused_experts_forward(self.spec.moe, handle, x)
+                if kind == "mlp":
+                    return fused.fused_mlp_forward(handle, x)
+                return fused.fused_experts_forward(handle, x, *route_hidden(self.spec.moe, w, x))
         if kind != "layer":
             return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
         return self._layer(x, name, w, step, cache[index], steps, on_device)
@@ -473,7 +478,7 @@ class PlacedModel:
     def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
         """The fused C++ layer for a CPU layer where it can run; else the reference block math, with the fused
         layer's attention for a CPU layer in fp32 (weights it cannot take: float ones through torch)."""
-        attention, moe = None, self.spec.is_moe_layer(self._kind_index[name][1])
+        attention, moe = None, self.spec.hands_over(self._kind_index[name][1])
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
             handle = self.fused_layers.get(name) or self._fused_handle(name, w)
             views = self._fused_views([kv], x)

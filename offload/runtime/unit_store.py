@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import torch
 
 from offload.formats import ALIGN_BYTES, GGUF_BLOCKS
-from offload.model.llama import LayerWeights, StackedWeight
+from offload.model.llama import LayerWeights, MLPWeights, StackedWeight
 from offload.model.moe import ExpertWeights
 from offload.runtime.device_quant import DeviceQuantWeight
 
-HOLDERS = {"layer": LayerWeights, "experts": ExpertWeights}  # a unit's weights: one of these, or a single weight
+HOLDERS = {"layer": LayerWeights, "experts": ExpertWeights, "mlp": MLPWeights}  # a unit's weights: one of these, or a single weight
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ import torch
 
 from offload.errors import WeightsError
 from offload.formats import format_of_dtype
-from offload.model.llama import LayerWeights
+from offload.model.llama import LayerWeights, MLPWeights
 from offload.model.moe import ExpertWeights
 from offload.paths import cache_dir
 from offload.spec import ModelSpec, UnitSpec
@@ -47,7 +47,7 @@ log = logging.getLogger(__name__)
 
 LAYOUT_VERSION = 1  # bump when a unit file's tensors, names or PackedWeight's byte order change
 PACKED_CACHE_ENV = "OFFLOAD_PACKED_CACHE"  # 0 turns the cache off
-CACHED_KINDS = ("layer", "experts", "lm_head")  # the units the packer touches
+CACHED_KINDS = ("layer", "experts", "mlp", "lm_head")  # the units the packer touches
 ENTRY_FILE = "entry.json"
 TMP_PREFIX = ".tmp-"
 MIN_FREE_BYTES = 1 << 30  # stop writing rather than leave less than this free on the cache's disk
@@ -79,8 +79,10 @@ def checkpoint_fingerprint(ckpt: Checkpoint) -> list:
     return out
 
 
-def cache_key(ckpt: Checkpoint, quantization: str, dtype_name: str, tiled: bool) -> str:
-    blob = json.dumps([LAYOUT_VERSION, quantization, dtype_name, tiled, checkpoint_fingerprint(ckpt)])
+def cache_key(ckpt: Checkpoint, quantization: str, dtype_name: str, tiled: bool, split_mlp: bool = False) -> str:
+    """The entry's name; a plan that splits the dense MLPs off has units of other contents, so an entry of its own."""
+    parts = [LAYOUT_VERSION, quantization, dtype_name, tiled, checkpoint_fingerprint(ckpt)]
+    blob = json.dumps(parts + (["split_mlp"] if split_mlp else []))
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -93,7 +95,7 @@ def open_packed_cache(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype, qua
 
     meta = {"layout_version": LAYOUT_VERSION, "model": str(ckpt.folder.resolve()), "quantization": quantization,
             "dtype": format_of_dtype(dtype), "tiled": TILED}
-    key = cache_key(ckpt, quantization, meta["dtype"], TILED)
+    key = cache_key(ckpt, quantization, meta["dtype"], TILED, spec.split_mlp)
     names = [u.name for u in spec.units() if u.kind in CACHED_KINDS]
     return PackedCache(packed_root(), key, meta, names)
 
@@ -172,6 +174,8 @@ class PackedCache:
             n = unit.moe.n_experts
             return ExpertWeights(parts["router"], tuple(parts[f"gate_up#{e}"] for e in range(n)),
                                  tuple(parts[f"down#{e}"] for e in range(n)))
+        if unit.kind == "mlp":
+            return MLPWeights(**parts)
         return LayerWeights(**parts) if unit.kind == "layer" else parts["weight"]
 
     def _store(self, name: str, weights) -> None:
@@ -224,7 +228,7 @@ def _flatten(name: str, weights) -> tuple[dict[str, torch.Tensor], dict]:
     or a PackedWeight's fmt, shape and tiling)."""
     from offload.kernels.packed import PackedWeight
 
-    if isinstance(weights, LayerWeights):
+    if isinstance(weights, (LayerWeights, MLPWeights)):
         parts = {f.name: getattr(weights, f.name) for f in fields(weights)}
     elif isinstance(weights, ExpertWeights):  # each expert's linears by the names unit_store lays them out under
         parts = {"router": weights.router, **{f"gate_up#{e}": w for e, w in enumerate(weights.gate_up)},

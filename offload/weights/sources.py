@@ -3,11 +3,13 @@ unit sources for the executor, one unit at a time (CheckpointSource) or random (
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from offload.errors import ConfigError
 from offload.formats import AS_STORED, FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANTIZATIONS
-from offload.model.llama import LayerWeights, StackedWeight
+from offload.model.llama import LayerWeights, MLPWeights, StackedWeight
 from offload.model.model import Model
 from offload.model.moe import ExpertWeights
 from offload.spec import ModelSpec, TensorSpec, UnitSpec
@@ -18,9 +20,11 @@ from offload.weights.loader import Checkpoint
 
 def load_model(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.float32,
                quantization: str = "none") -> Model:
-    """Read every tensor once from the checkpoint; linear weights are packed if quantization is set."""
+    """Read every tensor once from the checkpoint; linear weights are packed if quantization is set. Dense layers
+    stay whole (the resident reference never splits an MLP off)."""
     if quantization not in QUANTIZATIONS:
         raise ConfigError(f"quantization {quantization!r} is not supported; use one of {', '.join(QUANTIZATIONS)}")
+    spec = dataclasses.replace(spec, split_mlp=False)
     ckpt.check_against(spec)
     pack = packer(quantization, dtype)
     layers = [load_layer(ckpt, spec, i, dtype, pack) for i in range(spec.n_layers)]
@@ -49,7 +53,8 @@ def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...] | N
     qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
     moe = spec.is_moe_layer(i)
     mlp = f"{p}mlp.shared_expert." if moe else f"{p}mlp."
-    has_mlp = not moe or spec.moe.shared_size > 0  # a MoE layer's only dense MLP is its shared expert
+    # a MoE layer's only dense MLP is its shared expert; a split-off dense MLP is a unit of its own
+    has_mlp = spec.moe.shared_size > 0 if moe else not spec.split_mlp
     gate_up = [f"{mlp}gate_proj", f"{mlp}up_proj"]
 
     def names(modules: list[str], suffix: str, present: bool = True) -> tuple[str, ...] | None:
@@ -59,9 +64,9 @@ def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...] | N
             "qkv_bias": names(qkv, ".bias", spec.qkv_bias), "o": (p + "self_attn.o_proj.weight",),
             "o_bias": names([p + "self_attn.o_proj"], ".bias", spec.o_bias),
             "mlp_norm": (p + "post_attention_layernorm.weight",), "gate_up": names(gate_up, ".weight", has_mlp),
-            "gate_up_bias": names(gate_up, ".bias", spec.mlp_bias and not moe),
+            "gate_up_bias": names(gate_up, ".bias", spec.mlp_bias and not moe and has_mlp),
             "down": names([mlp + "down_proj"], ".weight", has_mlp),
-            "down_bias": names([mlp + "down_proj"], ".bias", spec.mlp_bias and not moe),
+            "down_bias": names([mlp + "down_proj"], ".bias", spec.mlp_bias and not moe and has_mlp),
             "q_norm": names([p + "self_attn.q_norm"], ".weight", spec.qk_norm),
             "k_norm": names([p + "self_attn.k_norm"], ".weight", spec.qk_norm),
             "shared_gate": names([p + "mlp.shared_expert_gate"], ".weight", moe and has_mlp)}
@@ -80,11 +85,22 @@ def expert_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...]]:
     return names
 
 
+def mlp_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...] | None]:
+    """Each MLPWeights field of layer i's split-off MLP with its checkpoint tensors."""
+    p = f"model.layers.{i}.mlp."
+    bias = spec.mlp_bias
+    return {"gate_up": (p + "gate_proj.weight", p + "up_proj.weight"),
+            "gate_up_bias": (p + "gate_proj.bias", p + "up_proj.bias") if bias else None,
+            "down": (p + "down_proj.weight",), "down_bias": (p + "down_proj.bias",) if bias else None}
+
+
 def unit_tensor_names(spec: ModelSpec, unit: UnitSpec) -> dict[str, tuple[str, ...] | None]:
-    """layer_tensor_names for a layer, expert_tensor_names for experts; {"weight": (its tensor,)} for embed, norm
-    and lm_head."""
+    """layer_tensor_names for a layer, expert_tensor_names for experts, mlp_tensor_names for a split-off MLP;
+    {"weight": (its tensor,)} for embed, norm and lm_head."""
     if unit.kind == "experts":
         return expert_tensor_names(spec, unit.index)
+    if unit.kind == "mlp":
+        return mlp_tensor_names(spec, unit.index)
     return layer_tensor_names(spec, unit.index) if unit.kind == "layer" else {"weight": (unit.tensors[0].name,)}
 
 
@@ -98,6 +114,17 @@ def load_layer(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pa
 
     names = layer_tensor_names(spec, i)
     return LayerWeights(**{field: get(group, field in LINEAR_FIELDS) for field, group in names.items()})
+
+
+def load_mlp(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> MLPWeights:
+    """Read layer i's split-off MLP, fusing gate and up."""
+    def get(names, linear):
+        if names is None:
+            return None
+        t = torch.cat([ckpt.get(n, dtype) for n in names]) if len(names) > 1 else ckpt.get(names[0], dtype)
+        return pack(t) if linear else t
+
+    return MLPWeights(**{field: get(names, field in LINEAR_FIELDS) for field, names in mlp_tensor_names(spec, i).items()})
 
 
 def load_experts(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> ExpertWeights:
@@ -147,6 +174,8 @@ class CheckpointSource:
             return load_layer(self.ckpt, self.spec, unit.index, self.dtype, self.pack)
         if unit.kind == "experts":
             return load_experts(self.ckpt, self.spec, unit.index, self.dtype, self.pack)
+        if unit.kind == "mlp":
+            return load_mlp(self.ckpt, self.spec, unit.index, self.dtype, self.pack)
         tensor = self.ckpt.get(unit.tensors[0].name, self.dtype)
         return self.pack(tensor) if unit.kind == "lm_head" else tensor.contiguous()
 
@@ -192,9 +221,12 @@ class RandomSource:
             router = torch.randn(n, s.hidden_size, generator=self.gen, dtype=self.dtype)
             return ExpertWeights(router, tuple(self._linear(2 * f, s.hidden_size, e) for e in range(n)),
                                  tuple(self._linear(s.hidden_size, f, e) for e in range(n)))
+        if unit.kind == "mlp":
+            f = s.intermediate_size
+            return MLPWeights(self._linear(2 * f, s.hidden_size), None, self._linear(s.hidden_size, f), None)
         qkv_out = s.q_size + 2 * s.kv_size
         moe = s.is_moe_layer(unit.index)
-        f = (s.moe.shared_size if moe else s.intermediate_size) or None
+        f = (s.moe.shared_size if moe else 0 if s.split_mlp else s.intermediate_size) or None
         norm = (lambda: torch.ones(s.head_dim, dtype=self.dtype)) if s.qk_norm else (lambda: None)
         return LayerWeights(
             attn_norm=torch.ones(s.hidden_size, dtype=self.dtype), qkv=self._linear(qkv_out, s.hidden_size),
@@ -260,6 +292,11 @@ class MetaSource:
                                  tuple(self._fused(linears[j:j + 2]) for j in range(0, len(linears), 3)),
                                  tuple(self._linear(t) for t in linears[2::3]))
         by_name = {t.name.rsplit(".", 2)[-2]: t for t in unit.tensors if t.role == "linear"}
+        if unit.kind == "mlp":
+            bias = s.mlp_bias
+            return MLPWeights(self._fused([by_name["gate_proj"], by_name["up_proj"]]),
+                              self._tensor(2 * s.intermediate_size) if bias else None, self._linear(by_name["down_proj"]),
+                              self._tensor(s.hidden_size) if bias else None)
         moe = s.is_moe_layer(unit.index)
         f = s.moe.shared_size if moe else s.intermediate_size
         qkv_out = s.q_size + 2 * s.kv_size

@@ -106,10 +106,10 @@ class TimedCosts:
             return torch.empty(*x.shape, self.spec.hidden_size, device="meta")
         if work.kind == "lm_head":
             return torch.zeros(*x.shape[:-1], self.spec.vocab_size)
-        d = self.spec.hidden_size  # a MoE layer's attention part hands its experts [.., 2D]; they return [.., D]
-        if work.kind == "layer" and self.units[work.unit].index is not None and self.spec.is_moe_layer(self.units[work.unit].index):
+        d, index = self.spec.hidden_size, self.units[work.unit].index
+        if work.kind == "layer" and self.spec.hands_over(index):  # [.., 2D] to its experts or MLP, back to [.., D]
             return torch.empty(*x.shape[:-1], 2 * d, device="meta")
-        if work.kind == "experts":
+        if work.kind in ("experts", "mlp"):
             return torch.empty(*x.shape[:-1], d, device="meta")
         return x
 

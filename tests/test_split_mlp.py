@@ -1,0 +1,79 @@
+"""Dense layers with the MLP split off (what llama.cpp users do by hand with `-ot ffn=CPU`): layer.i holds
+attention and the norms, mlp.i the MLP; any placement of the two computes what the whole layer computes.
+
+Tolerances as tests/test_executor.py's: unquantized 1e-5 of the logit range against the resident model; quantized
+device-side units against the dequantized resident model 1e-4; quantized CPU units (the C++ kernels round the
+activations) against the resident model on the same packed weights 1e-4 where every unit is on the CPU."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from conftest import assert_logits_close, make_hf_model, offload_logits, save_hf_model
+from offload.generate import Generator, Sequence
+from offload.model.llama import LayerWeights
+from offload.planner.placement import Placement, UnitPlacement
+from offload.runtime.backends.cpu import CPUBackend
+from offload.runtime.executor import PlacedModel
+from offload.sampling import SamplingParams
+from offload.spec import load_spec
+from offload.weights.loader import Checkpoint
+from offload.weights.sources import CheckpointSource, load_model
+
+PROMPT = [5, 17, 33, 2, 90, 11, 4, 150, 61]
+PROMPTS = [PROMPT, [7, 1, 150]]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = save_hf_model(make_hf_model("qwen2", num_hidden_layers=3), tmp_path_factory.mktemp("split") / "tiny")
+    spec = load_spec(folder)
+    return folder, spec, dataclasses.replace(spec, split_mlp=True)
+
+
+def greedy(model, n=6):
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
+    Generator(model, max_batch_size=2).run(seqs)
+    return [s.output_ids for s in seqs]
+
+
+def mlp_apart(spec, mlp: tuple[str, str], rest: tuple[str, str]) -> Placement:
+    def unit(tier, mode):
+        return UnitPlacement(tier, mode, mode, "cpu" if mode == "cpu" else "gpu")
+
+    return Placement({u.name: unit(*(mlp if u.kind == "mlp" else rest)) for u in spec.units()})
+
+
+MIXES = {"mlp-cpu-rest-gpu": (("cpu", "cpu"), ("gpu", "gpu")), "all-cpu": (("cpu", "cpu"), ("cpu", "cpu")),
+         "mlp-streamed-rest-cpu": (("cpu", "stream"), ("cpu", "cpu")),
+         "mlp-disk-cpu-rest-gpu": (("disk", "cpu"), ("gpu", "gpu"))}
+
+
+def test_units(tiny):
+    _, spec, split = tiny
+    assert [u.name for u in split.units()][:4] == ["embed", "layer.0", "mlp.0", "layer.1"]
+    assert sum(u.nbytes("q4_0") for u in split.units()) == sum(u.nbytes("q4_0") for u in spec.units())
+    assert {t.name for u in split.units() for t in u.tensors} == {t.name for u in spec.units() for t in u.tensors}
+
+
+@pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_0"])
+@pytest.mark.parametrize("mix", list(MIXES))
+def test_split_placements_equal_the_whole_layer(tiny, mix, quantization):
+    folder, spec, split = tiny
+    source = CheckpointSource(Checkpoint(folder), split, torch.float32, quantization)
+    model = PlacedModel(split, source, mlp_apart(split, *MIXES[mix]), CPUBackend())
+    resident = load_model(Checkpoint(folder), spec, quantization=quantization)
+    mlp_tier, rest_tier = (mode for _, mode in MIXES[mix])
+    if quantization != "none":  # units computed on the GPU side run dequantized weights; CPU units the kernels
+        deq = lambda w: w if isinstance(w, torch.Tensor) or w is None else w.dequantize()  # noqa: E731
+        on_gpu = lambda f: (mlp_tier if f in ("gate_up", "down") else rest_tier) != "cpu"  # noqa: E731
+        resident.layers = [LayerWeights(**{f.name: deq(getattr(lw, f.name)) if on_gpu(f.name) else getattr(lw, f.name)
+                                           for f in dataclasses.fields(lw)}) for lw in resident.layers]
+        if rest_tier != "cpu":
+            resident.lm_head = deq(resident.lm_head)
+    rel = 1e-5 if quantization == "none" else 1e-4
+    assert_logits_close(offload_logits(model, PROMPT), offload_logits(resident, PROMPT), rel=rel)
+    assert greedy(model) == greedy(resident)
