@@ -11,7 +11,7 @@ from typing import Callable
 from offload.errors import ConfigError
 from offload.formats import compute_format, torch_dtype
 from offload.generate import Generator, Sequence
-from offload.planner import Placement, PlanRequest, plan_for
+from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.request import DEFAULT_MAX_MODEL_LEN
 from offload.profile.timeline import Timeline
 from offload.runtime.backends import make_backend
@@ -99,6 +99,7 @@ class LLM:
         if placement is None:
             hw = request.profile()
             self.plan = plan_for(self.spec, hw, request)
+            self.spec = plan_spec(self.spec, self.plan)  # its units: with the dense MLPs split off if it chose so
             placement = Placement.from_plan(self.plan)
             compute = self.plan.workload.compute_format
             self.max_batch_size = self.plan.workload.batch_size

@@ -15,7 +15,7 @@ from pathlib import Path
 from offload.formats import torch_dtype
 from offload.generate import Generator, Sequence
 from offload.hardware import format_bytes
-from offload.planner import Placement, Plan, PlanRequest, plan_for
+from offload.planner import Placement, Plan, PlanRequest, plan_for, plan_spec
 from offload.planner.types import PHASES, TIERS
 from offload.profile.report import write_trace
 from offload.profile.timeline import RESOURCES, Timeline
@@ -96,6 +96,7 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     spec = model_spec(resolve_model(request.model))
     hw = request.profile()
     plan = plan or plan_for(spec, hw, request)
+    spec = plan_spec(spec, plan)
     wl = plan.workload
     dtype = torch_dtype(wl.compute_format)
     backend = SimBackend(hw, capacity_bytes=max(plan.budget.gpu_bytes, 0),

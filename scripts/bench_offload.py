@@ -23,7 +23,7 @@ import torch
 from offload.formats import torch_dtype
 from offload.generate import Generator, Sequence
 from offload.hardware import format_bytes
-from offload.planner import Placement, PlanRequest, plan_for
+from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.recost import recost_steps
 from offload.runtime.backends import make_backend
 from offload.runtime.backends.sim import SimBackend
@@ -106,6 +106,7 @@ def main() -> None:
                           + 1, max_tokens=args.decode_tokens + 1, backend="cuda" if args.backend == "cuda" else "auto")
     hardware = request.profile()
     plan = plan_for(spec, hardware, request)
+    spec = plan_spec(spec, plan)
     backend = _backend(args.backend, request, plan.budget.gpu_bytes)
     pinned_bps = hardware.h2d_pinned_bps
     if backend.name == "cuda":

@@ -82,3 +82,17 @@ def test_bf16_checkpoint_loads(tmp_path):
 def test_default_model_logits_match(default_llm, default_hf):
     ids = default_llm.tokenizer.encode("The quick brown fox jumps over the lazy dog.")
     assert_logits_close(offload_logits(default_llm.model, ids), hf_logits(default_hf, ids))
+
+
+def test_bf16_linear_with_bias_through_the_cpu_kernel():
+    """A row or two of bf16 activations go through offload's kernel (linear()'s half path): a bf16 bias (Qwen2's
+    q/k/v) is added in fp32 there, as F.linear adds it; the result matches F.linear to bf16 rounding."""
+    from offload.model.llama import linear
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 64, generator=g).to(torch.bfloat16)
+    w = torch.randn(96, 64, generator=g).to(torch.bfloat16)
+    b = torch.randn(96, generator=g).to(torch.bfloat16)
+    ref = torch.nn.functional.linear(x.float(), w.float(), b.float())
+    out = linear(x, w, b)
+    assert out.dtype == torch.bfloat16 and float((out.float() - ref).abs().max()) <= 0.02 * float(ref.abs().max())

@@ -109,7 +109,7 @@ def test_device_memory_is_a_hard_capacity(tiny):
 def test_a_planned_run_stays_within_the_simulated_device(tmp_path):
     """The executor allocates what the plan budgeted: a device of exactly the GPU budget never overflows, and
     resident, streamed and CPU blocks together give the CPU backend's tokens."""
-    from offload.planner import PlanRequest, plan_for
+    from offload.planner import PlanRequest, plan_for, plan_spec
 
     folder = save_hf_model(make_hf_model("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=256),
                            tmp_path / "tiny8")
@@ -117,6 +117,7 @@ def test_a_planned_run_stays_within_the_simulated_device(tmp_path):
     request = PlanRequest(str(folder), "none", "fp32", HW, gpu_memory="6000KiB", cpu_memory="1GiB", batch_size=8,
                           max_model_len=64)
     plan = plan_for(spec, HW, request)
+    spec = plan_spec(spec, plan)
     modes = {(u.weight_tier, u.prefill, u.decode) for u in plan.units}
     assert ("gpu", "gpu", "gpu") in modes and any("stream" in m for m in modes) and ("cpu", "cpu", "cpu") in modes
     backend = SimBackend(HW, capacity_bytes=plan.budget.gpu_bytes, time_scale=0.02)

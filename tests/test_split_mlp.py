@@ -77,3 +77,48 @@ def test_split_placements_equal_the_whole_layer(tiny, mix, quantization):
     rel = 1e-5 if quantization == "none" else 1e-4
     assert_logits_close(offload_logits(model, PROMPT), offload_logits(resident, PROMPT), rel=rel)
     assert greedy(model) == greedy(resident)
+
+
+def test_the_planner_splits_only_where_it_predicts_a_gain():
+    """Llama-3.1-70B q4_0 at batch 16 on a 24 GB card: the plan with the MLPs split off predicts the job 1.07x
+    faster, so plan_for takes it; at batch 1 it does not pay (1.02x, under SPLIT_GAIN), and a machine without a
+    GPU never splits. The chosen split plan's units are the split spec's."""
+    from offload.planner import PlanRequest, plan_for, plan_spec
+    from offload.planner.request import SPLIT_GAIN
+    from offload.planner.search import plan
+    from offload.weights.model_files import model_spec
+    from offload.weights.default_model import resolve_model
+
+    spec = model_spec(resolve_model("llama-3.1-70b"))
+    for batch, split in ((16, True), (1, False)):
+        request = PlanRequest("llama-3.1-70b", "q4_0", "auto", "rtx4090-ddr5", "22GiB", "64GiB", batch_size=batch)
+        hw = request.profile()
+        chosen = plan_for(spec, hw, request)
+        assert chosen.split_mlp is split
+        budget, workload = request.budget(hw), request.workload(spec, hw)
+        apart = plan(dataclasses.replace(spec, split_mlp=True), hw, budget, workload, "q4_0")
+        whole = plan(spec, hw, budget, workload, "q4_0")
+        assert (whole.job_s > SPLIT_GAIN * apart.job_s) is split  # the choice is the planner's own prediction
+        assert [u.name for u in chosen.units] == [u.name for u in plan_spec(spec, chosen).units()]
+    if split:
+        assert "MLP" in chosen.moe_summary and chosen.to_dict()["split_mlp"]
+    cpu_only = PlanRequest("llama-3.1-70b", "q4_0", "auto", "cpu-desktop", None, "64GiB", batch_size=16,
+                           disk_memory="100GiB")
+    assert not plan_for(spec, cpu_only.profile(), cpu_only).split_mlp
+
+
+def test_an_llm_runs_the_split_plan(tiny, monkeypatch):
+    """With the split forced (any gain taken), LLM plans, loads and runs the split units, and answers as the
+    whole layers do."""
+    from conftest import gpu_profile
+    from offload import LLM
+    from offload.planner import request as planner_request
+
+    folder, _, _ = tiny
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    whole = LLM(folder, hardware=gpu_profile(), gpu_memory="300KiB", cpu_memory="2GiB", max_batch_size=2)
+    monkeypatch.setattr(planner_request, "SPLIT_GAIN", 0.0)
+    split = LLM(folder, hardware=gpu_profile(), gpu_memory="300KiB", cpu_memory="2GiB", max_batch_size=2)
+    assert split.plan.split_mlp and not whole.plan.split_mlp and "mlp.0" in split.model.order
+    outs = [llm.generate(PROMPTS, params) for llm in (whole, split)]
+    assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]

@@ -207,8 +207,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tenso
         if (x.numel() <= HALF_KERNEL_ROWS * x.shape[-1] and w.dtype in HALF_WEIGHTS and w.device.type == "cpu"
                 and x.dtype in HALF_ACTIVATIONS and w.dim() == 2 and w.is_contiguous()):
             as_packed = _half_kernel()
-            if as_packed is not None:
-                return linear(x, as_packed(w), bias)
+            if as_packed is not None:  # its bias in fp32, as the kernel adds it
+                return linear(x, as_packed(w), None if bias is None else bias.float())
         return F.linear(x, w, bias)
     if isinstance(w, StackedWeight):
         biases = bias.split([p.shape[0] for p in w.parts]) if bias is not None else [None] * len(w.parts)

@@ -8,10 +8,10 @@ Pure arithmetic: nothing here imports torch.
 from offload.errors import PlanError
 from offload.planner.costs import PhaseCost
 from offload.planner.placement import Placement, UnitPlacement
-from offload.planner.request import PlanRequest, plan_for
+from offload.planner.request import PlanRequest, plan_for, plan_spec
 from offload.planner.search import plan, plan_best_batch
 from offload.planner.types import COMPUTE_MODES, PHASES, TIERS, Budget, Plan, TierUsage, UnitPlan, Workload
 
 __all__ = ["Budget", "Workload", "Plan", "UnitPlan", "TierUsage", "PhaseCost", "PlanError", "Placement",
-           "UnitPlacement", "PlanRequest", "plan_for", "plan", "plan_best_batch", "TIERS", "PHASES",
+           "UnitPlacement", "PlanRequest", "plan_for", "plan_spec", "plan", "plan_best_batch", "TIERS", "PHASES",
            "COMPUTE_MODES"]

@@ -16,6 +16,7 @@ from offload.formats import AS_STORED, FLOAT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile
 from offload.spec import ModelSpec, UnitSpec
 
+HANDED_OVER = ("experts", "mlp")  # unit kinds that take their layer's [residual | normed h] hand-over
 HOP_LATENCY_S = 20e-6  # one hidden-state hand-over between CPU and GPU: copy launch plus synchronisation
 ACT_BYTES_GPU = 2  # activations in bf16/fp16 on the GPU
 ACT_BYTES_CPU = 4  # activations in fp32 on the CPU
@@ -239,7 +240,7 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
     units in cached are the page cache's: computed in place by the CPU, or copied from it at its rate."""
     gpu = cpu = pcie = disk = host = 0.0
     chain = []
-    hop, wide = hop_s(spec, hw, phase), hop_s(spec, hw, phase, 2)  # an experts unit takes [residual | normed]
+    hop, wide = hop_s(spec, hw, phase), hop_s(spec, hw, phase, 2)  # experts / mlp take [residual | normed]
     for i, (c, mode, dec, tier) in enumerate(zip(costs, compute, decode, weight)):
         if i in cached and tier == "disk":
             if mode == "cpu" and dec == "cpu":  # computed from the page cache's pages where they are
@@ -259,13 +260,14 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
             host += c.host_cpu_s if mode == "cpu" and tier != "disk" else c.host_mem_s
             if tier == "disk":
                 disk += c.disk_s
-        chain.append((mode, tier, c, kv_move, wide if kinds[i] == "experts" else hop))
+        chain.append((mode, tier, c, kv_move, wide if kinds[i] in HANDED_OVER else hop))
     devices = ["cpu" if m == "cpu" else "gpu" for m in compute]
     hops = sum(unit[4] for unit, a, b in zip(chain[1:], devices, devices[1:]) if a != b)
     logits = phase.logit_rows * spec.vocab_size * LOGIT_BYTES / hw.h2d_pinned_bps if devices[-1] == "gpu" else 0.0
     pipeline = pipeline_s(chain, depth, phase.n_passes, steady=steady) + logits
-    # a MoE layer's attention part and its experts are a C++ call each on the CPU: each pays a layer's overhead
-    n_cpu_layers = sum(k in ("layer", "experts") and m == "cpu" for k, m in zip(kinds, compute))
+    # a layer's attention part and its experts (or split-off MLP) are a C++ call each on the CPU: each pays a
+    # layer's overhead
+    n_cpu_layers = sum(k in ("layer", *HANDED_OVER) and m == "cpu" for k, m in zip(kinds, compute))
     extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size)
     return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra)
 

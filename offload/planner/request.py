@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from offload.errors import ConfigError
+from offload.errors import ConfigError, PlanError
 from offload.formats import AS_STORED, QUANTIZATIONS, compute_format, weight_format
 from offload.hardware import (HardwareProfile, default_hardware, format_bytes, load_hardware, page_cache_room_bytes,
                               parse_size)
@@ -96,12 +96,41 @@ class PlanRequest:
 PAGE_CACHE_ROUNDING = 256 << 20
 
 
+SPLIT_GAIN = 1.03  # a plan with the MLPs split off must predict the job this much faster to be chosen
+
+
 def plan_for(spec: ModelSpec, hw: HardwareProfile, request: PlanRequest) -> Plan:
-    """The Plan for request on hw; the batch size is searched when the request leaves it open."""
+    """The Plan for request on hw; the batch size is searched when the request leaves it open. Where a GPU is
+    planned, dense layers are also planned with their MLPs split off (attention on the GPU, the MLP computed on
+    the CPU where its weights live, as llama.cpp's `-ot ffn=CPU` does by hand); that plan is taken if it predicts
+    the job SPLIT_GAIN faster. Run a plan with plan_spec(spec, plan)."""
+    spec = replace(spec, split_mlp=False)  # a spec a plan split (plan_spec) is planned afresh, both ways
     workload = request.workload(spec, hw)
     fmt = plan_weight_format(spec, request.quantization, workload.compute_format)
     search = plan_best_batch if request.batch_size is None else plan
-    return search(spec, hw, request.budget(hw), workload, weight_format=fmt, prefetch_depth=request.prefetch_depth)
+    budget = request.budget(hw)
+    whole = search(spec, hw, budget, workload, weight_format=fmt, prefetch_depth=request.prefetch_depth)
+    if not may_split(spec, hw, request, budget):
+        return whole
+    try:
+        split = search(replace(spec, split_mlp=True), hw, budget, workload, weight_format=fmt,
+                       prefetch_depth=request.prefetch_depth)
+    except PlanError:
+        return whole
+    rate = lambda p: p.workload.batch_size / p.job_s  # noqa: E731 - sequences per second of the whole job
+    return split if rate(split) > SPLIT_GAIN * rate(whole) else whole
+
+
+def may_split(spec: ModelSpec, hw: HardwareProfile, request: PlanRequest, budget: Budget) -> bool:
+    """Whether splitting the dense MLPs off can pay: a GPU is planned, and some layer has a dense MLP (a GGUF
+    model's units stay whole: its tensors are read as stored, layer by layer)."""
+    dense = spec.moe is None or bool(spec.moe.dense_layers)
+    return hw.has_gpu and budget.gpu_bytes > 0 and request.backend != "cpu" and dense and not spec.from_gguf
+
+
+def plan_spec(spec: ModelSpec, plan: Plan) -> ModelSpec:
+    """The spec whose units plan places: spec, with the dense MLPs split off where the plan chose it."""
+    return replace(spec, split_mlp=plan.split_mlp) if spec.split_mlp != plan.split_mlp else spec
 
 
 def plan_weight_format(spec: ModelSpec, quantization: str, compute: str) -> str:

@@ -22,7 +22,7 @@ from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, READ_PAGE_CACHE
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec, UnitSpec
 
-STREAMABLE = ("layer", "experts", "lm_head")  # kinds that may stream to the GPU (or compute on the CPU)
+STREAMABLE = ("layer", "experts", "mlp", "lm_head")  # kinds that may stream to the GPU (or compute on the CPU)
 
 
 @functools.lru_cache(maxsize=4)
@@ -75,7 +75,7 @@ class Search:
         self.ws_gpu = workspace_bytes(spec, workload, ACT_BYTES_GPU, is_quantized(main_format(spec, fmt)))
         self.ws_cpu = workspace_bytes(spec, workload, ACT_BYTES_CPU, False)
         chunk = min(workload.batch_size * workload.prompt_len, workload.prefill_chunk_tokens)
-        width = 2 if spec.moe else 1  # a MoE layer's attention part hands its experts [residual | normed hidden]
+        width = 2 if spec.moe or spec.split_mlp else 1  # an attention part hands on [residual | normed hidden]
         self.hop_buffers = 2 * chunk * width * spec.hidden_size * ACT_BYTES_CPU
         self.order = self._residency_order()
 
@@ -132,9 +132,10 @@ class Search:
                 return  # more residents cannot fit either
             yield cand
             streamed = [self.kinds[i] for i, m in enumerate(cand.compute["decode"]) if m == "stream"]
-            if "experts" in streamed:
-                # A streamed experts unit copies every expert for the few a decode step reads; where the scan's
-                # overlap estimate favours it the step's pipeline may not: weigh the same residents without it.
+            if "experts" in streamed or "mlp" in streamed:
+                # A streamed experts unit copies every expert for the few a decode step reads (a split-off MLP
+                # crosses PCIe where the CPU could compute it in place); where the scan's overlap estimate favours
+                # it the step's pipeline may not: weigh the same residents streaming whole layers only.
                 yield self._build(k, use_gpu=True, decode_kinds=("layer", "lm_head"))
             if streamed:
                 # Streaming in decode is chosen for the decode step alone; it also moves the prompt's KV cache
@@ -273,7 +274,7 @@ class Search:
         has room for beside the budget are left to it; the others are dropped from it once read."""
         movable = [i for i in reversed(range(self.n)) if cand.weight[i] == "cpu" and i != self.i_norm]
         first = [i for i in movable if i == self.i_embed]
-        layers = [i for i in movable if self.kinds[i] in ("layer", "experts")]
+        layers = [i for i in movable if self.kinds[i] in ("layer", "experts", "mlp")]
         rest = [i for i in movable if i not in first and i not in layers]
         tried = [self._spill(cand, order) for order in (first + layers + rest, first + rest + layers)]
         fits = [t for t in tried if t[1] <= self.budget.cpu_bytes]
@@ -311,7 +312,7 @@ class Search:
         tiers = (self._gpu_tier(cand, units, depth), self._cpu_tier(cand, units), self._disk_tier(units))
         return Plan(self._model_name(), self.hw.name, self.fmt, self.wl, self.budget, tuple(units),
                     tiers, pre, dec, depth, cand.staging_slot if depth else 0, read_ahead,
-                    self._read_ahead(cand.weight, in_place), self._notes(cand))
+                    self._read_ahead(cand.weight, in_place), self._notes(cand), self.spec.split_mlp)
 
     def _gpu_tier(self, cand: _Candidate, units: list[UnitPlan], depth: int) -> TierUsage:
         if not cand.use_gpu:

@@ -23,7 +23,7 @@ def _unit_rows(plan) -> list[tuple]:
             row[3] += 1
             continue
         rows.append([key, u.name, u.index, 1, u])
-        if u.kind in ("layer", "experts"):
+        if u.kind in ("layer", "experts", "mlp"):
             open_rows[u.kind] = rows[-1]
     out = []
     for key, name, last, count, u in rows:
@@ -68,15 +68,19 @@ def plan_table(plan) -> str:
 
 
 def moe_split(plan) -> str | None:
-    """Where a MoE model's attention parts and experts are: "attention 32/32 on GPU, experts 12/32 layers on GPU,
-    20 on CPU (decode), 20 streamed (prefill)"; None for a dense model."""
+    """Where a MoE model's attention parts and experts (or a dense model's split-off MLPs) are: "attention 32/32
+    on GPU, experts 12/32 layers on GPU, 20 on CPU (decode), 20 streamed (prefill)"; None for whole layers."""
     experts = [u for u in plan.units if u.kind == "experts"]
-    if not experts:
+    mlps = [u for u in plan.units if u.kind == "mlp"]
+    if not experts and not mlps:
         return None
     layers = [u for u in plan.units if u.kind == "layer"]
-    resident = sum(u.weight_tier == "gpu" for u in experts)
-    parts = [f"attention {sum(u.weight_tier == 'gpu' for u in layers)}/{len(layers)} on GPU",
-             f"experts {resident}/{len(experts)} layers on GPU"]
+    parts = [f"attention {sum(u.weight_tier == 'gpu' for u in layers)}/{len(layers)} on GPU"]
+    if experts:
+        parts.append(f"experts {sum(u.weight_tier == 'gpu' for u in experts)}/{len(experts)} layers on GPU")
+    if mlps:
+        parts.append(f"MLP {sum(u.weight_tier == 'gpu' for u in mlps)}/{len(mlps)} layers on GPU")
+    experts = experts + mlps
     for phase in ("decode", "prefill"):
         modes = [getattr(u, phase) for u in experts if u.weight_tier != "gpu"]
         where = [f"{modes.count(m)} {label}" for m, label in (("cpu", "on CPU"), ("stream", "streamed")) if m in modes]
@@ -87,7 +91,7 @@ def moe_split(plan) -> str | None:
 
 def _decision(plan, phase: str) -> str:
     modes = [getattr(u, phase) for u in plan.units
-             if u.kind in ("layer", "experts", "lm_head") and u.weight_tier != "gpu"]
+             if u.kind in ("layer", "experts", "mlp", "lm_head") and u.weight_tier != "gpu"]
     if not modes:
         return f"{phase}: every layer and the lm_head are resident on the GPU."
     n_stream, n_cpu = modes.count("stream"), modes.count("cpu")

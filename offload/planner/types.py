@@ -139,6 +139,7 @@ class Plan:
     read_ahead_depth: int  # disk units read ahead of use at most
     read_buffer_bytes: int  # the arena they are read into (pinned where they are copied to a GPU)
     notes: tuple[str, ...] = field(default=())
+    split_mlp: bool = False  # dense layers' MLPs are units of their own (mlp.i): the spec this plan places
 
     def unit(self, name: str) -> UnitPlan:
         return next(u for u in self.units if u.name == name)
@@ -170,7 +171,7 @@ class Plan:
             "model": self.model, "hardware": self.hardware, "weight_format": self.weight_format,
             "workload": asdict(self.workload), "budget": asdict(self.budget),
             "summary": self.summary_line, "n_gpu_units": self.n_gpu_units, "n_units": len(self.units),
-            **({"moe_summary": self.moe_summary} if self.moe_summary else {}),
+            **({"moe_summary": self.moe_summary} if self.moe_summary else {}), "split_mlp": self.split_mlp,
             "prefetch_depth": self.prefetch_depth, "staging_slot_bytes": self.staging_slot_bytes,
             "read_ahead_depth": self.read_ahead_depth, "read_buffer_bytes": self.read_buffer_bytes,
             "tiers": {t.tier: {**asdict(t), "total_bytes": t.total_bytes} for t in self.tiers},

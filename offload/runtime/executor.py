@@ -54,6 +54,10 @@ class PlacedModel:
         self._kv_views: dict[int, fused.KVView | None] = {}  # id(LayerKV) -> the fused layer's view of it
         self.units = spec.units()
         self.order = [u.name for u in self.units]
+        if set(self.order) != set(placement.units):
+            raise PlanError(f"the placement places units {sorted(set(placement.units) - set(self.order))[:3]} this "
+                            f"model does not have, or misses {sorted(set(self.order) - set(placement.units))[:3]}; "
+                            f"run a plan with the spec it placed (offload.planner.plan_spec)")
         self._kind_index = {u.name: (u.kind, u.index) for u in self.units}
         self._cpu = torch.device("cpu")
         self.layouts: dict[str, UnitLayout] = {}
