@@ -82,3 +82,26 @@ def test_cuda_blocks_with_kv_cache_in_cpu_ram(tiny):
     model = PlacedModel(spec, source, Placement(units), CUDABackend(), torch.float32)
     ids = [5, 17, 33, 2, 90, 11, 4]
     assert_logits_close(offload_logits(model, ids), offload_logits(load_model(Checkpoint(folder), spec), ids))
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("mix", ["all-gpu-side", "experts-cpu-rest-gpu", "experts-streamed-rest-cpu", "random"])
+@pytest.mark.parametrize("quantization", ["none", "q4_0"])
+def test_cuda_moe_placements_match_the_cpu_backend(tmp_path, arch, mix, quantization):
+    """A MoE model on the CUDA backend computes what the CPU backend computes for the same placement: attention
+    parts, shared and routed experts on the GPU (resident or streamed) or the CPU, the hand-over between them
+    crossing PCIe (1e-4 of the logit range: fp32 on both; the CPU units are the same kernels on both)."""
+    from test_moe import MIXES
+
+    from offload.runtime.backends.cpu import CPUBackend
+    from offload.runtime.backends.cuda import CUDABackend
+
+    folder = save_hf_model(make_hf_model(arch), tmp_path / arch)
+    spec = load_spec(folder)
+    placement = MIXES[mix](spec)
+
+    def logits(backend):
+        source = CheckpointSource(Checkpoint(folder), spec, torch.float32, quantization)
+        return offload_logits(PlacedModel(spec, source, placement, backend, torch.float32), [5, 17, 33, 2, 90, 11, 4])
+
+    assert_logits_close(logits(CUDABackend()), logits(CPUBackend()), rel=1e-4)
