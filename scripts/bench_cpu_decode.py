@@ -6,8 +6,9 @@ the two tools alternating run by run (llama.cpp in a fresh child each time, warm
 - default: the default model (SmolLM2-135M): offload with each quantization (none, q8_0, q4_0, requantized from
   its Q4_1 file) against llama.cpp on that Q4_1 file;
 - a GGUF file: offload using its tensors as stored, and llama.cpp, on that file;
-- a Hugging Face Llama folder: its weights written as an F16 GGUF file and quantized by llama.cpp to Q8_0 and
-  Q4_0 (in a temporary folder); offload (tensors as stored) and llama.cpp run each file.
+- a Hugging Face folder (Llama, Mistral, or a Mixtral / Qwen2-MoE / Qwen3-MoE mixture of experts): its weights
+  written as an F16 GGUF file and quantized by llama.cpp to Q8_0 and Q4_0 (in a temporary folder); offload
+  (tensors as stored) and llama.cpp run each file.
 llama.cpp runs through llama-cpp-python, in a child process (its column is skipped with a message if that
 package is not installed). Prints offload's ratio against llama.cpp for each row.
 
@@ -116,6 +117,27 @@ def _medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
     return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
 
 
+def alternate(offload_model: str, quantization: str, gguf: str | None, prompts: list[list[int]], n_decode: int,
+              threads: int, repeats: int):
+    """(ours, theirs): per prompt, median (prefill tok/s, decode tok/s) of offload and of llama.cpp on the GGUF file
+    (theirs None without llama-cpp-python, a failed run or gguf None). The two tools alternate, one run each per
+    repeat: this machine's speed drifts over minutes."""
+    runner = OffloadRunner(offload_model, quantization, prompts, n_decode)
+    mine: list[list[tuple[float, float]]] = [[] for _ in prompts]
+    theirs: list[list[tuple[float, float]]] = [[] for _ in prompts]
+    try:
+        for _ in range(repeats):
+            torch.set_num_threads(threads)
+            for i, ids in enumerate(prompts):
+                mine[i].append(runner.run(ids))
+            ref_run = bench_llama_cpp(gguf, prompts, n_decode, threads, 1) if gguf else None
+            for i, r in enumerate(ref_run or []):
+                theirs[i].append(r)
+    finally:
+        runner.close()
+    return [_medians(m) for m in mine], ([_medians(t) for t in theirs] if all(theirs) else None)
+
+
 def variants(model: str, tmp: Path, threads: int) -> list[tuple[str, str, str, str]]:
     """(label, model for offload, offload's quantization, GGUF file for llama.cpp) for each row."""
     path = Path(model)
@@ -145,7 +167,7 @@ def main() -> None:
         Path(sys.argv[3]).write_text(json.dumps(_llama_cpp_child(*json.loads(sys.argv[2]))))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default", help="'default', a GGUF file or a Hugging Face Llama folder")
+    ap.add_argument("--model", default="default", help="'default', a GGUF file or a Hugging Face folder")
     ap.add_argument("--gguf", help="the same as --model with a GGUF file")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--prompt-lens", default="200,2000", help="prompt lengths in tokens, comma-separated")
@@ -167,20 +189,7 @@ def main() -> None:
               f"median of {args.repeats}")
         has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
         for label, offload_model, quant, gguf in rows:
-            # the two tools alternate, one run each per repeat: this machine's speed drifts over minutes
-            runner = OffloadRunner(offload_model, quant, prompts, args.decode_tokens)
-            mine: list[list[tuple[float, float]]] = [[] for _ in prompts]
-            theirs: list[list[tuple[float, float]]] = [[] for _ in prompts]
-            for _ in range(args.repeats):
-                torch.set_num_threads(args.threads)
-                for i, ids in enumerate(prompts):
-                    mine[i].append(runner.run(ids))
-                ref_run = bench_llama_cpp(gguf, prompts, args.decode_tokens, args.threads, 1) if has_llama_cpp else None
-                for i, r in enumerate(ref_run or []):
-                    theirs[i].append(r)
-            runner.close()
-            ours = [_medians(m) for m in mine]
-            ref = [_medians(t) for t in theirs] if all(theirs) else None
+            ours, ref = alternate(offload_model, quant, gguf, prompts, args.decode_tokens, args.threads, args.repeats)
             for i, n in enumerate(lengths):
                 pre, dec = ours[i]
                 line = f"offload {label:16s} {n:5d}-token prompt: prefill {pre:8.1f} tok/s, decode {dec:7.1f} tok/s"

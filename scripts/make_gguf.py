@@ -1,6 +1,8 @@
-"""Write a random Llama-shaped GGUF file for benchmarks, quantized by llama.cpp itself (llama-cpp-python).
+"""Write GGUF files for benchmarks as llama.cpp's tools do: random Llama-shaped weights quantized by llama.cpp
+itself (llama-cpp-python), or a Hugging Face folder's weights as an F16 file (write_f16_from_hf: Llama, Mistral,
+Mixtral, Qwen2-MoE and Qwen3-MoE, named and laid out as convert_hf_to_gguf.py writes them).
 
-The weights are random (normal, scaled by 1/sqrt(in)); the tokenizer and chat template are the default model's
+The random weights are normal, scaled by 1/sqrt(in); the tokenizer and chat template are the default model's
 (SmolLM2's, read from its GGUF file), so real prompts tokenize. llama.cpp's own quantizer makes the file
 (`--type Q4_K_M`, `Q5_K_M`, `Q6_K`, `Q8_0`, `Q4_0`...), as users get it from llama-quantize.
 
@@ -25,9 +27,10 @@ SHAPES = {  # name: (hidden, intermediate, layers, heads, kv heads)
 
 
 def _f16_writer(path: Path, name: str, hidden: int, inter: int, layers: int, heads: int, kv: int,
-                context: int = 4096, eps: float = 1e-5, rope_theta: float = 10000.0):
-    """A GGUFWriter for an F16 Llama file with its header and the default model's tokenizer metadata (SmolLM2's
-    vocabulary: the size the caller's embedding must have)."""
+                context: int = 4096, eps: float = 1e-5, rope_theta: float = 10000.0, arch: str = "llama",
+                head_dim: int | None = None, f32: bool = False):
+    """A GGUFWriter for an F16 (or all-F32) file of llama.cpp architecture arch with its header and the default
+    model's tokenizer metadata (SmolLM2's vocabulary: the size the caller's embedding must have)."""
     import gguf
 
     from offload.weights.default_model import find_gguf
@@ -35,7 +38,7 @@ def _f16_writer(path: Path, name: str, hidden: int, inter: int, layers: int, hea
     src = gguf.GGUFReader(find_gguf())
     tokens = [bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in src.fields["tokenizer.ggml.tokens"].data]
     merges = [bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode() for i in src.fields["tokenizer.ggml.merges"].data]
-    w = gguf.GGUFWriter(str(path), "llama")
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_block_count(layers)
     w.add_context_length(context)
@@ -43,10 +46,13 @@ def _f16_writer(path: Path, name: str, hidden: int, inter: int, layers: int, hea
     w.add_feed_forward_length(inter)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
+    if head_dim and head_dim != hidden // heads:  # llama.cpp's default is hidden / heads (Qwen3 differs)
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(eps)
     w.add_rope_freq_base(rope_theta)
     w.add_vocab_size(len(tokens))
-    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32 if f32 else gguf.LlamaFileType.MOSTLY_F16)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("smollm")
     w.add_token_list(tokens)
@@ -103,51 +109,116 @@ def _permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_f16_from_hf(path: Path, folder: Path) -> None:
-    """An F16 GGUF file of a Hugging Face Llama-architecture folder's weights (config.json + safetensors), for
-    llama.cpp to run the same weights. The tokenizer metadata is the default model's (the benchmarks feed token
-    ids): the folder's vocabulary must have its size."""
-    import json
+# offload's architecture -> llama.cpp's (convert_hf_to_gguf.py writes Mistral and Mixtral as llama)
+GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe",
+                      "qwen3_moe": "qwen3moe"}
+# whether llama.cpp's graph renormalises each token's top-k expert weights (hard-coded per architecture there:
+# src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp; none of them reads expert_weights_norm)
+LLAMA_CPP_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
 
+
+def _check_writable(spec, folder: Path) -> None:
+    """Exit with one sentence when llama.cpp would not run the folder's model as transformers does."""
+    arch = spec.architecture
+    if arch not in GGUF_ARCHITECTURES:
+        sys.exit(f"{folder}: a {arch} model cannot be written as GGUF here; this writer takes "
+                 f"{', '.join(GGUF_ARCHITECTURES)} folders")
+    if spec.o_bias or spec.mlp_bias or (spec.qkv_bias and arch != "qwen2_moe"):
+        sys.exit(f"{folder}: attention or MLP biases are not written here; use llama.cpp's convert_hf_to_gguf.py")
+    if spec.rope.type != "default":
+        sys.exit(f"{folder}: rope scaling {spec.rope.type!r} is not written here; use convert_hf_to_gguf.py")
+    if spec.vocab_size != default_vocab_size():
+        sys.exit(f"{folder}: vocabulary of {spec.vocab_size} tokens; the GGUF written here borrows the default "
+                 f"model's tokenizer of {default_vocab_size()}, so pass a GGUF file of this model instead")
+    if spec.moe is None:
+        return
+    if spec.moe.dense_layers:
+        sys.exit(f"{folder}: layers {list(spec.moe.dense_layers)} have a dense MLP (mlp_only_layers / "
+                 f"decoder_sparse_step), which llama.cpp's {GGUF_ARCHITECTURES[arch]} cannot hold; every layer must "
+                 f"be MoE")
+    if spec.moe.norm_topk != LLAMA_CPP_NORM_TOPK[arch]:
+        sys.exit(f"{folder}: norm_topk_prob is {spec.moe.norm_topk} but llama.cpp's {GGUF_ARCHITECTURES[arch]} "
+                 f"always uses {LLAMA_CPP_NORM_TOPK[arch]}; set it to {LLAMA_CPP_NORM_TOPK[arch]} in config.json")
+
+
+def _safetensors_reader(folder: Path):
+    """get(name, dtype) -> numpy array of one tensor of the folder's safetensors files, read when asked for."""
     import torch
     from safetensors import safe_open
 
-    config = json.loads((folder / "config.json").read_text())
-    if config.get("model_type") not in ("llama", "mistral") or config.get("attention_bias") or config.get("mlp_bias"):
-        sys.exit(f"{folder}: only Llama/Mistral-architecture folders without biases can be written as GGUF here")
-    vocab, hidden = config["vocab_size"], config["hidden_size"]
-    if vocab != default_vocab_size():
-        sys.exit(f"{folder}: vocabulary of {vocab} tokens; the GGUF written here borrows the default model's "
-                 f"tokenizer of {default_vocab_size()}, so pass a GGUF file of this model instead")
-    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads", config["num_attention_heads"])
-    tensors = {}
+    where = {}
     for f in sorted(folder.glob("*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            for name in st.keys():
-                tensors[name] = st.get_tensor(name)
+        st = safe_open(str(f), "pt")  # kept open: a MoE model has thousands of expert tensors to read one by one
+        where.update({name: st for name in st.keys()})
 
-    def get(name: str, dtype=np.float16) -> np.ndarray:
-        return tensors[name].to(torch.float32).numpy().astype(dtype)
+    def get(name: str, dtype) -> np.ndarray:
+        return where[name].get_tensor(name).to(torch.float32).numpy().astype(dtype, copy=False)
 
-    rope = config.get("rope_parameters") or {}
-    w = _f16_writer(path, folder.name, hidden, config["intermediate_size"], config["num_hidden_layers"], heads, kv,
-                    config.get("max_position_embeddings", 4096), config.get("rms_norm_eps", 1e-5),
-                    float(rope.get("rope_theta", config.get("rope_theta", 10000.0))))
-    w.add_tensor("token_embd.weight", get("model.embed_tokens.weight"))
-    for i in range(config["num_hidden_layers"]):
-        p, h = f"blk.{i}.", f"model.layers.{i}."
-        w.add_tensor(p + "attn_norm.weight", get(h + "input_layernorm.weight", np.float32))
-        w.add_tensor(p + "attn_q.weight", _permute_rope(get(h + "self_attn.q_proj.weight"), heads))
-        w.add_tensor(p + "attn_k.weight", _permute_rope(get(h + "self_attn.k_proj.weight"), kv))
-        w.add_tensor(p + "attn_v.weight", get(h + "self_attn.v_proj.weight"))
-        w.add_tensor(p + "attn_output.weight", get(h + "self_attn.o_proj.weight"))
-        w.add_tensor(p + "ffn_norm.weight", get(h + "post_attention_layernorm.weight", np.float32))
-        w.add_tensor(p + "ffn_gate.weight", get(h + "mlp.gate_proj.weight"))
-        w.add_tensor(p + "ffn_up.weight", get(h + "mlp.up_proj.weight"))
-        w.add_tensor(p + "ffn_down.weight", get(h + "mlp.down_proj.weight"))
+    return get
+
+
+def _layer_tensors(spec, i: int, get, dtype):
+    """(GGUF name, array) of layer i, named and laid out as convert_hf_to_gguf.py writes them: llama's q/k rows
+    permuted, each MoE layer's experts stacked into [n_experts, out, in] tensors, routers and norms F32."""
+    p, h = f"blk.{i}.", f"model.layers.{i}."
+    permute = GGUF_ARCHITECTURES[spec.architecture] == "llama"
+    yield p + "attn_norm.weight", get(h + "input_layernorm.weight", np.float32)
+    for x, heads in (("q", spec.n_heads), ("k", spec.n_kv_heads), ("v", 0)):
+        w = get(f"{h}self_attn.{x}_proj.weight", dtype)
+        yield f"{p}attn_{x}.weight", _permute_rope(w, heads) if permute and heads else w
+        if spec.qkv_bias:
+            yield f"{p}attn_{x}.bias", get(f"{h}self_attn.{x}_proj.bias", np.float32)
+    if spec.qk_norm:
+        for x in "qk":
+            yield f"{p}attn_{x}_norm.weight", get(f"{h}self_attn.{x}_norm.weight", np.float32)
+    yield p + "attn_output.weight", get(h + "self_attn.o_proj.weight", dtype)
+    yield p + "ffn_norm.weight", get(h + "post_attention_layernorm.weight", np.float32)
+    if not spec.is_moe_layer(i):
+        for x in ("gate", "up", "down"):
+            yield f"{p}ffn_{x}.weight", get(f"{h}mlp.{x}_proj.weight", dtype)
+        return
+    yield p + "ffn_gate_inp.weight", get(spec.router_name(i), np.float32)
+    for k, x in enumerate(("gate", "up", "down")):
+        yield f"{p}ffn_{x}_exps.weight", np.stack([get(spec.expert_names(i, e)[k], dtype)
+                                                  for e in range(spec.moe.n_experts)])
+    if spec.moe.shared_size:
+        yield p + "ffn_gate_inp_shexp.weight", get(h + "mlp.shared_expert_gate.weight", np.float32)
+        for x in ("gate", "up", "down"):
+            yield f"{p}ffn_{x}_shexp.weight", get(f"{h}mlp.shared_expert.{x}_proj.weight", dtype)
+
+
+def _add_moe_keys(w, spec) -> None:
+    """The expert counts and widths llama.cpp reads (Mixtral's expert width is its feed_forward_length)."""
+    w.add_expert_count(spec.moe.n_experts)
+    w.add_expert_used_count(spec.moe.top_k)
+    if spec.architecture != "mixtral":
+        w.add_expert_feed_forward_length(spec.moe.expert_size)
+    if spec.moe.shared_size:
+        w.add_expert_shared_feed_forward_length(spec.moe.shared_size)
+
+
+def write_f16_from_hf(path: Path, folder: Path, f32: bool = False) -> None:
+    """An F16 (f32: all-F32) GGUF file of a Hugging Face folder's weights (config.json + safetensors) as llama.cpp's
+    convert_hf_to_gguf.py writes it, for llama.cpp to run the same weights: Llama, Mistral and Mixtral as llama,
+    Qwen2-MoE as qwen2moe, Qwen3-MoE as qwen3moe. The tokenizer metadata is the default model's (the benchmarks
+    feed token ids): the folder's vocabulary must have its size."""
+    from offload.spec import load_spec
+
+    spec = load_spec(folder)
+    _check_writable(spec, folder)
+    get, dtype = _safetensors_reader(folder), np.float32 if f32 else np.float16
+    w = _f16_writer(path, folder.name, spec.hidden_size, spec.intermediate_size, spec.n_layers, spec.n_heads,
+                    spec.n_kv_heads, spec.max_position_embeddings, spec.rms_norm_eps, spec.rope.theta,
+                    GGUF_ARCHITECTURES[spec.architecture], spec.head_dim, f32)
+    if spec.moe is not None:
+        _add_moe_keys(w, spec)
+    w.add_tensor("token_embd.weight", get("model.embed_tokens.weight", dtype))
+    for i in range(spec.n_layers):
+        for name, array in _layer_tensors(spec, i, get, dtype):
+            w.add_tensor(name, array)
     w.add_tensor("output_norm.weight", get("model.norm.weight", np.float32))
-    head = "lm_head.weight" if "lm_head.weight" in tensors else "model.embed_tokens.weight"
-    w.add_tensor("output.weight", get(head))
+    w.add_tensor("output.weight", get("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight",
+                                      dtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

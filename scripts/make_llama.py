@@ -1,13 +1,17 @@
-"""Write a random Llama-shaped Hugging Face checkpoint (config.json + model.safetensors), for benchmarks.
+"""Write a random Llama-shaped Hugging Face checkpoint (config.json + model.safetensors), for benchmarks; with
+--experts N, a Qwen3-MoE-shaped one (every layer a mixture of N experts of width --intermediate, --top-k per token).
 
-The model is transformers' LlamaForCausalLM built on the meta device (no memory), then filled tensor by tensor,
-in chunks of rows, with normal(0, --std) weights (norms are ones), in the --dtype the file stores. Embeddings
-are untied (tie_word_embeddings false: lm_head.weight is its own tensor). No tokenizer is written: the
-benchmarks feed token ids. The defaults give a ~0.82 B-parameter model, ~1.65 GB in bf16:
+transformers' config class writes config.json; offload's ModelSpec of that config names every tensor the checkpoint
+must hold (routed experts one tensor each, as Hugging Face checkpoints store them), each filled in chunks of rows
+with normal(0, --std) weights (norms are ones), in the --dtype the file stores. Embeddings are untied
+(tie_word_embeddings false: lm_head.weight is its own tensor). No tokenizer is written: the benchmarks feed token
+ids. The defaults give a ~0.82 B-parameter model, ~1.65 GB in bf16:
 
   python scripts/make_llama.py --out /tmp/llama-1.6b
   python scripts/make_llama.py --out /tmp/llama-small --hidden 512 --layers 4 --intermediate 1024 \\
       --heads 8 --kv-heads 4 --vocab 8000
+  python scripts/make_llama.py --out /tmp/moe-1.4b --hidden 1024 --layers 24 --heads 16 --kv-heads 4 \\
+      --experts 64 --top-k 4 --intermediate 256
 """
 
 from __future__ import annotations
@@ -35,7 +39,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--std", type=float, default=0.02, help="standard deviation of the random weights")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--experts", type=int, default=0,
+                    help="routed experts per layer (0: a dense Llama; else a Qwen3-MoE of experts --intermediate wide)")
+    ap.add_argument("--top-k", type=int, default=4, help="experts each token runs (with --experts)")
     args = ap.parse_args(argv)
+    if args.experts and not 1 <= args.top_k <= args.experts:
+        ap.error(f"--top-k must be between 1 and --experts {args.experts}, got {args.top_k}")
     for name in ("hidden", "layers", "intermediate", "heads", "kv_heads", "vocab", "max_position"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be 1 or more, got {getattr(args, name)}")
@@ -60,11 +69,41 @@ def fill(shape, dtype, std: float, gen):
     return out
 
 
+def make_config(args: argparse.Namespace):
+    """The transformers config of the model asked for: Llama, or Qwen3-MoE with every layer a mixture of experts."""
+    from transformers import LlamaConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                  num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+                  max_position_embeddings=args.max_position, tie_word_embeddings=False, initializer_range=args.std,
+                  rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=None)
+    if not args.experts:
+        config = LlamaConfig(**common)
+    else:  # top-k weights renormalised, as Qwen3-30B-A3B does (and llama.cpp's qwen3moe always does)
+        config = Qwen3MoeConfig(**common, head_dim=args.hidden // args.heads, num_experts=args.experts,
+                                num_experts_per_tok=args.top_k, moe_intermediate_size=args.intermediate,
+                                norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[])
+    config.dtype = DTYPES[args.dtype]
+    return config
+
+
+def write_config(config, out: Path, dtype: str) -> dict:
+    """config.json in out; the dict written (with the keys older readers look for)."""
+    config.save_pretrained(out)
+    # older readers (and offload's spec parser, if it predates transformers 5's rope_parameters) look for these
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    cfg.setdefault("torch_dtype", DTYPES[dtype])
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    return cfg
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     import torch
     from safetensors.torch import save_file
-    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from offload.spec import spec_from_config
 
     out = Path(args.out)
     if out.exists() and not out.is_dir():
@@ -72,37 +111,21 @@ def main(argv=None) -> int:
         return 2
     out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, DTYPES[args.dtype])
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
-        max_position_embeddings=args.max_position, tie_word_embeddings=False, initializer_range=args.std,
-        rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, pad_token_id=None)
-    config.dtype = DTYPES[args.dtype]
     t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+    spec = spec_from_config(write_config(make_config(args), out, args.dtype), source=str(out / "config.json"))
     gen = torch.Generator().manual_seed(args.seed)
-    state = {}
-    for name, p in model.state_dict().items():
-        if name.endswith("norm.weight"):
-            state[name] = torch.ones(p.shape, dtype=dtype)
-        else:
-            state[name] = fill(p.shape, dtype, args.std, gen)
+    state = {t.name: torch.ones(t.shape, dtype=dtype) if t.role == "norm" else fill(t.shape, dtype, args.std, gen)
+             for t in spec.tensors()}
     if "lm_head.weight" not in state:  # untied: the checkpoint must hold its own output matrix
-        raise SystemExit("error: transformers tied lm_head to the embeddings despite tie_word_embeddings=False")
+        raise SystemExit("error: the config ties lm_head to the embeddings despite tie_word_embeddings=False")
     n_params = sum(t.numel() for t in state.values())
     model_file = out / "model.safetensors"
     for stale in out.glob("model*.safetensors*"):
         stale.unlink()
     save_file(state, str(model_file), metadata={"format": "pt"})
-    config.save_pretrained(out)
-    # older readers (and offload's spec parser, if it predates transformers 5's rope_parameters) look for these
-    cfg = json.loads((out / "config.json").read_text())
-    cfg.setdefault("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    cfg.setdefault("torch_dtype", DTYPES[args.dtype])
-    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     size = model_file.stat().st_size
-    print(f"wrote {out}: {n_params / 1e6:.1f} M parameters, {args.layers} layers, hidden {args.hidden}, "
+    moe = f", {args.experts} experts of {args.intermediate} ({args.top_k} per token)" if args.experts else ""
+    print(f"wrote {out}: {n_params / 1e6:.1f} M parameters, {args.layers} layers, hidden {args.hidden}{moe}, "
           f"vocab {args.vocab}, {args.dtype}; model.safetensors {size / 1e9:.3f} GB ({size / 2**30:.3f} GiB) "
           f"in {time.perf_counter() - t0:.1f} s")
     return 0

@@ -12,7 +12,11 @@ K_TINY = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden
 ARCH_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+          # mixtures of experts, as transformers 5 names them in memory (the routed experts: see hf_from_gguf)
+          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
+          "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 
 
 def gguf_name(hf: str) -> str:
@@ -27,6 +31,45 @@ def gguf_name(hf: str) -> str:
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """llama.cpp's convert_hf_to_gguf permutation of a llama q or k weight (rows per head interleaved)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """The inverse of permute: GGUF's llama q/k rows back in transformers' order."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def hf_from_gguf(model, path: Path):
+    """A copy of a transformers model holding the weights of the GGUF file at path, dequantized by gguf-py and put
+    back in transformers' layout: llama's q/k rows unpermuted, each layer's stacked experts as transformers 5's
+    fused [E, 2F, D] gate_up_proj and [E, D, F] down_proj. The reference for a file offload reads as stored."""
+    import copy
+
+    import gguf
+    import torch
+
+    reader = gguf.GGUFReader(path)
+    llama = reader.fields["general.architecture"].contents() == "llama"
+    values = {t.name: np.array(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
+              for t in reader.tensors}
+    cfg, ref = model.config, copy.deepcopy(model)
+    state = {}
+    for name, p in ref.state_dict().items():
+        if name == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        if name.endswith("mlp.experts.gate_up_proj"):
+            v = np.concatenate([values[f"blk.{layer}.ffn_gate_exps.weight"],
+                                values[f"blk.{layer}.ffn_up_exps.weight"]], axis=1)
+        elif name.endswith("mlp.experts.down_proj"):
+            v = values[f"blk.{layer}.ffn_down_exps.weight"]
+        else:
+            v = values[gguf_name(name)]
+            if llama and (".q_proj." in name or ".k_proj." in name):
+                v = unpermute(v, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+        state[name] = torch.from_numpy(np.ascontiguousarray(v)).reshape(p.shape)
+    result = ref.load_state_dict(state, strict=False)  # a tied lm_head is the embedding
+    assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys, result
+    return ref
 
 
 def random_blocks(qtype, shape: tuple[int, int], seed: int = 0) -> np.ndarray:

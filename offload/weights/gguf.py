@@ -15,7 +15,7 @@ import json
 import os
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -26,15 +26,23 @@ from offload.spec import ModelSpec, spec_from_config
 from offload.weights.loader import pread_into
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}  # GGUF general.architecture -> ours
+# GGUF general.architecture -> ours (a llama file with experts is Mixtral, as llama.cpp's converter writes it)
+ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen2moe": "qwen2_moe",
+                 "qwen3moe": "qwen3_moe"}
 # GGUF tensor type names -> offload format names (the types offload computes with as stored)
 TENSOR_FORMATS = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
                   "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
-_LAYER_NAMES = {"attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
-                "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
-                "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-                "ffn_down": "mlp.down_proj"}
-_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+# Hugging Face module of a layer -> its GGUF tensor (blk.N.<name>); a MoE layer's routed experts are not here: each
+# expert is a slice of the layer's stacked ffn_{gate,up,down}_exps tensors (see tensor_map)
+_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+                "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+_TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_EXPERT_PROJS = ("gate", "up", "down")  # the order of ModelSpec.expert_names
 TABLE_VERSION = 1  # of the cached metadata/tensor tables (cache_dir()/gguf)
 _TABLES: dict[Path, dict] = {}  # tables read in this process, by their cache path (which names size and mtime)
 LONG_ARRAY = 1024  # metadata arrays longer than this (vocabulary, merges, scores) keep only their length
@@ -49,7 +57,7 @@ def is_gguf(path: str | os.PathLike) -> bool:
 class GGUFTensor:
     """Where one tensor's bytes are: file, offset and size; its GGUF type and its torch shape [out, in]."""
 
-    name: str  # the Hugging Face name
+    name: str  # the GGUF name (an expert's slice of a stacked tensor: name[e])
     path: Path
     offset: int
     n_bytes: int
@@ -194,14 +202,55 @@ def _field_value(field):
     return json.loads(json.dumps(value, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
-def hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face name of a GGUF tensor name (blk.3.attn_q.weight -> model.layers.3.self_attn.q_proj.weight)."""
-    parts = gguf_name.split(".")
-    if parts[0] == "blk" and len(parts) == 4 and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
-    if len(parts) == 2 and parts[0] in _TOP_NAMES:
-        return f"{_TOP_NAMES[parts[0]]}.{parts[1]}"
-    return None
+def gguf_name(hf: str) -> str | None:
+    """The GGUF name of a Hugging Face tensor name (model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight);
+    None for a routed expert's (a slice of a stacked tensor: see tensor_map) or an unknown name."""
+    module, _, suffix = hf.rpartition(".")
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+    if m:
+        short = _LAYER_NAMES.get(m[2])
+        return f"blk.{m[1]}.{short}.{suffix}" if short else None
+    return f"{_TOP_NAMES[module]}.{suffix}" if module in _TOP_NAMES else None
+
+
+def gguf_locations(spec: ModelSpec) -> dict[str, tuple[str | None, int | None]]:
+    """Each tensor of spec by Hugging Face name: the GGUF tensor that holds it, and for a routed expert its index in
+    that layer's stacked [n_experts, out, in] tensor (None: the whole tensor)."""
+    where: dict[str, tuple[str | None, int | None]] = {ts.name: (gguf_name(ts.name), None) for ts in spec.tensors()}
+    for i in range(spec.n_layers):
+        if spec.is_moe_layer(i):
+            for e in range(spec.moe.n_experts):
+                for proj, name in zip(_EXPERT_PROJS, spec.expert_names(i, e)):
+                    where[name] = (f"blk.{i}.ffn_{proj}_exps.weight", e)
+    return where
+
+
+def tensor_map(gf: GGUFFile, spec: ModelSpec) -> dict[str, GGUFTensor]:
+    """Where each tensor of spec is in the file, by Hugging Face name: a GGUF tensor, or for a routed expert its
+    slice of the stacked tensor (contiguous: expert e's rows follow expert e-1's). Tensors the file lacks are left
+    out (check_tensors names them)."""
+    shapes = {ts.name: ts.shape for ts in spec.tensors()}
+    found = {}
+    for hf, (name, expert) in gguf_locations(spec).items():
+        t = gf.tensors.get(name or "")
+        if t is None:
+            continue
+        if expert is not None:
+            t = _expert_slice(t, expert, spec.moe.n_experts)
+        elif len(t.shape) == 1 and shapes[hf] == (1, t.shape[0]):
+            t = replace(t, shape=shapes[hf])  # a [1, D] gate some converters store as [D]: the same bytes
+        found[hf] = t
+    return found
+
+
+def _expert_slice(t: GGUFTensor, e: int, n_experts: int) -> GGUFTensor:
+    """Expert e's [out, in] of a stacked experts tensor; a tensor not shaped [n_experts, out, in] is returned whole
+    under the slice's name, so check_tensors reports its shape."""
+    name = f"{t.name}[{e}]"
+    if len(t.shape) != 3 or t.shape[0] != n_experts or t.n_bytes % n_experts:
+        return replace(t, name=name)
+    n_bytes = t.n_bytes // n_experts
+    return replace(t, name=name, offset=t.offset + e * n_bytes, n_bytes=n_bytes, shape=t.shape[1:])
 
 
 def gguf_config(gf: GGUFFile) -> dict:
@@ -211,7 +260,9 @@ def gguf_config(gf: GGUFFile) -> dict:
         raise WeightsError(f"{gf.path}: GGUF architecture {arch or 'missing'!r} is not supported; offload runs "
                            f"{', '.join(ARCHITECTURES)} models")
     model_type = ARCHITECTURES[arch]
-    if model_type == "llama" and "mistral" in str(gf.get("general.name", "")).lower():
+    if model_type == "llama" and gf.arch_key("expert_count"):
+        model_type = "mixtral"  # llama.cpp stores Mixtral as llama with experts
+    elif model_type == "llama" and "mistral" in str(gf.get("general.name", "")).lower():
         model_type = "mistral"  # llama.cpp stores mistral models as llama
     n_heads = gf.arch_key("attention.head_count")
     hidden = gf.arch_key("embedding_length")
@@ -232,9 +283,11 @@ def gguf_config(gf: GGUFFile) -> dict:
         "tie_word_embeddings": "output.weight" not in gf.tensors,
         "bos_token_id": gf.get("tokenizer.ggml.bos_token_id"),
         "eos_token_id": gf.get("tokenizer.ggml.eos_token_id"),
-        "attention_bias": model_type != "qwen2" and "blk.0.attn_q.bias" in gf.tensors,
+        "attention_bias": model_type not in ("qwen2", "qwen2_moe") and "blk.0.attn_q.bias" in gf.tensors,
+        "qkv_bias": "blk.0.attn_q.bias" in gf.tensors,  # read for qwen2_moe
         "mlp_bias": "blk.0.ffn_up.bias" in gf.tensors,
         "torch_dtype": "float32",
+        **_moe_config(gf, model_type),
     }
     key_length = gf.arch_key("attention.key_length")
     if key_length:
@@ -245,6 +298,30 @@ def gguf_config(gf: GGUFFile) -> dict:
     window = gf.arch_key("attention.sliding_window")
     if window and model_type == "mistral":
         config["sliding_window"] = window
+    return config
+
+
+def _moe_config(gf: GGUFFile, model_type: str) -> dict:
+    """The config.json keys of a Mixtral, Qwen2-MoE or Qwen3-MoE file's experts, as llama.cpp reads its metadata."""
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return {}
+    n_experts, top_k = gf.arch_key("expert_count"), gf.arch_key("expert_used_count")
+    for key, value in (("expert_count", n_experts), ("expert_used_count", top_k)):
+        if not value:
+            raise WeightsError(f"{gf.path}: metadata key {gf.architecture}.{key} is missing or 0, which a "
+                               f"{gf.architecture} mixture of experts needs; convert the model again with llama.cpp")
+    if model_type == "mixtral":  # its feed_forward_length is the expert width; every layer is MoE
+        return {"num_local_experts": n_experts, "num_experts_per_tok": top_k}
+    ff = gf.arch_key("feed_forward_length") or 0
+    config = {"num_experts": n_experts, "num_experts_per_tok": top_k, "decoder_sparse_step": 1, "mlp_only_layers": [],
+              # llama.cpp's defaults where a width is absent (src/models/qwen2moe.cpp, qwen3moe.cpp)
+              "moe_intermediate_size": gf.arch_key("expert_feed_forward_length") or ff // top_k,
+              # llama.cpp's qwen3moe graph always renormalises each token's top-k weights and its qwen2moe graph
+              # never does; neither reads expert_weights_norm, so neither does offload
+              "norm_topk_prob": model_type == "qwen3_moe"}
+    if model_type == "qwen2_moe":
+        config["shared_expert_intermediate_size"] = gf.arch_key("expert_shared_feed_forward_length") or ff
+    config["intermediate_size"] = ff or config["moe_intermediate_size"]  # a dense MLP's width: no layer has one
     return config
 
 
@@ -285,46 +362,33 @@ def _llama3_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
 
 def gguf_spec(gf: GGUFFile) -> ModelSpec:
     """The ModelSpec of a GGUF model, with each tensor's stored format."""
-    config = gguf_config(gf)
-    spec = spec_from_config(config, source=str(gf.path))
-    formats = {}
-    for name, t in gf.tensors.items():
-        hf = hf_name(name)
-        if hf is not None:
-            formats[hf] = t.fmt or t.ggml_type
-    return spec.with_stored_formats(formats)
+    spec = spec_from_config(gguf_config(gf), source=str(gf.path))
+    return spec.with_stored_formats({hf: t.fmt or t.ggml_type for hf, t in tensor_map(gf, spec).items()})
 
 
 def check_tensors(gf: GGUFFile, spec: ModelSpec, requantize: bool) -> None:
     """Every tensor the spec needs is in the file with the right shape and a type offload computes with (or the
     user asked for a quantization, and other types are dequantized and quantized again, with a warning)."""
-    by_hf = {hf_name(n): t for n, t in gf.tensors.items()}
-    odd = []
+    found, where = tensor_map(gf, spec), gguf_locations(spec)
+    odd: dict[str, GGUFTensor] = {}
     for ts in spec.tensors():
-        t = by_hf.get(ts.name)
+        t = found.get(ts.name)
         if t is None:
-            raise WeightsError(f"{gf.path} has no tensor for {ts.name} (GGUF name {_gguf_name(ts.name)}); "
-                               f"the file is incomplete or not a {spec.architecture} model — download it again")
+            name, expert = where[ts.name]
+            what = f"GGUF name {name}" + (f", expert {expert}" if expert is not None else "")
+            raise WeightsError(f"{gf.path} has no tensor for {ts.name} ({what}); the file is incomplete or not a "
+                               f"{spec.architecture} model — download it again")
         if t.shape != ts.shape:
             raise WeightsError(f"tensor {t.name} in {gf.path} has shape {list(t.shape)} but the metadata implies "
                                f"{list(ts.shape)}; the file is corrupt — download it again")
         if t.fmt is None:
-            odd.append(t)
+            odd.setdefault(t.name.split("[")[0], t)  # a stacked experts tensor counts once
     if odd and not requantize:
-        t = odd[0]
+        t = next(iter(odd.values()))
         raise WeightsError(f"tensor {t.name} in {gf.path} is stored as {t.ggml_type}, which offload does not compute "
                            f"with (it reads {', '.join(TENSOR_FORMATS)}); pass a quantization (q8_0 or q4_0) to "
                            f"convert it, or use a file of a supported type")
     if odd:
         warnings.warn(f"{len(odd)} tensors of {gf.path.name} are stored as "
-                      f"{', '.join(sorted({t.ggml_type for t in odd}))}, which offload does not compute with; "
-                      f"they are dequantized and quantized again, which loses some accuracy", stacklevel=3)
-
-
-def _gguf_name(hf: str) -> str:
-    for short, long in {**_LAYER_NAMES, **_TOP_NAMES}.items():
-        if f".{long}." in f".{hf}":
-            layer = re.search(r"layers\.(\d+)\.", hf)
-            suffix = hf.rsplit(".", 1)[1]
-            return f"blk.{layer[1]}.{short}.{suffix}" if layer else f"{short}.{suffix}"
-    return hf
+                      f"{', '.join(sorted({t.ggml_type for t in odd.values()}))}, which offload does not compute "
+                      f"with; they are dequantized and quantized again, which loses some accuracy", stacklevel=3)

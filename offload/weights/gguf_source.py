@@ -2,7 +2,9 @@
 
 Quantized linears keep their file's blocks (q8_0/q4_0 in offload's tiled order, q4_1 and the K-quants as GGUF
 blocks); float linears take the compute dtype; embeddings are dequantized for lookup. With a quantization
-asked for, tensors of another type are dequantized and quantized to it (those already in it are kept).
+asked for, tensors of another type are dequantized and quantized to it (those already in it are kept). A MoE
+layer's routed experts are read each from its slice of the layer's stacked experts tensors, which is a tensor of
+its own in every respect (contiguous rows of whole blocks), so disk units read it straight from the file too.
 """
 
 from __future__ import annotations
@@ -14,10 +16,11 @@ import torch
 
 from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK, is_quantized
 from offload.model.llama import LayerWeights, StackedWeight
+from offload.model.moe import ExpertWeights
 from offload.spec import ModelSpec, UnitSpec
 from offload.weights.extents import Extent, unit_extents
-from offload.weights.sources import unit_tensor_names
-from offload.weights.gguf import GGUFFile, GGUFTensor, check_tensors, hf_name
+from offload.weights.gguf import GGUFFile, GGUFTensor, check_tensors, tensor_map
+from offload.weights.sources import LINEAR_FIELDS, expert_tensor_names, layer_tensor_names, unit_tensor_names
 
 log = logging.getLogger(__name__)
 _FLOAT_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
@@ -29,8 +32,9 @@ class GGUFSource:
     def __init__(self, gf: GGUFFile, spec: ModelSpec, dtype: torch.dtype, quantization: str = "none"):
         check_tensors(gf, spec, requantize=quantization != "none")
         self.gf, self.spec, self.dtype, self.quantization = gf, spec, dtype, quantization
-        self.by_name: dict[str, GGUFTensor] = {hf_name(n): t for n, t in gf.tensors.items() if hf_name(n)}
-        self.unpermute = spec.architecture in ("llama", "mistral")  # llama.cpp permutes llama's q and k rows
+        self.by_name: dict[str, GGUFTensor] = tensor_map(gf, spec)  # an expert's entry: its slice of the stack
+        # llama.cpp permutes the q and k rows of the models it stores as llama (Mixtral too)
+        self.unpermute = spec.architecture in ("llama", "mistral", "mixtral")
         if quantization != "none":
             other = sorted({t.fmt for t in self.by_name.values() if t.fmt and t.fmt != quantization
                             and t.fmt not in FLOAT_FORMATS})
@@ -39,27 +43,33 @@ class GGUFSource:
                          f"(quantization 'none' keeps them as stored)")
 
     def load(self, unit: UnitSpec):
-        """LayerWeights for a layer; a tensor for embed and norm; a weight for the lm_head."""
+        """LayerWeights for a layer; ExpertWeights for experts; a tensor for embed and norm; a weight for the
+        lm_head."""
         if unit.kind == "layer":
             return self._layer(unit.index)
+        if unit.kind == "experts":
+            return self._experts(unit.index)
         name = unit.tensors[0].name
         return self.linear(name) if unit.kind == "lm_head" else self.dense(name).contiguous()
 
     def _layer(self, i: int) -> LayerWeights:
-        p, s = f"model.layers.{i}.", self.spec
-        qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
-        gate_up = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
+        def field(name: str, group: tuple[str, ...] | None):
+            if group is None:
+                return None
+            if name in LINEAR_FIELDS:
+                return stack([self.linear(n) for n in group])
+            parts = [self.dense(n) for n in group]  # a norm, a gate, or biases fused like their weights
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-        def bias(names: list[str], present: bool):
-            return torch.cat([self.dense(n + ".bias") for n in names]) if present else None
+        return LayerWeights(**{name: field(name, group) for name, group in layer_tensor_names(self.spec, i).items()})
 
-        return LayerWeights(
-            attn_norm=self.dense(p + "input_layernorm.weight"),
-            qkv=stack([self.linear(n + ".weight") for n in qkv]), qkv_bias=bias(qkv, s.qkv_bias),
-            o=self.linear(p + "self_attn.o_proj.weight"), o_bias=bias([p + "self_attn.o_proj"], s.o_bias),
-            mlp_norm=self.dense(p + "post_attention_layernorm.weight"),
-            gate_up=stack([self.linear(n + ".weight") for n in gate_up]), gate_up_bias=bias(gate_up, s.mlp_bias),
-            down=self.linear(p + "mlp.down_proj.weight"), down_bias=bias([p + "mlp.down_proj"], s.mlp_bias))
+    def _experts(self, i: int) -> ExpertWeights:
+        """The router (compute dtype, as stored in F32 by llama.cpp's converter) and each expert's fused gate|up
+        and down, read from its slice of the stacked tensors."""
+        names, n = expert_tensor_names(self.spec, i), self.spec.moe.n_experts
+        return ExpertWeights(self.dense(names["router"][0]).contiguous(),
+                             tuple(stack([self.linear(t) for t in names[f"gate_up#{e}"]]) for e in range(n)),
+                             tuple(self.linear(names[f"down#{e}"][0]) for e in range(n)))
 
     def extents(self, unit: UnitSpec, layout) -> tuple[Extent, ...] | None:
         """Where the unit's buffer (layout) sits in the GGUF file: entries kept as GGUF blocks (q4_1, K-quants) or
