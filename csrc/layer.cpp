@@ -374,9 +374,65 @@ void run_expert(const ExpertsArgs& e, int64_t x, const int64_t* pairs, int64_t c
 
 constexpr int64_t kFewTokens = 4;  // experts with at most this many tokens each run side by side, one per thread
 
+float dot_ref(const float* a, const float* b, int64_t n) {
+  float s = 0.f;
+  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
+  float s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  return s + dot_ref(a + i, b + i, n - i);
+}
+
+// The router's choice for each token: its top_k experts by h . router^T (ties: the lower index) and their softmax
+// weights, over all experts or, with norm_topk, over the top_k alone (the same numbers: p_j / sum of the top p).
+void route_tokens(const ExpertsArgs& e, int64_t* ids, float* weights) {
+  const int64_t E = e.n_experts, K = e.top_k, D = e.D;
+#pragma omp parallel for num_threads(e.nthreads) if (e.nthreads > 1 && e.N * E * D >= (int64_t(1) << 20))
+  for (int64_t n = 0; n < e.N; ++n) {
+    std::vector<float> logits(static_cast<size_t>(E));
+    const float* h = e.x + n * 2 * D + D;
+    for (int64_t x = 0; x < E; ++x)
+      logits[size_t(x)] = e.path == P_SCALAR ? dot_ref(h, e.router + x * D, D) : dot_avx2(h, e.router + x * D, D);
+    const float top = *std::max_element(logits.begin(), logits.end());
+    double total = 0.0;
+    for (float l : logits) total += std::exp(double(l - top));
+    std::vector<int64_t> order(static_cast<size_t>(E));
+    for (int64_t x = 0; x < E; ++x) order[size_t(x)] = x;
+    std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int64_t a, int64_t b) {
+      return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    });
+    double kept = 0.0;
+    for (int64_t j = 0; j < K; ++j) kept += std::exp(double(logits[size_t(order[size_t(j)])] - top));
+    for (int64_t j = 0; j < K; ++j) {
+      ids[n * K + j] = order[size_t(j)];
+      weights[n * K + j] = float(std::exp(double(logits[size_t(order[size_t(j)])] - top)) / (e.norm_topk ? kept : total));
+    }
+  }
+}
+
 }  // namespace
 
-void experts_forward(const ExpertsArgs& e) {
+void experts_forward(const ExpertsArgs& args) {
+  ExpertsArgs e = args;
+  std::vector<int64_t> routed_ids;
+  std::vector<float> routed_weights;
+  if (e.ids == nullptr) {
+    routed_ids.resize(size_t(e.N * e.top_k));
+    routed_weights.resize(size_t(e.N * e.top_k));
+    route_tokens(e, routed_ids.data(), routed_weights.data());
+    e.ids = routed_ids.data();
+    e.weights = routed_weights.data();
+  }
   const int64_t N = e.N, D = e.D, K = e.top_k;
   // counting sort of the (token, slot) pairs by expert: expert x's pairs are order[start[x] .. start[x + 1])
   std::vector<int64_t> start(size_t(e.n_experts + 1), 0), order(size_t(N * K));

@@ -55,14 +55,17 @@ struct LayerArgs {
 // the shared expert's (if any) and out gets [residual | rms_norm(residual before it)] for the routed experts.
 void layer_forward(const LayerArgs& a);
 
-// The routed experts of a MoE layer (moe.cpp): out [N, D] = x[:, :D] + sum over each token's top_k experts of
-// weight * down(silu(gate(h)) * up(h)), h = x[:, D:], for x [N, 2D]; ids / weights [N, top_k] are the router's
-// choice (made by the caller). Each expert runs once over the tokens routed to it.
+// The routed experts of a MoE layer: out [N, D] = x[:, :D] + sum over each token's top_k experts of
+// weight * down(silu(gate(h)) * up(h)), h = x[:, D:], for x [N, 2D]. The router's choice is ids / weights
+// [N, top_k] when given, else made here from the fp32 router [n_experts, D]: softmax over h . router^T, the
+// top_k (renormalised to sum 1 with norm_topk). Each expert runs once over the tokens routed to it.
 struct ExpertsArgs {
   int path, nthreads;
   int64_t n_experts, top_k, D, F;
   const std::vector<LinearArg>* gate_up;  // per expert [2F, D], rows gate | up
   const std::vector<LinearArg>* down;     // per expert [D, F]
+  const float* router;                    // [n_experts, D], used when ids is null
+  int norm_topk;
   int64_t N;
   const float* x;
   const int64_t* ids;

@@ -87,13 +87,15 @@ FusedWeights make_weights(const std::tuple<int64_t, int64_t, int64_t, int64_t, f
 struct FusedExperts {
   int64_t n_experts, top_k, D, F;
   std::vector<LinearArg> gate_up, down;
+  const float* router;  // [n_experts, D] fp32; null: the caller routes
+  int norm_topk;
 };
 
 FusedExperts make_experts(int64_t top_k, const std::vector<std::vector<LinearTuple>>& gate_up,
-                          const std::vector<std::vector<LinearTuple>>& down) {
+                          const std::vector<std::vector<LinearTuple>>& down, uintptr_t router, int norm_topk) {
   if (gate_up.empty() || gate_up.size() != down.size() || top_k < 1 || top_k > int64_t(gate_up.size()))
     throw std::invalid_argument("offload fused experts: one gate_up and one down per expert, 1 <= top_k <= experts");
-  FusedExperts e{int64_t(gate_up.size()), top_k, 0, 0, {}, {}};
+  FusedExperts e{int64_t(gate_up.size()), top_k, 0, 0, {}, {}, ptr<float>(router), norm_topk};
   for (size_t x = 0; x < gate_up.size(); ++x) {
     e.gate_up.push_back(to_stacked(gate_up[x]));
     e.down.push_back(to_stacked(down[x]));
@@ -110,10 +112,12 @@ void experts(const FusedExperts& w, int path, int nthreads, int64_t N, uintptr_t
   if (path < P_SCALAR || path > P_AVX512 || N < 1)
     throw std::invalid_argument("offload fused experts: bad kernel path id or token count");
   const int64_t* id = ptr<int64_t>(ids);
-  for (int64_t j = 0; j < N * w.top_k; ++j)
+  if (id == nullptr && w.router == nullptr)
+    throw std::invalid_argument("offload fused experts: no router and no expert ids; pass the router's choice");
+  for (int64_t j = 0; id != nullptr && j < N * w.top_k; ++j)
     if (id[j] < 0 || id[j] >= w.n_experts) throw std::invalid_argument("offload fused experts: expert id out of range");
-  ExpertsArgs a{path, nthreads < 1 ? 1 : nthreads, w.n_experts, w.top_k, w.D, w.F, &w.gate_up, &w.down, N,
-                ptr<float>(x), id, ptr<float>(weights), reinterpret_cast<float*>(out)};
+  ExpertsArgs a{path, nthreads < 1 ? 1 : nthreads, w.n_experts, w.top_k, w.D, w.F, &w.gate_up, &w.down, w.router,
+                w.norm_topk, N, ptr<float>(x), id, ptr<float>(weights), reinterpret_cast<float*>(out)};
   experts_forward(a);
 }
 
@@ -156,10 +160,11 @@ void bind_layer(py::module_& m) {
         "blocks of a stacked linear; (q_norm, k_norm, shared_gate, moe))");
   py::class_<FusedExperts>(m, "FusedExperts", "one MoE layer's routed experts' packed weights, as raw pointers");
   m.def("fused_experts", &make_experts,
-        "fused_experts(top_k, [[(fmt, qs, d, bias, M, K), ...] per expert] for gate_up, the same for down)");
+        "fused_experts(top_k, [[(fmt, qs, d, bias, M, K), ...] per expert] for gate_up, the same for down, router "
+        "[n_experts, D] fp32 or 0, norm_topk)");
   m.def("experts_forward", &experts, py::call_guard<py::gil_scoped_release>(),
         "experts_forward(experts, path, nthreads, N, x [N, 2D], ids [N, k] int64, weights [N, k] fp32, out [N, D]): "
-        "raw pointers, see offload/kernels/layer.py");
+        "raw pointers (ids and weights 0: routed by the experts' router), see offload/kernels/layer.py");
   m.def("layer_forward", &forward, py::call_guard<py::gil_scoped_release>(),
         "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, k_cache, v_cache): raw pointers, "
         "see offload/kernels/layer.py");

@@ -13,7 +13,7 @@ import torch
 import offload.kernels.layer as fused
 from offload.kernels import ACTIVE_PATH, pack
 from offload.model.llama import LayerKV, LayerWeights, layer_forward, make_step
-from offload.model.moe import ExpertWeights, experts_forward, route_hidden
+from offload.model.moe import ExpertWeights, experts_forward
 from offload.spec import spec_from_config
 
 pytestmark = pytest.mark.skipif(not fused.HAS_MOE, reason=f"fused MoE needs the C++ extension ({ACTIVE_PATH})")
@@ -93,7 +93,7 @@ def test_experts_match_reference(n_tokens, fmt, path):
         w = _experts(spec, fmt)
         handle = fused.fuse_experts(spec.moe, w)
         x = torch.randn(n_tokens, 2 * spec.hidden_size, generator=torch.Generator().manual_seed(n_tokens))
-        ours = fused.fused_experts_forward(handle, x, *route_hidden(spec.moe, w, x), path)
+        ours = fused.fused_experts_forward(handle, x, path)
         _close(ours, experts_forward(spec.moe, w, x), fmt)
 
 

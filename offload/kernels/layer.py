@@ -98,7 +98,9 @@ def fuse_experts(moe, w) -> FusedExperts | None:
         return None
     gate_up = [_linear_tuple(m, None, f"expert {e} gate_up") for e, m in enumerate(w.gate_up)]
     down = [_linear_tuple(m, None, f"expert {e} down") for e, m in enumerate(w.down)]
-    return FusedExperts(w, _C.fused_experts(moe.top_k, gate_up, down))
+    if tuple(w.router.shape) != (moe.n_experts, gate_up[0][0][5]):
+        raise KernelError(f"fused experts: the router must be [{moe.n_experts}, hidden], got {list(w.router.shape)}")
+    return FusedExperts(w, _C.fused_experts(moe.top_k, gate_up, down, w.router.data_ptr(), int(moe.norm_topk)))
 
 
 def fuse_mlp(w) -> FusedExperts | None:
@@ -106,7 +108,7 @@ def fuse_mlp(w) -> FusedExperts | None:
     where it does not suit it (float weights, biases)."""
     if not HAS_MOE or w.gate_up_bias is not None or w.down_bias is not None or not (_packed(w.gate_up) and _packed(w.down)):
         return None
-    view = _C.fused_experts(1, [_linear_tuple(w.gate_up, None, "gate_up")], [_linear_tuple(w.down, None, "down")])
+    view = _C.fused_experts(1, [_linear_tuple(w.gate_up, None, "gate_up")], [_linear_tuple(w.down, None, "down")], 0, 0)
     return FusedExperts(w, view)
 
 
@@ -121,18 +123,15 @@ def fused_mlp_forward(mlp: FusedExperts, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def fused_experts_forward(experts: FusedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                          path: str | None = None) -> torch.Tensor:
-    """offload.model.moe.experts_forward's experts in one C++ call, for the router's choice (weights fp32 and ids
-    int64, [tokens, top_k]): x [..., 2D] fp32 (residual | normed h) -> [..., D]. path: a kernel path of PATH_IDS
-    (tests compare them), else the active one."""
+def fused_experts_forward(experts: FusedExperts, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
+    """offload.model.moe.experts_forward in one C++ call, the router's choice included: x [..., 2D] fp32
+    (residual | normed h) -> [..., D]. path: a kernel path of PATH_IDS (tests compare them), else the active one."""
     d = x.shape[-1] // 2
     x = x.contiguous()
-    weights, ids = weights.float().contiguous(), ids.contiguous()
     out = x.new_empty(*x.shape[:-1], d)
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
-    _C.experts_forward(experts.view, path_id, torch.get_num_threads(), x.numel() // (2 * d), x.data_ptr(),
-                       ids.data_ptr(), weights.data_ptr(), out.data_ptr())
+    _C.experts_forward(experts.view, path_id, torch.get_num_threads(), x.numel() // (2 * d), x.data_ptr(), 0, 0,
+                       out.data_ptr())
     return out
 
 

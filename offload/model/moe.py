@@ -33,12 +33,6 @@ def route(moe: MoESpec, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return weights, ids
 
 
-def route_hidden(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """route() of the normed half of x [..., 2D] (residual | normed h): (weights [T, k] fp32, ids [T, k])."""
-    d = x.shape[-1] // 2
-    return route(moe, linear(x[..., d:].reshape(-1, d), w.router, None))
-
-
 def expert_groups(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list[int]]:
     """(order, counts): the (token, slot) pairs of ids [T, k] flattened and sorted by expert, stable, and how many
     each expert has; expert e's pairs are order[sum(counts[:e]) : sum(counts[:e + 1])]."""

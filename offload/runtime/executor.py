@@ -27,7 +27,6 @@ import torch
 from offload.errors import PlanError
 from offload.kernels import layer as fused
 from offload.model.llama import LayerKV, Step, layer_forward, make_step
-from offload.model.moe import route_hidden
 from offload.model.units import unit_forward
 from offload.planner.costs import read_ahead_bytes
 from offload.planner.placement import Placement
@@ -441,7 +440,7 @@ class PlacedModel:
             if handle is not None:
                 if kind == "mlp":
                     return fused.fused_mlp_forward(handle, x)
-                return fused.fused_experts_forward(handle, x, *route_hidden(self.spec.moe, w, x))
+                return fused.fused_experts_forward(handle, x)
         if kind != "layer":
             return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
         return self._layer(x, name, w, step, cache[index], steps, on_device)
