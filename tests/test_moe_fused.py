@@ -109,3 +109,22 @@ def test_experts_reject_bad_ids_and_float_weights():
     with pytest.raises(ValueError, match="expert id out of range"):
         fused._C.experts_forward(handle.view, 0, 1, 2, x.data_ptr(), ids.data_ptr(),
                                  torch.ones(2, 3).data_ptr(), out.data_ptr())
+
+
+def test_units_out_of_model_order_are_refused():
+    """Experts take the hand-over of the attention part just before them: a chain that feeds them plain hidden
+    states (or feeds a layer the hand-over) is refused, not computed on garbage."""
+    from offload.errors import KernelError
+
+    spec = _spec("mixtral")
+    layer = fused.fuse_layer(spec, _attention_part(spec, "q4_0"), moe=True)
+    experts = fused.fuse_experts(spec.moe, _experts(spec, "q4_0"))
+    step = make_step(spec, torch.float32, torch.arange(3)[None], torch.ones(1, 3, dtype=torch.bool), MAX_LEN)
+    kv = LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
+    view = fused.kv_view(kv)
+    table = fused.step_table(spec, step, view)
+    x = torch.randn(1, 3, spec.hidden_size)
+    assert fused.fused_layers_forward([layer, experts], x, table, [view, None]).shape == x.shape
+    for units, views in (([experts], [None]), ([layer, layer], [view, view]), ([experts, layer], [None, view])):
+        with pytest.raises(KernelError, match="hand-over"):
+            fused.fused_layers_forward(units, x, table, views)

@@ -39,7 +39,7 @@ class FusedLayer:
 class FusedExperts:
     """One MoE layer's routed experts as the C++ code reads them; holds the weights so they stay valid."""
 
-    weights: object  # the ExpertWeights
+    weights: object  # the ExpertWeights (a split-off MLP: its MLPWeights and a one-expert router), kept alive
     view: object  # _C.fused_experts(...)
 
 
@@ -104,23 +104,15 @@ def fuse_experts(moe, w) -> FusedExperts | None:
 
 
 def fuse_mlp(w) -> FusedExperts | None:
-    """The C++ view of a split-off dense MLP (MLPWeights) as one expert every token takes with weight 1, or None
-    where it does not suit it (float weights, biases)."""
+    """The C++ view of a split-off dense MLP (MLPWeights) as one expert every token takes (a router of one zero
+    row: softmax gives it weight exactly 1), or None where it does not suit it (float weights, biases). Run it with
+    fused_experts_forward."""
     if not HAS_MOE or w.gate_up_bias is not None or w.down_bias is not None or not (_packed(w.gate_up) and _packed(w.down)):
         return None
-    view = _C.fused_experts(1, [_linear_tuple(w.gate_up, None, "gate_up")], [_linear_tuple(w.down, None, "down")], 0, 0)
-    return FusedExperts(w, view)
-
-
-def fused_mlp_forward(mlp: FusedExperts, x: torch.Tensor) -> torch.Tensor:
-    """offload.model.llama.mlp_forward in C++: x [..., 2D] fp32 (residual | normed h) -> [..., D]."""
-    x = x.contiguous()
-    n, d = x.numel() // x.shape[-1], x.shape[-1] // 2
-    ids, weights = torch.zeros(n, 1, dtype=torch.long), torch.ones(n, 1)
-    out = x.new_empty(*x.shape[:-1], d)
-    _C.experts_forward(mlp.view, ACTIVE_PATH_ID, torch.get_num_threads(), n, x.data_ptr(), ids.data_ptr(),
-                       weights.data_ptr(), out.data_ptr())
-    return out
+    router = torch.zeros(1, w.gate_up.shape[1])
+    view = _C.fused_experts(1, [_linear_tuple(w.gate_up, None, "gate_up")], [_linear_tuple(w.down, None, "down")],
+                            router.data_ptr(), 1)
+    return FusedExperts((w, router), view)
 
 
 def fused_experts_forward(experts: FusedExperts, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
@@ -156,41 +148,55 @@ def fused_layer_forward(spec, w, x: torch.Tensor, step, kv) -> torch.Tensor:
     return fused_layers_forward([layer], x, step_table(spec, step, view), [view])
 
 
-def fused_layers_forward(layers: list[FusedLayer], x: torch.Tensor, table: StepTable, views: list[KVView],
+def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views: list,
                          ends: list[float] | None = None) -> torch.Tensor:
-    """Consecutive fused layers with their caches: x [B, S, D] fp32 -> [B, S, D]; appends K, V to each cache.
+    """Consecutive fused units with their caches: x [B, S, D] fp32 -> [B, S, D]; appends K, V to each cache.
 
-    Everything per layer but the C++ call is done before the first one: the layers stream megabytes of weights
-    through the CPU caches, so Python run between two of them runs cold and costs several times its usual time.
-    Appends each layer's end time (time.perf_counter) to ends if given, for the timeline.
+    layers: FusedLayer (dense layers, or a MoE layer's attention part, which hands over [B, S, 2D]) and
+    FusedExperts (its routed experts, or a split-off MLP, taking that hand-over), with views[j] the KV cache of a
+    layer and None for experts. Everything per unit but the C++ call is done before the first one: the units
+    stream megabytes of weights through the CPU caches, so Python run between two of them runs cold and costs
+    several times its usual time. Appends each unit's end time (time.perf_counter) to ends if given, for the
+    timeline.
     """
     if len(layers) != len(views):
         raise KernelError(f"fused layers: {len(layers)} layers but {len(views)} KV caches; pass one cache per layer")
     if not layers:
         return x
-    b, s, d = x.shape
+    b, s, width = x.shape
     if table.tokens.shape[0] != b * s:
-        raise KernelError(f"fused layer: hidden states [{b}, {s}, {d}] do not match the step's token table of "
+        raise KernelError(f"fused layer: hidden states [{b}, {s}, {width}] do not match the step's token table of "
                           f"{table.tokens.shape[0]} tokens; build the table for this step")
-    if any((v.n_rows, v.n_slots) != table.key for v in views):
-        raise KernelError(f"fused layers: KV caches of shapes {[list(v.kv.k.shape) for v in views]} do not match the "
-                          f"step table's {list(table.key)}; make every layer's cache with the same batch and max_len")
+    kinds = [isinstance(u, FusedExperts) for u in layers]
+    if any((v is None) != e or (v is not None and (v.n_rows, v.n_slots) != table.key) for v, e in zip(views, kinds)):
+        raise KernelError(f"fused layers: KV caches of shapes {[list(v.kv.k.shape) for v in views if v]} do not "
+                          f"match the step table's {list(table.key)}, or a layer has none; make every layer's cache "
+                          f"with the same batch and max_len")
+    d = width // 2 if kinds[0] else width
+    wide = [not e and u.moe for u, e in zip(layers, kinds)]  # the units that hand over [.., 2D]
+    if [False] + wide[:-1] != [kinds[0]] + kinds[1:] or (kinds[0] and width != 2 * d):
+        raise KernelError("fused layers: experts (or a split-off MLP) take the hand-over of the attention part "
+                          "just before them, and only they do; pass the units in model order")
     x = x.contiguous()
-    if any(layer.moe for layer in layers[:-1]):
-        raise KernelError("fused layers: a MoE layer's attention part hands over to its experts; run it last")
-    outs = [torch.empty_like(x) for _ in range(min(len(layers), 2))]  # layer j writes outs[j % 2]
-    if layers[-1].moe:  # residual | normed h for the experts
-        outs[(len(layers) - 1) % 2] = x.new_empty(b, s, 2 * d)
-    out_ptrs = [t.data_ptr() for t in outs]
-    n_tokens, n_threads, x_ptr = b * s, torch.get_num_threads(), x.data_ptr()
+    n_tokens, n_threads = b * s, torch.get_num_threads()
+    # narrow outputs alternate (a unit never writes what it reads); the one wide buffer is read by the next unit
+    outs = {False: [x.new_empty(b, s, d) for _ in range(2)], True: [x.new_empty(b, s, 2 * d)]}
     ptrs = (table.cos.data_ptr(), table.sin.data_ptr(), table.tokens.data_ptr())
-    for j, (layer, view) in enumerate(zip(layers, views)):
-        _C.layer_forward(layer.view, ACTIVE_PATH_ID, n_threads, n_tokens, x_ptr, out_ptrs[j % 2], *ptrs, view.k_ptr,
-                         view.v_ptr)
-        x_ptr = out_ptrs[j % 2]
+    calls, out = [], x
+    for j, (unit, view) in enumerate(zip(layers, views)):
+        target = outs[wide[j]][j % 2 if not wide[j] else 0]
+        if kinds[j]:
+            calls.append((_C.experts_forward, (unit.view, ACTIVE_PATH_ID, n_threads, n_tokens, out.data_ptr(), 0, 0,
+                                               target.data_ptr())))
+        else:
+            calls.append((_C.layer_forward, (unit.view, ACTIVE_PATH_ID, n_threads, n_tokens, out.data_ptr(),
+                                             target.data_ptr(), *ptrs, view.k_ptr, view.v_ptr)))
+        out = target
+    for call, args in calls:
+        call(*args)
         if ends is not None:
             ends.append(time.perf_counter())
-    return outs[(len(layers) - 1) % 2]
+    return out
 
 
 def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, path: str | None = None) -> torch.Tensor:

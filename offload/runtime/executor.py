@@ -400,10 +400,13 @@ class PlacedModel:
         """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one (a
         MoE model's layers and experts units alternate: one by one, each through its own C++ call where it can)."""
         layers = [self.fused_layers.get(n) for n in names]
-        dense = all(kv is not None for kv in kvs)
-        views = self._fused_views(kvs, x) if self.fuse and dense and all(layers) else None
-        if views is not None and len(self._chunks(x, step)) == 1:
-            return fused.fused_layers_forward(layers, x, self._step_table(step, views[0], steps), views, ends)
+        caches = [kv for kv in kvs if kv is not None]
+        views = self._fused_views(caches, x) if self.fuse and caches and all(layers) else None
+        if views is not None and len(self._chunks(x, step)) == 1:  # every unit one C++ call, back to back
+            views = iter(views)
+            views = [next(views) if kv is not None else None for kv in kvs]
+            table = self._step_table(step, next(v for v in views if v is not None), steps)
+            return fused.fused_layers_forward(layers, x, table, views, ends)
         for name, kv in zip(names, kvs):
             w = self.host_weights[name]
             x = self._layer(x, name, w, step, kv, steps, False) if kv is not None else \
@@ -438,8 +441,6 @@ class PlacedModel:
         if kind in ("experts", "mlp") and not on_device and self.fuse and x.dtype == torch.float32:
             handle = self.fused_layers.get(name) or self._fused_handle(name, w)  # read from disk: made for this use
             if handle is not None:
-                if kind == "mlp":
-                    return fused.fused_mlp_forward(handle, x)
                 return fused.fused_experts_forward(handle, x)
         if kind != "layer":
             return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
