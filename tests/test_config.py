@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import yaml
@@ -176,3 +177,61 @@ def test_a_plot_without_matplotlib_is_refused_before_anything_runs(job, monkeypa
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a))
     with pytest.raises(ConfigError, match=r"offload\[plot\]"):
         load_config(job(report={"plot": "out/t.png"}))
+
+
+# engine: ray and its distributed section: each bad value is one sentence naming its key
+RAY_MISTAKES = {
+    "address": ({"address": "head-node"}, "key 'distributed.address': expected 'auto' (a running cluster), 'local' "
+                                          "(one started for this job) or HOST:PORT such as 10.0.0.5:6379, found "
+                                          "'head-node'"),
+    "replicas": ({"replicas": 0}, "key 'distributed.replicas': expected a value >= 1, found 0"),
+    "cpus": ({"cpus_per_replica": 0}, "key 'distributed.cpus_per_replica': expected a value > 0.0, found 0"),
+    "gpus": ({"gpus_per_replica": "one"}, "key 'distributed.gpus_per_replica': expected a number, found 'one'"),
+    "shard": ({"shard_size": -4}, "key 'distributed.shard_size': expected a value >= 1, found -4"),
+    "unknown": ({"workers": 4}, "unknown key 'distributed.workers'; known keys: address, replicas"),
+}
+
+
+@pytest.mark.parametrize("name", RAY_MISTAKES)
+def test_a_bad_distributed_value_names_its_key(job, name):
+    section, message = RAY_MISTAKES[name]
+    with pytest.raises(ConfigError) as e:
+        load_config(job(engine="ray", distributed=section))
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_engine_and_ray_addresses(job):
+    assert load_config(job()).engine == "local"
+    for address in ("auto", "local", "10.0.0.5:6379", "head.cluster:6379", "[::1]:6379"):
+        config = load_config(job(engine="ray", distributed={"address": address, "replicas": 2}))
+        assert (config.engine, config.distributed.address, config.distributed.replicas) == ("ray", address, 2)
+    with pytest.raises(ConfigError, match="key 'engine': expected one of 'local' or 'ray', found 'spark'"):
+        load_config(job(engine="spark"))
+    with pytest.raises(ConfigError, match="key 'distributed.address': .* found 'ray://head:10001'"):
+        load_config(job(engine="ray", distributed={"address": "ray://head:10001"}))  # Ray Client: not supported
+
+
+def test_ray_flag_sets_the_engine_and_the_address(job):
+    from offload.cli.job_flags import effective_config
+    from offload.cli.main import build_parser
+
+    path = job(distributed={"address": "10.0.0.5:6379"})
+    plain = effective_config(build_parser().parse_args(["run", str(path), "--ray"]))
+    assert (plain.engine, plain.distributed.address) == ("ray", "10.0.0.5:6379")
+    given = effective_config(build_parser().parse_args(["run", str(path), "--ray", "local"]))
+    assert (given.engine, given.distributed.address) == ("ray", "local")
+    code, message = validate(path, "--ray", "nowhere")
+    assert code == 2 and "key 'distributed.address'" in message and "found 'nowhere'" in message
+    with pytest.raises(ConfigError, match=r"--ray took .*job.yaml', a file, as the Ray address; put the config file "
+                                          r"first"):
+        effective_config(build_parser().parse_args(["run", "--ray", str(path)]))
+
+
+def test_engine_ray_without_ray_names_the_extra(job, monkeypatch):
+    """Without ray installed (an import of it fails), engine: ray is refused before anything runs, naming the extra."""
+    monkeypatch.setitem(sys.modules, "ray", None)
+    with pytest.raises(ConfigError, match=r"key 'engine': running on Ray needs the ray package, which is not "
+                                          r"installed; install it with `pip install 'offload\[ray\]'`"):
+        load_config(job(engine="ray"))
+    code, message = validate(job(), "--ray")
+    assert code == 2 and "offload[ray]" in message and "Traceback" not in message

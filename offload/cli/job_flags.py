@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 # Flag (argparse dest) -> the config key it overrides; flags beat the file, which beats the defaults.
 OVERRIDES = {
     "model": "model.path", "quantization": "model.quantization", "dtype": "model.dtype",
@@ -13,6 +15,9 @@ OVERRIDES = {
     "prefill_chunk_tokens": "schedule.prefill_chunk_tokens",
     "report": "report.path", "trace": "report.trace", "plot": "report.plot",
 }
+
+
+RAY_CONFIG_ADDRESS = "from-config"  # --ray given without an address
 
 
 def add_plan_flags(p) -> None:
@@ -46,6 +51,9 @@ def add_job_flags(p) -> None:
     p.add_argument("--report", help="report JSON path (report.path)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here (report.trace)")
     p.add_argument("--plot", help="write a timeline PNG here (report.plot)")
+    p.add_argument("--ray", nargs="?", const=RAY_CONFIG_ADDRESS, metavar="ADDRESS",
+                   help="run on a Ray cluster (engine: ray): at ADDRESS (auto, local or HOST:PORT), or at "
+                        "distributed.address when none is given; put it after the config file")
 
 
 def effective_config(args, need_input: bool = True):
@@ -57,7 +65,21 @@ def effective_config(args, need_input: bool = True):
         overrides["report.progress"] = False
     if getattr(args, "echo", False):
         overrides["report.echo"] = True
+    if getattr(args, "ray", None) is not None:
+        overrides |= ray_overrides(args)
     overrides.update(dict(parse_set_option(s) for s in args.set))
     if args.config is None and "model.path" not in overrides:
         overrides["model.path"] = "default"
     return load_config(args.config, overrides, need_input)
+
+
+def ray_overrides(args) -> dict:
+    """--ray [ADDRESS]: engine ray, and the address when one is given (a config file there is a misplaced flag)."""
+    from offload.errors import ConfigError
+
+    if args.ray == RAY_CONFIG_ADDRESS:
+        return {"engine": "ray"}
+    if args.config is None and Path(args.ray).is_file():
+        raise ConfigError(f"--ray took {args.ray!r}, a file, as the Ray address; put the config file first "
+                          f"(`offload run {args.ray} --ray`) or give an address (`--ray auto`)")
+    return {"engine": "ray", "distributed.address": args.ray}

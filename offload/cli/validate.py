@@ -22,7 +22,8 @@ def run(args) -> int:
     requests, bad = read_requests(Path(config.input.path), config.input.format, sampling_defaults(config),
                                   config.input.chat)
     name = args.config or "the command line"
-    check_plan(config)
+    if config.engine == "local":  # on Ray each replica plans for the node it lands on, when the job starts
+        check_plan(config)
     if bad:
         lines = "\n".join(f"  - {b.message}" for b in bad)
         raise ConfigError(f"{config.input.path} has {len(bad)} bad line(s) that would become error lines in "

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import copy
 import difflib
+import importlib.util
 import os
+import re
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from offload.errors import ConfigError, WeightsError
 from offload.formats import DTYPES, QUANTIZATIONS
@@ -101,6 +104,29 @@ class ScheduleConfig(_Section):
     prefill_chunk_tokens: int = Field(DEFAULT_PREFILL_CHUNK_TOKENS, ge=1)  # padded tokens per prefill pass
 
 
+RAY_EXTRA_HINT = "install it with `pip install 'offload[ray]'` on the driver and every node, or set engine: local"
+ENGINES = ("local", "ray")
+_HOST_PORT = re.compile(r"[A-Za-z0-9_.\-\[\]:]+:[0-9]{1,5}")  # the head's GCS (Ray Client's ray:// is not used)
+
+
+def _ray_address(value: Any) -> Any:
+    if isinstance(value, str) and value not in ("auto", "local") and not _HOST_PORT.fullmatch(value):
+        raise ValueError(f"expected 'auto' (a running cluster), 'local' (one started for this job) or HOST:PORT "
+                         f"such as 10.0.0.5:6379, found {value!r}")
+    return value
+
+
+class DistributedConfig(_Section):
+    """engine: ray: the Ray cluster, the replicas (one LLM each, planned on its node) and what each reserves."""
+
+    address: Annotated[str, AfterValidator(_ray_address)] = "auto"  # auto: the cluster this machine is part of
+    replicas: int | None = Field(None, ge=1)  # None: as many as the cluster's CPUs (and GPUs) hold
+    cpus_per_replica: float = Field(1.0, gt=0)
+    gpus_per_replica: float = Field(0.0, ge=0)
+    shard_size: int | None = Field(None, ge=1)  # requests handed to a replica at once; None: its planned batch
+    max_restarts: int = Field(3, ge=0)  # per replica, after its process or node is lost
+
+
 class ReportConfig(_Section):
     """The end-of-run report and its optional trace and plot."""
 
@@ -123,6 +149,8 @@ class JobConfig(_Section):
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     report: ReportConfig = Field(default_factory=ReportConfig)
+    engine: Literal[ENGINES] = "local"  # ray: replicas on a Ray cluster (see distributed)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
 
     @property
     def output_path(self) -> Path:
@@ -318,6 +346,9 @@ def check_files(raw: dict) -> list[str]:
             problems.append(f"key {key!r}: {value!r} cannot be written ({reason}); choose a writable location")
     if isinstance(_get_dotted(raw, "report.plot"), str) and not plotting_available():
         problems.append(f"key 'report.plot': writing a plot needs matplotlib, which is not installed; {PLOT_EXTRA_HINT}")
+    if raw.get("engine") == "ray" and not ray_available():
+        problems.append(f"key 'engine': running on Ray needs the ray package, which is not installed; "
+                        f"{RAY_EXTRA_HINT}")
     hardware = raw.get("hardware")
     if isinstance(hardware, str):
         from offload.hardware import load_hardware
@@ -327,6 +358,13 @@ def check_files(raw: dict) -> list[str]:
         except ConfigError as e:
             problems.append(f"key 'hardware': {e}")
     return problems
+
+
+def ray_available() -> bool:
+    """Whether ray (the `ray` extra) can be imported."""
+    if "ray" in sys.modules:  # imported already, or None: an import of it is blocked and fails
+        return sys.modules["ray"] is not None
+    return importlib.util.find_spec("ray") is not None
 
 
 def check_paths(config: JobConfig) -> list[str]:

@@ -1,32 +1,24 @@
-"""The batch job loop: read requests, resume, generate with per-request flush, progress, report."""
+"""The batch job loop: read requests, resume, generate (here, or on Ray replicas: ray.py) with per-request flush,
+progress, report."""
 
 from __future__ import annotations
 
 import json
 import logging
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from offload.jobs.batch import CHAT, BadLine, Request, error_record, file_digest, read_requests, success_record
-from offload.runtime.host_memory import MemoryWatch, peak_rss_bytes
+from offload.errors import BudgetError
+from offload.jobs.batch import BadLine, Request, error_record, file_digest, read_requests, success_record
+from offload.jobs.config import JobConfig, load_config, validate_config
 from offload.jobs.output import OutputLog
-from offload.jobs.config import JobConfig, load_config, plan_request, validate_config
-from offload.errors import BudgetError, OffloadError
-from offload.planner.recost import recost_steps
-from offload.planner.whatif import what_ifs
+from offload.jobs.ray import Replicas, format_replicas, start_replicas
+from offload.jobs.worker import Answer, generate_answers, job_timeline, llm_report, load_llm
 from offload.profile.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
 from offload.profile.timeline import Timeline
+from offload.runtime.host_memory import MemoryWatch
 
 logger = logging.getLogger("offload")
-
-
-@dataclass
-class Prepared:
-    """A request turned into prompt token ids, ready for the generator."""
-
-    request: Request
-    prompt: dict = field(default_factory=dict)  # {"prompt_token_ids": [...], "prompt": text or None}
 
 
 def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, progress: bool | None = None,
@@ -41,6 +33,7 @@ def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, p
                                   config.input.chat)
     log = OutputLog(config.output_path, job_fingerprint(config), config.output.retry_failed)
     log.lock()
+    engine = None  # what this call starts, and so stops (Ray replicas)
     try:
         done = log.check(restart)
         n_total = len(requests) + len(bad)
@@ -49,8 +42,10 @@ def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, p
         if not todo and not bad:
             return nothing_to_do(config, counts, log)
         if todo and llm is None:
-            llm = load_llm(config)  # a plan that cannot work stops here, before anything is written
-        with MemoryWatch(config.memory.cpu, stop=config.memory.on_exceed == "stop") as watch:
+            llm = engine = load_engine(config)  # a plan that cannot work stops here, before anything is written
+        # on Ray, memory.cpu is each replica's budget, planned on its node, not this process's
+        held_budget = config.memory.cpu if config.engine == "local" else None
+        with MemoryWatch(held_budget, stop=config.memory.on_exceed == "stop") as watch:
             try:
                 log.begin(restart)
                 return _run(config, llm, todo, bad, log, counts, progress, watch)
@@ -60,6 +55,8 @@ def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, p
                 raise
     finally:
         log.close()
+        if isinstance(engine, Replicas):
+            engine.close()
 
 
 def _run(config: JobConfig, llm, todo: list[Request], bad: list[BadLine], log: OutputLog, counts: JobCounts,
@@ -132,13 +129,6 @@ def job_fingerprint(config: JobConfig) -> dict:
             **{f"sampling.{k}": v for k, v in sampling_defaults(config).items()}}
 
 
-def load_llm(config: JobConfig):
-    """The LLM for a config: model, budgets, hardware; the planner picks the batch size unless it is set."""
-    from offload.api import LLM
-
-    return LLM.from_request(plan_request(config))
-
-
 def _progress_on(config: JobConfig, progress: bool | None) -> bool:
     allowed = config.report.progress if progress is None else progress
     return bool(allowed) and sys.stderr.isatty()
@@ -149,74 +139,59 @@ def _fail(log: OutputLog, counts: JobCounts, item: BadLine | Request, message: s
     counts.n_failed += 1
 
 
-def prepare(llm, req: Request) -> Prepared:
-    """Token ids of a request's prompt, checked against the model; OffloadError says what is wrong."""
-    if req.url == CHAT:
-        ids, text = llm.apply_chat_template(req.messages), None
-    elif isinstance(req.prompt, str):
-        if llm.tokenizer is None:
-            raise OffloadError(f"the model in {llm.path} has no tokenizer; send 'prompt' as a list of token ids")
-        ids, text = list(llm.tokenizer.encode(req.prompt)), req.prompt
-    else:
-        ids, text = list(req.prompt), None
-    llm.generator.check_prompt(ids)  # the one check, against the context this run's cache holds
-    return Prepared(req, {"prompt_token_ids": ids, "prompt": text})
+def load_engine(config: JobConfig):
+    """What answers the job: an LLM on this machine, or replicas on a Ray cluster (engine: ray), each planned
+    for its own node; a plan that cannot work raises here, before anything is written."""
+    if config.engine == "ray":
+        return start_replicas(config)
+    return load_llm(config)
 
 
 def generate_all(llm, todo: list[Request], log: OutputLog, counts: JobCounts, progress: bool,
                  echo: bool = False) -> None:
-    """Generate every request in one continuous batch, appending each result as it finishes."""
-    ready = []
-    for req in todo:
-        try:
-            ready.append(prepare(llm, req))
-        except OffloadError as e:
-            _fail(log, counts, req, f"line {req.line_no} (custom_id {req.custom_id!r}): {e}")
-    if not ready:
-        return
+    """Answer every request (here in one continuous batch, or shard by shard on Ray replicas), appending each
+    result as it finishes, with one progress bar."""
     from tqdm import tqdm
 
-    bar = tqdm(total=len(ready), unit="req", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(todo), unit="req", disable=not progress, dynamic_ncols=True)
     model_name = Path(str(llm.path)).name
     start = Timeline.now()
 
-    def on_finish(out) -> None:
-        item = ready[int(out.request_id)]
-        n_prompt, n_generated = len(out.prompt_token_ids), len(out.token_ids)
-        log.append(success_record(item.request, out.text, out.finish_reason, n_prompt, n_generated, model_name))
+    def on_answer(req: Request, answer: Answer) -> None:
+        log.append(success_record(req, answer.text, answer.finish_reason, answer.n_prompt, answer.n_generated,
+                                  model_name))
         counts.n_done += 1
-        counts.n_prompt_tokens += n_prompt
-        counts.n_generated_tokens += n_generated
+        counts.n_prompt_tokens += answer.n_prompt
+        counts.n_generated_tokens += answer.n_generated
         counts.generate_s = Timeline.now() - start
         bar.set_postfix_str(f"{counts.n_generated_tokens / max(counts.generate_s, 1e-9):.1f} tok/s", refresh=False)
         bar.update(1)
         if echo:
-            bar.write(f"{item.request.custom_id}: {out.text.strip()}")
+            bar.write(f"{req.custom_id}: {answer.text.strip()}")
+
+    def on_error(req: Request, message: str) -> None:
+        _fail(log, counts, req, message)
+        bar.update(1)
 
     try:
-        llm.generate([p.prompt for p in ready], [p.request.params for p in ready], on_finish=on_finish)
+        if isinstance(llm, Replicas):
+            llm.generate_answers(todo, on_answer, on_error)
+        else:
+            generate_answers(llm, todo, on_answer, on_error)
     finally:
         counts.generate_s = Timeline.now() - start
         bar.close()
 
 
-def job_timeline(llm) -> tuple[Timeline, str] | None:
-    """The runtime's timeline, cleared so that the report covers this job only."""
-    timeline = getattr(llm, "timeline", None)
-    if timeline is None:
-        return None
-    timeline.clear()
-    return timeline, "executor"
-
-
 def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, str] | None,
            log: OutputLog, peak_held_bytes: int | None = None) -> dict:
-    """Build the report; write it (JSON, trace, plot) beside the outputs and print it."""
-    tl, source = timeline if timeline is not None else (None, None)
-    plan = getattr(llm, "plan", None)
-    report = build_report(counts, tl, plan, peak_memory(llm), budget_of(config, llm), source, job_what_ifs(llm),
-                          job_predicted_s(llm, tl))
+    """Build the report (with each Ray replica's own, on Ray); write it (JSON, trace, plot) beside the outputs
+    and print it."""
+    tl = timeline[0] if timeline is not None else None
+    report = llm_report(config, counts, llm, timeline)
     report["memory"]["cpu"]["peak_held_bytes"] = peak_held_bytes  # anonymous + shared: see runtime/host_memory.py
+    if isinstance(llm, Replicas):
+        report["replicas"] = llm.reports()
     report["outputs"] = output_counts(log)
     _write(config.report_path, lambda path: write_report(report, path))
     if tl is not None and config.report.trace:
@@ -225,32 +200,10 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
         _write(Path(config.report.plot), lambda path: write_plot(tl, report, path))
     if config.report.print:
         print(format_report(report), flush=True)
+        if report.get("replicas"):
+            print(format_replicas(report["replicas"]), flush=True)
         print(f"outputs: {config.output_path}\nreport: {config.report_path}", flush=True)
     return report
-
-
-def job_predicted_s(llm, timeline) -> dict[str, float] | None:
-    """The plan re-costed for the steps this run took, seconds per phase (None without a plan or steps)."""
-    plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
-    if plan is None or request is None or spec is None or timeline is None or not timeline.steps:
-        return None
-    try:
-        return recost_steps(spec, request.profile(), plan, timeline.steps)
-    except OffloadError as e:  # e.g. the hardware file changed during the job
-        logger.warning(f"the prediction for the steps run is left out of the report: {e}")
-        return None
-
-
-def job_what_ifs(llm) -> list[dict] | None:
-    """The planner's what-ifs for the job llm planned (None without a plan: a placement given by hand)."""
-    plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
-    if plan is None or request is None or spec is None:
-        return None
-    try:
-        return [w.to_dict() for w in what_ifs(spec, request.profile(), request, plan)]
-    except OffloadError as e:  # e.g. the hardware file changed during the job; the report is written without them
-        logger.warning(f"what-ifs left out of the report: {e}")
-        return None
 
 
 def _write(path: Path, write) -> None:
@@ -260,22 +213,3 @@ def _write(path: Path, write) -> None:
         write(path)
     except OSError as e:
         logger.error(f"could not write {path} ({e.strerror or e}); the outputs in this run are kept")
-
-
-def peak_memory(llm) -> dict:
-    """Peak bytes per tier: RAM as the OS counts it; device memory as the runtime's backend reports it."""
-    peaks = {"cpu": peak_rss_bytes()}
-    backend = getattr(llm, "backend", None)
-    if backend is not None and callable(getattr(backend, "peak_device_bytes", None)):
-        peaks["gpu"] = int(backend.peak_device_bytes())
-    return peaks
-
-
-def budget_of(config: JobConfig, llm) -> dict:
-    """Budget bytes per tier: the config's where set, else the plan's (with the process's baseline, for RAM)."""
-    budget = getattr(getattr(llm, "plan", None), "budget", None)
-    cpu = config.memory.cpu
-    if cpu is None and budget is not None:
-        cpu = budget.cpu_bytes + (getattr(getattr(llm, "request", None), "host_baseline", None) or 0)
-    return {"gpu": config.memory.gpu if config.memory.gpu is not None else getattr(budget, "gpu_bytes", None),
-            "cpu": cpu}

@@ -127,6 +127,7 @@ def format_report(report: dict) -> str:
              f"({_fmt(report['generated_tokens_per_s'], '.1f')} generated tok/s)"]
     if report["phases"] is None:
         lines.append("phases: nothing was generated in this run" if req["done"] == 0
+                     else "phases: per replica, below" if report.get("replicas")
                      else "phases: no timeline was recorded by this runtime")
     for phase, p in (report["phases"] or {}).items():
         share = "  ".join(f"{r} {_pct(p['busy_share'][r])}" for r in RESOURCES)

@@ -1,0 +1,141 @@
+"""One LLM's share of a job: load it, turn requests into prompts, answer them as each finishes, report its work.
+
+The job loop (run.py) runs one worker in its own process; on Ray (ray.py) each replica is one, on its own node."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from offload.errors import OffloadError
+from offload.jobs.batch import CHAT, Request
+from offload.jobs.config import JobConfig, plan_request
+from offload.planner.recost import recost_steps
+from offload.planner.whatif import what_ifs
+from offload.profile.report import JobCounts, build_report
+from offload.profile.timeline import Timeline
+from offload.runtime.host_memory import peak_rss_bytes
+
+logger = logging.getLogger("offload")
+
+
+@dataclass
+class Prepared:
+    """A request turned into prompt token ids, ready for the generator."""
+
+    request: Request
+    prompt: dict = field(default_factory=dict)  # {"prompt_token_ids": [...], "prompt": text or None}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """What a finished request hands to the writer of the outputs (small: it crosses the network on Ray)."""
+
+    text: str
+    finish_reason: str
+    n_prompt: int
+    n_generated: int
+
+
+OnAnswer = Callable[[Request, Answer], None]
+OnError = Callable[[Request, str], None]
+
+
+def load_llm(config: JobConfig):
+    """The LLM for a config: model, budgets, hardware; the planner picks the batch size unless it is set."""
+    from offload.api import LLM
+
+    return LLM.from_request(plan_request(config))
+
+
+def prepare(llm, req: Request) -> Prepared:
+    """Token ids of a request's prompt, checked against the model; OffloadError says what is wrong."""
+    if req.url == CHAT:
+        ids, text = llm.apply_chat_template(req.messages), None
+    elif isinstance(req.prompt, str):
+        if llm.tokenizer is None:
+            raise OffloadError(f"the model in {llm.path} has no tokenizer; send 'prompt' as a list of token ids")
+        ids, text = list(llm.tokenizer.encode(req.prompt)), req.prompt
+    else:
+        ids, text = list(req.prompt), None
+    llm.generator.check_prompt(ids)  # the one check, against the context this run's cache holds
+    return Prepared(req, {"prompt_token_ids": ids, "prompt": text})
+
+
+def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error: OnError) -> None:
+    """Generate every request in one continuous batch, handing each answer on as it finishes; a request that
+    cannot run (too long, no tokenizer) goes to on_error with a message naming it."""
+    ready = []
+    for req in requests:
+        try:
+            ready.append(prepare(llm, req))
+        except OffloadError as e:
+            on_error(req, f"line {req.line_no} (custom_id {req.custom_id!r}): {e}")
+    if not ready:
+        return
+
+    def on_finish(out) -> None:
+        answer = Answer(out.text, out.finish_reason, len(out.prompt_token_ids), len(out.token_ids))
+        on_answer(ready[int(out.request_id)].request, answer)
+
+    llm.generate([p.prompt for p in ready], [p.request.params for p in ready], on_finish=on_finish)
+
+
+def job_timeline(llm) -> tuple[Timeline, str] | None:
+    """The runtime's timeline, cleared so that the report covers this job only."""
+    timeline = getattr(llm, "timeline", None)
+    if timeline is None:
+        return None
+    timeline.clear()
+    return timeline, "executor"
+
+
+def llm_report(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, str] | None) -> dict:
+    """The report of what llm did for the job: counts, where the time went, memory against budget, what-ifs."""
+    tl, source = timeline if timeline is not None else (None, None)
+    return build_report(counts, tl, getattr(llm, "plan", None), peak_memory(llm), budget_of(config, llm), source,
+                        job_what_ifs(llm), job_predicted_s(llm, tl))
+
+
+def job_predicted_s(llm, timeline) -> dict[str, float] | None:
+    """The plan re-costed for the steps this run took, seconds per phase (None without a plan or steps)."""
+    plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
+    if plan is None or request is None or spec is None or timeline is None or not timeline.steps:
+        return None
+    try:
+        return recost_steps(spec, request.profile(), plan, timeline.steps)
+    except OffloadError as e:  # e.g. the hardware file changed during the job
+        logger.warning(f"the prediction for the steps run is left out of the report: {e}")
+        return None
+
+
+def job_what_ifs(llm) -> list[dict] | None:
+    """The planner's what-ifs for the job llm planned (None without a plan: a placement given by hand)."""
+    plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
+    if plan is None or request is None or spec is None:
+        return None
+    try:
+        return [w.to_dict() for w in what_ifs(spec, request.profile(), request, plan)]
+    except OffloadError as e:  # e.g. the hardware file changed during the job; the report is written without them
+        logger.warning(f"what-ifs left out of the report: {e}")
+        return None
+
+
+def peak_memory(llm) -> dict:
+    """Peak bytes per tier: RAM as the OS counts it; device memory as the runtime's backend reports it."""
+    peaks = {"cpu": peak_rss_bytes()}
+    backend = getattr(llm, "backend", None)
+    if backend is not None and callable(getattr(backend, "peak_device_bytes", None)):
+        peaks["gpu"] = int(backend.peak_device_bytes())
+    return peaks
+
+
+def budget_of(config: JobConfig, llm) -> dict:
+    """Budget bytes per tier: the config's where set, else the plan's (with the process's baseline, for RAM)."""
+    budget = getattr(getattr(llm, "plan", None), "budget", None)
+    cpu = config.memory.cpu
+    if cpu is None and budget is not None:
+        cpu = budget.cpu_bytes + (getattr(getattr(llm, "request", None), "host_baseline", None) or 0)
+    return {"gpu": config.memory.gpu if config.memory.gpu is not None else getattr(budget, "gpu_bytes", None),
+            "cpu": cpu}
