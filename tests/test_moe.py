@@ -12,15 +12,14 @@ in these tiny random models, as it would in llama.cpp), so its kernels are held 
 from __future__ import annotations
 
 import copy
-import dataclasses
 
 import pytest
 import torch
 
 from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits, save_hf_model
+from test_executor import dequantized
 from offload.generate import Generator, Sequence
 from offload.kernels import pack
-from offload.model.llama import LayerWeights
 from offload.planner.placement import Placement, UnitPlacement
 from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.executor import PlacedModel
@@ -68,15 +67,6 @@ def dequantized_hf(hf, quantization: str):
                 for m in p.view(-1, *p.shape[-2:]):
                     m.copy_(pack(m.detach().clone(), quantization).dequantize())
     return ref
-
-
-def dequantized_except_experts(model):
-    """The resident model with every packed weight but the routed experts' dequantized to fp32."""
-    deq = lambda w: w if isinstance(w, torch.Tensor) or w is None else w.dequantize()  # noqa: E731
-    model.layers = [LayerWeights(**{f.name: deq(getattr(lw, f.name)) for f in dataclasses.fields(lw)})
-                    for lw in model.layers]
-    model.lm_head = deq(model.lm_head)
-    return model
 
 
 def placed(folder, spec, placement, quantization="none") -> PlacedModel:
@@ -135,7 +125,7 @@ def test_quantized_cpu_kernels_placed_equal_resident(models, arch, mix, quantiza
     model = placed(folder, spec, MIXES[mix](spec), quantization)
     resident = load_model(Checkpoint(folder), spec, quantization=quantization)
     if mix != "all-cpu":  # the units on the GPU side compute dequantized weights
-        resident = dequantized_except_experts(resident)
+        resident = dequantized(resident)  # the layers and lm_head; the routed experts (Model.experts) stay packed
     ours = offload_logits(model, PROMPT)
     if mix != "random":
         assert_logits_close(ours, offload_logits(resident, PROMPT))
