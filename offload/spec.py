@@ -222,7 +222,7 @@ class ModelSpec:
 
     def layer_tensors(self, i: int) -> tuple[TensorSpec, ...]:
         """The tensors of decoder layer i, with Hugging Face names and [out, in] shapes."""
-        p, d, f = f"model.layers.{i}.", self.hidden_size, self.intermediate_size
+        p, d = f"model.layers.{i}.", self.hidden_size
         ts = [self._tensor(p + "input_layernorm.weight", (d,), "norm")]
         for proj, out in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
             ts.append(self._tensor(f"{p}self_attn.{proj}_proj.weight", (out, d), "linear"))
@@ -457,7 +457,8 @@ def _moe_from_config(config: dict, arch: str, source: str) -> MoESpec | None:
         n_experts = _count(config, "num_local_experts", source)
         expert_size, shared, norm, dense = _count(config, "intermediate_size", source), 0, True, ()
     else:
-        key = "num_experts" if "num_experts" in config else "num_local_experts"  # Qwen's key; transformers 5 writes both
+        # Qwen's key; transformers 5 writes num_local_experts (and reads either)
+        key = "num_experts" if "num_experts" in config else "num_local_experts"
         n_experts = _count(config, key, source)
         expert_size = _count(config, "moe_intermediate_size", source)
         shared = config.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0

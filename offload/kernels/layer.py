@@ -107,7 +107,8 @@ def fuse_mlp(w) -> FusedExperts | None:
     """The C++ view of a split-off dense MLP (MLPWeights) as one expert every token takes (a router of one zero
     row: softmax gives it weight exactly 1), or None where it does not suit it (float weights, biases). Run it with
     fused_experts_forward."""
-    if not HAS_MOE or w.gate_up_bias is not None or w.down_bias is not None or not (_packed(w.gate_up) and _packed(w.down)):
+    biased = w.gate_up_bias is not None or w.down_bias is not None
+    if not HAS_MOE or biased or not (_packed(w.gate_up) and _packed(w.down)):
         return None
     router = torch.zeros(1, w.gate_up.shape[1])
     view = _C.fused_experts(1, [_linear_tuple(w.gate_up, None, "gate_up")], [_linear_tuple(w.down, None, "down")],

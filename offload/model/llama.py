@@ -367,9 +367,9 @@ def qk_norm(spec: ModelSpec, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor
     return torch.cat([q, k, v], dim=-1)
 
 
-def mlp(spec_width: int, w: LayerWeights | MLPWeights, h: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(h)) * up(h)) with gate and up fused in w.gate_up."""
-    gate, up = linear(h, w.gate_up, w.gate_up_bias).split(spec_width, dim=-1)
+def mlp(width: int, w: LayerWeights | MLPWeights, h: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate(h)) * up(h)) with gate and up (each width rows) fused in w.gate_up."""
+    gate, up = linear(h, w.gate_up, w.gate_up_bias).split(width, dim=-1)
     return linear(F.silu(gate) * up, w.down, w.down_bias)
 
 

@@ -165,8 +165,7 @@ class PlacedModel:
     def _fuse_host_layer(self, name: str) -> None:
         """The fused C++ handle of a layer (or experts unit) the CPU computes from host memory, made once, where it
         fits."""
-        kind, index = self._kind_index[name]
-        if not self.fuse or kind not in ("layer", "experts", "mlp"):
+        if not self.fuse or self._kind_index[name][0] not in ("layer", "experts", "mlp"):
             return
         handle = self._fused_handle(name, self.host_weights[name])
         if handle is not None:
@@ -400,11 +399,8 @@ class PlacedModel:
         """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one (a
         MoE model's layers and experts units alternate: one by one, each through its own C++ call where it can)."""
         layers = [self.fused_layers.get(n) for n in names]
-        caches = [kv for kv in kvs if kv is not None]
-        views = self._fused_views(caches, x) if self.fuse and caches and all(layers) else None
+        views = self._fused_views(kvs, x) if self.fuse and all(layers) and any(kv is not None for kv in kvs) else None
         if views is not None and len(self._chunks(x, step)) == 1:  # every unit one C++ call, back to back
-            views = iter(views)
-            views = [next(views) if kv is not None else None for kv in kvs]
             table = self._step_table(step, next(v for v in views if v is not None), steps)
             return fused.fused_layers_forward(layers, x, table, views, ends)
         for name, kv in zip(names, kvs):
@@ -414,13 +410,15 @@ class PlacedModel:
             ends.append(Timeline.now())
         return x
 
-    def _fused_views(self, kvs: list[LayerKV], x) -> list | None:
-        """The fused layer's views of these caches, or None where the activations or a cache do not suit it."""
+    def _fused_views(self, kvs: list[LayerKV | None], x) -> list | None:
+        """The fused layer's views of these caches (None for a unit without one: experts, a split-off MLP), or None
+        where the activations or a cache do not suit it."""
         if x.dtype != torch.float32:
             return None
         views = [self._kv_views.get(id(kv)) for kv in kvs]
-        views = [v if v is not None and v.kv is kv else fused.kv_view(kv) for v, kv in zip(views, kvs)]
-        return views if all(v is not None for v in views) else None
+        views = [v if v is not None and v.kv is kv else fused.kv_view(kv) if kv is not None else None
+                 for v, kv in zip(views, kvs)]
+        return views if all(v is not None for v, kv in zip(views, kvs) if kv is not None) else None
 
     def _step_table(self, step: Step, view, steps: dict):
         """The fused layer's table of this step (made once per step and chunk, shared by every fused layer)."""

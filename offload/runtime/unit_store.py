@@ -17,7 +17,8 @@ from offload.model.llama import LayerWeights, MLPWeights, StackedWeight
 from offload.model.moe import ExpertWeights
 from offload.runtime.device_quant import DeviceQuantWeight
 
-HOLDERS = {"layer": LayerWeights, "experts": ExpertWeights, "mlp": MLPWeights}  # a unit's weights: one of these, or a single weight
+# a unit's weights: one of these dataclasses, or a single weight
+HOLDERS = {"layer": LayerWeights, "experts": ExpertWeights, "mlp": MLPWeights}
 
 
 @dataclass(frozen=True)

@@ -104,36 +104,34 @@ def unit_tensor_names(spec: ModelSpec, unit: UnitSpec) -> dict[str, tuple[str, .
     return layer_tensor_names(spec, unit.index) if unit.kind == "layer" else {"weight": (unit.tensors[0].name,)}
 
 
+def _read_fused(ckpt: Checkpoint, names: tuple[str, ...] | None, dtype: torch.dtype, pack, linear: bool):
+    """The checkpoint tensors names, concatenated along the output dimension (packed if linear); None for none."""
+    if names is None:
+        return None
+    t = torch.cat([ckpt.get(n, dtype) for n in names]) if len(names) > 1 else ckpt.get(names[0], dtype)
+    return pack(t) if linear else t
+
+
 def load_layer(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> LayerWeights:
     """Read layer i's tensors, fusing q/k/v and gate/up."""
-    def get(names: tuple[str, ...] | None, linear: bool = False):
-        if names is None:
-            return None
-        t = torch.cat([ckpt.get(n, dtype) for n in names]) if len(names) > 1 else ckpt.get(names[0], dtype)
-        return pack(t) if linear else t
-
-    names = layer_tensor_names(spec, i)
-    return LayerWeights(**{field: get(group, field in LINEAR_FIELDS) for field, group in names.items()})
+    return LayerWeights(**{field: _read_fused(ckpt, group, dtype, pack, field in LINEAR_FIELDS)
+                           for field, group in layer_tensor_names(spec, i).items()})
 
 
 def load_mlp(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> MLPWeights:
     """Read layer i's split-off MLP, fusing gate and up."""
-    def get(names, linear):
-        if names is None:
-            return None
-        t = torch.cat([ckpt.get(n, dtype) for n in names]) if len(names) > 1 else ckpt.get(names[0], dtype)
-        return pack(t) if linear else t
-
-    return MLPWeights(**{field: get(names, field in LINEAR_FIELDS) for field, names in mlp_tensor_names(spec, i).items()})
+    return MLPWeights(**{field: _read_fused(ckpt, group, dtype, pack, field in LINEAR_FIELDS)
+                         for field, group in mlp_tensor_names(spec, i).items()})
 
 
 def load_experts(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> ExpertWeights:
     """Read layer i's router and experts, fusing each expert's gate and up; the router stays in dtype."""
     n = spec.moe.n_experts
     names = expert_tensor_names(spec, i)
-    fused = [pack(torch.cat([ckpt.get(t, dtype) for t in names[f"gate_up#{e}"]])) for e in range(n)]
-    down = [pack(ckpt.get(names[f"down#{e}"][0], dtype)) for e in range(n)]
-    return ExpertWeights(ckpt.get(names["router"][0], dtype).contiguous(), tuple(fused), tuple(down))
+    gate_up = [_read_fused(ckpt, names[f"gate_up#{e}"], dtype, pack, True) for e in range(n)]
+    down = [_read_fused(ckpt, names[f"down#{e}"], dtype, pack, True) for e in range(n)]
+    return ExpertWeights(_read_fused(ckpt, names["router"], dtype, pack, False).contiguous(), tuple(gate_up),
+                         tuple(down))
 
 
 class CheckpointSource:
@@ -295,7 +293,8 @@ class MetaSource:
         if unit.kind == "mlp":
             bias = s.mlp_bias
             return MLPWeights(self._fused([by_name["gate_proj"], by_name["up_proj"]]),
-                              self._tensor(2 * s.intermediate_size) if bias else None, self._linear(by_name["down_proj"]),
+                              self._tensor(2 * s.intermediate_size) if bias else None,
+                              self._linear(by_name["down_proj"]),
                               self._tensor(s.hidden_size) if bias else None)
         moe = s.is_moe_layer(unit.index)
         f = s.moe.shared_size if moe else s.intermediate_size
