@@ -5,6 +5,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -59,11 +60,13 @@ std::vector<std::string> cpu_features() {
 
 // Rows are handed out in chunks of whole 4-row tiles, dynamically: a thread that the OS preempts
 // (other work on the cores) does not hold the others back. Each row is still computed whole by one
-// thread, so results do not depend on the thread count.
+// thread, so results do not depend on the thread count. A chunk is whole 16-row tiles (the AVX-512 q4_0 and q8_0
+// matrix-matrix tiles), so which rows those tiles take does not depend on it either.
 struct RowChunks {
   int64_t M, rows, n;
   RowChunks(int64_t m, int nth) : M(m) {
-    const int64_t tiles = (m + 3) / 4, per = std::max<int64_t>(1, tiles / (int64_t(nth) * 8));
+    const int64_t tiles = (m + 3) / 4;
+    const int64_t per = std::max<int64_t>(4, (tiles / (int64_t(nth) * 8) + 2) / 4 * 4);  // a multiple of 4 tiles
     rows = per * 4;
     n = (m + rows - 1) / rows;
   }
@@ -75,16 +78,19 @@ struct Scratch {  // per calling thread, grown on demand: quantized activations
   std::vector<int16_t> qs;  // int16 for takes_x16 formats, int8 (first half of the bytes) for the others
   std::vector<float> d, s, xf;
   std::vector<int16_t> s16;
+  std::vector<int32_t> c8;
 };
 thread_local Scratch tls;
 
-// One row of activations quantized as fmt's kernels read them (see XQ).
+// One row of activations quantized as fmt's kernels read them (see XQ); for q4_0 also c8 (when not null).
 void quantize_row(const KernelTable& t, int fmt, const void* x, int xtype, int64_t K, int16_t* q16, float* d,
-                  float* s, int16_t* s16) {
+                  float* s, int16_t* s16, int32_t* c8) {
   int8_t* qs = reinterpret_cast<int8_t*>(q16);
   if (takes_x16(fmt)) t.quantize_x16(x, xtype, K, q16, d, s);
   else if (is_gguf(fmt)) t.quantize_xk(x, xtype, K, qs, d, s, s16);
   else t.quantize_x(x, xtype, K, qs, d, s);
+  if (c8)  // s = d * sum(q), |sum(q)| <= 32 * 127: the quotient rounds back to the integer sum
+    for (int64_t b = 0; b < K / QK; ++b) c8[b] = d[b] > 0.f ? -8 * int32_t(std::nearbyint(s[b] / d[b])) : 0;
 }
 
 void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N, const WView& w,
@@ -94,12 +100,16 @@ void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N
   tls.d.resize(size_t(N * nb));
   tls.s.resize(size_t(N * nb));
   tls.s16.resize(size_t(N * (K / 16)));
+  const bool with_c8 = fmt == W_Q4_0 && N > 1;  // the 16-row q4_0 tiles' offset sums
+  tls.c8.resize(with_c8 ? size_t(N * nb) : 0);
   int16_t* q16 = tls.qs.data(); float* d = tls.d.data(); float* s = tls.s.data(); int16_t* s16 = tls.s16.data();
+  int32_t* c8 = with_c8 ? tls.c8.data() : nullptr;
   const int64_t xbytes = xtype == X_BF16 ? 2 : 4;
   const int64_t q_row = takes_x16(fmt) ? K : K / 2;  // activation row stride in int16 units
-  const XQ xq{reinterpret_cast<int8_t*>(q16), d, s, N, K, s16};
+  XQ xq{reinterpret_cast<int8_t*>(q16), d, s, N, K, s16};
+  xq.c8 = c8;
   const QGemmFn fn = qgemm_of(t, fmt);
-  if (N == 1) quantize_row(t, fmt, x, xtype, K, q16, d, s, s16);  // tiny: no barrier needed before the rows
+  if (N == 1) quantize_row(t, fmt, x, xtype, K, q16, d, s, s16, nullptr);  // tiny: no barrier needed before the rows
   const RowChunks chunks(w.M, nth);
 #pragma omp parallel num_threads(nth) if (nth > 1)
   {
@@ -107,7 +117,7 @@ void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N
 #pragma omp for schedule(dynamic, 1)
       for (int64_t n = 0; n < N; ++n)
         quantize_row(t, fmt, static_cast<const char*>(x) + n * K * xbytes, xtype, K, q16 + n * q_row, d + n * nb,
-                     s + n * nb, s16 + n * (K / 16));
+                     s + n * nb, s16 + n * (K / 16), c8 ? c8 + n * nb : nullptr);
     }
 #pragma omp for schedule(dynamic, 1) nowait
     for (int64_t c = 0; c < chunks.n; ++c) fn(w, xq, y, bias, chunks.r0(c), chunks.r1(c));

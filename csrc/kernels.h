@@ -88,6 +88,7 @@ struct XQ {
   const float* s;    // [N, K/32] d * sum(q) of each block (q4_0's -8 offset, the GGUF formats' minimums)
   int64_t N, K;
   const int16_t* s16 = nullptr;  // [N, K/16] sum(q) of each 16 (q6_k's -32 offset); GGUF formats only
+  const int32_t* c8 = nullptr;   // [N, K/32] -8 * sum(q) of each block (q4_0's offset, exact); q4_0, N > 1
 };
 
 // Row-range kernels: y[n, r] for r in [r0, r1), all n < N; y is [N, M] fp32, bias [M] or null.

@@ -23,7 +23,9 @@ TOL_FLOAT = {"q4_0": 2e-2, "q8_0": 1e-4, "bf16": 1e-5, "fp16": 1e-5}
 # leftovers (K=288: 9 blocks, K=576: 18), N=1 (matrix-vector), odd N, N large; N of each remainder mod the
 # GEMM tiles' 2 and 4 tokens (5, 6, 7, 11), up to 600 rows.
 SHAPES = [(1, 32, 1), (5, 32, 2), (13, 96, 1), (8, 288, 3), (33, 576, 1), (31, 576, 7), (9, 128, 130),
-          (64, 1024, 1), (3, 64, 17), (7, 96, 5), (6, 352, 6), (37, 160, 600), (4, 64, 11)]
+          (64, 1024, 1), (3, 64, 17), (7, 96, 5), (6, 352, 6), (37, 160, 600), (4, 64, 11),
+          # AVX-512 q4_0's 16-row tiles: rows past the last whole 16, odd block counts, 16 + 8 + 4 + 2 + 1 tokens
+          (203, 96, 31), (50, 288, 4), (16, 32, 600), (70, 576, 21)]
 FORMATS = ["q8_0", "q4_0", "bf16", "fp16"]
 NATIVE = [p for p in ("avx2", "avx512") if K.ACTIVE_PATH in ("avx2", "avx512") and
           (p == "avx2" or K.ACTIVE_PATH == "avx512")]
