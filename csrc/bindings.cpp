@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -79,7 +80,9 @@ struct Scratch {  // per calling thread, grown on demand: quantized activations
   std::vector<float> d, s, xf;
   std::vector<int16_t> s16;
   std::vector<int32_t> c8;
+  std::vector<uint16_t> xh;
 };
+constexpr int64_t kPadBytes = 64;  // activation rows copied for the wide tiles start a cache line past a power of two
 thread_local Scratch tls;
 
 // One row of activations quantized as fmt's kernels read them (see XQ); for q4_0 also c8 (when not null).
@@ -96,7 +99,10 @@ void quantize_row(const KernelTable& t, int fmt, const void* x, int xtype, int64
 void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N, const WView& w,
               const float* bias, float* y, int nth) {
   const int64_t K = w.K, nb = K / QK;
-  tls.qs.resize(size_t(N * K));
+  // q8_0 / q4_0 activation rows kPadBytes apart, past a power of two (the 16-row tiles read 8-16 rows at once)
+  const bool padded = (fmt == W_Q8_0 || fmt == W_Q4_0) && N > 1;
+  const int64_t q_row = (takes_x16(fmt) ? K : K / 2) + (padded ? kPadBytes / 2 : 0);  // in int16 units
+  tls.qs.resize(size_t(N * q_row));
   tls.d.resize(size_t(N * nb));
   tls.s.resize(size_t(N * nb));
   tls.s16.resize(size_t(N * (K / 16)));
@@ -105,9 +111,9 @@ void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N
   int16_t* q16 = tls.qs.data(); float* d = tls.d.data(); float* s = tls.s.data(); int16_t* s16 = tls.s16.data();
   int32_t* c8 = with_c8 ? tls.c8.data() : nullptr;
   const int64_t xbytes = xtype == X_BF16 ? 2 : 4;
-  const int64_t q_row = takes_x16(fmt) ? K : K / 2;  // activation row stride in int16 units
   XQ xq{reinterpret_cast<int8_t*>(q16), d, s, N, K, s16};
   xq.c8 = c8;
+  xq.ld = padded ? (takes_x16(fmt) ? q_row : 2 * q_row) : 0;
   const QGemmFn fn = qgemm_of(t, fmt);
   if (N == 1) quantize_row(t, fmt, x, xtype, K, q16, d, s, s16, nullptr);  // tiny: no barrier needed before the rows
   const RowChunks chunks(w.M, nth);
@@ -124,8 +130,28 @@ void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N
   }
 }
 
+// Whether bf16 x bf16 products take the AVX-512 BF16 tiles (from this many tokens; below, the weights' read bounds
+// the time and the fp32 kernel does as well).
+constexpr int64_t kBf16TileMinTokens = 4;
+bool use_bf16_tiles(int path, int fmt, int xtype, int64_t N, int64_t K) {
+  static const bool has_bf16 = __builtin_cpu_supports("avx512bf16");
+  return path == P_AVX512 && has_bf16 && fmt == W_BF16 && xtype == X_BF16 && K % QK == 0 && N >= kBf16TileMinTokens;
+}
+
 void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N, const WView& w,
-                 const float* bias, float* y, int nth) {
+                 const float* bias, float* y, int nth, int path) {
+  if (use_bf16_tiles(path, fmt, xtype, N, w.K)) {
+    // copied with rows kPadBytes apart: rows a power of two apart would share L1 sets, and a tile reads 12 at once
+    const int64_t ldx = w.K + kPadBytes / 2;
+    tls.xh.resize(size_t(N * ldx));
+    for (int64_t n = 0; n < N; ++n)
+      std::memcpy(tls.xh.data() + n * ldx, static_cast<const uint16_t*>(x) + n * w.K, size_t(w.K) * 2);
+    const uint16_t* xh = tls.xh.data();  // this thread's buffer: the others' tls is their own
+    const RowChunks chunks(w.M, nth);
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nth) if (nth > 1)
+    for (int64_t c = 0; c < chunks.n; ++c) gemm_bf16_bf16x_avx512(w, xh, ldx, N, y, bias, chunks.r0(c), chunks.r1(c));
+    return;
+  }
   const float* xf = static_cast<const float*>(x);
   if (xtype == X_BF16) {
     tls.xf.resize(size_t(N * w.K));
@@ -142,7 +168,7 @@ void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_
 void packed_linear_x(int path, const void* x, int xtype, int64_t N, int fmt, const WView& w, const float* bias,
                      float* y, int nthreads) {
   const int nth = nthreads < 1 ? 1 : nthreads;
-  if (fmt == W_BF16 || fmt == W_F16) linear_half(kTables[path], fmt, x, xtype, N, w, bias, y, nth);
+  if (fmt == W_BF16 || fmt == W_F16) linear_half(kTables[path], fmt, x, xtype, N, w, bias, y, nth, path);
   else linear_q(kTables[path], fmt, x, xtype, N, w, bias, y, nth);
 }
 

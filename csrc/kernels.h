@@ -89,6 +89,8 @@ struct XQ {
   int64_t N, K;
   const int16_t* s16 = nullptr;  // [N, K/16] sum(q) of each 16 (q6_k's -32 offset); GGUF formats only
   const int32_t* c8 = nullptr;   // [N, K/32] -8 * sum(q) of each block (q4_0's offset, exact); q4_0, N > 1
+  int64_t ld = 0;                // elements from one row of qs to the next, if not K (q8_0 / q4_0 only)
+  int64_t stride() const { return ld ? ld : K; }
 };
 
 // Row-range kernels: y[n, r] for r in [r0, r1), all n < N; y is [N, M] fp32, bias [M] or null.
@@ -105,6 +107,11 @@ using QuantXKFn = void (*)(const void* x, int xtype, int64_t K, int8_t* qs, floa
 float fp16_to_f32(uint16_t h);
 uint16_t f32_to_fp16(float f);  // round to nearest even, like numpy's astype(float16)
 float bf16_to_f32(uint16_t h);
+
+// bf16 weights x bf16 activations [N, K] (row stride ldx) with AVX-512 BF16 (vdpbf16ps), K a multiple of 32; rows
+// r0..r1 of y [N, M].
+void gemm_bf16_bf16x_avx512(const WView& w, const uint16_t* x, int64_t ldx, int64_t N, float* y, const float* bias,
+                            int64_t r0, int64_t r1);
 
 // Scalar references (ref.cpp).
 void quantize_x_ref(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);

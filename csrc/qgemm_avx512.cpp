@@ -140,7 +140,7 @@ KFN void wide_q8_0(const __m512i* scratch, const XQ& x, int64_t n0, float* y, in
     const __m512 dw = _mm512_load_ps(o + 16);
 #pragma GCC unroll 8
     for (int t = 0; t < T; ++t) {
-      const int8_t* xb = reinterpret_cast<const int8_t*>(xq + (n0 + t) * K + b * QK);
+      const int8_t* xb = reinterpret_cast<const int8_t*>(xq + (n0 + t) * x.stride() + b * QK);
       __m512i s = _mm512_setzero_si512();
 #pragma GCC unroll 16
       for (int i = 0; i < 16; ++i) s = _mm512_dpwssd_epi32(s, q[i], bcast4(xb + 4 * i));
@@ -187,7 +187,7 @@ KFN void wide_q4_0(const __m512i* scratch, const XQ& x, int64_t n0, float* y, in
     const int64_t hi = b < paired ? lo + QK : lo + 16;
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
-      const int8_t* xr = x.qs + (n0 + t) * K;
+      const int8_t* xr = x.qs + (n0 + t) * x.stride();
       __m512i s = _mm512_set1_epi32(x.c8[(n0 + t) * nb + b]);
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
@@ -218,7 +218,99 @@ KFN void wide_q4_0_rows(const WView& w, const XQ& x, float* y, const float* bias
   }
 }
 
+// bf16 weights against bf16 activations with AVX-512 BF16: per 16-row tile the weights are regrouped once so that
+// zmm i holds elements 2i and 2i + 1 of each row (a 16 x 32 slice per 16 zmm), then one vdpbf16ps against a token's
+// pair of activations broadcast makes 16 rows x 2 products, accumulated in fp32 as they come (no scales).
+#define KFN_BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16"))) inline
+constexpr int BT = 12;  // tokens per bf16 tile: 12 accumulators + 16 weight registers
+
+KFN_BF16 void unpack_bf16_wide(const WView& w, int64_t r0, int64_t b, __m512i (&q)[16]) {
+  const uint8_t* base = w.qs + (r0 * w.K + b * QK) * 2;
+  const __m512i by_dword = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+#pragma GCC unroll 4
+  for (int c = 0; c < 4; ++c) {  // 16 bytes (8 elements) of each row at a time: the 16 x 4 dword transpose
+    __m512i z[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < 4; ++k) {
+      const uint8_t* rk = base + (4 * k) * w.K * 2 + 16 * c;
+      __m512i v = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rk)));
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rk + w.K * 2)), 1);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rk + w.K * 4)), 2);
+      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rk + w.K * 6)), 3);
+      z[k] = _mm512_permutexvar_epi32(by_dword, v);
+    }
+    const __m512i t0 = _mm512_shuffle_i32x4(z[0], z[1], 0x44), t1 = _mm512_shuffle_i32x4(z[0], z[1], 0xEE);
+    const __m512i t2 = _mm512_shuffle_i32x4(z[2], z[3], 0x44), t3 = _mm512_shuffle_i32x4(z[2], z[3], 0xEE);
+    q[4 * c] = _mm512_shuffle_i32x4(t0, t2, 0x88);
+    q[4 * c + 1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
+    q[4 * c + 2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+    q[4 * c + 3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
+  }
+}
+
+template <int T>
+KFN_BF16 void wide_bf16(const __m512i* scratch, const uint16_t* x, int64_t K, int64_t ldx, int64_t n0, float* y,
+                        int64_t M, int64_t r0, const float* bias) {
+  __m512 acc[T];
+#pragma GCC unroll 12
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < K / QK; ++b) {
+    const __m512i* o = scratch + b * 16;
+#pragma GCC unroll 16
+    for (int i = 0; i < 16; ++i) {
+      const __m512i q = _mm512_load_si512(o + i);
+#pragma GCC unroll 12
+      for (int t = 0; t < T; ++t) {
+        int32_t pair;
+        std::memcpy(&pair, x + (n0 + t) * ldx + b * QK + 2 * i, 4);
+        acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)q, (__m512bh)_mm512_set1_epi32(pair));
+      }
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + r0) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (n0 + t) * M + r0, _mm512_add_ps(acc[t], bv));
+}
+
+// Rows left over from the 16-row tiles: one dot product of 32 elements per step per (row, token).
+KFN_BF16 void rows_bf16(const WView& w, const uint16_t* x, int64_t ldx, int64_t N, float* y, const float* bias,
+                        int64_t r0, int64_t r1) {
+  const uint16_t* wq = reinterpret_cast<const uint16_t*>(w.qs);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t n = 0; n < N; ++n) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t k = 0; k < w.K; k += QK)
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wq + r * w.K + k),
+                               (__m512bh)_mm512_loadu_si512(x + n * ldx + k));
+      y[n * w.M + r] = _mm512_reduce_add_ps(acc) + (bias ? bias[r] : 0.f);
+    }
+}
+
 }  // namespace
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")))
+void gemm_bf16_bf16x_avx512(const WView& w, const uint16_t* x, int64_t ldx, int64_t N, float* y, const float* bias,
+                            int64_t r0, int64_t r1) {
+  thread_local std::vector<Zmm> buffer;
+  buffer.resize(size_t(w.K / QK * 16));
+  __m512i* scratch = reinterpret_cast<__m512i*>(buffer.data());
+  int64_t r = r0;
+  for (; r + WR <= r1; r += WR) {
+    for (int64_t b = 0; b < w.K / QK; ++b) {
+      __m512i q[16];
+      unpack_bf16_wide(w, r, b, q);
+#pragma GCC unroll 16
+      for (int i = 0; i < 16; ++i) _mm512_store_si512(scratch + b * 16 + i, q[i]);
+    }
+    int64_t n = 0;
+    for (; n + BT <= N; n += BT) wide_bf16<BT>(scratch, x, w.K, ldx, n, y, w.M, r, bias);
+    if (n + 8 <= N) wide_bf16<8>(scratch, x, w.K, ldx, n, y, w.M, r, bias), n += 8;
+    if (n + 4 <= N) wide_bf16<4>(scratch, x, w.K, ldx, n, y, w.M, r, bias), n += 4;
+    if (n + 2 <= N) wide_bf16<2>(scratch, x, w.K, ldx, n, y, w.M, r, bias), n += 2;
+    if (n < N) wide_bf16<1>(scratch, x, w.K, ldx, n, y, w.M, r, bias);
+  }
+  if (r < r1) rows_bf16(w, x, ldx, N, y, bias, r, r1);
+}
 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 void gemm_q8_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {

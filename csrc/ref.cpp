@@ -83,7 +83,7 @@ void gemm_q8_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int
     const int64_t t0 = tile_start(w, r);
     const RowTile t(w, t0, QK);
     for (int64_t n = 0; n < x.N; ++n) {
-      const int16_t* xq = reinterpret_cast<const int16_t*>(x.qs) + n * K;
+      const int16_t* xq = reinterpret_cast<const int16_t*>(x.qs) + n * x.stride();
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         int dot = 0;
@@ -102,7 +102,7 @@ void gemm_q4_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int
     const int64_t t0 = tile_start(w, r);
     const RowTile t(w, t0, QK / 2);
     for (int64_t n = 0; n < x.N; ++n) {
-      const int8_t* xq = x.qs + n * K;
+      const int8_t* xq = x.qs + n * x.stride();
       float acc = 0.f;
       for (int64_t b = 0; b < nb; ++b) {
         int dot = 0;

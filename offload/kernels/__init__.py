@@ -27,6 +27,9 @@ if ACTIVE_PATH == "numba":
     from offload.kernels import numba_ops as _nb
 ACTIVE_PATH_ID: int = PATH_IDS.get(ACTIVE_PATH, 0)  # the id csrc/ takes for ACTIVE_PATH
 TILED: bool = ACTIVE_PATH != "numba"  # pack() makes tiled q8_0/q4_0 weights for the C++ kernels
+# bf16 weights x bf16 activations from 4 rows run in AVX-512 BF16 tiles (vdpbf16ps), as fast as torch's oneDNN
+# matmul from 256 rows and faster below (csrc/qgemm_avx512.cpp)
+BF16_TILES: bool = ACTIVE_PATH == "avx512" and "avx512bf16" in CPU_FEATURES
 _XTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _F32 = torch.float32
 
@@ -120,5 +123,5 @@ def _linear_numba(x: torch.Tensor, w: PackedWeight, bias, y: torch.Tensor) -> to
     return y if bias is None else y.add_(bias)
 
 
-__all__ = ["ACTIVE_PATH", "CPU_FEATURES", "PACKED_FORMATS", "TILED", "KernelError", "PackedWeight", "choose_path", "linear",
+__all__ = ["ACTIVE_PATH", "BF16_TILES", "CPU_FEATURES", "PACKED_FORMATS", "TILED", "KernelError", "PackedWeight", "choose_path", "linear",
            "linear_path", "linear_ref", "pack"]

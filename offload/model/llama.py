@@ -202,10 +202,11 @@ HALF_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # dense weights 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ w.T + bias, for dense tensors or packed (quantized) weights. Half-precision weights on the
-    CPU, for a row or two (a decode step), go through offload's kernel, which streams them faster than torch."""
+    CPU, for a row or two (a decode step), go through offload's kernel, which streams them faster than torch; bf16
+    weights against bf16 activations at any rows too, where the CPU has AVX-512 BF16 (offload's tiles)."""
     if isinstance(w, torch.Tensor):
-        if (x.numel() <= HALF_KERNEL_ROWS * x.shape[-1] and w.dtype in HALF_WEIGHTS and w.device.type == "cpu"
-                and x.dtype in HALF_ACTIVATIONS and w.dim() == 2 and w.is_contiguous()):
+        if ((x.numel() <= HALF_KERNEL_ROWS * x.shape[-1] or _bf16_tiles(x, w)) and w.dtype in HALF_WEIGHTS
+                and w.device.type == "cpu" and x.dtype in HALF_ACTIVATIONS and w.dim() == 2 and w.is_contiguous()):
             as_packed = _half_kernel()
             if as_packed is not None:  # its bias in fp32, as the kernel adds it
                 return linear(x, as_packed(w), None if bias is None else bias.float())
@@ -219,6 +220,18 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tenso
 
     out = packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), w, bias)
     return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+def _bf16_tiles(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether offload's AVX-512 BF16 tiles take x @ w.T (bf16 both, whole 32-element blocks)."""
+    return x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and x.shape[-1] % 32 == 0 and _bf16_available()
+
+
+@functools.lru_cache(maxsize=None)
+def _bf16_available() -> bool:
+    from offload.kernels import BF16_TILES
+
+    return BF16_TILES
 
 
 @functools.lru_cache(maxsize=None)
