@@ -66,6 +66,97 @@ KFN __m256i quantize_block(const void* x, int xtype, int64_t i, float* d, float*
   return _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
+// q4_0 matrix-matrix products in 8-row tiles (the AVX2 form of qgemm_avx512.cpp's 16-row tiles): a tile's quants
+// are unpacked once so that one ymm holds 4 consecutive quants of each of 8 rows; per token and block, 8 vpmaddubsw
+// against the token's 4 activations broadcast are summed in int16 (nibbles x int8: 8 x 2 x 15 x 127 < 2^15), one
+// vpmaddwd makes the 8 rows' block sums, and the scales are applied once for all 8 rows.
+constexpr int AR = 8;                 // weight rows per wide tile
+constexpr int AT = 8;                 // tokens per wide tile
+constexpr int64_t kWideMinTokens = 4;
+constexpr int kWideYmm = 9;           // scratch per block: 8 ymm of quants, 1 of fp32 scales
+struct alignas(32) Ymm { uint8_t bytes[32]; };
+
+KFN void unpack_q4_wide(const WView& w, int64_t r0, __m256i* scratch) {
+  const RowTile t[2] = {RowTile(w, r0, QK / 2), RowTile(w, r0 + 4, QK / 2)};
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  alignas(32) uint16_t d16[AR];
+  for (int64_t b = 0; b < w.K / QK; ++b) {
+    __m128i c[2][4];  // c[h][j]: packed dword j of rows 4h..4h+3 (a 4 x 4 dword transpose)
+    for (int h = 0; h < 2; ++h) {
+      __m128i a[4];
+      for (int r = 0; r < 4; ++r) a[r] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(t[h].qat(r, b)));
+      const __m128i u0 = _mm_unpacklo_epi32(a[0], a[1]), u1 = _mm_unpackhi_epi32(a[0], a[1]);
+      const __m128i u2 = _mm_unpacklo_epi32(a[2], a[3]), u3 = _mm_unpackhi_epi32(a[2], a[3]);
+      c[h][0] = _mm_unpacklo_epi64(u0, u2);
+      c[h][1] = _mm_unpackhi_epi64(u0, u2);
+      c[h][2] = _mm_unpacklo_epi64(u1, u3);
+      c[h][3] = _mm_unpackhi_epi64(u1, u3);
+    }
+    __m256i* o = scratch + b * kWideYmm;
+    for (int j = 0; j < 4; ++j) {
+      const __m256i p = _mm256_set_m128i(c[1][j], c[0][j]);
+      _mm256_store_si256(o + j, _mm256_and_si256(p, m4));
+      _mm256_store_si256(o + 4 + j, _mm256_and_si256(_mm256_srli_epi16(p, 4), m4));
+    }
+    for (int r = 0; r < AR; ++r) d16[r] = *t[r / 4].dat(r % 4, b);
+    _mm256_store_ps(reinterpret_cast<float*>(o + 8), _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(d16))));
+  }
+}
+
+KFN __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+template <int T>
+KFN void wide_q4_0(const __m256i* scratch, const XQ& x, int64_t n0, float* y, int64_t M, int64_t r0,
+                   const float* bias) {
+  const int64_t K = x.K, nb = K / QK, paired = nb & ~int64_t(1), ld = x.stride();
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[T];
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) acc[t] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m256i* o = scratch + b * kWideYmm;
+    const __m256 dw = _mm256_load_ps(reinterpret_cast<const float*>(o + 8));
+    // the activations of block b: quants 0-15 at lo, 16-31 at hi (see wide_q4_0 in qgemm_avx512.cpp)
+    const int64_t lo = b < paired ? (b & ~int64_t(1)) * QK + (b & 1) * 16 : b * QK;
+    const int64_t hi = b < paired ? lo + QK : lo + 16;
+#pragma GCC unroll 8
+    for (int t = 0; t < T; ++t) {
+      const int8_t* xr = x.qs + (n0 + t) * ld;
+      __m256i s16 = _mm256_maddubs_epi16(_mm256_load_si256(o), bcast4(xr + lo));
+#pragma GCC unroll 4
+      for (int j = 1; j < 4; ++j)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256(o + j), bcast4(xr + lo + 4 * j)));
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(_mm256_load_si256(o + 4 + j), bcast4(xr + hi + 4 * j)));
+      const __m256i s = _mm256_add_epi32(_mm256_madd_epi16(s16, ones), _mm256_set1_epi32(x.c8[(n0 + t) * nb + b]));
+      const __m256 dx = _mm256_set1_ps(x.d[(n0 + t) * nb + b]);
+      acc[t] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(s), dx), dw, acc[t]);
+    }
+  }
+  const __m256 bv = bias ? _mm256_loadu_ps(bias + r0) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+  for (int t = 0; t < T; ++t) _mm256_storeu_ps(y + (n0 + t) * M + r0, _mm256_add_ps(acc[t], bv));
+}
+
+KFN void wide_q4_0_rows(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  thread_local std::vector<Ymm> buffer;
+  buffer.resize(size_t(w.K / QK * kWideYmm));
+  __m256i* scratch = reinterpret_cast<__m256i*>(buffer.data());
+  for (int64_t r = r0; r + AR <= r1; r += AR) {
+    unpack_q4_wide(w, r, scratch);
+    int64_t n = 0;
+    for (; n + AT <= x.N; n += AT) wide_q4_0<AT>(scratch, x, n, y, w.M, r, bias);
+    if (n + 4 <= x.N) wide_q4_0<4>(scratch, x, n, y, w.M, r, bias), n += 4;
+    if (n + 2 <= x.N) wide_q4_0<2>(scratch, x, n, y, w.M, r, bias), n += 2;
+    if (n < x.N) wide_q4_0<1>(scratch, x, n, y, w.M, r, bias);
+  }
+}
+
 }  // namespace
 
 // int8 activations for q4_0 weights, stored the way the q4_0 tiles read them: each pair of blocks
@@ -125,7 +216,10 @@ void gemm_q8_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, in
 
 __attribute__((target("avx2,fma,f16c")))
 void gemm_q4_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_rows<true>(w, x, y, bias, r0, r1);
+  if (x.c8 == nullptr || x.N < kWideMinTokens || r1 - r0 < AR) return gemm_rows<true>(w, x, y, bias, r0, r1);
+  wide_q4_0_rows(w, x, y, bias, r0, r1);
+  const int64_t done = r0 + (r1 - r0) / AR * AR;
+  if (done < r1) gemm_rows<true>(w, x, y, bias, done, r1);
 }
 
 __attribute__((target("avx2,fma,f16c")))
