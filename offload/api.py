@@ -16,6 +16,7 @@ from offload.planner.request import DEFAULT_MAX_MODEL_LEN
 from offload.profile.timeline import Timeline
 from offload.runtime.backends import make_backend
 from offload.runtime.executor import PlacedModel
+from offload.runtime import speedprobe
 from offload.runtime.host_memory import process_baseline_bytes
 from offload.sampling import SamplingParams
 from offload.weights.default_model import resolve_model
@@ -92,6 +93,7 @@ class LLM:
 
     def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None):
         self.request = request
+        self.speed_probes: list[speedprobe.SpeedProbe] = []  # of the CPU's speed around a job, for its report
         self.path = resolve_model(request.model)
         self.spec = model_spec(self.path)
         self.backend = make_backend(request.backend)
@@ -123,6 +125,14 @@ class LLM:
     def timeline(self) -> Timeline:
         """Every copy, read and block computed so far, for the report."""
         return self.model.timeline
+
+    def probe_cpu_speed(self) -> None:
+        """Add a probe of the CPU's speed now to speed_probes, in the format whose calibrated curves price this
+        plan's CPU layers and on the thread count its steps start on; none where the plan has no CPU layers or its
+        hardware profile no reference probe of that format (speedprobe.probe_format)."""
+        fmt = speedprobe.probe_format(self.spec, self.plan, self.request.profile())
+        if fmt is not None:
+            self.speed_probes.append(speedprobe.probe(fmt, threads=max(self.model.threads.counts)))
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.spec.eos_token_ids)

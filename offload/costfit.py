@@ -4,16 +4,19 @@ The planner prices a CPU layer by its matmuls (a FLOP rate that depends on how m
 read of the weights), its attention (FLOPs and KV bytes read) and the time a step spends elsewhere (Python, the
 executor, sampling). This module measures the matmul curve of offload's own CPU kernels (torch's for float
 weights), then runs the real scheduler and executor on random calibration models and fits the rest by
-non-negative least squares on relative error. It sits above the generator it drives.
+non-negative least squares on relative error. It sits above the generator it drives. Speed probes
+(runtime.speedprobe) taken beside each measurement tie it to the machine's speed of that moment: the profile
+keeps each format's reference probe, curves and steps measured in a slow or fast moment are scaled to it, and a
+job's report scales the whole to the speed it probes.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import replace
 
 from offload.formats import GGUF_BLOCKS, QUANTIZATIONS, compute_format, format_nbytes, weight_format
-from offload.hardware import OVERHEAD_TERMS, HardwareProfile
+from offload.hardware import COMPUTE_BOUND_ROWS, OVERHEAD_TERMS, HardwareProfile, scale_curve
+from offload.runtime.speedprobe import linear_for, machine_speed, median_time, probe, random_weight, reference_probe
 
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # activation rows the matmul curve is measured at
 CPU_COMPUTE = compute_format("auto", False)  # what CPU layers compute in
@@ -24,7 +27,6 @@ GGUF_CURVE_FORMATS = ("q4_1", "q4_k", "q6_k")
 # Float weights other than fp32 run where a float compute format is asked for (dtype bf16 on the CPU): torch's
 # matmul with activations in that format, measured as such.
 FLOAT_CURVE_FORMATS = ("bf16",)
-_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 CURVE_BYTES = 96 * 2**20  # weights cycled through per measurement: past the last-level cache, as a model is
 
 
@@ -64,8 +66,8 @@ def _measure_curve(fmt: str, rows: tuple[int, ...], repeats: int) -> tuple[tuple
     mats = []
     for _ in range(max(1, int(CURVE_BYTES // per_layer))):
         for n, k in shapes:
-            mats.append(_random_weight(fmt, n, k, gen))
-    linear, x_dtype = _linear_for(fmt)
+            mats.append(random_weight(fmt, n, k, gen))
+    linear, x_dtype = linear_for(fmt)
     curve = []
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).to(x_dtype) for _, k in shapes}
@@ -75,7 +77,7 @@ def _measure_curve(fmt: str, rows: tuple[int, ...], repeats: int) -> tuple[tuple
             for w, (_, k) in zip(mats, shapes * (len(mats) // len(shapes))):
                 linear(xs[k], w)
 
-        curve.append((m, flops / _median_time(run, repeats)))
+        curve.append((m, flops / median_time(run, repeats)))
     return tuple(curve)
 
 
@@ -98,16 +100,6 @@ def monotone_curve(curve: tuple[tuple[int, float], ...]) -> tuple[tuple[int, flo
     return tuple((rows, rate) for (rows, _), rate in zip(curve, rates))
 
 
-def _median_time(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2]
-
-
 K_CLASSES = (256, 512, 576, 640, 768, 1024, 1536, 2048, 3072, 4096)  # inner dimensions the K factor is measured at
 K_ROWS = 16  # activation rows of the K factor's products
 K_REFERENCE = 768  # the calibration model's hidden size: the curves' K
@@ -125,44 +117,16 @@ def measure_k_factor(fmt: str, repeats: int = 3) -> tuple[tuple[int, float], ...
     for k in sorted(k for k in set(K_CLASSES) | {K_REFERENCE} if k % block == 0):
         n = 2048
         copies = max(1, int(CURVE_BYTES // format_nbytes(n * k, fmt)))
-        mats = [_random_weight(fmt, n, k, gen) for _ in range(min(copies, 4))] * max(1, copies // 4)
-        linear, x_dtype = _linear_for(fmt)
+        mats = [random_weight(fmt, n, k, gen) for _ in range(min(copies, 4))] * max(1, copies // 4)
+        linear, x_dtype = linear_for(fmt)
         x = torch.randn(K_ROWS, k, generator=gen).to(x_dtype)
 
         def run():
             for w in mats:
                 linear(x, w)
 
-        rates[k] = 2 * K_ROWS * n * k * len(mats) / _median_time(run, repeats)
+        rates[k] = 2 * K_ROWS * n * k * len(mats) / median_time(run, repeats)
     return tuple((k, rates[k] / rates[K_REFERENCE]) for k in K_CLASSES if k in rates)
-
-
-def _linear_for(fmt: str):
-    """(the matmul CPU layers run for weights in fmt, the activations' torch dtype): the block math's for float
-    weights, with activations in their format; offload's kernels, with fp32 activations, for the others."""
-    import torch
-
-    from offload import kernels
-
-    if fmt in _TORCH_DTYPES:  # the block math's own dispatch: torch's matmul, or offload's kernel for a row or two
-        from offload.model.llama import linear
-
-        return (lambda x, w: linear(x, w, None)), getattr(torch, _TORCH_DTYPES[fmt])
-    return kernels.linear, torch.float32
-
-
-def _random_weight(fmt: str, n: int, k: int, gen):
-    """A random [n, k] weight in fmt as the kernels take it (GGUF formats: random blocks with small scales)."""
-    import torch
-
-    from offload import kernels
-
-    if fmt in GGUF_BLOCKS:
-        from offload.kernels.quant import random_gguf_blocks
-
-        return kernels.PackedWeight.from_gguf(random_gguf_blocks(fmt, n, k), fmt, (n, k))
-    w = torch.randn(n, k, generator=gen) * k ** -0.5
-    return w.to(getattr(torch, _TORCH_DTYPES[fmt])) if fmt in _TORCH_DTYPES else kernels.pack(w, fmt)
 
 
 class _DistinctRandomSource:
@@ -211,14 +175,16 @@ def measure_steps(spec, fmt: str) -> list:
     return steps
 
 
-def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list]], log=print) -> HardwareProfile:
-    """hw with the overhead terms and attention rates fitted to measured steps: runs of (spec, fmt, steps).
+def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, object]], log=print) -> HardwareProfile:
+    """hw with the overhead terms and attention rates fitted to measured steps: runs of (spec, fmt, steps, speed),
+    speed the machine's speed while they ran against hw's (a speedprobe.MachineSpeed; None: hw's own).
 
     Each step's measured time less its calibrated matmul time (the plan re-costed with attention and overheads
     left out) is fitted, in relative terms (non-negative least squares), by a step term, a per-layer term per
     path, a per-sequence and a per-logit term, attention FLOPs over a rate per path and KV bytes over a read
-    rate. (The matmul curves are not rescaled by the fit: the small calibration model's weights fit in the
-    last-level cache, a real model's do not.)"""
+    rate. Each run is priced on hw at its speed (HardwareProfile.at_speed), so the terms come out at hw's.
+    (The matmul curves are not rescaled by the fit: the small calibration model's weights fit in the last-level
+    cache, a real model's do not.)"""
     import numpy as np
 
     from offload.planner.costs import cpu_path, step_phase_attention_flops
@@ -229,18 +195,19 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list]], log
     bare = replace(hw, cpu_attention={"fused": 1e30, "torch": 1e30, "kv_read": 1e30}, overhead_s={})
     names = ["step", "layer", "layer_unfused", "sequence", "logit", "attention_fused", "attention_torch", "kv_read"]
     rows, measured, bases = [], [], []
-    for spec, fmt, steps in runs:
-        compute = CPU_COMPUTE
-        wl = Workload(batch_size=1, prompt_len=64, gen_len=16, compute_format=compute)
+    for spec, fmt, steps, speed in runs:
+        memory, compute = (speed.memory, speed.compute) if speed is not None else (1.0, 1.0)
+        run_hw = bare.at_speed(memory, compute)
+        wl = Workload(batch_size=1, prompt_len=64, gen_len=16, compute_format=CPU_COMPUTE)
         p = plan(spec, bare, Budget(0, 64 * 2**30), wl, weight_format=fmt)
-        path = cpu_path(fmt, compute)
+        path = cpu_path(fmt, CPU_COMPUTE)
         for shape in steps:
-            base = sum(recost_steps(spec, bare, p, [shape]).values())
+            base = sum(recost_steps(spec, run_hw, p, [shape]).values())
             attn = step_phase_attention_flops(spec, shape)
             kv_bytes = spec.n_layers * 2 * shape.kv_read_tokens * spec.kv_size * 4  # fp32 K and V read once
-            rows.append([1.0, spec.n_layers * (path == "fused"), spec.n_layers * (path == "torch"), shape.n_seqs,
-                         shape.n_logits * spec.vocab_size, attn * (path == "fused"), attn * (path == "torch"),
-                         kv_bytes])
+            terms = [1.0, spec.n_layers * (path == "fused"), spec.n_layers * (path == "torch"), shape.n_seqs,
+                     shape.n_logits * spec.vocab_size, attn * (path == "fused"), attn * (path == "torch")]
+            rows.append([t / compute for t in terms] + [kv_bytes / memory])  # as at_speed moves each term
             measured.append(shape.seconds)
             bases.append(base)
     a, measured, bases = np.array(rows, dtype=np.float64), np.array(measured), np.array(bases)
@@ -280,25 +247,46 @@ def _curve_text(measured, kept) -> str:
 
 
 def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
-    """hw with the CPU matmul curves, attention rates and overhead terms measured on this machine."""
-    import torch
-
-    curves, one_thread = {}, {}
+    """hw with the CPU matmul curves, attention rates and overhead terms measured on this machine, and the speed
+    probes (speedprobe) that tie them to the machine's speed of the moment."""
+    curves, one_thread, references = {}, {}, {}
     for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS:
-        measured = measure_cpu_curve(fmt, CURVE_ROWS)
-        curves[fmt] = monotone_curve(measured)
-        log(f"cpu matmul curve {fmt:5s}: " + _curve_text(measured, curves[fmt]) + " GFLOP/s")
-        if torch.get_num_threads() > 1:  # the thread governor may run steps on one thread
-            measured = measure_cpu_curve(fmt, CURVE_ROWS, threads=1)
-            one_thread[fmt] = monotone_curve(measured)
-            log("  on one thread: " + _curve_text(measured, one_thread[fmt]) + " GFLOP/s")
+        measured, references[fmt] = measure_format_curves(fmt, log)
+        curves[fmt] = measured[0]
+        if len(measured) > 1:
+            one_thread[fmt] = measured[1]
     k_factor = {fmt: measure_k_factor(fmt) for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS}
     for fmt, factors in k_factor.items():
         log(f"cpu matmul {fmt:5s} by K, against K={K_REFERENCE}: " + ", ".join(f"{k}: {f:.2f}" for k, f in factors))
-    hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread, cpu_k_factor=k_factor)
+    hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread, cpu_k_factor=k_factor,
+                 cpu_probe=references)
     runs = []
     for n_layers, vocab in FIT_MODELS:
         spec = _calibration_spec(n_layers, vocab)
         for fmt in CURVE_FORMATS:
-            runs.append((spec, fmt, measure_steps(spec, fmt)))
+            before = probe(fmt)
+            steps = measure_steps(spec, fmt)
+            runs.append((spec, fmt, steps, machine_speed([before, probe(fmt)], references[fmt])))
     return fit_overheads(hw, runs, log)
+
+
+def measure_format_curves(fmt: str, log=print) -> tuple[list, tuple[float, float]]:
+    """fmt's matmul curve on torch's threads (and on one thread, where torch runs more), and its reference probe
+    rates (speedprobe): the median of the probes taken before, between and after the curves. Each curve is scaled
+    by the reference over the probes beside it, so that a curve measured in a slow moment is not taken for the
+    machine's speed."""
+    import torch
+
+    probes, measured = [probe(fmt)], []
+    for threads in (0, 1) if torch.get_num_threads() > 1 else (0,):  # the thread governor may run steps on one
+        measured.append(measure_cpu_curve(fmt, CURVE_ROWS, threads=threads))
+        probes.append(probe(fmt))
+    reference = reference_probe(probes)
+    curves = []
+    for i, curve in enumerate(measured):
+        speed = machine_speed(probes[i:i + 2], reference)
+        curves.append(monotone_curve(scale_curve(curve, 1 / speed.memory, 1 / speed.compute)))
+        log(("  on one thread: " if i else f"cpu matmul curve {fmt:5s}: ") + _curve_text(curve, curves[-1])
+            + f" GFLOP/s (scaled {1 / speed.memory:.2f}x at 1 row, {1 / speed.compute:.2f}x from "
+            f"{COMPUTE_BOUND_ROWS} rows to the probes' median)")
+    return curves, reference

@@ -104,6 +104,9 @@ class HardwareProfile:
     # CPU attention: FLOP/s of the fused C++ layer's and of torch's, and the rate KV caches are read at (bytes/s)
     cpu_attention: dict[str, float] = field(default_factory=dict, hash=False)
     overhead_s: dict[str, float] = field(default_factory=dict, hash=False)  # OVERHEAD_TERMS: seconds each
+    # runtime.speedprobe's rates (memory-bound, compute-bound FLOP/s) per weight format, taken by `offload
+    # calibrate` beside each curve: a job probes again and its report scales the CPU figures by the ratio (at_speed)
+    cpu_probe: dict[str, tuple[float, float]] = field(default_factory=dict, hash=False)
     page_cache_bps: float = 0.0  # a read served by the OS page cache (0: not measured)
     source: str = field(default="", compare=False)
 
@@ -177,9 +180,40 @@ class HardwareProfile:
         """Seconds of one overhead term (see OVERHEAD_TERMS); 0 where not calibrated."""
         return self.overhead_s.get(term, 0.0)
 
+    def at_speed(self, memory: float, compute: float) -> HardwareProfile:
+        """A copy for the CPU running at `memory` x and `compute` x the speed it was calibrated at (speedprobe's
+        ratios): matmul curves by speed_factor of their rows, memory and KV-read bandwidth by memory, attention and
+        flat matmul rates by compute, overhead seconds by 1 / compute; GPU, PCIe and disk figures unchanged."""
+        def curves(table):
+            return {fmt: scale_curve(curve, memory, compute) for fmt, curve in table.items()}
+
+        return replace(self, cpu_mem_bps=self.cpu_mem_bps * memory,
+                       cpu_flops={fmt: rate * compute for fmt, rate in self.cpu_flops.items()},
+                       cpu_flops_by_rows=curves(self.cpu_flops_by_rows),
+                       cpu_flops_one_thread=curves(self.cpu_flops_one_thread),
+                       cpu_attention={k: rate * (memory if k == "kv_read" else compute)
+                                      for k, rate in self.cpu_attention.items()},
+                       overhead_s={k: s / compute for k, s in self.overhead_s.items()})
+
     def with_changes(self, **changes) -> HardwareProfile:
         """A copy with some figures replaced (for what-if planning)."""
         return replace(self, **changes)
+
+
+COMPUTE_BOUND_ROWS = 64  # activation rows from which a CPU matmul is bound by compute, not by reading its weights
+
+
+def speed_factor(rows: int, memory: float, compute: float) -> float:
+    """How much a CPU matmul at `rows` activation rows speeds up when memory-bound work runs `memory` x as fast
+    and compute-bound work `compute` x: memory at 1 row, compute from COMPUTE_BOUND_ROWS, linear in log(rows)."""
+    t = min(math.log(max(rows, 1)) / math.log(COMPUTE_BOUND_ROWS), 1.0)
+    return memory + t * (compute - memory)
+
+
+def scale_curve(curve: tuple[tuple[int, float], ...], memory: float,
+                compute: float) -> tuple[tuple[int, float], ...]:
+    """A ((rows, FLOP/s), ...) curve with each rate times speed_factor of its rows."""
+    return tuple((rows, rate * speed_factor(rows, memory, compute)) for rows, rate in curve)
 
 
 # Time a step takes besides its matmuls and attention, fitted by `offload calibrate`: per step (embedding,
@@ -206,6 +240,7 @@ _YAML_KEYS = {
     ("cpu", "flops_by_rows_one_thread"): ("cpu_flops_one_thread", "curve"),
     ("cpu", "k_factor"): ("cpu_k_factor", "curve"),
     ("cpu", "attention"): ("cpu_attention", "attention"),
+    ("cpu", "probe"): ("cpu_probe", "probe"),
     ("disk", "size"): ("disk_bytes", parse_size),
     ("disk", "read_bandwidth"): ("disk_read_bps", parse_rate),
     ("disk", "page_cache_bandwidth"): ("page_cache_bps", parse_rate),
@@ -213,7 +248,8 @@ _YAML_KEYS = {
 _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, "gpu_mem_bps": 0.0, "gpu_reserved_bytes": 0,
              "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0,
              "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_k_factor": {}, "cpu_attention": {},
-             "overhead_s": {}, "page_cache_bps": 0.0}
+             "overhead_s": {}, "page_cache_bps": 0.0, "cpu_probe": {}}
+PROBE_KEYS = ("memory", "compute")  # cpu.probe's two rates per format, as (memory, compute) in cpu_probe
 
 
 def _did_you_mean(word: str, options) -> str:
@@ -238,6 +274,20 @@ def _parse_curve(points, where: str) -> tuple[tuple[int, float], ...]:
             raise ConfigError(f"{where}: rows must be whole numbers of 1 or more, found {rows!r}")
         curve.append((rows, parse_rate(rate, f"{where}.{rows}")))
     return tuple(sorted(curve))
+
+
+def _parse_probes(value, where: str) -> dict[str, tuple[float, float]]:
+    return _parse_named_rates(value, where, WEIGHT_FORMATS, "{memory: FLOP/s, compute: FLOP/s}", _parse_probe,
+                              "weight format")
+
+
+def _parse_probe(value, where: str) -> tuple[float, float]:
+    rates = _parse_named_rates(value, where, PROBE_KEYS, "FLOP/s", parse_rate)
+    missing = [k for k in PROBE_KEYS if k not in rates]
+    if missing:
+        raise ConfigError(f"{where}: expected both memory and compute rates, found no {' or '.join(missing)}; "
+                          "add it or run `offload calibrate` again")
+    return rates["memory"], rates["compute"]
 
 
 def _parse_named_rates(value, where: str, names: tuple[str, ...], what: str, parse, kind: str = "key") -> dict:
@@ -288,6 +338,8 @@ def profile_from_dict(data: dict, source: str = "hardware.yaml") -> HardwareProf
                 values[name] = _parse_cpu_flops(value, where)
             elif parse == "curve":
                 values[name] = _parse_curves(value, where)
+            elif parse == "probe":
+                values[name] = _parse_probes(value, where)
             elif parse == "attention":
                 values[name] = _parse_named_rates(value, where, ATTENTION_KEYS, "FLOP/s or bytes/s", parse_rate)
             else:
@@ -319,6 +371,8 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
         value = getattr(profile, name)
         if name in ("cpu_flops_by_rows", "cpu_flops_one_thread", "cpu_k_factor"):
             value = {fmt: dict(curve) for fmt, curve in value.items()}
+        if name == "cpu_probe":
+            value = {fmt: dict(zip(PROBE_KEYS, rates)) for fmt, rates in value.items()}
         if (isinstance(value, dict) and not value and name != "cpu_flops") or (name == "page_cache_bps" and not value):
             continue  # not calibrated
         out.setdefault(section, {})[key] = dict(value) if isinstance(value, dict) else value

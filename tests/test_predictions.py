@@ -86,25 +86,30 @@ def test_recosting_sums_the_steps_of_each_phase_and_follows_their_shapes():
     assert step_phase(chunk).n_tokens == 512 and step_phase(chunk).logit_rows == 13
 
 
-def test_the_fit_recovers_known_overhead_terms():
-    """Steps whose times are the bare cost model plus known terms give those terms back."""
+@pytest.mark.parametrize("speeds", [None, ((0.8, 1.1), (1.25, 0.9))])
+def test_the_fit_recovers_known_overhead_terms(speeds):
+    """Steps whose times are the bare cost model plus known terms give those terms back; steps measured while the
+    machine ran at another speed (each model's runs at its own) give the terms at the calibrated speed."""
     from offload.costfit import fit_overheads
+    from offload.runtime.speedprobe import MachineSpeed
 
     bare = replace(CALIBRATED, cpu_attention={"fused": 1e30, "torch": 1e30, "kv_read": 1e30}, overhead_s={})
     truth = replace(CALIBRATED, cpu_attention={"fused": 25e9, "torch": 15e9, "kv_read": 9e9},
                     overhead_s={"step": 3e-4, "layer": 2e-5, "layer_unfused": 4e-4, "sequence": 6e-5, "logit": 2e-9})
     runs = []
-    for n_layers, vocab in ((3, 4096), (9, 16384)):
+    for i, (n_layers, vocab) in enumerate(((3, 4096), (9, 16384))):
         spec = _spec(n_layers, vocab)
+        speed = MachineSpeed("q8_0", *speeds[i], 2) if speeds else None
+        measured_on = truth.at_speed(speed.memory, speed.compute) if speed else truth
         for fmt in ("q8_0", "fp32"):
             p = plan(spec, bare, Budget(0, 64 * 2**30), Workload(1, 64, 16, compute_format="fp32"), weight_format=fmt)
             steps = []
             for n, ctx, prompt in ((1, 20, 0), (4, 300, 0), (16, 50, 0), (32, 900, 0), (1, 200, 200), (3, 700, 300)):
                 shape = StepShape("prefill" if prompt else "decode", 0.0, prompt, n if not prompt else 0, n, n,
                                   attended_keys=(prompt or n) * ctx, kv_read_tokens=n * ctx)
-                seconds = sum(recost_steps(spec, truth, p, [shape]).values())
+                seconds = sum(recost_steps(spec, measured_on, p, [shape]).values())
                 steps.append(replace(shape, seconds=seconds))
-            runs.append((spec, fmt, steps))
+            runs.append((spec, fmt, steps, speed))
     fitted = fit_overheads(CALIBRATED, runs, log=lambda *a: None)
     for term, value in truth.overhead_s.items():
         assert fitted.overhead_s[term] == pytest.approx(value, rel=0.02, abs=1e-7), term
@@ -149,9 +154,10 @@ def test_a_step_on_one_thread_is_priced_on_the_one_thread_curve():
 
 
 def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatch):
-    """The whole of offload calibrate's cost part, shrunk: curves per format (and on one thread), the real
-    scheduler on random models, the fit; the profile keeps them through YAML."""
+    """The whole of offload calibrate's cost part, shrunk: curves per format (and on one thread) with the speed
+    probes beside them, the real scheduler on random models, the fit; the profile keeps them through YAML."""
     from offload import costfit
+    from offload.runtime import speedprobe
 
     real_spec = costfit._calibration_spec
     monkeypatch.setattr(costfit, "CURVE_ROWS", (1, 8))
@@ -160,8 +166,14 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
     monkeypatch.setattr(costfit, "FIT_RUNS", ((1, 8, 4), (4, 8, 4), (1, 96, 2)))
     monkeypatch.setattr(costfit, "_calibration_spec", lambda n, vocab=512: spec_from_config(
         {**_small_config(n, vocab)}, "small"))
+    monkeypatch.setattr(speedprobe, "PROBE_BYTES", 2**20)
+    monkeypatch.setattr(speedprobe, "_WEIGHTS", {})
     lines = []
     hw = costfit.calibrate_cpu_costs(CPU, lines.append)
+    assert set(hw.cpu_probe) == set(hw.cpu_flops_by_rows)
+    assert all(m > 0 and c > 0 for m, c in hw.cpu_probe.values())
+    n_curves = len(hw.cpu_flops_by_rows) + len(hw.cpu_flops_one_thread)
+    assert sum("to the probes' median" in line for line in lines) == n_curves  # each curve says how it was scaled
     assert set(hw.cpu_flops_by_rows) == set(costfit.CURVE_FORMATS + costfit.GGUF_CURVE_FORMATS
                                             + costfit.FLOAT_CURVE_FORMATS)
     assert hw.rated_format("q4_k") == "q4_k" and hw.rated_format("q5_k") == "q4_k"
@@ -171,6 +183,7 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
     assert any("overhead fit over" in line for line in lines)
     again = profile_from_dict(profile_to_dict(hw), "round trip")
     assert again.overhead_s == pytest.approx(hw.overhead_s) and again.cpu_flops_by_rows == hw.cpu_flops_by_rows
+    assert again.cpu_probe == hw.cpu_probe
     assert real_spec(2).n_layers == 2
 
 

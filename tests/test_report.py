@@ -57,6 +57,18 @@ def test_predicted_against_measured_and_memory():
     assert "predicted 0.05" in text and "ram: peak 3.00 GiB of budget 4.00 GiB" in text
 
 
+def test_the_cpu_speed_during_the_job_is_reported_where_it_was_probed():
+    speed = {"format": "q8_0", "memory": 0.84, "compute": 0.912, "probes": 2}
+    probed = build_report(JobCounts(), make_timeline(), machine_speed=speed)
+    assert json.loads(json.dumps(probed))["machine_speed"] == speed
+    line = "    cpu: speed during the job 0.84x memory, 0.91x compute of calibration (predictions scaled to it)"
+    assert line in format_report(probed)
+    plain = build_report(JobCounts(), make_timeline())
+    assert plain["machine_speed"] is None and "speed during" not in format_report(plain)
+    saved = {k: v for k, v in plain.items() if k != "machine_speed"}  # a report written before the field
+    assert "speed during" not in format_report(saved)
+
+
 def test_report_without_timeline():
     report = build_report(JobCounts(n_requests=1, n_done=1, n_generated_tokens=10, generate_s=2.0))
     assert report["phases"] is None and report["generated_tokens_per_s"] == 5.0

@@ -16,6 +16,7 @@ from offload.planner.whatif import what_ifs
 from offload.profile.report import JobCounts, build_report
 from offload.profile.timeline import Timeline
 from offload.runtime.host_memory import peak_rss_bytes
+from offload.runtime.speedprobe import MachineSpeed, machine_speed
 
 logger = logging.getLogger("offload")
 
@@ -83,28 +84,59 @@ def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error
 
 
 def job_timeline(llm) -> tuple[Timeline, str] | None:
-    """The runtime's timeline, cleared so that the report covers this job only."""
+    """The runtime's timeline, cleared so that the report covers this job only; the CPU's speed is probed as the
+    job starts (see job_machine_speed)."""
     timeline = getattr(llm, "timeline", None)
     if timeline is None:
         return None
     timeline.clear()
+    llm.speed_probes.clear()
+    _probe_cpu_speed(llm)
     return timeline, "executor"
 
 
 def llm_report(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, str] | None) -> dict:
     """The report of what llm did for the job: counts, where the time went, memory against budget, what-ifs."""
     tl, source = timeline if timeline is not None else (None, None)
-    return build_report(counts, tl, getattr(llm, "plan", None), peak_memory(llm), budget_of(config, llm), source,
-                        job_what_ifs(llm), job_predicted_s(llm, tl))
+    peaks = peak_memory(llm)  # the job's, before the closing speed probe
+    speed = job_machine_speed(llm, tl)
+    return build_report(counts, tl, getattr(llm, "plan", None), peaks, budget_of(config, llm), source,
+                        job_what_ifs(llm), job_predicted_s(llm, tl, speed),
+                        speed.to_dict() if speed is not None else None)
 
 
-def job_predicted_s(llm, timeline) -> dict[str, float] | None:
-    """The plan re-costed for the steps this run took, seconds per phase (None without a plan or steps)."""
+def job_machine_speed(llm, timeline) -> MachineSpeed | None:
+    """The CPU's speed over the job against calibration's, from the probe as it started and one now, after its
+    generation (None where it was not probed: no CPU layers, no reference in the profile, or nothing ran)."""
+    probes = getattr(llm, "speed_probes", None)
+    if not probes or timeline is None or not timeline.steps:
+        return None
+    _probe_cpu_speed(llm)
+    try:
+        reference = llm.request.profile().cpu_probe.get(probes[0].fmt)
+    except OffloadError as e:  # e.g. the hardware file changed during the job
+        logger.warning(f"the CPU's speed during the job is left out of the report: {e}")
+        return None
+    return machine_speed(probes, reference) if reference else None
+
+
+def _probe_cpu_speed(llm) -> None:
+    try:
+        llm.probe_cpu_speed()
+    except OffloadError as e:  # e.g. the hardware file changed; the report then goes without the speed
+        logger.warning(f"the CPU's speed was not probed: {e}")
+
+
+def job_predicted_s(llm, timeline, speed: MachineSpeed | None = None) -> dict[str, float] | None:
+    """The plan re-costed for the steps this run took, seconds per phase (None without a plan or steps), on the
+    profile moved to the CPU's speed during the job where it was probed."""
     plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
     if plan is None or request is None or spec is None or timeline is None or not timeline.steps:
         return None
     try:
-        return recost_steps(spec, request.profile(), plan, timeline.steps)
+        hw = request.profile()
+        return recost_steps(spec, hw if speed is None else hw.at_speed(speed.memory, speed.compute), plan,
+                            timeline.steps)
     except OffloadError as e:  # e.g. the hardware file changed during the job
         logger.warning(f"the prediction for the steps run is left out of the report: {e}")
         return None

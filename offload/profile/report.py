@@ -35,9 +35,11 @@ class JobCounts:
 
 def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None = None,
                  budget: dict | None = None, timeline_source: str | None = None,
-                 what_ifs: list[dict] | None = None, predicted_s: dict[str, float] | None = None) -> dict:
-    """The report as a JSON-ready dict; timeline, plan, what-ifs (WhatIf.to_dict()s) and predicted_s (the plan
-    re-costed for the steps run, seconds per phase: planner.recost) are optional (fields are then None)."""
+                 what_ifs: list[dict] | None = None, predicted_s: dict[str, float] | None = None,
+                 machine_speed: dict | None = None) -> dict:
+    """The report as a JSON-ready dict; timeline, plan, what-ifs (WhatIf.to_dict()s), predicted_s (the plan
+    re-costed for the steps run, seconds per phase: planner.recost) and machine_speed (the CPU's speed during the
+    job that predicted_s is scaled to: speedprobe.MachineSpeed.to_dict()) are optional (fields are then None)."""
     return {
         "requests": {"total": counts.n_requests, "done": counts.n_done, "failed": counts.n_failed,
                      "skipped_already_done": counts.n_skipped, "interrupted": counts.interrupted},
@@ -51,6 +53,7 @@ def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None
         "memory": memory_report(peaks or {}, budget or {}),
         "disk": disk_reads(timeline) if timeline is not None else None,
         "what_ifs": what_ifs,
+        "machine_speed": machine_speed,
     }
 
 
@@ -141,6 +144,10 @@ def format_report(report: dict) -> str:
         if "bottleneck" in p:  # reports saved before bottlenecks were added lack it
             lines.append(f"{'':>7}  bottleneck {bottleneck_name(p['bottleneck'])} "
                          f"(predicted {bottleneck_name(p['predicted_bottleneck'])})")
+    speed = report.get("machine_speed")
+    if speed:
+        lines.append(f"{'cpu':>7}: speed during the job {speed['memory']:.2f}x memory, {speed['compute']:.2f}x "
+                     f"compute of calibration (predictions scaled to it)")
     for tier, m in report["memory"].items():
         if m["peak_bytes"] is not None or m["budget_bytes"] is not None:
             lines.append(f"{'vram' if tier == 'gpu' else 'ram':>7}: peak {_gib(m['peak_bytes'])} "

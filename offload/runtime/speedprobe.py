@@ -1,0 +1,180 @@
+"""A probe of the CPU's speed now, a fraction of a second long, that ties a calibration to the moment of a job.
+
+A shared machine's speed drifts (this project's VM by ±20% within minutes), so curves measured by `offload
+calibrate` at one moment are off at another. Calibrate probes each format next to measuring its curves (the
+profile's cpu_probe); a job probes again as it starts and as it ends, and its report re-costs the plan on the
+profile moved to the ratio (HardwareProfile.at_speed). A probe times offload's own CPU matmul for weights in one
+format at two rates: bound by memory (one activation row over weights cycled past the last-level cache) and bound
+by compute (COMPUTE_BOUND_ROWS rows over one weight held in the caches). The random weights and the matmul are
+the ones costfit's curves time (random_weight, linear_for).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass
+
+from offload.formats import GGUF_BLOCKS, format_nbytes
+from offload.hardware import COMPUTE_BOUND_ROWS, HardwareProfile
+
+PROBE_BYTES = 48 * 2**20  # weights the memory-bound rate streams: past this machine's 32 MiB L3, and no more, as
+# a job holds them while it probes (it probes only where its plan leaves room for them: probe_bytes)
+PROBE_SHAPE = (2048, 768)  # [N, K] of each weight: the calibration model's MLP projection, at the curves' K
+COMPUTE_PASSES = 8  # products per compute-bound timing (about 10 ms of work on this project's 2-core VM)
+REPEATS = 5  # timings per rate, after a warm-up; the median counts (a probe takes 0.05-0.15 s here)
+_TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # float weights: torch's matmul
+_WEIGHTS: dict[str, object] = {}  # one random PROBE_SHAPE weight per format, packed once per process
+
+
+@dataclass(frozen=True)
+class SpeedProbe:
+    """Two FLOP/s rates of offload's CPU matmul for weights in fmt, measured now."""
+
+    fmt: str
+    memory: float  # 1 activation row over PROBE_BYTES of weights read from DRAM
+    compute: float  # COMPUTE_BOUND_ROWS rows over one PROBE_SHAPE weight in the caches
+
+
+@dataclass(frozen=True)
+class MachineSpeed:
+    """The CPU's speed during a job against calibration's: the probes' geometric mean over the reference."""
+
+    fmt: str
+    memory: float
+    compute: float
+    n_probes: int
+
+    def to_dict(self) -> dict:
+        return {"format": self.fmt, "memory": self.memory, "compute": self.compute, "probes": self.n_probes}
+
+
+def probe(fmt: str, threads: int = 0) -> SpeedProbe:
+    """Both rates for weights in fmt on `threads` threads (0: torch's count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _probe(fmt)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _probe(fmt: str) -> SpeedProbe:
+    import torch
+
+    if fmt not in _WEIGHTS:
+        _WEIGHTS[fmt] = random_weight(fmt, *PROBE_SHAPE, torch.Generator().manual_seed(0))
+    hot = _WEIGHTS[fmt]
+    mats = _copies(hot, _n_copies(fmt))
+    linear, x_dtype = linear_for(fmt)
+    n, k = PROBE_SHAPE
+    gen = torch.Generator().manual_seed(0)
+    one, many = (torch.randn(m, k, generator=gen).to(x_dtype) for m in (1, COMPUTE_BOUND_ROWS))
+
+    def stream():
+        for w in mats:
+            linear(one, w)
+
+    def compute():
+        for _ in range(COMPUTE_PASSES):
+            linear(many, hot)
+
+    memory_rate = 2 * n * k * len(mats) / median_time(stream, REPEATS)
+    compute_rate = 2 * COMPUTE_BOUND_ROWS * n * k * COMPUTE_PASSES / median_time(compute, REPEATS)
+    return SpeedProbe(fmt, memory_rate, compute_rate)
+
+
+def _n_copies(fmt: str) -> int:
+    n, k = PROBE_SHAPE
+    return max(2, math.ceil(PROBE_BYTES / format_nbytes(n * k, fmt)))
+
+
+def probe_bytes(fmt: str) -> int:
+    """Bytes a probe of fmt holds while it runs: the cached weight and the copies it streams."""
+    n, k = PROBE_SHAPE
+    return format_nbytes(n * k, fmt) * (1 + _n_copies(fmt))
+
+
+def _copies(w, count: int) -> list:
+    """count copies of a weight (a tensor, or a kernels.PackedWeight) side by side in one new buffer per tensor:
+    as slow to read from DRAM as new weights, far faster to make than packing them, and handed back to the OS in
+    one piece when the probe drops them."""
+    import torch
+
+    if isinstance(w, torch.Tensor):
+        return list(torch.stack([w] * count).unbind(0))
+    from offload.kernels import PackedWeight
+
+    qs = torch.stack([w.qs] * count)
+    d = None if w.d is None else torch.stack([w.d] * count)
+    return [PackedWeight(w.fmt, w.shape, qs[i], None if d is None else d[i], tiled=w.tiled) for i in range(count)]
+
+
+def median_time(fn, repeats: int) -> float:
+    """Median seconds of fn over repeats calls, after one more to warm up."""
+    fn()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+def linear_for(fmt: str):
+    """(the matmul CPU layers run for weights in fmt, the activations' torch dtype): the block math's for float
+    weights, with activations in their format; offload's kernels, with fp32 activations, for the others."""
+    import torch
+
+    from offload import kernels
+
+    if fmt in _TORCH_DTYPES:  # the block math's own dispatch: torch's matmul, or offload's kernel for a row or two
+        from offload.model.llama import linear
+
+        return (lambda x, w: linear(x, w, None)), getattr(torch, _TORCH_DTYPES[fmt])
+    return kernels.linear, torch.float32
+
+
+def random_weight(fmt: str, n: int, k: int, gen):
+    """A random [n, k] weight in fmt as the kernels take it (GGUF formats: random blocks with small scales)."""
+    import torch
+
+    from offload import kernels
+
+    if fmt in GGUF_BLOCKS:
+        from offload.kernels.quant import random_gguf_blocks
+
+        return kernels.PackedWeight.from_gguf(random_gguf_blocks(fmt, n, k), fmt, (n, k))
+    w = torch.randn(n, k, generator=gen) * k ** -0.5
+    return w.to(getattr(torch, _TORCH_DTYPES[fmt])) if fmt in _TORCH_DTYPES else kernels.pack(w, fmt)
+
+
+def reference_probe(probes: list[SpeedProbe]) -> tuple[float, float]:
+    """(memory, compute) rates that stand for several probes of one format: the median of each."""
+    return statistics.median(p.memory for p in probes), statistics.median(p.compute for p in probes)
+
+
+def machine_speed(probes: list[SpeedProbe], reference: tuple[float, float]) -> MachineSpeed:
+    """The speed probes of one format found against the reference rates calibrate recorded for it."""
+    def mean_ratio(rates, ref: float) -> float:
+        return math.exp(sum(math.log(r / ref) for r in rates) / len(rates))
+
+    return MachineSpeed(probes[0].fmt, mean_ratio([p.memory for p in probes], reference[0]),
+                        mean_ratio([p.compute for p in probes], reference[1]), len(probes))
+
+
+def probe_format(spec, plan, hw: HardwareProfile) -> str | None:
+    """The format to probe for a plan: the one whose calibrated curves price its CPU layers; None where no unit
+    computes on the CPU, hw has no reference probe of that format (a preset, an older calibration), or the plan
+    leaves less of the CPU budget free than the probe holds while it runs."""
+    from offload.planner.costs import main_format
+
+    if plan is None or not any("cpu" in (u.prefill, u.decode) for u in plan.units):
+        return None
+    fmt = hw.rated_format(main_format(spec, plan.weight_format))
+    if fmt not in hw.cpu_probe or plan.tier("cpu").free_bytes < probe_bytes(fmt):
+        return None
+    return fmt

@@ -1,0 +1,170 @@
+"""The CPU speed probe: the profile moved to a measured speed, the reference probes in YAML, the probe itself, and
+a job's prediction scaled to the speed probed around it."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+
+import pytest
+import torch
+
+from offload.errors import ConfigError
+from offload.hardware import load_hardware, profile_from_dict, profile_to_dict, save_hardware, speed_factor
+from offload.runtime import speedprobe
+from offload.runtime.speedprobe import MachineSpeed, SpeedProbe, machine_speed, probe_format
+
+CPU = load_hardware("cpu-desktop")
+CALIBRATED = replace(CPU, cpu_mem_bps=40e9, cpu_flops={"fp32": 100e9, "q8_0": 200e9},
+                     cpu_flops_by_rows={"q8_0": ((1, 40e9), (8, 90e9), (64, 160e9), (256, 200e9))},
+                     cpu_flops_one_thread={"q8_0": ((1, 20e9), (64, 80e9))},
+                     cpu_k_factor={"q8_0": ((512, 0.5), (768, 1.0))},
+                     cpu_attention={"fused": 30e9, "torch": 20e9, "kv_read": 12e9},
+                     overhead_s={"step": 2e-4, "layer": 1e-5, "layer_unfused": 3e-4, "sequence": 5e-5, "logit": 1e-9},
+                     cpu_probe={"q8_0": (60e9, 180e9)})
+
+
+def test_at_speed_scales_each_cpu_figure_and_leaves_the_rest():
+    hw = CALIBRATED.at_speed(0.5, 2.0)
+    # the factor runs from 0.5 at 1 row to 2.0 at 64 rows, linear in log(rows): 8 rows is half way (1.25)
+    assert hw.cpu_flops_by_rows["q8_0"] == ((1, 20e9), (8, 112.5e9), (64, 320e9), (256, 400e9))
+    assert hw.cpu_flops_one_thread["q8_0"] == ((1, 10e9), (64, 160e9))
+    assert hw.cpu_flops == {"fp32": 200e9, "q8_0": 400e9}
+    assert hw.cpu_mem_bps == 20e9
+    assert hw.cpu_attention == {"fused": 60e9, "torch": 40e9, "kv_read": 6e9}
+    assert hw.overhead_s == {"step": 1e-4, "layer": 5e-6, "layer_unfused": 1.5e-4, "sequence": 2.5e-5,
+                             "logit": 5e-10}
+    assert hw.cpu_k_factor == CALIBRATED.cpu_k_factor and hw.cpu_probe == CALIBRATED.cpu_probe
+    gpu = load_hardware("rtx4090-ddr5")
+    moved = gpu.at_speed(0.5, 2.0)
+    assert (moved.gpu_flops, moved.gpu_mem_bps, moved.h2d_pinned_bps, moved.disk_read_bps, moved.page_cache_bps) == (
+        gpu.gpu_flops, gpu.gpu_mem_bps, gpu.h2d_pinned_bps, gpu.disk_read_bps, gpu.page_cache_bps)
+    assert CALIBRATED.at_speed(1.0, 1.0) == CALIBRATED
+    assert speed_factor(4096, 0.5, 2.0) == 2.0 and speed_factor(1, 0.5, 2.0) == 0.5
+
+
+def test_cpu_probe_survives_the_yaml_round_trip_and_a_file_without_it_loads(tmp_path):
+    data = profile_to_dict(CALIBRATED)
+    assert data["cpu"]["probe"] == {"q8_0": {"memory": 60e9, "compute": 180e9}}
+    again = load_hardware(save_hardware(CALIBRATED, tmp_path / "hw.yaml"))
+    assert again.cpu_probe == {"q8_0": (60e9, 180e9)}
+    del data["cpu"]["probe"]
+    assert profile_from_dict(data, "old.yaml").cpu_probe == {}
+    assert "probe" not in profile_to_dict(CPU)["cpu"]  # presets have none, and write none
+    data["cpu"]["probe"] = {"q8_0": {"memory": 60e9}}
+    with pytest.raises(ConfigError, match=r"hw.yaml: cpu.probe.q8_0: expected both memory and compute rates, "
+                                          r"found no compute"):
+        profile_from_dict(data, "hw.yaml")
+    data["cpu"]["probe"] = {"q9_0": {"memory": 60e9, "compute": 1e11}}
+    with pytest.raises(ConfigError, match=r"cpu.probe: unknown weight format 'q9_0'"):
+        profile_from_dict(data, "hw.yaml")
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q8_0"])
+def test_the_probe_measures_positive_rates_and_reuses_its_weight(monkeypatch, fmt):
+    built = []
+    real = speedprobe.random_weight
+    monkeypatch.setattr(speedprobe, "PROBE_BYTES", 4 * 2**20)
+    monkeypatch.setattr(speedprobe, "_WEIGHTS", {})
+    monkeypatch.setattr(speedprobe, "random_weight", lambda *a: built.append(a) or real(*a))
+    threads = torch.get_num_threads()
+    first = speedprobe.probe(fmt, threads=1)
+    hot = speedprobe._WEIGHTS[fmt]
+    second = speedprobe.probe(fmt)
+    assert len(built) == 1 and speedprobe._WEIGHTS[fmt] is hot  # packed once, then only timed
+    assert torch.get_num_threads() == threads
+    for p in (first, second):
+        assert p.fmt == fmt
+        assert all(math.isfinite(r) and r > 0 for r in (p.memory, p.compute))
+
+
+@pytest.mark.parametrize("fmt", ["fp32", "q8_0"])
+def test_the_streamed_copies_are_the_weight_in_memory_of_their_own(fmt):
+    linear, x_dtype = speedprobe.linear_for(fmt)
+    hot = speedprobe.random_weight(fmt, 64, 256, torch.Generator().manual_seed(0))
+    copies = speedprobe._copies(hot, 3)
+    pointers = {w.data_ptr() if isinstance(w, torch.Tensor) else w.qs_ptr for w in copies}
+    assert len(pointers) == 3 and (hot.data_ptr() if isinstance(hot, torch.Tensor) else hot.qs_ptr) not in pointers
+    x = torch.randn(2, 256).to(x_dtype)
+    for w in copies:
+        assert torch.equal(linear(x, w), linear(x, hot))
+
+
+def test_the_speed_is_the_probes_geometric_mean_over_the_reference():
+    speed = machine_speed([SpeedProbe("q8_0", 30e9, 360e9), SpeedProbe("q8_0", 120e9, 90e9)], (60e9, 180e9))
+    assert speed.fmt == "q8_0" and speed.n_probes == 2
+    assert speed.memory == pytest.approx(1.0) and speed.compute == pytest.approx(1.0)
+    assert machine_speed([SpeedProbe("q8_0", 30e9, 90e9)], (60e9, 180e9)).to_dict() == {
+        "format": "q8_0", "memory": 0.5, "compute": 0.5, "probes": 1}
+
+
+def test_only_a_plan_with_cpu_layers_and_a_reference_probe_is_probed():
+    from offload.planner.search import plan
+    from offload.planner.types import Budget, Workload
+    from offload.spec import spec_from_config
+
+    spec = spec_from_config({"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8,
+                             "num_key_value_heads": 4, "intermediate_size": 1024, "num_hidden_layers": 4,
+                             "vocab_size": 4096, "max_position_embeddings": 4096}, "test")
+    cpu_plan = plan(spec, CALIBRATED, Budget(0, 64 * 2**30), Workload(4, 64, 16, compute_format="fp32"),
+                    weight_format="q8_0")
+    assert probe_format(spec, cpu_plan, CALIBRATED) == "q8_0"
+    assert probe_format(spec, cpu_plan, replace(CALIBRATED, cpu_probe={})) is None  # a preset, an old calibration
+    assert probe_format(spec, None, CALIBRATED) is None  # a placement given by hand
+    cpu = cpu_plan.tier("cpu")
+    room = [replace(cpu, budget_bytes=cpu.total_bytes + speedprobe.probe_bytes("q8_0") + extra) for extra in (0, -1)]
+    assert [probe_format(spec, replace(cpu_plan, tiers=(t,)), CALIBRATED) for t in room] == ["q8_0", None]
+    gpu = replace(load_hardware("rtx4090-ddr5"), cpu_probe={"fp16": (10e9, 100e9)})
+    gpu_plan = plan(spec, gpu, Budget.for_hardware(gpu), Workload(4, 64, 16, compute_format="fp16"),
+                    weight_format="fp16")
+    assert all(u.weight_tier == "gpu" for u in gpu_plan.units)
+    assert probe_format(spec, gpu_plan, gpu) is None
+
+
+def test_a_job_at_half_the_calibrated_speed_is_predicted_twice_as_long(tmp_path, monkeypatch):
+    """A CPU-only job whose probes find half the reference rates: the report says so, and every phase's
+    prediction is the plan re-costed on the calibrated profile, doubled."""
+    from conftest import make_hf_model, save_hf_model
+    from offload import LLM
+    from offload.jobs.run import run_batch
+    from offload.jobs.worker import job_predicted_s
+
+    calls = []
+
+    def half_speed(fmt, threads=0):
+        calls.append((fmt, threads))
+        return SpeedProbe(fmt, 30e9, 90e9)
+
+    monkeypatch.setattr(speedprobe, "probe", half_speed)
+    folder = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
+    llm = LLM(str(folder), quantization="q8_0", hardware=CALIBRATED, max_batch_size=2, host_baseline=0)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": list(range(1, 4 + 3 * i)), "max_tokens": 4 + i}} for i in range(3)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = {"model": {"path": str(folder), "quantization": "q8_0"}, "input": {"path": str(tmp_path / "in.jsonl")},
+              "output": {"path": str(tmp_path / "out.jsonl")}, "sampling": {"temperature": 0, "ignore_eos": True},
+              "report": {"print": False, "progress": False}}
+    report = run_batch(config, llm=llm)
+    assert report["machine_speed"] == {"format": "q8_0", "memory": pytest.approx(0.5), "compute": pytest.approx(0.5),
+                                       "probes": 2}
+    assert calls == [("q8_0", max(llm.model.threads.counts))] * 2  # before and after the generation
+    calibrated = job_predicted_s(llm, llm.timeline)  # the same steps, on the profile as calibrated
+    for phase, p in report["phases"].items():
+        assert p["predicted_s_per_token"] * p["tokens"] == pytest.approx(2 * calibrated[phase], rel=1e-9), phase
+    llm.request = replace(llm.request, hardware=replace(CALIBRATED, cpu_probe={}))  # no reference: no probe
+    calls.clear()
+    assert run_batch(config, llm=llm, restart=True)["machine_speed"] is None and not calls
+
+
+def test_machine_speed_needs_steps(monkeypatch):
+    """No generation (every request failed, or none ran): no speed and no second probe."""
+    from types import SimpleNamespace
+
+    from offload.jobs.worker import job_machine_speed
+    from offload.profile.timeline import Timeline
+
+    llm = SimpleNamespace(speed_probes=[SpeedProbe("q8_0", 1.0, 1.0)],
+                          probe_cpu_speed=lambda: pytest.fail("probed without steps"))
+    assert job_machine_speed(llm, Timeline()) is None and job_machine_speed(llm, None) is None
+    assert isinstance(machine_speed(llm.speed_probes, (1.0, 1.0)), MachineSpeed)
