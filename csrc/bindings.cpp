@@ -99,8 +99,8 @@ void quantize_row(const KernelTable& t, int fmt, const void* x, int xtype, int64
 void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N, const WView& w,
               const float* bias, float* y, int nth) {
   const int64_t K = w.K, nb = K / QK;
-  // q8_0 / q4_0 activation rows kPadBytes apart, past a power of two (the 16-row tiles read 8-16 rows at once)
-  const bool padded = (fmt == W_Q8_0 || fmt == W_Q4_0) && N > 1;
+  // activation rows kPadBytes apart, past a power of two (the 16-row tiles read 8-16 rows at once)
+  const bool padded = N > 1;
   const int64_t q_row = (takes_x16(fmt) ? K : K / 2) + (padded ? kPadBytes / 2 : 0);  // in int16 units
   tls.qs.resize(size_t(N * q_row));
   tls.d.resize(size_t(N * nb));

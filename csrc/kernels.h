@@ -89,7 +89,7 @@ struct XQ {
   int64_t N, K;
   const int16_t* s16 = nullptr;  // [N, K/16] sum(q) of each 16 (q6_k's -32 offset); GGUF formats only
   const int32_t* c8 = nullptr;   // [N, K/32] -8 * sum(q) of each block (q4_0's offset, exact); q4_0, N > 1
-  int64_t ld = 0;                // elements from one row of qs to the next, if not K (q8_0 / q4_0 only)
+  int64_t ld = 0;                // elements from one row of qs to the next, if not K
   int64_t stride() const { return ld ? ld : K; }
 };
 

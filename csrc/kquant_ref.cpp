@@ -116,7 +116,8 @@ void gemm_gguf_ref(int fmt, const WView& w, const XQ& x, float* y, const float* 
   const bool x16 = takes_x16(fmt);
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t n = 0; n < x.N; ++n) {
-      const XRow xr{x16 ? nullptr : x.qs + n * K, x16 ? reinterpret_cast<const int16_t*>(x.qs) + n * K : nullptr,
+      const int64_t at = n * x.stride();
+      const XRow xr{x16 ? nullptr : x.qs + at, x16 ? reinterpret_cast<const int16_t*>(x.qs) + at : nullptr,
                     x.d + n * (K / 32), x.s + n * (K / 32), x16 ? nullptr : x.s16 + n * (K / 16)};
       y[n * w.M + r] = ROW(w.qs + r * row_bytes, xr, K) + (bias ? bias[r] : 0.f);
     }

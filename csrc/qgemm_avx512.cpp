@@ -47,17 +47,16 @@ constexpr int64_t kWideMinTokens8 = 12;  // q8_0's unpacking (widening to int16)
 constexpr int kWideZmm = 9;      // scratch per block: 8 zmm of quants, 1 of fp32 scales
 struct alignas(64) Zmm { uint8_t bytes[64]; };  // a std::vector of these is 64-byte aligned (__m512i's isn't)
 
-// 16 bytes at byte `at` of block b of rows r0..r0+15 (4 dwords a row), as 4 zmm: dword j of every row, rows in
-// lane order.
-KFN void gather_block16(const RowTile (&t)[4], int64_t b, int64_t at, __m512i (&p)[4]) {
+// 16 bytes at rows[r] + at for 16 rows (4 dwords a row), as 4 zmm: dword j of every row, rows in lane order.
+KFN void transpose16x4(const uint8_t* const (&rows)[WR], int64_t at, __m512i (&p)[4]) {
   const __m512i by_dword = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   __m512i z[4];
 #pragma GCC unroll 4
   for (int k = 0; k < 4; ++k) {  // rows 4k..4k+3, then regrouped: [dword 0 of the 4 rows | dword 1 | 2 | 3]
-    __m512i v = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t[k].qat(0, b) + at)));
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(t[k].qat(1, b) + at)), 1);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(t[k].qat(2, b) + at)), 2);
-    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(t[k].qat(3, b) + at)), 3);
+    __m512i v = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * k] + at)));
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * k + 1] + at)), 1);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * k + 2] + at)), 2);
+    v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[4 * k + 3] + at)), 3);
     z[k] = _mm512_permutexvar_epi32(by_dword, v);
   }
   // 4 x 4 transpose of 128-bit lanes: p[j] = [lane j of z0, of z1, of z2, of z3]
@@ -67,6 +66,26 @@ KFN void gather_block16(const RowTile (&t)[4], int64_t b, int64_t at, __m512i (&
   p[1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
   p[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
   p[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
+}
+
+// The same for 16 bytes at byte `at` of block b of the 16 rows of 4 row tiles (q8_0 / q4_0 in either order).
+KFN void gather_block16(const RowTile (&t)[4], int64_t b, int64_t at, __m512i (&p)[4]) {
+  const uint8_t* rows[WR];
+  for (int r = 0; r < WR; ++r) rows[r] = t[r / 4].qat(r % 4, b);
+  transpose16x4(rows, at, p);
+}
+
+// 16 lanes of 4 int8 (or uint8: sign false) -> two zmm of int16 pairs: a holds each lane's bytes 0 and 1, b its
+// bytes 2 and 3 (the layout a vpdpwssd against broadcast int16 activation pairs takes).
+template <bool Signed>
+KFN void widen_pairs(__m512i v, __m512i& a, __m512i& b) {
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m256i l = _mm512_castsi512_si256(v), h = _mm512_extracti64x4_epi64(v, 1);
+  const __m512i lo = Signed ? _mm512_cvtepi8_epi16(l) : _mm512_cvtepu8_epi16(l);  // lanes 0-7: (b0 b1), (b2 b3)
+  const __m512i hi = Signed ? _mm512_cvtepi8_epi16(h) : _mm512_cvtepu8_epi16(h);  // lanes 8-15
+  a = _mm512_permutex2var_epi32(lo, even, hi);
+  b = _mm512_permutex2var_epi32(lo, odd, hi);
 }
 
 // Unpacks rows r0..r0+15 into the scratch: per block, zmm j < 4 holds quants 4j..4j+3 of each row (low nibbles
@@ -102,8 +121,6 @@ constexpr int kWideZmm8 = 17;
 
 KFN void unpack_q8_wide(const WView& w, int64_t r0, __m512i* scratch) {
   const RowTile t[4] = {RowTile(w, r0, QK), RowTile(w, r0 + 4, QK), RowTile(w, r0 + 8, QK), RowTile(w, r0 + 12, QK)};
-  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   alignas(64) uint16_t d16[WR];
   for (int64_t b = 0; b < w.K / QK; ++b) {
     __m512i* o = scratch + b * kWideZmm8;
@@ -111,11 +128,11 @@ KFN void unpack_q8_wide(const WView& w, int64_t r0, __m512i* scratch) {
       __m512i p[4];  // p[j]: quants 16h + 4j .. 16h + 4j + 3 of each row
       gather_block16(t, b, 16 * h, p);
 #pragma GCC unroll 4
-      for (int j = 0; j < 4; ++j) {  // rows 0-7 and 8-15 widened: dwords alternate (q0 q1), (q2 q3) per row
-        const __m512i lo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(p[j]));
-        const __m512i hi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(p[j], 1));
-        _mm512_store_si512(o + 8 * h + 2 * j, _mm512_permutex2var_epi32(lo, even, hi));
-        _mm512_store_si512(o + 8 * h + 2 * j + 1, _mm512_permutex2var_epi32(lo, odd, hi));
+      for (int j = 0; j < 4; ++j) {
+        __m512i a, c;
+        widen_pairs<true>(p[j], a, c);
+        _mm512_store_si512(o + 8 * h + 2 * j, a);
+        _mm512_store_si512(o + 8 * h + 2 * j + 1, c);
       }
     }
     for (int r = 0; r < WR; ++r) d16[r] = *t[r / 4].dat(r % 4, b);
@@ -218,6 +235,158 @@ KFN void wide_q4_0_rows(const WView& w, const XQ& x, float* y, const float* bias
   }
 }
 
+// GGUF block formats in 16-row tiles. A K-quant's own group decoder (kquant_tiles.inc) runs once per row and group
+// of a tile, and its quants are regrouped so that one zmm holds 4 consecutive quants of each of the 16 rows, with
+// per block the 16 rows' scales and negated minimums (q6_k: d times its two scales per 16 weights). q4_1 is
+// unpacked a block at a time, its nibbles widened to int16 pairs for its int16 activations. Per token and block:
+// 8 vpdpbusd (q4_1: 16 vpdpwssd), then the scale and the minimum's term once for all 16 rows; q6_k's -32 offset
+// starts its two integer sums per 16 (-32 x the token's sums per 16).
+template <class F>
+constexpr int gguf_wide_zmm() { return F::kX16 ? 18 : 10; }
+constexpr int64_t kWideMinTokensGguf = 8;  // the decoding, once per tile, pays from here (1.0-1.2x at 8)
+
+template <class F>
+KFN void unpack_kquant_wide(const WView& w, int64_t r0, __m512i* scratch) {
+  constexpr int Z = gguf_wide_zmm<F>();
+  const int64_t row_bytes = w.K / F::kWeights * F::kBytes;
+  alignas(64) uint8_t q[WR][8][32];         // one group: row, block, quants in natural order
+  alignas(64) float v1[8][WR], v2[8][WR];  // block, row: scale and negated minimum (q6_k: d x scale of each 16)
+  alignas(32) float lanes[8];
+  alignas(32) int16_t sc16[16];
+  for (int64_t g = 0; g < w.K / QK_K; ++g) {
+    for (int r = 0; r < WR; ++r) {
+      Group G;
+      F::decode(w.qs + (r0 + r) * row_bytes + g * F::kBytes, G);
+      for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(q[r][i]), G.q[i]);
+      if constexpr (F::kQ6) {
+        _mm256_store_si256(reinterpret_cast<__m256i*>(sc16), G.sc16);
+        const float d = _mm256_cvtss_f32(G.dw);
+        for (int i = 0; i < 8; ++i) v1[i][r] = d * sc16[2 * i], v2[i][r] = d * sc16[2 * i + 1];
+      } else {
+        _mm256_store_ps(lanes, G.dw);
+        for (int i = 0; i < 8; ++i) v1[i][r] = lanes[i];
+        _mm256_store_ps(lanes, G.mw);
+        for (int i = 0; i < 8; ++i) v2[i][r] = -lanes[i];
+      }
+    }
+    for (int i = 0; i < 8; ++i) {
+      __m512i* o = scratch + (8 * g + i) * Z;
+      const uint8_t* rows[WR];
+      for (int r = 0; r < WR; ++r) rows[r] = q[r][i];
+      __m512i p[4];
+      for (int h = 0; h < 2; ++h) {
+        transpose16x4(rows, 16 * h, p);
+        for (int j = 0; j < 4; ++j) _mm512_store_si512(o + 4 * h + j, p[j]);
+      }
+      _mm512_store_ps(o + 8, _mm512_load_ps(v1[i]));
+      _mm512_store_ps(o + 9, _mm512_load_ps(v2[i]));
+    }
+  }
+}
+
+KFN void unpack_q4_1_wide(const WView& w, int64_t r0, __m512i* scratch) {
+  constexpr int Z = gguf_wide_zmm<Q41>();
+  const int64_t nb = w.K / QK;
+  const __m512i m4 = _mm512_set1_epi8(0x0F);
+  alignas(64) uint16_t d16[WR], m16[WR];
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* rows[WR];
+    for (int r = 0; r < WR; ++r) {
+      const uint8_t* blk = w.qs + ((r0 + r) * nb + b) * kQ41Bytes;  // fp16 d, fp16 m, 16 nibble bytes
+      d16[r] = load_u16(blk), m16[r] = load_u16(blk + 2), rows[r] = blk + 4;
+    }
+    __m512i p[4];
+    transpose16x4(rows, 0, p);
+    __m512i* o = scratch + b * Z;
+    for (int j = 0; j < 4; ++j) {  // low nibbles: quants 4j.., high nibbles: 16 + 4j..
+      __m512i a, c;
+      widen_pairs<false>(_mm512_and_si512(p[j], m4), a, c);
+      _mm512_store_si512(o + 2 * j, a);
+      _mm512_store_si512(o + 2 * j + 1, c);
+      widen_pairs<false>(_mm512_and_si512(_mm512_srli_epi16(p[j], 4), m4), a, c);
+      _mm512_store_si512(o + 8 + 2 * j, a);
+      _mm512_store_si512(o + 9 + 2 * j, c);
+    }
+    _mm512_store_ps(o + 16, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d16))));
+    _mm512_store_ps(o + 17, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(m16))));
+  }
+}
+
+// T tokens from n0 against one unpacked 16-row tile of format F.
+template <class F, int T>
+KFN void wide_gguf(const __m512i* scratch, const XQ& x, int64_t n0, float* y, int64_t M, int64_t r0,
+                   const float* bias) {
+  constexpr int Z = gguf_wide_zmm<F>(), NQ = F::kX16 ? 16 : 8;
+  const int64_t K = x.K, nb = K / QK, ld = x.stride();
+  __m512 acc[T];
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const __m512i* o = scratch + b * Z;
+    __m512i q[NQ];
+#pragma GCC unroll 16
+    for (int j = 0; j < NQ; ++j) q[j] = _mm512_load_si512(o + j);
+    const __m512 v1 = _mm512_load_ps(o + NQ), v2 = _mm512_load_ps(o + NQ + 1);
+#pragma GCC unroll 16
+    for (int t = 0; t < T; ++t) {
+      const int64_t xb = (n0 + t) * nb + b;
+      const __m512 dx = _mm512_set1_ps(x.d[xb]);
+      if constexpr (F::kX16) {  // int16 activations: pairs
+        const int16_t* x16 = reinterpret_cast<const int16_t*>(x.qs) + (n0 + t) * ld + b * QK;
+        const int8_t* xr = reinterpret_cast<const int8_t*>(x16);
+        __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) s = _mm512_dpwssd_epi32(s, q[j], bcast4(xr + 4 * j));
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), v1, acc[t]);
+        acc[t] = _mm512_fmadd_ps(v2, _mm512_set1_ps(x.s[xb]), acc[t]);
+      } else if constexpr (F::kQ6) {  // two sums per 16 weights, each from -32 x the token's sum of its 16
+        const int8_t* xr = x.qs + (n0 + t) * ld + b * QK;
+        const int16_t* s16 = x.s16 + (n0 + t) * (K / 16) + 2 * b;
+        __m512i lo = _mm512_set1_epi32(-32 * s16[0]), hi = _mm512_set1_epi32(-32 * s16[1]);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          lo = _mm512_dpbusd_epi32(lo, q[j], bcast4(xr + 4 * j));
+          hi = _mm512_dpbusd_epi32(hi, q[4 + j], bcast4(xr + 16 + 4 * j));
+        }
+        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), v2, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), v1));
+        acc[t] = _mm512_fmadd_ps(f, dx, acc[t]);
+      } else {
+        const int8_t* xr = x.qs + (n0 + t) * ld + b * QK;
+        __m512i s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) s = _mm512_dpbusd_epi32(s, q[j], bcast4(xr + 4 * j));
+        acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), v1, acc[t]);
+        acc[t] = _mm512_fmadd_ps(v2, _mm512_set1_ps(x.s[xb]), acc[t]);
+      }
+    }
+  }
+  const __m512 bv = bias ? _mm512_loadu_ps(bias + r0) : _mm512_setzero_ps();
+#pragma GCC unroll 16
+  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (n0 + t) * M + r0, _mm512_add_ps(acc[t], bv));
+}
+
+// Rows r0..r1 of a GGUF format: whole 16-row tiles wide where there are enough tokens, the rest as before.
+template <class F>
+KFN void gguf_rows(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  if (x.N < kWideMinTokensGguf || r1 - r0 < WR) return gemm_gguf_rows<F>(w, x, y, bias, r0, r1);
+  constexpr int Z = gguf_wide_zmm<F>(), TW = F::kX16 ? 8 : 16;  // q4_1: 16 quant registers, 8 tokens
+  thread_local std::vector<Zmm> buffer;
+  buffer.resize(size_t(w.K / QK * Z));
+  __m512i* scratch = reinterpret_cast<__m512i*>(buffer.data());
+  int64_t r = r0;
+  for (; r + WR <= r1; r += WR) {
+    if constexpr (F::kX16) unpack_q4_1_wide(w, r, scratch);
+    else unpack_kquant_wide<F>(w, r, scratch);
+    int64_t n = 0;
+    for (; n + TW <= x.N; n += TW) wide_gguf<F, TW>(scratch, x, n, y, w.M, r, bias);
+    if (TW > 8 && n + 8 <= x.N) wide_gguf<F, 8>(scratch, x, n, y, w.M, r, bias), n += 8;
+    if (n + 4 <= x.N) wide_gguf<F, 4>(scratch, x, n, y, w.M, r, bias), n += 4;
+    if (n + 2 <= x.N) wide_gguf<F, 2>(scratch, x, n, y, w.M, r, bias), n += 2;
+    if (n < x.N) wide_gguf<F, 1>(scratch, x, n, y, w.M, r, bias);
+  }
+  if (r < r1) gemm_gguf_rows<F>(w, x, y, bias, r, r1);
+}
+
 // bf16 weights against bf16 activations with AVX-512 BF16: per 16-row tile the weights are regrouped once so that
 // zmm i holds elements 2i and 2i + 1 of each row (a 16 x 32 slice per 16 zmm), then one vdpbf16ps against a token's
 // pair of activations broadcast makes 16 rows x 2 products, accumulated in fp32 as they come (no scales).
@@ -225,26 +394,14 @@ KFN void wide_q4_0_rows(const WView& w, const XQ& x, float* y, const float* bias
 constexpr int BT = 12;  // tokens per bf16 tile: 12 accumulators + 16 weight registers
 
 KFN_BF16 void unpack_bf16_wide(const WView& w, int64_t r0, int64_t b, __m512i (&q)[16]) {
-  const uint8_t* base = w.qs + (r0 * w.K + b * QK) * 2;
-  const __m512i by_dword = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const uint8_t* rows[WR];
+  for (int r = 0; r < WR; ++r) rows[r] = w.qs + ((r0 + r) * w.K + b * QK) * 2;
 #pragma GCC unroll 4
-  for (int c = 0; c < 4; ++c) {  // 16 bytes (8 elements) of each row at a time: the 16 x 4 dword transpose
-    __m512i z[4];
+  for (int c = 0; c < 4; ++c) {  // 16 bytes (8 elements) of each row at a time
+    __m512i p[4];
+    transpose16x4(rows, 16 * c, p);
 #pragma GCC unroll 4
-    for (int k = 0; k < 4; ++k) {
-      const uint8_t* rk = base + (4 * k) * w.K * 2 + 16 * c;
-      __m512i v = _mm512_zextsi128_si512(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rk)));
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rk + w.K * 2)), 1);
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rk + w.K * 4)), 2);
-      v = _mm512_inserti32x4(v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rk + w.K * 6)), 3);
-      z[k] = _mm512_permutexvar_epi32(by_dword, v);
-    }
-    const __m512i t0 = _mm512_shuffle_i32x4(z[0], z[1], 0x44), t1 = _mm512_shuffle_i32x4(z[0], z[1], 0xEE);
-    const __m512i t2 = _mm512_shuffle_i32x4(z[2], z[3], 0x44), t3 = _mm512_shuffle_i32x4(z[2], z[3], 0xEE);
-    q[4 * c] = _mm512_shuffle_i32x4(t0, t2, 0x88);
-    q[4 * c + 1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
-    q[4 * c + 2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
-    q[4 * c + 3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
+    for (int j = 0; j < 4; ++j) q[4 * c + j] = p[j];
   }
 }
 
@@ -330,22 +487,22 @@ void gemm_q4_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, 
 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 void gemm_q4_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_rows<Q41>(w, x, y, bias, r0, r1);
+  gguf_rows<Q41>(w, x, y, bias, r0, r1);
 }
 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 void gemm_q4_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_rows<Q4K>(w, x, y, bias, r0, r1);
+  gguf_rows<Q4K>(w, x, y, bias, r0, r1);
 }
 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 void gemm_q5_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_rows<Q5K>(w, x, y, bias, r0, r1);
+  gguf_rows<Q5K>(w, x, y, bias, r0, r1);
 }
 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 void gemm_q6_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_rows<Q6K>(w, x, y, bias, r0, r1);
+  gguf_rows<Q6K>(w, x, y, bias, r0, r1);
 }
 
 }  // namespace offload

@@ -36,8 +36,10 @@ SIMD = [p for p, need in (("avx2", {"avx2", "fma", "f16c"}),
                           ("avx512", {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}))
         if K._C is not None and need <= K.CPU_FEATURES]
 # (M, blocks per row, N): M = 1, 3, 5, 67; one block, several, an odd count (K not a multiple of 64 / 512) and
-# for q4_1 counts past whole groups of 8 blocks (9, 17); N = 1 (matrix-vector), 2, 3, 7, 33.
-SHAPES = [(1, 1, 1), (3, 1, 2), (5, 3, 1), (67, 2, 3), (5, 9, 7), (3, 17, 33), (67, 5, 1), (1, 4, 33), (4, 3, 2)]
+# for q4_1 counts past whole groups of 8 blocks (9, 17); N = 1 (matrix-vector), 2, 3, 7, 33. The AVX-512 16-row
+# tiles (from 8 tokens): rows past the last whole 16, 8 tokens, 16 + 16 + 1 (q4_1: 4 x 8 + 1), 150.
+SHAPES = [(1, 1, 1), (3, 1, 2), (5, 3, 1), (67, 2, 3), (5, 9, 7), (3, 17, 33), (67, 5, 1), (1, 4, 33), (4, 3, 2),
+          (67, 2, 33), (40, 9, 8), (16, 3, 150)]
 
 
 def nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
