@@ -140,6 +140,59 @@ class _DistinctRandomSource:
         return source
 
 
+ATTENTION_TOKENS = 2048  # a causal prefill of this many tokens measures the fused attention's FLOP rate
+KV_READ = (8, 2048)  # decode tokens and each one's context: the rate K and V are read at
+KV_READ_BYTES = 160 * 2**20  # the caches the decode measurement cycles through: past the last-level cache
+
+
+def measure_attention(repeats: int = 5) -> dict[str, float] | None:
+    """The fused C++ layer's attention timed alone (kernels.layer.cached_attention) on the calibration model's
+    heads: FLOP/s of a causal prefill of ATTENTION_TOKENS (FLOPs as the cost model counts them), and bytes/s of
+    K and V read by decode tokens over long contexts (their FLOPs at the prefill rate taken out), the caches of
+    several layers cycled as a model's are. None without the C++ layer.
+
+    Measured, not fitted with the overheads: a fitted rate takes up whatever the matmul curves get wrong on the
+    fit's small model (one fit put prefill attention at 56 GFLOP/s where it ran at 88)."""
+    import torch
+
+    from offload.kernels import layer as fused
+    from offload.model.llama import LayerKV, make_step
+
+    if not fused.HAS_CACHED_ATTENTION:
+        return None
+    spec = _calibration_spec(1)
+    gen = torch.Generator().manual_seed(4)
+
+    def cache(batch: int, max_len: int):
+        kv = LayerKV(batch, spec.n_kv_heads, max_len, spec.head_dim, torch.float32)
+        kv.k.normal_(generator=gen), kv.v.normal_(generator=gen)  # real pages, not the shared zero page
+        return kv
+
+    def run(positions: torch.Tensor, phase: str, caches: list) -> float:
+        max_len = caches[0].k.shape[1] - 1
+        step = make_step(spec, torch.float32, positions, torch.ones_like(positions, dtype=torch.bool), max_len,
+                         phase=phase)
+        views = [fused.kv_view(kv) for kv in caches]
+        tables = [fused.step_table(spec, step, view) for view in views]
+        qkv = torch.randn(positions.numel(), spec.q_size + 2 * spec.kv_size, generator=gen)
+
+        def once():
+            for table, view in zip(tables, views):
+                fused.cached_attention(spec, qkv, table, view)
+
+        return median_time(once, repeats) / len(caches)
+
+    n = ATTENTION_TOKENS
+    prefill_s = run(torch.arange(n)[None], "prefill", [cache(1, n)])
+    rate = spec.attention_flops(n, round((n + 1) / 2)) / prefill_s
+    seqs, ctx = KV_READ
+    kv_bytes = spec.layer_kv_bytes(seqs, ctx + 1, 4)  # as the cost model counts a decode token's read
+    caches = [cache(seqs, ctx + 1) for _ in range(max(2, KV_READ_BYTES // kv_bytes))]
+    decode_s = run(torch.full((seqs, 1), ctx), "decode", caches)
+    reading_s = decode_s - spec.attention_flops(seqs, ctx + 1) / rate
+    return {"fused": rate, "kv_read": kv_bytes / max(reading_s, decode_s / 2)}
+
+
 FIT_MODELS = ((4, 8192), (12, 32768))  # (layers, vocabulary): two of each, so the per-step, per-layer and
 # per-logit terms come apart
 # (sequences, prompt tokens, new tokens): decode at several batches and contexts, prefill short and long
@@ -175,14 +228,16 @@ def measure_steps(spec, fmt: str) -> list:
     return steps
 
 
-def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, object]], log=print) -> HardwareProfile:
+def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, object]], log=print,
+                  attention: dict[str, float] | None = None) -> HardwareProfile:
     """hw with the overhead terms and attention rates fitted to measured steps: runs of (spec, fmt, steps, speed),
     speed the machine's speed while they ran against hw's (a speedprobe.MachineSpeed; None: hw's own).
 
     Each step's measured time less its calibrated matmul time (the plan re-costed with attention and overheads
     left out) is fitted, in relative terms (non-negative least squares), by a step term, a per-layer term per
     path, a per-sequence and a per-logit term, attention FLOPs over a rate per path and KV bytes over a read
-    rate. Each run is priced on hw at its speed (HardwareProfile.at_speed), so the terms come out at hw's.
+    rate; rates given in attention (measure_attention: fused, kv_read) are priced as given, not fitted. Each
+    run is priced on hw at its speed (HardwareProfile.at_speed), so the terms come out at hw's.
     (The matmul curves are not rescaled by the fit: the small calibration model's weights fit in the last-level
     cache, a real model's do not.)"""
     import numpy as np
@@ -192,8 +247,12 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, objec
     from offload.planner.search import plan
     from offload.planner.types import Budget, Workload
 
-    bare = replace(hw, cpu_attention={"fused": 1e30, "torch": 1e30, "kv_read": 1e30}, overhead_s={})
+    given = attention or {}
+    bare = replace(hw, cpu_attention={"fused": given.get("fused", 1e30), "torch": 1e30,
+                                      "kv_read": given.get("kv_read", 1e30)}, overhead_s={})
     names = ["step", "layer", "layer_unfused", "sequence", "logit", "attention_fused", "attention_torch", "kv_read"]
+    fit = [not (name == "attention_fused" and "fused" in given or name == "kv_read" and "kv_read" in given)
+           for name in names]  # the columns fitted
     rows, measured, bases = [], [], []
     for spec, fmt, steps, speed in runs:
         memory, compute = (speed.memory, speed.compute) if speed is not None else (1.0, 1.0)
@@ -210,17 +269,17 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, objec
             rows.append([t / compute for t in terms] + [kv_bytes / memory])  # as at_speed moves each term
             measured.append(shape.seconds)
             bases.append(base)
-    a, measured, bases = np.array(rows, dtype=np.float64), np.array(measured), np.array(bases)
+    a, measured, bases = np.array(rows, dtype=np.float64)[:, fit], np.array(measured), np.array(bases)
     weights = 1.0 / measured  # relative error
     coef = _nnls(a * weights[:, None], (measured - bases) * weights)
-    fitted = dict(zip(names, coef))
+    fitted = dict(zip([n for n, f in zip(names, fit) if f], coef))
     err = (bases + a @ coef) / measured
     log(f"overhead fit over {len(measured)} steps: predicted / measured {np.median(err):.2f} median, "
         f"{err.min():.2f}-{err.max():.2f}")
-    attention = {p: float(1.0 / fitted[k]) if fitted[k] > 0 else 1e30
-                 for p, k in (("fused", "attention_fused"), ("torch", "attention_torch"), ("kv_read", "kv_read"))}
+    rates = {p: given[p] if p in given else float(1.0 / fitted[k]) if fitted[k] > 0 else 1e30
+             for p, k in (("fused", "attention_fused"), ("torch", "attention_torch"), ("kv_read", "kv_read"))}
     overhead = {k: float(fitted[k]) for k in OVERHEAD_TERMS}
-    return replace(hw, cpu_attention=attention, overhead_s=overhead)
+    return replace(hw, cpu_attention=rates, overhead_s=overhead)
 
 
 def _nnls(a, b, iterations: int = 50):
@@ -260,6 +319,10 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
         log(f"cpu matmul {fmt:5s} by K, against K={K_REFERENCE}: " + ", ".join(f"{k}: {f:.2f}" for k, f in factors))
     hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread, cpu_k_factor=k_factor,
                  cpu_probe=references)
+    attention = measure_attention()
+    if attention is not None:
+        log(f"cpu attention (fused layer): {attention['fused'] / 1e9:.1f} GFLOP/s on a {ATTENTION_TOKENS}-token "
+            f"prompt, K and V read at {attention['kv_read'] / 1e9:.1f} GB/s in decode")
     runs = []
     for n_layers, vocab in FIT_MODELS:
         spec = _calibration_spec(n_layers, vocab)
@@ -267,7 +330,7 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
             before = probe(fmt)
             steps = measure_steps(spec, fmt)
             runs.append((spec, fmt, steps, machine_speed([before, probe(fmt)], references[fmt])))
-    return fit_overheads(hw, runs, log)
+    return fit_overheads(hw, runs, log, attention)
 
 
 def measure_format_curves(fmt: str, log=print) -> tuple[list, tuple[float, float]]:

@@ -86,10 +86,12 @@ def test_recosting_sums_the_steps_of_each_phase_and_follows_their_shapes():
     assert step_phase(chunk).n_tokens == 512 and step_phase(chunk).logit_rows == 13
 
 
+@pytest.mark.parametrize("given", [False, True])
 @pytest.mark.parametrize("speeds", [None, ((0.8, 1.1), (1.25, 0.9))])
-def test_the_fit_recovers_known_overhead_terms(speeds):
+def test_the_fit_recovers_known_overhead_terms(speeds, given):
     """Steps whose times are the bare cost model plus known terms give those terms back; steps measured while the
-    machine ran at another speed (each model's runs at its own) give the terms at the calibrated speed."""
+    machine ran at another speed (each model's runs at its own) give the terms at the calibrated speed; attention
+    rates given (measured apart) are kept as given and the rest fitted around them."""
     from offload.costfit import fit_overheads
     from offload.runtime.speedprobe import MachineSpeed
 
@@ -110,11 +112,14 @@ def test_the_fit_recovers_known_overhead_terms(speeds):
                 seconds = sum(recost_steps(spec, measured_on, p, [shape]).values())
                 steps.append(replace(shape, seconds=seconds))
             runs.append((spec, fmt, steps, speed))
-    fitted = fit_overheads(CALIBRATED, runs, log=lambda *a: None)
+    attention = {"fused": 25e9, "kv_read": 9e9} if given else None
+    fitted = fit_overheads(CALIBRATED, runs, log=lambda *a: None, attention=attention)
     for term, value in truth.overhead_s.items():
         assert fitted.overhead_s[term] == pytest.approx(value, rel=0.02, abs=1e-7), term
     for key, value in truth.cpu_attention.items():
         assert fitted.cpu_attention[key] == pytest.approx(value, rel=0.02), key
+    if given:  # kept as given, to the last bit (a fitted rate would land near it, not on it)
+        assert {k: fitted.cpu_attention[k] for k in attention} == attention
 
 
 def test_a_job_report_predicts_for_the_steps_it_ran(tmp_path, tiny_llama_job):
@@ -168,8 +173,17 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
         {**_small_config(n, vocab)}, "small"))
     monkeypatch.setattr(speedprobe, "PROBE_BYTES", 2**20)
     monkeypatch.setattr(speedprobe, "_WEIGHTS", {})
+    monkeypatch.setattr(costfit, "ATTENTION_TOKENS", 96)
+    monkeypatch.setattr(costfit, "KV_READ", (2, 96))
+    monkeypatch.setattr(costfit, "KV_READ_BYTES", 2**20)
+    measured = []
+    real_attention = costfit.measure_attention
+    monkeypatch.setattr(costfit, "measure_attention", lambda: measured.append(real_attention()) or measured[-1])
     lines = []
     hw = costfit.calibrate_cpu_costs(CPU, lines.append)
+    if measured[0] is not None:  # the C++ layer's attention is measured, and priced as measured
+        assert {k: hw.cpu_attention[k] for k in ("fused", "kv_read")} == measured[0]
+        assert any("cpu attention (fused layer)" in line for line in lines)
     assert set(hw.cpu_probe) == set(hw.cpu_flops_by_rows)
     assert all(m > 0 and c > 0 for m, c in hw.cpu_probe.values())
     n_curves = len(hw.cpu_flops_by_rows) + len(hw.cpu_flops_one_thread)
