@@ -101,32 +101,47 @@ def monotone_curve(curve: tuple[tuple[int, float], ...]) -> tuple[tuple[int, flo
 
 
 K_CLASSES = (256, 512, 576, 640, 768, 1024, 1536, 2048, 3072, 4096)  # inner dimensions the K factor is measured at
-K_ROWS = 16  # activation rows of the K factor's products
+N_CLASSES = (64, 128, 192, 256, 384, 512, 576, 768, 1024, 2048, 4096)  # outputs the N factor is measured at
+SHAPE_ROWS = 128  # activation rows of the shape factors' products: where compute, not the weights' read, bounds
 K_REFERENCE = 768  # the calibration model's hidden size: the curves' K
+N_REFERENCE = 2048  # the outputs the K factor is measured at
 
 
-def measure_k_factor(fmt: str, repeats: int = 3) -> tuple[tuple[int, float], ...]:
-    """The matmul rate of weights in fmt at each K of K_CLASSES against the rate at K_REFERENCE (K_ROWS rows,
-    2048 outputs, weights copied past the caches)."""
+def measure_shape_factors(fmt: str, repeats: int = 3) -> tuple[tuple, tuple]:
+    """The matmul rate of weights in fmt by inner dimension K (at N_REFERENCE outputs) and by outputs N (at
+    K_REFERENCE), each against its reference's rate, on SHAPE_ROWS rows; then both moved so that the calibration
+    model's own linears (which the curves are measured on) come out at 1: ((K, factor), ...), ((N, factor), ...).
+
+    A kernel's blocking fits some shapes better than others (a q4_0 linear with 192 outputs ran at 0.75x of one
+    with 2048); measured where compute bounds the time, as the factors' errors there are the costly ones."""
+    from offload.hardware import shape_efficiency
+
+    block = GGUF_BLOCKS.get(fmt, (1, 0))[0]
+    ks = sorted(k for k in set(K_CLASSES) | {K_REFERENCE} if k % block == 0)
+    by_k = {k: _shape_rate(fmt, N_REFERENCE, k, repeats) for k in ks}
+    by_n = {n: _shape_rate(fmt, n, K_REFERENCE, repeats) for n in sorted(set(N_CLASSES) | {N_REFERENCE})}
+    k_factor = tuple((k, by_k[k] / by_k[K_REFERENCE]) for k in K_CLASSES if k in by_k)
+    n_factor = tuple((n, by_n[n] / by_n[N_REFERENCE]) for n in N_CLASSES)
+    shapes = [t.shape for t in _calibration_spec(1).layer_tensors(0) if t.role == "linear"]
+    mix = shape_efficiency(k_factor, n_factor, shapes)
+    return k_factor, tuple((n, f / mix) for n, f in n_factor)
+
+
+def _shape_rate(fmt: str, n: int, k: int, repeats: int) -> float:
+    """FLOP/s of [SHAPE_ROWS, k] x [n, k]^T with weights in fmt, distinct copies cycled past the caches."""
     import torch
 
-
     gen = torch.Generator().manual_seed(2)
-    rates = {}
-    block = GGUF_BLOCKS.get(fmt, (1, 0))[0]
-    for k in sorted(k for k in set(K_CLASSES) | {K_REFERENCE} if k % block == 0):
-        n = 2048
-        copies = max(1, int(CURVE_BYTES // format_nbytes(n * k, fmt)))
-        mats = [random_weight(fmt, n, k, gen) for _ in range(min(copies, 4))] * max(1, copies // 4)
-        linear, x_dtype = linear_for(fmt)
-        x = torch.randn(K_ROWS, k, generator=gen).to(x_dtype)
+    copies = max(1, int(CURVE_BYTES // format_nbytes(n * k, fmt)))
+    mats = [random_weight(fmt, n, k, gen) for _ in range(min(copies, 8))] * max(1, copies // 8)
+    linear, x_dtype = linear_for(fmt)
+    x = torch.randn(SHAPE_ROWS, k, generator=gen).to(x_dtype)
 
-        def run():
-            for w in mats:
-                linear(x, w)
+    def run():
+        for w in mats:
+            linear(x, w)
 
-        rates[k] = 2 * K_ROWS * n * k * len(mats) / median_time(run, repeats)
-    return tuple((k, rates[k] / rates[K_REFERENCE]) for k in K_CLASSES if k in rates)
+    return 2 * SHAPE_ROWS * n * k * len(mats) / median_time(run, repeats)
 
 
 class _DistinctRandomSource:
@@ -314,10 +329,14 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
         curves[fmt] = measured[0]
         if len(measured) > 1:
             one_thread[fmt] = measured[1]
-    k_factor = {fmt: measure_k_factor(fmt) for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS}
-    for fmt, factors in k_factor.items():
-        log(f"cpu matmul {fmt:5s} by K, against K={K_REFERENCE}: " + ", ".join(f"{k}: {f:.2f}" for k, f in factors))
+    k_factor, n_factor = {}, {}
+    for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS:
+        k_factor[fmt], n_factor[fmt] = measure_shape_factors(fmt)
+        log(f"cpu matmul {fmt:5s} by K, against K={K_REFERENCE}: " + ", ".join(f"{k}: {f:.2f}" for k, f in k_factor[fmt]))
+        log(f"cpu matmul {fmt:5s} by outputs N, against the calibration layer's: "
+            + ", ".join(f"{n}: {f:.2f}" for n, f in n_factor[fmt]))
     hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread, cpu_k_factor=k_factor,
+                 cpu_n_factor=n_factor,
                  cpu_probe=references)
     attention = measure_attention()
     if attention is not None:

@@ -101,6 +101,8 @@ class HardwareProfile:
     # ... times a factor by the weights' inner dimension K, ((K, factor), ...) per format (1 at the K the curves
     # are measured at): a kernel's blocking fits some K better than others
     cpu_k_factor: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
+    # ... and by its outputs N, ((N, factor), ...) per format (1 for the calibration model's own linears)
+    cpu_n_factor: dict[str, tuple[tuple[int, float], ...]] = field(default_factory=dict, hash=False)
     # CPU attention: FLOP/s of the fused C++ layer's and of torch's, and the rate KV caches are read at (bytes/s)
     cpu_attention: dict[str, float] = field(default_factory=dict, hash=False)
     overhead_s: dict[str, float] = field(default_factory=dict, hash=False)  # OVERHEAD_TERMS: seconds each
@@ -145,14 +147,11 @@ class HardwareProfile:
             return full
         return one + (full - one) * (threads - 1) / max(self.n_cores - 1, 1)
 
-    def k_efficiency(self, fmt: str, shapes) -> float:
-        """The calibrated K factor of a unit's linears of shapes [(N, K), ...] in fmt, weighted by their work
-        (1 where not calibrated)."""
-        curve = self.cpu_k_factor.get(_measured(fmt, self.cpu_k_factor))
-        if not curve or not shapes:
-            return 1.0
-        work = [(n * k, self._curve_rate(curve, k, log_scale=False)) for n, k in shapes]
-        return sum(w for w, _ in work) / sum(w / f for w, f in work)
+    def shape_efficiency(self, fmt: str, shapes) -> float:
+        """The calibrated K and N factors of a unit's linears of shapes [(N, K), ...] in fmt, weighted by their
+        work (1 where not calibrated)."""
+        return shape_efficiency(self.cpu_k_factor.get(_measured(fmt, self.cpu_k_factor)),
+                                self.cpu_n_factor.get(_measured(fmt, self.cpu_n_factor)), shapes)
 
     @staticmethod
     def _curve_rate(curve, rows: int, log_scale: bool = True) -> float | None:
@@ -216,6 +215,18 @@ def scale_curve(curve: tuple[tuple[int, float], ...], memory: float,
     return tuple((rows, rate * speed_factor(rows, memory, compute)) for rows, rate in curve)
 
 
+def shape_efficiency(k_factor, n_factor, shapes) -> float:
+    """The factor of linears of shapes [(N, K), ...] on a matmul curve, from a K factor and an N factor
+    (((K, factor), ...), ((N, factor), ...); either may be empty), each interpolated linearly and held flat past
+    its ends, weighted by the linears' work."""
+    if not shapes or not (k_factor or n_factor):
+        return 1.0
+    rate = HardwareProfile._curve_rate
+    work = [(n * k, (rate(k_factor, k, log_scale=False) or 1.0) * (rate(n_factor, n, log_scale=False) or 1.0))
+            for n, k in shapes]
+    return sum(w for w, _ in work) / sum(w / f for w, f in work)
+
+
 # Time a step takes besides its matmuls and attention, fitted by `offload calibrate`: per step (embedding,
 # Python), per CPU layer through the fused C++ layer, per CPU layer through torch ops, per sequence in the step
 # (bookkeeping), and per logit sampled (rows x vocabulary: softmax or argmax, the copy to Python).
@@ -239,6 +250,7 @@ _YAML_KEYS = {
     ("cpu", "flops_by_rows"): ("cpu_flops_by_rows", "curve"),
     ("cpu", "flops_by_rows_one_thread"): ("cpu_flops_one_thread", "curve"),
     ("cpu", "k_factor"): ("cpu_k_factor", "curve"),
+    ("cpu", "n_factor"): ("cpu_n_factor", "curve"),
     ("cpu", "attention"): ("cpu_attention", "attention"),
     ("cpu", "probe"): ("cpu_probe", "probe"),
     ("disk", "size"): ("disk_bytes", parse_size),
@@ -247,7 +259,8 @@ _YAML_KEYS = {
 }
 _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, "gpu_mem_bps": 0.0, "gpu_reserved_bytes": 0,
              "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0,
-             "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_k_factor": {}, "cpu_attention": {},
+             "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_k_factor": {}, "cpu_n_factor": {},
+             "cpu_attention": {},
              "overhead_s": {}, "page_cache_bps": 0.0, "cpu_probe": {}}
 PROBE_KEYS = ("memory", "compute")  # cpu.probe's two rates per format, as (memory, compute) in cpu_probe
 
@@ -369,7 +382,7 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
     out: dict = {"name": profile.name}
     for (section, key), (name, _) in _YAML_KEYS.items():
         value = getattr(profile, name)
-        if name in ("cpu_flops_by_rows", "cpu_flops_one_thread", "cpu_k_factor"):
+        if name in ("cpu_flops_by_rows", "cpu_flops_one_thread", "cpu_k_factor", "cpu_n_factor"):
             value = {fmt: dict(curve) for fmt, curve in value.items()}
         if name == "cpu_probe":
             value = {fmt: dict(zip(PROBE_KEYS, rates)) for fmt, rates in value.items()}

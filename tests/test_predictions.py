@@ -173,6 +173,11 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
         {**_small_config(n, vocab)}, "small"))
     monkeypatch.setattr(speedprobe, "PROBE_BYTES", 2**20)
     monkeypatch.setattr(speedprobe, "_WEIGHTS", {})
+    monkeypatch.setattr(costfit, "K_CLASSES", (256, 512))
+    monkeypatch.setattr(costfit, "N_CLASSES", (64, 256))
+    monkeypatch.setattr(costfit, "K_REFERENCE", 256)
+    monkeypatch.setattr(costfit, "N_REFERENCE", 256)
+    monkeypatch.setattr(costfit, "SHAPE_ROWS", 8)
     monkeypatch.setattr(costfit, "ATTENTION_TOKENS", 96)
     monkeypatch.setattr(costfit, "KV_READ", (2, 96))
     monkeypatch.setattr(costfit, "KV_READ_BYTES", 2**20)
@@ -194,10 +199,14 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
     assert all(len(c) == 2 and all(r > 0 for _, r in c) for c in hw.cpu_flops_by_rows.values())
     assert set(hw.overhead_s) == {"step", "layer", "layer_unfused", "sequence", "logit"}
     assert set(hw.cpu_attention) == {"fused", "torch", "kv_read"}
+    assert set(hw.cpu_n_factor) == set(hw.cpu_k_factor) == set(hw.cpu_flops_by_rows)
+    small_layer = [t.shape for t in costfit._calibration_spec(1).layer_tensors(0) if t.role == "linear"]
+    for fmt in hw.cpu_n_factor:  # the calibration model's own linears are the curves': factor 1
+        assert hw.shape_efficiency(fmt, small_layer) == pytest.approx(1.0), fmt
     assert any("overhead fit over" in line for line in lines)
     again = profile_from_dict(profile_to_dict(hw), "round trip")
     assert again.overhead_s == pytest.approx(hw.overhead_s) and again.cpu_flops_by_rows == hw.cpu_flops_by_rows
-    assert again.cpu_probe == hw.cpu_probe
+    assert again.cpu_probe == hw.cpu_probe and again.cpu_n_factor == hw.cpu_n_factor
     assert real_spec(2).n_layers == 2
 
 
@@ -207,12 +216,15 @@ def _small_config(n_layers: int, vocab: int) -> dict:
             "max_position_embeddings": 512}
 
 
-def test_the_k_factor_weighs_each_linear_by_its_work():
+def test_the_shape_factors_weigh_each_linear_by_its_work():
     hw = replace(CALIBRATED, cpu_k_factor={"q8_0": ((512, 0.5), (768, 1.0))})
-    assert hw.k_efficiency("q8_0", [(1000, 512)]) == 0.5 and hw.k_efficiency("q8_0", [(1000, 768)]) == 1.0
-    assert hw.k_efficiency("q8_0", [(1000, 512), (1000, 768)]) == pytest.approx(1280 / (1024 + 768))
-    assert hw.k_efficiency("q8_0", [(1000, 640)]) == pytest.approx(0.75)  # linear in K between points
-    assert hw.k_efficiency("q4_0", [(1000, 512)]) == 1.0  # not calibrated for q4_0
+    assert hw.shape_efficiency("q8_0", [(1000, 512)]) == 0.5 and hw.shape_efficiency("q8_0", [(1000, 768)]) == 1.0
+    assert hw.shape_efficiency("q8_0", [(1000, 512), (1000, 768)]) == pytest.approx(1280 / (1024 + 768))
+    assert hw.shape_efficiency("q8_0", [(1000, 640)]) == pytest.approx(0.75)  # linear in K between points
+    assert hw.shape_efficiency("q4_0", [(1000, 512)]) == 1.0  # not calibrated for q4_0
+    both = replace(hw, cpu_n_factor={"q8_0": ((192, 0.8), (2048, 1.0))})  # and by outputs N: the product
+    assert both.shape_efficiency("q8_0", [(192, 512)]) == pytest.approx(0.4)
+    assert both.shape_efficiency("q8_0", [(192, 768), (4096, 768)]) == pytest.approx((192 + 4096) / (192 / 0.8 + 4096))
     spec = spec_from_config({"model_type": "llama", "hidden_size": 512, "num_attention_heads": 8,
                              "num_key_value_heads": 4, "intermediate_size": 512, "num_hidden_layers": 2,
                              "vocab_size": 1024, "max_position_embeddings": 512}, "k512")

@@ -136,7 +136,7 @@ def _cpu_s(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase
     rate includes reading the weights from DRAM; the flat one is a roofline against read_bytes) and attention."""
     passes = phase.n_passes
     fmt = hw.rated_format(unit.rate_format(fmt, compute))  # a GGUF unit: its main format (or that one's kin)
-    k_eff = hw.k_efficiency(fmt, [t.shape for t in unit.tensors if t.role == "linear"])
+    k_eff = hw.shape_efficiency(fmt, [t.shape for t in unit.tensors if t.role == "linear"])
     matmul_s = flops / (hw.cpu_matmul_rate(fmt, rows, phase.n_threads) * k_eff)
     cpu_compute_s = matmul_s + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
     if hw.cpu_flops_by_rows.get(fmt):
