@@ -12,6 +12,8 @@ job's report scales the whole to the speed it probes.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import replace
 
 from offload.formats import GGUF_BLOCKS, QUANTIZATIONS, compute_format, format_nbytes, weight_format
@@ -107,28 +109,39 @@ K_REFERENCE = 768  # the calibration model's hidden size: the curves' K
 N_REFERENCE = 2048  # the outputs the K factor is measured at
 
 
-def measure_shape_factors(fmt: str, repeats: int = 3) -> tuple[tuple, tuple]:
+def measure_shape_factors(fmt: str, rounds: int = 3) -> tuple[tuple, tuple]:
     """The matmul rate of weights in fmt by inner dimension K (at N_REFERENCE outputs) and by outputs N (at
     K_REFERENCE), each against its reference's rate, on SHAPE_ROWS rows; then both moved so that the calibration
     model's own linears (which the curves are measured on) come out at 1: ((K, factor), ...), ((N, factor), ...).
 
     A kernel's blocking fits some shapes better than others (a q4_0 linear with 192 outputs ran at 0.75x of one
-    with 2048); measured where compute bounds the time, as the factors' errors there are the costly ones."""
+    with 2048); measured where compute bounds the time, as the factors' errors there are the costly ones. Each
+    shape is timed right after its reference, in rounds, and the median ratio kept: this machine's speed drifts
+    (timed one after another, three K classes once came out at 0.56 in a slow minute, 1.0-1.1 timed again)."""
     from offload.hardware import shape_efficiency
 
     block = GGUF_BLOCKS.get(fmt, (1, 0))[0]
-    ks = sorted(k for k in set(K_CLASSES) | {K_REFERENCE} if k % block == 0)
-    by_k = {k: _shape_rate(fmt, N_REFERENCE, k, repeats) for k in ks}
-    by_n = {n: _shape_rate(fmt, n, K_REFERENCE, repeats) for n in sorted(set(N_CLASSES) | {N_REFERENCE})}
-    k_factor = tuple((k, by_k[k] / by_k[K_REFERENCE]) for k in K_CLASSES if k in by_k)
-    n_factor = tuple((n, by_n[n] / by_n[N_REFERENCE]) for n in N_CLASSES)
+    ks = [k for k in K_CLASSES if k % block == 0]
+    products = {shape: _shape_product(fmt, *shape) for shape in
+                {(N_REFERENCE, k) for k in ks + [K_REFERENCE]} | {(n, K_REFERENCE) for n in N_CLASSES}}
+    ratios: dict[tuple[int, int], list[float]] = {shape: [] for shape in products}
+    ref = products[(N_REFERENCE, K_REFERENCE)]
+    for i in range(rounds + 1):  # the first round warms every product up (page faults, the thread pool)
+        for shape, product in products.items():
+            ratio = _rate(product) / _rate(ref)
+            if i:
+                ratios[shape].append(ratio)
+    factor = {shape: statistics.median(r) for shape, r in ratios.items()}
+    k_factor = tuple((k, factor[(N_REFERENCE, k)]) for k in ks)
+    n_factor = tuple((n, factor[(n, K_REFERENCE)]) for n in N_CLASSES)
     shapes = [t.shape for t in _calibration_spec(1).layer_tensors(0) if t.role == "linear"]
     mix = shape_efficiency(k_factor, n_factor, shapes)
     return k_factor, tuple((n, f / mix) for n, f in n_factor)
 
 
-def _shape_rate(fmt: str, n: int, k: int, repeats: int) -> float:
-    """FLOP/s of [SHAPE_ROWS, k] x [n, k]^T with weights in fmt, distinct copies cycled past the caches."""
+def _shape_product(fmt: str, n: int, k: int):
+    """(run, FLOPs of a run): [SHAPE_ROWS, k] x [n, k]^T with weights in fmt, distinct copies cycled past the
+    caches."""
     import torch
 
     gen = torch.Generator().manual_seed(2)
@@ -141,7 +154,15 @@ def _shape_rate(fmt: str, n: int, k: int, repeats: int) -> float:
         for w in mats:
             linear(x, w)
 
-    return 2 * SHAPE_ROWS * n * k * len(mats) / median_time(run, repeats)
+    return run, 2 * SHAPE_ROWS * n * k * len(mats)
+
+
+def _rate(product) -> float:
+    """FLOP/s of one run of a _shape_product."""
+    run, flops = product
+    t0 = time.perf_counter()
+    run()
+    return flops / (time.perf_counter() - t0)
 
 
 class _DistinctRandomSource:
