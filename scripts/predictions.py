@@ -82,7 +82,7 @@ def main() -> None:
     print(f"hardware profile: {hw.name} ({hw.source}); {torch.get_num_threads()} threads")
     print(f"{'job':6s} {'quant':5s} {'phase':7s} {'tokens':>7s} {'measured s/tok':>15s} {'predicted s/tok':>16s} "
           f"{'pred/meas':>9s}")
-    worst = []
+    worst, unscaled_ratios = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for job in args.jobs:
             make, max_model_len = jobs[job]
@@ -102,10 +102,22 @@ def main() -> None:
                     mark = "" if LOW <= ratio <= HIGH else "  <- outside 0.85-1.15"
                     worst.append(ratio)
                     spread = max(r["measured_s_per_token"] for r in rows) / min(r["measured_s_per_token"] for r in rows)
+                    speeds = [r["machine_speed"] for r in runs if r.get("machine_speed")]
+                    speed = ""
+                    if speeds:  # and the prediction at the calibrated speed, unscaled
+                        unscaled = statistics.median(s["predicted_s_at_calibration"][phase] for s in speeds)
+                        speed = (f"; CPU speed probed {statistics.median(s['memory'] for s in speeds):.2f}x memory, "
+                                 f"{statistics.median(s['compute'] for s in speeds):.2f}x compute; unscaled "
+                                 f"{unscaled / rows[0]['tokens'] / measured:.2f}")
+                        unscaled_ratios.append(unscaled / rows[0]["tokens"] / measured)
                     print(f"{job:6s} {quant:5s} {phase:7s} {rows[0]['tokens']:7d} {measured:15.3e} {predicted:16.3e} "
-                          f"{ratio:9.2f}  (runs {spread:.2f}x apart){mark}", flush=True)
+                          f"{ratio:9.2f}  (runs {spread:.2f}x apart{speed}){mark}", flush=True)
     inside = sum(LOW <= r <= HIGH for r in worst)
     print(f"{inside} of {len(worst)} rows within {LOW}-{HIGH}; range {min(worst):.2f}-{max(worst):.2f}")
+    if unscaled_ratios:
+        inside = sum(LOW <= r <= HIGH for r in unscaled_ratios)
+        print(f"unscaled by the speed probe: {inside} of {len(unscaled_ratios)} rows within; range "
+              f"{min(unscaled_ratios):.2f}-{max(unscaled_ratios):.2f}")
 
 
 if __name__ == "__main__":

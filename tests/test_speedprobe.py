@@ -146,10 +146,12 @@ def test_a_job_at_half_the_calibrated_speed_is_predicted_twice_as_long(tmp_path,
               "output": {"path": str(tmp_path / "out.jsonl")}, "sampling": {"temperature": 0, "ignore_eos": True},
               "report": {"print": False, "progress": False}}
     report = run_batch(config, llm=llm)
-    assert report["machine_speed"] == {"format": "q8_0", "memory": pytest.approx(0.5), "compute": pytest.approx(0.5),
-                                       "probes": 2}
+    speed = report["machine_speed"]
+    assert {k: speed[k] for k in ("format", "memory", "compute", "probes")} == {
+        "format": "q8_0", "memory": pytest.approx(0.5), "compute": pytest.approx(0.5), "probes": 2}
     assert calls == [("q8_0", max(llm.model.threads.counts))] * 2  # before and after the generation
     calibrated = job_predicted_s(llm, llm.timeline)  # the same steps, on the profile as calibrated
+    assert speed["predicted_s_at_calibration"] == pytest.approx(calibrated, rel=1e-9)  # reported beside
     for phase, p in report["phases"].items():
         assert p["predicted_s_per_token"] * p["tokens"] == pytest.approx(2 * calibrated[phase], rel=1e-9), phase
     llm.request = replace(llm.request, hardware=replace(CALIBRATED, cpu_probe={}))  # no reference: no probe

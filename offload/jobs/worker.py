@@ -100,9 +100,11 @@ def llm_report(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeli
     tl, source = timeline if timeline is not None else (None, None)
     peaks = peak_memory(llm)  # the job's, before the closing speed probe
     speed = job_machine_speed(llm, tl)
+    speed_report = None
+    if speed is not None:  # with the prediction at the calibrated speed beside the scaled one, seconds per phase
+        speed_report = {**speed.to_dict(), "predicted_s_at_calibration": job_predicted_s(llm, tl)}
     return build_report(counts, tl, getattr(llm, "plan", None), peaks, budget_of(config, llm), source,
-                        job_what_ifs(llm), job_predicted_s(llm, tl, speed),
-                        speed.to_dict() if speed is not None else None)
+                        job_what_ifs(llm), job_predicted_s(llm, tl, speed), speed_report)
 
 
 def job_machine_speed(llm, timeline) -> MachineSpeed | None:
