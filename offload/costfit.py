@@ -286,7 +286,8 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, objec
     given = attention or {}
     bare = replace(hw, cpu_attention={"fused": given.get("fused", 1e30), "torch": 1e30,
                                       "kv_read": given.get("kv_read", 1e30)}, overhead_s={})
-    names = ["step", "layer", "layer_unfused", "sequence", "logit", "attention_fused", "attention_torch", "kv_read"]
+    names = ["step", "layer", "layer_unfused", "sequence", "logit", "token", "attention_fused", "attention_torch",
+             "kv_read"]
     fit = [not (name == "attention_fused" and "fused" in given or name == "kv_read" and "kv_read" in given)
            for name in names]  # the columns fitted
     rows, measured, bases = [], [], []
@@ -301,7 +302,8 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, objec
             attn = step_phase_attention_flops(spec, shape)
             kv_bytes = spec.n_layers * 2 * shape.kv_read_tokens * spec.kv_size * 4  # fp32 K and V read once
             terms = [1.0, spec.n_layers * (path == "fused"), spec.n_layers * (path == "torch"), shape.n_seqs,
-                     shape.n_logits * spec.vocab_size, attn * (path == "fused"), attn * (path == "torch")]
+                     shape.n_logits * spec.vocab_size, shape.n_tokens * spec.n_layers, attn * (path == "fused"),
+                     attn * (path == "torch")]
             rows.append([t / compute for t in terms] + [kv_bytes / memory])  # as at_speed moves each term
             measured.append(shape.seconds)
             bases.append(base)

@@ -229,8 +229,10 @@ def shape_efficiency(k_factor, n_factor, shapes) -> float:
 
 # Time a step takes besides its matmuls and attention, fitted by `offload calibrate`: per step (embedding,
 # Python), per CPU layer through the fused C++ layer, per CPU layer through torch ops, per sequence in the step
-# (bookkeeping), and per logit sampled (rows x vocabulary: softmax or argmax, the copy to Python).
-OVERHEAD_TERMS = ("step", "layer", "layer_unfused", "sequence", "logit")
+# (bookkeeping), per logit sampled (rows x vocabulary: softmax or argmax, the copy to Python), and per token and
+# CPU layer (the norms, rope, silu and residual adds around the matmuls: a prefill of thousands of tokens spends
+# about a tenth of its time there).
+OVERHEAD_TERMS = ("step", "layer", "layer_unfused", "sequence", "logit", "token")
 ATTENTION_KEYS = ("fused", "torch", "kv_read")  # FLOP/s on each path; bytes/s of KV reads
 
 # YAML layout: (section, key) -> (field, parser). Sections keep the file readable.

@@ -19,7 +19,7 @@ CPU = load_hardware("cpu-desktop")
 CURVE = {"q8_0": ((1, 40e9), (16, 100e9), (256, 160e9)), "fp32": ((1, 8e9), (64, 120e9))}
 CALIBRATED = replace(CPU, cpu_flops_by_rows=CURVE, cpu_attention={"fused": 30e9, "torch": 20e9, "kv_read": 12e9},
                      overhead_s={"step": 2e-4, "layer": 1e-5, "layer_unfused": 3e-4, "sequence": 5e-5,
-                                 "logit": 1e-9})
+                                 "logit": 1e-9, "token": 2e-7})
 
 
 def _spec(n_layers: int = 6, vocab: int = 4096):
@@ -57,7 +57,7 @@ def test_calibrated_terms_survive_the_yaml_round_trip_and_bad_ones_are_named():
 def test_overhead_terms_add_to_the_plans_step_time():
     bare, with_overhead = _plan(replace(CALIBRATED, overhead_s={})), _plan(CALIBRATED)
     spec = _spec()
-    expected = 2e-4 + spec.n_layers * 1e-5 + 4 * 5e-5 + 4 * spec.vocab_size * 1e-9
+    expected = 2e-4 + spec.n_layers * (1e-5 + 4 * 2e-7) + 4 * 5e-5 + 4 * spec.vocab_size * 1e-9  # 4 tokens a step
     assert with_overhead.decode.overhead_s == pytest.approx(expected)
     assert with_overhead.decode.step_s - bare.decode.step_s == pytest.approx(expected)
     unfused = _plan(CALIBRATED, fmt="fp32")  # float weights run through torch: the unfused per-layer term
@@ -97,7 +97,8 @@ def test_the_fit_recovers_known_overhead_terms(speeds, given):
 
     bare = replace(CALIBRATED, cpu_attention={"fused": 1e30, "torch": 1e30, "kv_read": 1e30}, overhead_s={})
     truth = replace(CALIBRATED, cpu_attention={"fused": 25e9, "torch": 15e9, "kv_read": 9e9},
-                    overhead_s={"step": 3e-4, "layer": 2e-5, "layer_unfused": 4e-4, "sequence": 6e-5, "logit": 2e-9})
+                    overhead_s={"step": 3e-4, "layer": 2e-5, "layer_unfused": 4e-4, "sequence": 6e-5, "logit": 2e-9,
+                                "token": 1e-6})
     runs = []
     for i, (n_layers, vocab) in enumerate(((3, 4096), (9, 16384))):
         spec = _spec(n_layers, vocab)
@@ -197,7 +198,7 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
                                             + costfit.FLOAT_CURVE_FORMATS)
     assert hw.rated_format("q4_k") == "q4_k" and hw.rated_format("q5_k") == "q4_k"
     assert all(len(c) == 2 and all(r > 0 for _, r in c) for c in hw.cpu_flops_by_rows.values())
-    assert set(hw.overhead_s) == {"step", "layer", "layer_unfused", "sequence", "logit"}
+    assert set(hw.overhead_s) == {"step", "layer", "layer_unfused", "sequence", "logit", "token"}
     assert set(hw.cpu_attention) == {"fused", "torch", "kv_read"}
     assert set(hw.cpu_n_factor) == set(hw.cpu_k_factor) == set(hw.cpu_flops_by_rows)
     small_layer = [t.shape for t in costfit._calibration_spec(1).layer_tensors(0) if t.role == "linear"]

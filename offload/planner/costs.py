@@ -164,11 +164,11 @@ def cpu_path(fmt: str, compute: str) -> str:
 
 
 def overhead_s(hw: HardwareProfile, n_cpu_layers: int, path: str, n_seqs: int, n_logits: int = 0,
-               vocab: int = 0) -> float:
+               vocab: int = 0, n_tokens: int = 0) -> float:
     """Seconds a step takes besides matmuls, attention and copies (the calibrated overhead terms)."""
     layer = hw.overhead("layer" if path == "fused" else "layer_unfused")
-    return (hw.overhead("step") + n_cpu_layers * layer + n_seqs * hw.overhead("sequence")
-            + n_logits * vocab * hw.overhead("logit"))
+    return (hw.overhead("step") + n_cpu_layers * (layer + n_tokens * hw.overhead("token"))
+            + n_seqs * hw.overhead("sequence") + n_logits * vocab * hw.overhead("logit"))
 
 
 def hop_s(spec: ModelSpec, hw: HardwareProfile, phase: Phase, width: int = 1) -> float:
@@ -268,7 +268,7 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
     # a layer's attention part and its experts (or split-off MLP) are a C++ call each on the CPU: each pays a
     # layer's overhead
     n_cpu_layers = sum(k in ("layer", *HANDED_OVER) and m == "cpu" for k, m in zip(kinds, compute))
-    extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size)
+    extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size, phase.n_tokens)
     return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra)
 
 
