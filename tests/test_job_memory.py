@@ -8,6 +8,7 @@ import logging
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -29,11 +30,11 @@ def tiny_model(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
-def job(tmp_path, model_dir, n: int = 4, **memory):
+def job(tmp_path, model_dir, n: int = 4, max_tokens: int = 3, **memory):
     write_batch(tmp_path / "in.jsonl", [completion_line(f"r{i}", f"Story {i}") for i in range(n)])
     return write_job(tmp_path / "job.yaml", model={"path": str(model_dir)}, input={"path": "in.jsonl"},
-                     output={"path": "o.jsonl"}, memory=memory, sampling={"max_tokens": 3},
-                     report={"print": False})
+                     output={"path": "o.jsonl"}, memory=memory,
+                     sampling={"max_tokens": max_tokens, "ignore_eos": True}, report={"print": False})
 
 
 def test_a_jobs_cpu_budget_counts_the_process_baseline(tmp_path, tiny_model):
@@ -79,16 +80,15 @@ def test_the_watch_stops_a_running_job_and_keeps_its_answers(tmp_path, tiny_mode
     """Memory passing the budget while generating: the watch thread interrupts, the job flushes and reports."""
     import offload.runtime.host_memory as memory
 
-    calls = {"n": 0}
     real = memory.held_bytes
 
-    def growing() -> int:  # within budget until generation has run a while
-        calls["n"] += 1
-        return real() if calls["n"] > 3 else 1
+    def growing() -> int:  # within budget until the watch thread samples while generating
+        return real() if threading.current_thread().name == "offload-memory-watch" else 1
 
     monkeypatch.setattr(memory, "held_bytes", growing)
     monkeypatch.setattr(memory, "WATCH_INTERVAL_S", 0.05)
-    config = job(tmp_path, tiny_model, n=200, cpu="64MiB", baseline=0, on_exceed="stop")
+    # 200 requests of 64 tokens run for seconds: the watch's first sample, 0.05 s in, lands mid-generation
+    config = job(tmp_path, tiny_model, n=200, max_tokens=64, cpu="64MiB", baseline=0, on_exceed="stop")
     with pytest.raises(BudgetError, match="stopped: this process holds"):
         run_batch(config)
     report = json.loads((tmp_path / "o.report.json").read_text())
