@@ -7,6 +7,7 @@ import json
 import logging
 import subprocess
 import sys
+import signal
 import textwrap
 import threading
 from pathlib import Path
@@ -76,8 +77,10 @@ def test_a_job_past_its_budget_warns_or_stops_as_asked(tmp_path, tiny_model, cap
     assert not (stop / "o.jsonl").exists()
 
 
-def test_the_watch_stops_a_running_job_and_keeps_its_answers(tmp_path, tiny_model, monkeypatch):
-    """Memory passing the budget while generating: the watch thread interrupts, the job flushes and reports."""
+@pytest.mark.parametrize("sigint", ["handled", "ignored"])
+def test_the_watch_stops_a_running_job_and_keeps_its_answers(tmp_path, tiny_model, monkeypatch, sigint):
+    """Memory passing the budget while generating: the watch thread interrupts, the job flushes and reports; also
+    where SIGINT is ignored, as for a job a script starts in the background (`offload run job.yaml &`)."""
     import offload.runtime.host_memory as memory
 
     real = memory.held_bytes
@@ -89,8 +92,12 @@ def test_the_watch_stops_a_running_job_and_keeps_its_answers(tmp_path, tiny_mode
     monkeypatch.setattr(memory, "WATCH_INTERVAL_S", 0.05)
     # 200 requests of 64 tokens run for seconds: the watch's first sample, 0.05 s in, lands mid-generation
     config = job(tmp_path, tiny_model, n=200, max_tokens=64, cpu="64MiB", baseline=0, on_exceed="stop")
-    with pytest.raises(BudgetError, match="stopped: this process holds"):
-        run_batch(config)
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if sigint == "ignored" else signal.default_int_handler)
+    try:
+        with pytest.raises(BudgetError, match="stopped: this process holds"):
+            run_batch(config)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     report = json.loads((tmp_path / "o.report.json").read_text())
     assert report["requests"]["interrupted"] and report["requests"]["done"] < 200
     assert report["requests"]["done"] == len(read_records(tmp_path / "o.jsonl"))

@@ -40,8 +40,11 @@ def fresh(out: Path) -> None:
 
 
 def start(config: Path, *flags: str) -> subprocess.Popen:
+    """`offload run` in a child with SIGINT at its default (a test run started in the background by a script
+    ignores it, and children inherit that), as in a terminal."""
     return subprocess.Popen([sys.executable, "-m", "offload.cli.main", "run", str(config), *flags],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_lines(out: Path, n: int, proc: subprocess.Popen, timeout_s: float = 120.0) -> int:

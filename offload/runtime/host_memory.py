@@ -7,7 +7,7 @@ report shows them apart (the peak resident size counts both)."""
 
 from __future__ import annotations
 
-import _thread
+import ctypes
 import functools
 import importlib
 import logging
@@ -127,4 +127,13 @@ class MemoryWatch:
     def _run(self) -> None:
         while not self._done.wait(self.interval_s):
             if self.sample() and self.stop_on_exceed:
-                _thread.interrupt_main()  # run_batch turns it into a BudgetError once the outputs are flushed
+                interrupt_main_thread()  # run_batch turns it into a BudgetError once the outputs are flushed
+
+
+def interrupt_main_thread() -> None:
+    """Raise KeyboardInterrupt in the main thread at its next Python instruction.
+
+    Not _thread.interrupt_main(): that simulates SIGINT and does nothing where SIGINT is ignored, as it is for a job
+    started in the background by a script (`offload run job.yaml &`)."""
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.main_thread().ident),
+                                               ctypes.py_object(KeyboardInterrupt))
