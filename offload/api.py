@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -120,6 +120,7 @@ class LLM:
         self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_seqs, self.max_model_len,
                                    placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
                                    logits_rows=self.max_batch_size)
+        self.generator.between_steps = self._probe_cpu_speed_if_due
 
     @property
     def timeline(self) -> Timeline:
@@ -132,7 +133,15 @@ class LLM:
         hardware profile no reference probe of that format (speedprobe.probe_format)."""
         fmt = speedprobe.probe_format(self.spec, self.plan, self.request.profile())
         if fmt is not None:
-            self.speed_probes.append(speedprobe.probe(fmt, threads=max(self.model.threads.counts)))
+            probe = speedprobe.probe(fmt, threads=max(self.model.threads.counts))
+            # stamped on the clock the generator times its steps by (a simulated device keeps its own)
+            now = self.generator.now()
+            self.speed_probes.append(replace(probe, at_s=now - probe.duration_s / 2))
+
+    def _probe_cpu_speed_if_due(self) -> None:
+        """Between the steps of a job that probes the CPU's speed (speed_probes begun): another probe when due."""
+        if speedprobe.probe_due(self.speed_probes, self.generator.now()):
+            self.probe_cpu_speed()
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.spec.eos_token_ids)

@@ -71,12 +71,16 @@ def _measure_curve(fmt: str, rows: tuple[int, ...], repeats: int) -> tuple[tuple
             mats.append(random_weight(fmt, n, k, gen))
     linear, x_dtype = linear_for(fmt)
     curve = []
+    n_layers = len(mats) // len(shapes)
     for m in rows:
         xs = {k: torch.randn(m, k, generator=gen).to(x_dtype) for _, k in shapes}
-        flops = sum(2 * m * n * k for n, k in shapes) * (len(mats) // len(shapes))
+        # past COMPUTE_BOUND_ROWS the weights' read no longer counts: as many layers as make the work of that
+        # many rows over all of them (bf16 through torch on a CPU without AVX-512 BF16 took minutes here)
+        used = mats[: len(shapes) * max(1, -(-n_layers * COMPUTE_BOUND_ROWS // max(m, COMPUTE_BOUND_ROWS)))]
+        flops = sum(2 * m * n * k for n, k in shapes) * (len(used) // len(shapes))
 
         def run():
-            for w, (_, k) in zip(mats, shapes * (len(mats) // len(shapes))):
+            for w, (_, k) in zip(used, shapes * (len(used) // len(shapes))):
                 linear(xs[k], w)
 
         curve.append((m, flops / median_time(run, repeats)))
@@ -105,6 +109,8 @@ def monotone_curve(curve: tuple[tuple[int, float], ...]) -> tuple[tuple[int, flo
 K_CLASSES = (256, 512, 576, 640, 768, 1024, 1536, 2048, 3072, 4096)  # inner dimensions the K factor is measured at
 N_CLASSES = (64, 128, 192, 256, 384, 512, 576, 768, 1024, 2048, 4096)  # outputs the N factor is measured at
 SHAPE_ROWS = 128  # activation rows of the shape factors' products: where compute, not the weights' read, bounds
+SHAPE_FLOPS = 4e9  # work of one timing of a shape (20-80 ms of the quantized kernels on 2 cores): the copies of
+# CURVE_BYTES took 0.2-1 s each, ten minutes of the calibration on an AVX2 machine
 K_REFERENCE = 768  # the calibration model's hidden size: the curves' K
 N_REFERENCE = 2048  # the outputs the K factor is measured at
 
@@ -145,7 +151,7 @@ def _shape_product(fmt: str, n: int, k: int):
     import torch
 
     gen = torch.Generator().manual_seed(2)
-    copies = max(1, int(CURVE_BYTES // format_nbytes(n * k, fmt)))
+    copies = max(1, min(int(CURVE_BYTES // format_nbytes(n * k, fmt)), int(SHAPE_FLOPS // (2 * SHAPE_ROWS * n * k))))
     mats = [random_weight(fmt, n, k, gen) for _ in range(min(copies, 8))] * max(1, copies // 8)
     linear, x_dtype = linear_for(fmt)
     x = torch.randn(SHAPE_ROWS, k, generator=gen).to(x_dtype)
@@ -343,17 +349,29 @@ def _curve_text(measured, kept) -> str:
                      for (m, r), (_, k) in zip(measured, kept))
 
 
+REFERENCE_ROUNDS = 3  # probes of every format, in turn, that make its reference speed as calibration starts
+ATTENTION_ROUNDS = 3  # attention measurements, each moved to the reference speed by the probes around it
+ATTENTION_PROBE = "q4_0"  # the format whose probes move attention to the reference speed (compute probes of
+# every format track attention's speed alike: correlations 0.82 over four minutes of this project's VM)
+
+
 def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     """hw with the CPU matmul curves, attention rates and overhead terms measured on this machine, and the speed
-    probes (speedprobe) that tie them to the machine's speed of the moment."""
-    curves, one_thread, references = {}, {}, {}
-    for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS:
-        measured, references[fmt] = measure_format_curves(fmt, log)
+    probes (speedprobe) that tie them to the machine's speed of the moment.
+
+    Every format's reference probe is taken as calibration starts, in rounds over the formats; each measurement
+    after it (curves, attention, the fitted steps) is moved to that moment's speed by the probes beside it, so the
+    whole profile speaks for one moment, the one a job's probes are set against."""
+    formats = CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS
+    references = reference_probes(formats)
+    curves, one_thread = {}, {}
+    for fmt in formats:
+        measured = measure_format_curves(fmt, references[fmt], log)
         curves[fmt] = measured[0]
         if len(measured) > 1:
             one_thread[fmt] = measured[1]
     k_factor, n_factor = {}, {}
-    for fmt in CURVE_FORMATS + GGUF_CURVE_FORMATS + FLOAT_CURVE_FORMATS:
+    for fmt in formats:
         k_factor[fmt], n_factor[fmt] = measure_shape_factors(fmt)
         log(f"cpu matmul {fmt:5s} by K, against K={K_REFERENCE}: " + ", ".join(f"{k}: {f:.2f}" for k, f in k_factor[fmt]))
         log(f"cpu matmul {fmt:5s} by outputs N, against the calibration layer's: "
@@ -361,10 +379,10 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     hw = replace(hw, cpu_flops_by_rows=curves, cpu_flops_one_thread=one_thread, cpu_k_factor=k_factor,
                  cpu_n_factor=n_factor,
                  cpu_probe=references)
-    attention = measure_attention()
+    attention = measure_attention_at_reference(references[ATTENTION_PROBE])
     if attention is not None:
         log(f"cpu attention (fused layer): {attention['fused'] / 1e9:.1f} GFLOP/s on a {ATTENTION_TOKENS}-token "
-            f"prompt, K and V read at {attention['kv_read'] / 1e9:.1f} GB/s in decode")
+            f"prompt, K and V read at {attention['kv_read'] / 1e9:.1f} GB/s in decode (at the reference speed)")
     runs = []
     for n_layers, vocab in FIT_MODELS:
         spec = _calibration_spec(n_layers, vocab)
@@ -375,23 +393,47 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     return fit_overheads(hw, runs, log, attention)
 
 
-def measure_format_curves(fmt: str, log=print) -> tuple[list, tuple[float, float]]:
-    """fmt's matmul curve on torch's threads (and on one thread, where torch runs more), and its reference probe
-    rates (speedprobe): the median of the probes taken before, between and after the curves. Each curve is scaled
-    by the reference over the probes beside it, so that a curve measured in a slow moment is not taken for the
-    machine's speed."""
+def reference_probes(formats: tuple[str, ...], rounds: int = REFERENCE_ROUNDS) -> dict[str, tuple[float, float]]:
+    """Each format's reference rates (speedprobe): the median of its probes in rounds over all the formats, so that
+    every reference speaks for the same moment."""
+    probes: dict[str, list] = {fmt: [] for fmt in formats}
+    for _ in range(rounds):
+        for fmt in formats:
+            probes[fmt].append(probe(fmt))
+    return {fmt: reference_probe(p) for fmt, p in probes.items()}
+
+
+def measure_attention_at_reference(reference: tuple[float, float],
+                                   rounds: int = ATTENTION_ROUNDS) -> dict[str, float] | None:
+    """measure_attention in rounds, each round's rates moved to the reference speed by ATTENTION_PROBE's probes
+    before and after it (FLOP/s by compute, K/V reads by memory), the median of each kept."""
+    rates: dict[str, list[float]] = {"fused": [], "kv_read": []}
+    for _ in range(rounds):
+        before = probe(ATTENTION_PROBE)
+        measured = measure_attention(repeats=3)
+        if measured is None:
+            return None
+        speed = machine_speed([before, probe(ATTENTION_PROBE)], reference)
+        rates["fused"].append(measured["fused"] / speed.compute)
+        rates["kv_read"].append(measured["kv_read"] / speed.memory)
+    return {k: statistics.median(v) for k, v in rates.items()}
+
+
+def measure_format_curves(fmt: str, reference: tuple[float, float], log=print) -> list:
+    """fmt's matmul curve on torch's threads (and on one thread, where torch runs more), each moved to the
+    reference speed (reference_probes) by the probes taken before and after it, so that a curve measured in a
+    slow moment is not taken for the machine's speed."""
     import torch
 
     probes, measured = [probe(fmt)], []
     for threads in (0, 1) if torch.get_num_threads() > 1 else (0,):  # the thread governor may run steps on one
         measured.append(measure_cpu_curve(fmt, CURVE_ROWS, threads=threads))
         probes.append(probe(fmt))
-    reference = reference_probe(probes)
     curves = []
     for i, curve in enumerate(measured):
         speed = machine_speed(probes[i:i + 2], reference)
         curves.append(monotone_curve(scale_curve(curve, 1 / speed.memory, 1 / speed.compute)))
         log(("  on one thread: " if i else f"cpu matmul curve {fmt:5s}: ") + _curve_text(curve, curves[-1])
             + f" GFLOP/s (scaled {1 / speed.memory:.2f}x at 1 row, {1 / speed.compute:.2f}x from "
-            f"{COMPUTE_BOUND_ROWS} rows to the probes' median)")
-    return curves, reference
+            f"{COMPUTE_BOUND_ROWS} rows to the reference speed)")
+    return curves

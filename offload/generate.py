@@ -98,7 +98,7 @@ class Generator:
         (None: max_batch_size); mixed: decode tokens ride along with prompt chunks."""
         self.model = model
         self.step_tokens = max(step_tokens, max_batch_size)  # every running sequence's decode token fits a step
-        self._now = getattr(model, "now", time.perf_counter)  # a simulated device keeps its own clock
+        self.now = getattr(model, "now", time.perf_counter)  # a simulated device keeps its own clock
         self.tokenizer = tokenizer
         self.eos_ids = set(eos_ids)
         self.max_batch_size = max_batch_size
@@ -107,6 +107,7 @@ class Generator:
         self.kv_tokens = kv_tokens or max_batch_size * self.context_len
         self.logits_rows = logits_rows or max_batch_size
         self.mixed = mixed
+        self.between_steps: Callable[[], None] | None = None  # called after each step, outside its timing
 
     def run(self, seqs: list[Sequence], on_finish: Callable[[Sequence], None] | None = None) -> None:
         """Generate until every sequence has finished; on_finish is called as each one does."""
@@ -136,6 +137,8 @@ class Generator:
                 pool.release(seq.base, seq.extent)
                 if on_finish:
                     on_finish(seq)
+            if self.between_steps is not None:
+                self.between_steps()
 
     def _plan_step(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """The decode sequences and the (sequence, chunk length) prompt chunks of the next step."""
@@ -164,7 +167,7 @@ class Generator:
             groups.append((torch.arange(seq.n_cached, seq.n_cached + n)[None], torch.tensor([seq.base])))
             tokens += seq.prompt_ids[seq.n_cached: seq.n_cached + n]
         phase = "prefill" if chunks else "decode"
-        start = self._now()
+        start = self.now()
         step = ragged_step(self.model.spec, self.model.dtype, groups, trash_slot, phase)
         with torch.inference_mode():
             hidden = self.model.forward(torch.tensor([tokens]), step, cache)[0]
@@ -196,8 +199,8 @@ class Generator:
     def _count(self, phase: str, start_s: float, n_tokens: int, shape: StepShape) -> None:
         timeline = getattr(self.model, "timeline", None)
         if timeline is not None:
-            elapsed = self._now() - start_s
-            timeline.add_phase(phase, elapsed, n_tokens, replace(shape, seconds=elapsed))
+            elapsed = self.now() - start_s
+            timeline.add_phase(phase, elapsed, n_tokens, replace(shape, seconds=elapsed, start_s=start_s))
 
     def _check(self, seq: Sequence) -> None:
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
+import torch
 
 from offload.errors import ConfigError
 from offload.hardware import load_hardware, profile_from_dict, profile_to_dict
@@ -184,16 +185,17 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
     monkeypatch.setattr(costfit, "KV_READ_BYTES", 2**20)
     measured = []
     real_attention = costfit.measure_attention
-    monkeypatch.setattr(costfit, "measure_attention", lambda: measured.append(real_attention()) or measured[-1])
+    monkeypatch.setattr(costfit, "measure_attention", lambda **kw: measured.append(real_attention(**kw)) or measured[-1])
     lines = []
     hw = costfit.calibrate_cpu_costs(CPU, lines.append)
-    if measured[0] is not None:  # the C++ layer's attention is measured, and priced as measured
-        assert {k: hw.cpu_attention[k] for k in ("fused", "kv_read")} == measured[0]
+    if measured[0] is not None:  # the C++ layer's attention is measured in rounds, and priced as measured
+        assert len(measured) == costfit.ATTENTION_ROUNDS
+        assert all(hw.cpu_attention[k] > 0 for k in ("fused", "kv_read"))
         assert any("cpu attention (fused layer)" in line for line in lines)
     assert set(hw.cpu_probe) == set(hw.cpu_flops_by_rows)
     assert all(m > 0 and c > 0 for m, c in hw.cpu_probe.values())
     n_curves = len(hw.cpu_flops_by_rows) + len(hw.cpu_flops_one_thread)
-    assert sum("to the probes' median" in line for line in lines) == n_curves  # each curve says how it was scaled
+    assert sum("to the reference speed" in line for line in lines) == n_curves  # each curve says how it was scaled
     assert set(hw.cpu_flops_by_rows) == set(costfit.CURVE_FORMATS + costfit.GGUF_CURVE_FORMATS
                                             + costfit.FLOAT_CURVE_FORMATS)
     assert hw.rated_format("q4_k") == "q4_k" and hw.rated_format("q5_k") == "q4_k"
@@ -209,6 +211,34 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
     assert again.overhead_s == pytest.approx(hw.overhead_s) and again.cpu_flops_by_rows == hw.cpu_flops_by_rows
     assert again.cpu_probe == hw.cpu_probe and again.cpu_n_factor == hw.cpu_n_factor
     assert real_spec(2).n_layers == 2
+
+
+def test_calibration_moves_each_measurement_to_the_reference_speed(monkeypatch):
+    """References from rounds over every format; a curve measured while the machine ran at 0.5x is doubled, and
+    attention measured at 0.5x then 2x the reference is kept at its rate at the reference."""
+    from offload import costfit
+    from offload.runtime.speedprobe import SpeedProbe
+
+    speeds = iter([1.0, 1.0, 1.1, 1.1, 0.9, 0.9, 0.5, 0.5])  # rounds over two formats; then around one curve
+    calls = []
+
+    def probe(fmt):
+        calls.append(fmt)
+        speed = next(speeds)
+        return SpeedProbe(fmt, speed * 10e9, speed * 100e9)
+
+    monkeypatch.setattr(costfit, "probe", probe)
+    refs = costfit.reference_probes(("q8_0", "q4_0"))
+    assert calls == ["q8_0", "q4_0"] * 3 and refs == {"q8_0": (10e9, 100e9), "q4_0": (10e9, 100e9)}
+    monkeypatch.setattr(costfit, "measure_cpu_curve", lambda fmt, rows, threads=0: ((1, 5e9), (64, 50e9)))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one curve, not one more on one thread
+    curves = costfit.measure_format_curves("q8_0", refs["q8_0"], log=lambda line: None)
+    assert len(curves) == 1 and [r for r, _ in curves[0]] == [1, 64]
+    assert [f for _, f in curves[0]] == [pytest.approx(10e9), pytest.approx(100e9)]
+    speeds = iter([0.5, 0.5, 2.0, 2.0, 1.0, 1.0])  # around each of three attention rounds
+    rates = iter([{"fused": 20e9, "kv_read": 4e9}, {"fused": 80e9, "kv_read": 16e9}, {"fused": 40e9, "kv_read": 8e9}])
+    monkeypatch.setattr(costfit, "measure_attention", lambda repeats=5: next(rates))
+    assert costfit.measure_attention_at_reference((10e9, 100e9)) == {"fused": 40e9, "kv_read": 8e9}
 
 
 def _small_config(n_layers: int, vocab: int) -> dict:

@@ -96,7 +96,30 @@ def test_the_speed_is_the_probes_geometric_mean_over_the_reference():
     assert speed.fmt == "q8_0" and speed.n_probes == 2
     assert speed.memory == pytest.approx(1.0) and speed.compute == pytest.approx(1.0)
     assert machine_speed([SpeedProbe("q8_0", 30e9, 90e9)], (60e9, 180e9)).to_dict() == {
-        "format": "q8_0", "memory": 0.5, "compute": 0.5, "probes": 1}
+        "format": "q8_0", "memory": 0.5, "compute": 0.5, "probes": 1, "compute_range": [0.5, 0.5]}
+    assert speed.compute_range == (0.5, 2.0)
+
+
+def test_the_speed_between_probes_is_interpolated_in_log_and_held_past_the_ends():
+    probes = [SpeedProbe("q8_0", 30e9, 90e9, at_s=10.0), SpeedProbe("q8_0", 120e9, 360e9, at_s=20.0)]
+    ref = (60e9, 180e9)
+    assert speedprobe.speed_at(probes, ref, 0.0) == pytest.approx((0.5, 0.5))
+    assert speedprobe.speed_at(probes, ref, 15.0) == pytest.approx((1.0, 1.0))  # half way: geometric mean
+    assert speedprobe.speed_at(probes, ref, 12.5) == pytest.approx((2 ** -0.5, 2 ** -0.5))
+    assert speedprobe.speed_at(probes, ref, 99.0) == pytest.approx((2.0, 2.0))
+    assert speedprobe.speed_at(probes[:1], ref, 99.0) == pytest.approx((0.5, 0.5))
+
+
+def test_a_job_is_probed_every_few_seconds_and_never_more_than_its_share(monkeypatch):
+    assert not speedprobe.probe_due([], 1e9)  # a run that is not a job's: never probed
+    quick = [SpeedProbe("q8_0", 1.0, 1.0, at_s=100.0, duration_s=0.01)]
+    t = 100.005  # the end of the last probe
+    assert not speedprobe.probe_due(quick, t + speedprobe.MIN_PROBE_INTERVAL_S - 0.01)
+    assert speedprobe.probe_due(quick, t + speedprobe.MIN_PROBE_INTERVAL_S + 1e-9)
+    slow = [replace(quick[0], duration_s=1.0)]  # a probe of 1 s: at most PROBE_SHARE of the time
+    interval = 1.0 / speedprobe.PROBE_SHARE
+    assert interval > speedprobe.MIN_PROBE_INTERVAL_S
+    assert not speedprobe.probe_due(slow, 100.5 + interval - 0.01) and speedprobe.probe_due(slow, 100.5 + interval + 1e-9)
 
 
 def test_only_a_plan_with_cpu_layers_and_a_reference_probe_is_probed():
@@ -163,10 +186,56 @@ def test_machine_speed_needs_steps(monkeypatch):
     """No generation (every request failed, or none ran): no speed and no second probe."""
     from types import SimpleNamespace
 
-    from offload.jobs.worker import job_machine_speed
+    from offload.jobs.worker import job_speed
     from offload.profile.timeline import Timeline
 
     llm = SimpleNamespace(speed_probes=[SpeedProbe("q8_0", 1.0, 1.0)],
                           probe_cpu_speed=lambda: pytest.fail("probed without steps"))
-    assert job_machine_speed(llm, Timeline()) is None and job_machine_speed(llm, None) is None
+    assert job_speed(llm, Timeline()) is None and job_speed(llm, None) is None
     assert isinstance(machine_speed(llm.speed_probes, (1.0, 1.0)), MachineSpeed)
+
+
+def test_each_step_is_priced_at_the_speed_probed_around_it(tmp_path, monkeypatch):
+    """Probes between every step (the interval set to 0): the first two find half the reference rates, the rest
+    the reference; each step is priced on the profile moved to the speed interpolated at its middle, so the
+    phases come out between the job priced all at half speed and all at full speed."""
+    from conftest import make_hf_model, save_hf_model
+    from offload import LLM
+    from offload.jobs.run import run_batch
+    from offload.planner.recost import recost_steps
+
+    probed = []
+
+    def slowing_then_full(fmt, threads=0):
+        probed.append(fmt)
+        rate = 0.5 if len(probed) <= 2 else 1.0
+        return SpeedProbe(fmt, 60e9 * rate, 180e9 * rate)  # taking no time: due after every step
+
+    monkeypatch.setattr(speedprobe, "probe", slowing_then_full)
+    monkeypatch.setattr(speedprobe, "MIN_PROBE_INTERVAL_S", 0.0)
+    folder = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
+    llm = LLM(str(folder), quantization="q8_0", hardware=CALIBRATED, max_batch_size=2, host_baseline=0)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": list(range(1, 4 + 3 * i)), "max_tokens": 4 + i}} for i in range(3)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = {"model": {"path": str(folder), "quantization": "q8_0"}, "input": {"path": str(tmp_path / "in.jsonl")},
+              "output": {"path": str(tmp_path / "out.jsonl")}, "sampling": {"temperature": 0, "ignore_eos": True},
+              "report": {"print": False, "progress": False}}
+    report = run_batch(config, llm=llm)
+    steps = llm.timeline.steps
+    assert len(probed) == len(steps) + 2  # as the job starts, after each step, as it ends
+    assert report["machine_speed"]["probes"] == len(probed)
+    assert report["machine_speed"]["compute_range"] == [pytest.approx(0.5), pytest.approx(1.0)]
+    probes = sorted(llm.speed_probes, key=lambda p: p.at_s)
+    assert all(a.at_s < s.start_s and s.start_s + s.seconds < b.at_s  # each step between the probes beside it
+               for a, s, b in zip(probes, steps, probes[1:]))
+    expected = dict.fromkeys(report["phases"], 0.0)
+    for s in steps:
+        memory, compute = speedprobe.speed_at(probes, CALIBRATED.cpu_probe["q8_0"], s.mid_s)
+        expected[s.phase] += recost_steps(llm.spec, CALIBRATED.at_speed(round(memory, 2), round(compute, 2)),
+                                          llm.plan, [s])[s.phase]
+    half, full = (recost_steps(llm.spec, CALIBRATED.at_speed(r, r), llm.plan, steps) for r in (0.5, 1.0))
+    for phase, p in report["phases"].items():
+        assert p["predicted_s_per_token"] * p["tokens"] == pytest.approx(expected[phase], rel=1e-9), phase
+    decode = report["phases"]["decode"]["predicted_s_per_token"] * report["phases"]["decode"]["tokens"]
+    assert full["decode"] < decode < half["decode"]

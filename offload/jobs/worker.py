@@ -11,12 +11,12 @@ from typing import Callable
 from offload.errors import OffloadError
 from offload.jobs.batch import CHAT, Request
 from offload.jobs.config import JobConfig, plan_request
-from offload.planner.recost import recost_steps
+from offload.planner.recost import recost_steps, recost_steps_at
 from offload.planner.whatif import what_ifs
 from offload.profile.report import JobCounts, build_report
 from offload.profile.timeline import Timeline
 from offload.runtime.host_memory import peak_rss_bytes
-from offload.runtime.speedprobe import MachineSpeed, machine_speed
+from offload.runtime.speedprobe import MachineSpeed, machine_speed, speed_at
 
 logger = logging.getLogger("offload")
 
@@ -85,7 +85,7 @@ def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error
 
 def job_timeline(llm) -> tuple[Timeline, str] | None:
     """The runtime's timeline, cleared so that the report covers this job only; the CPU's speed is probed as the
-    job starts (see job_machine_speed)."""
+    job starts (see job_speed)."""
     timeline = getattr(llm, "timeline", None)
     if timeline is None:
         return None
@@ -99,17 +99,20 @@ def llm_report(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeli
     """The report of what llm did for the job: counts, where the time went, memory against budget, what-ifs."""
     tl, source = timeline if timeline is not None else (None, None)
     peaks = peak_memory(llm)  # the job's, before the closing speed probe
-    speed = job_machine_speed(llm, tl)
-    speed_report = None
+    speed = job_speed(llm, tl)
+    speed_report, speeds = None, None
     if speed is not None:  # with the prediction at the calibrated speed beside the scaled one, seconds per phase
-        speed_report = {**speed.to_dict(), "predicted_s_at_calibration": job_predicted_s(llm, tl)}
+        summary, speeds = speed
+        speed_report = {**summary.to_dict(), "predicted_s_at_calibration": job_predicted_s(llm, tl)}
     return build_report(counts, tl, getattr(llm, "plan", None), peaks, budget_of(config, llm), source,
-                        job_what_ifs(llm), job_predicted_s(llm, tl, speed), speed_report)
+                        job_what_ifs(llm), job_predicted_s(llm, tl, speeds), speed_report)
 
 
-def job_machine_speed(llm, timeline) -> MachineSpeed | None:
-    """The CPU's speed over the job against calibration's, from the probe as it started and one now, after its
-    generation (None where it was not probed: no CPU layers, no reference in the profile, or nothing ran)."""
+def job_speed(llm, timeline) -> tuple[MachineSpeed, list[tuple[float, float]]] | None:
+    """The CPU's speed over the job against calibration's, from the probes taken as it started, between its steps
+    and one now, after its generation: their summary, and the (memory, compute) speed of each step, interpolated
+    between the probes around it (None where it was not probed: no CPU layers, no reference in the profile, or
+    nothing ran)."""
     probes = getattr(llm, "speed_probes", None)
     if not probes or timeline is None or not timeline.steps:
         return None
@@ -119,7 +122,10 @@ def job_machine_speed(llm, timeline) -> MachineSpeed | None:
     except OffloadError as e:  # e.g. the hardware file changed during the job
         logger.warning(f"the CPU's speed during the job is left out of the report: {e}")
         return None
-    return machine_speed(probes, reference) if reference else None
+    if not reference:
+        return None
+    probes = sorted(probes, key=lambda p: p.at_s)
+    return machine_speed(probes, reference), [speed_at(probes, reference, s.mid_s) for s in timeline.steps]
 
 
 def _probe_cpu_speed(llm) -> None:
@@ -129,16 +135,17 @@ def _probe_cpu_speed(llm) -> None:
         logger.warning(f"the CPU's speed was not probed: {e}")
 
 
-def job_predicted_s(llm, timeline, speed: MachineSpeed | None = None) -> dict[str, float] | None:
-    """The plan re-costed for the steps this run took, seconds per phase (None without a plan or steps), on the
-    profile moved to the CPU's speed during the job where it was probed."""
+def job_predicted_s(llm, timeline, speeds: list[tuple[float, float]] | None = None) -> dict[str, float] | None:
+    """The plan re-costed for the steps this run took, seconds per phase (None without a plan or steps), each step
+    on the profile moved to the CPU's speed while it ran where speeds gives it (job_speed)."""
     plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
     if plan is None or request is None or spec is None or timeline is None or not timeline.steps:
         return None
     try:
         hw = request.profile()
-        return recost_steps(spec, hw if speed is None else hw.at_speed(speed.memory, speed.compute), plan,
-                            timeline.steps)
+        if speeds is None:
+            return recost_steps(spec, hw, plan, timeline.steps)
+        return recost_steps_at(spec, hw, plan, timeline.steps, speeds)
     except OffloadError as e:  # e.g. the hardware file changed during the job
         logger.warning(f"the prediction for the steps run is left out of the report: {e}")
         return None

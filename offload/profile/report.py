@@ -121,6 +121,14 @@ def _union_s(spans) -> float:
     return total + (0.0 if cur_end is None else cur_end - cur_start)
 
 
+def _probes_text(speed: dict) -> str:
+    """', 5 probes, compute 0.80-0.95x': how many probes the speed rests on and how far they ranged."""
+    low, high = speed.get("compute_range") or (None, None)
+    if low is None or speed.get("probes", 1) < 2:
+        return ""
+    return f", {speed['probes']} probes, compute {low:.2f}-{high:.2f}x"
+
+
 def format_report(report: dict) -> str:
     """The report as a few aligned lines of text for the terminal."""
     req, tok = report["requests"], report["tokens"]
@@ -147,7 +155,7 @@ def format_report(report: dict) -> str:
     speed = report.get("machine_speed")
     if speed:
         lines.append(f"{'cpu':>7}: speed during the job {speed['memory']:.2f}x memory, {speed['compute']:.2f}x "
-                     f"compute of calibration (predictions scaled to it)")
+                     f"compute of calibration{_probes_text(speed)} (predictions scaled to it)")
     for tier, m in report["memory"].items():
         if m["peak_bytes"] is not None or m["budget_bytes"] is not None:
             lines.append(f"{'vram' if tier == 'gpu' else 'ram':>7}: peak {_gib(m['peak_bytes'])} "

@@ -47,6 +47,11 @@ class StepShape:
     attended_keys: int  # keys seen, summed over the step's tokens
     kv_read_tokens: int  # cached positions read, summed over the step's sequences
     threads: int = 0  # CPU threads the step ran on (0: not known)
+    start_s: float = 0.0  # when the step began, on the generator's clock
+
+    @property
+    def mid_s(self) -> float:
+        return self.start_s + self.seconds / 2
 
     @property
     def n_tokens(self) -> int:

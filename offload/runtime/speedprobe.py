@@ -1,9 +1,11 @@
 """A probe of the CPU's speed now, a fraction of a second long, that ties a calibration to the moment of a job.
 
-A shared machine's speed drifts (this project's VM by ±20% within minutes), so curves measured by `offload
-calibrate` at one moment are off at another. Calibrate probes each format next to measuring its curves (the
-profile's cpu_probe); a job probes again as it starts and as it ends, and its report re-costs the plan on the
-profile moved to the ratio (HardwareProfile.at_speed). A probe times offload's own CPU matmul for weights in one
+A shared machine's speed drifts (this project's VMs by ±20% within minutes, by ±10% from one two-second stretch
+to the next), so curves measured by `offload calibrate` at one moment are off at another. Calibrate probes each
+format as it starts (the profile's cpu_probe, the reference) and next to each measurement, which it moves to the
+reference speed; a job probes as it starts, every few seconds between its steps (PROBE_SHARE of its time) and as
+it ends, and its report prices each step on the profile moved to the speed interpolated between the probes around
+it (HardwareProfile.at_speed). A probe times offload's own CPU matmul for weights in one
 format at two rates: bound by memory (one activation row over weights cycled past the last-level cache) and bound
 by compute (COMPUTE_BOUND_ROWS rows over one weight held in the caches). The random weights and the matmul are
 the ones costfit's curves time (random_weight, linear_for).
@@ -24,6 +26,8 @@ PROBE_BYTES = 48 * 2**20  # weights the memory-bound rate streams: past this mac
 PROBE_SHAPE = (2048, 768)  # [N, K] of each weight: the calibration model's MLP projection, at the curves' K
 COMPUTE_PASSES = 8  # products per compute-bound timing (about 10 ms of work on this project's 2-core VM)
 REPEATS = 5  # timings per rate, after a warm-up; the median counts (a probe takes 0.05-0.15 s here)
+PROBE_SHARE = 0.02  # of a job's time its probes between steps may take
+MIN_PROBE_INTERVAL_S = 2.0  # between two probes of a job (a short job is probed as it starts and ends only)
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # float weights: torch's matmul
 _WEIGHTS: dict[str, object] = {}  # one random PROBE_SHAPE weight per format, packed once per process
 
@@ -35,6 +39,8 @@ class SpeedProbe:
     fmt: str
     memory: float  # 1 activation row over PROBE_BYTES of weights read from DRAM
     compute: float  # COMPUTE_BOUND_ROWS rows over one PROBE_SHAPE weight in the caches
+    at_s: float = 0.0  # when it ran (its middle, on time.perf_counter's clock)
+    duration_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -45,9 +51,11 @@ class MachineSpeed:
     memory: float
     compute: float
     n_probes: int
+    compute_range: tuple[float, float] | None = None  # the lowest and highest compute speed a probe found
 
     def to_dict(self) -> dict:
-        return {"format": self.fmt, "memory": self.memory, "compute": self.compute, "probes": self.n_probes}
+        d = {"format": self.fmt, "memory": self.memory, "compute": self.compute, "probes": self.n_probes}
+        return d if self.compute_range is None else {**d, "compute_range": list(self.compute_range)}
 
 
 def probe(fmt: str, threads: int = 0) -> SpeedProbe:
@@ -82,9 +90,11 @@ def _probe(fmt: str) -> SpeedProbe:
         for _ in range(COMPUTE_PASSES):
             linear(many, hot)
 
+    start = time.perf_counter()
     memory_rate = 2 * n * k * len(mats) / median_time(stream, REPEATS)
     compute_rate = 2 * COMPUTE_BOUND_ROWS * n * k * COMPUTE_PASSES / median_time(compute, REPEATS)
-    return SpeedProbe(fmt, memory_rate, compute_rate)
+    end = time.perf_counter()
+    return SpeedProbe(fmt, memory_rate, compute_rate, (start + end) / 2, end - start)
 
 
 def _n_copies(fmt: str) -> int:
@@ -162,8 +172,32 @@ def machine_speed(probes: list[SpeedProbe], reference: tuple[float, float]) -> M
     def mean_ratio(rates, ref: float) -> float:
         return math.exp(sum(math.log(r / ref) for r in rates) / len(rates))
 
+    computes = [p.compute / reference[1] for p in probes]
     return MachineSpeed(probes[0].fmt, mean_ratio([p.memory for p in probes], reference[0]),
-                        mean_ratio([p.compute for p in probes], reference[1]), len(probes))
+                        mean_ratio([p.compute for p in probes], reference[1]), len(probes),
+                        (min(computes), max(computes)))
+
+
+def speed_at(probes: list[SpeedProbe], reference: tuple[float, float], t: float) -> tuple[float, float]:
+    """(memory, compute) speed at time t against the reference rates: interpolated in log between the probes
+    around t (probes in time order), the nearest probe's before the first and after the last."""
+    ratios = [(p.at_s, math.log(p.memory / reference[0]), math.log(p.compute / reference[1])) for p in probes]
+    if t <= ratios[0][0] or len(ratios) == 1:
+        return math.exp(ratios[0][1]), math.exp(ratios[0][2])
+    for (t0, m0, c0), (t1, m1, c1) in zip(ratios, ratios[1:]):
+        if t <= t1:
+            a = (t - t0) / (t1 - t0) if t1 > t0 else 1.0
+            return math.exp(m0 + a * (m1 - m0)), math.exp(c0 + a * (c1 - c0))
+    return math.exp(ratios[-1][1]), math.exp(ratios[-1][2])
+
+
+def probe_due(probes: list[SpeedProbe], now: float) -> bool:
+    """Whether a job probed so far by probes (none: a run that is not a job's, not probed) is due another probe
+    now: every MIN_PROBE_INTERVAL_S at least, and so rarely that probes take PROBE_SHARE of the time."""
+    if not probes:
+        return False
+    interval = max(MIN_PROBE_INTERVAL_S, statistics.median(p.duration_s for p in probes) / PROBE_SHARE)
+    return now - probes[-1].at_s - probes[-1].duration_s / 2 >= interval
 
 
 def probe_format(spec, plan, hw: HardwareProfile) -> str | None:
