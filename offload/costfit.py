@@ -18,7 +18,9 @@ from dataclasses import replace
 
 from offload.formats import GGUF_BLOCKS, QUANTIZATIONS, compute_format, format_nbytes, weight_format
 from offload.hardware import COMPUTE_BOUND_ROWS, OVERHEAD_TERMS, HardwareProfile, scale_curve
-from offload.runtime.speedprobe import linear_for, machine_speed, median_time, probe, random_weight, reference_probe
+from offload.runtime.speedprobe import (attention_cache, attention_prefill, attention_run, linear_for, machine_speed,
+                                        median_time, probe, random_weight, reference_probe)
+from offload.runtime.speedprobe import calibration_spec as _calibration_spec
 
 CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # activation rows the matmul curve is measured at
 CPU_COMPUTE = compute_format("auto", False)  # what CPU layers compute in
@@ -30,16 +32,6 @@ GGUF_CURVE_FORMATS = ("q4_1", "q4_k", "q6_k")
 # matmul with activations in that format, measured as such.
 FLOAT_CURVE_FORMATS = ("bf16",)
 CURVE_BYTES = 96 * 2**20  # weights cycled through per measurement: past the last-level cache, as a model is
-
-
-def _calibration_spec(n_layers: int, vocab: int = 8192):
-    """A Llama-shaped model for the fit: layers large enough that a few of them outgrow the caches."""
-    from offload.spec import spec_from_config
-
-    return spec_from_config({"model_type": "llama", "hidden_size": 768, "num_attention_heads": 12,
-                             "num_key_value_heads": 4, "intermediate_size": 2048, "num_hidden_layers": n_layers,
-                             "vocab_size": vocab, "max_position_embeddings": 4096, "rms_norm_eps": 1e-5},
-                            "the calibration model")
 
 
 def measure_cpu_curve(fmt: str, rows: tuple[int, ...] = CURVE_ROWS, repeats: int = 3,
@@ -197,40 +189,17 @@ def measure_attention(repeats: int = 5) -> dict[str, float] | None:
     fit's small model (one fit put prefill attention at 56 GFLOP/s where it ran at 88)."""
     import torch
 
-    from offload.kernels import layer as fused
-    from offload.model.llama import LayerKV, make_step
-
-    if not fused.HAS_CACHED_ATTENTION:
-        return None
     spec = _calibration_spec(1)
+    prefill = attention_prefill(spec, ATTENTION_TOKENS)
+    if prefill is None:
+        return None
+    run, flops = prefill
+    rate = flops / median_time(run, repeats)
     gen = torch.Generator().manual_seed(4)
-
-    def cache(batch: int, max_len: int):
-        kv = LayerKV(batch, spec.n_kv_heads, max_len, spec.head_dim, torch.float32)
-        kv.k.normal_(generator=gen), kv.v.normal_(generator=gen)  # real pages, not the shared zero page
-        return kv
-
-    def run(positions: torch.Tensor, phase: str, caches: list) -> float:
-        max_len = caches[0].k.shape[1] - 1
-        step = make_step(spec, torch.float32, positions, torch.ones_like(positions, dtype=torch.bool), max_len,
-                         phase=phase)
-        views = [fused.kv_view(kv) for kv in caches]
-        tables = [fused.step_table(spec, step, view) for view in views]
-        qkv = torch.randn(positions.numel(), spec.q_size + 2 * spec.kv_size, generator=gen)
-
-        def once():
-            for table, view in zip(tables, views):
-                fused.cached_attention(spec, qkv, table, view)
-
-        return median_time(once, repeats) / len(caches)
-
-    n = ATTENTION_TOKENS
-    prefill_s = run(torch.arange(n)[None], "prefill", [cache(1, n)])
-    rate = spec.attention_flops(n, round((n + 1) / 2)) / prefill_s
     seqs, ctx = KV_READ
     kv_bytes = spec.layer_kv_bytes(seqs, ctx + 1, 4)  # as the cost model counts a decode token's read
-    caches = [cache(seqs, ctx + 1) for _ in range(max(2, KV_READ_BYTES // kv_bytes))]
-    decode_s = run(torch.full((seqs, 1), ctx), "decode", caches)
+    caches = [attention_cache(spec, seqs, ctx + 1, gen) for _ in range(max(2, KV_READ_BYTES // kv_bytes))]
+    decode_s = median_time(attention_run(spec, torch.full((seqs, 1), ctx), "decode", caches, gen), repeats) / len(caches)
     reading_s = decode_s - spec.attention_flops(seqs, ctx + 1) / rate
     return {"fused": rate, "kv_read": kv_bytes / max(reading_s, decode_s / 2)}
 
@@ -298,8 +267,9 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, objec
            for name in names]  # the columns fitted
     rows, measured, bases = [], [], []
     for spec, fmt, steps, speed in runs:
-        memory, compute = (speed.memory, speed.compute) if speed is not None else (1.0, 1.0)
-        run_hw = bare.at_speed(memory, compute)
+        memory, compute, attention = speed.ratios if speed is not None else (1.0, 1.0, None)
+        attention = attention or compute
+        run_hw = bare.at_speed(memory, compute, attention)
         wl = Workload(batch_size=1, prompt_len=64, gen_len=16, compute_format=CPU_COMPUTE)
         p = plan(spec, bare, Budget(0, 64 * 2**30), wl, weight_format=fmt)
         path = cpu_path(fmt, CPU_COMPUTE)
@@ -310,7 +280,8 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, objec
             terms = [1.0, spec.n_layers * (path == "fused"), spec.n_layers * (path == "torch"), shape.n_seqs,
                      shape.n_logits * spec.vocab_size, shape.n_tokens * spec.n_layers, attn * (path == "fused"),
                      attn * (path == "torch")]
-            rows.append([t / compute for t in terms] + [kv_bytes / memory])  # as at_speed moves each term
+            # as at_speed moves each term: attention's by its speed, the rest by compute's
+            rows.append([t / compute for t in terms[:6]] + [t / attention for t in terms[6:]] + [kv_bytes / memory])
             measured.append(shape.seconds)
             bases.append(base)
     a, measured, bases = np.array(rows, dtype=np.float64)[:, fit], np.array(measured), np.array(bases)
@@ -393,7 +364,7 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     return fit_overheads(hw, runs, log, attention)
 
 
-def reference_probes(formats: tuple[str, ...], rounds: int = REFERENCE_ROUNDS) -> dict[str, tuple[float, float]]:
+def reference_probes(formats: tuple[str, ...], rounds: int = REFERENCE_ROUNDS) -> dict[str, tuple]:
     """Each format's reference rates (speedprobe): the median of its probes in rounds over all the formats, so that
     every reference speaks for the same moment."""
     probes: dict[str, list] = {fmt: [] for fmt in formats}
@@ -403,10 +374,10 @@ def reference_probes(formats: tuple[str, ...], rounds: int = REFERENCE_ROUNDS) -
     return {fmt: reference_probe(p) for fmt, p in probes.items()}
 
 
-def measure_attention_at_reference(reference: tuple[float, float],
-                                   rounds: int = ATTENTION_ROUNDS) -> dict[str, float] | None:
+def measure_attention_at_reference(reference, rounds: int = ATTENTION_ROUNDS) -> dict[str, float] | None:
     """measure_attention in rounds, each round's rates moved to the reference speed by ATTENTION_PROBE's probes
-    before and after it (FLOP/s by compute, K/V reads by memory), the median of each kept."""
+    before and after it (FLOP/s by their attention speed, or compute where not probed; K/V reads by memory), the
+    median of each kept."""
     rates: dict[str, list[float]] = {"fused": [], "kv_read": []}
     for _ in range(rounds):
         before = probe(ATTENTION_PROBE)
@@ -414,12 +385,12 @@ def measure_attention_at_reference(reference: tuple[float, float],
         if measured is None:
             return None
         speed = machine_speed([before, probe(ATTENTION_PROBE)], reference)
-        rates["fused"].append(measured["fused"] / speed.compute)
+        rates["fused"].append(measured["fused"] / (speed.attention or speed.compute))
         rates["kv_read"].append(measured["kv_read"] / speed.memory)
     return {k: statistics.median(v) for k, v in rates.items()}
 
 
-def measure_format_curves(fmt: str, reference: tuple[float, float], log=print) -> list:
+def measure_format_curves(fmt: str, reference, log=print) -> list:
     """fmt's matmul curve on torch's threads (and on one thread, where torch runs more), each moved to the
     reference speed (reference_probes) by the probes taken before and after it, so that a curve measured in a
     slow moment is not taken for the machine's speed."""

@@ -106,9 +106,10 @@ class HardwareProfile:
     # CPU attention: FLOP/s of the fused C++ layer's and of torch's, and the rate KV caches are read at (bytes/s)
     cpu_attention: dict[str, float] = field(default_factory=dict, hash=False)
     overhead_s: dict[str, float] = field(default_factory=dict, hash=False)  # OVERHEAD_TERMS: seconds each
-    # runtime.speedprobe's rates (memory-bound, compute-bound FLOP/s) per weight format, taken by `offload
-    # calibrate` beside each curve: a job probes again and its report scales the CPU figures by the ratio (at_speed)
-    cpu_probe: dict[str, tuple[float, float]] = field(default_factory=dict, hash=False)
+    # runtime.speedprobe's rates (memory-bound, compute-bound matmul FLOP/s, attention FLOP/s: 0 where not
+    # measured) per weight format, taken by `offload calibrate` as it starts: a job probes again and its report
+    # scales the CPU figures by the ratio (at_speed)
+    cpu_probe: dict[str, tuple[float, float, float]] = field(default_factory=dict, hash=False)
     page_cache_bps: float = 0.0  # a read served by the OS page cache (0: not measured)
     source: str = field(default="", compare=False)
 
@@ -179,18 +180,20 @@ class HardwareProfile:
         """Seconds of one overhead term (see OVERHEAD_TERMS); 0 where not calibrated."""
         return self.overhead_s.get(term, 0.0)
 
-    def at_speed(self, memory: float, compute: float) -> HardwareProfile:
-        """A copy for the CPU running at `memory` x and `compute` x the speed it was calibrated at (speedprobe's
-        ratios): matmul curves by speed_factor of their rows, memory and KV-read bandwidth by memory, attention and
-        flat matmul rates by compute, overhead seconds by 1 / compute; GPU, PCIe and disk figures unchanged."""
+    def at_speed(self, memory: float, compute: float, attention: float | None = None) -> HardwareProfile:
+        """A copy for the CPU running at `memory` x, `compute` x and `attention` x (None: compute x) the speed it was
+        calibrated at (speedprobe's ratios): matmul curves by speed_factor of their rows, memory and KV-read
+        bandwidth by memory, attention by attention, flat matmul rates by compute, overhead seconds by 1 / compute;
+        GPU, PCIe and disk figures unchanged."""
         def curves(table):
             return {fmt: scale_curve(curve, memory, compute) for fmt, curve in table.items()}
 
+        attention = compute if attention is None else attention
         return replace(self, cpu_mem_bps=self.cpu_mem_bps * memory,
                        cpu_flops={fmt: rate * compute for fmt, rate in self.cpu_flops.items()},
                        cpu_flops_by_rows=curves(self.cpu_flops_by_rows),
                        cpu_flops_one_thread=curves(self.cpu_flops_one_thread),
-                       cpu_attention={k: rate * (memory if k == "kv_read" else compute)
+                       cpu_attention={k: rate * (memory if k == "kv_read" else attention)
                                       for k, rate in self.cpu_attention.items()},
                        overhead_s={k: s / compute for k, s in self.overhead_s.items()})
 
@@ -264,7 +267,7 @@ _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, 
              "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_k_factor": {}, "cpu_n_factor": {},
              "cpu_attention": {},
              "overhead_s": {}, "page_cache_bps": 0.0, "cpu_probe": {}}
-PROBE_KEYS = ("memory", "compute")  # cpu.probe's two rates per format, as (memory, compute) in cpu_probe
+PROBE_KEYS = ("memory", "compute", "attention")  # cpu.probe's rates per format, in that order in cpu_probe
 
 
 def _did_you_mean(word: str, options) -> str:
@@ -291,18 +294,19 @@ def _parse_curve(points, where: str) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(curve))
 
 
-def _parse_probes(value, where: str) -> dict[str, tuple[float, float]]:
-    return _parse_named_rates(value, where, WEIGHT_FORMATS, "{memory: FLOP/s, compute: FLOP/s}", _parse_probe,
+def _parse_probes(value, where: str) -> dict[str, tuple[float, float, float]]:
+    return _parse_named_rates(value, where, WEIGHT_FORMATS, "{memory: FLOP/s, compute: FLOP/s, attention: FLOP/s}",
+                              _parse_probe,
                               "weight format")
 
 
-def _parse_probe(value, where: str) -> tuple[float, float]:
+def _parse_probe(value, where: str) -> tuple[float, float, float]:
     rates = _parse_named_rates(value, where, PROBE_KEYS, "FLOP/s", parse_rate)
-    missing = [k for k in PROBE_KEYS if k not in rates]
+    missing = [k for k in PROBE_KEYS[:2] if k not in rates]
     if missing:
         raise ConfigError(f"{where}: expected both memory and compute rates, found no {' or '.join(missing)}; "
                           "add it or run `offload calibrate` again")
-    return rates["memory"], rates["compute"]
+    return rates["memory"], rates["compute"], rates.get("attention", 0.0)  # a calibration before it: none
 
 
 def _parse_named_rates(value, where: str, names: tuple[str, ...], what: str, parse, kind: str = "key") -> dict:
@@ -387,7 +391,8 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
         if name in ("cpu_flops_by_rows", "cpu_flops_one_thread", "cpu_k_factor", "cpu_n_factor"):
             value = {fmt: dict(curve) for fmt, curve in value.items()}
         if name == "cpu_probe":
-            value = {fmt: dict(zip(PROBE_KEYS, rates)) for fmt, rates in value.items()}
+            value = {fmt: {k: r for k, r in zip(PROBE_KEYS, rates) if r or k != "attention"}
+                     for fmt, rates in value.items()}
         if (isinstance(value, dict) and not value and name != "cpu_flops") or (name == "page_cache_bps" and not value):
             continue  # not calibrated
         out.setdefault(section, {})[key] = dict(value) if isinstance(value, dict) else value

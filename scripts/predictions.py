@@ -7,8 +7,10 @@ The jobs:
 - demo: configs/demo.yaml's nine short prompts, 32 new tokens each;
 - batch: scripts/bench_batch.py's 64 prompts of 10 to ~480 tokens, 8 to 64 new tokens each;
 - long: 6 prompts of 1,000 to 4,000 tokens, 16 new tokens each.
-Each job runs --repeats times, the quantizations alternating; the measured figure is the median (this machine's
-speed drifts by tens of percent over minutes). Prints a table; rows outside 0.85-1.15 are marked.
+Each job runs --repeats times, the quantizations alternating; each run's predicted ÷ measured is taken, and the
+median printed with the median measured and predicted figures (this machine's speed drifts by tens of percent over
+minutes, and each run is priced at the speed probed during it). Prints a table; rows outside 0.85-1.15 are
+marked.
 
   python scripts/predictions.py [--quantizations none q8_0 q4_0] [--jobs demo batch long] [--repeats 3]
 """
@@ -97,8 +99,10 @@ def main() -> None:
                     if not rows[0]["tokens"]:
                         continue
                     measured = statistics.median(r["measured_s_per_token"] for r in rows)
-                    predicted = rows[0]["predicted_s_per_token"]
-                    ratio = predicted / measured
+                    # each run is priced at the speed probed during it: the ratio is taken run by run
+                    predicted = statistics.median(r["predicted_s_per_token"] for r in rows)
+                    ratios = [r["predicted_s_per_token"] / r["measured_s_per_token"] for r in rows]
+                    ratio = statistics.median(ratios)
                     mark = "" if LOW <= ratio <= HIGH else "  <- outside 0.85-1.15"
                     worst.append(ratio)
                     spread = max(r["measured_s_per_token"] for r in rows) / min(r["measured_s_per_token"] for r in rows)
@@ -106,12 +110,15 @@ def main() -> None:
                     speed = ""
                     if speeds:  # and the prediction at the calibrated speed, unscaled
                         unscaled = statistics.median(s["predicted_s_at_calibration"][phase] for s in speeds)
+                        attention = [s["attention"] for s in speeds if s.get("attention")]
+                        attention = f", {statistics.median(attention):.2f}x attention" if attention else ""
                         speed = (f"; CPU speed probed {statistics.median(s['memory'] for s in speeds):.2f}x memory, "
-                                 f"{statistics.median(s['compute'] for s in speeds):.2f}x compute; unscaled "
+                                 f"{statistics.median(s['compute'] for s in speeds):.2f}x compute{attention}; unscaled "
                                  f"{unscaled / rows[0]['tokens'] / measured:.2f}")
                         unscaled_ratios.append(unscaled / rows[0]["tokens"] / measured)
                     print(f"{job:6s} {quant:5s} {phase:7s} {rows[0]['tokens']:7d} {measured:15.3e} {predicted:16.3e} "
-                          f"{ratio:9.2f}  (runs {spread:.2f}x apart{speed}){mark}", flush=True)
+                          f"{ratio:9.2f}  (runs {', '.join(f'{r:.2f}' for r in ratios)}, measured {spread:.2f}x "
+                          f"apart{speed}){mark}", flush=True)
     inside = sum(LOW <= r <= HIGH for r in worst)
     print(f"{inside} of {len(worst)} rows within {LOW}-{HIGH}; range {min(worst):.2f}-{max(worst):.2f}")
     if unscaled_ratios:

@@ -193,7 +193,7 @@ def test_calibrate_measures_curves_and_fits_the_terms_on_small_models(monkeypatc
         assert all(hw.cpu_attention[k] > 0 for k in ("fused", "kv_read"))
         assert any("cpu attention (fused layer)" in line for line in lines)
     assert set(hw.cpu_probe) == set(hw.cpu_flops_by_rows)
-    assert all(m > 0 and c > 0 for m, c in hw.cpu_probe.values())
+    assert all(m > 0 and c > 0 and a >= 0 for m, c, a in hw.cpu_probe.values())
     n_curves = len(hw.cpu_flops_by_rows) + len(hw.cpu_flops_one_thread)
     assert sum("to the reference speed" in line for line in lines) == n_curves  # each curve says how it was scaled
     assert set(hw.cpu_flops_by_rows) == set(costfit.CURVE_FORMATS + costfit.GGUF_CURVE_FORMATS
@@ -229,7 +229,7 @@ def test_calibration_moves_each_measurement_to_the_reference_speed(monkeypatch):
 
     monkeypatch.setattr(costfit, "probe", probe)
     refs = costfit.reference_probes(("q8_0", "q4_0"))
-    assert calls == ["q8_0", "q4_0"] * 3 and refs == {"q8_0": (10e9, 100e9), "q4_0": (10e9, 100e9)}
+    assert calls == ["q8_0", "q4_0"] * 3 and refs == {"q8_0": (10e9, 100e9, 0.0), "q4_0": (10e9, 100e9, 0.0)}
     monkeypatch.setattr(costfit, "measure_cpu_curve", lambda fmt, rows, threads=0: ((1, 5e9), (64, 50e9)))
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # one curve, not one more on one thread
     curves = costfit.measure_format_curves("q8_0", refs["q8_0"], log=lambda line: None)
@@ -239,6 +239,13 @@ def test_calibration_moves_each_measurement_to_the_reference_speed(monkeypatch):
     rates = iter([{"fused": 20e9, "kv_read": 4e9}, {"fused": 80e9, "kv_read": 16e9}, {"fused": 40e9, "kv_read": 8e9}])
     monkeypatch.setattr(costfit, "measure_attention", lambda repeats=5: next(rates))
     assert costfit.measure_attention_at_reference((10e9, 100e9)) == {"fused": 40e9, "kv_read": 8e9}
+    # with the attention probed: its own speed moves the attention rate (here 4x the matmuls' at each round)
+    attention = iter([2.0, 2.0, 8.0, 8.0, 4.0, 4.0])
+    speeds = iter([0.5, 0.5, 2.0, 2.0, 1.0, 1.0])
+    monkeypatch.setattr(costfit, "probe", lambda fmt: SpeedProbe(fmt, (r := next(speeds)) * 10e9, r * 100e9,
+                                                                 next(attention) * 5e9))
+    rates = iter([{"fused": 20e9, "kv_read": 4e9}, {"fused": 80e9, "kv_read": 16e9}, {"fused": 40e9, "kv_read": 8e9}])
+    assert costfit.measure_attention_at_reference((10e9, 100e9, 5e9)) == {"fused": 10e9, "kv_read": 8e9}
 
 
 def _small_config(n_layers: int, vocab: int) -> dict:

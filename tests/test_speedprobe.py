@@ -22,7 +22,7 @@ CALIBRATED = replace(CPU, cpu_mem_bps=40e9, cpu_flops={"fp32": 100e9, "q8_0": 20
                      cpu_k_factor={"q8_0": ((512, 0.5), (768, 1.0))},
                      cpu_attention={"fused": 30e9, "torch": 20e9, "kv_read": 12e9},
                      overhead_s={"step": 2e-4, "layer": 1e-5, "layer_unfused": 3e-4, "sequence": 5e-5, "logit": 1e-9},
-                     cpu_probe={"q8_0": (60e9, 180e9)})
+                     cpu_probe={"q8_0": (60e9, 180e9, 30e9)})
 
 
 def test_at_speed_scales_each_cpu_figure_and_leaves_the_rest():
@@ -36,6 +36,9 @@ def test_at_speed_scales_each_cpu_figure_and_leaves_the_rest():
     assert hw.overhead_s == {"step": 1e-4, "layer": 5e-6, "layer_unfused": 1.5e-4, "sequence": 2.5e-5,
                              "logit": 5e-10}
     assert hw.cpu_k_factor == CALIBRATED.cpu_k_factor and hw.cpu_probe == CALIBRATED.cpu_probe
+    attention = CALIBRATED.at_speed(0.5, 2.0, 1.5)  # attention probed apart: its rates move by its own speed
+    assert attention.cpu_attention == {"fused": 45e9, "torch": 30e9, "kv_read": 6e9}
+    assert attention.cpu_flops_by_rows == hw.cpu_flops_by_rows and attention.overhead_s == hw.overhead_s
     gpu = load_hardware("rtx4090-ddr5")
     moved = gpu.at_speed(0.5, 2.0)
     assert (moved.gpu_flops, moved.gpu_mem_bps, moved.h2d_pinned_bps, moved.disk_read_bps, moved.page_cache_bps) == (
@@ -46,9 +49,11 @@ def test_at_speed_scales_each_cpu_figure_and_leaves_the_rest():
 
 def test_cpu_probe_survives_the_yaml_round_trip_and_a_file_without_it_loads(tmp_path):
     data = profile_to_dict(CALIBRATED)
-    assert data["cpu"]["probe"] == {"q8_0": {"memory": 60e9, "compute": 180e9}}
+    assert data["cpu"]["probe"] == {"q8_0": {"memory": 60e9, "compute": 180e9, "attention": 30e9}}
     again = load_hardware(save_hardware(CALIBRATED, tmp_path / "hw.yaml"))
-    assert again.cpu_probe == {"q8_0": (60e9, 180e9)}
+    assert again.cpu_probe == {"q8_0": (60e9, 180e9, 30e9)}
+    del data["cpu"]["probe"]["q8_0"]["attention"]  # calibrated before attention was probed: 0, not probed
+    assert profile_from_dict(data, "older.yaml").cpu_probe == {"q8_0": (60e9, 180e9, 0.0)}
     del data["cpu"]["probe"]
     assert profile_from_dict(data, "old.yaml").cpu_probe == {}
     assert "probe" not in profile_to_dict(CPU)["cpu"]  # presets have none, and write none
@@ -74,9 +79,13 @@ def test_the_probe_measures_positive_rates_and_reuses_its_weight(monkeypatch, fm
     second = speedprobe.probe(fmt)
     assert len(built) == 1 and speedprobe._WEIGHTS[fmt] is hot  # packed once, then only timed
     assert torch.get_num_threads() == threads
+    from offload.kernels import layer as fused
+
     for p in (first, second):
         assert p.fmt == fmt
         assert all(math.isfinite(r) and r > 0 for r in (p.memory, p.compute))
+        assert p.attention > 0 if fused.HAS_CACHED_ATTENTION else p.attention == 0.0
+        assert p.duration_s > 0
 
 
 @pytest.mark.parametrize("fmt", ["fp32", "q8_0"])
@@ -92,22 +101,31 @@ def test_the_streamed_copies_are_the_weight_in_memory_of_their_own(fmt):
 
 
 def test_the_speed_is_the_probes_geometric_mean_over_the_reference():
-    speed = machine_speed([SpeedProbe("q8_0", 30e9, 360e9), SpeedProbe("q8_0", 120e9, 90e9)], (60e9, 180e9))
+    speed = machine_speed([SpeedProbe("q8_0", 30e9, 360e9, 10e9), SpeedProbe("q8_0", 120e9, 90e9, 40e9)],
+                          (60e9, 180e9, 20e9))
     assert speed.fmt == "q8_0" and speed.n_probes == 2
     assert speed.memory == pytest.approx(1.0) and speed.compute == pytest.approx(1.0)
-    assert machine_speed([SpeedProbe("q8_0", 30e9, 90e9)], (60e9, 180e9)).to_dict() == {
+    assert speed.attention == pytest.approx(1.0) and speed.compute_range == (0.5, 2.0)
+    assert machine_speed([SpeedProbe("q8_0", 30e9, 90e9)], (60e9, 180e9, 20e9)).to_dict() == {
         "format": "q8_0", "memory": 0.5, "compute": 0.5, "probes": 1, "compute_range": [0.5, 0.5]}
-    assert speed.compute_range == (0.5, 2.0)
+    # a reference from before attention was probed, or a probe without the C++ layer: no attention speed
+    assert machine_speed([SpeedProbe("q8_0", 30e9, 90e9, 10e9)], (60e9, 180e9, 0.0)).attention is None
+    assert machine_speed([SpeedProbe("q8_0", 30e9, 90e9, 10e9)], (60e9, 180e9, 20e9)).to_dict()["attention"] == 0.5
 
 
-def test_the_speed_between_probes_is_interpolated_in_log_and_held_past_the_ends():
-    probes = [SpeedProbe("q8_0", 30e9, 90e9, at_s=10.0), SpeedProbe("q8_0", 120e9, 360e9, at_s=20.0)]
-    ref = (60e9, 180e9)
-    assert speedprobe.speed_at(probes, ref, 0.0) == pytest.approx((0.5, 0.5))
-    assert speedprobe.speed_at(probes, ref, 15.0) == pytest.approx((1.0, 1.0))  # half way: geometric mean
-    assert speedprobe.speed_at(probes, ref, 12.5) == pytest.approx((2 ** -0.5, 2 ** -0.5))
-    assert speedprobe.speed_at(probes, ref, 99.0) == pytest.approx((2.0, 2.0))
-    assert speedprobe.speed_at(probes[:1], ref, 99.0) == pytest.approx((0.5, 0.5))
+def test_a_steps_speed_is_the_probes_around_it_weighted_by_closeness():
+    ref = (60e9, 180e9, 20e9)
+    half, double = (SpeedProbe("q8_0", 60e9 * r, 180e9 * r, 20e9 * r, at_s=t) for r, t in ((0.5, 10.0), (2.0, 20.0)))
+    assert speedprobe.speed_at([half, double], ref, 15.0) == pytest.approx((1.0, 1.0, 1.0))  # between: geometric mean
+    assert speedprobe.speed_at([half], ref, 99.0) == pytest.approx((0.5, 0.5, 0.5))
+    assert speedprobe.speed_at([replace(half, attention=0.0), double], ref, 15.0)[2] is None  # one probe without
+    near, far = speedprobe.speed_at([half, double], ref, 10.0), speedprobe.speed_at([half, double], ref, 1e4)
+    tau = speedprobe.SPEED_SMOOTHING_S
+    w = math.exp(-10.0 / tau)  # the other probe, 10 s away, weighs e^(-10/tau) as much
+    assert near == pytest.approx((2 ** ((w - 1) / (1 + w)),) * 3)
+    assert 0.5 < near[0] < 1.0 and far[1] == pytest.approx(2 ** ((1 - w) / (1 + w)), rel=1e-6)
+    many = [SpeedProbe("q8_0", 60e9 * (0.5 if i < 10 else 1.0), 180e9, at_s=10.0 * i) for i in range(20)]
+    assert speedprobe.speed_at(many, ref, 0.0)[0] < 0.55 and speedprobe.speed_at(many, ref, 190.0)[0] > 0.95
 
 
 def test_a_job_is_probed_every_few_seconds_and_never_more_than_its_share(monkeypatch):
@@ -197,7 +215,7 @@ def test_machine_speed_needs_steps(monkeypatch):
 
 def test_each_step_is_priced_at_the_speed_probed_around_it(tmp_path, monkeypatch):
     """Probes between every step (the interval set to 0): the first two find half the reference rates, the rest
-    the reference; each step is priced on the profile moved to the speed interpolated at its middle, so the
+    the reference; each step is priced on the profile moved to the speed of the probes around its middle, so the
     phases come out between the job priced all at half speed and all at full speed."""
     from conftest import make_hf_model, save_hf_model
     from offload import LLM
@@ -231,7 +249,8 @@ def test_each_step_is_priced_at_the_speed_probed_around_it(tmp_path, monkeypatch
                for a, s, b in zip(probes, steps, probes[1:]))
     expected = dict.fromkeys(report["phases"], 0.0)
     for s in steps:
-        memory, compute = speedprobe.speed_at(probes, CALIBRATED.cpu_probe["q8_0"], s.mid_s)
+        memory, compute, attention = speedprobe.speed_at(probes, CALIBRATED.cpu_probe["q8_0"], s.mid_s)
+        assert attention is None  # these probes have no attention rate: the compute speed stands for it
         expected[s.phase] += recost_steps(llm.spec, CALIBRATED.at_speed(round(memory, 2), round(compute, 2)),
                                           llm.plan, [s])[s.phase]
     half, full = (recost_steps(llm.spec, CALIBRATED.at_speed(r, r), llm.plan, steps) for r in (0.5, 1.0))

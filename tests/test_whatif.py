@@ -64,6 +64,48 @@ def test_every_what_if_is_the_plan_of_the_changed_request():
     assert len({round(w.decode_speedup, 6) for w in found.values()}) == len(found)
 
 
+def test_a_runs_what_ifs_are_priced_for_the_steps_it_took():
+    """In a run's report every what-if but the batch ones is its re-planned plan priced for the steps the run took
+    (as the run's own prediction is), against the current plan priced for the same steps; the batch what-ifs would
+    have run other steps, so they keep the plans' workload and say so."""
+    from offload.planner.recost import recost_steps
+    from offload.planner.request import plan_spec
+    from offload.planner.whatif import PLAN_WORKLOAD, STEPS_RUN
+    from offload.profile.timeline import StepShape
+
+    steps = [StepShape("prefill", 0.0, 300, 0, 3, 3, attended_keys=3 * 100 * 101 // 2, kv_read_tokens=0)]
+    steps += [StepShape("decode", 0.0, 0, 3, 3, 3, attended_keys=3 * (100 + i), kv_read_tokens=3 * (100 + i))
+              for i in range(20)]
+    spec, hw = load_spec(Path(MODEL_8B)), REQUEST_8B.profile()
+    plan = plan_for(spec, hw, REQUEST_8B)
+    found = {w.label: w for w in what_ifs(spec, hw, REQUEST_8B, plan, steps)}
+    tokens = {"prefill": 300, "decode": 60}
+
+    def per_token(request, p):
+        seconds = recost_steps(plan_spec(spec, p), request.profile(), p, steps)
+        return {phase: seconds[phase] / n for phase, n in tokens.items()}
+
+    current = per_token(REQUEST_8B, plan)
+    t4 = load_hardware("t4-server")
+    changed = {"none": replace(REQUEST_8B, quantization="none"), "q4_0": replace(REQUEST_8B, quantization="q4_0"),
+               "+8 GiB VRAM": replace(REQUEST_8B, hardware=t4.with_changes(vram_bytes=t4.vram_bytes + 8 * 2**30),
+                                      gpu_memory="14GiB"),
+               "hardware rtx3090-ddr4": replace(REQUEST_8B, hardware="rtx3090-ddr4", gpu_memory=None)}
+    for label, request in changed.items():
+        w, new = found[label], per_token(request, _independent(request))
+        assert w.predicted_for == STEPS_RUN, label
+        assert (w.prefill_s_per_token, w.decode_s_per_token) == pytest.approx((new["prefill"], new["decode"]))
+        assert w.decode_speedup == pytest.approx(current["decode"] / new["decode"]), label
+        assert w.prefill_speedup == pytest.approx(current["prefill"] / new["prefill"]), label
+    plan_level = {w.label: w for w in what_ifs(spec, hw, REQUEST_8B, plan)}
+    for label in ("batch 2", "batch 8"):
+        assert found[label].predicted_for == PLAN_WORKLOAD and plan_level[label].predicted_for is None
+        assert found[label].decode_speedup == plan_level[label].decode_speedup
+        assert found[label].line().endswith(f", for {PLAN_WORKLOAD})")
+    # three short prompts are not the plan's batch of long ones: the priced speedups differ from the plan's
+    assert found["q4_0"].decode_speedup != pytest.approx(plan_level["q4_0"].decode_speedup, rel=1e-3)
+
+
 def test_what_ifs_keep_the_batch_the_planner_chose():
     # 8B unquantized on a 4090, batch left open: the planner picks 16; in q8_0 alone it would pick 32
     request = PlanRequest(model=MODEL_8B, hardware="rtx4090-ddr5")

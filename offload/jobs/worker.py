@@ -105,14 +105,14 @@ def llm_report(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeli
         summary, speeds = speed
         speed_report = {**summary.to_dict(), "predicted_s_at_calibration": job_predicted_s(llm, tl)}
     return build_report(counts, tl, getattr(llm, "plan", None), peaks, budget_of(config, llm), source,
-                        job_what_ifs(llm), job_predicted_s(llm, tl, speeds), speed_report)
+                        job_what_ifs(llm, tl), job_predicted_s(llm, tl, speeds), speed_report)
 
 
-def job_speed(llm, timeline) -> tuple[MachineSpeed, list[tuple[float, float]]] | None:
+def job_speed(llm, timeline) -> tuple[MachineSpeed, list[tuple]] | None:
     """The CPU's speed over the job against calibration's, from the probes taken as it started, between its steps
-    and one now, after its generation: their summary, and the (memory, compute) speed of each step, interpolated
-    between the probes around it (None where it was not probed: no CPU layers, no reference in the profile, or
-    nothing ran)."""
+    and one now, after its generation: their summary, and the (memory, compute, attention) speed of each step, from
+    the probes around it (speedprobe.speed_at; None where it was not probed: no CPU layers, no reference in the
+    profile, or nothing ran)."""
     probes = getattr(llm, "speed_probes", None)
     if not probes or timeline is None or not timeline.steps:
         return None
@@ -135,7 +135,7 @@ def _probe_cpu_speed(llm) -> None:
         logger.warning(f"the CPU's speed was not probed: {e}")
 
 
-def job_predicted_s(llm, timeline, speeds: list[tuple[float, float]] | None = None) -> dict[str, float] | None:
+def job_predicted_s(llm, timeline, speeds: list[tuple] | None = None) -> dict[str, float] | None:
     """The plan re-costed for the steps this run took, seconds per phase (None without a plan or steps), each step
     on the profile moved to the CPU's speed while it ran where speeds gives it (job_speed)."""
     plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
@@ -151,13 +151,15 @@ def job_predicted_s(llm, timeline, speeds: list[tuple[float, float]] | None = No
         return None
 
 
-def job_what_ifs(llm) -> list[dict] | None:
-    """The planner's what-ifs for the job llm planned (None without a plan: a placement given by hand)."""
+def job_what_ifs(llm, timeline=None) -> list[dict] | None:
+    """The planner's what-ifs for the job llm planned, priced for the steps it ran where the timeline has them
+    (None without a plan: a placement given by hand)."""
     plan, request, spec = (getattr(llm, name, None) for name in ("plan", "request", "spec"))
     if plan is None or request is None or spec is None:
         return None
+    steps = timeline.steps if timeline is not None else None
     try:
-        return [w.to_dict() for w in what_ifs(spec, request.profile(), request, plan)]
+        return [w.to_dict() for w in what_ifs(spec, request.profile(), request, plan, steps)]
     except OffloadError as e:  # e.g. the hardware file changed during the job; the report is written without them
         logger.warning(f"what-ifs left out of the report: {e}")
         return None

@@ -49,15 +49,15 @@ def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> di
     return out
 
 
-def recost_steps_at(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes,
-                    speeds: list[tuple[float, float]]) -> dict[str, float]:
-    """recost_steps with each step priced on hw moved to the CPU's speed while it ran ((memory, compute) per shape,
-    as HardwareProfile.at_speed takes them), rounded to 1% so that the steps at one speed are priced together."""
-    groups: dict[tuple[float, float], list] = {}
-    for shape, (memory, compute) in zip(shapes, speeds, strict=True):
-        groups.setdefault((round(memory, 2), round(compute, 2)), []).append(shape)
+def recost_steps_at(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes, speeds) -> dict[str, float]:
+    """recost_steps with each step priced on hw moved to the CPU's speed while it ran ((memory, compute, attention)
+    per shape, as HardwareProfile.at_speed takes them), rounded to 1% so that the steps at one speed are priced
+    together."""
+    groups: dict[tuple, list] = {}
+    for shape, speed in zip(shapes, speeds, strict=True):
+        groups.setdefault(tuple(None if r is None else round(r, 2) for r in speed), []).append(shape)
     out = dict.fromkeys(PHASES, 0.0)
-    for (memory, compute), group in groups.items():
-        for phase, seconds in recost_steps(spec, hw.at_speed(memory, compute), plan, group).items():
+    for speed, group in groups.items():
+        for phase, seconds in recost_steps(spec, hw.at_speed(*speed), plan, group).items():
             out[phase] += seconds
     return out

@@ -154,8 +154,9 @@ def format_report(report: dict) -> str:
                          f"(predicted {bottleneck_name(p['predicted_bottleneck'])})")
     speed = report.get("machine_speed")
     if speed:
+        attention = f", {speed['attention']:.2f}x attention" if speed.get("attention") else ""
         lines.append(f"{'cpu':>7}: speed during the job {speed['memory']:.2f}x memory, {speed['compute']:.2f}x "
-                     f"compute of calibration{_probes_text(speed)} (predictions scaled to it)")
+                     f"compute{attention} of calibration{_probes_text(speed)} (predictions scaled to it)")
     for tier, m in report["memory"].items():
         if m["peak_bytes"] is not None or m["budget_bytes"] is not None:
             lines.append(f"{'vram' if tier == 'gpu' else 'ram':>7}: peak {_gib(m['peak_bytes'])} "
