@@ -28,7 +28,7 @@ PROBE_BYTES = 48 * 2**20  # weights the memory-bound rate streams: past this mac
 PROBE_SHAPE = (2048, 768)  # [N, K] of each weight: the calibration model's MLP projection, at the curves' K
 COMPUTE_PASSES = 8  # products per compute-bound timing (about 10 ms of work on this project's 2-core VM)
 REPEATS = 5  # timings per rate, after a warm-up; the median counts (a probe takes 0.05-0.15 s here)
-ATTENTION_TOKENS = 512  # the attention probe's causal prefill (about 7 ms on this project's 2-core VM)
+PROBE_ATTENTION_TOKENS = 512  # the attention probe's causal prefill (about 7 ms on this project's 2-core VM)
 PROBE_SHARE = 0.02  # of a job's time its probes between steps may take
 MIN_PROBE_INTERVAL_S = 2.0  # between two probes of a job (a short job is probed as it starts and ends only)
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}  # float weights: torch's matmul
@@ -43,7 +43,7 @@ class SpeedProbe:
     fmt: str
     memory: float  # 1 activation row over PROBE_BYTES of weights read from DRAM
     compute: float  # COMPUTE_BOUND_ROWS rows over one PROBE_SHAPE weight in the caches
-    attention: float = 0.0  # the fused layer's causal prefill of ATTENTION_TOKENS (0: no C++ layer)
+    attention: float = 0.0  # the fused layer's causal prefill of PROBE_ATTENTION_TOKENS (0: no C++ layer)
     at_s: float = 0.0  # when it ran (its middle, on time.perf_counter's clock)
     duration_s: float = 0.0
 
@@ -112,10 +112,10 @@ def _probe(fmt: str) -> SpeedProbe:
 
 
 def _attention_rate() -> float:
-    """FLOP/s of the fused layer's attention over a causal prefill of ATTENTION_TOKENS (0.0 without the layer)."""
-    if ATTENTION_TOKENS not in _ATTENTION:
-        _ATTENTION[ATTENTION_TOKENS] = attention_prefill(calibration_spec(1), ATTENTION_TOKENS)
-    built = _ATTENTION[ATTENTION_TOKENS]
+    """FLOP/s of the fused layer's attention over a causal prefill of PROBE_ATTENTION_TOKENS (0.0 without the layer)."""
+    if PROBE_ATTENTION_TOKENS not in _ATTENTION:
+        _ATTENTION[PROBE_ATTENTION_TOKENS] = attention_prefill(calibration_spec(1), PROBE_ATTENTION_TOKENS)
+    built = _ATTENTION[PROBE_ATTENTION_TOKENS]
     if built is None:
         return 0.0
     run, flops = built
