@@ -222,6 +222,7 @@ def main() -> None:
 
     llm = LLM(args.model, quantization=args.quantization, max_batch_size=args.batch)
     prompts, max_tokens = prompt_ids(llm.tokenizer, args.n_prompts)
+    threads = torch.get_num_threads()  # each run starts on these (offload's governor may lower its own count)
     run(llm, prompts[:2], [4, 4], 2, True)  # warm-up
     results: dict[str, list[dict]] = {"before": [], "mixed": []}
     for _ in range(args.repeats):
@@ -230,7 +231,7 @@ def main() -> None:
     lengths = sorted(len(p) for p in prompts)
     print(f"model: {llm.path.name}, {args.quantization}; {args.n_prompts} prompts of {lengths[0]}-{lengths[-1]} "
           f"tokens (median {lengths[len(lengths) // 2]}), 8-64 new tokens each; KV cache for {args.batch} of the "
-          f"longest; {torch.get_num_threads()} threads; median of {args.repeats}")
+          f"longest; {threads} threads; median of {args.repeats}")
     rates = {}
     for name, runs in results.items():
         s = statistics.median(r["seconds"] for r in runs)
