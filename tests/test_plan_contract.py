@@ -14,6 +14,7 @@ from offload import LLM, SamplingParams
 from offload.cli.main import main
 from offload.jobs.config import load_config
 from offload.jobs.run import load_llm
+from offload.runtime.host_memory import process_baseline_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -73,12 +74,14 @@ def test_plan_of_a_shipped_job_is_the_plan_its_run_uses(capsys, config):
 
 def test_plan_flags_and_llm_arguments_give_one_plan(capsys, tiny_dir):
     """`offload plan --flags` and LLM(...) with the same options: the same defaults, the same plan."""
-    flags = ["--model", str(tiny_dir), "--quantization", "q8_0", "--cpu-memory", "4GiB", "--hardware", "cpu-desktop"]
-    llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory="4GiB", hardware="cpu-desktop")
+    # above what this (long-running test) process already holds, so that the baseline leaves a budget
+    budget = f"{process_baseline_bytes(str(tiny_dir)) // 2**20 + 2048}MiB"
+    flags = ["--model", str(tiny_dir), "--quantization", "q8_0", "--cpu-memory", budget, "--hardware", "cpu-desktop"]
+    llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory=budget, hardware="cpu-desktop")
     assert _plan_json(capsys, *flags) == json.loads(llm.plan.to_json())
-    assert llm.request.host_baseline > 0  # both count the process's own memory against the 4 GiB
+    assert llm.request.host_baseline > 0  # both count the process's own memory against the budget
     flags += ["--set", "memory.baseline=0"]
-    llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory="4GiB", hardware="cpu-desktop", host_baseline=0)
+    llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory=budget, hardware="cpu-desktop", host_baseline=0)
     assert _plan_json(capsys, *flags) == json.loads(llm.plan.to_json())
 
 
