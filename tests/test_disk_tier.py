@@ -10,6 +10,7 @@ from conftest import make_hf_model, save_hf_model
 from gguf_support import K_TINY, write_gguf
 
 from offload import LLM, SamplingParams
+from offload.errors import PlanError
 from offload.planner import Placement
 from offload.weights.model_files import model_spec
 
@@ -93,3 +94,38 @@ def test_units_dropped_from_the_page_cache_read_the_same(tmp_path):
     dropped, llm = _run(path, "disk", page_cache=frozenset())
     assert dropped == in_ram and llm.model.disk.drop == set(llm.model.disk.sizes)
     assert llm.model.reader.max_in_use >= 1
+
+
+@pytest.mark.parametrize("qtype,quantization", [("Q4_1", "none"), ("Q4_1", "q8_0"), ("Q8_0", "none")])
+def test_a_planned_disk_tier_the_page_cache_keeps_loads_and_runs_in_place(tmp_path, monkeypatch, qtype,
+                                                                         quantization):
+    """The planner counts no read-ahead for disk units the page cache keeps and the CPU computes; the load maps
+    each of them in place, from a copy laid out for the kernels where the file's bytes are not (q/k rows
+    reordered, a format converted): such a plan had failed to load ("the plan sized the disk read-ahead at 0
+    bytes")."""
+    from offload.planner import request as planner_request
+
+    model = make_hf_model("llama", vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
+    path = write_gguf(model, tmp_path / f"small-{qtype}.gguf", qtype)
+    monkeypatch.setattr(planner_request, "page_cache_room_bytes", lambda cpu_bytes: 2**30)
+    kw = dict(quantization=quantization, backend="cpu", host_baseline=0, max_model_len=64, max_batch_size=2)
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    ram = LLM(str(path), **kw)
+    cpu = ram.plan.tier("cpu")
+    held = (cpu.kv_bytes + cpu.workspace_bytes + cpu.weights_bytes) / (1 - cpu.margin_bytes / cpu.budget_bytes)
+    for eighths in range(1, 8):  # the largest budget short of the weights by which a layer goes to disk
+        try:
+            llm = LLM(str(path), cpu_memory=int(held - eighths * cpu.weights_bytes / 8), disk_memory="1GiB", **kw)
+        except PlanError as e:  # the disk reads' own room does not fit yet
+            if "does not fit" not in str(e):
+                raise
+            continue
+        on_disk = {u.name for u in llm.plan.units if u.weight_tier == "disk"}
+        if any(n.startswith("layer.") for n in on_disk):
+            break
+    assert any(n.startswith("layer.") for n in on_disk)
+    assert all(u.page_cached for u in llm.plan.units if u.weight_tier == "disk" and u.kind != "embed")
+    assert llm.plan.read_buffer_bytes == 0 and llm.model.reader is None
+    assert llm.model._in_place == on_disk - {"embed"}
+    out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    assert out == [o.outputs[0].token_ids for o in ram.generate(PROMPTS, params)]

@@ -104,8 +104,9 @@ class DiskStore:
             return Path(self._spill_dir)
         return None if self._spill is None else self._spill.path
 
-    def store(self, unit: str, buffer: torch.Tensor) -> None:
-        """Write a host uint8 buffer as unit's spill file (a meta buffer, in a timed simulation, only its size)."""
+    def store(self, unit: str, buffer: torch.Tensor, layout=None) -> None:
+        """Write a host uint8 buffer as unit's spill file (a meta buffer, in a timed simulation, only its size); with
+        the buffer's layout, one extent per entry, so that the unit can be mapped in place (map_unit)."""
         if not buffer.is_meta:
             if self._spill_dir is None and self._spill is None:
                 self._spill = SpillFolder()  # removed on every exit path; a killed run's by the next
@@ -114,7 +115,9 @@ class DiskStore:
             path = folder / f"{unit}.bin"
             with open(path, "wb") as f:
                 f.write(buffer.numpy().tobytes())
-            self.extents[unit] = (Extent(str(path), 0, buffer.numel(), 0),)
+            entries = layout.entries if layout is not None else ()
+            self.extents[unit] = (tuple(Extent(str(path), e.offset, e.n_bytes, e.offset) for e in entries)
+                                  or (Extent(str(path), 0, buffer.numel(), 0),))
             self.spilled.append(unit)
         self.sizes[unit] = buffer.numel()
 
@@ -159,18 +162,10 @@ class DiskStore:
     def map_unit(self, unit: str, layout) -> object | None:
         """The unit's weights as views of its files mapped into memory (no copy: the page cache's pages are the
         weights), or None where its bytes are not laid out in the files as the kernels take them (rows reordered
-        after the read, a quantized plane or a stacked part in pieces) or it was spilled."""
-        if unit in self.spilled or unit not in self.extents:
+        after the read, a quantized plane or a stacked part in pieces)."""
+        pieces = mapped_pieces(self.extents.get(unit), layout)
+        if pieces is None:
             return None
-        extents = self.extents[unit]
-        pieces: dict[int, list[Extent]] = {}
-        for entry in layout.entries:
-            mine = [e for e in extents if entry.offset <= e.into < entry.offset + entry.n_bytes]
-            if any(e.rows is not None for e in mine):
-                return None
-            if len(mine) > 1 and (entry.part != "dense" or "/" in entry.field):
-                return None
-            pieces[entry.offset] = sorted(mine, key=lambda e: e.into)
 
         def view(entry):
             tensors = [self._mapped(e).view(entry.dtype) for e in pieces[entry.offset]]
@@ -207,6 +202,23 @@ class DiskStore:
             if os.preadv(fd, [memoryview(view[i])], e.offset + r * row_bytes) != row_bytes:
                 raise OSError(f"short read of {e.path} at row {r}; the file changed or is damaged: load the model again")
         return out
+
+
+def mapped_pieces(extents, layout) -> dict[int, list[Extent]] | None:
+    """Each layout entry's extents (by the entry's offset) where the files hold the entry's bytes as the kernels
+    take them, so that a mapping of the files is the unit's weights; None where some entry's are not (its rows
+    reordered after the read, a quantized plane or a stacked part in pieces, an extent over several entries)."""
+    if extents is None:
+        return None
+    pieces: dict[int, list[Extent]] = {}
+    for entry in layout.entries:
+        mine = [e for e in extents if entry.offset <= e.into < entry.offset + entry.n_bytes]
+        if not mine or any(e.rows is not None or e.into + e.n_bytes > entry.offset + entry.n_bytes for e in mine):
+            return None
+        if len(mine) > 1 and (entry.part != "dense" or "/" in entry.field):
+            return None
+        pieces[entry.offset] = sorted(mine, key=lambda e: e.into)
+    return pieces
 
 
 def _close_fds(fds: dict) -> None:

@@ -33,7 +33,7 @@ from offload.planner.placement import Placement
 from offload.planner.types import PHASES
 from offload.profile.timeline import Span, Timeline
 from offload.runtime.backends.base import Backend, Work
-from offload.runtime.disk import DiskStore, ReadAhead
+from offload.runtime.disk import DiskStore, ReadAhead, mapped_pieces
 from offload.runtime.host_memory import keep_heap_small
 from offload.runtime.staging import StagingRing
 from offload.runtime.threads import ThreadGovernor
@@ -137,13 +137,22 @@ class PlacedModel:
                 self._fuse_host_layer(unit.name)
         else:  # read from the file that holds the unit's bytes as the layout has them, else from a spill copy
             extents = source.extents(unit, layout) if hasattr(source, "extents") else None
+            if extents is not None and self._computed_in_place(unit.name) and mapped_pieces(extents, layout) is None:
+                extents = None  # the plan computes it from mapped pages (no read-ahead): a copy laid out to be mapped
             if extents is not None:
                 self.disk.add(unit.name, extents, layout.n_bytes)
             else:
                 host = torch.empty(layout.n_bytes, dtype=torch.uint8, device=self.backend.meta_or("cpu"))
                 write_into(layout, weights, host)
-                self.disk.store(unit.name, host)
+                self.disk.store(unit.name, host, layout)
             self.backend.track("disk", layout.n_bytes)
+
+    def _computed_in_place(self, name: str) -> bool:
+        """A disk unit the page cache keeps and only the CPU computes (an embedding aside: it reads rows): the
+        planner counts no read-ahead for it, so its weights are views of its file's mapped pages."""
+        p = self.placement[name]
+        return (self.placement.page_cache_keeps(name) and p.prefill == p.decode == "cpu" and self.backend.computes
+                and self._kind_index[name][0] != "embed")
 
     def _map_kept_units(self) -> set[str]:
         """Disk units the page cache keeps and the CPU computes: their weights are views of their files' mapped
