@@ -155,7 +155,8 @@ def test_a_plan_for_another_model_is_refused_by_the_executor(tiny_dir):
     import torch
 
     spec = load_spec(tiny_dir)
-    small = Placement.uniform(spec, "disk", "cpu", read_buffer_bytes=1024)
+    # units the page cache does not keep are read ahead into the plan's arena, here too small for them
+    small = Placement.uniform(spec, "disk", "cpu", read_buffer_bytes=1024, page_cache=frozenset())
     source = CheckpointSource(Checkpoint(tiny_dir), spec, torch.float32, "q8_0")
     with pytest.raises(PlanError, match="plan again"):
         PlacedModel(spec, source, small, CPUBackend())

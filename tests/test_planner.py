@@ -172,3 +172,18 @@ def test_disk_units_the_page_cache_keeps_are_computed_in_place():
             assert p.read_buffer_bytes == 0 and p.tier("cpu").pinned_bytes == 0 and p.decode.disk_s < 1e-3
         else:
             assert p.read_buffer_bytes > 0 and p.decode.disk_s > 0
+
+
+def test_spilling_counts_no_read_ahead_for_the_units_the_page_cache_keeps():
+    """Units go to disk only until the budget holds: where the page cache keeps them, no read-ahead arena is
+    counted for them while the planner spills, so a budget short of the weights by about one layer spills about
+    one layer (with the arena counted, every layer had gone, or the plan had not fit)."""
+    spec = spec_from_config({**TINY, "hidden_size": 1024, "intermediate_size": 2816, "num_hidden_layers": 6})
+    layer = next(u for u in spec.units() if u.kind == "layer").nbytes("bf16", "bf16")
+    hw = tiny_hw(vram_bytes=0)
+    full = plan(spec, hw, Budget(0, 10**10, margin_frac=0), WORKLOAD).tier("cpu").total_bytes
+    budget = Budget(0, full - layer // 2, disk_bytes=10**9, margin_frac=0, page_cache_bytes=10**12)
+    p = plan(spec, hw, budget, WORKLOAD)
+    on_disk = [u.name for u in p.units if u.weight_tier == "disk"]
+    assert p.tier("cpu").total_bytes <= budget.cpu_bytes and p.read_buffer_bytes == 0
+    assert sum(n.startswith("layer.") for n in on_disk) <= 1 and len(on_disk) <= 2, on_disk

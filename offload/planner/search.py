@@ -237,14 +237,27 @@ class Search:
         """Host memory besides weights: the hidden-state hand-over (with a GPU), the disk read-ahead arena and the
         page cache the disk reads hold while they are dropped behind them (the piece being read and what the OS
         reads ahead of it: READ_PAGE_CACHE_BYTES, or a unit where that is less)."""
-        skip = self._in_place(cand) if weight is None else frozenset()
+        skip = self._in_place(cand, None if weight is None else self._kept(weight))
         read = [self.buf[i] for i in self._disk_reads(weight or cand.weight, skip)]
         in_flight = min(max(read, default=0), READ_PAGE_CACHE_BYTES)
         return (self.hop_buffers if cand.use_gpu else 0) + read_ahead_bytes(read, self.depth) + in_flight
 
-    def _in_place(self, cand: _Candidate) -> frozenset[int]:
-        """Disk units the page cache keeps and only the CPU computes: the executor maps them, reads none ahead."""
-        return frozenset(i for i in cand.cached if all(cand.compute[p][i] == "cpu" for p in PHASES))
+    def _in_place(self, cand: _Candidate, cached: frozenset[int] | None = None) -> frozenset[int]:
+        """Disk units the page cache keeps (cand's, or those given) and only the CPU computes: the executor maps
+        them, reads none ahead."""
+        return frozenset(i for i in (cand.cached if cached is None else cached)
+                         if all(cand.compute[p][i] == "cpu" for p in PHASES))
+
+    def _kept(self, weight: list[str]) -> frozenset[int]:
+        """The disk units the page cache has room for beside the budget, in order; the others are dropped from it
+        once read."""
+        room, kept = self.budget.page_cache_bytes, []
+        for i in self._disk_reads(weight):
+            if self.buf[i] > room:
+                break
+            room -= self.buf[i]
+            kept.append(i)
+        return frozenset(kept)
 
     def _disk_reads(self, weight: list[str], skip: frozenset[int] = frozenset()) -> list[int]:
         """Disk units read whole at every step, in order (an embedding on disk reads only the rows looked up)."""
@@ -280,13 +293,7 @@ class Search:
         fits = [t for t in tried if t[1] <= self.budget.cpu_bytes]
         cand.weight, used = (min(fits, key=lambda t: sum(self.w[i] for i in self._disk_reads(t[0]))) if fits
                              else min(tried, key=lambda t: t[1]))
-        room, kept = self.budget.page_cache_bytes, []
-        for i in self._disk_reads(cand.weight):
-            if self.buf[i] > room:
-                break
-            room -= self.buf[i]
-            kept.append(i)
-        cand.cached = frozenset(kept)
+        cand.cached = self._kept(cand.weight)
         on_disk = sum(self.w[i] for i in range(self.n) if cand.weight[i] == "disk")
         if used > self.budget.cpu_bytes:
             cand.short = ("cpu", used, self.budget.cpu_bytes)
