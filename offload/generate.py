@@ -192,8 +192,9 @@ class Generator:
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
         """Logits of hidden[rows], at most logits_rows at a time (the plan budgets that many)."""
         out = []
-        for i in range(0, len(rows), self.logits_rows):
-            out += list(self.model.logits(hidden[rows[i: i + self.logits_rows]]))
+        for i in range(0, len(rows), self.logits_rows):  # the lm_head read once for all of them
+            more = i + self.logits_rows < len(rows)
+            out += list(self.model.logits(hidden[rows[i: i + self.logits_rows]], more=more))
         return out
 
     def _count(self, phase: str, start_s: float, n_tokens: int, shape: StepShape) -> None:

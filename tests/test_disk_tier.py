@@ -129,3 +129,42 @@ def test_a_planned_disk_tier_the_page_cache_keeps_loads_and_runs_in_place(tmp_pa
     assert llm.model._in_place == on_disk - {"embed"}
     out = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
     assert out == [o.outputs[0].token_ids for o in ram.generate(PROMPTS, params)]
+
+
+@pytest.mark.parametrize("compute", ["cpu", "stream"])
+def test_logits_in_pieces_read_the_lm_head_once_per_step(tmp_path, compute):
+    """A step samples more sequences than the logits rows computed at once (the plan budgets that many): the
+    lm_head, read from disk and dropped from the page cache (computed on the CPU, or copied to a simulated device
+    from there), is read once for all the pieces; the second piece had waited forever for a read that no one had
+    scheduled."""
+    import threading
+
+    from conftest import gpu_profile
+    from offload.generate import Generator, Sequence
+    from offload.runtime.backends.cpu import CPUBackend
+    from offload.runtime.backends.sim import SimBackend
+    from offload.runtime.executor import PlacedModel
+    from offload.weights.loader import Checkpoint
+    from offload.weights.sources import CheckpointSource
+
+    path = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
+    spec = model_spec(path)
+    prompts = [[1 + i, 2, 3 + i] for i in range(6)]
+    outs, reads, steps = {}, [], []
+    for where in ("cpu", "disk"):
+        placement = Placement.uniform(spec, where, compute if where == "disk" else "cpu", page_cache=frozenset())
+        backend = SimBackend(gpu_profile()) if compute == "stream" and where == "disk" else CPUBackend()
+        model = PlacedModel(spec, CheckpointSource(Checkpoint(path), spec, torch.float32, "none"), placement, backend)
+        seqs = [Sequence(i, p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        run = threading.Thread(target=Generator(model, max_batch_size=6, max_model_len=64, logits_rows=2).run,
+                               args=(seqs,), daemon=True)
+        run.start()
+        run.join(timeout=120)
+        assert not run.is_alive(), f"generation with the weights on {where} did not finish"
+        model.flush()
+        outs[where] = [s.output_ids for s in seqs]
+        reads = [s for s in model.timeline.spans if s.kind == "disk_read" and s.unit == "lm_head"]
+        steps = model.timeline.steps
+    assert outs["disk"] == outs["cpu"]
+    assert len(reads) == len(steps) > 0

@@ -42,6 +42,7 @@ class Model:
                 x = unit_forward(self.spec, "experts", self.experts[i], x, step, None, self.dtype, i)
         return unit_forward(self.spec, "norm", self.norm, x, step, None, self.dtype)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [..., V] in fp32 from final hidden states [..., D]."""
+    def logits(self, hidden: torch.Tensor, more: bool = False) -> torch.Tensor:
+        """Logits [..., V] in fp32 from final hidden states [..., D] (more: other rows of the step follow, as
+        PlacedModel.logits takes it; nothing to keep here)."""
         return unit_forward(self.spec, "lm_head", self.lm_head, hidden, None, None, self.dtype).float()

@@ -91,6 +91,7 @@ class PlacedModel:
         self._ahead: list[str] = []  # units copied ahead for the next step
         self.threads = ThreadGovernor(torch.get_num_threads(), enabled=None if backend.computes else False)
         self._step_began = 0.0
+        self._held = None  # the lm_head's weights kept for more rows of the step (logits(more=True))
         self.backend.order_after_allocations()
         self._closer = weakref.finalize(self, backend.close)  # pinned registrations end before buffers are freed
 
@@ -278,11 +279,14 @@ class PlacedModel:
                     x = self._run(unit, x, step.phase, step, cache, steps)
             return self.backend.to_host(x)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [..., V] on the host; ends the step begun by forward()."""
+    def logits(self, hidden: torch.Tensor, more: bool = False) -> torch.Tensor:
+        """fp32 logits [..., V] on the host; ends the step begun by forward(), unless more rows of the step
+        follow (more=True: the lm_head, read or copied once per step, is kept for them)."""
         with self.backend.compute_context():
-            out = self.backend.to_host(self._run("lm_head", hidden, self._phase, None, None, {})).float()
-        self.threads.observe(self._phase, time.perf_counter() - self._step_began, hidden.numel() // hidden.shape[-1])
+            out = self.backend.to_host(self._run("lm_head", hidden, self._phase, None, None, {}, keep=more)).float()
+        if not more:
+            self.threads.observe(self._phase, time.perf_counter() - self._step_began,
+                                 hidden.numel() // hidden.shape[-1])
         return out
 
     # the schedule -------------------------------------------------------------------------------------
@@ -359,19 +363,24 @@ class PlacedModel:
         elif mode == "cpu" and p.weights == "disk" and name not in self._in_place:
             self.reader.release(name)
 
-    def _run(self, name: str, x, phase: str, step: Step | None, cache, steps: dict):
-        """Acquire, compute and release one unit; step and cache are None for the lm_head."""
+    def _run(self, name: str, x, phase: str, step: Step | None, cache, steps: dict, keep: bool = False):
+        """Acquire, compute and release one unit; step and cache are None for the lm_head. keep: hold the unit
+        for another call of this step (the lm_head over more rows), released by the last one."""
         work = self._work(name, phase, step, x)
         if name in self._embed_rows:
             rows, ids = self._embedding_rows(name, x, phase)
             return self._on_cpu([work], self._compute_cpu, ids, name, rows, step, cache, steps)
-        weights, on_device = self._acquire(name, phase)
+        held, self._held = self._held, None
+        weights, on_device = held if held is not None else self._acquire(name, phase)
         if on_device:
             y = self.backend.launch(work, self._compute, self.backend.to_device(x), name, weights, step, cache,
                                     steps, True)
         else:
             y = self._on_cpu([work], self._compute_cpu, self.backend.to_host(x), name, weights, step, cache, steps)
-        self._release(name, phase)
+        if keep:
+            self._held = (weights, on_device)
+        else:
+            self._release(name, phase)
         return y
 
     def _embedding_rows(self, name: str, tokens: torch.Tensor, phase: str) -> tuple[torch.Tensor, torch.Tensor]:
