@@ -14,6 +14,9 @@ identical (where one parts, the token it parts at and the two top logits' gap th
 another order at another token count, ~5e-7 apart, which a near-tie can turn). Medians of --repeats runs, the two schedules alternating.
 
 Usage: python scripts/bench_batch.py [--model default] [--quantization q8_0] [--n-prompts 64] [--batch 16]
+                                     [--weights-on-disk]
+--weights-on-disk runs both with every unit's weights on disk, read ahead at each pass and dropped from the page
+cache after (as for a model bigger than RAM), where the passes over the weights the mixed steps save count most.
 
 Two more measurements, each instead of the above:
 - --scaling: decode tokens/s with 32 sequences in flight against 1 (same prompts of 16 tokens, 64 new tokens
@@ -210,6 +213,8 @@ def main() -> None:
     parser.add_argument("--n-prompts", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16, help="KV slots of the longest request (both schedules)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--weights-on-disk", action="store_true",
+                        help="every unit's weights read from disk at each pass, dropped from the page cache after")
     parser.add_argument("--scaling", action="store_true", help="decode tok/s at 32 sequences over 1 (see above)")
     parser.add_argument("--against-transformers", action="store_true",
                         help="the same job through transformers generate and offload (see above)")
@@ -221,7 +226,15 @@ def main() -> None:
 
     from offload import LLM
 
-    llm = LLM(args.model, quantization=args.quantization, max_batch_size=args.batch)
+    placement = None
+    if args.weights_on_disk:  # a model bigger than RAM: every pass over the weights reads them from disk
+        from offload.planner.placement import Placement
+        from offload.weights.default_model import resolve_model
+        from offload.weights.model_files import model_spec
+
+        placement = Placement.uniform(model_spec(resolve_model(args.model)), "disk", "cpu", page_cache=frozenset())
+    llm = LLM(args.model, quantization=args.quantization, max_batch_size=args.batch, placement=placement,
+              backend="cpu" if placement else "auto")
     prompts, max_tokens = prompt_ids(llm.tokenizer, args.n_prompts)
     threads = torch.get_num_threads()  # each run starts on these (offload's governor may lower its own count)
     run(llm, prompts[:2], [4, 4], 2, True)  # warm-up
@@ -232,7 +245,8 @@ def main() -> None:
     lengths = sorted(len(p) for p in prompts)
     print(f"model: {llm.path.name}, {args.quantization}; {args.n_prompts} prompts of {lengths[0]}-{lengths[-1]} "
           f"tokens (median {lengths[len(lengths) // 2]}), 8-64 new tokens each; KV cache for {args.batch} of the "
-          f"longest; {threads} threads; median of {args.repeats}")
+          f"longest; {threads} threads; median of {args.repeats}"
+          + ("; weights read from disk at every pass (not kept by the page cache)" if placement else ""))
     rates = {}
     for name, runs in results.items():
         s = statistics.median(r["seconds"] for r in runs)
