@@ -157,6 +157,8 @@ def test_logits_in_pieces_read_the_lm_head_once_per_step(tmp_path, compute):
         model = PlacedModel(spec, CheckpointSource(Checkpoint(path), spec, torch.float32, "none"), placement, backend)
         seqs = [Sequence(i, p, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
                 for i, p in enumerate(prompts)]
+        observed = []  # the thread governor hears of each step once, with all the rows it sampled
+        model.threads.observe = lambda phase, seconds, n_tokens: observed.append(n_tokens)
         run = threading.Thread(target=Generator(model, max_batch_size=6, max_model_len=64, logits_rows=2).run,
                                args=(seqs,), daemon=True)
         run.start()
@@ -166,5 +168,6 @@ def test_logits_in_pieces_read_the_lm_head_once_per_step(tmp_path, compute):
         outs[where] = [s.output_ids for s in seqs]
         reads = [s for s in model.timeline.spans if s.kind == "disk_read" and s.unit == "lm_head"]
         steps = model.timeline.steps
+        assert observed == [len(prompts)] * len(steps)
     assert outs["disk"] == outs["cpu"]
     assert len(reads) == len(steps) > 0

@@ -92,6 +92,7 @@ class PlacedModel:
         self.threads = ThreadGovernor(torch.get_num_threads(), enabled=None if backend.computes else False)
         self._step_began = 0.0
         self._held = None  # the lm_head's weights kept for more rows of the step (logits(more=True))
+        self._logit_rows = 0  # rows of the step's logits so far
         self.backend.order_after_allocations()
         self._closer = weakref.finalize(self, backend.close)  # pinned registrations end before buffers are freed
 
@@ -284,9 +285,10 @@ class PlacedModel:
         follow (more=True: the lm_head, read or copied once per step, is kept for them)."""
         with self.backend.compute_context():
             out = self.backend.to_host(self._run("lm_head", hidden, self._phase, None, None, {}, keep=more)).float()
-        if not more:
-            self.threads.observe(self._phase, time.perf_counter() - self._step_began,
-                                 hidden.numel() // hidden.shape[-1])
+        self._logit_rows += hidden.numel() // hidden.shape[-1]
+        if not more:  # the step's time over all the rows it sampled
+            self.threads.observe(self._phase, time.perf_counter() - self._step_began, self._logit_rows)
+            self._logit_rows = 0
         return out
 
     # the schedule -------------------------------------------------------------------------------------
