@@ -163,11 +163,25 @@ def test_only_a_plan_with_cpu_layers_and_a_reference_probe_is_probed():
     assert probe_format(spec, gpu_plan, gpu) is None
 
 
+def _tiny_job(tmp_path):
+    """An LLM of a tiny q8_0 model on the calibrated profile, and a job of three completions for it."""
+    from conftest import make_hf_model, save_hf_model
+    from offload import LLM
+
+    folder = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
+    llm = LLM(str(folder), quantization="q8_0", hardware=CALIBRATED, max_batch_size=2, host_baseline=0)
+    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+              "body": {"prompt": list(range(1, 4 + 3 * i)), "max_tokens": 4 + i}} for i in range(3)]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    config = {"model": {"path": str(folder), "quantization": "q8_0"}, "input": {"path": str(tmp_path / "in.jsonl")},
+              "output": {"path": str(tmp_path / "out.jsonl")}, "sampling": {"temperature": 0, "ignore_eos": True},
+              "report": {"print": False, "progress": False}}
+    return llm, config
+
+
 def test_a_job_at_half_the_calibrated_speed_is_predicted_twice_as_long(tmp_path, monkeypatch):
     """A CPU-only job whose probes find half the reference rates: the report says so, and every phase's
     prediction is the plan re-costed on the calibrated profile, doubled."""
-    from conftest import make_hf_model, save_hf_model
-    from offload import LLM
     from offload.jobs.run import run_batch
     from offload.jobs.worker import job_predicted_s
 
@@ -178,14 +192,7 @@ def test_a_job_at_half_the_calibrated_speed_is_predicted_twice_as_long(tmp_path,
         return SpeedProbe(fmt, 30e9, 90e9)
 
     monkeypatch.setattr(speedprobe, "probe", half_speed)
-    folder = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
-    llm = LLM(str(folder), quantization="q8_0", hardware=CALIBRATED, max_batch_size=2, host_baseline=0)
-    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": list(range(1, 4 + 3 * i)), "max_tokens": 4 + i}} for i in range(3)]
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    config = {"model": {"path": str(folder), "quantization": "q8_0"}, "input": {"path": str(tmp_path / "in.jsonl")},
-              "output": {"path": str(tmp_path / "out.jsonl")}, "sampling": {"temperature": 0, "ignore_eos": True},
-              "report": {"print": False, "progress": False}}
+    llm, config = _tiny_job(tmp_path)
     report = run_batch(config, llm=llm)
     speed = report["machine_speed"]
     assert {k: speed[k] for k in ("format", "memory", "compute", "probes")} == {
@@ -217,8 +224,6 @@ def test_each_step_is_priced_at_the_speed_probed_around_it(tmp_path, monkeypatch
     """Probes between every step (the interval set to 0): the first two find half the reference rates, the rest
     the reference; each step is priced on the profile moved to the speed of the probes around its middle, so the
     phases come out between the job priced all at half speed and all at full speed."""
-    from conftest import make_hf_model, save_hf_model
-    from offload import LLM
     from offload.jobs.run import run_batch
     from offload.planner.recost import recost_steps
 
@@ -231,14 +236,7 @@ def test_each_step_is_priced_at_the_speed_probed_around_it(tmp_path, monkeypatch
 
     monkeypatch.setattr(speedprobe, "probe", slowing_then_full)
     monkeypatch.setattr(speedprobe, "MIN_PROBE_INTERVAL_S", 0.0)
-    folder = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
-    llm = LLM(str(folder), quantization="q8_0", hardware=CALIBRATED, max_batch_size=2, host_baseline=0)
-    lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
-              "body": {"prompt": list(range(1, 4 + 3 * i)), "max_tokens": 4 + i}} for i in range(3)]
-    (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    config = {"model": {"path": str(folder), "quantization": "q8_0"}, "input": {"path": str(tmp_path / "in.jsonl")},
-              "output": {"path": str(tmp_path / "out.jsonl")}, "sampling": {"temperature": 0, "ignore_eos": True},
-              "report": {"print": False, "progress": False}}
+    llm, config = _tiny_job(tmp_path)
     report = run_batch(config, llm=llm)
     steps = llm.timeline.steps
     assert len(probed) == len(steps) + 2  # as the job starts, after each step, as it ends
