@@ -104,9 +104,9 @@ class DiskStore:
             return Path(self._spill_dir)
         return None if self._spill is None else self._spill.path
 
-    def store(self, unit: str, buffer: torch.Tensor, layout=None) -> None:
-        """Write a host uint8 buffer as unit's spill file (a meta buffer, in a timed simulation, only its size); with
-        the buffer's layout, one extent per entry, so that the unit can be mapped in place (map_unit)."""
+    def store(self, unit: str, buffer: torch.Tensor, layout) -> None:
+        """Write a host uint8 buffer of this layout as unit's spill file, one extent per entry, so that the unit can
+        be mapped in place (map_unit); a meta buffer, in a timed simulation, only its size."""
         if not buffer.is_meta:
             if self._spill_dir is None and self._spill is None:
                 self._spill = SpillFolder()  # removed on every exit path; a killed run's by the next
@@ -115,9 +115,7 @@ class DiskStore:
             path = folder / f"{unit}.bin"
             with open(path, "wb") as f:
                 f.write(buffer.numpy().tobytes())
-            entries = layout.entries if layout is not None else ()
-            self.extents[unit] = (tuple(Extent(str(path), e.offset, e.n_bytes, e.offset) for e in entries)
-                                  or (Extent(str(path), 0, buffer.numel(), 0),))
+            self.extents[unit] = tuple(Extent(str(path), e.offset, e.n_bytes, e.offset) for e in layout.entries)
             self.spilled.append(unit)
         self.sizes[unit] = buffer.numel()
 

@@ -139,7 +139,8 @@ class PlacedModel:
                 self._fuse_host_layer(unit.name)
         else:  # read from the file that holds the unit's bytes as the layout has them, else from a spill copy
             extents = source.extents(unit, layout) if hasattr(source, "extents") else None
-            if extents is not None and self._computed_in_place(unit.name) and mapped_pieces(extents, layout) is None:
+            in_place = self._kept_for_cpu(unit.name) and unit.kind != "embed"  # an embedding reads rows
+            if extents is not None and in_place and mapped_pieces(extents, layout) is None:
                 extents = None  # the plan computes it from mapped pages (no read-ahead): a copy laid out to be mapped
             if extents is not None:
                 self.disk.add(unit.name, extents, layout.n_bytes)
@@ -149,21 +150,18 @@ class PlacedModel:
                 self.disk.store(unit.name, host, layout)
             self.backend.track("disk", layout.n_bytes)
 
-    def _computed_in_place(self, name: str) -> bool:
-        """A disk unit the page cache keeps and only the CPU computes (an embedding aside: it reads rows): the
-        planner counts no read-ahead for it, so its weights are views of its file's mapped pages."""
+    def _kept_for_cpu(self, name: str) -> bool:
+        """A disk unit the page cache keeps and only the CPU computes: the planner counts no read-ahead for it, so
+        its weights are views of its file's mapped pages."""
         p = self.placement[name]
-        return (self.placement.page_cache_keeps(name) and p.prefill == p.decode == "cpu" and self.backend.computes
-                and self._kind_index[name][0] != "embed")
+        return self.placement.page_cache_keeps(name) and p.prefill == p.decode == "cpu" and self.backend.computes
 
     def _map_kept_units(self) -> set[str]:
         """Disk units the page cache keeps and the CPU computes: their weights are views of their files' mapped
         pages, made once, so a step reads them where the page cache holds them, with no copy and no read-ahead."""
         mapped = set()
         for name in self.disk.extents:
-            p = self.placement[name]
-            if (name in self.disk.drop or name in self._embed_rows or p.prefill != "cpu" or p.decode != "cpu"
-                    or not self.backend.computes):
+            if name in self._embed_rows or not self._kept_for_cpu(name):
                 continue
             weights = self.disk.map_unit(name, self.layouts[name])
             if weights is None:
