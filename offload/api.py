@@ -71,7 +71,7 @@ class LLM:
     def __init__(self, model: str | Path = "default", quantization: str = "none", dtype: str = "auto",
                  max_batch_size: int | None = None, *, placement: Placement | None = None, gpu_memory=None,
                  cpu_memory=None, disk_memory=None, hardware=None, backend: str = "auto",
-                 max_model_len: int | None = None, max_tokens: int | None = None, prefetch_depth: int = 2,
+                 max_model_len: int | None = None, max_tokens: int | None = None, prefetch_depth: int | None = None,
                  prefill_chunk_tokens: int = 512, disk_dir: str | None = None,
                  host_baseline: int | str | None = "auto"):
         """host_baseline: RAM this process holds besides the model (Python, torch, the tokenizer), counted against

@@ -111,6 +111,9 @@ class HardwareProfile:
     # scales the CPU figures by the ratio (at_speed)
     cpu_probe: dict[str, tuple[float, float, float]] = field(default_factory=dict, hash=False)
     page_cache_bps: float = 0.0  # a read served by the OS page cache (0: not measured)
+    # DRAM read by the CPU kernels and by a pinned host-to-device copy together (0: not stated: the CPU's own
+    # cpu_mem_bps); above cpu_mem_bps where the DMA engine adds bandwidth the cores alone do not reach
+    host_read_bps: float = 0.0
     source: str = field(default="", compare=False)
 
     @property
@@ -118,6 +121,11 @@ class HardwareProfile:
         """Bytes/s of a read the page cache serves: measured, else a quarter of the memory bandwidth (one copy
         by one thread)."""
         return self.page_cache_bps or self.cpu_mem_bps / 4
+
+    @property
+    def host_read_rate(self) -> float:
+        """Bytes/s host RAM serves to the CPU kernels and the copies to the GPU together."""
+        return max(self.host_read_bps, self.cpu_mem_bps)
 
     @property
     def has_gpu(self) -> bool:
@@ -189,7 +197,7 @@ class HardwareProfile:
             return {fmt: scale_curve(curve, memory, compute) for fmt, curve in table.items()}
 
         attention = compute if attention is None else attention
-        return replace(self, cpu_mem_bps=self.cpu_mem_bps * memory,
+        return replace(self, cpu_mem_bps=self.cpu_mem_bps * memory, host_read_bps=self.host_read_bps * memory,
                        cpu_flops={fmt: rate * compute for fmt, rate in self.cpu_flops.items()},
                        cpu_flops_by_rows=curves(self.cpu_flops_by_rows),
                        cpu_flops_one_thread=curves(self.cpu_flops_one_thread),
@@ -251,6 +259,7 @@ _YAML_KEYS = {
     ("cpu", "cores"): ("n_cores", int),
     ("cpu", "memory"): ("ram_bytes", parse_size),
     ("cpu", "memory_bandwidth"): ("cpu_mem_bps", parse_rate),
+    ("cpu", "combined_read_bandwidth"): ("host_read_bps", parse_rate),
     ("cpu", "flops"): ("cpu_flops", None),
     ("cpu", "flops_by_rows"): ("cpu_flops_by_rows", "curve"),
     ("cpu", "flops_by_rows_one_thread"): ("cpu_flops_one_thread", "curve"),
@@ -266,7 +275,7 @@ _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, 
              "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0,
              "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_k_factor": {}, "cpu_n_factor": {},
              "cpu_attention": {},
-             "overhead_s": {}, "page_cache_bps": 0.0, "cpu_probe": {}}
+             "overhead_s": {}, "page_cache_bps": 0.0, "cpu_probe": {}, "host_read_bps": 0.0}
 PROBE_KEYS = ("memory", "compute", "attention")  # cpu.probe's rates per format, in that order in cpu_probe
 
 
@@ -393,7 +402,7 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
         if name == "cpu_probe":
             value = {fmt: {k: r for k, r in zip(PROBE_KEYS, rates) if r or k != "attention"}
                      for fmt, rates in value.items()}
-        if (isinstance(value, dict) and not value and name != "cpu_flops") or (name == "page_cache_bps" and not value):
+        if (isinstance(value, dict) and not value and name != "cpu_flops") or (name in ("page_cache_bps", "host_read_bps") and not value):
             continue  # not calibrated
         out.setdefault(section, {})[key] = dict(value) if isinstance(value, dict) else value
     if profile.overhead_s:

@@ -20,7 +20,7 @@ from offload.planner.request import PlanRequest
 from offload.runtime.host_memory import process_baseline_bytes
 from offload.profile.report import PLOT_EXTRA_HINT, plotting_available
 from offload.sampling import SEED_MAX, SEED_MIN
-from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS
+from offload.planner.types import DEFAULT_PREFILL_CHUNK_TOKENS
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import has_model
 
@@ -100,7 +100,7 @@ class ScheduleConfig(_Section):
     """How many sequences run together; None lets the planner (or the runtime default) choose."""
 
     batch_size: int | None = Field(None, ge=1)
-    prefetch_depth: int = Field(DEFAULT_PREFETCH_DEPTH, ge=1)
+    prefetch_depth: int | None = Field(None, ge=1)  # None: the planner searches it
     prefill_chunk_tokens: int = Field(DEFAULT_PREFILL_CHUNK_TOKENS, ge=1)  # padded tokens per prefill pass
 
 

@@ -102,7 +102,7 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         row_bytes = phase.n_tokens * w_bytes // spec.vocab_size
         disk_s = row_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf
         return UnitCost(_roofline(0, row_bytes, 1, hw.gpu_mem_bps), _roofline(0, row_bytes, 1, hw.cpu_mem_bps),
-                        math.inf, disk_s, row_bytes / hw.cpu_mem_bps, 0.0, row_bytes / hw.cpu_mem_bps)
+                        math.inf, disk_s, row_bytes / hw.host_read_rate, 0.0, row_bytes / hw.host_read_rate)
     # the lm_head runs on each sequence's last position only (prefill samples one token per sequence)
     rows = phase.logit_rows if unit.kind == "lm_head" else phase.n_tokens
     flops = unit.matmul_flops(rows)
@@ -124,9 +124,9 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         cpu_s=cpu_s,
         pcie_s=passes * w_bytes / link if link else math.inf,
         disk_s=passes * w_bytes / hw.disk_read_bps if hw.disk_read_bps else math.inf,
-        host_mem_s=passes * w_bytes / hw.cpu_mem_bps,
+        host_mem_s=passes * w_bytes / hw.host_read_rate,
         kv_move_s=kv_move_bytes / link if link else 0.0,
-        host_cpu_s=passes * read_bytes / hw.cpu_mem_bps,
+        host_cpu_s=passes * read_bytes / hw.host_read_rate,
     )
 
 

@@ -10,7 +10,7 @@ from offload.formats import AS_STORED, QUANTIZATIONS, compute_format, weight_for
 from offload.hardware import (HardwareProfile, default_hardware, format_bytes, load_hardware, page_cache_room_bytes,
                               parse_size)
 from offload.planner.search import plan, plan_best_batch
-from offload.planner.types import DEFAULT_PREFETCH_DEPTH, DEFAULT_PREFILL_CHUNK_TOKENS, Budget, Plan, Workload
+from offload.planner.types import DEFAULT_PREFILL_CHUNK_TOKENS, Budget, Plan, Workload
 from offload.spec import ModelSpec
 
 DEFAULT_MAX_MODEL_LEN = 2048  # context the KV cache is budgeted for unless max_model_len says otherwise
@@ -32,7 +32,7 @@ class PlanRequest:
     batch_size: int | None = None  # None: the batch with the best predicted throughput
     max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, at most the model's context
     max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, at most a quarter of max_model_len
-    prefetch_depth: int = DEFAULT_PREFETCH_DEPTH
+    prefetch_depth: int | None = None  # staging slots; None: searched with the placement
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
     backend: str = "auto"  # auto | cpu | cuda: with cpu, dtype 'auto' computes in fp32 even where a GPU is planned
     host_baseline: int | None = None  # RAM the process holds besides the plan (Python, torch, tokenizer),
