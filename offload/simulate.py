@@ -59,6 +59,7 @@ class Simulation:
     phases: dict[str, PhaseResult]
     peak_bytes: dict[str, int]
     timeline: Timeline = field(repr=False)
+    log: list = field(default_factory=list, repr=False)  # the staging ring's (event, unit, slot) in issue order
 
     def to_dict(self) -> dict:
         return {"plan": self.plan.to_dict(), "peak_bytes": self.peak_bytes,
@@ -113,7 +114,7 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     if trace is not None:
         write_trace(timeline, Path(trace))
     phases = {p: _phase(timeline, p, plan) for p in PHASES}
-    return Simulation(plan, phases, {t: backend.memory.peak_bytes[t] for t in TIERS}, timeline)
+    return Simulation(plan, phases, {t: backend.memory.peak_bytes[t] for t in TIERS}, timeline, backend.log)
 
 
 def _phase(timeline: Timeline, phase: str, plan: Plan) -> PhaseResult:

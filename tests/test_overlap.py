@@ -51,6 +51,20 @@ def test_batch_32_streams_between_cpu_layers_and_keeps_both_busy():
     assert busy["cpu"] >= 0.3 and busy["pcie"] >= 0.3, busy
     assert 1 <= 1 / max(busy["cpu"], busy["pcie"]) <= 1.1
     assert abs(decode.predicted_over_simulated - 1) <= 0.10
+    # the executor issued the plan's schedule: its copies and releases, in order, step after step
+    schedule = sim.plan.schedule("decode")
+    planned = [(a.op, a.unit) for a in schedule.actions if a.op in ("copy", "release") and a.issued != "ahead"]
+    issued = [(event, unit) for event, unit, _ in sim.log if event in ("copy", "release")]
+    assert len(planned) > 2 * n_streamed - 1 and _contains(issued, planned + planned[:6])
+    slots = {}
+    for event, unit, slot in sim.log[-len(planned):]:  # a slot is reused in turn, depth streamed units apart
+        slots.setdefault(unit, slot)
+    streamed = [a.unit for a in schedule.runs if sim.plan.unit(a.unit).decode == "stream"]
+    assert all(slots[a] == slots[b] for a, b in zip(streamed, streamed[schedule.depth:]) if a in slots and b in slots)
+
+
+def _contains(seq: list, part: list) -> bool:
+    return any(seq[i:i + len(part)] == part for i in range(len(seq) - len(part) + 1))
 
 
 def test_spread_places_each_groups_share_evenly():

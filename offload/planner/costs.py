@@ -194,6 +194,8 @@ class PhaseCost:
     step_s: float
     bound: str  # which resource sets step_s: compute, pcie, disk or host_memory
     overhead_s: float = 0.0  # calibrated per-step, per-layer and per-sequence time, included in step_s
+    copy_under_compute_s: float = 0.0  # of the step's weight copies (pcie_s), the seconds a block computes beside
+    copy_under_cpu_s: float = 0.0  # ... and of those, the seconds a CPU block computes beside
 
     @property
     def tokens_per_s(self) -> float:
@@ -222,14 +224,15 @@ class PhaseCost:
 
 
 def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s: float, disk_s: float,
-            hops_s: float, host_mem_s: float, pipeline_s: float = 0.0, overhead: float = 0.0) -> PhaseCost:
+            hops_s: float, host_mem_s: float, pipeline_s: float = 0.0, overhead: float = 0.0,
+            overlap: tuple[float, float] = (0.0, 0.0)) -> PhaseCost:
     """The step takes the longer of the pipeline the executor runs (pipeline_s) and any one resource's busy time,
     plus the overhead terms (the host runs them between the blocks); bound names the resource that is busiest
     (compute: the GPU + CPU chain)."""
     candidates = {"compute": gpu_s + cpu_s + hops_s, "pcie": pcie_s, "disk": disk_s, "host_memory": host_mem_s}
     bound = max(candidates, key=candidates.get)
     return PhaseCost(phase, tokens_per_step, gpu_s, cpu_s, pcie_s, disk_s, hops_s, host_mem_s,
-                     max(candidates[bound], pipeline_s) + overhead, bound, overhead)
+                     max(candidates[bound], pipeline_s) + overhead, bound, overhead, *overlap)
 
 
 def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[UnitCost], kinds: list[str],
@@ -264,12 +267,14 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
     devices = ["cpu" if m == "cpu" else "gpu" for m in compute]
     hops = sum(unit[4] for unit, a, b in zip(chain[1:], devices, devices[1:]) if a != b)
     logits = phase.logit_rows * spec.vocab_size * LOGIT_BYTES / hw.h2d_pinned_bps if devices[-1] == "gpu" else 0.0
-    pipeline = pipeline_s(chain, depth, phase.n_passes, steady=steady) + logits
+    pipe = _Pipeline(depth, chain[0][0] != "cpu" if chain else False)
+    pipeline = pipe.run(chain, phase.n_passes, steady) + logits
     # a layer's attention part and its experts (or split-off MLP) are a C++ call each on the CPU: each pays a
     # layer's overhead
     n_cpu_layers = sum(k in ("layer", *HANDED_OVER) and m == "cpu" for k, m in zip(kinds, compute))
     extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size, phase.n_tokens)
-    return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra)
+    return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra,
+                   pipe.overlap())
 
 
 def page_rounded(n: int) -> int:
@@ -298,24 +303,37 @@ def pipeline_s(units: list[tuple[str, str, UnitCost, float, float]], depth: int,
     A step of several passes (a long prefill) runs the chain once per pass, each with its share of the compute
     and the whole weights' copies; steady gives one step after the pipeline has filled (a decode step).
     """
-    pipe = _Pipeline(depth, units[0][0] != "cpu" if units else False)
-    ends = []
-    for _ in range(min(n_passes, 3) if not steady else 3):
-        pipe.step(units, n_passes)
-        ends.append(pipe.t_x)
-    if steady:
-        return ends[-1] - ends[-2]
-    return ends[0] + (n_passes - 1) * (ends[-1] - ends[-2]) if n_passes > 1 else ends[0]
+    return _Pipeline(depth, units[0][0] != "cpu" if units else False).run(units, n_passes, steady)
 
 
 class _Pipeline:
-    """The clocks of pipeline_s: link, GPU, CPU, disk, host, the hidden state, staging slots and read buffers."""
+    """The clocks of pipeline_s: link, GPU, CPU, disk, host, the hidden state, staging slots and read buffers; the
+    copies' and blocks' intervals of the step being priced."""
 
     def __init__(self, depth: int, on_gpu: bool):
         self.on_gpu = on_gpu
         self.t_gpu = self.t_copy = self.t_cpu = self.t_disk = self.t_host = self.t_x = 0.0
         self.slots = deque([(0.0, 0.0)] * max(depth, 1))  # (when its last block ends, when the host released it)
         self.buffers = deque([0.0] * max(depth, 1))  # when each read-ahead buffer is free again
+        self.copies: list[tuple[float, float]] = []
+        self.n_passes = 1
+        self.blocks: list[tuple[float, float, str]] = []  # (start, end, cpu | gpu)
+
+    def run(self, units, n_passes: int, steady: bool) -> float:
+        ends, self.n_passes = [], n_passes
+        for _ in range(min(n_passes, 3) if not steady else 3):
+            self.copies, self.blocks = [], []
+            self.step(units, n_passes)
+            ends.append(self.t_x)
+        if steady:
+            return ends[-1] - ends[-2]
+        return ends[0] + (n_passes - 1) * (ends[-1] - ends[-2]) if n_passes > 1 else ends[0]
+
+    def overlap(self) -> tuple[float, float]:
+        """(copy seconds under any block, under CPU blocks) of the last step (or pass, times the passes) priced."""
+        n = self.n_passes
+        return (n * _overlap(self.copies, [(a, b) for a, b, _ in self.blocks]),
+                n * _overlap(self.copies, [(a, b) for a, b, d in self.blocks if d == "cpu"]))
 
     def step(self, units, n_passes: int) -> None:
         begin, after_disk = self.t_x, False  # the step starts when the host has the previous step's answer
@@ -328,7 +346,9 @@ class _Pipeline:
                 after_disk |= tier == "disk"
                 free, released = self.slots.popleft()
                 issued = max(released, begin) if after_disk else released  # no prefetch past a disk unit
-                self.t_copy = max(self.t_copy, free, issued, ready) + c.pcie_s / n_passes
+                start = max(self.t_copy, free, issued, ready)
+                self.t_copy = start + c.pcie_s / n_passes
+                self.copies.append((start, self.t_copy))
                 ready = self.t_copy
                 if tier == "disk":
                     self.buffers.append(self.t_copy)
@@ -338,16 +358,34 @@ class _Pipeline:
         if (mode == "cpu") == self.on_gpu:  # the hidden state changes device
             self.t_x += hop_s
         if mode == "cpu":
-            self.t_cpu = max(self.t_cpu, self.t_x, self.t_host, ready) + seconds / n_passes
+            start = max(self.t_cpu, self.t_x, self.t_host, ready)
+            self.t_cpu = start + seconds / n_passes
+            self.blocks.append((start, self.t_cpu, "cpu"))
             self.t_x = self.t_host = self.t_cpu
             if tier == "disk":
                 self.buffers.append(self.t_cpu)
         else:
-            self.t_gpu = max(self.t_gpu, self.t_x, ready) + seconds / n_passes
+            start = max(self.t_gpu, self.t_x, ready)
+            self.t_gpu = start + seconds / n_passes
+            self.blocks.append((start, self.t_gpu, "gpu"))
             self.t_x = self.t_gpu
             if mode == "stream":
                 self.slots.append((self.t_gpu, self.t_host))
         self.on_gpu = mode != "cpu"
+
+
+def _overlap(copies: list[tuple[float, float]], blocks: list[tuple[float, float]]) -> float:
+    """Seconds of the copies' intervals that fall within some block's (each list in start order, blocks disjoint
+    as they follow the hidden state)."""
+    total, j = 0.0, 0
+    for start, end in copies:
+        while j < len(blocks) and blocks[j][1] <= start:
+            j += 1
+        k = j
+        while k < len(blocks) and blocks[k][0] < end:
+            total += max(0.0, min(end, blocks[k][1]) - max(start, blocks[k][0]))
+            k += 1
+    return total
 
 
 def workspace_bytes(spec: ModelSpec, workload, act_bytes: int, dequant_scratch: bool) -> int:

@@ -104,6 +104,20 @@ def _decision(plan, phase: str) -> str:
             f"host memory {_ms(cost.host_mem_s)}).")
 
 
+def overlap_line(plan) -> str:
+    """How much of each phase's copy time runs under compute (the schedule the pricer ran)."""
+    parts = []
+    for phase in ("prefill", "decode"):
+        cost = getattr(plan, phase)
+        if cost.pcie_s <= 0:
+            parts.append(f"{phase}: no copies")
+            continue
+        share = min(cost.copy_under_compute_s / cost.pcie_s, 1.0)
+        parts.append(f"{phase}: {_ms(cost.pcie_s)} of copies per step, {share:.0%} under compute "
+                     f"({min(cost.copy_under_cpu_s / cost.pcie_s, 1.0):.0%} under CPU blocks)")
+    return "Copies under compute: " + "; ".join(parts) + "."
+
+
 def bottleneck_line(plan) -> str:
     """Which resource each phase waits on, by the rule of planner/bottleneck.py."""
     names = ", ".join(f"{p} {bottleneck_name(predicted_bottleneck(getattr(plan, p)))}" for p in ("prefill", "decode"))
@@ -119,7 +133,7 @@ def plan_explanation(plan) -> str:
              f"Each placement counts weights, the KV cache for batch {plan.workload.batch_size} x "
              f"{plan.workload.seq_len} tokens, activations at the largest shape, staging slots, pinned "
              f"buffers and a {plan.budget.margin_frac:.0%} margin; no tier exceeds its budget."]
-    lines += [_decision(plan, "prefill"), _decision(plan, "decode"), bottleneck_line(plan)]
+    lines += [_decision(plan, "prefill"), _decision(plan, "decode"), overlap_line(plan), bottleneck_line(plan)]
     lines.append("Streaming wins when the CPU would take longer on a unit than copying its weights over "
                  "PCIe; copies overlap compute, so the step takes the longest of compute, PCIe, disk and "
                  "host-memory time, not their sum.")

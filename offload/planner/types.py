@@ -10,6 +10,7 @@ from offload.errors import ConfigError
 from offload.formats import FLOAT_FORMATS
 from offload.hardware import HardwareProfile
 from offload.planner.costs import PhaseCost
+from offload.planner.schedule import PhaseSchedule, phase_schedule
 from offload.planner.text import moe_split, plan_explanation, plan_table
 
 TIERS = ("gpu", "cpu", "disk")  # where weights (and KV caches) live
@@ -178,8 +179,14 @@ class Plan:
             "phases": {"prefill": self.prefill.to_dict(), "decode": self.decode.to_dict()},
             "predicted_job_s": self.job_s,
             "units": [asdict(u) for u in self.units],
+            "schedule": {p: self.schedule(p).to_list() for p in PHASES},
             "notes": list(self.notes),
         }
+
+    def schedule(self, phase: str) -> PhaseSchedule:
+        """One step of phase as the executor runs it: copies into staging slots, runs, releases, hand-overs."""
+        units = [(u.name, getattr(u, phase), u.weight_tier) for u in self.units]
+        return phase_schedule(phase, units, self.prefetch_depth, steady=phase == "decode")
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent, default=_json_default)
