@@ -12,10 +12,12 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from offload.errors import ConfigError
 from offload.formats import torch_dtype
 from offload.generate import Generator, Sequence
 from offload.hardware import format_bytes
 from offload.planner import Placement, Plan, PlanRequest, plan_for, plan_spec
+from offload.planner.bottleneck import bottleneck_name, predicted_bottleneck
 from offload.planner.types import PHASES, TIERS
 from offload.profile.report import write_trace
 from offload.profile.timeline import RESOURCES, Timeline
@@ -60,6 +62,23 @@ class Simulation:
     peak_bytes: dict[str, int]
     timeline: Timeline = field(repr=False)
     log: list = field(default_factory=list, repr=False)  # the staging ring's (event, unit, slot) in issue order
+    requests: int | None = None  # a job of this many requests (of the simulated prompt length) to estimate
+
+    @property
+    def job(self) -> dict | None:
+        """A job of `requests` prompts as simulated, each generating the plan's max_tokens, run at the plan's batch:
+        its prompt tokens at the simulated prefill speed plus its generated tokens at the simulated decode speed."""
+        if not self.requests:
+            return None
+        pre, dec = self.phases["prefill"], self.phases["decode"]
+        prompt_len, gen_len = pre.tokens // max(self.plan.workload.batch_size, 1), self.plan.workload.gen_len
+        prefill_s = self.requests * prompt_len / pre.tokens_per_s if pre.tokens_per_s else 0.0
+        decode_s = self.requests * gen_len / dec.tokens_per_s if dec.tokens_per_s else 0.0
+        total = prefill_s + decode_s
+        return {"requests": self.requests, "prompt_len": prompt_len, "gen_len": gen_len,
+                "batch_size": self.plan.workload.batch_size, "prefill_s": prefill_s, "decode_s": decode_s,
+                "generated_tokens_per_s": self.requests * gen_len / total if total else 0.0,
+                "decode_bound": predicted_bottleneck(self.plan.decode)}
 
     def to_dict(self) -> dict:
         return {"plan": self.plan.to_dict(), "peak_bytes": self.peak_bytes,
@@ -67,7 +86,8 @@ class Simulation:
                                "step_s": r.step_s, "tokens_per_s": r.tokens_per_s,
                                "predicted_step_s": r.predicted_step_s,
                                "predicted_over_simulated": r.predicted_over_simulated, "busy_share": r.busy_share}
-                           for p, r in self.phases.items()}}
+                           for p, r in self.phases.items()},
+                **({"job": self.job} if self.job else {})}
 
     def table(self) -> str:
         wl = self.plan.workload
@@ -79,6 +99,12 @@ class Simulation:
             lines.append(f"{r.phase:8s} {r.tokens_per_s:9.2f}  {_s(r.step_s):10s}  {_s(r.predicted_step_s):10s}  "
                          f"{r.predicted_over_simulated:6.2f}    {busy}")
         lines.append("")
+        if self.job:
+            j = self.job
+            lines += [f"job: {j['requests']} requests of {j['prompt_len']} prompt + {j['gen_len']} generated tokens at "
+                      f"batch {j['batch_size']}: {j['generated_tokens_per_s']:.1f} generated tokens/s (prefill "
+                      f"{j['prefill_s']:.0f} s + decode {j['decode_s']:.0f} s; decode bound by "
+                      f"{bottleneck_name(j['decode_bound'])})", ""]
         for tier in ("gpu", "cpu"):
             planned = self.plan.tier(tier)
             lines.append(f"peak {tier}: {format_bytes(self.peak_bytes[tier])} of {format_bytes(planned.total_bytes)} "
@@ -91,9 +117,10 @@ def _s(seconds: float) -> str:
 
 
 def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, trace: str | Path | None = None,
-             plan: Plan | None = None) -> Simulation:
-    """Plan request (or take plan), then run one prefill of the plan's batch and decode_steps decode steps on a
-    timed simulated device of the planned GPU budget; write a Chrome trace to trace if given."""
+             plan: Plan | None = None, prompt_len: int | None = None, requests: int | None = None) -> Simulation:
+    """Plan request (or take plan), then run one prefill of the plan's batch (prompts of prompt_len tokens, else
+    the plan's) and decode_steps decode steps on a timed simulated device of the planned GPU budget; write a Chrome
+    trace to trace if given; requests: estimate a job of that many such prompts (Simulation.job)."""
     spec = model_spec(resolve_model(request.model))
     hw = request.profile()
     plan = plan or plan_for(spec, hw, request)
@@ -105,8 +132,12 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     placement = Placement.from_plan(plan)
     model = PlacedModel(spec, MetaSource(spec, dtype, request.quantization), placement, backend, dtype)
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
-    seqs = [Sequence(i, [1] * wl.prompt_len, params) for i in range(wl.batch_size)]
-    Generator(model, max_batch_size=wl.batch_size, max_model_len=wl.prompt_len + decode_steps + 1,
+    prompt_len = prompt_len or wl.prompt_len
+    if prompt_len > wl.seq_len:
+        raise ConfigError(f"a prompt of {prompt_len} tokens does not fit the plan's {wl.seq_len}-token sequences "
+                          f"(max_model_len); give a shorter --prompt-len or a larger --max-model-len")
+    seqs = [Sequence(i, [1] * prompt_len, params) for i in range(wl.batch_size)]
+    Generator(model, max_batch_size=wl.batch_size, max_model_len=max(prompt_len, wl.prompt_len) + decode_steps + 1,
               step_tokens=placement.prefill_pass_tokens, mixed=False).run(seqs)  # the plan's shape: prompts, then
     # decode steps of the whole batch (mixed steps would start some sequences' decode inside the prefill)
     model.flush()
@@ -114,7 +145,8 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     if trace is not None:
         write_trace(timeline, Path(trace))
     phases = {p: _phase(timeline, p, plan) for p in PHASES}
-    return Simulation(plan, phases, {t: backend.memory.peak_bytes[t] for t in TIERS}, timeline, backend.log)
+    return Simulation(plan, phases, {t: backend.memory.peak_bytes[t] for t in TIERS}, timeline, backend.log,
+                      requests)
 
 
 def _phase(timeline: Timeline, phase: str, plan: Plan) -> PhaseResult:

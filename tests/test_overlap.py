@@ -76,14 +76,19 @@ def test_spread_places_each_groups_share_evenly():
     assert spread([1, 7], [1, 2, 3, 7, 8], lambda i: i > 5) == [2, 8]  # each group on its own
 
 
-def test_depth_is_searched_and_never_predicts_slower_than_the_default():
+@pytest.mark.parametrize("batch, prompt_len", [(8, 512), (32, 1920)])
+def test_depth_is_searched_and_never_predicts_slower_than_the_default(batch, prompt_len):
+    """The searched depth's plan is the best of the fixed depths' (70B q4_0 on 22 GiB: at batch 8 one slot leaves
+    room for one more resident layer and wins, 46.7 against 46.9 s for the job); its staging is what it budgets."""
     spec, hw = load_spec(MODEL_70B), load_hardware("rtx4090-ddr5")
     budget = Budget.for_hardware(hw, gpu_bytes=22 * GiB, cpu_bytes=64 * GiB)
-    workload = Workload(batch_size=32, prompt_len=1920, gen_len=128)
-    default = plan(spec, hw, budget, workload, "q4_0", 2)
+    workload = Workload(batch_size=batch, prompt_len=prompt_len, gen_len=128)
+    fixed = {depth: plan(spec, hw, budget, workload, "q4_0", depth).job_s for depth in DEPTHS}
     searched = plan(spec, hw, budget, workload, "q4_0", None)
-    assert searched.prefetch_depth in DEPTHS and searched.job_s <= default.job_s
-    assert searched.prefetch_depth != 2 and searched.job_s < 0.99 * default.job_s  # 3 slots pay here
+    assert searched.prefetch_depth in DEPTHS and searched.job_s <= min(fixed.values()) * (1 + 1e-9)
+    assert searched.job_s == pytest.approx(fixed[min(fixed, key=fixed.get)])
+    if batch == 8:
+        assert searched.prefetch_depth == 1 and searched.job_s < fixed[2]
     assert searched.tier("gpu").staging_bytes == searched.prefetch_depth * searched.staging_slot_bytes
 
 
@@ -128,3 +133,20 @@ def test_moe_plans_are_no_slower_than_whole_runs_of_cpu_units(batch):
     spec, hw = load_spec(request.model), request.profile()
     budget, workload = request.budget(hw), request.workload(spec, hw)
     assert plan(spec, hw, budget, workload, "q4_0", None).job_s <= plan(spec, hw, budget, workload, "q4_0", 2).job_s
+
+
+def test_the_offline_job_keeps_kv_in_host_ram_and_grows_the_batch():
+    """256 requests of 500-token prompts and 128 new tokens each (max_model_len 640, 22 GiB of VRAM, 64 GiB of RAM):
+    the planner keeps the GPU layers' KV caches in host RAM, where their decode attention runs on the CPU, and picks
+    a batch VRAM could not hold the cache of; the whole job, simulated, generates 58 tokens/s or more (31.8 with
+    every GPU layer's cache in VRAM at batch 64)."""
+    request = PlanRequest(MODEL_70B, "q4_0", "auto", "rtx4090-ddr5", gpu_memory="22GiB", cpu_memory="64GiB",
+                          max_model_len=640, max_tokens=128)
+    sim = simulate(request, decode_steps=3, prompt_len=500, requests=256)
+    host_kv = [u for u in sim.plan.units if u.kind == "layer" and u.decode != "cpu" and u.kv_tier == "cpu"]
+    assert host_kv and sim.plan.tier("gpu").kv_bytes == 0
+    assert sim.plan.workload.batch_size >= 64
+    assert sim.job["generated_tokens_per_s"] >= 58
+    assert sim.phases["decode"].busy_share["cpu"] > 0.3  # the CPU attends (and computes its layers)
+    for result in sim.phases.values():
+        assert abs(result.predicted_over_simulated - 1) <= 0.10

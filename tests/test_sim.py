@@ -135,3 +135,31 @@ def test_a_compute_stalled_on_a_copy_is_a_wait_span(tiny):
     backend.synchronize()
     waits = [s for s in backend.timeline.spans if s.kind == "wait"]
     assert waits and sum(s.duration_s for s in waits) > 0.5 * backend.timeline.busy_s("pcie", "prefill")
+
+
+def _host_kv(spec, **kwargs) -> Placement:
+    """Layers computed on the GPU (resident, streamed, from disk) with their KV caches in host RAM, beside a CPU layer
+    and the default: FlexGen's placement for batches whose cache VRAM cannot hold."""
+    from offload.planner.placement import UnitPlacement
+
+    units = dict(Placement.uniform(spec, "cpu", "stream").units)
+    units["layer.0"] = UnitPlacement("gpu", "gpu", "gpu", "cpu")
+    units["layer.1"] = UnitPlacement("cpu", "stream", "stream", "cpu")
+    units["layer.2"] = UnitPlacement("disk", "stream", "cpu", "cpu")
+    return Placement(units, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_layers_with_host_kv_equal_the_cpu_backend(tiny, dtype):
+    """The executor allocates each layer's cache on the tier its placement names (host RAM here, counted there) and
+    a GPU layer over a host cache gives what the CPU backend gives, in fp32 and in the bf16 GPU plans compute in."""
+    folder, spec = tiny
+    placement = _host_kv(spec)
+    models = [PlacedModel(spec, CheckpointSource(Checkpoint(folder), spec, dtype, "none"), placement, backend, dtype)
+              for backend in (SimBackend(HW, time_scale=0.05), CPUBackend())]
+    cache = models[0].new_cache(2, 16)
+    assert all(kv.k.device.type == "cpu" for kv in cache) and models[0]._kv_bytes == {"cpu": sum(kv.nbytes
+                                                                                               for kv in cache)}
+    rel = 1e-6 if dtype == torch.float32 else 1e-2
+    assert_logits_close(offload_logits(models[0], PROMPT), offload_logits(models[1], PROMPT), rel=rel)
+    assert _greedy(models[0]) == _greedy(models[1])

@@ -355,7 +355,9 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     """Append k, v [B, Hkv, S, Dh] to the cache and attend with q [B, H, S, Dh] where the cache lives.
 
     A KV cache kept in CPU RAM for a block computed on the GPU (FlexGen's choice when the batch's cache does
-    not fit in VRAM) moves q, k, v and the output, not the whole cache. A ragged step attends group by group.
+    not fit in VRAM) moves q, k, v and the output for one new token per sequence (decode), not the whole cache;
+    for several (prefill) the layer attends on the GPU (the new K, V go down to the cache, its cached prefix comes
+    up). A ragged step attends group by group.
     """
     if step.groups is not None:
         outs = []
@@ -365,7 +367,8 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
             outs.append(attend(spec, *grid, g, kv).transpose(0, 1).flatten(1, 2))  # [H, b * s, Dh]
         return torch.cat(outs, dim=1)[None]
     device, mask = q.device, step.mask
-    if kv.k.device != device:
+    if kv.k.device != device and (q.shape[-2] == 1 or device.type == "cpu"):  # one new token: reading the cache
+        # where it is beats moving it
         q, k, v, mask = (t.to(kv.k.device) for t in (q, k, v, mask))
     keys, values = kv.update(step, k, v)
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=spec.n_kv_heads != spec.n_heads)

@@ -24,7 +24,8 @@ LOGIT_BYTES = 4
 PAGE_BYTES = 4096  # each unit in the disk read-ahead arena starts on a page
 DROP_PIECE_BYTES = 8 << 20  # a read the page cache is not to keep is done, and dropped, this much at a time
 READ_AHEAD_TRAIL_BYTES = 16 << 20  # the OS's read-ahead runs up to this far past such a read
-READ_PAGE_CACHE_BYTES = DROP_PIECE_BYTES + READ_AHEAD_TRAIL_BYTES  # page cache dropped reads hold at any time
+READ_PAGE_CACHE_BYTES = DROP_PIECE_BYTES + READ_AHEAD_TRAIL_BYTES
+STEADY_STEPS = 2  # steps priced for a steady one: the first's copies start at once, as the step before's would  # page cache dropped reads hold at any time
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,13 @@ class UnitCost:
     host_mem_s: float  # the unit's weights read once from DRAM by DMA (a copy to the GPU moves all of them)
     kv_move_s: float  # prefill only: moving the prompt's KV across PCIe when decode runs elsewhere
     host_cpu_s: float  # the weights a CPU kernel reads from DRAM: all, but of an experts unit only those routed to
+    # A layer computed on the GPU whose KV cache lives in host RAM (FlexGen's and NEO's choice at large batch): in
+    # decode its attention runs on the CPU where the cache is, so the GPU block is its matmuls (gpu_matmul_s), the
+    # CPU reads the cache and attends (attn_host_s), and q, k, v cross to the host and the output back (kv_hop_s);
+    # in prefill the layer attends on the GPU (the cached prefix is copied up) and the new K/V cross PCIe (kv_move_s)
+    gpu_matmul_s: float = 0.0
+    attn_host_s: float = 0.0
+    kv_hop_s: float = 0.0
 
 
 def _roofline(flops: float, nbytes: float, flops_rate: float, mem_bps: float) -> float:
@@ -118,7 +126,11 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
             kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
     gpu_s = _roofline(flops + attn_flops, read_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
     cpu_s = _cpu_s(spec, unit, fmt, hw, phase, compute, flops, attn_flops, matmul_rows, read_bytes, kv_bytes)
-    gpu_s = max(gpu_s, passes * read_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf)
+    floor = passes * read_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf
+    gpu_s = max(gpu_s, floor)
+    host_kv = (0.0, 0.0, 0.0)
+    if unit.kind == "layer" and phase.name == "decode":
+        host_kv = _host_kv_attention(spec, hw, phase, compute, flops, read_bytes, attn_flops, kv_bytes, floor, link)
     return UnitCost(
         gpu_s=gpu_s,
         cpu_s=cpu_s,
@@ -127,7 +139,19 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         host_mem_s=passes * w_bytes / hw.host_read_rate,
         kv_move_s=kv_move_bytes / link if link else 0.0,
         host_cpu_s=passes * read_bytes / hw.host_read_rate,
+        gpu_matmul_s=host_kv[0], attn_host_s=host_kv[1], kv_hop_s=host_kv[2],
     )
+
+
+def _host_kv_attention(spec: ModelSpec, hw: HardwareProfile, phase: Phase, compute: str, flops: float,
+                       read_bytes: float, attn_flops: float, kv_bytes: int, floor: float,
+                       link: float) -> tuple[float, float, float]:
+    """(GPU matmul seconds, CPU attention seconds, hand-over seconds) of a decode step of a GPU layer whose KV cache
+    is in host RAM: the CPU reads the cache (kv_read_bps) and attends at its torch attention rate."""
+    gpu = max(_roofline(flops, read_bytes, hw.gpu_flops, hw.gpu_mem_bps), floor)
+    cpu = kv_bytes / hw.kv_read_bps + attn_flops / hw.attention_rate("torch")
+    moved = phase.n_tokens * (2 * spec.q_size + 2 * spec.kv_size) * FLOAT_FORMATS[compute]
+    return gpu, cpu, (2 * HOP_LATENCY_S + moved / link) if link else 0.0
 
 
 def _cpu_s(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase, compute: str,
@@ -237,10 +261,12 @@ def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s
 
 def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[UnitCost], kinds: list[str],
                compute: list[str], decode: list[str], weight: list[str], depth: int, path: str,
-               steady: bool, cached: frozenset[int] = frozenset()) -> PhaseCost:
+               steady: bool, cached: frozenset[int] = frozenset(), host_kv: frozenset[int] = frozenset(),
+               overlap: bool = True) -> PhaseCost:
     """One step of phase for a placement: units in order with their costs and kinds, where each computes in
-    this phase (compute) and in decode (decode: where its KV lives), where its weights live (weight); the disk
-    units in cached are the page cache's: computed in place by the CPU, or copied from it at its rate."""
+    this phase (compute) and in decode (decode: where its KV lives, but for the GPU layers in host_kv, whose KV
+    is in host RAM and whose decode attention the CPU runs), where its weights live (weight); the disk units in
+    cached are the page cache's: computed in place by the CPU, or copied from it at its rate."""
     gpu = cpu = pcie = disk = host = 0.0
     chain = []
     hop, wide = hop_s(spec, hw, phase), hop_s(spec, hw, phase, 2)  # experts / mlp take [residual | normed]
@@ -250,14 +276,19 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
                 tier = "cpu"
             elif c.disk_s < math.inf:  # copied out of the page cache on the way to the GPU
                 c = replace(c, disk_s=c.disk_s * hw.disk_read_bps / hw.page_cache_rate)
-        kv_move = c.kv_move_s if (mode == "cpu") != (dec == "cpu") else 0.0  # prompt KV made here, used there
+        kv_on_host = dec == "cpu" or i in host_kv
+        kv_move = c.kv_move_s if (mode == "cpu") != kv_on_host else 0.0  # prompt KV made here, kept there
+        if kv_on_host and mode != "cpu" and phase.name == "decode" and kinds[i] == "layer":
+            cpu += c.attn_host_s  # the GPU runs the matmuls; q, k, v go to the CPU, which attends where the KV is
+            kv_move = c.attn_host_s + c.kv_hop_s
+            c = replace(c, gpu_s=c.gpu_matmul_s)
         if mode == "cpu":
             cpu += c.cpu_s
         else:
             gpu += c.gpu_s
             if mode == "stream":
                 pcie += c.pcie_s
-        pcie += kv_move
+        pcie += c.kv_move_s if kv_move and phase.name == "prefill" else 0.0
         if tier != "gpu":
             # a copy (or a disk read into RAM) moves every expert; a CPU kernel reads only those routed to
             host += c.host_cpu_s if mode == "cpu" and tier != "disk" else c.host_mem_s
@@ -274,7 +305,7 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
     n_cpu_layers = sum(k in ("layer", *HANDED_OVER) and m == "cpu" for k, m in zip(kinds, compute))
     extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size, phase.n_tokens)
     return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra,
-                   pipe.overlap())
+                   pipe.overlap() if overlap else (0.0, 0.0))
 
 
 def page_rounded(n: int) -> int:
@@ -321,7 +352,7 @@ class _Pipeline:
 
     def run(self, units, n_passes: int, steady: bool) -> float:
         ends, self.n_passes = [], n_passes
-        for _ in range(min(n_passes, 3) if not steady else 3):
+        for _ in range(min(n_passes, 3) if not steady else STEADY_STEPS):
             self.copies, self.blocks = [], []
             self.step(units, n_passes)
             ends.append(self.t_x)
@@ -336,42 +367,46 @@ class _Pipeline:
                 n * _overlap(self.copies, [(a, b) for a, b, d in self.blocks if d == "cpu"]))
 
     def step(self, units, n_passes: int) -> None:
-        begin, after_disk = self.t_x, False  # the step starts when the host has the previous step's answer
+        """One step: each unit's read, copy and block in order (clocks kept in locals: the search prices
+        thousands of steps)."""
+        t_gpu, t_copy, t_cpu, t_disk, t_host, t_x = self.t_gpu, self.t_copy, self.t_cpu, self.t_disk, self.t_host, \
+            self.t_x
+        slots, buffers, copies, blocks, on_gpu = self.slots, self.buffers, self.copies, self.blocks, self.on_gpu
+        begin, after_disk = t_x, False  # the step starts when the host has the previous step's answer
         for mode, tier, c, extra_s, hop_s in units:
             ready = 0.0
             if tier == "disk":
-                self.t_disk = max(self.t_disk, self.buffers.popleft(), begin) + c.disk_s / n_passes
-                ready = self.t_disk
+                t_disk = max(t_disk, buffers.popleft(), begin) + c.disk_s / n_passes
+                ready = t_disk
+            on_cpu = mode == "cpu"
             if mode == "stream":
                 after_disk |= tier == "disk"
-                free, released = self.slots.popleft()
+                free, released = slots.popleft()
                 issued = max(released, begin) if after_disk else released  # no prefetch past a disk unit
-                start = max(self.t_copy, free, issued, ready)
-                self.t_copy = start + c.pcie_s / n_passes
-                self.copies.append((start, self.t_copy))
-                ready = self.t_copy
+                start = max(t_copy, free, issued, ready)
+                t_copy = start + c.pcie_s / n_passes
+                copies.append((start, t_copy))
+                ready = t_copy
                 if tier == "disk":
-                    self.buffers.append(self.t_copy)
-            self._compute(mode, tier, (c.cpu_s if mode == "cpu" else c.gpu_s) + extra_s, ready, n_passes, hop_s)
-
-    def _compute(self, mode: str, tier: str, seconds: float, ready: float, n_passes: int, hop_s: float) -> None:
-        if (mode == "cpu") == self.on_gpu:  # the hidden state changes device
-            self.t_x += hop_s
-        if mode == "cpu":
-            start = max(self.t_cpu, self.t_x, self.t_host, ready)
-            self.t_cpu = start + seconds / n_passes
-            self.blocks.append((start, self.t_cpu, "cpu"))
-            self.t_x = self.t_host = self.t_cpu
-            if tier == "disk":
-                self.buffers.append(self.t_cpu)
-        else:
-            start = max(self.t_gpu, self.t_x, ready)
-            self.t_gpu = start + seconds / n_passes
-            self.blocks.append((start, self.t_gpu, "gpu"))
-            self.t_x = self.t_gpu
-            if mode == "stream":
-                self.slots.append((self.t_gpu, self.t_host))
-        self.on_gpu = mode != "cpu"
+                    buffers.append(t_copy)
+            if on_cpu == on_gpu:  # the hidden state changes device
+                t_x += hop_s
+            if on_cpu:
+                start = max(t_cpu, t_x, t_host, ready)
+                t_x = t_host = t_cpu = start + (c.cpu_s + extra_s) / n_passes
+                blocks.append((start, t_cpu, "cpu"))
+                if tier == "disk":
+                    buffers.append(t_cpu)
+            else:
+                start = max(t_gpu, t_x, ready)
+                t_x = t_gpu = start + (c.gpu_s + extra_s) / n_passes
+                blocks.append((start, t_gpu, "gpu"))
+                if mode == "stream":
+                    slots.append((t_gpu, t_host))
+            on_gpu = not on_cpu
+        self.t_gpu, self.t_copy, self.t_cpu, self.t_disk, self.t_host, self.t_x = t_gpu, t_copy, t_cpu, t_disk, \
+            t_host, t_x
+        self.on_gpu = on_gpu
 
 
 def _overlap(copies: list[tuple[float, float]], blocks: list[tuple[float, float]]) -> float:

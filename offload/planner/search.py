@@ -22,7 +22,8 @@ from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, READ_PAGE_CACHE
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec, UnitSpec
 
-STREAMABLE = ("layer", "experts", "mlp", "lm_head")  # kinds that may stream to the GPU (or compute on the CPU)
+STREAMABLE = ("layer", "experts", "mlp", "lm_head")
+HOST_KV_SHARE = 0.1  # the KV cache's share of the GPU budget from which plans with it in host RAM are weighed  # kinds that may stream to the GPU (or compute on the CPU)
 
 
 @functools.lru_cache(maxsize=4)
@@ -45,6 +46,7 @@ class _Candidate:
     cached: frozenset[int] = frozenset()  # disk units the page cache keeps between reads
     short: tuple[str, int, int] | None = None  # (tier, needed, allowed) when it does not fit
     residents: int = 0  # how many units of the residency order are on the GPU
+    host_kv: bool = False  # every layer's KV cache in host RAM; GPU layers' decode attention on the CPU
 
 
 class Search:
@@ -82,6 +84,9 @@ class Search:
         width = 2 if spec.moe or spec.split_mlp else 1  # an attention part hands on [residual | normed hidden]
         self.hop_buffers = 2 * chunk * width * spec.hidden_size * ACT_BYTES_CPU
         self.order = self._residency_order()
+        # KV in host RAM frees VRAM for weights but moves decode attention to the CPU: weighed where the KV cache
+        # takes a real share of the GPU budget
+        self.host_kv_may_pay = self.gpu_possible and sum(self.kv) > HOST_KV_SHARE * budget.gpu_bytes
 
     def _per_unit(self, value) -> list:
         """value(unit) for each unit, computed once for units alike."""
@@ -119,50 +124,63 @@ class Search:
             if cand.short:
                 shorts.append(cand.short)
                 continue
-            pre, dec = self._phase_cost("prefill", cand), self._phase_cost("decode", cand)
+            dec = self._phase_cost("decode", cand, overlap=False)
+            if self.wl.gen_len * dec.step_s >= best_s:
+                continue  # slower than the best already, whatever its prefill
+            pre = self._phase_cost("prefill", cand, overlap=False)
             job_s = pre.step_s + self.wl.gen_len * dec.step_s
             if job_s < best_s * (1 - 1e-9):
-                best, best_s = (cand, pre, dec), job_s
+                best, best_s = cand, job_s
         if best is None:
             raise PlanError(self._shortfall_message(shorts))
-        self.best_residents = best[0].residents
-        return self._freeze(*best)
+        self.best_residents = best.residents
+        return self._freeze(best, self._phase_cost("prefill", best), self._phase_cost("decode", best))
 
     def _candidates(self, window: range | None = None):
         if window is None or 0 in window:
             yield self._build(0, use_gpu=False)
         if not self.gpu_possible:
             return
+        kv_choices = [False, True] if self.host_kv_may_pay else [False]
         for k in window or range(len(self.order) + 1):
-            if k > len(self.order):
+            if k > len(self.order) or not kv_choices:
                 return
-            cand = self._build(k, use_gpu=True)
-            if cand.short and cand.short[0] == "gpu" and k > 0:
-                return  # more residents cannot fit either
-            yield cand
-            streamed = [self.kinds[i] for i, m in enumerate(cand.compute["decode"]) if m == "stream"]
-            if "experts" in streamed or "mlp" in streamed:
-                # A streamed experts unit copies every expert for the few a decode step reads (a split-off MLP
-                # crosses PCIe where the CPU could compute it in place); where the scan's overlap estimate favours
-                # it the step's pipeline may not: weigh the same residents streaming whole layers only.
-                yield self._build(k, use_gpu=True, decode_kinds=("layer", "lm_head"))
-            if streamed:
-                # Streaming in decode is chosen for the decode step alone; it also moves the prompt's KV cache
-                # in prefill, which a short generation may not repay: weigh the same residents without it.
-                yield self._build(k, use_gpu=True, decode_kinds=())
+            for host_kv in list(kv_choices):
+                cand = self._build(k, use_gpu=True, host_kv=host_kv)
+                if cand.short and cand.short[0] == "gpu" and k > 0:
+                    kv_choices.remove(host_kv)  # more residents cannot fit either
+                    continue
+                yield cand
+                if not host_kv:
+                    yield from self._variants(k, cand)
 
-    def _build(self, k: int, use_gpu: bool, decode_kinds: tuple[str, ...] = STREAMABLE) -> _Candidate:
+    def _variants(self, k: int, cand: _Candidate):
+        """The same residents streaming less in decode, where the scan's estimate may mislead."""
+        streamed = [self.kinds[i] for i, m in enumerate(cand.compute["decode"]) if m == "stream"]
+        if "experts" in streamed or "mlp" in streamed:
+            # A streamed experts unit copies every expert for the few a decode step reads (a split-off MLP
+            # crosses PCIe where the CPU could compute it in place); where the scan's overlap estimate favours
+            # it the step's pipeline may not: weigh the same residents streaming whole layers only.
+            yield self._build(k, use_gpu=True, decode_kinds=("layer", "lm_head"))
+        if streamed:
+            # Streaming in decode is chosen for the decode step alone; it also moves the prompt's KV cache
+            # in prefill, which a short generation may not repay: weigh the same residents without it.
+            yield self._build(k, use_gpu=True, decode_kinds=())
+
+    def _build(self, k: int, use_gpu: bool, decode_kinds: tuple[str, ...] = STREAMABLE,
+               host_kv: bool = False) -> _Candidate:
         """The candidate with the first k units of the residency order on the GPU, streaming in decode only
-        units of decode_kinds."""
+        units of decode_kinds; host_kv: with every layer's KV cache in host RAM."""
         weight = ["cpu"] * self.n
         for i in self.order[:k]:
             weight[i] = "gpu"
         weight[self.i_norm] = weight[self.i_head]
         compute = {p: ["gpu" if t == "gpu" else "cpu" for t in weight] for p in PHASES}
-        cand = _Candidate(weight, compute, use_gpu, residents=k)
+        cand = _Candidate(weight, compute, use_gpu, residents=k, host_kv=host_kv)
         if use_gpu:
+            kv = [0] * self.n if host_kv else self.kv
             cand.gpu_fixed = (self.budget.margin_bytes("gpu") + self.ws_gpu + self.hw.gpu_reserved_bytes
-                              + sum(self.w[i] + self.kv[i] for i in range(self.n) if weight[i] == "gpu"))
+                              + sum(self.w[i] + kv[i] for i in range(self.n) if weight[i] == "gpu"))
             if cand.gpu_fixed > self.budget.gpu_bytes:
                 cand.short = ("gpu", cand.gpu_fixed, self.budget.gpu_bytes)
                 return cand
@@ -179,7 +197,7 @@ class Search:
             return  # no room for staging slots: offloaded units compute on the CPU
         if decode_kinds:
             in_decode = [i for i in stageable if self.kinds[i] in decode_kinds]
-            self._scan("decode", cand, offloaded, in_decode, room)
+            self._scan("decode", cand, offloaded, in_decode, math.inf if cand.host_kv else room)
         self._scan("prefill", cand, offloaded, stageable, math.inf)
         head = cand.compute
         for p in PHASES:
@@ -247,7 +265,7 @@ class Search:
 
     def _host_usage(self, cand: _Candidate) -> int:
         any_cpu = any("cpu" in (cand.compute[p][i] for p in PHASES) for i in range(self.n) if i != self.i_norm)
-        kv_cpu = sum(self.kv[i] for i in range(self.n) if cand.compute["decode"][i] == "cpu")
+        kv_cpu = sum(self.kv[i] for i in range(self.n) if cand.compute["decode"][i] == "cpu" or cand.host_kv)
         weights = sum(self.w[i] for i in range(self.n) if cand.weight[i] == "cpu")
         return (self.budget.margin_bytes("cpu") + (self.ws_cpu if any_cpu else 0) + kv_cpu + weights
                 + self._pinned(cand))
@@ -319,16 +337,23 @@ class Search:
         elif on_disk > self.budget.disk_bytes:
             cand.short = ("disk", on_disk, self.budget.disk_bytes)
 
-    def _phase_cost(self, phase: str, cand: _Candidate) -> PhaseCost:
+    def _phase_cost(self, phase: str, cand: _Candidate, overlap: bool = True) -> PhaseCost:
         """Busy seconds per resource in one step of phase, overlapped into the step time."""
         return price_step(self.spec, self.hw, self.phase[phase], self.cost[phase], self.kinds, cand.compute[phase],
                           cand.compute["decode"], cand.weight, self.depth, self.path, steady=phase == "decode",
-                          cached=cand.cached)
+                          cached=cand.cached, host_kv=self._host_kv(cand), overlap=overlap)
+
+    def _host_kv(self, cand: _Candidate) -> frozenset[int]:
+        """The GPU-computed layers whose KV cache is in host RAM."""
+        if not cand.host_kv:
+            return frozenset()
+        return frozenset(i for i in range(self.n) if self.kinds[i] == "layer" and cand.compute["decode"][i] != "cpu")
 
     def _freeze(self, cand: _Candidate, pre, dec) -> Plan:
         units = []
         for i, u in enumerate(self.units):
-            kv_tier = ("cpu" if cand.compute["decode"][i] == "cpu" else "gpu") if u.kind == "layer" else None
+            kv_tier = ("cpu" if cand.compute["decode"][i] == "cpu" or cand.host_kv else "gpu") if u.kind == "layer" \
+                else None
             units.append(UnitPlan(u.name, u.kind, u.index, cand.weight[i], cand.compute["prefill"][i],
                                   cand.compute["decode"][i], kv_tier, self.w[i], self.kv[i], i in cand.cached))
         n_streamed = sum("stream" in (u.prefill, u.decode) for u in units)
@@ -463,7 +488,7 @@ def _up(n_bytes: int) -> str:
 
 DEPTHS = (1, 2, 3, 4)  # staging slots the planner weighs: each more holds a larger unit's copy ahead, and costs
 # a unit's room in VRAM (70B q4_0 on 22 GiB, batch 32: 29.4, 35.0, 36.6, 36.1 decode tokens/s at depths 1-4)
-DEPTH_WINDOW = (-6, 3)  # GPU residents weighed at the other depths, about the best number at the default depth
+DEPTH_WINDOW = (-3, 1)  # GPU residents weighed at the other depths, about the best number at the default depth
 
 
 def plan(spec: ModelSpec, hardware: HardwareProfile, budget: Budget, workload: Workload,

@@ -399,7 +399,8 @@ class PlacedModel:
         if step is None:  # the lm_head over hidden rows [..., D]
             n_tokens = x.numel() // x.shape[-1]
             return Work(name, kind, phase, n_tokens, n_tokens)
-        return Work(name, kind, phase, step.n_tokens, step.n_seqs, step.n_keys)
+        return Work(name, kind, phase, step.n_tokens, step.n_seqs, step.n_keys,
+                    kind == "layer" and self.placement[name].kv == "cpu")
 
     def _on_cpu(self, works: list[Work], fn, x, *args):
         """CPU blocks through the backend; on a worker thread when copies or reads run alongside."""

@@ -66,6 +66,7 @@ class Work:
     n_tokens: int  # new tokens this pass computes (all sequences)
     n_seqs: int = 1
     n_keys: int = 0  # keys each query may see at most (layers)
+    kv_on_host: bool = False  # a layer whose KV cache is in host RAM (computed on the GPU: decode attends on the CPU)
 
 
 @dataclass

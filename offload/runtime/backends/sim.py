@@ -87,11 +87,26 @@ class TimedCosts:
     def seconds(self, work: Work, on_device: bool) -> float:
         unit = self.units[work.unit]
         key = (unit.kind, unit.kind != "layer" and unit.name, work.phase, work.n_tokens, work.n_seqs,
-               work.n_keys, on_device)
+               work.n_keys, on_device, work.kv_on_host)
         if key not in self._memo:
             cost = unit_cost(self.spec, unit, self.fmt, self.hw, self._phase(work), self.compute)
-            self._memo[key] = cost.gpu_s if on_device else cost.cpu_s
+            self._memo[key] = self._seconds(cost, work, on_device)
         return self._memo[key]
+
+    def host_attention_parts(self, work: Work) -> tuple[float, float, float]:
+        """(GPU matmul, CPU attention, hand-over) seconds of a GPU layer's decode over a host KV cache."""
+        cost = unit_cost(self.spec, self.units[work.unit], self.fmt, self.hw, self._phase(work), self.compute)
+        return cost.gpu_matmul_s, cost.attn_host_s, cost.kv_hop_s
+
+    @staticmethod
+    def _seconds(cost, work: Work, on_device: bool) -> float:
+        """A GPU layer with its KV cache in host RAM: in decode its matmuls, the CPU's attention and the hand-overs
+        of q, k, v and the output one after another; in prefill the new K/V's copy down follows its block."""
+        if not on_device:
+            return cost.cpu_s
+        if work.kv_on_host and work.phase == "decode":
+            return cost.gpu_matmul_s + cost.attn_host_s + cost.kv_hop_s
+        return cost.gpu_s + (cost.kv_move_s if work.kv_on_host else 0.0)
 
     @staticmethod
     def _phase(work: Work) -> Phase:
@@ -241,12 +256,23 @@ class SimBackend(Backend):
             else:
                 value, seconds = self.timed.output(work, value), self.timed.seconds(work, True)
             stream.t = start + seconds
-            self.timeline.add(Span("gpu_block", work.phase, work.unit, start, stream.t, n_tokens=work.n_tokens))
+            if not self.computes and work.kv_on_host and work.phase == "decode":
+                self._host_attention_spans(work, start)
+            else:
+                self.timeline.add(Span("gpu_block", work.phase, work.unit, start, stream.t, n_tokens=work.n_tokens))
             result.value = value
             result.event.set(stream.t)
 
         stream.enqueue(op)
         return result
+
+    def _host_attention_spans(self, work: Work, start: float) -> None:
+        """A GPU layer's decode whose attention the CPU runs over a host KV cache: the GPU's matmuls, then (after q,
+        k, v cross to the host) the CPU's attention, as spans of each device."""
+        gpu_s, cpu_s, hop_s = self.timed.host_attention_parts(work)
+        self.timeline.add(Span("gpu_block", work.phase, work.unit, start, start + gpu_s, n_tokens=work.n_tokens))
+        begin = start + gpu_s + hop_s / 2
+        self.timeline.add(Span("cpu_block", work.phase, work.unit, begin, begin + cpu_s, n_tokens=work.n_tokens))
 
     def to_device(self, x):
         """Hidden states from the host cross PCIe on the compute stream (a hand-over, not a weight copy)."""
