@@ -4,15 +4,28 @@ run by the real executor on the timed simulated device."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from conftest import make_hf_model, save_hf_model
+from offload.generate import Generator, Sequence
 from offload.hardware import load_hardware
-from offload.planner import Budget, PlanRequest, Workload, plan
+from offload.planner import Budget, Placement, PlanRequest, Workload, plan
 from offload.planner.search import DEPTHS
+from offload.runtime.backends.cpu import CPUBackend
+from offload.runtime.backends.sim import SimBackend, TimedCosts
+from offload.runtime.executor import PlacedModel
+from offload.sampling import SamplingParams
 from offload.simulate import simulate
 from offload.spec import load_spec
+from offload.weights.loader import Checkpoint
+from offload.weights.sources import CheckpointSource
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_70B = str(ROOT / "configs" / "models" / "llama-3.1-70b")
@@ -150,3 +163,34 @@ def test_the_offline_job_keeps_kv_in_host_ram_and_grows_the_batch():
     assert sim.phases["decode"].busy_share["cpu"] > 0.3  # the CPU attends (and computes its layers)
     for result in sim.phases.values():
         assert abs(result.predicted_over_simulated - 1) <= 0.10
+
+
+def test_bench_overlap_smoke():
+    """scripts/bench_overlap.py's smoke mode: the simulated device's wall mode runs both orders on a tiny model."""
+    out = subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_overlap.py"), "--smoke"], capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "interleaved is" in out.stdout and "in-order" in out.stdout
+
+
+def test_wall_mode_computes_cpu_blocks_and_sleeps_the_device():
+    """The wall mode: host weights are real and CPU blocks compute them (the result equals the CPU backend's where
+    every unit is on the CPU), device buffers take no memory, and a copy takes its simulated seconds of real time."""
+    folder = save_hf_model(make_hf_model("llama", num_hidden_layers=2), Path(tempfile.mkdtemp()) / "tiny")
+    spec = load_spec(folder)
+    hw = load_hardware("rtx4090-ddr5").with_changes(h2d_pinned_bps=2e6, gpu_reserved_bytes=0)  # ~KB/ms
+    source = CheckpointSource(Checkpoint(folder), spec, torch.float32, "none")
+
+    def greedy(model):
+        seqs = [Sequence(0, [5, 17, 33], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))]
+        Generator(model, max_batch_size=1).run(seqs)
+        return seqs[0].output_ids
+
+    wall = SimBackend(hw, capacity_bytes=1 << 30, timed=TimedCosts(spec, hw, "none", "fp32"), wall=True)
+    on_cpu = PlacedModel(spec, source, Placement.uniform(spec, "cpu", "cpu"), wall)
+    assert greedy(on_cpu) == greedy(PlacedModel(spec, source, Placement.uniform(spec, "cpu", "cpu"), CPUBackend()))
+    buf = wall.alloc("gpu", 4096)
+    assert buf.device.type == "meta" and wall.alloc("cpu", 4096).device.type == "cpu"
+    start = time.perf_counter()
+    wall.host_wait(wall.copy_h2d(buf, torch.zeros(20_000, dtype=torch.uint8), "layer.0", "decode"))
+    assert time.perf_counter() - start >= 0.009  # 20 kB at 2 MB/s: 10 ms

@@ -6,10 +6,13 @@ for it reads stale bytes); device memory is a counted allocator with a hard capa
 with simulated time: each stream, the CPU, the disk and the host keep a clock, and an operation starts when
 its resource is free and what it waits for is done.
 
-Two modes. compute: the device's blocks really compute (on the CPU, on the compute stream's thread), so a
+Three modes. compute: the device's blocks really compute (on the CPU, on the compute stream's thread), so a
 missing wait shows up as a wrong answer. timed: nothing is computed and no weight exists (buffers are
 `meta` tensors); blocks take the seconds the planner's cost model gives for the hardware profile, so a
-70B-shaped model runs through the executor's real schedule in seconds.
+70B-shaped model runs through the executor's real schedule in seconds. wall: the CPU blocks really compute on
+this machine's cores from real host weights, while the device's blocks and copies take the cost model's seconds
+in real time (their streams sleep, and pass the hidden state through): whether real CPU work overlaps the
+simulated link shows in wall time.
 """
 
 from __future__ import annotations
@@ -115,17 +118,19 @@ class TimedCosts:
             return Phase("decode", work.n_seqs, work.n_tokens, work.n_keys, work.n_keys)
         return Phase("prefill", work.n_seqs, work.n_tokens, max(work.n_keys - per_seq // 2, 1), 0)
 
-    def output(self, work: Work, x: torch.Tensor) -> torch.Tensor:
-        """What the block returns: hidden states (meta) for embed/layer/norm, zero logits for the lm_head."""
+    def output(self, work: Work, x: torch.Tensor, real: bool = False) -> torch.Tensor:
+        """What the block returns: hidden states (meta; real: zeros, or x passed through) for embed/layer/norm,
+        zero logits for the lm_head."""
+        device = "cpu" if real else "meta"
         if work.kind == "embed":
-            return torch.empty(*x.shape, self.spec.hidden_size, device="meta")
+            return torch.zeros(*x.shape, self.spec.hidden_size, device=device)
         if work.kind == "lm_head":
             return torch.zeros(*x.shape[:-1], self.spec.vocab_size)
         d, index = self.spec.hidden_size, self.units[work.unit].index
         if work.kind == "layer" and self.spec.hands_over(index):  # [.., 2D] to its experts or MLP, back to [.., D]
-            return torch.empty(*x.shape[:-1], 2 * d, device="meta")
+            return torch.zeros(*x.shape[:-1], 2 * d, device=device, dtype=x.dtype)
         if work.kind in ("experts", "mlp"):
-            return torch.empty(*x.shape[:-1], d, device="meta")
+            return torch.zeros(*x.shape[:-1], d, device=device, dtype=x.dtype)
         return x
 
 
@@ -136,15 +141,20 @@ class SimBackend(Backend):
     name = "sim"
 
     def __init__(self, hardware: HardwareProfile, capacity_bytes: int | None = None, timed: TimedCosts | None = None,
-                 time_scale: float = 0.0, kernel_delay_s: float = 0.0, timeline: Timeline | None = None):
-        """timed: run in timed mode with these costs (else compute mode). time_scale: real seconds slept per
+                 time_scale: float = 0.0, kernel_delay_s: float = 0.0, timeline: Timeline | None = None,
+                 wall: bool = False):
+        """timed: run in timed mode with these costs (else compute mode); wall (with timed): CPU blocks compute for
+        real, device blocks and copies take the costs' seconds in real time. time_scale: real seconds slept per
         simulated second of a copy or disk read (compute mode; 0: none). kernel_delay_s: real seconds each
         device block sleeps before it runs (compute mode), so a compute stream lags behind the host."""
         super().__init__(timeline)
-        self.hw, self.timed, self.computes = hardware, timed, timed is None
+        if wall and timed is None:
+            raise ValueError("the wall mode takes the device's seconds from timed costs")
+        self.hw, self.timed, self.wall = hardware, timed, wall
+        self.computes = timed is None or wall  # the CPU blocks compute (and the device's too, in compute mode)
         self.capacity_bytes = hardware.vram_bytes if capacity_bytes is None else capacity_bytes
-        self.time_scale, self.kernel_delay_s = time_scale, kernel_delay_s
-        self.device = torch.device("cpu") if self.computes else torch.device("meta")
+        self.time_scale, self.kernel_delay_s = (1.0 if wall else time_scale), kernel_delay_s
+        self.device = torch.device("cpu") if timed is None else torch.device("meta")
         self.errors: list[BaseException] = []
         self._lock = threading.Lock()
         self.host_t = self.cpu_t = self.disk_t = 0.0
@@ -176,7 +186,8 @@ class SimBackend(Backend):
 
     def alloc(self, tier: str, n_bytes: int, pinned: bool = False) -> torch.Tensor:
         self.check_capacity(tier, n_bytes)
-        buf = host_empty(n_bytes) if self.computes else torch.empty(n_bytes, dtype=torch.uint8, device="meta")
+        real = tier != "gpu" if self.wall else self.computes
+        buf = host_empty(n_bytes) if real else torch.empty(n_bytes, dtype=torch.uint8, device="meta")
         self.memory.add(tier, n_bytes)
         return buf
 
@@ -194,7 +205,7 @@ class SimBackend(Backend):
             seconds = n / self.hw.h2d_pinned_bps
             if self.time_scale:
                 time.sleep(seconds * self.time_scale)
-            if self.computes:
+            if self.computes and not self.wall:
                 dst[:n].copy_(src)
             stream.t = start + seconds
             self.timeline.add(Span("h2d_copy", phase, unit, start, stream.t, n_bytes=n))
@@ -247,7 +258,11 @@ class SimBackend(Backend):
         def op():
             start = max(stream.t, issued)
             value = x.resolve() if isinstance(x, Pending) else x
-            if self.computes:
+            if self.wall:  # the device's time, slept; the hidden state passes through
+                seconds = self.timed.seconds(work, True)
+                time.sleep(seconds)
+                value = self.timed.output(work, value, real=True)
+            elif self.computes:
                 if self.kernel_delay_s:
                     time.sleep(self.kernel_delay_s)
                 began = time.perf_counter()
@@ -256,7 +271,7 @@ class SimBackend(Backend):
             else:
                 value, seconds = self.timed.output(work, value), self.timed.seconds(work, True)
             stream.t = start + seconds
-            if not self.computes and work.kv_on_host and work.phase == "decode":
+            if self.timed is not None and work.kv_on_host and work.phase == "decode":
                 self._host_attention_spans(work, start)
             else:
                 self.timeline.add(Span("gpu_block", work.phase, work.unit, start, stream.t, n_tokens=work.n_tokens))
@@ -282,6 +297,8 @@ class SimBackend(Backend):
         seconds = self._hop_s(x)
 
         def op():
+            if self.wall:
+                time.sleep(seconds)
             stream.t = max(stream.t, issued) + seconds
             moved.value = x
             moved.event.set(stream.t)
