@@ -167,7 +167,7 @@ def calibrate(log=print) -> HardwareProfile:
         disk_bytes=shutil.disk_usage(folder).free, n_cores=system_cores(),
         h2d_pinned_bps=gpu.get("h2d_pinned_bps", 0.0), h2d_pageable_bps=gpu.get("h2d_pageable_bps", 0.0),
         gpu_flops=gpu.get("gpu_flops", 0.0), gpu_mem_bps=gpu.get("gpu_mem_bps", 0.0), cpu_mem_bps=cpu_mem_bps,
-        gpu_reserved_bytes=gpu.get("gpu_reserved_bytes", 0),
+        gpu_reserved_bytes=gpu.get("gpu_reserved_bytes", 0), host_read_bps=gpu.get("host_read_bps", 0.0),
         cpu_flops=cpu_flops, disk_read_bps=disk_read_bps, page_cache_bps=page_cache_bps, gpu_name=gpu.get("gpu_name", ""),
         cpu_name=_cpu_name(), source=f"measured by offload calibrate ({', '.join(sorted(paths))} matmuls)")
     return profile

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import resource
+import threading
 import time
 import warnings
 
@@ -260,10 +261,36 @@ def measure_cuda(log=print, copy_bytes: int = 512 * 2**20, repeats: int = 5) -> 
     a = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     b = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
     out["gpu_flops"] = 2 * n**3 / _timed(lambda: a @ b, repeats)
+    out["host_read_bps"] = combined_read_bps(pinned, target)
     del pinned, target, src, dst, a, b
     torch.cuda.empty_cache()
     out["vram_bytes"] = torch.cuda.mem_get_info(dev)[0]
     log(f"gpu {out['gpu_name']}: H2D pinned {out['h2d_pinned_bps'] / 1e9:.1f} GB/s, "
         f"pageable {out['h2d_pageable_bps'] / 1e9:.1f} GB/s, memory {out['gpu_mem_bps'] / 1e9:.0f} GB/s, "
-        f"bf16 matmul {out['gpu_flops'] / 1e12:.0f} TFLOP/s, free {out['vram_bytes'] / 2**30:.1f} GiB")
+        f"bf16 matmul {out['gpu_flops'] / 1e12:.0f} TFLOP/s, free {out['vram_bytes'] / 2**30:.1f} GiB, host RAM "
+        f"to the CPU and the copies together {out['host_read_bps'] / 1e9:.1f} GB/s")
     return out
+
+
+def combined_read_bps(pinned: torch.Tensor, target: torch.Tensor, seconds: float = 1.0) -> float:
+    """Bytes/s host RAM serves the cores (a multi-threaded sum over a buffer past the caches, on a thread) and
+    pinned copies to the GPU running at the same time: the planner's combined host read rate."""
+    host = torch.ones(pinned.numel(), dtype=pinned.dtype)
+    stop, read = threading.Event(), [0]
+
+    def cores():
+        while not stop.is_set():
+            host.sum()
+            read[0] += host.nbytes
+
+    torch.cuda.synchronize()
+    reader = threading.Thread(target=cores, name="offload-calibrate-read")
+    start, copied = time.perf_counter(), 0
+    reader.start()
+    while time.perf_counter() - start < seconds:
+        target.copy_(pinned, non_blocking=True)
+        torch.cuda.synchronize()
+        copied += pinned.nbytes
+    stop.set()
+    reader.join()
+    return (read[0] + copied) / (time.perf_counter() - start)
