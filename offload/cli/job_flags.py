@@ -34,7 +34,8 @@ def add_plan_flags(p) -> None:
     p.add_argument("--disk-memory", help="disk budget for spilled weights such as 200GB (memory.disk; default 0)")
     p.add_argument("--max-tokens", type=int, help="tokens generated per request (sampling.max_tokens)")
     p.add_argument("--batch-size", type=int, help="sequences in flight (schedule.batch_size; default: planned)")
-    p.add_argument("--prefetch-depth", type=int, help="staging slots and read-ahead buffers (schedule.prefetch_depth; default: searched by the planner, 1-4)")
+    p.add_argument("--prefetch-depth", type=int, help="staging slots and read-ahead buffers (schedule.prefetch_depth; "
+                   "default: searched by the planner, 1-4)")
     p.add_argument("--prefill-chunk-tokens", type=int, help="tokens per prefill pass (schedule.prefill_chunk_tokens)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set sampling.top_p=0.9 (repeatable)")

@@ -24,8 +24,8 @@ LOGIT_BYTES = 4
 PAGE_BYTES = 4096  # each unit in the disk read-ahead arena starts on a page
 DROP_PIECE_BYTES = 8 << 20  # a read the page cache is not to keep is done, and dropped, this much at a time
 READ_AHEAD_TRAIL_BYTES = 16 << 20  # the OS's read-ahead runs up to this far past such a read
-READ_PAGE_CACHE_BYTES = DROP_PIECE_BYTES + READ_AHEAD_TRAIL_BYTES
-STEADY_STEPS = 2  # steps priced for a steady one: the first's copies start at once, as the step before's would  # page cache dropped reads hold at any time
+READ_PAGE_CACHE_BYTES = DROP_PIECE_BYTES + READ_AHEAD_TRAIL_BYTES  # page cache dropped reads hold at any time
+STEADY_STEPS = 2  # steps priced for a steady one: the first's copies start at once, as the step before's would
 
 
 @dataclass(frozen=True)

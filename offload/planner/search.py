@@ -1,10 +1,11 @@
-"""The planner's search: candidate placements, per-phase stream-or-CPU choices, disk spill, and shortfalls.
+"""The planner's search: candidate placements, per-phase stream-or-CPU choices, disk spill.
 
 plan(spec, hardware, budget, workload) searches the number of GPU-resident units (in order of time saved
 per byte); for each, it decides per phase which offloaded units stream to the GPU and which compute on
-the CPU (greedily, best gain per PCIe second first, keeping the prefix with the shortest step), spills
-host weights to disk when RAM is short, and keeps the candidate with the shortest job time. Pure
-arithmetic: no torch.
+the CPU (greedily, best gain per PCIe second first, keeping the prefix with the shortest step, the streamed
+units spread between the CPU ones), with the KV caches on the GPU or in host RAM, spills host weights to disk
+when RAM is short, and keeps the candidate with the shortest job time; then the staging depth about it. Pure
+arithmetic: no torch. planner/shortfall.py says what to change when nothing fits.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from pathlib import Path
 
 from offload.errors import ConfigError, PlanError
 from offload.formats import AS_STORED, QUANT_BLOCK_BYTES, WEIGHT_FORMATS, is_quantized
-from offload.hardware import HardwareProfile, format_bytes
-from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, READ_PAGE_CACHE_BYTES, PhaseCost, cpu_path,
-                                   hop_s, main_format, phases_for, price_step, read_ahead_bytes, unit_cost, workspace_bytes)
+from offload.hardware import HardwareProfile
+from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, READ_PAGE_CACHE_BYTES, PhaseCost, cpu_path, hop_s,
+                                   main_format, phases_for, price_step, read_ahead_bytes, unit_cost, workspace_bytes)
+from offload.planner.shortfall import shortfall_message
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec, UnitSpec
 
-STREAMABLE = ("layer", "experts", "mlp", "lm_head")
-HOST_KV_SHARE = 0.1  # the KV cache's share of the GPU budget from which plans with it in host RAM are weighed  # kinds that may stream to the GPU (or compute on the CPU)
+STREAMABLE = ("layer", "experts", "mlp", "lm_head")  # kinds that may stream to the GPU (or compute on the CPU)
+HOST_KV_SHARE = 0.1  # the KV cache's share of the GPU budget from which plans with it in host RAM are weighed
 
 
 @functools.lru_cache(maxsize=4)
@@ -132,7 +134,7 @@ class Search:
             if job_s < best_s * (1 - 1e-9):
                 best, best_s = cand, job_s
         if best is None:
-            raise PlanError(self._shortfall_message(shorts))
+            raise PlanError(shortfall_message(self, shorts))
         self.best_residents = best.residents
         return self._freeze(best, self._phase_cost("prefill", best), self._phase_cost("decode", best))
 
@@ -406,52 +408,9 @@ class Search:
             return "model"
         return path.parent.name if path.name == "config.json" and path.parent.name else path.name
 
-    def _shortfall_message(self, shorts: list[tuple[str, int, int]]) -> str:
-        tier, need, have = min(shorts, key=lambda s: s[1] - s[2])
-        what = (f"{self._model_name()} in {self.fmt} does not fit: the closest placement needs "
-                f"{format_bytes(need)} of {tier} memory but the budget allows {format_bytes(have)} "
-                f"(short by {format_bytes(need - have)})")
-        return what + "; " + "; ".join(self._hints(tier, need - have)) + "."
-
-    def _hints(self, tier: str, short: int) -> list[str]:
-        weights, kv = sum(self.w), sum(self.kv)
-        hints = [f"weights take {format_bytes(weights)}, the KV cache {format_bytes(kv)} for batch "
-                 f"{self.wl.batch_size} x {self.wl.seq_len} tokens"]
-        if kv + self.ws_cpu > short or self.wl.batch_size > 1:
-            hints.append("a smaller --batch-size or --max-tokens would shrink the KV cache and activations")
-        compute = self.wl.compute_format
-        sizes = {fmt: sum(u.nbytes(fmt, compute) for u in self.units) for fmt in QUANT_BLOCK_BYTES}
-        savings = [f"{fmt} would save {format_bytes(weights - n)}" for fmt, n in sizes.items() if n < weights]
-        if savings:
-            hints.append("--quantization " + ", ".join(savings))
-        if tier == "gpu":
-            hints.append("raise --gpu-memory, or set it to 0 to run on the CPU")
-        else:
-            hints.append(self._host_hint())
-        return hints
-
-    def _host_hint(self) -> str:
-        """What to raise so that the CPU-only placement fits: RAM for every weight, or RAM and disk with the
-        weights that do not fit spilled. Budgets are sized for the margin taken from them."""
-        ram_only = _Candidate(["cpu"] * self.n, {p: ["cpu"] * self.n for p in PHASES}, False)
-        hint = f"raise --cpu-memory by {_up(self._budget_for(ram_only) - self.budget.cpu_bytes)} to hold every " \
-               f"weight in RAM"
-        spilled = self._build(0, use_gpu=False)
-        on_disk = sum(self.w[i] for i in range(self.n) if spilled.weight[i] == "disk")
-        disk = f"--disk-memory by {_up(on_disk - self.budget.disk_bytes)} (it is " \
-               f"{format_bytes(self.budget.disk_bytes)})"
-        if spilled.short and spilled.short[0] == "disk":
-            hint += f", or {disk} to spill the weights that do not fit to disk"
-        elif spilled.short and on_disk:
-            more = _up(self._budget_for(spilled) - self.budget.cpu_bytes)
-            hint += (f", or by {more} with {disk} to spill weights to disk" if on_disk > self.budget.disk_bytes
-                     else f", or by {more} with the weights that do not fit spilled to disk")
-        return hint
-
-    def _budget_for(self, cand: _Candidate) -> int:
-        """The CPU budget at which cand's host memory, margin included, just fits."""
-        used = self._host_usage(cand) - self.budget.margin_bytes("cpu")
-        return math.ceil(used / (1 - self.budget.margin_frac))
+    def _all_in_ram(self) -> _Candidate:
+        """Every unit's weights in RAM, computed on the CPU (the shortfall advice sizes budgets for it)."""
+        return _Candidate(["cpu"] * self.n, {p: ["cpu"] * self.n for p in PHASES}, False)
 
 
 def spread(chosen: list[int], candidates: list[int], group) -> list[int]:
@@ -475,15 +434,6 @@ def spread(chosen: list[int], candidates: list[int], group) -> list[int]:
         pool = sorted(pools[key])
         out += [pool[int((j + 0.5) * len(pool) / n)] for j in range(n)]
     return out
-
-
-def _up(n_bytes: int) -> str:
-    """A size rounded up in its unit (0.01 MiB, 0.01 GiB), so that raising a budget by it is always enough."""
-    n_bytes = max(int(n_bytes), 0)
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n_bytes >= scale:
-            return f"{math.ceil(n_bytes / scale * 100) / 100:.2f} {unit}"
-    return f"{n_bytes} B"
 
 
 DEPTHS = (1, 2, 3, 4)  # staging slots the planner weighs: each more holds a larger unit's copy ahead, and costs
