@@ -1,6 +1,7 @@
 """Offloaded inference of a model built from a config.json with random weights in memory (no files).
 
-Plans the model for a GPU budget, runs it through the executor, and prints per batch and phase: tokens/s, the
+Plans the model for a GPU budget, each batch with its own plan ('auto': the batch the planner picks for an
+offline job of --offline-len tokens per sequence), runs it through the executor, and prints per batch and phase: tokens/s, the
 share of wall time the PCIe link was busy, achieved copy bandwidth against the measured pinned bandwidth, the
 share of copy time hidden under GPU compute, time the GPU waited for weights, and peak device memory against
 the budget, and the plan's prediction for the steps run over the measured time of each phase (on cuda and cpu;
@@ -62,6 +63,7 @@ def run_phase(model, batch: int, prompt_len: int, new_tokens: int, vocab: int, p
             "pcie_busy_share": copy_s / wall if wall else 0.0,
             "pcie_bps": achieved, "pcie_over_pinned": achieved / pinned_bps if pinned_bps else None,
             "copy_hidden_share": tl.overlap_s("pcie", "gpu", phase) / copy_s if copy_s else None,
+            "copy_under_cpu_share": tl.overlap_s("pcie", "cpu", phase) / copy_s if copy_s else None,
             "gpu_wait_s": sum(s.duration_s for s in tl.spans if s.kind == "wait" and s.phase == phase),
             "cpu_share": tl.busy_s("cpu", phase) / wall if wall else 0.0,
             "gpu_share": tl.busy_s("gpu", phase) / wall if wall else 0.0,
@@ -79,8 +81,9 @@ def _backend(name: str, request: PlanRequest, gpu_bytes: int):
 def _line(batch: int, phase: str, f: dict) -> str:
     vs = f" ({f['pcie_over_pinned']:.2f}x of pinned)" if f["pcie_over_pinned"] else ""
     hidden = "-" if f["copy_hidden_share"] is None else f"{f['copy_hidden_share']:.0%}"
+    under_cpu = "-" if f["copy_under_cpu_share"] is None else f"{f['copy_under_cpu_share']:.0%}"
     return (f"batch {batch:3d} {phase:7s}: {f['tokens_per_s']:9.2f} tok/s  PCIe busy {f['pcie_busy_share']:4.0%} at "
-            f"{f['pcie_bps'] / 1e9:6.2f} GB/s{vs}  copy hidden {hidden}  GPU waited {f['gpu_wait_s'] * 1e3:.1f} ms  "
+            f"{f['pcie_bps'] / 1e9:6.2f} GB/s{vs}  copy hidden {hidden} (under CPU {under_cpu})  GPU waited {f['gpu_wait_s'] * 1e3:.1f} ms  "
             f"busy CPU {f['cpu_share']:.0%} / GPU {f['gpu_share']:.0%}  predicted/measured "
             f"{'-' if f['predicted_over_measured'] is None else format(f['predicted_over_measured'], '.2f')}")
 
@@ -95,47 +98,65 @@ def main() -> None:
     ap.add_argument("--backend", default="auto", choices=["auto", "cuda", "cpu", "sim"])
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=8)
-    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--batches", default="1,32", help="batch sizes, each run with its own plan; 'auto': the batch "
+                    "the planner chooses for --offline-len (prompts of --prompt-len)")
+    ap.add_argument("--offline-len", type=int, default=640, help="max_model_len of the 'auto' batch's plan (an "
+                    "offline job's prompts plus its new tokens)")
     ap.add_argument("--json", help="write every figure here")
     args = ap.parse_args()
 
+    results = {"model": args.model, "batches": {}}
+    for batch in args.batches.split(","):
+        auto = batch.strip() == "auto"
+        max_len = args.offline_len if auto else args.prompt_len + args.decode_tokens + 1
+        request = PlanRequest(str(args.model), args.quantization, "auto", args.hardware, args.gpu_memory,
+                              args.cpu_memory, batch_size=None if auto else int(batch), max_model_len=max_len,
+                              max_tokens=max_len - args.prompt_len if auto else args.decode_tokens + 1,
+                              backend="cuda" if args.backend == "cuda" else "auto")
+        r, plan = run_batch(request, args)
+        results["batches"][str(plan.workload.batch_size) + (" (auto)" if auto else "")] = r
+        results.setdefault("backend", r["backend"])
+        results.setdefault("measured_pinned_bps", r["measured_pinned_bps"])
+        results["build_s"] = results.get("build_s", 0.0) + r["build_s"]
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2))
+
+
+def run_batch(request: PlanRequest, args) -> tuple[dict, object]:
+    """Plan request, build its model with random weights, run its batch; every figure of the run."""
     spec = model_spec(Path(args.model))
-    batches = [int(b) for b in args.batches.split(",")]
-    request = PlanRequest(str(args.model), args.quantization, "auto", args.hardware, args.gpu_memory,
-                          args.cpu_memory, batch_size=max(batches), max_model_len=args.prompt_len + args.decode_tokens
-                          + 1, max_tokens=args.decode_tokens + 1, backend="cuda" if args.backend == "cuda" else "auto")
     hardware = request.profile()
     plan = plan_for(spec, hardware, request)
     spec = plan_spec(spec, plan)
+    batch = plan.workload.batch_size
     backend = _backend(args.backend, request, plan.budget.gpu_bytes)
     pinned_bps = hardware.h2d_pinned_bps
     if backend.name == "cuda":
         pinned_bps, pageable_bps = backend.measure_h2d_bps()
         print(f"measured H2D: pinned {pinned_bps / 1e9:.1f} GB/s, pageable {pageable_bps / 1e9:.1f} GB/s")
     dtype = torch_dtype(plan.workload.compute_format)
-    print(plan.summary_line)
+    print(f"batch {batch}: {plan.summary_line}, depth {plan.prefetch_depth}, "
+          f"{sum(u.kv_tier == 'cpu' and u.decode != 'cpu' for u in plan.units)} GPU layers with KV in host RAM")
     start = time.perf_counter()
     model = PlacedModel(spec, RandomSource(spec, dtype, args.quantization), Placement.from_plan(plan), backend, dtype)
     build_s = time.perf_counter() - start
     print(f"built and placed random {args.quantization} weights in {build_s:.1f} s; backend {backend.name}")
     budget = plan.tier("gpu").budget_bytes
-    results = {"backend": backend.name, "model": plan.model, "plan": plan.summary_line, "build_s": build_s,
-               "measured_pinned_bps": pinned_bps, "gpu_budget_bytes": budget, "batches": {}}
-    for batch in batches:
-        r = run_phase(model, batch, args.prompt_len if batch == 1 else 16, args.decode_tokens, spec.vocab_size,
-                      pinned_bps, None if backend.name == "sim" else lambda shapes: recost_steps(spec, hardware, plan,
-                                                                                                  shapes))
-        for phase in ("prefill", "decode"):
-            print(_line(batch, phase, r[phase]))
-        peak = r["peak_device_bytes"]
-        r["peak_within_budget"] = peak <= budget
-        dec = r["decode"]
-        r["decode_link_goal_met"] = dec["pcie_busy_share"] >= GOAL or (dec["copy_hidden_share"] or 0) >= GOAL
-        print(f"batch {batch:3d} peak device memory {format_bytes(peak)} of budget {format_bytes(budget)} "
-              f"({'within' if peak <= budget else 'OVER'})")
-        results["batches"][str(batch)] = r
-    if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=2))
+    prompt_len = args.prompt_len if batch == 1 or request.batch_size is None else 16
+    r = run_phase(model, batch, prompt_len, args.decode_tokens, spec.vocab_size, pinned_bps,
+                  None if backend.name == "sim" else lambda shapes: recost_steps(spec, hardware, plan, shapes))
+    r.update(backend=backend.name, plan=plan.summary_line, build_s=build_s, measured_pinned_bps=pinned_bps,
+             gpu_budget_bytes=budget, prefetch_depth=plan.prefetch_depth)
+    for phase in ("prefill", "decode"):
+        print(_line(batch, phase, r[phase]))
+    peak = r["peak_device_bytes"]
+    r["peak_within_budget"] = peak <= budget
+    dec = r["decode"]
+    r["decode_link_goal_met"] = dec["pcie_busy_share"] >= GOAL or (dec["copy_hidden_share"] or 0) >= GOAL
+    print(f"batch {batch:3d} peak device memory {format_bytes(peak)} of budget {format_bytes(budget)} "
+          f"({'within' if peak <= budget else 'OVER'})")
+    model.close()
+    return r, plan
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ if [ "$smoke" -eq 0 ]; then
     step cuda_tests 300 $py -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py tests/test_triton_dequant.py \
         tests/test_device_dequant_gguf.py
     step offload_70b 300 $py scripts/bench_offload.py --model configs/models/llama-3.1-70b --quantization q4_0 \
-        --gpu-memory 22GiB --cpu-memory 100GiB "${hardware[@]}" --backend cuda --prompt-len 512 --decode-tokens 8 --batches 1,32 \
+        --gpu-memory 22GiB --cpu-memory 100GiB "${hardware[@]}" --backend cuda --prompt-len 512 --decode-tokens 8 --batches 1,32,auto \
         --json "$out/offload.json"
     start=$(date +%s)
     wait "$maker"
@@ -86,7 +86,7 @@ else
     step sim_tests 300 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_sim.py
     step offload_sim 300 $py scripts/bench_offload.py --model configs/models/smollm2-135m --quantization q4_0 \
         --gpu-memory 680MiB --hardware configs/hardware/rtx4090-ddr5.yaml --backend sim --prompt-len 32 \
-        --decode-tokens 4 --batches 1,4 --json "$out/offload.json"
+        --decode-tokens 4 --batches 1,4,auto --offline-len 64 --json "$out/offload.json"
 fi
 
 $py - "$out" "$smoke" <<'PY'
