@@ -136,17 +136,19 @@ class Step:
                        self.valid[:, start:stop], self.cos[:, :, start:stop], self.sin[:, :, start:stop], self.phase,
                        self.sliding_window)
 
-    def to(self, device) -> "Step":
-        """This step with its tensors on device (positions stay where they are), moved once for every layer."""
+    def to(self, device, move=None) -> "Step":
+        """This step with its tensors on device (positions stay where they are), moved once for every layer; move
+        (tensor -> tensor on device), where given, moves them (the executor's backend: from page-locked memory,
+        without waiting for the device)."""
+        move = move or (lambda t: t.to(device, non_blocking=True))
         if self.groups is not None:
-            return _ragged([g.to(device) for g in self.groups], list(self.offsets), self.positions,
-                           self.write_index.to(device, non_blocking=True), self.valid, self.cos.to(device),
-                           self.sin.to(device), self.phase, self.sliding_window)
-        rows = None if self.rows is None else self.rows.to(device, non_blocking=True)
-        bases = None if self.bases is None else self.bases.to(device, non_blocking=True)
-        return Step(self.positions, self.write_index.to(device, non_blocking=True), self.valid, self.n_keys,
-                    self.cos.to(device), self.sin.to(device), rows, self.phase, self.sliding_window, bases,
-                    _mask=self.mask.to(device))
+            return _ragged([g.to(device, move) for g in self.groups], list(self.offsets), self.positions,
+                           move(self.write_index), self.valid, move(self.cos), move(self.sin), self.phase,
+                           self.sliding_window)
+        rows = None if self.rows is None else move(self.rows)
+        bases = None if self.bases is None else move(self.bases)
+        return Step(self.positions, move(self.write_index), self.valid, self.n_keys, move(self.cos), move(self.sin),
+                    rows, self.phase, self.sliding_window, bases, _mask=move(self.mask))
 
 
 def _ragged(groups, offsets, positions, write_index, valid, cos, sin, phase, sliding_window) -> Step:

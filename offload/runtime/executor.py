@@ -493,7 +493,7 @@ class PlacedModel:
     def _step_on(self, step: Step, on_device: bool, steps: dict) -> Step:
         key = ("step", on_device)
         if key not in steps:
-            steps[key] = step.to(self.backend.device) if on_device else step
+            steps[key] = step.to(self.backend.device, self.backend.upload) if on_device else step
         return steps[key]
 
     def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):

@@ -181,6 +181,10 @@ class Backend:
         """Hidden states handed to the device (ordered on the compute stream)."""
         return x.to(self.device)
 
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """A small host tensor (a step's positions, rope tables, mask) on the device, for the device's blocks."""
+        return t.to(self.device)
+
     def to_host(self, x) -> torch.Tensor:
         """A device result on the host, once the device has computed it."""
         return x.to("cpu")
