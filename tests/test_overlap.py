@@ -194,3 +194,19 @@ def test_wall_mode_computes_cpu_blocks_and_sleeps_the_device():
     start = time.perf_counter()
     wall.host_wait(wall.copy_h2d(buf, torch.zeros(20_000, dtype=torch.uint8), "layer.0", "decode"))
     assert time.perf_counter() - start >= 0.009  # 20 kB at 2 MB/s: 10 ms
+
+
+def test_recosting_a_host_kv_plan_prices_its_cpu_attention():
+    """The run report re-costs the plan for the steps it ran: for a plan whose GPU layers keep their KV caches in
+    host RAM, a step of the plan's own shape costs the plan's decode step (the CPU's attention and the hand-overs
+    priced, not the GPU's)."""
+    from offload.planner.recost import recost_steps
+    from offload.profile.timeline import StepShape
+
+    spec, hw = load_spec(MODEL_70B), load_hardware("rtx4090-ddr5")
+    budget = Budget.for_hardware(hw, gpu_bytes=22 * GiB, cpu_bytes=64 * GiB)
+    p = plan(spec, hw, budget, Workload(batch_size=128, prompt_len=512, gen_len=128), "q4_0", None)
+    assert any(u.kind == "layer" and u.decode != "cpu" and u.kv_tier == "cpu" for u in p.units)
+    mid = 512 + 128 // 2
+    shape = StepShape("decode", 0.0, 0, 128, 128, 128, attended_keys=128 * mid, kv_read_tokens=128 * mid)
+    assert recost_steps(spec, hw, p, [shape])["decode"] == pytest.approx(p.decode.step_s)

@@ -29,6 +29,8 @@ def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> di
     weight = [by_name[u.name].weight_tier for u in units]
     modes = {p: [getattr(by_name[u.name], p) for u in units] for p in PHASES}
     cached = frozenset(i for i, u in enumerate(units) if by_name[u.name].page_cached)
+    host_kv = frozenset(i for i, u in enumerate(units)  # GPU layers whose KV cache is in host RAM
+                        if u.kind == "layer" and by_name[u.name].kv_tier == "cpu" and by_name[u.name].decode != "cpu")
     path = cpu_path(main_format(spec, plan.weight_format), plan.workload.compute_format)
     unit_memo: dict = {}
     step_memo: dict[Phase, float] = {}
@@ -44,7 +46,7 @@ def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> di
                 costs.append(unit_memo[key])
             step_memo[phase] = price_step(spec, hw, phase, costs, kinds, modes[phase.name], modes["decode"], weight,
                                           plan.prefetch_depth, path, steady=phase.name == "decode",
-                                          cached=cached).step_s
+                                          cached=cached, host_kv=host_kv, overlap=False).step_s
         out[phase.name] += step_memo[phase]
     return out
 
