@@ -2,9 +2,8 @@
 
 The loop is written once against Backend. For each unit in order (embed, layers, norm, lm_head):
 acquire its weights (resident / staging slot / host buffer / read-ahead buffer), move the hidden state to
-where it computes, compute, release — and as soon as a streamed block is released, the next streamed
-block's copy is issued into its slot, so copies run under compute; past the step's last streamed unit, the next
-step's first host-RAM units are copied ahead, so the link also works while the step's CPU blocks run.
+where it computes, compute, release. The Streamer (runtime/streamer.py) issues the copies into the staging slots
+and the disk reads by the plan's schedule, so copies run under compute, the CPU blocks' included.
 Consecutive layers held and computed in host RAM have nothing to acquire or release: they run as one group,
 back to back, each still timed as a unit. Every device interaction goes through the backend (launch, run_cpu,
 to_device / to_host, copies and events), so the simulated device runs this same loop.
@@ -36,6 +35,7 @@ from offload.runtime.backends.base import Backend, Work
 from offload.runtime.disk import DiskStore, ReadAhead, mapped_pieces
 from offload.runtime.host_memory import keep_heap_small
 from offload.runtime.staging import StagingRing
+from offload.runtime.streamer import Streamer
 from offload.runtime.threads import ThreadGovernor
 from offload.runtime.unit_store import UnitLayout, in_row_order, layout_of, materialize, write_into
 from offload.spec import ModelSpec
@@ -79,16 +79,12 @@ class PlacedModel:
         self.reader = self._make_reader()
         self._cpu_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="offload-cpu")
         self._overlap = self.ring is not None or self.reader is not None
-        # the schedule's unit lists, fixed by the placement: made once, not at every step
-        self._streamed = {phase: [n for n in self.order if placement[n].mode(phase) == "stream"]
-                          for phase in PHASES}
-        self._on_disk = [n for n in self.order if placement[n].weights == "disk" and n not in self._embed_rows
-                         and n not in self._in_place]
+        on_disk = [n for n in self.order if placement[n].weights == "disk" and n not in self._embed_rows
+                   and n not in self._in_place]
+        self.streamer = Streamer(backend, placement, self.order, self.layouts, self.host_buffers, self.ring,
+                                 self.reader, on_disk)
         self._schedule = {phase: self._group_host_layers(phase) for phase in PHASES}
         self._kv_bytes: dict[str, int] = {}
-        self._stream_queue: list[str] = []
-        self._next_copy = 0  # past the end of the queue: copies for the next step of the same phase
-        self._ahead: list[str] = []  # units copied ahead for the next step
         self.threads = ThreadGovernor(torch.get_num_threads(), enabled=None if backend.computes else False)
         self._step_began = 0.0
         self._held = None  # the lm_head's weights kept for more rows of the step (logits(more=True))
@@ -292,49 +288,7 @@ class PlacedModel:
     # the schedule -------------------------------------------------------------------------------------
     def _begin_step(self, phase: str) -> None:
         self._phase = phase
-        self._stream_queue = self._streamed[phase]
-        ahead = self._ahead
-        self._ahead = []
-        if ahead and ahead != self._stream_queue[:len(ahead)]:
-            self.ring.discard(ahead)  # copied ahead for a step that streams other units: not used
-            ahead = []
-        self._next_copy = len(ahead)
-        if self.reader is not None:
-            self.reader.schedule(self._on_disk, phase)
-        self._issue_copies(phase)
-
-    def _issue_copies(self, phase: str, need: str | None = None) -> None:
-        """Copy upcoming streamed units into free slots, in order; block on a disk read only for `need`.
-
-        Past the step's last streamed unit, host-RAM units are copied ahead for the next step of the same phase
-        (decode steps and prefill passes repeat), so the link works while the step's CPU blocks run."""
-        while self.ring is not None and self.ring.free_slot() is not None:
-            name = self._next_streamed()
-            if name is None:
-                return
-            src = self._host_source(name, block=name == need)
-            if src is None:
-                return
-            ready_t = self.reader.ready_t(name) if self.placement[name].weights == "disk" else 0.0
-            self.ring.load(name, src[: self.layouts[name].n_bytes], phase, ready_t)
-            if self._next_copy >= len(self._stream_queue):
-                self._ahead.append(name)
-            self._next_copy += 1
-
-    def _next_streamed(self) -> str | None:
-        """The next unit to copy: this step's, or the next step's while it is in host RAM and not in a slot."""
-        queue = self._stream_queue
-        if self._next_copy < len(queue):
-            return queue[self._next_copy]
-        j = self._next_copy - len(queue)
-        if j >= len(queue) or self.placement[queue[j]].weights == "disk" or self.ring.holds(queue[j]):
-            return None
-        return queue[j]
-
-    def _host_source(self, name: str, block: bool) -> torch.Tensor | None:
-        if self.placement[name].weights == "cpu":
-            return self.host_buffers[name]
-        return self.reader.acquire(name) if block else self.reader.try_acquire(name)
+        self.streamer.begin_step(phase)
 
     def _acquire(self, name: str, phase: str):
         """(weights, on_device) for unit name in this phase."""
@@ -343,13 +297,7 @@ class PlacedModel:
         if mode == "gpu":
             return self.resident[name], True
         if mode == "stream":
-            if not any(s.unit == name and s.in_use for s in self.ring.slots):
-                self._issue_copies(phase, need=name)
-            buf = self.ring.acquire(name, phase)
-            if p.weights == "disk":  # the read buffer is free once its copy has landed
-                self.backend.host_wait(next(s.copy_handle for s in self.ring.slots if s.unit == name and s.in_use))
-                self.reader.release(name)
-            return materialize(self.layouts[name], buf, on_device=True), True
+            return materialize(self.layouts[name], self.streamer.acquire(name, phase), on_device=True), True
         if p.weights == "cpu" or name in self._in_place:
             return self.host_weights[name], False
         return materialize(self.layouts[name], self.reader.acquire(name), on_device=False), False
@@ -358,8 +306,7 @@ class PlacedModel:
         p = self.placement[name]
         mode = p.mode(phase)
         if mode == "stream":
-            self.ring.release(name)
-            self._issue_copies(phase)  # block j+k's copy goes into the slot block j just left
+            self.streamer.release(name, phase)
         elif mode == "cpu" and p.weights == "disk" and name not in self._in_place:
             self.reader.release(name)
 
