@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 from offload.formats import AS_STORED, FLOAT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile
+from offload.planner.schedule import copied_ahead
 from offload.spec import ModelSpec, UnitSpec
 
 HANDED_OVER = ("experts", "mlp")  # unit kinds that take their layer's [residual | normed h] hand-over
@@ -347,11 +348,13 @@ class _Pipeline:
         self.slots = deque([(0.0, 0.0)] * max(depth, 1))  # (when its last block ends, when the host released it)
         self.buffers = deque([0.0] * max(depth, 1))  # when each read-ahead buffer is free again
         self.copies: list[tuple[float, float]] = []
-        self.n_passes = 1
+        self.n_passes = self.n_ahead = 1
         self.blocks: list[tuple[float, float, str]] = []  # (start, end, cpu | gpu)
 
     def run(self, units, n_passes: int, steady: bool) -> float:
         ends, self.n_passes = [], n_passes
+        on_disk = [tier == "disk" for mode, tier, *_ in units if mode == "stream"]
+        self.n_ahead = copied_ahead(on_disk, len(self.slots))  # the schedule's rule, as the streamer takes it
         for _ in range(min(n_passes, 3) if not steady else STEADY_STEPS):
             self.copies, self.blocks = [], []
             self.step(units, n_passes)
@@ -372,7 +375,7 @@ class _Pipeline:
         t_gpu, t_copy, t_cpu, t_disk, t_host, t_x = self.t_gpu, self.t_copy, self.t_cpu, self.t_disk, self.t_host, \
             self.t_x
         slots, buffers, copies, blocks, on_gpu = self.slots, self.buffers, self.copies, self.blocks, self.on_gpu
-        begin, after_disk = t_x, False  # the step starts when the host has the previous step's answer
+        begin, j, n_ahead = t_x, 0, self.n_ahead  # the step starts when the host has the previous step's answer
         for mode, tier, c, extra_s, hop_s in units:
             ready = 0.0
             if tier == "disk":
@@ -380,9 +383,9 @@ class _Pipeline:
                 ready = t_disk
             on_cpu = mode == "cpu"
             if mode == "stream":
-                after_disk |= tier == "disk"
                 free, released = slots.popleft()
-                issued = max(released, begin) if after_disk else released  # no prefetch past a disk unit
+                issued = released if j < n_ahead else max(released, begin)  # copied ahead, or in its step
+                j += 1
                 start = max(t_copy, free, issued, ready)
                 t_copy = start + c.pcie_s / n_passes
                 copies.append((start, t_copy))

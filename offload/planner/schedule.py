@@ -1,6 +1,7 @@
 """The schedule of one step, as data: which unit is copied into which staging slot when, which runs where, and where
 the hidden state changes device. The planner makes it from a placement; the plan carries it (JSON, --explain);
-the executor's log of one step is tested against it (tests/test_overlap.py). No torch.
+the executor's log of one step is tested against it (tests/test_overlap.py), and the executor's streamer and the
+pricer take the rule of what is copied ahead from here (copied_ahead). No torch.
 
 The rules, once: streamed units take the staging slots in turn (unit j of a step's streamed units, slot j mod
 depth); the copy of streamed unit j + depth is issued as soon as unit j is released (its compute enqueued), into
@@ -63,7 +64,7 @@ def phase_schedule(phase: str, units: list[tuple[str, str, str]], depth: int, st
     streamed = [name for name, mode, _ in units if mode == "stream"]
     tier = {name: weights for name, _, weights in units}
     depth = min(depth, len(streamed))
-    ahead = _copied_ahead(streamed, tier, depth) if steady else 0
+    ahead = copied_ahead([tier[n] == "disk" for n in streamed], depth) if steady else 0
     actions = [Action("copy", streamed[j], slot=j % depth, issued=AHEAD if j < ahead else "start")
                for j in range(depth)]
     device = None
@@ -85,10 +86,11 @@ def phase_schedule(phase: str, units: list[tuple[str, str, str]], depth: int, st
     return PhaseSchedule(phase, depth, tuple(actions))
 
 
-def _copied_ahead(streamed: list[str], tier: dict[str, str], depth: int) -> int:
-    """How many of a step's first streamed units the step before copies ahead: those in host RAM, up to the first
-    disk unit, at most depth."""
+def copied_ahead(on_disk: list[bool], depth: int) -> int:
+    """How many of a step's first streamed units the step before copies ahead (on_disk: each streamed unit's, in
+    order): those in host RAM, up to the first disk unit (its read belongs to its own step), at most depth. The
+    executor's streamer and the pricer both take it from here."""
     n = 0
-    while n < depth and tier[streamed[n]] != "disk":
+    while n < min(depth, len(on_disk)) and not on_disk[n]:
         n += 1
     return n

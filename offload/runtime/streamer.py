@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from offload.planner.placement import Placement
+from offload.planner.schedule import copied_ahead
 from offload.planner.types import PHASES
 from offload.runtime.backends.base import Backend
 from offload.runtime.disk import ReadAhead
@@ -24,14 +25,18 @@ class Streamer:
         self.ring, self.reader, self.on_disk = ring, reader, on_disk
         # the schedule's unit lists, fixed by the placement: made once, not at every step
         self.streamed = {phase: [n for n in order if placement[n].mode(phase) == "stream"] for phase in PHASES}
+        slots = ring.n_slots if ring is not None else 0
+        self.ahead = {phase: copied_ahead([placement[n].weights == "disk" for n in units], slots)
+                      for phase, units in self.streamed.items()}  # the next step's units copied ahead at most
         self._queue: list[str] = []
+        self._n_ahead = 0
         self._next_copy = 0  # past the end of the queue: copies for the next step of the same phase
         self._ahead: list[str] = []  # units copied ahead for the next step
 
     def begin_step(self, phase: str) -> None:
         """A step of phase begins: keep what was copied ahead for it (else free those slots), schedule the disk
         reads, and issue the first copies."""
-        self._queue = self.streamed[phase]
+        self._queue, self._n_ahead = self.streamed[phase], self.ahead[phase]
         ahead, self._ahead = self._ahead, []
         if ahead and ahead != self._queue[:len(ahead)]:
             self.ring.discard(ahead)  # copied ahead for a step that streams other units: not used
@@ -62,7 +67,7 @@ class Streamer:
         if self._next_copy < len(queue):
             return queue[self._next_copy]
         j = self._next_copy - len(queue)
-        if j >= len(queue) or self.placement[queue[j]].weights == "disk" or self.ring.holds(queue[j]):
+        if j >= self._n_ahead or self.ring.holds(queue[j]):
             return None
         return queue[j]
 
