@@ -210,3 +210,21 @@ def test_recosting_a_host_kv_plan_prices_its_cpu_attention():
     mid = 512 + 128 // 2
     shape = StepShape("decode", 0.0, 0, 128, 128, 128, attended_keys=128 * mid, kv_read_tokens=128 * mid)
     assert recost_steps(spec, hw, p, [shape])["decode"] == pytest.approx(p.decode.step_s)
+
+
+def test_plan_json_carries_the_schedule_and_explain_says_how_much_copy_time_hides(capsys):
+    """`offload plan --json` has each phase's step as actions; `--explain` gives the copy time under compute."""
+    import json
+
+    from offload.cli.main import main
+
+    argv = ["plan", "--model", MODEL_70B, "--hardware", "rtx4090-ddr5", "--gpu-memory", "22GiB", "--cpu-memory",
+            "64GiB", "--quantization", "q4_0", "--batch-size", "32", "--max-model-len", "2048", "--max-tokens", "16"]
+    assert main(argv + ["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    decode = data["schedule"]["decode"]
+    assert any(a.startswith("copy layer.") and "is released" in a for a in decode)
+    assert any(a.startswith("run layer.") and a.endswith("on cpu") for a in decode)
+    assert data["phases"]["decode"]["copy_under_cpu_s"] > 0.5 * data["phases"]["decode"]["pcie_s"]
+    assert main(argv + ["--explain"]) == 0
+    assert "Copies under compute: prefill: " in capsys.readouterr().out
