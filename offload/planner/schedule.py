@@ -40,15 +40,11 @@ class Action:
 
 @dataclass(frozen=True)
 class PhaseSchedule:
-    """One step of a phase: its actions in issue order, the staging depth, and which copies are made ahead."""
+    """One step of a phase: its actions in issue order and the staging depth."""
 
     phase: str
     depth: int
     actions: tuple[Action, ...]
-
-    @property
-    def copies(self) -> tuple[Action, ...]:
-        return tuple(a for a in self.actions if a.op == "copy")
 
     @property
     def runs(self) -> tuple[Action, ...]:
@@ -62,6 +58,7 @@ def phase_schedule(phase: str, units: list[tuple[str, str, str]], depth: int, st
     """The schedule of one step of phase for units in order as (name, mode in this phase, weight tier); steady: a
     step after one like it (decode), whose first host-RAM units were copied ahead by the step before."""
     streamed = [name for name, mode, _ in units if mode == "stream"]
+    turn = {name: j for j, name in enumerate(streamed)}  # each streamed unit's place in the step's streamed ones
     tier = {name: weights for name, _, weights in units}
     depth = min(depth, len(streamed))
     ahead = copied_ahead([tier[n] == "disk" for n in streamed], depth) if steady else 0
@@ -76,7 +73,7 @@ def phase_schedule(phase: str, units: list[tuple[str, str, str]], depth: int, st
         actions.append(Action("run", name, where))
         if mode != "stream":
             continue
-        j = streamed.index(name)
+        j = turn[name]
         actions.append(Action("release", name, slot=j % depth))
         nxt = j + depth
         if nxt < len(streamed):

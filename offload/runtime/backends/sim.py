@@ -88,18 +88,20 @@ class TimedCosts:
         self._memo: dict = {}
 
     def seconds(self, work: Work, on_device: bool) -> float:
-        unit = self.units[work.unit]
-        key = (unit.kind, unit.kind != "layer" and unit.name, work.phase, work.n_tokens, work.n_seqs,
-               work.n_keys, on_device, work.kv_on_host)
-        if key not in self._memo:
-            cost = unit_cost(self.spec, unit, self.fmt, self.hw, self._phase(work), self.compute)
-            self._memo[key] = self._seconds(cost, work, on_device)
-        return self._memo[key]
+        return self._seconds(self._cost(work), work, on_device)
 
     def host_attention_parts(self, work: Work) -> tuple[float, float, float]:
         """(GPU matmul, CPU attention, hand-over) seconds of a GPU layer's decode over a host KV cache."""
-        cost = unit_cost(self.spec, self.units[work.unit], self.fmt, self.hw, self._phase(work), self.compute)
+        cost = self._cost(work)
         return cost.gpu_matmul_s, cost.attn_host_s, cost.kv_hop_s
+
+    def _cost(self, work: Work):
+        """The unit's cost model figures for this work's shape, priced once per shape."""
+        unit = self.units[work.unit]
+        key = (unit.kind, unit.kind != "layer" and unit.name, work.phase, work.n_tokens, work.n_seqs, work.n_keys)
+        if key not in self._memo:
+            self._memo[key] = unit_cost(self.spec, unit, self.fmt, self.hw, self._phase(work), self.compute)
+        return self._memo[key]
 
     @staticmethod
     def _seconds(cost, work: Work, on_device: bool) -> float:
