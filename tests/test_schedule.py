@@ -138,3 +138,31 @@ def test_peak_memory_stays_within_the_plan(model_dir):
     reference = LLM(str(model_dir), placement=Placement.uniform(llm.spec, "cpu", "cpu"), backend="cpu")
     ref = reference.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in out] == [o.token_ids for o in ref]
+
+
+def _host_ram_only(placement: Placement) -> Placement:
+    """The placement with its disk units held in host RAM instead (a copy then never waits for a read)."""
+    from dataclasses import replace
+
+    units = {n: replace(p, weights="cpu") if p.weights == "disk" else p for n, p in placement.units.items()}
+    return replace(placement, units=units)
+
+
+@pytest.mark.parametrize("seed,k", [(0, 1), (1, 2), (2, 3), (3, 2), (4, 4)])
+def test_the_executor_replays_the_schedules_copies_step_after_step(model_dir, seed, k):
+    """The schedule the plan carries is what the executor does: for a random mix of streamed and CPU units, a decode
+    step's copies and releases come in the order of the schedule's actions, the next step's first units copied as
+    this step's last ones are released."""
+    from offload.planner.schedule import AHEAD, phase_schedule
+
+    spec = load_spec(model_dir)
+    placement = _host_ram_only(Placement.random(spec, seed, prefetch_depth=k))
+    model = run_placed(model_dir, placement, n_prompts=1, max_tokens=6)
+    units = [(n, placement[n].mode("decode"), placement[n].weights) for n in model.order]
+    schedule = phase_schedule("decode", units, k, steady=True)
+    planned = [(a.op, a.unit) for a in schedule.actions if a.op in ("copy", "release") and a.issued != AHEAD]
+    issued = [(event, unit) for event, unit, _ in model.backend.log if event in ("copy", "release")]
+    if not planned:
+        pytest.skip("this mix streams nothing in decode")
+    # the last decode steps replay the schedule exactly (the first decode step follows a prefill step)
+    assert issued[-2 * len(planned):] == planned + planned, (issued[-2 * len(planned):], planned)

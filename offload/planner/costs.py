@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 from offload.formats import AS_STORED, FLOAT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile
-from offload.planner.schedule import copied_ahead
+from offload.planner.schedule import AHEAD, copy_plan
 from offload.spec import ModelSpec, UnitSpec
 
 HANDED_OVER = ("experts", "mlp")  # unit kinds that take their layer's [residual | normed h] hand-over
@@ -339,22 +339,27 @@ def pipeline_s(units: list[tuple[str, str, UnitCost, float, float]], depth: int,
 
 
 class _Pipeline:
-    """The clocks of pipeline_s: link, GPU, CPU, disk, host, the hidden state, staging slots and read buffers; the
-    copies' and blocks' intervals of the step being priced."""
+    """The clocks of pipeline_s: link, GPU, CPU, disk, host, the hidden state, read buffers, and each streamed
+    unit's block end and release (a staging slot is free again once its unit's block has run); the copies' and
+    blocks' intervals of the step being priced. When each copy is issued, and into whose slot, is the schedule's
+    (planner/schedule.copy_plan), as the executor's streamer replays it."""
 
     def __init__(self, depth: int, on_gpu: bool):
-        self.on_gpu = on_gpu
+        self.on_gpu, self.depth = on_gpu, max(depth, 1)
         self.t_gpu = self.t_copy = self.t_cpu = self.t_disk = self.t_host = self.t_x = 0.0
-        self.slots = deque([(0.0, 0.0)] * max(depth, 1))  # (when its last block ends, when the host released it)
-        self.buffers = deque([0.0] * max(depth, 1))  # when each read-ahead buffer is free again
+        self.buffers = deque([0.0] * self.depth)  # when each read-ahead buffer is free again
+        self.slots = deque([0.0] * self.depth)  # when each staging slot's last block ends, in the ring's turn
         self.copies: list[tuple[float, float]] = []
-        self.n_passes = self.n_ahead = 1
+        self.n_passes = 1
         self.blocks: list[tuple[float, float, str]] = []  # (start, end, cpu | gpu)
+        self.plan: tuple = ()
+        self.released: list[float] = []  # when the host released the previous step's streamed units
 
     def run(self, units, n_passes: int, steady: bool) -> float:
         ends, self.n_passes = [], n_passes
-        on_disk = [tier == "disk" for mode, tier, *_ in units if mode == "stream"]
-        self.n_ahead = copied_ahead(on_disk, len(self.slots))  # the schedule's rule, as the streamer takes it
+        on_disk = tuple(tier == "disk" for mode, tier, *_ in units if mode == "stream")
+        self.plan = copy_plan(on_disk, self.depth, steady=True)  # the first step copies at its start what a
+        self.released = [0.0] * len(on_disk)  # steady one had copied ahead
         for _ in range(min(n_passes, 3) if not steady else STEADY_STEPS):
             self.copies, self.blocks = [], []
             self.step(units, n_passes)
@@ -371,11 +376,15 @@ class _Pipeline:
 
     def step(self, units, n_passes: int) -> None:
         """One step: each unit's read, copy and block in order (clocks kept in locals: the search prices
-        thousands of steps)."""
+        thousands of steps). A copy starts once the schedule has issued it (at a release, or as the step begins),
+        the link is free, its staging slot's previous unit has run (the ring's slots are taken in turn) and, for a
+        disk unit, its read has landed."""
         t_gpu, t_copy, t_cpu, t_disk, t_host, t_x = self.t_gpu, self.t_copy, self.t_cpu, self.t_disk, self.t_host, \
             self.t_x
-        slots, buffers, copies, blocks, on_gpu = self.slots, self.buffers, self.copies, self.blocks, self.on_gpu
-        begin, j, n_ahead = t_x, 0, self.n_ahead  # the step starts when the host has the previous step's answer
+        buffers, slots, copies, blocks, on_gpu, plan = self.buffers, self.slots, self.copies, self.blocks, \
+            self.on_gpu, self.plan
+        before, now = self.released, [0.0] * len(plan)
+        begin, j = t_x, 0  # the step starts when the host has the previous step's answer
         for mode, tier, c, extra_s, hop_s in units:
             ready = 0.0
             if tier == "disk":
@@ -383,10 +392,14 @@ class _Pipeline:
                 ready = t_disk
             on_cpu = mode == "cpu"
             if mode == "stream":
-                free, released = slots.popleft()
-                issued = released if j < n_ahead else max(released, begin)  # copied ahead, or in its step
-                j += 1
-                start = max(t_copy, free, issued, ready)
+                copy = plan[j]
+                if copy.issued == "release":  # at the release of this step's unit `by`
+                    issued = now[copy.by]
+                elif copy.issued == AHEAD:  # at the release of the step before's unit `by`
+                    issued = before[copy.by]
+                else:  # as the step begins
+                    issued = begin
+                start = max(t_copy, slots.popleft(), issued, ready)
                 t_copy = start + c.pcie_s / n_passes
                 copies.append((start, t_copy))
                 ready = t_copy
@@ -405,11 +418,13 @@ class _Pipeline:
                 t_x = t_gpu = start + (c.gpu_s + extra_s) / n_passes
                 blocks.append((start, t_gpu, "gpu"))
                 if mode == "stream":
-                    slots.append((t_gpu, t_host))
+                    slots.append(t_gpu)
+                    now[j] = t_host
+                    j += 1
             on_gpu = not on_cpu
         self.t_gpu, self.t_copy, self.t_cpu, self.t_disk, self.t_host, self.t_x = t_gpu, t_copy, t_cpu, t_disk, \
             t_host, t_x
-        self.on_gpu = on_gpu
+        self.on_gpu, self.released = on_gpu, now
 
 
 def _overlap(copies: list[tuple[float, float]], blocks: list[tuple[float, float]]) -> float:

@@ -1,9 +1,9 @@
 """The schedule of one step, as data: which unit is copied into which staging slot when, which runs where, and where
 the hidden state changes device. The planner makes it from a placement; the plan carries it (JSON, --explain);
-the executor's log of one step is tested against it (tests/test_overlap.py), and the executor's streamer and the
-pricer take the rule of what is copied ahead from here (copied_ahead). No torch.
+the executor's log of one step is tested against it (tests/test_overlap.py). No torch.
 
-The rules, once: streamed units take the staging slots in turn (unit j of a step's streamed units, slot j mod
+The rule of the copies is written once, in copy_plan: the executor's streamer replays it (runtime/streamer.py), the
+pricer times it (planner/costs.py) and phase_schedule writes it out with the runs, releases and hand-overs. Streamed units take the staging slots in turn (unit j of a step's streamed units, slot j mod
 depth); the copy of streamed unit j + depth is issued as soon as unit j is released (its compute enqueued), into
 the slot it leaves; past the step's last streamed unit, the next step's first units are copied ahead while they
 are in host RAM (a disk unit waits for its read, at its step). A CPU unit's copies in flight run under its compute.
@@ -12,6 +12,7 @@ are in host RAM (a disk unit waits for its read, at its step). A CPU unit's copi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 AHEAD = "ahead"  # a copy issued in the previous step (decode steps and prefill passes repeat)
 
@@ -28,7 +29,7 @@ class Action:
 
     def __str__(self) -> str:
         if self.op == "copy":
-            when = {"start": "at step start", AHEAD: "in the step before"}.get(self.issued, f"when {self.issued} "
+            when = {START: "at step start", AHEAD: "in the step before"}.get(self.issued, f"when {self.issued} "
                                                                                              "is released")
             return f"copy {self.unit} -> slot {self.slot} ({when}{', for the next step' if self.where else ''})"
         if self.op == "release":
@@ -54,6 +55,34 @@ class PhaseSchedule:
         return [str(a) for a in self.actions]
 
 
+START = "start"  # a copy issued as its step begins
+
+
+@dataclass(frozen=True)
+class Copy:
+    """When a streamed unit's copy is issued: at its step's start (by=None, issued=START), in the step before
+    (issued=AHEAD, at the release of that step's streamed unit `by`) or at the release of this step's streamed unit
+    `by`; units are a step's streamed units' turns (0, 1, ...)."""
+
+    turn: int
+    issued: str  # START | AHEAD | "release"
+    by: int | None = None
+
+
+@lru_cache(maxsize=4096)
+def copy_plan(on_disk: tuple[bool, ...], depth: int, steady: bool) -> tuple[Copy, ...]:
+    """THE rule, for a step whose streamed units' weights are on disk or not (on_disk, in turn): each streamed
+    unit's copy, in issue order. Slots are taken in turn, so the copy of turn j + depth goes into the slot turn j
+    leaves and is issued at its release; a steady step's first host-RAM units (copied_ahead) were copied in the
+    step before, at the release of its turns n - depth + j; the others of the first depth turns at the step's start.
+    The executor's streamer replays it, the pricer times it and phase_schedule writes it out."""
+    n = len(on_disk)
+    depth = min(depth, n)
+    ahead = copied_ahead(list(on_disk), depth) if steady else 0
+    copies = [Copy(j, AHEAD, n - depth + j) if j < ahead else Copy(j, START) for j in range(depth)]
+    return tuple(copies + [Copy(j, "release", j - depth) for j in range(depth, n)])
+
+
 def phase_schedule(phase: str, units: list[tuple[str, str, str]], depth: int, steady: bool) -> PhaseSchedule:
     """The schedule of one step of phase for units in order as (name, mode in this phase, weight tier); steady: a
     step after one like it (decode), whose first host-RAM units were copied ahead by the step before."""
@@ -61,9 +90,13 @@ def phase_schedule(phase: str, units: list[tuple[str, str, str]], depth: int, st
     turn = {name: j for j, name in enumerate(streamed)}  # each streamed unit's place in the step's streamed ones
     tier = {name: weights for name, _, weights in units}
     depth = min(depth, len(streamed))
-    ahead = copied_ahead([tier[n] == "disk" for n in streamed], depth) if steady else 0
-    actions = [Action("copy", streamed[j], slot=j % depth, issued=AHEAD if j < ahead else "start")
-               for j in range(depth)]
+    copies = copy_plan(tuple(tier[n] == "disk" for n in streamed), depth, steady)
+    actions = [Action("copy", streamed[c.turn], slot=c.turn % depth, issued=c.issued) for c in copies
+               if c.issued != "release"]
+    after: dict[int, list[Copy]] = {}  # the copies each release issues: this step's, then the next step's
+    for c in copies:
+        if c.by is not None:
+            after.setdefault(c.by, []).append(c)
     device = None
     for name, mode, _ in units:
         where = "cpu" if mode == "cpu" else "gpu"
@@ -75,11 +108,10 @@ def phase_schedule(phase: str, units: list[tuple[str, str, str]], depth: int, st
             continue
         j = turn[name]
         actions.append(Action("release", name, slot=j % depth))
-        nxt = j + depth
-        if nxt < len(streamed):
-            actions.append(Action("copy", streamed[nxt], slot=nxt % depth, issued=name))
-        elif steady and nxt - len(streamed) < ahead:  # the next step's unit, into the slot it will take
-            actions.append(Action("copy", streamed[nxt - len(streamed)], "next step", j % depth, issued=name))
+        for c in after.get(j, []):
+            nxt = c.turn if c.issued == "release" else c.turn + len(streamed)
+            actions.append(Action("copy", streamed[c.turn], "next step" if c.issued == AHEAD else "",
+                                  nxt % depth, issued=name))
     return PhaseSchedule(phase, depth, tuple(actions))
 
 

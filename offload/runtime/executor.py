@@ -8,11 +8,11 @@ Consecutive layers held and computed in host RAM have nothing to acquire or rele
 back to back, each still timed as a unit. Every device interaction goes through the backend (launch, run_cpu,
 to_device / to_host, copies and events), so the simulated device runs this same loop.
 
-The executor, not the model math, chooses kernels: layers computed from host RAM in fp32 with packed weights
-run the fused C++ layer (offload.kernels.layer), whose handles the WeightStore (runtime/weight_store.py) builds
-once when it places the weights; everything else runs the reference block math of offload.model.llama. Buffers
-are allocated as the Placement says (staging slots, read-ahead buffers); a unit that would not fit them is an
-error, not a larger buffer.
+Three parts do the work: the WeightStore (runtime/weight_store.py) places the weights and allocates the buffers
+the Placement sized (a unit that would not fit them is an error, not a larger buffer), the Streamer replays the
+schedule's copies, and the UnitRunner (runtime/unit_runner.py) computes each unit with the kernels the executor
+chooses (the fused C++ layer for host-RAM layers where it can run, else the reference block math). PlacedModel
+wires them and runs the loop.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ import torch
 
 from offload.errors import PlanError
 from offload.kernels import layer as fused
-from offload.model.llama import LayerKV, Step, layer_forward, make_step
-from offload.model.units import unit_forward
+from offload.model.llama import LayerKV, Step, make_step
 from offload.planner.placement import Placement
 from offload.planner.types import PHASES
 from offload.profile.timeline import Span, Timeline
 from offload.runtime.backends.base import Backend, Work
 from offload.runtime.streamer import Streamer
+from offload.runtime.unit_runner import UnitRunner
 from offload.runtime.threads import ThreadGovernor
 from offload.runtime.unit_store import materialize
 from offload.runtime.weight_store import WeightStore
@@ -47,7 +47,6 @@ class PlacedModel:
         """fuse: run host-RAM layers through the fused C++ layer (None: wherever the kernels and dtype allow)."""
         self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
         self.fuse = backend.computes and fused.FUSABLE and dtype == torch.float32 if fuse is None else fuse
-        self._kv_views: dict[int, fused.KVView | None] = {}  # id(LayerKV) -> the fused layer's view of it
         self.units = spec.units()
         self.order = [u.name for u in self.units]
         if set(self.order) != set(placement.units):
@@ -58,6 +57,7 @@ class PlacedModel:
         self._cpu = torch.device("cpu")
         self.store = WeightStore(spec, source, placement, backend, self.fuse, disk_dir)
         store = self.store
+        self.runner = UnitRunner(spec, store, backend, dtype, self.fuse, placement.prefill_chunk_tokens)
         self.layouts, self.resident, self.host_buffers = store.layouts, store.resident, store.host_buffers
         self.host_weights, self.disk, self.fused_layers = store.host_weights, store.disk, store.fused_layers
         self._embed_rows, self._in_place, self.ring, self.reader = store.embed_rows, store.in_place, store.ring, \
@@ -114,7 +114,6 @@ class PlacedModel:
         """A KV cache per layer, each where its layer decodes; replaces (and un-counts) the previous one."""
         for tier, n in self._kv_bytes.items():
             self.backend.free(tier, n)
-        self._kv_views = {}
         self._kv_bytes = {}
         s, cache = self.spec, []
         for i in range(s.n_layers):
@@ -124,8 +123,7 @@ class PlacedModel:
             self.backend.track(tier, kv.nbytes)
             self._kv_bytes[tier] = self._kv_bytes.get(tier, 0) + kv.nbytes
             cache.append(kv)
-        if self.fuse:  # the fused layer's view of each cache, made once per cache
-            self._kv_views = {id(kv): fused.kv_view(kv) for kv in cache}
+        self.runner.attach_cache(cache)
         self.backend.order_after_allocations()
         return cache
 
@@ -191,14 +189,14 @@ class PlacedModel:
         work = self._work(name, phase, step, x)
         if name in self._embed_rows:
             rows, ids = self._embedding_rows(name, x, phase)
-            return self._on_cpu([work], self._compute_cpu, ids, name, rows, step, cache, steps)
+            return self._on_cpu([work], self.runner.compute_cpu, ids, name, rows, step, cache, steps)
         held, self._held = self._held, None
         weights, on_device = held if held is not None else self._acquire(name, phase)
         if on_device:
-            y = self.backend.launch(work, self._compute, self.backend.to_device(x), name, weights, step, cache,
+            y = self.backend.launch(work, self.runner.compute, self.backend.to_device(x), name, weights, step, cache,
                                     steps, True)
         else:
-            y = self._on_cpu([work], self._compute_cpu, self.backend.to_host(x), name, weights, step, cache, steps)
+            y = self._on_cpu([work], self.runner.compute_cpu, self.backend.to_host(x), name, weights, step, cache, steps)
         if keep:
             self._held = (weights, on_device)
         else:
@@ -234,100 +232,4 @@ class PlacedModel:
         """Compute consecutive layers held and computed in host RAM, timing each one as a unit of its own."""
         kvs = [cache[i] if kind == "layer" else None for kind, i in (self._kind_index[n] for n in names)]
         works = [self._work(n, step.phase, step, x) for n in names]
-        return self._on_cpu(works, self._host_layers, self.backend.to_host(x), names, step, kvs, steps)
-
-    def _host_layers(self, x, names, step: Step, kvs: list[LayerKV], steps: dict, ends: list[float]):
-        """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one (a
-        MoE model's layers and experts units alternate: one by one, each through its own C++ call where it can)."""
-        layers = [self.fused_layers.get(n) for n in names]
-        views = self._fused_views(kvs, x) if self.fuse and all(layers) and any(kv is not None for kv in kvs) else None
-        if views is not None and len(self._chunks(x, step)) == 1:  # every unit one C++ call, back to back
-            table = self._step_table(step, next(v for v in views if v is not None), steps)
-            return fused.fused_layers_forward(layers, x, table, views, ends)
-        for name, kv in zip(names, kvs):
-            w = self.host_weights[name]
-            x = self._layer(x, name, w, step, kv, steps, False) if kv is not None else \
-                self._compute(x, name, w, step, None, steps, False)
-            ends.append(Timeline.now())
-        return x
-
-    def _fused_views(self, kvs: list[LayerKV | None], x) -> list | None:
-        """The fused layer's views of these caches (None for a unit without one: experts, a split-off MLP), or None
-        where the activations or a cache do not suit it."""
-        if x.dtype != torch.float32:
-            return None
-        views = [self._kv_views.get(id(kv)) for kv in kvs]
-        views = [v if v is not None and v.kv is kv else fused.kv_view(kv) if kv is not None else None
-                 for v, kv in zip(views, kvs)]
-        return views if all(v is not None for v, kv in zip(views, kvs) if kv is not None) else None
-
-    def _step_table(self, step: Step, view, steps: dict):
-        """The fused layer's table of this step (made once per step and chunk, shared by every fused layer)."""
-        key = ("fused_table", id(step))
-        table = steps.get(key)
-        if table is None or table.key != (view.n_rows, view.n_slots):
-            table = steps[key] = fused.step_table(self.spec, step, view)
-        return table
-
-    def _compute_cpu(self, x, name: str, w, step: Step, cache, steps: dict, ends: list[float]):
-        y = self._compute(x, name, w, step, cache, steps, False)
-        ends.append(Timeline.now())
-        return y
-
-    def _compute(self, x, name: str, w, step: Step, cache, steps: dict, on_device: bool):
-        """One unit's block math; a layer goes through _layer."""
-        kind, index = self._kind_index[name]
-        if kind in ("experts", "mlp") and not on_device and self.fuse and x.dtype == torch.float32:
-            handle = self.fused_layers.get(name) or self.store.fused_handle(name, w)  # read from disk: made for this use
-            if handle is not None:
-                return fused.fused_experts_forward(handle, x)
-        if kind != "layer":
-            return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
-        return self._layer(x, name, w, step, cache[index], steps, on_device)
-
-    def _chunks(self, x, step: Step) -> list[tuple[int, int]]:
-        """Token ranges a layer computes at once: at most the planned chunk of tokens (a ragged step's flat
-        tokens; a plain step's prefill in columns of chunk / rows)."""
-        b, s = x.shape[0], x.shape[1]
-        if step.groups is not None:
-            width = max(1, self.placement.prefill_chunk_tokens)
-        else:
-            width = max(1, self.placement.prefill_chunk_tokens // max(b, 1))
-            if step.phase != "prefill":
-                return [(0, s)]
-        if s <= width:
-            return [(0, s)]
-        return [(a, min(a + width, s)) for a in range(0, s, width)]
-
-    def _layer(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
-        """One layer over a pass, chunk by chunk (each chunk's keys include the chunks before it)."""
-        chunks = self._chunks(x, step)
-        if len(chunks) == 1:
-            return self._layer_chunk(x, name, w, self._step_on(step, on_device, steps), kv, steps, on_device)
-        parts = []
-        for a, b in chunks:
-            key = ("slice", a, b, on_device)
-            if key not in steps:
-                steps[key] = self._step_on(step, on_device, steps).slice(a, b)
-            parts.append(self._layer_chunk(x[:, a:b], name, w, steps[key], kv, steps, on_device))
-        return torch.cat(parts, dim=1)
-
-    def _step_on(self, step: Step, on_device: bool, steps: dict) -> Step:
-        key = ("step", on_device)
-        if key not in steps:
-            steps[key] = step.to(self.backend.device, self.backend.upload) if on_device else step
-        return steps[key]
-
-    def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
-        """The fused C++ layer for a CPU layer where it can run; else the reference block math, with the fused
-        layer's attention for a CPU layer in fp32 (weights it cannot take: float ones through torch)."""
-        attention, moe = None, self.spec.hands_over(self._kind_index[name][1])
-        if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
-            handle = self.fused_layers.get(name) or self.store.fused_handle(name, w)
-            views = self._fused_views([kv], x)
-            if handle is not None and views is not None:
-                return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
-            if views is not None and fused.HAS_CACHED_ATTENTION:
-                table = self._step_table(step, views[0], steps)
-                attention = lambda qkv: fused.cached_attention(self.spec, qkv, table, views[0])  # noqa: E731
-        return layer_forward(self.spec, w, x, step, kv, attention, moe)
+        return self._on_cpu(works, self.runner.host_layers, self.backend.to_host(x), names, step, kvs, steps)

@@ -1,15 +1,16 @@
-"""Streamer: drives the staging ring and the disk read-ahead through each step, by the rules of the plan's schedule
-(planner/schedule.py): streamed units take the slots in turn, the copy of streamed unit j + depth is issued as unit
-j is released, into the slot it leaves, and past the step's last streamed unit the next step's first host-RAM units
-are copied ahead (decode steps and prefill passes repeat), so the link works while the step's CPU blocks run. Disk
-units are read ahead in order; a copy waits for its read only when its unit is needed."""
+"""Streamer: drives the staging ring and the disk read-ahead through each step by replaying the plan's schedule of
+copies (planner/schedule.copy_plan, the one place its rule is written): at a step's start it issues the copies the
+schedule issues then (and those it copied ahead in the step before, where that step streamed other units), at each
+streamed unit's release the copies that release issues, this step's or the next step's, so the link works while the
+step's CPU blocks run. Disk units are read ahead in order; a copy whose read has not landed waits, in turn, and is
+issued at the next release, or when its unit is needed."""
 
 from __future__ import annotations
 
 import torch
 
 from offload.planner.placement import Placement
-from offload.planner.schedule import copied_ahead
+from offload.planner.schedule import AHEAD, START, copy_plan
 from offload.planner.types import PHASES
 from offload.runtime.backends.base import Backend
 from offload.runtime.disk import ReadAhead
@@ -23,53 +24,51 @@ class Streamer:
                  ring: StagingRing | None, reader: ReadAhead | None, on_disk: list[str]):
         self.backend, self.placement, self.layouts, self.host_buffers = backend, placement, layouts, host_buffers
         self.ring, self.reader, self.on_disk = ring, reader, on_disk
-        # the schedule's unit lists, fixed by the placement: made once, not at every step
-        self.streamed = {phase: [n for n in order if placement[n].mode(phase) == "stream"] for phase in PHASES}
         slots = ring.n_slots if ring is not None else 0
-        self.ahead = {phase: copied_ahead([placement[n].weights == "disk" for n in units], slots)
-                      for phase, units in self.streamed.items()}  # the next step's units copied ahead at most
-        self._queue: list[str] = []
-        self._n_ahead = 0
-        self._next_copy = 0  # past the end of the queue: copies for the next step of the same phase
+        # each phase's schedule of copies, made once from the placement: (unit, issued) at the step's start, and
+        # the copies each streamed unit's release issues as (unit, for the next step)
+        self.at_start: dict[str, list[tuple[str, str]]] = {}
+        self.on_release: dict[str, dict[str, list[tuple[str, bool]]]] = {}
+        for phase in PHASES:
+            streamed = [n for n in order if placement[n].mode(phase) == "stream"]
+            copies = copy_plan(tuple(placement[n].weights == "disk" for n in streamed), slots, steady=True)
+            self.at_start[phase] = [(streamed[c.turn], c.issued) for c in copies if c.issued != "release"]
+            after = self.on_release[phase] = {}
+            for c in copies:
+                if c.by is not None:
+                    after.setdefault(streamed[c.by], []).append((streamed[c.turn], c.issued == AHEAD))
+        self._pending: list[tuple[str, bool]] = []  # copies the schedule has issued, waiting for a read (in turn)
         self._ahead: list[str] = []  # units copied ahead for the next step
+        self._phase = ""
 
     def begin_step(self, phase: str) -> None:
         """A step of phase begins: keep what was copied ahead for it (else free those slots), schedule the disk
-        reads, and issue the first copies."""
-        self._queue, self._n_ahead = self.streamed[phase], self.ahead[phase]
+        reads, and issue the step's first copies."""
+        self._phase = phase
         ahead, self._ahead = self._ahead, []
-        if ahead and ahead != self._queue[:len(ahead)]:
+        expected = [name for name, issued in self.at_start[phase] if issued == AHEAD]
+        if ahead and ahead != expected[:len(ahead)]:
             self.ring.discard(ahead)  # copied ahead for a step that streams other units: not used
             ahead = []
-        self._next_copy = len(ahead)
+        self._pending = [(name, False) for name, issued in self.at_start[phase]
+                         if issued == START or name not in ahead]  # the first step has nothing copied ahead
         if self.reader is not None:
             self.reader.schedule(self.on_disk, phase)
-        self.issue_copies(phase)
+        self.issue_copies()
 
-    def issue_copies(self, phase: str, need: str | None = None) -> None:
-        """Copy upcoming streamed units into free slots, in order; block on a disk read only for `need`."""
-        while self.ring is not None and self.ring.free_slot() is not None:
-            name = self._next_streamed()
-            if name is None:
-                return
+    def issue_copies(self, need: str | None = None) -> None:
+        """Issue the copies the schedule has issued so far, in turn, into the ring's next slot; a disk unit's copy
+        waits for its read, which blocks only for `need`."""
+        while self._pending and self.ring.free_slot() is not None:
+            name, next_step = self._pending[0]
             src = self._host_source(name, block=name == need)
             if src is None:
                 return
             ready_t = self.reader.ready_t(name) if self.placement[name].weights == "disk" else 0.0
-            self.ring.load(name, src[: self.layouts[name].n_bytes], phase, ready_t)
-            if self._next_copy >= len(self._queue):
+            self.ring.load(name, src[: self.layouts[name].n_bytes], self._phase, ready_t)
+            if next_step:
                 self._ahead.append(name)
-            self._next_copy += 1
-
-    def _next_streamed(self) -> str | None:
-        """The next unit to copy: this step's, or the next step's while it is in host RAM and not in a slot."""
-        queue = self._queue
-        if self._next_copy < len(queue):
-            return queue[self._next_copy]
-        j = self._next_copy - len(queue)
-        if j >= self._n_ahead or self.ring.holds(queue[j]):
-            return None
-        return queue[j]
+            self._pending.pop(0)
 
     def _host_source(self, name: str, block: bool) -> torch.Tensor | None:
         if self.placement[name].weights == "cpu":
@@ -80,7 +79,7 @@ class Streamer:
         """The staging slot holding a streamed unit's weights, once its copy is ordered before the compute (a disk
         unit's read buffer is free again once its copy has landed)."""
         if not self.ring.holds(name):
-            self.issue_copies(phase, need=name)
+            self.issue_copies(need=name)
         buf = self.ring.acquire(name, phase)
         if self.placement[name].weights == "disk":
             self.backend.host_wait(next(s.copy_handle for s in self.ring.slots if s.unit == name and s.in_use))
@@ -88,6 +87,7 @@ class Streamer:
         return buf
 
     def release(self, name: str, phase: str) -> None:
-        """A streamed unit's compute is enqueued: its slot takes the next copy (block j+k's goes where j's was)."""
+        """A streamed unit's compute is enqueued: its slot takes the copies the schedule issues at its release."""
         self.ring.release(name)
-        self.issue_copies(phase)
+        self._pending += self.on_release[phase].get(name, [])
+        self.issue_copies()

@@ -1,0 +1,129 @@
+"""UnitRunner: one unit's block math where it computes, with the kernels the executor chooses: layers computed from
+host RAM in fp32 with packed weights run the fused C++ layer (offload.kernels.layer; its handles are the
+WeightStore's), runs of them back to back in one call; everything else runs the reference block math of
+offload.model.llama, a layer chunk by chunk over a long prefill. It keeps the fused layer's views of the KV caches
+and its table of each step. The PlacedModel decides what runs where and when; the runner only computes."""
+
+from __future__ import annotations
+
+import torch
+
+from offload.kernels import layer as fused
+from offload.model.llama import LayerKV, Step, layer_forward
+from offload.model.units import unit_forward
+from offload.profile.timeline import Timeline
+from offload.runtime.backends.base import Backend
+from offload.runtime.weight_store import WeightStore
+from offload.spec import ModelSpec
+
+
+class UnitRunner:
+    """Computes units for a PlacedModel: on the device (launched by the backend) or on the host (on its CPU
+    worker)."""
+
+    def __init__(self, spec: ModelSpec, store: WeightStore, backend: Backend, dtype: torch.dtype, fuse: bool,
+                 prefill_chunk_tokens: int):
+        self.spec, self.store, self.backend, self.dtype, self.fuse = spec, store, backend, dtype, fuse
+        self.prefill_chunk_tokens = prefill_chunk_tokens
+        self._kind_index = {u.name: (u.kind, u.index) for u in spec.units()}
+        self._kv_views: dict[int, fused.KVView | None] = {}  # id(LayerKV) -> the fused layer's view of it
+
+    def attach_cache(self, cache: list[LayerKV]) -> None:
+        """A new KV cache: the fused layer's view of each of its layers, made once per cache."""
+        self._kv_views = {id(kv): fused.kv_view(kv) for kv in cache} if self.fuse else {}
+
+    def host_layers(self, x, names, step: Step, kvs: list[LayerKV], steps: dict, ends: list[float]):
+        """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one (a
+        MoE model's layers and experts units alternate: one by one, each through its own C++ call where it can)."""
+        layers = [self.store.fused_layers.get(n) for n in names]
+        views = self._fused_views(kvs, x) if self.fuse and all(layers) and any(kv is not None for kv in kvs) else None
+        if views is not None and len(self._chunks(x, step)) == 1:  # every unit one C++ call, back to back
+            table = self._step_table(step, next(v for v in views if v is not None), steps)
+            return fused.fused_layers_forward(layers, x, table, views, ends)
+        for name, kv in zip(names, kvs):
+            w = self.store.host_weights[name]
+            x = self._layer(x, name, w, step, kv, steps, False) if kv is not None else \
+                self.compute(x, name, w, step, None, steps, False)
+            ends.append(Timeline.now())
+        return x
+
+    def _fused_views(self, kvs: list[LayerKV | None], x) -> list | None:
+        """The fused layer's views of these caches (None for a unit without one: experts, a split-off MLP), or None
+        where the activations or a cache do not suit it."""
+        if x.dtype != torch.float32:
+            return None
+        views = [self._kv_views.get(id(kv)) for kv in kvs]
+        views = [v if v is not None and v.kv is kv else fused.kv_view(kv) if kv is not None else None
+                 for v, kv in zip(views, kvs)]
+        return views if all(v is not None for v, kv in zip(views, kvs) if kv is not None) else None
+
+    def _step_table(self, step: Step, view, steps: dict):
+        """The fused layer's table of this step (made once per step and chunk, shared by every fused layer)."""
+        key = ("fused_table", id(step))
+        table = steps.get(key)
+        if table is None or table.key != (view.n_rows, view.n_slots):
+            table = steps[key] = fused.step_table(self.spec, step, view)
+        return table
+
+    def compute_cpu(self, x, name: str, w, step: Step, cache, steps: dict, ends: list[float]):
+        y = self.compute(x, name, w, step, cache, steps, False)
+        ends.append(Timeline.now())
+        return y
+
+    def compute(self, x, name: str, w, step: Step, cache, steps: dict, on_device: bool):
+        """One unit's block math; a layer goes through _layer."""
+        kind, index = self._kind_index[name]
+        if kind in ("experts", "mlp") and not on_device and self.fuse and x.dtype == torch.float32:
+            handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)  # read from disk: made for this use
+            if handle is not None:
+                return fused.fused_experts_forward(handle, x)
+        if kind != "layer":
+            return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
+        return self._layer(x, name, w, step, cache[index], steps, on_device)
+
+    def _chunks(self, x, step: Step) -> list[tuple[int, int]]:
+        """Token ranges a layer computes at once: at most the planned chunk of tokens (a ragged step's flat
+        tokens; a plain step's prefill in columns of chunk / rows)."""
+        b, s = x.shape[0], x.shape[1]
+        if step.groups is not None:
+            width = max(1, self.prefill_chunk_tokens)
+        else:
+            width = max(1, self.prefill_chunk_tokens // max(b, 1))
+            if step.phase != "prefill":
+                return [(0, s)]
+        if s <= width:
+            return [(0, s)]
+        return [(a, min(a + width, s)) for a in range(0, s, width)]
+
+    def _layer(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
+        """One layer over a pass, chunk by chunk (each chunk's keys include the chunks before it)."""
+        chunks = self._chunks(x, step)
+        if len(chunks) == 1:
+            return self._layer_chunk(x, name, w, self._step_on(step, on_device, steps), kv, steps, on_device)
+        parts = []
+        for a, b in chunks:
+            key = ("slice", a, b, on_device)
+            if key not in steps:
+                steps[key] = self._step_on(step, on_device, steps).slice(a, b)
+            parts.append(self._layer_chunk(x[:, a:b], name, w, steps[key], kv, steps, on_device))
+        return torch.cat(parts, dim=1)
+
+    def _step_on(self, step: Step, on_device: bool, steps: dict) -> Step:
+        key = ("step", on_device)
+        if key not in steps:
+            steps[key] = step.to(self.backend.device, self.backend.upload) if on_device else step
+        return steps[key]
+
+    def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
+        """The fused C++ layer for a CPU layer where it can run; else the reference block math, with the fused
+        layer's attention for a CPU layer in fp32 (weights it cannot take: float ones through torch)."""
+        attention, moe = None, self.spec.hands_over(self._kind_index[name][1])
+        if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
+            handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)
+            views = self._fused_views([kv], x)
+            if handle is not None and views is not None:
+                return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
+            if views is not None and fused.HAS_CACHED_ATTENTION:
+                table = self._step_table(step, views[0], steps)
+                attention = lambda qkv: fused.cached_attention(self.spec, qkv, table, views[0])  # noqa: E731
+        return layer_forward(self.spec, w, x, step, kv, attention, moe)
