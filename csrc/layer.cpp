@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 namespace offload {
@@ -65,20 +66,29 @@ void rope_and_store(const LayerArgs& a, float* qkv) {
     rope_heads(row + q_size, s.n_kv_heads, s.head_dim, cos, sin);
     const int64_t slot = a.tokens[n * kTokenCols + kSlot];
     if (slot < 0) continue;  // padding: the unfused path writes it to the trash slot, read by no one
-    std::copy(row + q_size, row + q_size + kv_size, a.k_cache + slot * kv_size);
-    std::copy(row + q_size + kv_size, row + width, a.v_cache + slot * kv_size);
+    if (a.kv_bf16) {
+      f32_rows_to_bf16(row + q_size, kv_size, static_cast<uint16_t*>(a.k_cache) + slot * kv_size);
+      f32_rows_to_bf16(row + q_size + kv_size, kv_size, static_cast<uint16_t*>(a.v_cache) + slot * kv_size);
+    } else {
+      std::copy(row + q_size, row + q_size + kv_size, static_cast<float*>(a.k_cache) + slot * kv_size);
+      std::copy(row + q_size + kv_size, row + width, static_cast<float*>(a.v_cache) + slot * kv_size);
+    }
   }
 }
 
-// out [dh] = softmax(q . k_j * scale) @ v_j over n_keys keys spaced stride floats apart.
-ALWAYS_INLINE void attend_body(const float* q, const float* k, const float* v, int64_t stride, int64_t n_keys,
+ALWAYS_INLINE float kv_at(const float* p, int64_t i) { return p[i]; }
+ALWAYS_INLINE float kv_at(const uint16_t* p, int64_t i) { return bf16_bits_to_f32(p[i]); }
+
+// out [dh] = softmax(q . k_j * scale) @ v_j over n_keys keys spaced stride elements apart (KV: float or bf16 bits).
+template <typename KV>
+ALWAYS_INLINE void attend_body(const float* q, const KV* k, const KV* v, int64_t stride, int64_t n_keys,
                                int64_t dh, float scale, float* scores, float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n_keys; ++j) {
-    const float* kj = k + j * stride;
+    const KV* kj = k + j * stride;
     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t i = 0; i < dh; ++i) dot += q[i] * kj[i];
+    for (int64_t i = 0; i < dh; ++i) dot += q[i] * kv_at(kj, i);
     scores[j] = dot * scale;
     top = std::max(top, scores[j]);
   }
@@ -86,22 +96,26 @@ ALWAYS_INLINE void attend_body(const float* q, const float* k, const float* v, i
   for (int64_t j = 0; j < n_keys; ++j) sum += (scores[j] = std::exp(scores[j] - top));
   std::fill(out, out + dh, 0.f);
   for (int64_t j = 0; j < n_keys; ++j) {
-    const float p = scores[j], *vj = v + j * stride;
+    const float p = scores[j];
+    const KV* vj = v + j * stride;
 #pragma omp simd
-    for (int64_t i = 0; i < dh; ++i) out[i] += p * vj[i];
+    for (int64_t i = 0; i < dh; ++i) out[i] += p * kv_at(vj, i);
   }
   const float inv = 1.f / sum;
   for (int64_t i = 0; i < dh; ++i) out[i] *= inv;
 }
 
-using AttendFn = void (*)(const float*, const float*, const float*, int64_t, int64_t, int64_t, float, float*, float*);
+template <typename KV>
+using AttendFn = void (*)(const float*, const KV*, const KV*, int64_t, int64_t, int64_t, float, float*, float*);
 
-void attend_ref(const float* q, const float* k, const float* v, int64_t stride, int64_t n_keys, int64_t dh,
+template <typename KV>
+void attend_ref(const float* q, const KV* k, const KV* v, int64_t stride, int64_t n_keys, int64_t dh,
                 float scale, float* scores, float* out) {
   attend_body(q, k, v, stride, n_keys, dh, scale, scores, out);
 }
 
-__attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const float* k, const float* v, int64_t stride,
+template <typename KV>
+__attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const KV* k, const KV* v, int64_t stride,
                                                       int64_t n_keys, int64_t dh, float scale, float* scores,
                                                       float* out) {
   attend_body(q, k, v, stride, n_keys, dh, scale, scores, out);
@@ -113,6 +127,7 @@ __attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const float
 
 constexpr int kTileTokens = 4;
 constexpr int kMaxGroup = 16;  // query heads per KV head the blocked path takes (more: the per-query loop)
+constexpr int64_t kMaxBufferedDh = 256;  // head sizes a bf16 cache's tiles widen into buffers (more: per query)
 
 struct TileQuery {
   const float* q;  // [dh], already scaled
@@ -150,6 +165,15 @@ std::vector<int64_t> tile_starts(const LayerArgs& a) {
   return start;
 }
 
+// attend_tile compiled for the head size (64 and 128 known at compile time) and the ISA.
+template <typename KV>
+void attend_tile_for(bool wide, TileQuery* qs, int nq, const KV* kc, const KV* vc, int64_t stride, int64_t k_lo,
+                     int64_t k_hi, int64_t dh) {
+  if (dh == 64) (wide ? avx512::attend_tile<64, KV> : avx2::attend_tile<64, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  else if (dh == 128) (wide ? avx512::attend_tile<128, KV> : avx2::attend_tile<128, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  else (wide ? avx512::attend_tile<0, KV> : avx2::attend_tile<0, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+}
+
 // One tile (tokens [n0, n1)) and KV head g: its queries scaled into qbuf, then attend_tile over their keys.
 void attend_task(const LayerArgs& a, const float* qkv, float* att, int64_t n0, int64_t n1, int64_t g, float* qbuf,
                  TileQuery* qs) {
@@ -170,12 +194,15 @@ void attend_task(const LayerArgs& a, const float* qkv, float* att, int64_t n0, i
       qs[nq] = TileQuery{qv, tok[kLo], tok[kHi], 0.f, 0.f, att + n * q_size + h * dh};
     }
   }
-  const int64_t base = a.tokens[n0 * kTokenCols + kRowBase];
-  const float *kc = a.k_cache + base * stride + g * dh, *vc = a.v_cache + base * stride + g * dh;
-  const bool wide = a.path == P_AVX512;
-  if (dh == 64) (wide ? avx512::attend_tile<64> : avx2::attend_tile<64>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
-  else if (dh == 128) (wide ? avx512::attend_tile<128> : avx2::attend_tile<128>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
-  else (wide ? avx512::attend_tile<0> : avx2::attend_tile<0>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  const int64_t first = a.tokens[n0 * kTokenCols + kRowBase] * stride + g * dh;
+  if (a.kv_bf16) {
+    const uint16_t *kc = static_cast<const uint16_t*>(a.k_cache) + first,
+                   *vc = static_cast<const uint16_t*>(a.v_cache) + first;
+    attend_tile_for(a.path == P_AVX512, qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  } else {
+    const float *kc = static_cast<const float*>(a.k_cache) + first, *vc = static_cast<const float*>(a.v_cache) + first;
+    attend_tile_for(a.path == P_AVX512, qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+  }
 }
 
 // Keys x heads x head size of a step's attention: small ones run on the calling thread (a parallel region costs
@@ -204,20 +231,18 @@ void attention_blocked(const LayerArgs& a, const float* qkv, float* att) {
   }
 }
 
-// att [N, n_heads * dh]: each token's heads over keys [lo, hi] of its cache row (GQA: head h reads kv head
-// h / (n_heads / n_kv_heads)). The SIMD paths run blocked tiles; the scalar path, and head sizes the tiles do not
-// take, one query at a time (the reference).
-void attention(const LayerArgs& a, const float* qkv, float* att) {
+// The per-query loop of attention (the scalar path's reference, and shapes the tiles do not take).
+template <typename KV>
+void attention_per_query(const LayerArgs& a, const float* qkv, float* att, const KV* k_cache, const KV* v_cache) {
   const LayerShape& s = a.shape;
   const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh;
   const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads;
-  if (a.path != P_SCALAR && dh % 8 == 0 && group <= kMaxGroup) return attention_blocked(a, qkv, att);
   int64_t max_keys = 1;
   for (int64_t n = 0; n < a.N; ++n)
     max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - a.tokens[n * kTokenCols + kLo] + 1);
   const float scale = 1.f / std::sqrt(float(dh));
   const int64_t tasks = a.N * s.n_heads;
-  const AttendFn fn = a.path == P_SCALAR ? attend_ref : attend_avx2;
+  const AttendFn<KV> fn = a.path == P_SCALAR ? attend_ref<KV> : attend_avx2<KV>;
 #pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
   {
     std::vector<float> scores(static_cast<size_t>(max_keys));
@@ -225,10 +250,23 @@ void attention(const LayerArgs& a, const float* qkv, float* att) {
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t n = t / s.n_heads, h = t % s.n_heads, *tok = a.tokens + n * kTokenCols;
       const int64_t first = (tok[kRowBase] + tok[kLo]) * stride + (h / group) * dh;
-      fn(qkv + n * width + h * dh, a.k_cache + first, a.v_cache + first, stride, tok[kHi] - tok[kLo] + 1, dh, scale,
+      fn(qkv + n * width + h * dh, k_cache + first, v_cache + first, stride, tok[kHi] - tok[kLo] + 1, dh, scale,
          scores.data(), att + n * q_size + h * dh);
     }
   }
+}
+
+// att [N, n_heads * dh]: each token's heads over keys [lo, hi] of its cache row (GQA: head h reads kv head
+// h / (n_heads / n_kv_heads)). The SIMD paths run blocked tiles; the scalar path, and head sizes the tiles do not
+// take, one query at a time (the reference).
+void attention(const LayerArgs& a, const float* qkv, float* att) {
+  const LayerShape& s = a.shape;
+  const int64_t dh = s.head_dim, group = s.n_heads / s.n_kv_heads;
+  if (a.path != P_SCALAR && dh % 8 == 0 && group <= kMaxGroup && (!a.kv_bf16 || dh <= kMaxBufferedDh))
+    return attention_blocked(a, qkv, att);
+  if (a.kv_bf16) return attention_per_query(a, qkv, att, static_cast<const uint16_t*>(a.k_cache),
+                                            static_cast<const uint16_t*>(a.v_cache));
+  attention_per_query(a, qkv, att, static_cast<const float*>(a.k_cache), static_cast<const float*>(a.v_cache));
 }
 
 // act [N, I] = silu(gate) * up from gate_up [N, 2I] (rows: gate | up); rows split over the threads.
@@ -309,6 +347,14 @@ void run_linear(const LayerArgs& a, const LinearArg& l, const float* x, float* y
 void attention_forward(const LayerArgs& a, float* qkv, float* att) {
   rope_and_store(a, qkv);
   attention(a, qkv, att);
+}
+
+void bf16_rows_to_f32(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_bits_to_f32(src[i]);
+}
+
+void f32_rows_to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16_bits(src[i]);
 }
 
 void layer_forward(const LayerArgs& a) {

@@ -48,8 +48,25 @@ struct LayerArgs {
   float* out;                         // [N, D] hidden states out (may not alias x)
   const float *cos, *sin;             // [N, head_dim]: cos and sin with the rotate-half sign folded in
   const int64_t* tokens;              // [N, kTokenCols], see above
-  float *k_cache, *v_cache;           // [slots, n_kv_heads, head_dim], token-major
+  void *k_cache, *v_cache;            // [slots, n_kv_heads, head_dim], token-major: fp32, or bf16 with kv_bf16
+  int kv_bf16;                        // 1: the caches hold bf16 (this step's K, V rounded to nearest even)
 };
+
+// bf16 <-> fp32: widening is exact; narrowing rounds to nearest even (as torch's .to(torch.bfloat16)).
+inline float bf16_bits_to_f32(uint16_t h) {
+  const uint32_t u = uint32_t(h) << 16;
+  float f;
+  __builtin_memcpy(&f, &u, 4);
+  return f;
+}
+inline uint16_t f32_to_bf16_bits(float f) {
+  uint32_t u;
+  __builtin_memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // NaN stays NaN
+  return uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+void bf16_rows_to_f32(const uint16_t* src, int64_t n, float* dst);
+void f32_rows_to_bf16(const float* src, int64_t n, uint16_t* dst);
 
 // x -> x + attn(rms_norm(x)) -> + mlp(rms_norm(.)); writes this step's K, V into the cache. With a.moe, the MLP is
 // the shared expert's (if any) and out gets [residual | rms_norm(residual before it)] for the routed experts.

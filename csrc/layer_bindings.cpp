@@ -107,8 +107,22 @@ FusedExperts make_experts(int64_t top_k, const std::vector<std::vector<LinearTup
   return e;
 }
 
+// Activations given as bf16 (act_bf16: a GPU plan's compute format) are widened into fp32 rows here and the result
+// narrowed back (rounded to nearest even), once per call: the layer in between computes in fp32.
+struct Bf16Rows {
+  std::vector<float> in, out;
+};
+thread_local Bf16Rows tls_bf16;
+
+const float* widened(int act_bf16, uintptr_t x, int64_t n, std::vector<float>& buf) {
+  if (!act_bf16) return ptr<float>(x);
+  buf.resize(size_t(n));
+  bf16_rows_to_f32(ptr<uint16_t>(x), n, buf.data());
+  return buf.data();
+}
+
 void experts(const FusedExperts& w, int path, int nthreads, int64_t N, uintptr_t x, uintptr_t ids, uintptr_t weights,
-             uintptr_t out) {
+             uintptr_t out, int act_bf16) {
   if (path < P_SCALAR || path > P_AVX512 || N < 1)
     throw std::invalid_argument("offload fused experts: bad kernel path id or token count");
   const int64_t* id = ptr<int64_t>(ids);
@@ -116,25 +130,35 @@ void experts(const FusedExperts& w, int path, int nthreads, int64_t N, uintptr_t
     throw std::invalid_argument("offload fused experts: no router and no expert ids; pass the router's choice");
   for (int64_t j = 0; id != nullptr && j < N * w.top_k; ++j)
     if (id[j] < 0 || id[j] >= w.n_experts) throw std::invalid_argument("offload fused experts: expert id out of range");
+  Bf16Rows& b = tls_bf16;
+  const float* xf = widened(act_bf16, x, N * 2 * w.D, b.in);
+  if (act_bf16) b.out.resize(size_t(N * w.D));
+  float* of = act_bf16 ? b.out.data() : reinterpret_cast<float*>(out);
   ExpertsArgs a{path, nthreads < 1 ? 1 : nthreads, w.n_experts, w.top_k, w.D, w.F, &w.gate_up, &w.down, w.router,
-                w.norm_topk, N, ptr<float>(x), id, ptr<float>(weights), reinterpret_cast<float*>(out)};
+                w.norm_topk, N, xf, id, ptr<float>(weights), of};
   experts_forward(a);
+  if (act_bf16) f32_rows_to_bf16(of, N * w.D, reinterpret_cast<uint16_t*>(out));
 }
 
 void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t x, uintptr_t out, uintptr_t cos,
-             uintptr_t sin, uintptr_t tokens, uintptr_t k_cache, uintptr_t v_cache) {
+             uintptr_t sin, uintptr_t tokens, uintptr_t k_cache, uintptr_t v_cache, int act_bf16, int kv_bf16) {
   if (path < P_SCALAR || path > P_AVX512 || N < 1)
     throw std::invalid_argument("offload fused layer: bad kernel path id or token count");
+  const int64_t D = w.qkv.w.K, out_width = w.moe ? 2 * D : D;
+  Bf16Rows& b = tls_bf16;
+  const float* xf = widened(act_bf16, x, N * D, b.in);
+  if (act_bf16) b.out.resize(size_t(N * out_width));
+  float* of = act_bf16 ? b.out.data() : reinterpret_cast<float*>(out);
   LayerArgs a{path, nthreads < 1 ? 1 : nthreads, w.shape, w.attn_norm, w.mlp_norm, w.qkv, w.o, w.gate_up, w.down,
-              w.q_norm, w.k_norm, w.shared_gate, w.moe, N, ptr<float>(x), reinterpret_cast<float*>(out),
-              ptr<float>(cos), ptr<float>(sin), ptr<int64_t>(tokens), reinterpret_cast<float*>(k_cache),
-              reinterpret_cast<float*>(v_cache)};
+              w.q_norm, w.k_norm, w.shared_gate, w.moe, N, xf, of, ptr<float>(cos), ptr<float>(sin),
+              ptr<int64_t>(tokens), reinterpret_cast<void*>(k_cache), reinterpret_cast<void*>(v_cache), kv_bf16};
   layer_forward(a);
+  if (act_bf16) f32_rows_to_bf16(of, N * out_width, reinterpret_cast<uint16_t*>(out));
 }
 
 void cached_attention(const std::tuple<int64_t, int64_t, int64_t, int64_t, float>& shape, int path, int nthreads,
                       int64_t N, uintptr_t qkv, uintptr_t att, uintptr_t cos, uintptr_t sin, uintptr_t tokens,
-                      uintptr_t k_cache, uintptr_t v_cache) {
+                      uintptr_t k_cache, uintptr_t v_cache, int kv_bf16) {
   if (path < P_SCALAR || path > P_AVX512 || N < 1)
     throw std::invalid_argument("offload cached attention: bad kernel path id or token count");
   LayerArgs a{};
@@ -145,8 +169,9 @@ void cached_attention(const std::tuple<int64_t, int64_t, int64_t, int64_t, float
   a.cos = ptr<float>(cos);
   a.sin = ptr<float>(sin);
   a.tokens = ptr<int64_t>(tokens);
-  a.k_cache = reinterpret_cast<float*>(k_cache);
-  a.v_cache = reinterpret_cast<float*>(v_cache);
+  a.k_cache = reinterpret_cast<void*>(k_cache);
+  a.v_cache = reinterpret_cast<void*>(v_cache);
+  a.kv_bf16 = kv_bf16;
   attention_forward(a, reinterpret_cast<float*>(qkv), reinterpret_cast<float*>(att));
 }
 
@@ -163,14 +188,14 @@ void bind_layer(py::module_& m) {
         "fused_experts(top_k, [[(fmt, qs, d, bias, M, K), ...] per expert] for gate_up, the same for down, router "
         "[n_experts, D] fp32 or 0, norm_topk)");
   m.def("experts_forward", &experts, py::call_guard<py::gil_scoped_release>(),
-        "experts_forward(experts, path, nthreads, N, x [N, 2D], ids [N, k] int64, weights [N, k] fp32, out [N, D]): "
-        "raw pointers (ids and weights 0: routed by the experts' router), see offload/kernels/layer.py");
+        "experts_forward(experts, path, nthreads, N, x [N, 2D], ids [N, k] int64, weights [N, k] fp32, out [N, D], "
+        "act_bf16): raw pointers (x and out fp32, or bf16 with act_bf16) (ids and weights 0: routed by the experts' router), see offload/kernels/layer.py");
   m.def("layer_forward", &forward, py::call_guard<py::gil_scoped_release>(),
-        "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, k_cache, v_cache): raw pointers, "
-        "see offload/kernels/layer.py");
+        "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, k_cache, v_cache, act_bf16, kv_bf16): "
+        "raw pointers (x, out fp32 or bf16 with act_bf16; the caches fp32 or bf16 with kv_bf16), see offload/kernels/layer.py");
   m.def("cached_attention", &cached_attention, py::call_guard<py::gil_scoped_release>(),
         "cached_attention((n_heads, n_kv_heads, head_dim, intermediate, eps), path, nthreads, N, qkv, att, cos, sin, "
-        "tokens, k_cache, v_cache): rope, KV store and attention of one layer; raw pointers, see "
+        "tokens, k_cache, v_cache, kv_bf16): rope, KV store and attention of one layer; raw pointers, see "
         "offload/kernels/layer.py");
 }
 

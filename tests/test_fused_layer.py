@@ -166,10 +166,13 @@ def test_unsupported_inputs_fall_back():
     w = _weights(spec, "q8_0", False)
     kv = LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
     x = _randn(1, 2, spec.hidden_size)
-    assert fused.can_fuse(w, x, kv)
-    assert not fused.can_fuse(w, x.bfloat16(), kv)
+    assert fused.can_fuse(w, x, kv) and fused.can_fuse(w, x.bfloat16(), kv)  # bf16: a GPU plan's format
+    assert not fused.can_fuse(w, x.half(), kv)
     assert not fused.can_fuse(LayerWeights(**{**w.__dict__, "qkv": w.qkv.dequantize()}), x, kv)
-    assert not fused.can_fuse(w, x, LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.bfloat16))
+    assert not fused.can_fuse(w, x, LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float16))
+    mixed = LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
+    mixed.v = mixed.v.bfloat16()
+    assert not fused.can_fuse(w, x, mixed)
 
 
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
@@ -241,6 +244,33 @@ def test_executor_builds_fused_handles_once_at_placement(tmp_path):
     assert all(set(vars(llm.model.host_weights[n])) == set(LayerWeights.__dataclass_fields__) for n in handles)
 
 
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+def test_a_bf16_plans_cpu_layers_run_fused_and_keep_bf16_caches(quantization, tmp_path, monkeypatch):
+    """dtype bf16 (a GPU plan's compute format) on the CPU: every layer of every step goes through the fused C++
+    layer with bf16 hidden states and bf16 KV caches (nothing widened to fp32 between the calls), and greedy tokens
+    follow those of the reference block math in bf16."""
+    folder = save_hf_model(make_hf_model("llama", num_hidden_layers=2), tmp_path / "tiny")
+    prompts = [{"prompt_token_ids": ids} for ids in ([5, 9, 31, 2, 77, 100, 3], [42, 8])]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    llm = LLM(str(folder), quantization=quantization, dtype="bf16", backend="cpu")
+    seen, ext = [], fused._C
+
+    def layer_forward(*args):
+        seen.append(args[-2:])  # (act_bf16, kv_bf16)
+        return ext.layer_forward(*args)
+
+    with monkeypatch.context() as m:
+        m.setattr(fused, "_C", SimpleNamespace(fused_weights=ext.fused_weights, layer_forward=layer_forward))
+        ours = [o.token_ids for o in llm.generate(prompts, params)]
+    assert len(seen) >= 2 * 8 and set(seen) == {(1, 1)}
+    cache = llm.model.runner._kv_views
+    assert cache and all(v.kv.k.dtype is torch.bfloat16 and v.bf16 for v in cache.values())
+    reference = LLM(str(folder), quantization=quantization, dtype="bf16", backend="cpu")
+    reference.model.fuse = False  # the reference block math in torch bf16 (a bf16 model's embeddings, norms, head)
+    ref = [o.token_ids for o in reference.generate(prompts, params)]
+    assert [t[:3] for t in ours] == [t[:3] for t in ref]  # later ones may part at a near tie: torch rounds each op
+
+
 ATTENTION_PATHS = ["scalar"] + [p for p in ("avx2", "avx512") if ACTIVE_PATH in ("avx2", "avx512") and
                                   (p == "avx2" or ACTIVE_PATH == "avx512")]
 
@@ -285,3 +315,85 @@ def test_long_prompt_attention_matches_exact_softmax(path, n_heads, n_kv, head_d
         ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(~seen, float("-inf")).softmax(-1), v).reshape(n, -1)
         got = att.view(len(lengths), width, -1)[b, :n].double()
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+@pytest.mark.parametrize("n_heads,n_kv,head_dim,lengths", [
+    (9, 3, 64, [300, 40]),  # SmolLM2's heads: the 64-wide tiles
+    (8, 1, 128, [130]),  # the 128-wide tiles
+    (4, 4, 32, [90, 9]),  # a head size without its own tiles: widened into buffers
+    (6, 2, 24, [77]),  # not a multiple of 8: the per-query loop
+    (2, 1, 264, [40]),  # wider than the bf16 tiles' buffers: the per-query loop
+])
+def test_attention_over_a_bf16_cache_matches_exact_softmax(path, n_heads, n_kv, head_dim, lengths):
+    """A bf16 KV cache (a GPU plan's compute format): K and V are stored rounded to nearest even, exactly as torch
+    rounds them, and attention over the stored values matches softmax(q k^T) v in float64 within 1e-5 x max |ref|
+    on each kernel path."""
+    max_len = max(lengths) + 1
+    spec = ModelSpec(architecture="llama", vocab_size=64, hidden_size=n_heads * head_dim, intermediate_size=96,
+                     n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rms_norm_eps=1e-5,
+                     rope=RopeSpec(), max_position_embeddings=max_len)
+    width = max(lengths)
+    positions = torch.zeros(len(lengths), width, dtype=torch.long)
+    valid = torch.zeros_like(positions, dtype=torch.bool)
+    for b, n in enumerate(lengths):
+        positions[b, :n] = torch.arange(n)
+        valid[b, :n] = True
+    step = make_step(spec, torch.float32, positions, valid, trash_slot=max_len, phase="prefill")
+    kv = LayerKV(len(lengths), n_kv, max_len, head_dim, torch.bfloat16)
+    view = fused.kv_view(kv)
+    assert view is not None and view.bf16
+    qkv = _randn(len(lengths) * width, spec.q_size + 2 * spec.kv_size) * 2
+    att = fused.cached_attention(spec, qkv, fused.step_table(spec, step, view), view, path)  # ropes qkv in place
+    rows = qkv.view(len(lengths), width, -1)
+    q = rows[..., :spec.q_size].double().view(len(lengths), width, n_heads, head_dim)
+    group = n_heads // n_kv
+    for b, n in enumerate(lengths):
+        new_k = rows[b, :n, spec.q_size:spec.q_size + spec.kv_size].reshape(n, n_kv, head_dim)
+        assert torch.equal(kv.k[b, :n], new_k.to(torch.bfloat16))  # stored as torch rounds
+        k = kv.k[b, :n].double().repeat_interleave(group, dim=1)
+        v = kv.v[b, :n].double().repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q[b, :n], k) / head_dim ** 0.5
+        pos = torch.arange(n)
+        ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
+                           .softmax(-1), v).reshape(n, -1)
+        got = att.view(len(lengths), width, -1)[b, :n].double()
+        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("path", ATTENTION_PATHS)
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "bf16"])
+def test_a_bf16_layer_matches_the_fp32_reference(path, fmt):
+    """bf16 hidden states and a bf16 cache through the fused layer (prefill with padding, then decode) against the
+    reference block math in fp32 on the same values (the bf16 input widened, a bf16 cache, which it also writes
+    rounded and reads widened): the output within 4e-3 of max |ref| (one bf16 rounding, 2^-9 relative, with the
+    kernels' own differences), the cache within one bf16 step. The hidden states stay bf16 in and out."""
+    spec = _spec(4, 2, None, fmt == "bf16")
+    w = _weights(spec, fmt, fmt == "bf16")
+    kv, kv_ref = (LayerKV(3, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.bfloat16) for _ in range(2))
+    lengths = [9, 4, 1]
+    x = _randn(3, 9, spec.hidden_size).to(torch.bfloat16)
+    steps = [(x, _step(spec, [0, 0, 0], lengths, 9)),
+             (_randn(3, 1, spec.hidden_size, seed=5).to(torch.bfloat16), _step(spec, lengths, [1, 1, 1], 1,
+                                                                                 phase="decode"))]
+    for x, step in steps:
+        out = fused.fused_layer_forward(spec, w, x, step, kv, path)
+        ref = layer_forward(spec, w, x.float(), step, kv_ref)
+        assert out.dtype is torch.bfloat16 and torch.isfinite(out.float()).all()
+        assert (out.float() - ref).abs().max() <= 4e-3 * ref.abs().max()
+        for got, want in ((kv.k, kv_ref.k), (kv.v, kv_ref.v)):  # the trash slot (padding's writes) aside
+            got, want = got[:, :MAX_LEN].float(), want[:, :MAX_LEN].float()
+            assert ((got - want).abs() <= 2 ** -7 * want.abs() + 1e-6).all()
+
+
+def test_bench_bf16_cpu_smoke():
+    """scripts/bench_bf16_cpu.py runs end to end (a tiny model, one repeat) and prints each variant's ratio."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "scripts" / "bench_bf16_cpu.py"
+    proc = subprocess.run([sys.executable, str(script), "--smoke"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [line for line in proc.stdout.splitlines() if line.startswith("tiny")]
+    assert [r.split()[2] for r in rows] == ["fp32", "bf16", "bf16"] and rows[1].count("x") == 2

@@ -1,7 +1,9 @@
 """Fused CPU decoder layer: one C++ call (csrc/layer.cpp) instead of ~25 torch ops per layer and token.
 
 Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks
-with packed linears and fp32 activations. Whoever places the weights decides to use it and builds the handles
+with packed linears. Activations come fp32, or bf16 as a GPU plan computes (each call widens them to fp32 once and
+rounds its output back to bf16); KV caches are fp32 or bf16 (K and V rounded as they are stored, widened as
+attention reads them), so a bf16 plan's caches and hidden states stay in the format it budgets. Whoever places the weights decides to use it and builds the handles
 once: a FusedLayer per layer (the C++ view of its weights), a KVView per cache, a StepTable per step. Nothing
 is stored on the model's own objects.
 """
@@ -18,6 +20,8 @@ from offload.kernels import _C, ACTIVE_PATH_ID, PackedWeight
 from offload.kernels.dispatch import PATH_IDS
 
 _F32 = torch.float32
+_BF16 = torch.bfloat16
+ACTIVATIONS = (_F32, _BF16)  # the activation (and KV cache) formats the fused layer takes
 FUSABLE = _C is not None and hasattr(_C, "layer_forward")  # the extension has the fused layer
 HAS_CACHED_ATTENTION = _C is not None and hasattr(_C, "cached_attention")  # ... and its attention alone
 
@@ -26,11 +30,21 @@ def _is_f32_cpu(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype is _F32 and t.device.type == "cpu" and t.is_contiguous()
 
 
+def _is_float_cpu(t) -> bool:
+    """fp32 or bf16 contiguous CPU memory (a bf16 plan's norms are made fp32 once, when the handle is built)."""
+    return isinstance(t, torch.Tensor) and t.dtype in ACTIVATIONS and t.device.type == "cpu"
+
+
+def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
+    """t as contiguous fp32 CPU memory: itself where it is already, else a copy (kept by the handle)."""
+    return None if t is None or _is_f32_cpu(t) else t.to("cpu", _F32).contiguous()
+
+
 @dataclass(frozen=True)
 class FusedLayer:
     """One layer's weights as the C++ layer reads them (raw pointers); holds the weights so they stay valid."""
 
-    weights: object  # the LayerWeights the pointers point into
+    weights: object  # the LayerWeights the pointers point into, and fp32 copies of its bf16 norms and biases
     view: object  # _C.fused_weights(...)
     moe: bool = False  # the attention part of a MoE layer: returns [.., 2D] (residual | normed h)
 
@@ -52,6 +66,7 @@ class KVView:
     n_slots: int
     k_ptr: int
     v_ptr: int
+    bf16: bool = False  # K and V held as bf16
 
 
 @dataclass(frozen=True)
@@ -68,7 +83,7 @@ HAS_MOE = _C is not None and hasattr(_C, "experts_forward")  # the extension has
 
 
 def weights_fusable(w, moe: bool = False) -> bool:
-    """Whether a layer's weights suit the fused layer: packed linears, fp32 CPU norms and biases (moe: the
+    """Whether a layer's weights suit the fused layer: packed linears, fp32 or bf16 CPU norms and biases (moe: the
     attention part of a MoE layer, whose MLP is its shared expert or none)."""
     mlp = (w.gate_up, w.down) if not moe or w.gate_up is not None else ()
     if not FUSABLE or (moe and not HAS_MOE) or not all(_packed(m) for m in (w.qkv, w.o, *mlp)):
@@ -76,31 +91,37 @@ def weights_fusable(w, moe: bool = False) -> bool:
     if (w.shared_gate is not None) != (moe and bool(mlp)) or (w.q_norm is None) != (w.k_norm is None):
         return False
     floats = (w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias, w.q_norm, w.k_norm, w.shared_gate)
-    return _is_f32_cpu(w.attn_norm) and _is_f32_cpu(w.mlp_norm) and all(b is None or _is_f32_cpu(b) for b in floats)
+    return _is_float_cpu(w.attn_norm) and _is_float_cpu(w.mlp_norm) and all(b is None or _is_float_cpu(b)
+                                                                              for b in floats)
 
 
 def can_fuse(w, x: torch.Tensor, kv) -> bool:
-    """Whether fused_layer_forward can run this layer: extension built, fp32 CPU activations and cache,
-    packed linears (any PackedWeight format, GGUF's q4_1 and K-quants included), fp32 norms and biases."""
-    return x.dtype is _F32 and x.is_cpu and kv_view(kv) is not None and weights_fusable(w)
+    """Whether fused_layer_forward can run this layer: extension built, fp32 or bf16 CPU activations and cache,
+    packed linears (any PackedWeight format, GGUF's q4_1 and K-quants included), fp32 or bf16 norms and biases."""
+    return x.dtype in ACTIVATIONS and x.is_cpu and kv_view(kv) is not None and weights_fusable(w)
 
 
 def fuse_layer(spec, w, moe: bool = False) -> FusedLayer | None:
     """The C++ view of a layer's weights, or None where they do not suit the fused layer (moe: a MoE layer's
     attention part)."""
-    return FusedLayer(w, _make_fused_weights(spec, w, moe), moe) if weights_fusable(w, moe) else None
+    if not weights_fusable(w, moe):
+        return None
+    view, floats = _make_fused_weights(spec, w, moe)
+    return FusedLayer((w, floats), view, moe)
 
 
 def fuse_experts(moe, w) -> FusedExperts | None:
     """The C++ view of a MoE layer's routed experts (ExpertWeights), or None unless every expert's linears are
-    packed and the router is fp32 CPU memory."""
-    if not HAS_MOE or not _is_f32_cpu(w.router) or not all(_packed(m) for m in w.gate_up + w.down):
+    packed and the router is fp32 or bf16 CPU memory (made fp32 once, here)."""
+    if not HAS_MOE or not _is_float_cpu(w.router) or not all(_packed(m) for m in w.gate_up + w.down):
         return None
+    router = _f32(w.router)
+    router = w.router if router is None else router
     gate_up = [_linear_tuple(m, None, f"expert {e} gate_up") for e, m in enumerate(w.gate_up)]
     down = [_linear_tuple(m, None, f"expert {e} down") for e, m in enumerate(w.down)]
-    if tuple(w.router.shape) != (moe.n_experts, gate_up[0][0][5]):
-        raise KernelError(f"fused experts: the router must be [{moe.n_experts}, hidden], got {list(w.router.shape)}")
-    return FusedExperts(w, _C.fused_experts(moe.top_k, gate_up, down, w.router.data_ptr(), int(moe.norm_topk)))
+    if tuple(router.shape) != (moe.n_experts, gate_up[0][0][5]):
+        raise KernelError(f"fused experts: the router must be [{moe.n_experts}, hidden], got {list(router.shape)}")
+    return FusedExperts((w, router), _C.fused_experts(moe.top_k, gate_up, down, router.data_ptr(), int(moe.norm_topk)))
 
 
 def fuse_mlp(w) -> FusedExperts | None:
@@ -117,22 +138,26 @@ def fuse_mlp(w) -> FusedExperts | None:
 
 
 def fused_experts_forward(experts: FusedExperts, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
-    """offload.model.moe.experts_forward in one C++ call, the router's choice included: x [..., 2D] fp32
-    (residual | normed h) -> [..., D]. path: a kernel path of PATH_IDS (tests compare them), else the active one."""
+    """offload.model.moe.experts_forward in one C++ call, the router's choice included: x [..., 2D] fp32 or bf16
+    (residual | normed h) -> [..., D] in x's format. path: a kernel path of PATH_IDS (tests compare them), else the
+    active one."""
     d = x.shape[-1] // 2
+    _check_activations(x, "fused experts")
     x = x.contiguous()
     out = x.new_empty(*x.shape[:-1], d)
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
     _C.experts_forward(experts.view, path_id, torch.get_num_threads(), x.numel() // (2 * d), x.data_ptr(), 0, 0,
-                       out.data_ptr())
+                       out.data_ptr(), int(x.dtype is _BF16))
     return out
 
 
 def kv_view(kv) -> KVView | None:
-    """The C++ view of a KV cache, or None unless it is fp32 contiguous CPU memory."""
-    if not FUSABLE or not (_is_f32_cpu(kv.k) and _is_f32_cpu(kv.v)):
+    """The C++ view of a KV cache, or None unless it is fp32 or bf16 contiguous CPU memory (K and V alike)."""
+    k, v = kv.k, kv.v
+    if not FUSABLE or k.dtype != v.dtype or k.dtype not in ACTIVATIONS or k.device.type != "cpu" or \
+            not (k.is_contiguous() and v.is_contiguous()):
         return None
-    return KVView(kv, kv.k.shape[0], kv.k.shape[1], kv.k.data_ptr(), kv.v.data_ptr())
+    return KVView(kv, k.shape[0], k.shape[1], k.data_ptr(), v.data_ptr(), k.dtype is _BF16)
 
 
 def step_table(spec, step, view: KVView) -> StepTable:
@@ -141,17 +166,19 @@ def step_table(spec, step, view: KVView) -> StepTable:
                      _rows_f32(step.cos, spec.head_dim), _rows_f32(step.sin, spec.head_dim))
 
 
-def fused_layer_forward(spec, w, x: torch.Tensor, step, kv) -> torch.Tensor:
-    """layer_forward(spec, w, x, step, kv) in one C++ call, handles made on the spot: x [B, S, D] fp32."""
+def fused_layer_forward(spec, w, x: torch.Tensor, step, kv, path: str | None = None) -> torch.Tensor:
+    """layer_forward(spec, w, x, step, kv) in one C++ call, handles made on the spot: x [B, S, D] fp32 or bf16.
+    path: a kernel path of PATH_IDS (tests compare them), else the active one."""
     layer, view = fuse_layer(spec, w), kv_view(kv)
     if layer is None or view is None:
         raise KernelError("fused layer: these weights or this cache do not suit the fused layer (check can_fuse)")
-    return fused_layers_forward([layer], x, step_table(spec, step, view), [view])
+    return fused_layers_forward([layer], x, step_table(spec, step, view), [view], path=path)
 
 
 def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views: list,
-                         ends: list[float] | None = None) -> torch.Tensor:
-    """Consecutive fused units with their caches: x [B, S, D] fp32 -> [B, S, D]; appends K, V to each cache.
+                         ends: list[float] | None = None, path: str | None = None) -> torch.Tensor:
+    """Consecutive fused units with their caches: x [B, S, D] fp32 or bf16 -> [B, S, D] in x's format (each unit
+    widens its input to fp32 and rounds its output back); appends K, V to each cache (fp32 or bf16).
 
     layers: FusedLayer (dense layers, or a MoE layer's attention part, which hands over [B, S, 2D]) and
     FusedExperts (its routed experts, or a split-off MLP, taking that hand-over), with views[j] the KV cache of a
@@ -178,8 +205,10 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views:
     if [False] + wide[:-1] != [kinds[0]] + kinds[1:] or (kinds[0] and width != 2 * d):
         raise KernelError("fused layers: experts (or a split-off MLP) take the hand-over of the attention part "
                           "just before them, and only they do; pass the units in model order")
+    _check_activations(x, "fused layers")
     x = x.contiguous()
-    n_tokens, n_threads = b * s, torch.get_num_threads()
+    n_tokens, n_threads, bf16 = b * s, torch.get_num_threads(), int(x.dtype is _BF16)
+    path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
     # narrow outputs alternate (a unit never writes what it reads); the one wide buffer is read by the next unit
     outs = {False: [x.new_empty(b, s, d) for _ in range(2)], True: [x.new_empty(b, s, 2 * d)]}
     ptrs = (table.cos.data_ptr(), table.sin.data_ptr(), table.tokens.data_ptr())
@@ -187,11 +216,11 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views:
     for j, (unit, view) in enumerate(zip(layers, views)):
         target = outs[wide[j]][j % 2 if not wide[j] else 0]
         if kinds[j]:
-            calls.append((_C.experts_forward, (unit.view, ACTIVE_PATH_ID, n_threads, n_tokens, out.data_ptr(), 0, 0,
-                                               target.data_ptr())))
+            calls.append((_C.experts_forward, (unit.view, path_id, n_threads, n_tokens, out.data_ptr(), 0, 0,
+                                               target.data_ptr(), bf16)))
         else:
-            calls.append((_C.layer_forward, (unit.view, ACTIVE_PATH_ID, n_threads, n_tokens, out.data_ptr(),
-                                             target.data_ptr(), *ptrs, view.k_ptr, view.v_ptr)))
+            calls.append((_C.layer_forward, (unit.view, path_id, n_threads, n_tokens, out.data_ptr(),
+                                             target.data_ptr(), *ptrs, view.k_ptr, view.v_ptr, bf16, int(view.bf16))))
         out = target
     for call, args in calls:
         call(*args)
@@ -212,7 +241,8 @@ def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, pa
     shape = (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.intermediate_size, spec.rms_norm_eps)
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
     _C.cached_attention(shape, path_id, torch.get_num_threads(), n, qkv.data_ptr(), att.data_ptr(),
-                        table.cos.data_ptr(), table.sin.data_ptr(), table.tokens.data_ptr(), view.k_ptr, view.v_ptr)
+                        table.cos.data_ptr(), table.sin.data_ptr(), table.tokens.data_ptr(), view.k_ptr, view.v_ptr,
+                        int(view.bf16))
     return att
 
 
@@ -254,17 +284,27 @@ def _rows_f32(t: torch.Tensor, dh: int) -> torch.Tensor:
     return t if _is_f32_cpu(t) else t.reshape(-1, dh).to("cpu", _F32).contiguous()
 
 
+def _check_activations(x: torch.Tensor, what: str) -> None:
+    if x.dtype not in ACTIVATIONS or x.device.type != "cpu":
+        raise KernelError(f"{what}: activations must be fp32 or bf16 CPU tensors, got {x.dtype} on {x.device}")
+
+
 def _make_fused_weights(spec, w, moe: bool = False):
-    linears = [_linear_tuple(m, bias, name) if m is not None else [] for m, bias, name in
-               ((w.qkv, w.qkv_bias, "qkv"), (w.o, w.o_bias, "o"), (w.gate_up, w.gate_up_bias, "gate_up"),
-                (w.down, w.down_bias, "down"))]
-    for name, norm in (("attn_norm", w.attn_norm), ("mlp_norm", w.mlp_norm)):
-        if tuple(norm.shape) != (spec.hidden_size,):
-            raise KernelError(f"fused layer: {name} must be [{spec.hidden_size}], got {list(norm.shape)}")
+    """(the C++ view of a layer's weights, the fp32 copies of its bf16 floats the view points into)."""
+    names = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "attn_norm", "mlp_norm", "q_norm", "k_norm",
+             "shared_gate")
+    floats = {n: getattr(w, n) if _f32(getattr(w, n)) is None else _f32(getattr(w, n)) for n in names}
+    linears = [_linear_tuple(m, floats[f"{name}_bias"], name) if m is not None else [] for m, name in
+               ((w.qkv, "qkv"), (w.o, "o"), (w.gate_up, "gate_up"), (w.down, "down"))]
+    for name in ("attn_norm", "mlp_norm"):
+        if tuple(floats[name].shape) != (spec.hidden_size,):
+            raise KernelError(f"fused layer: {name} must be [{spec.hidden_size}], got {list(floats[name].shape)}")
     width = w.gate_up.shape[0] // 2 if w.gate_up is not None else 0  # a MoE layer's shared expert, or none
     shape = (spec.n_heads, spec.n_kv_heads, spec.head_dim, width, spec.rms_norm_eps)
-    extras = tuple(0 if t is None else t.data_ptr() for t in (w.q_norm, w.k_norm, w.shared_gate)) + (int(moe),)
-    return _C.fused_weights(shape, w.attn_norm.data_ptr(), w.mlp_norm.data_ptr(), linears, extras)
+    extras = tuple(0 if floats[n] is None else floats[n].data_ptr() for n in ("q_norm", "k_norm", "shared_gate"))
+    view = _C.fused_weights(shape, floats["attn_norm"].data_ptr(), floats["mlp_norm"].data_ptr(), linears,
+                            extras + (int(moe),))
+    return view, floats
 
 
 def _packed(m) -> bool:

@@ -165,7 +165,7 @@ def _cpu_s(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase
     matmul_s = flops / (hw.cpu_matmul_rate(fmt, rows, phase.n_threads) * k_eff)
     cpu_compute_s = matmul_s + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
     if hw.cpu_flops_by_rows.get(fmt):
-        kv_read = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, ACT_BYTES_CPU) if unit.kind == "layer" else 0
+        kv_read = kv_bytes if unit.kind == "layer" else 0  # in the compute format (a bf16 plan's caches: bf16)
         return cpu_compute_s + (passes - 1) * read_bytes / hw.cpu_mem_bps + kv_read / hw.kv_read_bps
     return max(cpu_compute_s, (passes * read_bytes + kv_bytes) / hw.cpu_mem_bps)
 
@@ -183,9 +183,9 @@ def main_format(spec: ModelSpec, fmt: str) -> str:
 
 
 def cpu_path(fmt: str, compute: str) -> str:
-    """Which CPU code runs a layer: offload's fused C++ layer (packed quantized weights, fp32 activations) or
-    torch ops."""
-    return "fused" if is_quantized(fmt) and compute == "fp32" else "torch"
+    """Which CPU code runs a layer: offload's fused C++ layer (packed quantized weights; fp32 activations, or bf16
+    as GPU plans compute, widened once per layer) or torch ops."""
+    return "fused" if is_quantized(fmt) and compute in ("fp32", "bf16") else "torch"
 
 
 def overhead_s(hw: HardwareProfile, n_cpu_layers: int, path: str, n_seqs: int, n_logits: int = 0,

@@ -46,7 +46,7 @@ class PlacedModel:
                  dtype: torch.dtype = torch.float32, disk_dir: str | Path | None = None, fuse: bool | None = None):
         """fuse: run host-RAM layers through the fused C++ layer (None: wherever the kernels and dtype allow)."""
         self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
-        self.fuse = backend.computes and fused.FUSABLE and dtype == torch.float32 if fuse is None else fuse
+        fuse = backend.computes and fused.FUSABLE and dtype in fused.ACTIVATIONS if fuse is None else fuse
         self.units = spec.units()
         self.order = [u.name for u in self.units]
         if set(self.order) != set(placement.units):
@@ -55,9 +55,9 @@ class PlacedModel:
                             f"run a plan with the spec it placed (offload.planner.plan_spec)")
         self._kind_index = {u.name: (u.kind, u.index) for u in self.units}
         self._cpu = torch.device("cpu")
-        self.store = WeightStore(spec, source, placement, backend, self.fuse, disk_dir)
+        self.store = WeightStore(spec, source, placement, backend, fuse, disk_dir)
         store = self.store
-        self.runner = UnitRunner(spec, store, backend, dtype, self.fuse, placement.prefill_chunk_tokens)
+        self.runner = UnitRunner(spec, store, backend, dtype, fuse, placement.prefill_chunk_tokens)
         self.layouts, self.resident, self.host_buffers = store.layouts, store.resident, store.host_buffers
         self.host_weights, self.disk, self.fused_layers = store.host_weights, store.disk, store.fused_layers
         self._embed_rows, self._in_place, self.ring, self.reader = store.embed_rows, store.in_place, store.ring, \
@@ -76,6 +76,16 @@ class PlacedModel:
         self._logit_rows = 0  # rows of the step's logits so far
         self.backend.order_after_allocations()
         self._closer = weakref.finalize(self, backend.close)  # pinned registrations end before buffers are freed
+
+    @property
+    def fuse(self) -> bool:
+        """Whether host-RAM layers run through the fused C++ layer (fp32 or bf16 compute; False: the reference
+        block math for every layer, as tests compare)."""
+        return self.runner.fuse
+
+    @fuse.setter
+    def fuse(self, value: bool) -> None:
+        self.runner.fuse = value
 
     @property
     def timeline(self) -> Timeline:

@@ -50,7 +50,7 @@ class UnitRunner:
     def _fused_views(self, kvs: list[LayerKV | None], x) -> list | None:
         """The fused layer's views of these caches (None for a unit without one: experts, a split-off MLP), or None
         where the activations or a cache do not suit it."""
-        if x.dtype != torch.float32:
+        if x.dtype not in fused.ACTIVATIONS:
             return None
         views = [self._kv_views.get(id(kv)) for kv in kvs]
         views = [v if v is not None and v.kv is kv else fused.kv_view(kv) if kv is not None else None
@@ -73,7 +73,7 @@ class UnitRunner:
     def compute(self, x, name: str, w, step: Step, cache, steps: dict, on_device: bool):
         """One unit's block math; a layer goes through _layer."""
         kind, index = self._kind_index[name]
-        if kind in ("experts", "mlp") and not on_device and self.fuse and x.dtype == torch.float32:
+        if kind in ("experts", "mlp") and not on_device and self.fuse and x.dtype in fused.ACTIVATIONS:
             handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)  # read from disk: made for this use
             if handle is not None:
                 return fused.fused_experts_forward(handle, x)
