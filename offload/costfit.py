@@ -364,6 +364,27 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     return fit_overheads(hw, runs, log, attention)
 
 
+QUICK_ROWS = (1, 4, 16, 64)  # calibrate --quick: decode-sized products (bound by the weights' read) up to compute-bound
+
+
+def quick_cpu_curves(hw: HardwareProfile, log=print) -> HardwareProfile:
+    """hw with a short matmul curve for each format the fused layer runs (CURVE_FORMATS and the default model's
+    GGUF formats), on weights cycled past the last-level cache at QUICK_ROWS rows, each moved to the speed of the
+    reference probes taken as it starts: what `offload calibrate --quick` adds, in seconds, so that CPU units are
+    priced from products shaped like the ones that run (not from a cache-resident weight). The overhead terms stay
+    unmeasured (zero): the full calibration fits them."""
+    formats = CURVE_FORMATS + GGUF_CURVE_FORMATS
+    references = reference_probes(formats, rounds=1)
+    curves = dict(hw.cpu_flops_by_rows)
+    for fmt in formats:
+        before = probe(fmt)
+        curve = measure_cpu_curve(fmt, QUICK_ROWS, repeats=2)
+        speed = machine_speed([before, probe(fmt)], references[fmt])
+        curves[fmt] = monotone_curve(scale_curve(curve, 1 / speed.memory, 1 / speed.compute))
+        log(f"cpu matmul curve {fmt:5s} (quick): " + _curve_text(curve, curves[fmt]) + " GFLOP/s")
+    return replace(hw, cpu_flops_by_rows=curves, cpu_probe=references)
+
+
 def reference_probes(formats: tuple[str, ...], rounds: int = REFERENCE_ROUNDS) -> dict[str, tuple]:
     """Each format's reference rates (speedprobe): the median of its probes in rounds over all the formats, so that
     every reference speaks for the same moment."""

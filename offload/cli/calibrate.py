@@ -15,19 +15,22 @@ def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine and cache its hardware profile")
     p.add_argument("--output", default=None, help=f"where to write the profile (default {cache_path()})")
     p.add_argument("--quick", action="store_true",
-                   help="skip the CPU cost curves and overhead fit (plans still work; predictions are rougher)")
+                   help="short CPU matmul curves (rows 1-64, weights out of cache) and no overhead fit: under a "
+                        "minute; predictions are rougher for small models, whose steps the overheads weigh on")
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
     """Measure, log and cache the profile; print the path of the written profile."""
-    from offload.costfit import calibrate_cpu_costs
+    from offload.costfit import calibrate_cpu_costs, quick_cpu_curves
     from offload.runtime.calibrate import calibrate
 
     target = Path(args.output) if args.output else cache_path()
     check_writable(target)  # before minutes of measuring
     profile = calibrate(log.info)
-    if not args.quick:
+    if args.quick:
+        profile = quick_cpu_curves(profile, log.info)
+    else:
         log.info("cpu cost curves and overhead terms for the report's predictions (about two minutes)...")
         profile = calibrate_cpu_costs(profile, log.info)
     try:

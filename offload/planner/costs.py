@@ -148,9 +148,11 @@ def _host_kv_attention(spec: ModelSpec, hw: HardwareProfile, phase: Phase, compu
                        read_bytes: float, attn_flops: float, kv_bytes: int, floor: float,
                        link: float) -> tuple[float, float, float]:
     """(GPU matmul seconds, CPU attention seconds, hand-over seconds) of a decode step of a GPU layer whose KV cache
-    is in host RAM: the CPU reads the cache (kv_read_bps) and attends at its torch attention rate."""
+    is in host RAM: the CPU reads the cache (kv_read_bps) and attends at the fused layer's attention rate (its
+    kernels take fp32 and bf16 caches; others go through torch)."""
     gpu = max(_roofline(flops, read_bytes, hw.gpu_flops, hw.gpu_mem_bps), floor)
-    cpu = kv_bytes / hw.kv_read_bps + attn_flops / hw.attention_rate("torch")
+    path = "fused" if compute in ("fp32", "bf16") else "torch"
+    cpu = kv_bytes / hw.kv_read_bps + attn_flops / hw.attention_rate(path)
     moved = phase.n_tokens * (2 * spec.q_size + 2 * spec.kv_size) * FLOAT_FORMATS[compute]
     return gpu, cpu, (2 * HOP_LATENCY_S + moved / link) if link else 0.0
 

@@ -1,5 +1,5 @@
 """UnitRunner: one unit's block math where it computes, with the kernels the executor chooses: layers computed from
-host RAM in fp32 with packed weights run the fused C++ layer (offload.kernels.layer; its handles are the
+host RAM with packed weights, in fp32 or bf16, run the fused C++ layer (offload.kernels.layer; its handles are the
 WeightStore's), runs of them back to back in one call; everything else runs the reference block math of
 offload.model.llama, a layer chunk by chunk over a long prefill. It keeps the fused layer's views of the KV caches
 and its table of each step. The PlacedModel decides what runs where and when; the runner only computes."""
@@ -99,7 +99,7 @@ class UnitRunner:
         """One layer over a pass, chunk by chunk (each chunk's keys include the chunks before it)."""
         chunks = self._chunks(x, step)
         if len(chunks) == 1:
-            return self._layer_chunk(x, name, w, self._step_on(step, on_device, steps), kv, steps, on_device)
+            return self._layer_chunk(x, name, w, self._step_on(step, on_device, steps), kv, steps, on_device, step)
         parts = []
         for a, b in chunks:
             key = ("slice", a, b, on_device)
@@ -114,9 +114,12 @@ class UnitRunner:
             steps[key] = step.to(self.backend.device, self.backend.upload) if on_device else step
         return steps[key]
 
-    def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
+    def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool,
+                     host_step: Step | None = None):
         """The fused C++ layer for a CPU layer where it can run; else the reference block math, with the fused
-        layer's attention for a CPU layer in fp32 (weights it cannot take: float ones through torch)."""
+        layer's attention where the cache is in host RAM: a CPU layer's (weights the fused layer cannot take: float
+        ones through torch), and a device layer's in decode (one new token per sequence: q, k, v come down, the
+        output goes up; host_step: the step on the host)."""
         attention, moe = None, self.spec.hands_over(self._kind_index[name][1])
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
             handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)
@@ -124,6 +127,18 @@ class UnitRunner:
             if handle is not None and views is not None:
                 return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
             if views is not None and fused.HAS_CACHED_ATTENTION:
-                table = self._step_table(step, views[0], steps)
-                attention = lambda qkv: fused.cached_attention(self.spec, qkv, table, views[0])  # noqa: E731
+                attention = self._attention(self._step_table(step, views[0], steps), views[0])
+        elif on_device and self.fuse and fused.HAS_CACHED_ATTENTION and host_step is not None and \
+                kv.k.device.type == "cpu" and host_step.n_tokens == host_step.n_seqs:
+            views = self._fused_views([kv], x)
+            if views is not None:
+                attention = self._attention(self._step_table(host_step, views[0], steps), views[0])
         return layer_forward(self.spec, w, x, step, kv, attention, moe)
+
+    def _attention(self, table, view):
+        """The fused layer's attention over a host cache for qkv [N, q | k | v] wherever it is and in whatever
+        float format: computed in fp32 on the host, the output back where and as qkv was."""
+        def attention(qkv: torch.Tensor) -> torch.Tensor:
+            att = fused.cached_attention(self.spec, qkv.to("cpu", torch.float32).contiguous(), table, view)
+            return att.to(qkv.device, qkv.dtype)
+        return attention
