@@ -47,6 +47,32 @@ def test_cuda_placements_match_cpu(tiny, mix, quantization):
     assert "gpu_block" in {s.kind for s in model.timeline.spans}
 
 
+def bf16_placement_logits(tiny, mix, quantization, backends) -> list[torch.Tensor]:
+    """The logits of one prompt through the same placement in bf16 on each backend."""
+    folder, spec = tiny
+    placement = Placement.random(spec, mix) if isinstance(mix, int) else Placement.uniform(spec, *mix)
+    out = []
+    for backend in backends:
+        source = CheckpointSource(Checkpoint(folder), spec, torch.bfloat16, quantization)
+        model = PlacedModel(spec, source, placement, backend, torch.bfloat16)
+        out.append(offload_logits(model, [5, 17, 33, 2, 90, 11, 4]).float())
+        model.flush()
+    return out
+
+
+@pytest.mark.parametrize("mix", [("cpu", "stream"), ("disk", "stream"), ("cpu", "cpu"), 0, 1, 2])
+@pytest.mark.parametrize("quantization", ["none", "q4_0"])
+def test_cuda_bf16_placements_match_the_cpu_backend(tiny, mix, quantization):
+    """bf16, the compute format GPU plans run in: device blocks, copies from pinned host buffers and CPU blocks
+    through the fused C++ layer with bf16 hand-overs and caches, against the same placement on the CPU backend in
+    bf16, within 3e-2 of the logit range (bf16 sums in another order on each device)."""
+    from offload.runtime.backends.cpu import CPUBackend
+    from offload.runtime.backends.cuda import CUDABackend
+
+    ours, ref = bf16_placement_logits(tiny, mix, quantization, [CUDABackend(), CPUBackend()])
+    assert_logits_close(ours, ref, rel=3e-2)
+
+
 def test_cuda_peak_memory_within_plan(tiny):
     """What offload allocates on the device stays within the planned GPU tier. The backend's compute stream gets a
     cuBLAS workspace of its own (32 MiB on sm_90, through torch's allocator: seen on an H200, where this test
