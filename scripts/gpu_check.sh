@@ -13,31 +13,61 @@
 #       --platform manylinux_2_17_x86_64 -d .whl gguf pydantic pydantic_core annotated-types typing-inspection setuptools
 # (the versions matching each other: pydantic's pins pydantic_core's).
 # Every step runs even if an earlier one failed; the exit code is non-zero if any step failed.
-# Figures and logs go to $OUT (the device tool's output folder) or to a fresh temporary folder.
+# Time: the whole check has a deadline (GPU_CHECK_BUDGET_S, default 330 s: the device's 15 minutes hold a machine
+# start, this run and a rerun); each step has its own limit, cut to what is left of the budget, and a step that
+# would get under 10 s is not started (rc 124, "no time"). A rerun on the same machine skips the steps that
+# finished (their logs and figures are kept in .gpu_check/, git-ignored; --fresh clears it).
+# Output: $OUT (the device tool's output folder, of which only 8 files come back) or a fresh temporary folder gets
+# two files: summary.json and logs.tar.gz (every step's log and JSON figures, at most 16 MiB).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 smoke=0
-[ "${1:-}" = "--smoke" ] && smoke=1
+for arg in "$@"; do
+    case $arg in
+        --smoke) smoke=1 ;;
+        --fresh) rm -rf .gpu_check ;;
+        *) echo "gpu_check.sh: unknown option $arg; use --smoke and/or --fresh" >&2; exit 2 ;;
+    esac
+done
 out=${OUT:-$(mktemp -d)}
 mkdir -p "$out"
+state=.gpu_check/$([ "$smoke" -eq 1 ] && echo smoke || echo cuda)  # what finished, kept between reruns
+mkdir -p "$state"
+logs=$state  # every step's log and figures; archived into $out at the end
 py=python3
 [ -x .venv/bin/python ] && py=.venv/bin/python
-: > "$out/steps.jsonl"
+budget=${GPU_CHECK_BUDGET_S:-330}
+began=$(date +%s)
+: > "$logs/steps.jsonl.new"
 failed=0
 
-step() {  # step NAME TIMEOUT_S COMMAND...: run it, keep its log, record its exit code and time
-    local name=$1 limit=$2 start rc
+step() {  # step NAME TIMEOUT_S COMMAND...: run it (unless a rerun finds it done), keep its log, record it
+    local name=$1 limit=$2 start rc left
     shift 2
     start=$(date +%s)
-    echo "== $name: $*"
-    timeout "$limit" "$@" > "$out/$name.log" 2>&1
+    if [ -f "$state/$name.done" ]; then
+        echo "== $name: finished in an earlier run, skipped (--fresh reruns it)"
+        record "$name" 0 "$start" true
+        return 0
+    fi
+    left=$(( budget - (start - began) ))
+    [ "$limit" -gt "$left" ] && limit=$left
+    if [ "$limit" -lt 10 ]; then
+        echo "== $name: not started, the check's budget of ${budget}s is spent"
+        record "$name" 124 "$start"
+        return 124
+    fi
+    echo "== $name (at most ${limit}s): $*"
+    timeout "$limit" "$@" > "$logs/$name.log" 2>&1
     rc=$?
-    tail -n 30 "$out/$name.log"
+    tail -n 30 "$logs/$name.log"
+    [ "$rc" -eq 0 ] && touch "$state/$name.done"
     record "$name" "$rc" "$start"
 }
 
-record() {  # record NAME RC START: a step's exit code and seconds in steps.jsonl; returns RC
-    echo "{\"step\": \"$1\", \"rc\": $2, \"seconds\": $(( $(date +%s) - $3 ))}" >> "$out/steps.jsonl"
+record() {  # record NAME RC START [SKIPPED]: a step's exit code and seconds in steps.jsonl; returns RC
+    echo "{\"step\": \"$1\", \"rc\": $2, \"seconds\": $(( $(date +%s) - $3 )), \"skipped\": ${4:-false}}" \
+        >> "$logs/steps.jsonl.new"
     [ "$2" -eq 0 ] || failed=1
     return "$2"
 }
@@ -62,7 +92,7 @@ if [ "$smoke" -eq 0 ]; then
     # the 3B checkpoint for bench_gpu_offload is written beside the tests (one CPU core; the tests use the GPU)
     model3b=$(mktemp -d)/llama-3b
     $py scripts/make_llama.py --out "$model3b" --hidden 3072 --layers 28 --intermediate 8192 --heads 24 \
-        --kv-heads 8 --vocab 32000 > "$out/make_llama.log" 2>&1 &
+        --kv-heads 8 --vocab 32000 > "$logs/make_llama.log" 2>&1 &
     maker=$!
     hardware=(--hardware configs/hardware/h200-server.yaml)  # the preset, unless calibrate measures this GPU
     step calibrate 180 $py -m offload calibrate --quick && hardware=()
@@ -73,30 +103,31 @@ if [ "$smoke" -eq 0 ]; then
         tests/test_device_dequant_gguf.py
     step offload_70b 300 $py scripts/bench_offload.py --model configs/models/llama-3.1-70b --quantization q4_0 \
         --gpu-memory 22GiB --cpu-memory 100GiB "${hardware[@]}" --backend cuda --prompt-len 512 --decode-tokens 8 --batches 1,32,auto \
-        --json "$out/offload.json"
+        --json "$logs/offload.json"
     start=$(date +%s)
     wait "$maker"
     record make_llama $? "$start"
-    tail -n 3 "$out/make_llama.log"
+    tail -n 3 "$logs/make_llama.log"
     step offload_vs_accelerate 400 $py scripts/bench_gpu_offload.py --model "$model3b" --gpu-memory 2GiB \
-        "${hardware[@]}" --batches 1,16 --prompt-len 32 --tokens 16 --repeats 1 --timeout 180 --json "$out/gpu_offload.json"
+        "${hardware[@]}" --batches 1,16 --prompt-len 32 --tokens 16 --repeats 1 --timeout 180 --json "$logs/gpu_offload.json"
     rm -rf "$(dirname "$model3b")"
     step triton_dequant 120 $py scripts/bench_triton_dequant.py
 else
     step sim_tests 300 $py -m pytest -q -p no:cacheprovider tests/test_cuda.py tests/test_sim.py
     step offload_sim 300 $py scripts/bench_offload.py --model configs/models/smollm2-135m --quantization q4_0 \
-        --gpu-memory 680MiB --hardware configs/hardware/rtx4090-ddr5.yaml --backend sim --prompt-len 32 \
-        --decode-tokens 4 --batches 1,4,auto --offline-len 64 --json "$out/offload.json"
+        --gpu-memory 680MiB --hardware configs/hardware/rtx4090-ddr5.yaml --backend sim --prompt-len 4 \
+        --decode-tokens 2 --batches 1,4,auto --offline-len 64 --json "$logs/offload.json"
 fi
+mv "$logs/steps.jsonl.new" "$logs/steps.jsonl"
 
-$py - "$out" "$smoke" <<'PY'
+$py - "$logs" "$smoke" "$out" <<'PY'
 import json, sys
 from pathlib import Path
-out, smoke = Path(sys.argv[1]), sys.argv[2] == "1"
-steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines() if line.strip()]
+logs, smoke, out = Path(sys.argv[1]), sys.argv[2] == "1", Path(sys.argv[3])
+steps = [json.loads(line) for line in (logs / "steps.jsonl").read_text().splitlines() if line.strip()]
 summary = {"mode": "smoke (simulated GPU)" if smoke else "cuda", "steps": steps,
            "ok": all(s["rc"] == 0 for s in steps)}
-bench = out / "offload.json"
+bench = logs / "offload.json"
 if bench.is_file():
     data = json.loads(bench.read_text())
     summary["offload"] = {b: {"peak_within_budget": r["peak_within_budget"],
@@ -108,9 +139,16 @@ if bench.is_file():
                           for b, r in data["batches"].items()}
     summary["offload"]["build_s"] = data["build_s"]
     summary["ok"] = summary["ok"] and all(r["peak_within_budget"] for r in data["batches"].values())
+(logs / "summary.json").write_text(json.dumps(summary, indent=2))
 (out / "summary.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps(summary, indent=2))
 sys.exit(0 if summary["ok"] else 1)
 PY
 [ $? -eq 0 ] || failed=1
+# one archive of the logs and figures, cut to 16 MiB: each log's last MiB where the whole would not fit
+tar -czf "$out/logs.tar.gz" -C "$(dirname "$logs")" "$(basename "$logs")" 2>/dev/null
+if [ "$(stat -c %s "$out/logs.tar.gz")" -gt $(( 16 * 1024 * 1024 )) ]; then
+    for f in "$logs"/*.log; do tail -c 1048576 "$f" > "$f.tail" && mv "$f.tail" "$f"; done
+    tar -czf "$out/logs.tar.gz" -C "$(dirname "$logs")" "$(basename "$logs")"
+fi
 exit $failed

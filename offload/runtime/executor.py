@@ -171,6 +171,7 @@ class PlacedModel:
     # the schedule -------------------------------------------------------------------------------------
     def _begin_step(self, phase: str) -> None:
         self._phase = phase
+        self.backend.collect()  # the finished work's timings: a job's events do not pile up until its end
         self.streamer.begin_step(phase)
 
     def _acquire(self, name: str, phase: str):

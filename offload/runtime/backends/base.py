@@ -207,6 +207,10 @@ class Backend:
     def synchronize(self) -> None:
         """Wait for all device work and resolve pending timings."""
 
+    def collect(self) -> None:
+        """Resolve the timings of the device work already done, without waiting for the rest (at each step's
+        start: a long job holds no more than a step or two of them)."""
+
     def reset_peak(self) -> None:
         """Start peak tracking afresh."""
         self.memory.peak_bytes = dict(self.memory.now_bytes)

@@ -196,14 +196,26 @@ class CUDABackend(Backend):
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
-        if not self._pending:
+        self._resolve(len(self._pending))
+
+    def collect(self) -> None:
+        """The timings whose events have completed, oldest first, up to the first still pending: their events
+        are released (no host wait)."""
+        done = 0
+        while done < len(self._pending) and self._pending[done][5].query():
+            done += 1
+        self._resolve(done)
+
+    def _resolve(self, n: int) -> None:
+        """The first n pending timings (their events completed) as spans on the timeline."""
+        if n == 0:
             return
         origin_ev, origin_s = self._origin
-        for kind, phase, unit, n_bytes, start, end, n_tokens in self._pending:
+        for kind, phase, unit, n_bytes, start, end, n_tokens in self._pending[:n]:
             s = origin_s + origin_ev.elapsed_time(start) / 1e3
             e = origin_s + origin_ev.elapsed_time(end) / 1e3
             self.timeline.add(Span(kind, phase, unit, s, e, n_bytes=n_bytes, n_tokens=n_tokens))
-        self._pending.clear()
+        del self._pending[:n]
 
     def measure_h2d_bps(self, n_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:
         """(pinned, pageable) host-to-device bandwidth in bytes/s, the median of repeats copies of n_bytes."""
