@@ -17,6 +17,7 @@ QUANT_BLOCK_BYTES = {f: 2 + n for f, n in QUANT_QS_BYTES.items()}  # bytes per b
 GGUF_BLOCKS = {"q4_1": (32, 20), "q4_k": (256, 144), "q5_k": (256, 176), "q6_k": (256, 210)}
 WEIGHT_FORMATS = tuple(FLOAT_FORMATS) + tuple(QUANT_BLOCK_BYTES) + tuple(GGUF_BLOCKS)  # every storage format sized
 PACKED_FORMATS = ("q8_0", "q4_0", "bf16", "fp16") + tuple(GGUF_BLOCKS)  # what the CPU kernels multiply by
+FUSED_COMPUTE = ("fp32", "bf16")  # compute formats the fused CPU layer takes (activations and KV caches)
 ALIGN_BYTES = 64  # each plane of a unit's flat buffer starts at a multiple of this (SIMD loads, dtype views)
 # The weight format of a plan for a GGUF model run as stored: each linear keeps its file's format (ModelSpec
 # tensors carry it); the planner sizes every tensor by its own format.

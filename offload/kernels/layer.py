@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from offload.errors import KernelError
+from offload.formats import FUSED_COMPUTE, torch_dtype
 from offload.kernels import _C, ACTIVE_PATH_ID, PackedWeight
 from offload.kernels.dispatch import PATH_IDS
 
 _F32 = torch.float32
 _BF16 = torch.bfloat16
-ACTIVATIONS = (_F32, _BF16)  # the activation (and KV cache) formats the fused layer takes
+ACTIVATIONS = tuple(torch_dtype(f) for f in FUSED_COMPUTE)  # the activation and KV cache formats it takes
 FUSABLE = _C is not None and hasattr(_C, "layer_forward")  # the extension has the fused layer
 HAS_CACHED_ATTENTION = _C is not None and hasattr(_C, "cached_attention")  # ... and its attention alone
 

@@ -12,7 +12,7 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 
-from offload.formats import AS_STORED, FLOAT_FORMATS, is_quantized
+from offload.formats import AS_STORED, FLOAT_FORMATS, FUSED_COMPUTE, is_quantized
 from offload.hardware import HardwareProfile
 from offload.planner.schedule import AHEAD, copy_plan
 from offload.spec import ModelSpec, UnitSpec
@@ -151,7 +151,7 @@ def _host_kv_attention(spec: ModelSpec, hw: HardwareProfile, phase: Phase, compu
     is in host RAM: the CPU reads the cache (kv_read_bps) and attends at the fused layer's attention rate (its
     kernels take fp32 and bf16 caches; others go through torch)."""
     gpu = max(_roofline(flops, read_bytes, hw.gpu_flops, hw.gpu_mem_bps), floor)
-    path = "fused" if compute in ("fp32", "bf16") else "torch"
+    path = "fused" if compute in FUSED_COMPUTE else "torch"
     cpu = kv_bytes / hw.kv_read_bps + attn_flops / hw.attention_rate(path)
     moved = phase.n_tokens * (2 * spec.q_size + 2 * spec.kv_size) * FLOAT_FORMATS[compute]
     return gpu, cpu, (2 * HOP_LATENCY_S + moved / link) if link else 0.0
@@ -187,7 +187,7 @@ def main_format(spec: ModelSpec, fmt: str) -> str:
 def cpu_path(fmt: str, compute: str) -> str:
     """Which CPU code runs a layer: offload's fused C++ layer (packed quantized weights; fp32 activations, or bf16
     as GPU plans compute, widened once per layer) or torch ops."""
-    return "fused" if is_quantized(fmt) and compute in ("fp32", "bf16") else "torch"
+    return "fused" if is_quantized(fmt) and compute in FUSED_COMPUTE else "torch"
 
 
 def overhead_s(hw: HardwareProfile, n_cpu_layers: int, path: str, n_seqs: int, n_logits: int = 0,
