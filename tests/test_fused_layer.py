@@ -286,6 +286,12 @@ def test_long_prompt_attention_matches_exact_softmax(path, n_heads, n_kv, head_d
     """Attention on each kernel path (blocked online softmax on AVX2 and AVX-512, one query at a time on the
     scalar path) against softmax(q k^T) v in float64 over prompts of up to 1500 tokens: max |diff| <= 1e-5 x
     max |ref| (fp32 scores, a polynomial exp)."""
+    _attention_matches_exact_softmax(path, n_heads, n_kv, head_dim, window, lengths, torch.float32)
+
+
+def _attention_matches_exact_softmax(path, n_heads, n_kv, head_dim, window, lengths, kv_dtype) -> None:
+    """cached_attention over a prompt per row into a cache of kv_dtype, against softmax(q k^T) v in float64 over
+    the values the cache holds (within 1e-5 x max |ref|); a bf16 cache holds K as torch rounds it."""
     max_len = max(lengths) + 1
     spec = ModelSpec(architecture="llama", vocab_size=64, hidden_size=n_heads * head_dim, intermediate_size=96,
                      n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rms_norm_eps=1e-5,
@@ -297,14 +303,17 @@ def test_long_prompt_attention_matches_exact_softmax(path, n_heads, n_kv, head_d
         positions[b, :n] = torch.arange(n)
         valid[b, :n] = True
     step = make_step(spec, torch.float32, positions, valid, trash_slot=max_len, phase="prefill")
-    kv = LayerKV(len(lengths), n_kv, max_len, head_dim, torch.float32)
+    kv = LayerKV(len(lengths), n_kv, max_len, head_dim, kv_dtype)
     view = fused.kv_view(kv)
-    table = fused.step_table(spec, step, view)
+    assert view is not None and view.bf16 == (kv_dtype is torch.bfloat16)
     qkv = _randn(len(lengths) * width, spec.q_size + 2 * spec.kv_size) * 2
-    att = fused.cached_attention(spec, qkv, table, view, path)  # ropes qkv in place
-    q = qkv[:, :spec.q_size].double().view(len(lengths), width, n_heads, head_dim)
+    att = fused.cached_attention(spec, qkv, fused.step_table(spec, step, view), view, path)  # ropes qkv in place
+    rows = qkv.view(len(lengths), width, -1)
+    q = rows[..., :spec.q_size].double().view(len(lengths), width, n_heads, head_dim)
     group = n_heads // n_kv
     for b, n in enumerate(lengths):
+        new_k = rows[b, :n, spec.q_size:spec.q_size + spec.kv_size].reshape(n, n_kv, head_dim)
+        assert torch.equal(kv.k[b, :n], new_k.to(kv_dtype))  # stored as torch rounds
         k = kv.k[b, :n].double().repeat_interleave(group, dim=1)  # [n, heads, dh]
         v = kv.v[b, :n].double().repeat_interleave(group, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q[b, :n], k) / head_dim ** 0.5
@@ -329,36 +338,7 @@ def test_attention_over_a_bf16_cache_matches_exact_softmax(path, n_heads, n_kv, 
     """A bf16 KV cache (a GPU plan's compute format): K and V are stored rounded to nearest even, exactly as torch
     rounds them, and attention over the stored values matches softmax(q k^T) v in float64 within 1e-5 x max |ref|
     on each kernel path."""
-    max_len = max(lengths) + 1
-    spec = ModelSpec(architecture="llama", vocab_size=64, hidden_size=n_heads * head_dim, intermediate_size=96,
-                     n_layers=1, n_heads=n_heads, n_kv_heads=n_kv, head_dim=head_dim, rms_norm_eps=1e-5,
-                     rope=RopeSpec(), max_position_embeddings=max_len)
-    width = max(lengths)
-    positions = torch.zeros(len(lengths), width, dtype=torch.long)
-    valid = torch.zeros_like(positions, dtype=torch.bool)
-    for b, n in enumerate(lengths):
-        positions[b, :n] = torch.arange(n)
-        valid[b, :n] = True
-    step = make_step(spec, torch.float32, positions, valid, trash_slot=max_len, phase="prefill")
-    kv = LayerKV(len(lengths), n_kv, max_len, head_dim, torch.bfloat16)
-    view = fused.kv_view(kv)
-    assert view is not None and view.bf16
-    qkv = _randn(len(lengths) * width, spec.q_size + 2 * spec.kv_size) * 2
-    att = fused.cached_attention(spec, qkv, fused.step_table(spec, step, view), view, path)  # ropes qkv in place
-    rows = qkv.view(len(lengths), width, -1)
-    q = rows[..., :spec.q_size].double().view(len(lengths), width, n_heads, head_dim)
-    group = n_heads // n_kv
-    for b, n in enumerate(lengths):
-        new_k = rows[b, :n, spec.q_size:spec.q_size + spec.kv_size].reshape(n, n_kv, head_dim)
-        assert torch.equal(kv.k[b, :n], new_k.to(torch.bfloat16))  # stored as torch rounds
-        k = kv.k[b, :n].double().repeat_interleave(group, dim=1)
-        v = kv.v[b, :n].double().repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q[b, :n], k) / head_dim ** 0.5
-        pos = torch.arange(n)
-        ref = torch.einsum("hqk,khd->qhd", scores.masked_fill(pos[None, :] > pos[:, None], float("-inf"))
-                           .softmax(-1), v).reshape(n, -1)
-        got = att.view(len(lengths), width, -1)[b, :n].double()
-        assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
+    _attention_matches_exact_softmax(path, n_heads, n_kv, head_dim, None, lengths, torch.bfloat16)
 
 
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
