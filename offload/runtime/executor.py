@@ -53,7 +53,6 @@ class PlacedModel:
             raise PlanError(f"the placement places units {sorted(set(placement.units) - set(self.order))[:3]} this "
                             f"model does not have, or misses {sorted(set(self.order) - set(placement.units))[:3]}; "
                             f"run a plan with the spec it placed (offload.planner.plan_spec)")
-        self._kind_index = {u.name: (u.kind, u.index) for u in self.units}
         self._cpu = torch.device("cpu")
         self.store = WeightStore(spec, source, placement, backend, fuse, disk_dir)
         store = self.store
@@ -111,7 +110,7 @@ class PlacedModel:
         for name in self.order[:-1]:
             p = self.placement[name]
             held = p.weights == "cpu" or name in self._in_place
-            if self._kind_index[name][0] in ("layer", "experts", "mlp") and held and p.mode(phase) == "cpu":
+            if self.store.kind_index[name][0] in ("layer", "experts", "mlp") and held and p.mode(phase) == "cpu":
                 if not schedule or not isinstance(schedule[-1], tuple):
                     schedule.append(())
                 schedule[-1] += (name,)
@@ -226,7 +225,7 @@ class PlacedModel:
         return raw.view(entry.dtype).view(len(ids), entry.shape[1]), inverse.view(tokens.shape)
 
     def _work(self, name: str, phase: str, step: Step | None, x) -> Work:
-        kind = self._kind_index[name][0]
+        kind = self.store.kind_index[name][0]
         if step is None:  # the lm_head over hidden rows [..., D]
             n_tokens = x.numel() // x.shape[-1]
             return Work(name, kind, phase, n_tokens, n_tokens)
@@ -241,6 +240,6 @@ class PlacedModel:
 
     def _run_host_layers(self, names: tuple[str, ...], x, step: Step, cache, steps: dict):
         """Compute consecutive layers held and computed in host RAM, timing each one as a unit of its own."""
-        kvs = [cache[i] if kind == "layer" else None for kind, i in (self._kind_index[n] for n in names)]
+        kvs = [cache[i] if kind == "layer" else None for kind, i in (self.store.kind_index[n] for n in names)]
         works = [self._work(n, step.phase, step, x) for n in names]
         return self._on_cpu(works, self.runner.host_layers, self.backend.to_host(x), names, step, kvs, steps)

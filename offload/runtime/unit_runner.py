@@ -25,7 +25,6 @@ class UnitRunner:
                  prefill_chunk_tokens: int):
         self.spec, self.store, self.backend, self.dtype, self.fuse = spec, store, backend, dtype, fuse
         self.prefill_chunk_tokens = prefill_chunk_tokens
-        self._kind_index = {u.name: (u.kind, u.index) for u in spec.units()}
         self._kv_views: dict[int, fused.KVView | None] = {}  # id(LayerKV) -> the fused layer's view of it
 
     def attach_cache(self, cache: list[LayerKV]) -> None:
@@ -72,7 +71,7 @@ class UnitRunner:
 
     def compute(self, x, name: str, w, step: Step, cache, steps: dict, on_device: bool):
         """One unit's block math; a layer goes through _layer."""
-        kind, index = self._kind_index[name]
+        kind, index = self.store.kind_index[name]
         if kind in ("experts", "mlp") and not on_device and self.fuse and x.dtype in fused.ACTIVATIONS:
             handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)  # read from disk: made for this use
             if handle is not None:
@@ -120,7 +119,7 @@ class UnitRunner:
         layer's attention where the cache is in host RAM: a CPU layer's (weights the fused layer cannot take: float
         ones through torch), and a device layer's in decode (one new token per sequence: q, k, v come down, the
         output goes up; host_step: the step on the host)."""
-        attention, moe = None, self.spec.hands_over(self._kind_index[name][1])
+        attention, moe = None, self.spec.hands_over(self.store.kind_index[name][1])
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
             handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)
             views = self._fused_views([kv], x)

@@ -29,7 +29,7 @@ class WeightStore:
         self.spec, self.placement, self.backend, self.fuse = spec, placement, backend, fuse
         self.units = spec.units()
         self.order = [u.name for u in self.units]
-        self._kind_index = {u.name: (u.kind, u.index) for u in self.units}
+        self.kind_index = {u.name: (u.kind, u.index) for u in self.units}  # name -> (kind, layer index)
         self.fused_layers: dict[str, fused.FusedLayer | fused.FusedExperts] = {}  # host-resident, built once here
         self.layouts: dict[str, UnitLayout] = {}
         self.resident, self.host_buffers, self.host_weights = {}, {}, {}
@@ -111,7 +111,7 @@ class WeightStore:
     def _fuse_host_layer(self, name: str) -> None:
         """The fused C++ handle of a layer (or experts unit) the CPU computes from host memory, made once, where it
         fits."""
-        if not self.fuse or self._kind_index[name][0] not in ("layer", "experts", "mlp"):
+        if not self.fuse or self.kind_index[name][0] not in ("layer", "experts", "mlp"):
             return
         handle = self.fused_handle(name, self.host_weights[name])
         if handle is not None:
@@ -120,7 +120,7 @@ class WeightStore:
     def fused_handle(self, name: str, w):
         """The C++ view of a layer's (or a MoE layer's attention part's) or an experts unit's weights; None where
         they do not suit it."""
-        kind, index = self._kind_index[name]
+        kind, index = self.kind_index[name]
         if kind == "experts":
             return fused.fuse_experts(self.spec.moe, w)
         if kind == "mlp":
