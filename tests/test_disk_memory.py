@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import make_hf_model, save_hf_model
 
-from offload.hardware import memory_cgroup
+from offload.system import memory_cgroup
 
 LIMIT_BYTES = 2**30
 CHILD = r"""

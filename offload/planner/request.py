@@ -7,11 +7,11 @@ from dataclasses import dataclass, field, replace
 
 from offload.errors import ConfigError, PlanError
 from offload.formats import AS_STORED, QUANTIZATIONS, compute_format, weight_format
-from offload.hardware import (HardwareProfile, default_hardware, format_bytes, load_hardware, page_cache_room_bytes,
-                              parse_size)
+from offload.hardware import HardwareProfile, default_hardware, format_bytes, load_hardware, parse_size
 from offload.planner.search import plan, plan_best_batch
 from offload.planner.types import DEFAULT_PREFILL_CHUNK_TOKENS, Budget, Plan, Workload
 from offload.spec import ModelSpec
+from offload.system import page_cache_room_bytes
 
 DEFAULT_MAX_MODEL_LEN = 2048  # context the KV cache is budgeted for unless max_model_len says otherwise
 DEFAULT_MAX_TOKENS = 128  # generated tokens per sequence the prediction assumes unless max_tokens says otherwise

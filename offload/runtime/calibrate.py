@@ -11,8 +11,8 @@ import time
 from pathlib import Path
 
 from offload.weights.loader import pread_into
-from offload.hardware import (HardwareProfile, cache_path, system_cores,
-                              system_memory_bytes)
+from offload.hardware import HardwareProfile, cache_path
+from offload.system import system_cores, system_memory_bytes
 from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK, WEIGHT_FORMATS
 
 
