@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+import yaml
 
 from conftest import make_hf_model, save_hf_model, write_config
 from jobs_support import run_cli, completion_line, make_tiny_chat_model, read_records, write_batch, write_job
@@ -150,3 +151,19 @@ def test_a_config_json_with_a_non_number_names_the_key(tmp_path):
     write_config(folder, hidden_size="abc")
     code, message = cli("generate", "--model", folder, "--prompt", "hi")
     assert code == EXIT_ERROR and "key 'hidden_size' must be a whole number of 1 or more, found 'abc'" in message
+
+
+def test_every_restart_keeps_the_outputs_it_replaces(tmp_path, tiny_model):
+    """Issue 32 item 1: a second --restart used to overwrite the single <output>.bak, losing the first run."""
+    config = job(tmp_path, tiny_model)
+    runs = []
+    for flags in ([], ["--restart"], ["--restart"]):
+        code, message = cli("run", config, *flags)
+        assert code == EXIT_OK, message
+        runs.append((tmp_path / "o.jsonl").read_bytes())
+    assert "the 3 earlier records of" in message and "o.jsonl.bak.1" in message
+    assert (tmp_path / "o.jsonl.bak").read_bytes() == runs[0] and (tmp_path / "o.jsonl.bak.1").read_bytes() == runs[1]
+    write_job(tmp_path / "job.yaml", **{**yaml.safe_load(config.read_text()), "output": {"path": "o.jsonl",
+                                                                                       "overwrite": True}})
+    assert cli("run", config)[0] == EXIT_OK
+    assert (tmp_path / "o.jsonl.bak.2").read_bytes() == runs[2] and len(read_records(tmp_path / "o.jsonl")) == 3

@@ -1,10 +1,11 @@
 """The output JSONL of a job: one writer at a time (a lock), a manifest of the job that writes it, resume,
-retry of failed requests, and a restart that keeps the old outputs as .bak."""
+retry of failed requests, and a restart that keeps every earlier output (.bak, .bak.1, ...)."""
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import sys
 import time
@@ -14,6 +15,8 @@ from typing import Any
 
 from offload.errors import ConfigError, OutputError
 
+logger = logging.getLogger("offload")
+
 MANIFEST_VERSION = 1
 AGAIN = "rerun with --restart (or output.overwrite: true) to start over, or choose another output path"
 
@@ -22,6 +25,17 @@ def side_files(output: Path) -> dict[str, Path]:
     """The files a job keeps beside its output: the manifest, the lock, the backup a restart makes."""
     return {"manifest": output.with_name(output.stem + ".job.json"),
             "lock": output.with_name(output.name + ".lock"), "backup": output.with_name(output.name + ".bak")}
+
+
+def backup_path(output: Path) -> Path:
+    """Where a restart keeps the outputs it replaces: <output>.bak, else the first free <output>.bak.N, so that
+    no restart writes over an earlier one's (the highest number is the newest)."""
+    first = side_files(output)["backup"]
+    path, n = first, 0
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = first.with_name(f"{first.name}.{n}")
+    return path
 
 
 def record_key(record: dict) -> str | None:
@@ -131,10 +145,13 @@ class OutputLog:
         return set(self.done)
 
     def begin(self, restart: bool = False) -> None:
-        """Start writing: a restart moves the old outputs to .bak; a resume drops the error lines it retries."""
-        if restart and self.path.exists():
-            os.replace(self.path, side_files(self.path)["backup"])
-        elif self.path.exists():
+        """Start writing: a restart moves the old outputs to a backup of their own (backup_path); a resume drops
+        the error lines it retries."""
+        if restart and self.path.exists() and self.path.stat().st_size:
+            n_records, backup = len(self._lines()), backup_path(self.path)
+            os.replace(self.path, backup)
+            logger.info(f"starting over: the {n_records} earlier records of {self.path} are kept in {backup}")
+        elif self.path.exists() and not restart:
             self._rewrite()
         self.manifest_path.write_text(json.dumps({"version": MANIFEST_VERSION, "job": self.fingerprint}, indent=2))
         self._file = open(self.path, "a", encoding="utf-8")
@@ -181,6 +198,9 @@ class OutputLog:
         keep = [line for line in lines if not self._drop or not _is_error_of(line, self._drop)]
         if len(keep) == len(lines) and sum(map(len, lines)) == self.path.stat().st_size:
             return
+        if sum(map(len, lines)) < self.path.stat().st_size:
+            logger.warning(f"the last line of {self.path} was cut short (a run was killed while writing it); it is "
+                           f"removed and its request runs again")
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:
             f.writelines(keep)

@@ -25,8 +25,8 @@ def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, p
               llm=None) -> dict:
     """Run (or resume) a batch job described by a config; write outputs and report; return the report.
 
-    The output is locked while the job runs; a restart moves the old outputs to .bak only once the model is
-    loaded, so a restart that cannot start leaves them as they were."""
+    The output is locked while the job runs; a restart moves the old outputs to a backup (output.backup_path)
+    only once the model is loaded, so a restart that cannot start leaves them as they were."""
     config = as_config(config)
     restart = restart or config.output.overwrite
     requests, bad = read_requests(Path(config.input.path), config.input.format, sampling_defaults(config),
