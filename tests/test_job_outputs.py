@@ -167,3 +167,25 @@ def test_every_restart_keeps_the_outputs_it_replaces(tmp_path, tiny_model):
                                                                                        "overwrite": True}})
     assert cli("run", config)[0] == EXIT_OK
     assert (tmp_path / "o.jsonl.bak.2").read_bytes() == runs[2] and len(read_records(tmp_path / "o.jsonl")) == 3
+
+
+def test_a_full_disk_leaves_the_earlier_report_whole(tmp_path, tiny_model, monkeypatch):
+    """Issue 32 item 4: the report was written in place, so a full disk left a 0-byte <output>.report.json."""
+    from offload.jobs import run
+
+    config = job(tmp_path, tiny_model, n=2)
+    assert cli("run", config)[0] == EXIT_OK
+    report = (tmp_path / "o.report.json").read_bytes()
+
+    def full_disk(report, path):  # as write_text on a full disk: the file is opened (emptied), the write fails
+        with open(path, "w") as f:
+            f.write("{")
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(run, "write_report", full_disk)
+    write_batch(tmp_path / "in.jsonl", [completion_line(f"r{i}", f"Story {i}") for i in range(3)])  # one more
+    code, message = cli("run", config)
+    assert code == EXIT_OK and "could not write" in message and "No space left on device" in message
+    assert "the earlier o.report.json is left as it was" in message
+    assert (tmp_path / "o.report.json").read_bytes() == report and len(read_records(tmp_path / "o.jsonl")) == 3
+    assert sorted(p.name for p in tmp_path.iterdir() if "tmp" in p.name) == []

@@ -3,8 +3,10 @@ progress, report."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -207,9 +209,18 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
 
 
 def _write(path: Path, write) -> None:
-    """Write one report file, making its folder; a failure is logged, not raised (the outputs are safe)."""
+    """Write one report file, making its folder, atomically: into a temporary file beside it, then renamed over it,
+    so that a full disk leaves the earlier file whole rather than empty; a failure is logged, not raised (the
+    outputs are safe)."""
+    tmp = path.with_name(f".{path.stem}.{os.getpid()}.tmp{path.suffix}")  # the suffix tells matplotlib the format
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        write(path)
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
     except OSError as e:
-        logger.error(f"could not write {path} ({e.strerror or e}); the outputs in this run are kept")
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        kept = f"; the earlier {path.name} is left as it was" if path.exists() else ""
+        logger.error(f"could not write {path} ({e.strerror or e}){kept}; the outputs in this run are kept")
