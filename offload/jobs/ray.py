@@ -3,8 +3,8 @@
 The driver (run.py's job loop) stays the only writer of the outputs: it hands each idle replica a shard of
 requests, reads the answers back one by one as the replica's streaming generator yields them, and writes each
 once. A replica that dies has the unanswered requests of its shard put back in the queue for the next idle
-replica (Ray restarts the actor, which loads its model again before it takes more). ray is imported here only,
-and only when a job runs on it."""
+replica (Ray restarts the actor, which loads its model again before it takes more); one lost while it loads is
+restarted the same way. ray is imported here only, and only when a job runs on it."""
 
 from __future__ import annotations
 
@@ -257,9 +257,17 @@ def start_replicas(config: JobConfig) -> Replicas:
         n = replica_count(ray, dist)
         actors += [actor.options(num_cpus=dist.cpus_per_replica, num_gpus=dist.gpus_per_replica).remote(config, i)
                    for i in range(n)]
-        nodes = [_answer(ray, i, a.node_id.options(concurrency_group=CONTROL).remote()) for i, a in enumerate(actors)]
+        failures = [0] * n  # times each replica was lost while it started
+
+        def node_id(a, i: int, retries: int):
+            return a.node_id.options(concurrency_group=CONTROL, max_task_retries=retries).remote()
+
+        def load(a, i: int, retries: int):
+            return a.load.options(max_task_retries=retries).remote(sharing[i])
+
+        nodes = answer_each(ray, actors, node_id, failures, dist.max_restarts, "starting")
         sharing = [nodes.count(node) for node in nodes]  # replicas on each one's node, which share its memory
-        infos = [_answer(ray, i, a.load.remote(k)) for i, (a, k) in enumerate(zip(actors, sharing))]
+        infos = answer_each(ray, actors, load, failures, dist.max_restarts, "loading its model")
     except BaseException:
         for a in actors:
             ray.kill(a, no_restart=True)
@@ -269,21 +277,41 @@ def start_replicas(config: JobConfig) -> Replicas:
     for info in infos:
         logger.info(f"replica {info['replica']} on {info['node']} ({info['ip']}, pid {info['pid']}): "
                     f"{(info['plan'] or {}).get('summary', 'placement given')}, batch {info['batch_size']}")
-    slots = [Slot(i, a, info, k) for i, (a, info, k) in enumerate(zip(actors, infos, sharing))]
+    slots = [Slot(i, a, info, k, failures=f) for i, (a, info, k, f) in enumerate(zip(actors, infos, sharing, failures))]
     return Replicas(ray, config, slots, connected)
 
 
+def answer_each(ray, actors: list, call, failures: list[int], max_restarts: int, doing: str) -> list:
+    """Each starting replica's answer to call(actor, index, max_task_retries), a Ray call. One lost meanwhile is
+    asked again, as one lost mid-job is: Ray restarts it, and the call waits for that (up to max_restarts losses
+    in all, counted in failures); past them, or if the call raises, one sentence says why the job cannot start."""
+    answers, calls = [None] * len(actors), {call(a, i, 0): i for i, a in enumerate(actors)}
+    while calls:
+        [ref], _ = ray.wait(list(calls), num_returns=1)
+        i = calls.pop(ref)
+        try:
+            answers[i] = _answer(ray, i, ref)
+        except ray.exceptions.RayActorError as e:  # its process or node was lost
+            failures[i] += 1
+            if failures[i] > max_restarts:
+                raise OffloadError(f"replica {i} was lost while {doing} ({type(e).__name__}) {failures[i]} time(s), "
+                                   f"more than distributed.max_restarts = {max_restarts} allows; nothing was written: "
+                                   f"check its node (a process killed while it loads is often out of memory), then "
+                                   f"rerun the job") from None
+            logger.warning(f"replica {i} was lost while {doing} ({type(e).__name__}); it restarts "
+                           f"({failures[i]} of distributed.max_restarts = {max_restarts})")
+            calls[call(actors[i], i, -1)] = i  # retried by Ray while the actor is restarting
+    return answers
+
+
 def _answer(ray, index: int, ref):
-    """A starting replica's answer to a call, or the one-sentence error of why it could not start."""
+    """A starting replica's answer to a call, or the one-sentence error it raised."""
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as e:
         if isinstance(e.cause, OffloadError):
             raise type(e.cause)(f"replica {index} could not start: {e.cause}") from None
         raise
-    except ray.exceptions.RayActorError as e:
-        raise OffloadError(f"replica {index} was lost while loading its model ({type(e).__name__}); nothing was "
-                           f"written: rerun the job") from None
 
 
 class Dispatch:
