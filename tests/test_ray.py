@@ -14,13 +14,14 @@ import sys
 import threading
 import time
 from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from conftest import child_env
 from jobs_support import completion_line, read_records, run_cli, write_batch, write_job
-from offload.errors import ConfigError, PlanError
+from offload.errors import ConfigError, OffloadError, PlanError
 from offload.jobs.batch import COMPLETIONS, Request
 from offload.jobs.config import DistributedConfig, load_config, plan_request
 from offload.jobs.ray import Dispatch, Slot, check_reachable, import_ray, replicas_that_fit, start_replicas
@@ -130,6 +131,45 @@ def test_a_replica_killed_mid_job_leaves_every_request_answered_once(cluster, si
     assert answers(tmp_path / "out.jsonl") == single_machine
     lost = result["report"]["replicas"][victim]
     assert lost["restarts"] == 1, f"the replica was not mid-shard when killed at {at} lines"
+
+
+@contextmanager
+def a_replica_killed_while_it_loads():
+    """SIGKILL the first replica seen loading its model (its process title reads ray::Replica.load meanwhile)."""
+    killed, stop = [], threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.01):
+            for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+                try:
+                    loading = cmdline.read_bytes().startswith(b"ray::Replica.load")
+                except OSError:  # the process ended
+                    continue
+                if loading:
+                    os.kill(int(cmdline.parent.name), signal.SIGKILL)
+                    return killed.append(int(cmdline.parent.name))
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        yield killed
+    finally:
+        stop.set()
+        watcher.join()
+    assert killed, "no replica was seen loading its model"
+
+
+@on_ray
+def test_a_replica_killed_while_it_loads_restarts_unless_restarts_are_exhausted(cluster, single_machine, tmp_path):
+    with a_replica_killed_while_it_loads(), pytest.raises(
+            OffloadError, match=r"^replica [01] was lost while loading its model \(ActorDiedError\) 1 time\(s\), "
+                                r"more than distributed.max_restarts = 0 allows; nothing was written: .*rerun the job$"):
+        run_batch(job_config(tmp_path, max_restarts=0))
+    assert not (tmp_path / "out.jsonl").exists()
+    with a_replica_killed_while_it_loads():
+        report = run_batch(job_config(tmp_path))
+    assert answers(tmp_path / "out.jsonl") == single_machine
+    assert sorted(r["restarts"] for r in report["replicas"]) == [0, 1]
 
 
 @on_ray
