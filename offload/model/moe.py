@@ -1,9 +1,14 @@
 """Mixture-of-experts block math (Mixtral, Qwen2-MoE, Qwen3-MoE): the router and the routed experts of one layer,
 device-agnostic, weights passed in. The attention part of a MoE layer (with its shared expert) is
-offload.model.llama's layer_forward(moe=True), which hands this unit [residual | normed hidden state]."""
+offload.model.llama's layer_forward(moe=True), which hands this unit [residual | normed hidden state].
+
+On a CUDA device with Triton, the routed experts run as two grouped launches (offload.kernels.triton_moe) with
+no host sync; elsewhere, and for weights those kernels do not take, one expert at a time (experts_forward_loop,
+also their reference)."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,7 +48,49 @@ def expert_groups(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list
 
 
 def experts_forward(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2D] = [residual | normed h] -> residual + sum over each token's top-k experts of weight * expert(h).
+    """x [..., 2D] = [residual | normed h] -> residual + sum over each token's top-k experts of weight * expert(h):
+    the grouped kernels where they run (_grouped_kernels), else the loop over the picked experts."""
+    if _grouped_kernels(x) is not None:
+        out = experts_forward_grouped(moe, w, x)
+        if out is not None:
+            return out
+    return experts_forward_loop(moe, w, x)
+
+
+def _grouped_kernels(x: torch.Tensor):
+    """offload.kernels.triton_moe where x is on a CUDA device and Triton is installed, else None."""
+    return _triton_moe() if x.device.type == "cuda" else None
+
+
+@functools.cache
+def _triton_moe():
+    from offload.kernels import triton_moe
+
+    return triton_moe if triton_moe.TRITON_AVAILABLE else None
+
+
+def experts_forward_grouped(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor | None:
+    """experts_forward in two grouped Triton launches (gate_up with SiLU, down with the routing weights) over the
+    (token, slot) pairs sorted by expert on the device: nothing here waits for the device. None where the kernels
+    do not take the experts' weights (offload.kernels.triton_moe says which)."""
+    from offload.kernels import triton_moe
+
+    d = x.shape[-1] // 2
+    residual, h = x[..., :d], x[..., d:].reshape(-1, d)  # h [T, D]
+    gate_up, down = triton_moe.group_weights(w.gate_up, h), triton_moe.group_weights(w.down, h)
+    if gate_up is None or down is None:
+        return None
+    weights, ids = route(moe, linear(h, w.router, None))  # [T, k]
+    tiles = triton_moe.expert_tiles(ids, moe.n_experts, triton_moe.tile_rows(h.shape[0], moe.top_k, moe.n_experts))
+    act = triton_moe.grouped_gate_up(h, tiles, gate_up, moe.top_k)  # [T*k, F] by expert
+    y = triton_moe.grouped_down(act, tiles, down, weights.reshape(-1))  # [T*k, D] by (token, slot)
+    out = y.view(-1, moe.top_k, d).sum(dim=1, dtype=torch.float32).to(x.dtype)
+    return residual + out.view(residual.shape)
+
+
+def experts_forward_loop(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
+    """experts_forward one picked expert at a time (the CPU path, and the grouped kernels' reference): learning
+    which experts were picked waits for the device once, then each runs about 7 operations.
 
     Tokens are gathered per expert, so an expert several tokens picked runs once for all of them (a matrix-matrix
     product), and only the experts picked at all are read."""
