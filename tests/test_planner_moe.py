@@ -12,7 +12,8 @@ from offload.errors import PlanError
 from offload.formats import WEIGHT_FORMATS as FORMATS
 from offload.hardware import HardwareProfile, load_hardware
 from offload.planner import Budget, PlanRequest, Workload, plan, plan_for
-from offload.planner.costs import Phase, hop_s, price_step, unit_cost
+from offload.planner.costs import (GPU_LAUNCH_S, HOP_LATENCY_S, MOE_GROUPED_LAUNCHES, MOE_LOOP_LAUNCHES, Phase, hop_s,
+                                   price_step, unit_cost)
 from offload.spec import load_spec, spec_from_config
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -132,10 +133,28 @@ def test_decode_reads_the_experts_a_token_routes_to_and_a_copy_moves_all(mixtral
     assert cost.cpu_s == pytest.approx(touched / hw.cpu_mem_bps)  # bandwidth-bound at one row per expert
     assert cost.cpu_s / (w_bytes / hw.cpu_mem_bps) == pytest.approx(2 / 8, rel=1e-3)
     assert cost.host_cpu_s == pytest.approx(touched / hw.cpu_mem_bps)
-    assert cost.gpu_s == pytest.approx(touched / hw.gpu_mem_bps)
+    assert cost.gpu_s == pytest.approx(touched / hw.gpu_mem_bps + MOE_GROUPED_LAUNCHES * GPU_LAUNCH_S)
     assert cost.pcie_s == pytest.approx(w_bytes / hw.h2d_pinned_bps)
     assert cost.disk_s == pytest.approx(w_bytes / hw.disk_read_bps)
     assert cost.host_mem_s == pytest.approx(w_bytes / hw.cpu_mem_bps)
+
+
+def test_gpu_experts_pay_the_grouped_kernels_launches_once_or_the_loops_per_picked_expert(mixtral):
+    """On the GPU an experts unit costs the bytes of the experts picked plus its launches: q4_0 (and float) experts
+    run grouped, 20 launches whichever experts 1 or 8 tokens pick; q4_k experts loop, 12 launches, a host sync
+    and 8 per expected picked expert (2 for a token, 8 x (1 - 0.75^8) = 7.20 for 8)."""
+    hw, unit = load_hardware("rtx4090-ddr5"), _experts(mixtral)
+    router = 8 * 4096 * 2
+    for fmt, n_tokens in [("q4_0", 1), ("q4_0", 8), ("bf16", 8), ("q4_k", 1), ("q4_k", 8)]:
+        w_bytes = unit.nbytes(fmt, "fp16")
+        picked = 8 * (1 - 0.75**n_tokens)
+        bytes_s = (router + (w_bytes - router) * picked / 8) / hw.gpu_mem_bps
+        flops_s = 2 * unit.linear_numel * n_tokens * 2 // 8 / hw.gpu_flops
+        launches_s = MOE_GROUPED_LAUNCHES * GPU_LAUNCH_S
+        if fmt == "q4_k":
+            launches_s = (MOE_LOOP_LAUNCHES[0] + MOE_LOOP_LAUNCHES[1] * picked) * GPU_LAUNCH_S + HOP_LATENCY_S
+        cost = unit_cost(mixtral, unit, fmt, hw, Phase("decode", n_tokens, n_tokens, 512, 512))
+        assert cost.gpu_s == pytest.approx(max(bytes_s, flops_s) + launches_s), (fmt, n_tokens)
 
 
 def test_a_prefill_touches_nearly_every_expert(mixtral):

@@ -12,7 +12,7 @@ import math
 from collections import deque
 from dataclasses import asdict, dataclass, replace
 
-from offload.formats import AS_STORED, FLOAT_FORMATS, FUSED_COMPUTE, is_quantized
+from offload.formats import AS_STORED, FLOAT_FORMATS, FUSED_COMPUTE, QUANT_BLOCK_BYTES, is_quantized
 from offload.hardware import HardwareProfile
 from offload.planner.schedule import AHEAD, copy_plan
 from offload.spec import ModelSpec, UnitSpec
@@ -27,6 +27,14 @@ DROP_PIECE_BYTES = 8 << 20  # a read the page cache is not to keep is done, and 
 READ_AHEAD_TRAIL_BYTES = 16 << 20  # the OS's read-ahead runs up to this far past such a read
 READ_PAGE_CACHE_BYTES = DROP_PIECE_BYTES + READ_AHEAD_TRAIL_BYTES  # page cache dropped reads hold at any time
 STEADY_STEPS = 2  # steps priced for a steady one: the first's copies start at once, as the step before's would
+# One kernel launch, host side. Not measured by offload (no GPU was lent where this was written): the public figure
+# for a PyTorch eager op, until offload calibrate measures a GPU launch.
+GPU_LAUNCH_S = 5e-6
+# Launches of a MoE layer's routed experts on the GPU (offload.model.moe): the grouped Triton path takes a fixed
+# count, the router 6, the sort and tiles 9, its two kernels, the sum over slots and the residual 3; the per-expert
+# loop (weights the grouped kernels do not take: GGUF block formats) 12, a host sync, then 8 per picked expert.
+MOE_GROUPED_LAUNCHES = 20
+MOE_LOOP_LAUNCHES = (12, 8)
 
 
 @dataclass(frozen=True)
@@ -97,6 +105,16 @@ def expert_reads(unit: UnitSpec, fmt: str, compute: str, n_tokens: int) -> tuple
     return router + (w_bytes - router) * touched, n_tokens * unit.moe.top_k / experts if experts else 1.0
 
 
+def moe_launch_s(unit: UnitSpec, fmt: str, compute: str, n_tokens: int) -> float:
+    """Seconds of launches (and the loop's host sync) an experts unit adds to a pass on the GPU: a fixed count
+    where the grouped kernels take its weights (float, q8_0, q4_0), else a count per expected picked expert."""
+    held = {t.held_format(fmt, compute) for t in unit.tensors if t.role == "linear"}
+    if all(f in FLOAT_FORMATS or f in QUANT_BLOCK_BYTES for f in held):
+        return MOE_GROUPED_LAUNCHES * GPU_LAUNCH_S
+    base, per_expert = MOE_LOOP_LAUNCHES
+    return (base + per_expert * unit.moe.expected_experts(n_tokens)) * GPU_LAUNCH_S + HOP_LATENCY_S
+
+
 def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase,
               compute: str = "fp16") -> UnitCost:
     """Cost of one unit in one phase step with weights stored in fmt, activations and KV in compute.
@@ -129,6 +147,8 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
     cpu_s = _cpu_s(spec, unit, fmt, hw, phase, compute, flops, attn_flops, matmul_rows, read_bytes, kv_bytes)
     floor = passes * read_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf
     gpu_s = max(gpu_s, floor)
+    if unit.moe is not None:
+        gpu_s += passes * moe_launch_s(unit, fmt, compute, -(-phase.n_tokens // passes))
     host_kv = (0.0, 0.0, 0.0)
     if unit.kind == "layer" and phase.name == "decode":
         host_kv = _host_kv_attention(spec, hw, phase, compute, flops, read_bytes, attn_flops, kv_bytes, floor, link)
