@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from offload.errors import ConfigError
+from offload.paths import describe_path
 from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANT_BLOCK_BYTES,
                              QUANT_QS_BYTES, format_nbytes)
 
@@ -347,8 +348,12 @@ def load_spec(path: str | Path) -> ModelSpec:
     """Read a ModelSpec from a model folder or a config.json file."""
     path = Path(path)
     config_path = path / "config.json" if path.is_dir() else path
-    if not path.exists():
+    what = describe_path(path)
+    if what == "does not exist":
         raise ConfigError(f"model path {path} does not exist; pass a Hugging Face model folder, a config.json or 'default'")
+    if not path.is_dir() and not (path.is_file() and path.suffix == ".json"):
+        raise ConfigError(f"{path} {what}, not a model: expected a folder with config.json, a .gguf file, a Hub id "
+                          f"or 'default'")
     if not config_path.is_file():
         raise ConfigError(f"{path} has no config.json; pass a Hugging Face model folder that contains one")
     try:

@@ -152,3 +152,59 @@ def test_nan_weights_stop_with_one_sentence(tmp_path):
     with pytest.raises(WeightsError, match="NaN"):
         LLM(str(folder)).generate([[1, 2, 3]])
     assert json.loads((tmp_path / "o.report.json").read_text())["requests"]["done"] == 0
+
+
+def one_error(code: int, message: str) -> str:
+    """The one error line of a command that failed as bad input (exit 2, no traceback)."""
+    errors = [line for line in message.splitlines() if line.startswith("offload: error:")]
+    assert code == 2 and "Traceback" not in message and len(errors) == 1, message
+    return errors[0]
+
+
+def test_an_input_that_is_a_symlink_loop_is_one_line(tmp_path, tiny_model):
+    """Issue 32 item 6: `RuntimeError: Symlink loop` escaped from run and validate."""
+    (tmp_path / "loop").symlink_to("loop")
+    job(tmp_path, tiny_model, [completion_line("a", "hi")], input={"path": "loop"})
+    for command in ("validate", "run"):
+        for args in ([tmp_path / "job.yaml"], ["--model", tiny_model, "--input", tmp_path / "loop"]):
+            line = one_error(*cli(command, *args))
+            assert f"{tmp_path / 'loop'}'" in line and "is a symlink loop (a link that leads back to itself)" in line
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_an_output_that_is_the_root_folder_is_one_line(tmp_path, tiny_model):
+    """Issue 32 item 7: `ValueError: PosixPath('/') has an empty name`."""
+    job(tmp_path, tiny_model, [completion_line("a", "hi")], output={"path": "/"})
+    for command in ("validate", "run"):
+        for args in ([tmp_path / "job.yaml"], ["--model", tiny_model, "--input", tmp_path / "in.jsonl", "--output", "/"]):
+            line = one_error(*cli(command, *args))
+            assert "key 'output.path': '/' cannot be written (it is a folder); choose a writable location" in line
+
+
+def test_a_file_that_is_not_a_model_is_called_so(tmp_path, tiny_model):
+    """Issue 32 item 10: validate said the file does not exist; generate parsed it as a config.json."""
+    write_batch(tmp_path / "in.jsonl", [completion_line("a", "hi")])
+    expected = "is a file, not a model: expected a folder with config.json, a .gguf file, a Hub id or 'default'"
+    for args in (["validate", "--input", tmp_path / "in.jsonl"], ["run", "--input", tmp_path / "in.jsonl"],
+                 ["generate", "--prompt", "hi"], ["plan"]):
+        line = one_error(*cli(*args, "--model", tmp_path / "in.jsonl"))
+        assert "in.jsonl" in line and expected in line and "does not exist" not in line
+    line = one_error(*cli("validate", "--input", tmp_path / "in.jsonl", "--model", tmp_path))
+    assert "is a folder without config.json, not a model" in line
+
+
+def test_inputs_and_configs_that_are_not_files_say_what_they_are(tmp_path, tiny_model):
+    """Issue 32 item 11: a folder input was 'not a model folder', a FIFO 'does not exist', a config folder
+    'not found'."""
+    import os
+
+    os.mkfifo(tmp_path / "fifo")
+    (tmp_path / "folder").mkdir()
+    for name, what in (("folder", "which is a folder"), ("fifo", "which is a named pipe (FIFO)")):
+        for command in ("validate", "run"):
+            line = one_error(*cli(command, "--model", tiny_model, "--input", tmp_path / name))
+            assert f"key 'input.path': expected a file of requests" in line and what in line, line
+            assert "model" not in line.split("found")[1] and "does not exist" not in line
+    for command in ("validate", "run", "plan"):
+        line = one_error(*cli(command, tmp_path / "folder"))
+        assert f"config file {tmp_path / 'folder'} is a folder; expected a YAML file" in line and "not found" not in line

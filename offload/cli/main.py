@@ -16,6 +16,7 @@ from offload.errors import OffloadError
 
 COMMANDS = (generate, plan, simulate, calibrate, run, validate, cache)  # each adds its parser: add_parser(sub)
 LOG_LEVELS = ("debug", "info", "warning", "error")
+SYMLINK_LOOP = "Symlink loop from "  # pathlib's RuntimeError for ELOOP: "Symlink loop from '<path>'"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +77,12 @@ def main(argv: list[str] | None = None) -> int:
         where = f" ({e.filename})" if e.filename else ""
         print(f"offload: error: {e.strerror or e}{where}; check that path and the space left on its disk",
               file=sys.stderr)
+        return EXIT_ERROR
+    except RuntimeError as e:  # pathlib before Python 3.13 reports a symlink loop so, not as an OSError (ELOOP)
+        if args.debug or not str(e).startswith(SYMLINK_LOOP):
+            raise
+        print(f"offload: error: {str(e).removeprefix(SYMLINK_LOOP)} is a symlink loop (a link that leads back to "
+              f"itself); point it at a file, or give another path", file=sys.stderr)
         return EXIT_ERROR
     except Terminated:
         print("offload: terminated (SIGTERM); finished work is kept, rerun to resume", file=sys.stderr)

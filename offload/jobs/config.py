@@ -201,7 +201,8 @@ def _shorthands(raw: dict) -> dict:
 def read_yaml(path: Path) -> dict:
     """Parse a YAML config file into a mapping, with a clear error if that fails."""
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found; give the path of a YAML file such as configs/demo.yaml")
+        raise ConfigError(f"config file {path} {_what_is(path)}; expected a YAML file such as configs/demo.yaml: "
+                          f"give its path")
     try:
         data = yaml.load(path.read_text(encoding="utf-8-sig"), Loader=_UniqueKeyLoader)
     except UnicodeDecodeError as e:
@@ -334,12 +335,13 @@ def check_files(raw: dict) -> list[str]:
         except WeightsError as e:  # a Hub id that is not in the local Hugging Face cache
             folder, problems = None, [f"key 'model.path': {e}"]
         if folder is not None and not has_model(folder):
-            problems.append(f"key 'model.path': expected a model folder with config.json, a .gguf file or 'default', "
-                            f"found {model_path!r}, which {_what_is(folder)}")
+            problems.append(f"key 'model.path': {_not_a_model(model_path, folder)}")
     input_path = _get_dotted(raw, "input.path")
     if isinstance(input_path, str) and not Path(input_path).is_file():
-        problems.append(f"key 'input.path': expected an existing file of requests, found {input_path!r}, "
-                        f"which {_what_is(Path(input_path))}")
+        what = _what_is(Path(input_path))
+        why = ": a job reads its input again to resume, so save the requests to a file" if "FIFO" in what else ""
+        problems.append(f"key 'input.path': expected a file of requests (batch JSONL, or prompts with input.format: "
+                        f"text), found {input_path!r}, which {what}{why}")
     for key in ("output.path", "report.path", "report.trace", "report.plot"):
         value = _get_dotted(raw, key)
         if isinstance(value, str) and (reason := unwritable_reason(Path(value))):
@@ -371,6 +373,8 @@ def check_paths(config: JobConfig) -> list[str]:
     """Problems where two files of a job are one: the input and what the job writes, or two things it writes."""
     from offload.jobs.output import side_files
 
+    if not Path(config.input.path).name or not config.output_path.name:
+        return []  # a folder such as / (check_files says so): no file names can be made from it
     files = {"input.path": Path(config.input.path), "output.path": config.output_path,
              "report.path": config.report_path}
     files |= {f"the output's {name}": path for name, path in side_files(config.output_path).items()}
@@ -393,7 +397,18 @@ def _key_name(key: str) -> str:
 
 
 def _what_is(path: Path) -> str:
-    return "is not a model folder" if path.is_dir() else "does not exist"
+    from offload.paths import describe_path
+
+    return describe_path(path)
+
+
+def _not_a_model(given: str, path: Path) -> str:
+    expected = "a folder with config.json, a .gguf file, a Hub id or 'default'"
+    what = _what_is(path)
+    if what == "does not exist":
+        return f"expected {expected}, found {given!r}, which does not exist"
+    what += " without config.json" if what == "is a folder" else ""
+    return f"{given!r} {what}, not a model: expected {expected}"
 
 
 def unwritable_reason(path: Path) -> str | None:
