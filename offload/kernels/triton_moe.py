@@ -88,31 +88,29 @@ def _offset_table(device: str, ptrs: tuple, sizes: tuple[int, int]) -> torch.Ten
 
 
 class ExpertTiles(NamedTuple):
-    """The picked (token, slot) pairs sorted by expert and cut into tiles of one expert's rows."""
+    """The picked (token, slot) pairs sorted by expert and cut into tiles of at most block_rows rows of one
+    expert: tile j of expert e covers sorted rows bounds[e] + (j - first) * block_rows onwards, up to bounds[e + 1],
+    first = tile_end[e] - ceil((bounds[e + 1] - bounds[e]) / block_rows) its first tile."""
 
     order: torch.Tensor  # int64 [P]: pair ids (token * k + slot) sorted by expert, stable
-    tiles: torch.Tensor  # int64 [n_tiles, 3]: (expert, first sorted row, end of the expert's rows); expert -1: unused
-    block_rows: int  # BN, rows of a tile
+    bounds: torch.Tensor  # int64 [E + 1]: where each expert's sorted rows start; bounds[E] = P
+    tile_end: torch.Tensor  # int64 [E]: tiles of the experts up to and including each
+    expert: torch.Tensor  # int64 [n_tiles]: each tile's expert; E for the tiles past the ones used
+    block_rows: int
 
 
 def expert_tiles(ids: torch.Tensor, n_experts: int, block_rows: int) -> ExpertTiles:
-    """Tiles of at most block_rows sorted pairs of one expert, for expert ids [T, k], with device ops only. The
-    tile count is the bound over every routing (each picked expert adds at most one partial tile); tiles past
-    the ones used carry expert -1 and their programs return at once."""
+    """ExpertTiles for expert ids [T, k], with device ops only. The tile count is the bound over every routing
+    (each picked expert adds at most one partial tile); the programs of the tiles past the ones used return at
+    once."""
     flat = ids.reshape(-1)
     p, dev = flat.numel(), flat.device
     sorted_ids, order = torch.sort(flat, stable=True)
     bounds = torch.searchsorted(sorted_ids, torch.arange(n_experts + 1, device=dev, dtype=sorted_ids.dtype))
-    counts = bounds[1:] - bounds[:-1]  # [E] pairs per expert
-    per_expert = (counts + block_rows - 1) // block_rows
-    tile_end = per_expert.cumsum(0)  # [E] tiles up to and including each expert's
+    tile_end = ((bounds[1:] - bounds[:-1] + block_rows - 1) // block_rows).cumsum(0)
     n_tiles = (p + min(n_experts, p) * (block_rows - 1)) // block_rows
-    j = torch.arange(n_tiles, device=dev)
-    e = torch.searchsorted(tile_end, j, right=True)  # [n_tiles] expert of each tile, n_experts past the last
-    ec = e.clamp(max=n_experts - 1)
-    start = bounds[ec] + (j - (tile_end[ec] - per_expert[ec])) * block_rows
-    tiles = torch.stack((torch.where(e < n_experts, e, -1), start, bounds[ec + 1]), dim=1)
-    return ExpertTiles(order, tiles, block_rows)
+    expert = torch.searchsorted(tile_end, torch.arange(n_tiles, device=dev), right=True)
+    return ExpertTiles(order, bounds, tile_end, expert, block_rows)
 
 
 def tile_rows(n_tokens: int, top_k: int, n_experts: int) -> int:
@@ -169,18 +167,21 @@ def _project(acc, x_ptr, w_ptr, d_ptr, n, N, stride_x, rows, M, K,
 
 
 @_jit
-def _grouped_kernel(x_ptr, w_ptr, d_ptr, offsets_ptr, tiles_ptr, order_ptr, scale_ptr, y_ptr,
-                    N, M, K, top_k, stride_x, stride_y,
+def _grouped_kernel(x_ptr, w_ptr, d_ptr, offsets_ptr, order_ptr, bounds_ptr, tile_end_ptr, expert_ptr, scale_ptr,
+                    y_ptr, N, M, K, top_k, n_experts, stride_x, stride_y,
                     GATED: tl.constexpr, KIND: tl.constexpr, TILED: tl.constexpr, DOT: tl.constexpr,
                     IEEE: tl.constexpr, BN: tl.constexpr, BM: tl.constexpr, G: tl.constexpr):
     """One tile of one expert's rows by BM output columns. GATED (gate_up): x rows are tokens (order // top_k), W
     is [2M, K], y[sorted row] = silu(gate) * up. Else (down): x rows are sorted rows, y[pair] = scale * out."""
     tile = tl.program_id(0)
-    e = tl.load(tiles_ptr + tile * 3)
-    if e < 0:
+    e = tl.load(expert_ptr + tile)
+    if e >= n_experts:
         return
-    pos = tl.load(tiles_ptr + tile * 3 + 1) + tl.arange(0, BN)  # [BN] sorted rows
-    valid = pos < tl.load(tiles_ptr + tile * 3 + 2)
+    lo = tl.load(bounds_ptr + e)
+    hi = tl.load(bounds_ptr + e + 1)
+    first = tl.load(tile_end_ptr + e) - (hi - lo + BN - 1) // BN  # the expert's first tile
+    pos = lo + (tile - first) * BN + tl.arange(0, BN)  # [BN] sorted rows
+    valid = pos < hi
     pair = tl.load(order_ptr + pos, mask=valid, other=0)  # [BN] token * top_k + slot
     cols = tl.program_id(1).to(tl.int64) * BM + tl.arange(0, BM)  # [BM] output columns
     w_e = w_ptr + tl.load(offsets_ptr + e * 2)
@@ -228,9 +229,9 @@ def _launch(x: torch.Tensor, w: GroupedWeights, t: ExpertTiles, y: torch.Tensor,
         return
     cfg = _config(w.kind, t.block_rows, x.dtype)
     kind = 0 if w.kind == "dense" else 1 + (w.kind == "q4_0")
-    _grouped_kernel[(t.tiles.shape[0], triton.cdiv(m, cfg["BM"]))](
-        x, w.w, w.w if w.d is None else w.d, w.offsets, t.tiles, t.order, y if scale is None else scale, y,
-        x.shape[0], m, k, top_k, x.stride(0), y.stride(0),
+    _grouped_kernel[(t.expert.numel(), triton.cdiv(m, cfg["BM"]))](
+        x, w.w, w.w if w.d is None else w.d, w.offsets, t.order, t.bounds, t.tile_end, t.expert,
+        y if scale is None else scale, y, x.shape[0], m, k, top_k, t.bounds.numel() - 1, x.stride(0), y.stride(0),
         GATED=gated, KIND=kind, TILED=w.tiled, **cfg)
 
 
