@@ -31,6 +31,11 @@ class SamplingParams:
     n: int = field(default=1)
 
     def __post_init__(self):
+        for name, kinds, what in (("stop", (str, list, tuple), "strings (or one string)"),
+                                  ("stop_token_ids", (list, tuple), "token ids")):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, kinds):
+                raise SamplingError(f"invalid sampling parameter: {name}: expected a list of {what}, found {value!r}")
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()

@@ -208,3 +208,18 @@ def test_inputs_and_configs_that_are_not_files_say_what_they_are(tmp_path, tiny_
     for command in ("validate", "run", "plan"):
         line = one_error(*cli(command, tmp_path / "folder"))
         assert f"config file {tmp_path / 'folder'} is a folder; expected a YAML file" in line and "not found" not in line
+
+
+def test_a_request_whose_stop_is_not_a_list_is_an_error_line_naming_it(tmp_path, tiny_model):
+    """Issue 32 item 9: `"stop": 5` gave the error line `'int' object is not iterable`."""
+    config = job(tmp_path, tiny_model, [completion_line("five", "hi", stop=5), completion_line("ids", "hi",
+                                        stop_token_ids=7), completion_line("ok", "hi", stop=["\n"])])
+    code, message = cli("validate", config)
+    assert "2 bad line(s)" in one_error(code, message) and "not iterable" not in message
+    assert "(custom_id 'five'): invalid sampling parameter: stop: expected a list of strings" in message
+    run_batch(config)
+    records = by_id(tmp_path / "o.jsonl")
+    assert "(custom_id 'five'): invalid sampling parameter: stop: expected a list of strings (or one string), " \
+           "found 5" in records["five"]["error"]["message"]
+    assert "stop_token_ids: expected a list of token ids, found 7" in records["ids"]["error"]["message"]
+    assert records["ok"]["error"] is None
