@@ -147,11 +147,13 @@ torch.save(out, sys.argv[2])
 @pytest.fixture(scope="module")
 def interpreted(tmp_path_factory) -> tuple[dict, dict]:
     """(inputs, outputs) of every case, the grouped path interpreted in a subprocess; "loop" runs the reference
-    there under the same guard (and for its first token only), "one-token" the skewed case's first token only."""
+    there under the same guard (and for its first token only), "one-token" the skewed case's first token only,
+    "batched" a case's tokens as [B, S, 2D], as a unit gets them."""
     inputs = {case_id(c): make_inputs(c, seed=i) for i, c in enumerate(CASES)}
     inputs["loop"] = inputs[case_id(CASES[1])]
     inputs["loop-one-token"] = {**inputs["loop"], "x": inputs["loop"]["x"][:1].clone()}
     inputs["one-token"] = {**inputs[case_id(CASES[6])], "x": inputs[case_id(CASES[6])]["x"][:1].clone()}
+    inputs["batched"] = {**inputs[case_id(CASES[7])], "x": inputs[case_id(CASES[7])]["x"].reshape(3, 3, 2 * D)}
     return inputs, run_interpreted(WORKER, inputs, tmp_path_factory.mktemp("triton_moe"))
 
 
@@ -167,6 +169,15 @@ def test_grouped_experts_equal_the_loop(interpreted, case):
     if err.numel():
         worst = int((err - tol).argmax())
         assert bool((err <= tol).all()), f"error {float(err.flatten()[worst]):.3g} > {float(tol.flatten()[worst]):.3g}"
+
+
+@needs_triton
+def test_grouped_experts_take_batched_sequences(interpreted):
+    inputs, outputs = interpreted
+    c, y = inputs["batched"], outputs["batched"][0]
+    assert y.shape == (3, 3, D)
+    ref = experts_forward_loop(c["moe"], c["w"], c["x"])
+    assert bool(((y - ref).float().abs() <= tolerance(c["moe"], c["w"], c["x"].reshape(9, 2 * D)).view(3, 3, D)).all())
 
 
 def test_the_cases_leave_experts_unpicked_and_spread_an_expert_over_tiles():
