@@ -223,3 +223,15 @@ def test_a_request_whose_stop_is_not_a_list_is_an_error_line_naming_it(tmp_path,
            "found 5" in records["five"]["error"]["message"]
     assert "stop_token_ids: expected a list of token ids, found 7" in records["ids"]["error"]["message"]
     assert records["ok"]["error"] is None
+
+
+@pytest.mark.parametrize("text, what", [("", "it is empty"), ("\n  \n\n", "only blank lines")])
+def test_an_input_without_requests_says_so(tmp_path, tiny_model, text, what):
+    """Issue 32 item 12: an empty input was 'nothing left to do: all 0 requests are answered'."""
+    config = job(tmp_path, tiny_model, [])
+    (tmp_path / "in.jsonl").write_text(text)
+    for command in ("validate", "run"):
+        code, message = cli(command, config)
+        line = one_error(code, message)
+        assert f"the input file {tmp_path / 'in.jsonl'} has no requests ({what}); expected one JSON request" in line
+        assert "all 0 requests" not in message and not (tmp_path / "o.jsonl").exists()

@@ -57,7 +57,7 @@ class BadLine:
 
 def read_requests(path: Path, fmt: str = "openai", defaults: dict | None = None,
                   chat: bool = True) -> tuple[list[Request], list[BadLine]]:
-    """Parse a batch file; ConfigError if custom_ids repeat (the job must not start then)."""
+    """Parse a batch file; ConfigError if it holds no requests or custom_ids repeat (the job must not start then)."""
     defaults = defaults or {}
     try:
         lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte-order mark is not data
@@ -68,6 +68,10 @@ def read_requests(path: Path, fmt: str = "openai", defaults: dict | None = None,
         items = [_text_request(line, n, url, defaults) for n, line in enumerate(lines, 1) if line.strip()]
     else:
         items = [_openai_request(line, n, defaults, path.name) for n, line in enumerate(lines, 1) if line.strip()]
+    if not items:
+        what = "one JSON request object per line" if fmt != "text" else "one prompt per line"
+        raise ConfigError(f"the input file {path} has no requests ({'only blank lines' if lines else 'it is empty'}); "
+                          f"expected {what}: add requests, or give another input.path")
     _refuse_duplicates(path, items)
     return [i for i in items if isinstance(i, Request)], [i for i in items if isinstance(i, BadLine)]
 
