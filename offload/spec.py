@@ -416,6 +416,9 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
     hidden = _count(config, "hidden_size", source)
     n_heads = _count(config, "num_attention_heads", source)
     n_kv_heads = _count(config, "num_key_value_heads", source, default=n_heads)
+    if not config.get("head_dim") and hidden % n_heads:  # the heads' width would be a fraction
+        raise ConfigError(f"{source}: num_attention_heads={n_heads} does not divide hidden_size={hidden} and no "
+                          f"head_dim is given; fix config.json (or restore it from the model's source)")
     head_dim = _count(config, "head_dim", source, default=max(1, hidden // n_heads))
     if n_heads % n_kv_heads:
         raise ConfigError(f"{source}: num_attention_heads={n_heads} is not a multiple of "

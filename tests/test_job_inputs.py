@@ -235,3 +235,35 @@ def test_an_input_without_requests_says_so(tmp_path, tiny_model, text, what):
         line = one_error(code, message)
         assert f"the input file {tmp_path / 'in.jsonl'} has no requests ({what}); expected one JSON request" in line
         assert "all 0 requests" not in message and not (tmp_path / "o.jsonl").exists()
+
+
+@pytest.mark.parametrize("config_changes, words", [
+    ({"num_attention_heads": 6, "head_dim": None},
+     ["num_attention_heads=6 does not divide hidden_size=64 and no head_dim is given; fix config.json"]),
+    ({"num_attention_heads": 6},  # offload's spec takes head_dim as given; transformers' own check refuses it
+     ["transformers cannot load the tokenizer in", "The hidden size (64) is not a multiple", "check its tokenizer"]),
+])
+def test_a_config_transformers_refuses_is_one_line_checked_first(tmp_path, tiny_model, config_changes, words):
+    """Issue 32 item 8: the tokenizer was loaded before the spec was checked, and transformers' strict config
+    validation escaped as StrictDataclassClassValidationError."""
+    import shutil
+
+    from conftest import write_config
+
+    folder = shutil.copytree(tiny_model, tmp_path / "model")
+    write_config(folder, num_key_value_heads=2, **config_changes)
+    config = job(tmp_path, folder, [completion_line("a", "hi")])
+    for args in (["validate", config], ["run", config], ["generate", "--model", folder, "--prompt", "hi"]):
+        line = one_error(*cli(*args))
+        assert all(word in line for word in words), line
+    assert not (tmp_path / "o.jsonl").exists()
+
+
+def test_a_damaged_tokenizer_is_one_line(tmp_path, tiny_model):
+    """Issue 32 item 8: an error from the library offload calls gets a sentence of offload's own."""
+    import shutil
+
+    folder = shutil.copytree(tiny_model, tmp_path / "model")
+    (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
+    line = one_error(*cli("generate", "--model", folder, "--prompt", "hi"))
+    assert f"transformers cannot load the tokenizer in {folder} (" in line and "against the model's source" in line

@@ -38,14 +38,26 @@ def weight_source(path: Path, spec: ModelSpec, dtype, quantization: str):
 
 def load_tokenizer(path: Path):
     """The model's Hugging Face tokenizer (built from the GGUF metadata for a GGUF file), or None for a folder
-    without tokenizer files."""
-    from transformers import AutoTokenizer
-
+    without tokenizer files. The folder's config.json is checked first (model_spec), so that a config transformers
+    would refuse is said in offload's words; what transformers still raises becomes one WeightsError."""
     if is_gguf(path):
         return _gguf_tokenizer(path)
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
         return None
-    return AutoTokenizer.from_pretrained(str(path))
+    model_spec(path)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except Exception as e:  # transformers raises many kinds: its strict config checks, a damaged tokenizer.json
+        raise WeightsError(f"transformers cannot load the tokenizer in {path} ({library_error(e)}); check its "
+                           f"tokenizer files and config.json against the model's source") from e
+
+
+def library_error(e: BaseException, limit: int = 300) -> str:
+    """An exception from a library offload calls, as one line for offload's own message."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _gguf_tokenizer(path: Path):
@@ -67,7 +79,7 @@ def _gguf_tokenizer(path: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name)
     except Exception as e:  # transformers' GGUF tokenizer conversion raises many kinds
-        raise WeightsError(f"the tokenizer in {path}'s metadata cannot be read ({type(e).__name__}: {e}); "
+        raise WeightsError(f"the tokenizer in {path}'s metadata cannot be read ({library_error(e)}); "
                            f"use a GGUF file converted by a recent llama.cpp") from e
     try:
         tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
