@@ -21,6 +21,7 @@ from offload.runtime.host_memory import process_baseline_bytes
 from offload.sampling import SamplingParams
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import load_tokenizer, model_spec, weight_source
+from offload.weights.prompts import encode_chat, encode_text
 
 DEFAULT_MAX_BATCH_SIZE = 32  # sequences in flight when a placement is given and no batch size
 MAX_SEQS = 256  # sequences in flight at most when the planner chose the batch (vLLM's max_num_seqs)
@@ -177,26 +178,17 @@ class LLM:
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template."""
-        tok = self._require_tokenizer()
-        if not tok.chat_template:
-            raise ConfigError(f"the tokenizer in {self.path} has no chat template; pass plain prompts instead")
-        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return encode_chat(self.tokenizer, self.path, conversation, add_generation_prompt)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, list(self._require_tokenizer().encode(prompt))
+            return prompt, encode_text(self.tokenizer, self.path, prompt)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if _is_token_list(prompt):
             return None, [int(t) for t in prompt]
         raise ConfigError(f"a prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
                           f"got {type(prompt).__name__}")
-
-    def _require_tokenizer(self):
-        if self.tokenizer is None:
-            raise ConfigError(f"{self.path} has no tokenizer files; pass prompts as token ids")
-        return self.tokenizer
 
     def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
         completion = CompletionOutput(0, self.generator.text_of(seq), list(seq.output_ids), seq.finish_reason)

@@ -25,6 +25,7 @@ from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
 from offload.profile.timeline import StepShape
 from offload.sampling import SamplingParams, sample
+from offload.weights.prompts import check_prompt_ids
 
 
 @dataclass
@@ -211,18 +212,7 @@ class Generator:
 
     def check_prompt(self, ids: list[int]) -> None:
         """ConfigError if token ids cannot run: empty, not shorter than this run's context, or outside the vocab."""
-        if not ids:
-            raise ConfigError("the prompt is empty after tokenization; give at least one token")
-        model_len = self.model.spec.max_position_embeddings
-        if len(ids) >= self.context_len:
-            more = (f"raise max_model_len (model.max_model_len in a job, --max-model-len) to more than {len(ids)}, "
-                    f"at most the model's {model_len}, or shorten the prompt" if len(ids) < model_len
-                    else f"the model's own context is {model_len}: shorten the prompt")
-            raise ConfigError(f"the prompt has {len(ids)} tokens but this run's context (max_model_len) is "
-                              f"{self.context_len} tokens; {more}")
-        vocab = self.model.spec.vocab_size
-        if max(ids) >= vocab or min(ids) < 0:
-            raise ConfigError(f"prompt token ids must lie in [0, {vocab}); use the model's own tokenizer")
+        check_prompt_ids(ids, self.context_len, self.model.spec)
 
     def _sample_next(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         for seq, row in zip(seqs, logits):

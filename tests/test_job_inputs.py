@@ -267,3 +267,20 @@ def test_a_damaged_tokenizer_is_one_line(tmp_path, tiny_model):
     (folder / "tokenizer.json").write_text('{"version": "1.0", "model": {"type": "Nonsense"}}')
     line = one_error(*cli("generate", "--model", folder, "--prompt", "hi"))
     assert f"transformers cannot load the tokenizer in {folder} (" in line and "against the model's source" in line
+
+
+def test_validate_counts_each_prompt_as_run_does(tmp_path, tiny_model):
+    """Issue 32 item 3: validate said ok to prompts longer than max_model_len, which run then refused: it
+    tokenizes (text, chat template, token ids) and counts against the same context, and says what run writes."""
+    lines = [completion_line("text", "word " * 100), chat_line("chat", "hi " * 80),
+             completion_line("fits", list(range(63))), completion_line("full", list(range(64))),
+             completion_line("vocab", [10**6]), completion_line("ok", "hi")]
+    config = job(tmp_path, tiny_model, lines, model={"path": str(tiny_model), "max_model_len": 64})
+    code, message = cli("validate", config)
+    assert "has 4 bad line(s)" in one_error(code, message)
+    listed = [line.removeprefix("  - ") for line in message.splitlines() if line.startswith("  - ")]
+    run_batch(config)
+    written = [r["error"]["message"] for r in read_records(tmp_path / "o.jsonl") if r["error"]]
+    assert sorted(listed) == sorted(written) and len(written) == 4
+    assert {"'text'", "'chat'", "'full'", "'vocab'"} == {m.split("custom_id ")[1].split(")")[0] for m in listed}
+    assert any("the prompt has 64 tokens but this run's context (max_model_len) is 64" in m for m in listed)

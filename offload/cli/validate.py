@@ -22,23 +22,42 @@ def run(args) -> int:
     requests, bad = read_requests(Path(config.input.path), config.input.format, sampling_defaults(config),
                                   config.input.chat)
     name = args.config or "the command line"
-    if config.engine == "local":  # on Ray each replica plans for the node it lands on, when the job starts
-        check_plan(config)
-    if bad:
-        lines = "\n".join(f"  - {b.message}" for b in bad)
-        raise ConfigError(f"{config.input.path} has {len(bad)} bad line(s) that would become error lines in "
+    spec, context_len = check_plan(config)
+    problems = sorted([(b.line_no, b.message) for b in bad] + check_prompts(config, requests, spec, context_len))
+    if problems:
+        lines = "\n".join(f"  - {message}" for _, message in problems)
+        raise ConfigError(f"{config.input.path} has {len(problems)} bad line(s) that would become error lines in "
                           f"the output; fix them:\n{lines}")
     print(f"{name}: ok; {len(requests)} requests from {config.input.path}; outputs to {config.output_path}")
     return 0
 
 
-def check_plan(config) -> None:
+def check_plan(config):
     """Plan the job (arithmetic over config.json and the hardware profile, no weights): budgets that cannot
-    work, such as a GPU budget without a GPU or one too small for the model, are refused here."""
+    work, such as a GPU budget without a GPU or one too small for the model, are refused here. Returns the
+    model's spec and the context (tokens per sequence) the run's KV cache will hold."""
     from offload.jobs.config import plan_request
     from offload.planner import plan_for
     from offload.weights.model_files import model_spec
     from offload.weights.default_model import resolve_model
 
     request = plan_request(config)
-    plan_for(model_spec(resolve_model(request.model)), request.profile(), request)
+    spec, hw = model_spec(resolve_model(request.model)), request.profile()
+    if config.engine == "local":  # on Ray each replica plans for the node it lands on, when the job starts
+        plan_for(spec, hw, request)
+    return spec, request.workload(spec, hw).seq_len
+
+
+def check_prompts(config, requests, spec, context_len: int) -> list[tuple[int, str]]:
+    """(line, message) of each request that run would turn into an error line: its prompt tokenized as run
+    tokenizes it (the tokenizer is loaded only where a prompt is text or a conversation), counted against the
+    context."""
+    from offload.jobs.batch import CHAT
+    from offload.jobs.worker import check_prompts as problems_of
+    from offload.weights.default_model import resolve_model
+    from offload.weights.model_files import load_tokenizer
+
+    path = resolve_model(config.model.path)
+    needs_tokenizer = any(r.url == CHAT or isinstance(r.prompt, str) for r in requests)
+    tokenizer = load_tokenizer(path) if needs_tokenizer else None
+    return problems_of(requests, tokenizer, path, spec, context_len)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from offload.errors import OffloadError
@@ -17,6 +18,8 @@ from offload.profile.report import JobCounts, build_report
 from offload.profile.timeline import Timeline
 from offload.runtime.host_memory import peak_rss_bytes
 from offload.runtime.speedprobe import MachineSpeed, machine_speed, speed_at
+from offload.spec import ModelSpec
+from offload.weights.prompts import check_prompt_ids, encode_chat, encode_text
 
 logger = logging.getLogger("offload")
 
@@ -50,18 +53,38 @@ def load_llm(config: JobConfig):
     return LLM.from_request(plan_request(config))
 
 
+def prompt_ids(req: Request, tokenizer, path: Path) -> tuple[list[int], str | None]:
+    """A request's prompt as token ids (and its text, for a text prompt), by the model's tokenizer and chat
+    template; OffloadError says what is wrong."""
+    if req.url == CHAT:
+        return encode_chat(tokenizer, path, req.messages), None
+    if isinstance(req.prompt, str):
+        return encode_text(tokenizer, path, req.prompt), req.prompt
+    return list(req.prompt), None
+
+
 def prepare(llm, req: Request) -> Prepared:
     """Token ids of a request's prompt, checked against the model; OffloadError says what is wrong."""
-    if req.url == CHAT:
-        ids, text = llm.apply_chat_template(req.messages), None
-    elif isinstance(req.prompt, str):
-        if llm.tokenizer is None:
-            raise OffloadError(f"the model in {llm.path} has no tokenizer; send 'prompt' as a list of token ids")
-        ids, text = list(llm.tokenizer.encode(req.prompt)), req.prompt
-    else:
-        ids, text = list(req.prompt), None
+    ids, text = prompt_ids(req, llm.tokenizer, llm.path)
     llm.generator.check_prompt(ids)  # the one check, against the context this run's cache holds
     return Prepared(req, {"prompt_token_ids": ids, "prompt": text})
+
+
+def check_prompts(requests: list[Request], tokenizer, path: Path, spec: ModelSpec,
+                  context_len: int) -> list[tuple[int, str]]:
+    """What prepare would refuse, request by request, without the weights (`offload validate`): the line and
+    the message of each error line a run would write."""
+    problems = []
+    for req in requests:
+        try:
+            check_prompt_ids(prompt_ids(req, tokenizer, path)[0], context_len, spec)
+        except OffloadError as e:
+            problems.append((req.line_no, request_problem(req, e)))
+    return problems
+
+
+def request_problem(req: Request, e: Exception) -> str:
+    return f"line {req.line_no} (custom_id {req.custom_id!r}): {e}"
 
 
 def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error: OnError) -> None:
@@ -72,7 +95,7 @@ def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error
         try:
             ready.append(prepare(llm, req))
         except OffloadError as e:
-            on_error(req, f"line {req.line_no} (custom_id {req.custom_id!r}): {e}")
+            on_error(req, request_problem(req, e))
     if not ready:
         return
 
