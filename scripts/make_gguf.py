@@ -7,11 +7,14 @@ The random weights are normal, scaled by 1/sqrt(in); the tokenizer and chat temp
 (`--type Q4_K_M`, `Q5_K_M`, `Q6_K`, `Q8_0`, `Q4_0`...), as users get it from llama-quantize.
 
   python scripts/make_gguf.py /tmp/llama-0.9b.Q4_K_M.gguf --type Q4_K_M
+  python scripts/make_gguf.py --smoke     # tiny F16 files in a temp folder (quantized too where llama.cpp is installed)
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import importlib.util
 import os
 import sys
 import tempfile
@@ -23,7 +26,22 @@ SHAPES = {  # name: (hidden, intermediate, layers, heads, kv heads)
     "0.9b": (2048, 5632, 16, 32, 8),
     "0.3b": (1024, 2816, 16, 16, 4),
     "8b": (4096, 14336, 32, 32, 8),
+    "tiny": (64, 128, 2, 4, 2),  # the smoke modes' (K: two 32-weight blocks)
 }
+
+
+@functools.lru_cache(maxsize=1)
+def _default_tokenizer() -> tuple[list[str], list[str], str]:
+    """The default model's tokens, merges and chat template (parsing its GGUF file takes seconds: once a process)."""
+    import gguf
+
+    from offload.weights.default_model import find_gguf
+
+    src = gguf.GGUFReader(find_gguf())
+    fields = src.fields
+    tokens = [bytes(fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in fields["tokenizer.ggml.tokens"].data]
+    merges = [bytes(fields["tokenizer.ggml.merges"].parts[i]).decode() for i in fields["tokenizer.ggml.merges"].data]
+    return tokens, merges, fields["tokenizer.chat_template"].contents()
 
 
 def _f16_writer(path: Path, name: str, hidden: int, inter: int, layers: int, heads: int, kv: int,
@@ -33,11 +51,7 @@ def _f16_writer(path: Path, name: str, hidden: int, inter: int, layers: int, hea
     model's tokenizer metadata (SmolLM2's vocabulary: the size the caller's embedding must have)."""
     import gguf
 
-    from offload.weights.default_model import find_gguf
-
-    src = gguf.GGUFReader(find_gguf())
-    tokens = [bytes(src.fields["tokenizer.ggml.tokens"].parts[i]).decode() for i in src.fields["tokenizer.ggml.tokens"].data]
-    merges = [bytes(src.fields["tokenizer.ggml.merges"].parts[i]).decode() for i in src.fields["tokenizer.ggml.merges"].data]
+    tokens, merges, chat_template = _default_tokenizer()
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_block_count(layers)
@@ -60,17 +74,19 @@ def _f16_writer(path: Path, name: str, hidden: int, inter: int, layers: int, hea
     w.add_token_merges(merges)
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
-    w.add_chat_template(src.fields["tokenizer.chat_template"].contents())
+    w.add_chat_template(chat_template)
     return w
 
 
 def default_vocab_size() -> int:
     """Tokens in the default model's vocabulary (the tokenizer every file written here carries)."""
-    import gguf
+    return len(_default_tokenizer()[0])
 
-    from offload.weights.default_model import find_gguf
 
-    return len(gguf.GGUFReader(find_gguf()).fields["tokenizer.ggml.tokens"].data)
+def smoke_vocab_size(small: int = 512) -> int:
+    """The vocabulary of a smoke mode's tiny model: the default model's where llama.cpp is installed (the GGUF file
+    written for it borrows that tokenizer), else small."""
+    return default_vocab_size() if importlib.util.find_spec("llama_cpp") is not None else small
 
 
 def write_f16(path: Path, shape: str, seed: int = 0) -> None:
@@ -235,13 +251,40 @@ def quantize(src: Path, dst: Path, kind: str, threads: int) -> None:
         sys.exit(f"llama.cpp could not quantize {src} to {kind}")
 
 
+def smoke() -> int:
+    """A random tiny F16 file (main's path) and a tiny Hugging Face folder converted (write_f16_from_hf, what the
+    benchmarks hand llama.cpp), each quantized by llama.cpp where it is installed. tests/test_gguf.py holds offload
+    reading such files back."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_llama import tiny
+
+    with tempfile.TemporaryDirectory(prefix="make-gguf-smoke-") as tmp:
+        files = [Path(tmp) / "random.f16.gguf", Path(tmp) / "converted.f16.gguf"]
+        write_f16(files[0], "tiny")
+        write_f16_from_hf(files[1], tiny(Path(tmp) / "hf", vocab=default_vocab_size()))
+        if importlib.util.find_spec("llama_cpp") is None:
+            print("llama.cpp quantization skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
+        else:
+            for f in list(files):
+                files.append(f.with_suffix(".Q4_0.gguf"))
+                quantize(f, files[-1], "Q4_0", 1)
+        for f in files:
+            print(f"wrote {f.name}: {f.stat().st_size / 2**20:.1f} MiB")
+    return 0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("out", type=Path)
+    ap.add_argument("out", type=Path, nargs="?")
     ap.add_argument("--type", default="Q4_K_M", help="llama.cpp file type: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, F16")
     ap.add_argument("--shape", default="0.9b", choices=sorted(SHAPES))
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--smoke", action="store_true", help="tiny files in a temp folder (seconds)")
     args = ap.parse_args()
+    if args.smoke:
+        sys.exit(smoke())
+    if args.out is None:
+        ap.error("the output file is required (or --smoke)")
     if args.type == "F16":
         write_f16(args.out, args.shape)
         return

@@ -5,13 +5,15 @@ transformers' config class writes config.json; offload's ModelSpec of that confi
 must hold (routed experts one tensor each, as Hugging Face checkpoints store them), each filled in chunks of rows
 with normal(0, --std) weights (norms are ones), in the --dtype the file stores. Embeddings are untied
 (tie_word_embeddings false: lm_head.weight is its own tensor). No tokenizer is written: the benchmarks feed token
-ids. The defaults give a ~0.82 B-parameter model, ~1.65 GB in bf16:
+ids (tiny(), the scripts' smoke model, can add a byte-level one). The defaults give a ~0.82 B-parameter model, ~1.65 GB
+in bf16:
 
   python scripts/make_llama.py --out /tmp/llama-1.6b
   python scripts/make_llama.py --out /tmp/llama-small --hidden 512 --layers 4 --intermediate 1024 \\
       --heads 8 --kv-heads 4 --vocab 8000
   python scripts/make_llama.py --out /tmp/moe-1.4b --hidden 1024 --layers 24 --heads 16 --kv-heads 4 \\
       --experts 64 --top-k 4 --intermediate 256
+  python scripts/make_llama.py --smoke     # a tiny dense and a tiny MoE model in a temp folder, read back: seconds
 """
 
 from __future__ import annotations
@@ -19,16 +21,19 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 CHUNK_ELEMS = 1 << 24  # random numbers drawn at once (64 MiB of fp32): bounds the peak beside the tensors
+# the smoke modes' model: K of every matrix is whole q4_0 blocks (32 weights)
+TINY = ("--hidden", "64", "--layers", "2", "--intermediate", "128", "--heads", "4", "--kv-heads", "2")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", required=True, help="folder to write (created; existing model files are replaced)")
+    ap.add_argument("--out", help="folder to write (created; existing model files are replaced)")
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--intermediate", type=int, default=4608)
@@ -42,7 +47,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--experts", type=int, default=0,
                     help="routed experts per layer (0: a dense Llama; else a Qwen3-MoE of experts --intermediate wide)")
     ap.add_argument("--top-k", type=int, default=4, help="experts each token runs (with --experts)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a tiny dense and a tiny MoE model in a temp folder, read back")
     args = ap.parse_args(argv)
+    if not args.out and not args.smoke:
+        ap.error("--out is required (or --smoke)")
     if args.experts and not 1 <= args.top_k <= args.experts:
         ap.error(f"--top-k must be between 1 and --experts {args.experts}, got {args.top_k}")
     for name in ("hidden", "layers", "intermediate", "heads", "kv_heads", "vocab", "max_position"):
@@ -98,8 +107,73 @@ def write_config(config, out: Path, dtype: str) -> dict:
     return cfg
 
 
+CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHATML_EXAMPLE = "<|im_start|>user\nHé!<|im_end|>\n<|im_start|>assistant\n"
+
+
+def write_byte_tokenizer(out: Path, vocab: int) -> None:
+    """A byte-level tokenizer of vocab ids into out (tokenizer.json and its config): <|endoftext|>, <|im_start|> and
+    <|im_end|> at 0, 1 and 2 (the config's bos and eos), the 256 byte symbols, no merges, unused specials up to
+    vocab; a ChatML chat template. Any text and any chat runs through it; the default model is not needed."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials, alphabet = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"], sorted(pre_tokenizers.ByteLevel.alphabet())
+    if vocab < len(specials) + len(alphabet):
+        raise SystemExit(f"a byte-level tokenizer needs a vocabulary of {len(specials) + len(alphabet)} or more")
+    unused = [f"<unused{i}>" for i in range(vocab - len(specials) - len(alphabet))]
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(specials + alphabet + unused)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials + unused)
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=specials[1], eos_token=specials[2], pad_token=specials[0],
+                            chat_template=CHATML).save_pretrained(out)
+
+
+def tiny(out: Path, vocab: int = 512, experts: int = 0, tokenizer: bool = False) -> Path:
+    """A tiny random model in out, for the scripts' smoke modes: 2 layers, hidden 64; with experts, a Qwen3-MoE of
+    that many experts (2 per token); with tokenizer, a byte-level tokenizer and chat template (write_byte_tokenizer),
+    so text prompts and chat messages run."""
+    argv = ["--out", str(out), *TINY, "--vocab", str(vocab)] + (["--experts", str(experts), "--top-k", "2"]
+                                                                  if experts else [])
+    if main(argv) != 0:
+        raise SystemExit(f"could not write a tiny model into {out}")
+    if tokenizer:
+        write_byte_tokenizer(out, vocab)
+    return out
+
+
+def smoke() -> int:
+    """Write a tiny dense and a tiny MoE model and read each back with offload's spec and checkpoint reader."""
+    from offload.spec import load_spec
+    from offload.weights.loader import Checkpoint
+    from offload.weights.model_files import load_tokenizer
+
+    with tempfile.TemporaryDirectory(prefix="make-llama-smoke-") as tmp:
+        for experts in (0, 4):
+            folder = tiny(Path(tmp) / f"tiny-{experts}", experts=experts, tokenizer=not experts)
+            spec, ckpt = load_spec(folder), Checkpoint(folder)
+            missing = [t.name for t in spec.tensors() if tuple(ckpt.get(t.name).shape) != tuple(t.shape)]
+            if missing:
+                print(f"error: {folder.name}: {len(missing)} tensors differ from the spec, e.g. {missing[0]}")
+                return 1
+            print(f"read back {folder.name}: {spec.architecture}, {len(spec.tensors())} tensors as the spec says")
+        tokenizer = load_tokenizer(Path(tmp) / "tiny-0")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "Hé!"}], add_generation_prompt=True,
+                                             tokenize=False)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if text != CHATML_EXAMPLE or tokenizer.decode(ids) != text:
+            print(f"error: the byte-level tokenizer gives {tokenizer.decode(ids)!r}, not {CHATML_EXAMPLE!r}")
+            return 1
+        print(f"byte-level tokenizer: a chat of one message is {len(ids)} tokens and decodes back")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.smoke:
+        return smoke()
     import torch
     from safetensors.torch import save_file
 
