@@ -10,9 +10,11 @@ the two tools alternating run by run (llama.cpp in a fresh child each time, warm
   written as an F16 GGUF file and quantized by llama.cpp to Q8_0 and Q4_0 (in a temporary folder); offload
   (tensors as stored) and llama.cpp run each file.
 llama.cpp runs through llama-cpp-python, in a child process (its column is skipped with a message if that
-package is not installed). Prints offload's ratio against llama.cpp for each row.
+package is not installed; a Hugging Face folder is then quantized by offload itself, q8_0 and q4_0). Prints
+offload's ratio against llama.cpp for each row.
 
   python scripts/bench_cpu_decode.py --threads 2
+  python scripts/bench_cpu_decode.py --smoke    # a tiny random folder, 16- and 32-token prompts, 4 tokens: seconds
   python scripts/bench_cpu_decode.py --model model.Q4_K_M.gguf
   python scripts/bench_cpu_decode.py --model path/to/llama-folder --prompt-lens 200,2000 --repeats 2
 """
@@ -148,6 +150,8 @@ def variants(model: str, tmp: Path, threads: int) -> list[tuple[str, str, str, s
         return [("as stored", str(path), "none", str(path))]
     if not (path / "config.json").is_file():
         sys.exit(f"--model {model}: expected 'default', a GGUF file or a Hugging Face folder with config.json")
+    if importlib.util.find_spec("llama_cpp") is None:  # no llama.cpp to quantize or run: offload quantizes
+        return [(f"{q} (quantized)", str(path), q, None) for q in ("q8_0", "q4_0")]
     sys.path.insert(0, str(Path(__file__).parent))
     from make_gguf import quantize, write_f16_from_hf
 
@@ -173,18 +177,26 @@ def main() -> None:
     ap.add_argument("--prompt-lens", default="200,2000", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--smoke", action="store_true", help="a tiny random Hugging Face folder, short prompts: seconds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     model = args.gguf or args.model
-    lengths = [int(n) for n in args.prompt_lens.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:
+            sys.path.insert(0, str(Path(__file__).parent))
+            from make_gguf import smoke_vocab_size
+            from make_llama import tiny
+
+            model = str(tiny(Path(tmp) / "tiny", smoke_vocab_size()))
+            args.prompt_lens, args.decode_tokens, args.repeats = "16,32", 4, 1
+        lengths = [int(n) for n in args.prompt_lens.split(",")]
         rows = variants(model, Path(tmp), args.threads)
         from offload.weights.default_model import resolve_model
         from offload.weights.model_files import model_spec
 
         vocab = model_spec(resolve_model(rows[0][1])).vocab_size
         prompts = [prompt_ids(n, vocab) for n in lengths]
-        print(f"{Path(rows[0][3]).name if model != 'default' else 'default model'}: prompts of "
+        print(f"{Path(model).name if model != 'default' else 'default model'}: prompts of "
               f"{', '.join(map(str, lengths))} tokens, then {args.decode_tokens} greedy tokens; {args.threads} threads; "
               f"median of {args.repeats}")
         has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None

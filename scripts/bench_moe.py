@@ -19,6 +19,7 @@ The ratio is offload's decode tok/s over llama.cpp's.
 
   python scripts/bench_moe.py --threads 2
   python scripts/bench_moe.py --model path/to/qwen3-moe-folder --decode-tokens 32 --repeats 2
+  python scripts/bench_moe.py --smoke    # 2 layers of 4 experts of width 64, 4 tokens, one repeat: seconds
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ def make_model(out: Path, args: argparse.Namespace) -> Path:
     argv = ["--out", str(out), "--hidden", str(args.hidden), "--layers", str(args.layers),
             "--heads", str(args.hidden // 64), "--kv-heads", str(max(1, args.hidden // 256)),
             "--experts", str(args.experts), "--top-k", str(args.top_k), "--intermediate", str(args.expert_width),
-            "--vocab", str(default_vocab_size())]
+            "--vocab", str(args.vocab or default_vocab_size())]
     if make_llama.main(argv) != 0:
         sys.exit(f"could not write the model into {out}")
     return out
@@ -103,7 +104,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--prompt-tokens", type=int, default=16)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    return ap.parse_args()
+    ap.add_argument("--vocab", type=int, help="vocabulary of the random model (default: the default model's, whose "
+                    "tokenizer make_gguf borrows for llama.cpp's file)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random MoE, 4 tokens, one repeat: seconds")
+    args = ap.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.experts, args.expert_width, args.top_k = 128, 2, 4, 64, 2
+        args.prompt_tokens, args.decode_tokens, args.repeats, args.model = 8, 4, 1, None
+        from make_gguf import smoke_vocab_size
+
+        args.vocab = smoke_vocab_size()
+    return args
 
 
 def main() -> None:
@@ -115,8 +126,7 @@ def main() -> None:
         spec = load_spec(folder)
         if spec.moe is None:
             sys.exit(f"--model {folder}: a {spec.architecture} model has no experts; pass a MoE folder")
-        rows = (variants(str(folder), Path(tmp), args.threads) if has_llama_cpp
-                else [(f"{q} (quantized)", str(folder), q, None) for q in ("q8_0", "q4_0")])
+        rows = variants(str(folder), Path(tmp), args.threads)  # offload quantizes the folder without llama.cpp
         prompts = [prompt_ids(args.prompt_tokens, spec.vocab_size)]
         hw = default_hardware()
         total, active = params(spec)
