@@ -27,13 +27,17 @@ Two more measurements, each instead of the above:
   rounds (--repeats, default 3 for the other modes: pass --repeats 1 for a quick look); median tokens/s and each
   one's ratio against transformers bf16. --model may be a Hugging Face folder or a GGUF
   file (transformers dequantizes it).
+--smoke runs all three on a tiny random model with a byte-level tokenizer, a few prompts and tokens each: seconds.
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -85,39 +89,40 @@ def run(llm, prompts, max_tokens, batch: int, mixed: bool) -> dict:
             "outputs": [s.output_ids for s in seqs]}
 
 
-def scaling(args) -> None:
-    """Decode tokens/s at 32 sequences in flight over the same at 1."""
+def scaling(args, many: int = 32, new_tokens: int = 64) -> None:
+    """Decode tokens/s at `many` (32) sequences in flight over the same at 1."""
     from offload import LLM, SamplingParams
     from offload.planner.placement import Placement
     from offload.weights.default_model import resolve_model
     from offload.weights.model_files import model_spec
 
     placement = Placement.uniform(model_spec(resolve_model(args.model)), "cpu", "cpu")
-    llm = LLM(args.model, quantization=args.quantization, backend="cpu", max_batch_size=32, placement=placement)
-    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True)
-    prompts = [{"prompt_token_ids": [100 + (7 * i + j) % 900 for j in range(16)]} for i in range(32)]
+    llm = LLM(args.model, quantization=args.quantization, backend="cpu", max_batch_size=many, placement=placement)
+    params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+    spread = min(900, llm.spec.vocab_size - 100)  # ids 100-999 (fewer in a tiny vocabulary)
+    prompts = [{"prompt_token_ids": [100 + (7 * i + j) % spread for j in range(16)]} for i in range(many)]
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))  # warm-up
-    rates: dict[int, list[float]] = {1: [], 32: []}
+    rates: dict[int, list[float]] = {1: [], many: []}
     for _ in range(args.repeats):
         for n in rates:
             llm.timeline.clear()
             llm.generate(prompts[:n], params)
             t = llm.timeline
             rates[n].append(t.phase_tokens["decode"] / t.phase_time_s["decode"])
-    one, many = statistics.median(rates[1]), statistics.median(rates[32])
+    one, all_ = statistics.median(rates[1]), statistics.median(rates[many])
     print(f"model: {llm.path.name}, {args.quantization}, every block on the CPU; {torch.get_num_threads()} threads; "
-          f"16-token prompts, 64 new tokens; median of {args.repeats}")
+          f"16-token prompts, {new_tokens} new tokens; median of {args.repeats}")
     print(f"decode, 1 sequence:   {one:8.1f} tok/s")
-    print(f"decode, 32 sequences: {many:8.1f} tok/s")
-    print(f"ratio 32 / 1: {many / one:.1f}x")
+    print(f"decode, {many} sequences: {all_:8.1f} tok/s")
+    print(f"ratio {many} / 1: {all_ / one:.1f}x")
 
 
-def chat_prompts(n: int) -> list[list[int]]:
+def chat_prompts(n: int, vocab: int) -> list[list[int]]:
     """n prompts of one to four short sentences, as token ids of the default tokenizer's kind (no tokenizer needed:
-    ids drawn from the vocabulary's first thousands, fixed by the seed)."""
+    ids drawn from the vocabulary's first thousands, fixed by the seed; below vocab)."""
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(12, 50, (n,), generator=g).tolist()
-    return [torch.randint(200, 3000, (k,), generator=g).tolist() for k in lengths]
+    return [torch.randint(min(200, vocab // 2), min(3000, vocab), (k,), generator=g).tolist() for k in lengths]
 
 
 def bench_transformers(path, prompts: list[list[int]], new_tokens: int, dtype) -> tuple[float, list[list[int]]]:
@@ -171,13 +176,14 @@ AGAINST = (("transformers fp32", None, torch.float32), ("transformers bf16", Non
            ("offload q8_0", ("q8_0", "auto"), None), ("offload q4_0", ("q4_0", "auto"), None))
 
 
-def against_transformers(args) -> None:
+def against_transformers(args, new_tokens: int = 32) -> None:
     """Each configuration once per round, rounds repeated --repeats times; medians."""
     from offload.weights.default_model import resolve_model
 
+    from offload.weights.model_files import model_spec
+
     path = resolve_model(args.model)
-    prompts = chat_prompts(args.n_prompts)
-    new_tokens = 32
+    prompts = chat_prompts(args.n_prompts, model_spec(path).vocab_size)
     generated = len(prompts) * new_tokens
     seconds: dict[str, list[float]] = {name: [] for name, _, _ in AGAINST}
     outputs = {}
@@ -218,12 +224,36 @@ def main() -> None:
     parser.add_argument("--scaling", action="store_true", help="decode tok/s at 32 sequences over 1 (see above)")
     parser.add_argument("--against-transformers", action="store_true",
                         help="the same job through transformers generate and offload (see above)")
+    parser.add_argument("--smoke", action="store_true", help="all three on a tiny model, a few tokens: seconds")
     args = parser.parse_args()
+    if args.smoke:
+        return smoke(args)
     if args.scaling:
         return scaling(args)
     if args.against_transformers:
         return against_transformers(args)
+    mixed_against_before(args)
 
+
+def smoke(args) -> None:
+    """The three measurements on a tiny random model with a byte-level tokenizer, a few prompts and tokens."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_llama import tiny
+
+    threads = torch.get_num_threads()  # each starts on these (offload's governor may lower its own count)
+    with tempfile.TemporaryDirectory(prefix="bench-batch-") as tmp:
+        args.model, args.repeats = str(tiny(Path(tmp) / "tiny", tokenizer=True)), 1
+        args.n_prompts, args.batch = 6, 2
+        mixed_against_before(args)
+        torch.set_num_threads(threads)
+        scaling(args, many=4, new_tokens=4)
+        torch.set_num_threads(threads)
+        args.n_prompts = 3
+        against_transformers(args, new_tokens=4)
+
+
+def mixed_against_before(args) -> None:
+    """The two schedules on --n-prompts prompts of mixed lengths (see above)."""
     from offload import LLM
 
     placement = None

@@ -20,7 +20,9 @@ so one never holds GPU memory while the other runs; a child loads once and measu
               offload.planner.recost) is reported as predicted ÷ measured time per decode token.
 
 --device cpu is a smoke mode for machines without a GPU: accelerate loads on the CPU without a device_map,
-offload runs backend="cpu" with gpu_memory=0. Its figures mean nothing; it exercises this script.
+offload runs backend="cpu" with gpu_memory=0. Its figures mean nothing; it exercises this script. --smoke makes a
+tiny random model here and runs batches 1 and 2 of 3 tokens once, on the GPU if torch sees one, else with
+--device cpu (said): seconds.
 
 Timing (both tools, each batch): a warm-up generate of 2 tokens, then one generate of 1 token (prefill and the
 first token: t_1, reported as prefill) and one of N tokens (t_N), torch.cuda.synchronize() before each clock
@@ -46,6 +48,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -328,8 +331,24 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     ap.add_argument("--timeout", type=float, default=900, help="seconds a child may run before it is killed")
     ap.add_argument("--json", help="write every figure here (rewritten after each child)")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model made here, batches 1 and 2 of 3 tokens, once; "
+                    "on the CPU (--device cpu) where torch sees no GPU")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def smoke_args(args, folder: Path) -> None:
+    """--smoke: a tiny random model in folder and a run of seconds, on the GPU if torch sees one."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_llama import tiny
+
+    args.model = str(tiny(folder))
+    args.batches, args.prompt_len, args.tokens, args.repeats, args.agree_tokens = "1,2", 8, 3, 1, 2
+    if not torch.cuda.is_available():
+        print("smoke: torch sees no CUDA GPU, so both tools run on the CPU (--device cpu); the figures mean nothing")
+        args.device = "cpu"
 
 
 def check_args(args) -> str | None:
@@ -364,6 +383,14 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(json.loads(args.child))
+    if args.smoke:
+        with tempfile.TemporaryDirectory(prefix="bench-gpu-offload-") as tmp:
+            smoke_args(args, Path(tmp))
+            return bench(args)
+    return bench(args)
+
+
+def bench(args) -> int:
     problem = check_args(args)
     if problem:
         print(f"error: {problem}", file=sys.stderr)

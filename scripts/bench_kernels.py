@@ -14,6 +14,7 @@ multiply-add instruction (vpdpbusd, vpdpwssd, vpmaddubsw or FMA), measured in th
     python scripts/bench_kernels.py --models 8b --threads 2 --paths avx2 scalar
     python scripts/bench_kernels.py --formats q4_0 q4_0-rows --no-gemm   # tiled vs GGUF row order
     python scripts/bench_kernels.py --models 8b --formats q4_0 q4_k q6_k --no-gemm   # K-quants vs q4_0
+    python scripts/bench_kernels.py --smoke    # SmolLM2's shapes, 1 thread, q8_0 q4_0 q4_k, short timings: seconds
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from offload.kernels.quant import random_gguf_blocks
 from offload.runtime.backends.base import host_empty
 
 SMALL_PAGES = False  # --small-pages: weights on ordinary 4 KiB pages instead of offload's 2 MiB-page buffers
+TIME_BUDGET_S = 0.25  # how long median_time_s keeps repeating a call (--smoke: shorter)
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:
@@ -54,8 +56,9 @@ GEMM_SHAPES = [(1536, 576), (4096, 4096)]
 OUT_OF_CACHE_BYTES = 160 * 2**20  # rotate copies until this much: well past a 32 MiB L3
 
 
-def median_time_s(fn, min_reps: int = 5, budget_s: float = 0.25) -> float:
-    """Median wall time of fn() over at least min_reps calls (more while under budget_s)."""
+def median_time_s(fn, min_reps: int = 5, budget_s: float | None = None) -> float:
+    """Median wall time of fn() over at least min_reps calls (more while under budget_s, TIME_BUDGET_S if None)."""
+    budget_s = TIME_BUDGET_S if budget_s is None else budget_s
     fn()
     times: list[float] = []
     start = time.perf_counter()
@@ -173,8 +176,10 @@ PEAK_KIND.update({(p, f): ("vnni_s16" if p == "avx512" else "avx2_s16") if f == 
 
 
 def peak_flops(kind: str, n_threads: int) -> float:
-    """FLOP/s of one multiply-add instruction kind on n_threads threads, best of 5 runs of about 0.1 s."""
-    return max(K._C.peak_flops(kind, 2_000_000, n_threads) for _ in range(5))
+    """FLOP/s of one multiply-add instruction kind on n_threads threads, best of 5 runs of about 0.1 s (--smoke: one
+    of about 0.01 s)."""
+    smoke = TIME_BUDGET_S < 0.25
+    return max(K._C.peak_flops(kind, 200_000 if smoke else 2_000_000, n_threads) for _ in range(1 if smoke else 5))
 
 
 def gemm_report(shapes, batches, fmts, threads) -> None:
@@ -218,15 +223,21 @@ def main() -> None:
     ap.add_argument("--no-gemm", action="store_true", help="skip the matrix-matrix section")
     ap.add_argument("--small-pages", action="store_true",
                     help="keep weights (offload's and torch's) on 4 KiB pages instead of 2 MiB transparent huge pages")
+    ap.add_argument("--smoke", action="store_true", help="SmolLM2's shapes, 1 thread, three formats, batches 1 and 8, "
+                    "short timings in cache: seconds (the figures mean little)")
     args = ap.parse_args()
-    global SMALL_PAGES
+    global SMALL_PAGES, TIME_BUDGET_S, OUT_OF_CACHE_BYTES, GEMM_SHAPES
     SMALL_PAGES = args.small_pages
+    bw_bytes = 1 << 30
+    if args.smoke:
+        args.models, args.threads, args.formats, args.batches = ["135m"], [1], ["q8_0", "q4_0", "q4_k"], [1, 8]
+        TIME_BUDGET_S, OUT_OF_CACHE_BYTES, GEMM_SHAPES, bw_bytes = 0.005, 4 << 20, GEMM_SHAPES[:1], 64 << 20
     old_threads = torch.get_num_threads()
     print(f"offload kernels: active path {K.ACTIVE_PATH}; CPU features {' '.join(sorted(K.CPU_FEATURES))}")
     bw = {}
     for n_threads in args.threads:
         torch.set_num_threads(n_threads)
-        bw[n_threads] = read_bandwidth_bps(n_threads)
+        bw[n_threads] = read_bandwidth_bps(n_threads, bw_bytes)
         print(f"memory read bandwidth, {n_threads} thread(s): {bw[n_threads] / 1e9:.1f} GB/s")
     for key in args.models:
         model = MODEL_KEYS[key]

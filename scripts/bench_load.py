@@ -12,6 +12,7 @@ files the page cache may hold (they were just written): warm loads unless --cold
 per shape and written for every layer (reading and quantizing cost the same).
 
   python scripts/bench_load.py --layers 8            # --gguf FILE also times LLM(FILE) of another GGUF file
+  python scripts/bench_load.py --smoke               # 2 tiny layers (hidden 64), the cached loads and one GGUF launch
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -130,12 +132,21 @@ def main() -> None:
     parser.add_argument("--cold", action="store_true", help="drop the page cache before each load (needs root)")
     parser.add_argument("--skip-uncached", action="store_true", help="skip the load without the cache")
     parser.add_argument("--gguf", type=Path, help="also time LLM(FILE) of a GGUF file (needs offload.weights.gguf)")
+    parser.add_argument("--smoke", action="store_true", help="2 layers of hidden 64 in a temp folder, without the "
+                        "uncached load and the second GGUF launch: seconds (the figures mean nothing)")
     args = parser.parse_args()
+    launches = ("first", "second")
+    if args.smoke:
+        global HIDDEN, INTERMEDIATE, N_HEADS, N_KV_HEADS, VOCAB
+        HIDDEN, INTERMEDIATE, N_HEADS, N_KV_HEADS, VOCAB = 64, 128, 4, 2, 512
+        args.layers, args.skip_uncached, args.keep = 2, True, False
+        args.dir = Path(tempfile.mkdtemp(prefix="bench-load-"))
+        launches = ("first",)
 
     n_layers = layers_that_fit(args.layers, args.dir)
     if n_layers < args.layers:
         print(f"{args.layers} layers do not fit this machine's disk or RAM; using {n_layers} layers of 8B widths")
-    folder, cache = args.dir / f"llama-8b-widths-{n_layers}l", args.dir / "cache"
+    folder, cache = args.dir / f"llama-{'tiny' if args.smoke else '8b-widths'}-{n_layers}l", args.dir / "cache"
     try:
         if not (folder / "config.json").is_file():
             t0 = time.perf_counter()
@@ -162,7 +173,7 @@ def main() -> None:
             t0 = time.perf_counter()
             write_q4_0_gguf(folder, gguf)
             print(f"wrote {gguf.name} ({gguf.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - t0:.0f} s")
-        for launch in ("first", "second"):
+        for launch in launches:
             time_gguf(gguf, env, args.cold, f"Q4_0 GGUF, {launch} launch")
         if args.gguf:
             time_gguf(args.gguf, env, args.cold, f"GGUF {args.gguf.name}")
@@ -171,6 +182,8 @@ def main() -> None:
             shutil.rmtree(folder, ignore_errors=True)
             shutil.rmtree(cache, ignore_errors=True)
             folder.with_suffix(".Q4_0.gguf").unlink(missing_ok=True)
+            if args.smoke:
+                shutil.rmtree(args.dir, ignore_errors=True)
 
 
 def write_q4_0_gguf(folder: Path, out: Path) -> None:

@@ -10,12 +10,16 @@ the plan is made for --hardware, so on a GPU unlike that profile the ratio shows
 which is how machines without a GPU exercise it. --json writes every figure to a file.
 
   python scripts/bench_offload.py --model configs/models/llama-3.1-70b --quantization q4_0 --gpu-memory 22GiB
+  python scripts/bench_offload.py --smoke     # a tiny model on the simulated GPU (rtx4090-ddr5 without its CUDA
+                                              # context reserve, 1 MiB of it), batches 1 and 2: seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -103,14 +107,31 @@ def main() -> None:
     ap.add_argument("--offline-len", type=int, default=640, help="max_model_len of the 'auto' batch's plan (an "
                     "offline job's prompts plus its new tokens)")
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--smoke", action="store_true", help="a tiny model on the simulated GPU, batches 1 and 2: seconds")
     args = ap.parse_args()
+    if not args.smoke:
+        return bench(args)
+    from offload.hardware import load_hardware
 
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from make_llama import tiny
+
+    with tempfile.TemporaryDirectory(prefix="bench-offload-") as tmp:
+        args.model, args.backend, args.gpu_memory = str(tiny(Path(tmp) / "tiny")), "sim", "1MiB"
+        args.hardware = load_hardware("rtx4090-ddr5").with_changes(gpu_reserved_bytes=0)  # a GPU budget of a MiB
+        args.batches, args.prompt_len, args.decode_tokens, args.offline_len = "1,2", 8, 2, 32
+        bench(args)
+
+
+def bench(args) -> None:
+    """Each batch of --batches planned, built and run; --json gets every figure."""
     results = {"model": args.model, "batches": {}}
     for batch in args.batches.split(","):
         auto = batch.strip() == "auto"
         max_len = args.offline_len if auto else args.prompt_len + args.decode_tokens + 1
-        request = PlanRequest(str(args.model), args.quantization, "auto", args.hardware, args.gpu_memory,
-                              args.cpu_memory, batch_size=None if auto else int(batch), max_model_len=max_len,
+        request = PlanRequest(model=str(args.model), quantization=args.quantization, dtype="auto",
+                              hardware=args.hardware, gpu_memory=args.gpu_memory, cpu_memory=args.cpu_memory,
+                              batch_size=None if auto else int(batch), max_model_len=max_len,
                               max_tokens=max_len - args.prompt_len if auto else args.decode_tokens + 1,
                               backend="cuda" if args.backend == "cuda" else "auto")
         r, plan = run_batch(request, args)

@@ -4,6 +4,7 @@ with the staging depth searched (what `offload plan` does unless --prefetch-dept
 depth of 2; batch 128 is where plans with the KV caches in host RAM are weighed too.
 
   python scripts/bench_plan.py [--model configs/models/llama-3.1-70b] [--repeats 9]
+  python scripts/bench_plan.py --smoke     # one timed plan each: about a second
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ def main() -> None:
     ap.add_argument("--model", default=str(ROOT / "configs" / "models" / "llama-3.1-70b"))
     ap.add_argument("--hardware", default="rtx4090-ddr5")
     ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--smoke", action="store_true", help="one timed plan per row (--repeats 1): about a second")
     args = ap.parse_args()
+    if args.smoke:
+        args.repeats = 1
     spec, hw = load_spec(args.model), load_hardware(args.hardware)
     budget = Budget.for_hardware(hw, gpu_bytes=22 * GiB)
     print(f"{spec.n_layers} layers ({len(spec.units())} units), {args.hardware}, q4_0, 22 GiB of GPU memory")

@@ -16,13 +16,18 @@ On a 2-core machine the point is correctness and overhead, not speed-up: two rep
 driver (and whatever else runs).
 
 Usage: python scripts/bench_ray.py [--requests 64] [--max-tokens 16] [--repeats 3]
+       python scripts/bench_ray.py --smoke    # a tiny model with a byte-level tokenizer, 4 requests of 2 tokens,
+                                              # once, local and ray x1 only
+Without ray installed (pip install 'offload[ray]') only the local job runs, said so.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -30,14 +35,15 @@ from pathlib import Path
 import torch
 
 
-def write_job(folder: Path, name: str, n_requests: int, max_tokens: int, engine: str, replicas: int) -> Path:
+def write_job(folder: Path, name: str, n_requests: int, max_tokens: int, engine: str, replicas: int,
+              model: str = "default") -> Path:
     import yaml
 
     lines = [{"custom_id": f"r{i:03d}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": f"Request {i}: tell me about {'the long history of ' * (i % 5)}the sea"}}
              for i in range(n_requests)]
     (folder / f"{name}.in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
-    job = {"model": {"path": "default"}, "input": {"path": f"{name}.in.jsonl"}, "output": {"path": f"{name}.out.jsonl"},
+    job = {"model": {"path": model}, "input": {"path": f"{name}.in.jsonl"}, "output": {"path": f"{name}.out.jsonl"},
            "sampling": {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True},
            "report": {"print": False, "progress": False}, "engine": engine,
            "distributed": {"replicas": replicas, "cpus_per_replica": 1}}
@@ -78,31 +84,60 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3, help="rounds of the three; medians are printed")
+    parser.add_argument("--model", default="default", help="'default', or a model with a tokenizer")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model with a byte-level tokenizer, 4 requests of "
+                        "2 tokens, one round, without ray x2")
     args = parser.parse_args()
-    import ray
+    with tempfile.TemporaryDirectory(prefix="bench-ray-") as tmp:
+        run(args, Path(tmp))
 
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
-    folder = Path(tempfile.mkdtemp(prefix="bench-ray-"))
-    torch.set_num_threads(1)  # the local job on the one CPU a replica gets
+
+def run(args, folder: Path) -> None:
+    """Write the jobs into folder, run each --repeats times after a warm-up job, and report."""
+    if args.smoke:
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from make_llama import tiny
+
+        args.model, args.requests, args.max_tokens, args.repeats = str(tiny(folder / "tiny", tokenizer=True)), 4, 2, 1
     setups = {"local": ("local", 1), "ray x1": ("ray", 1), "ray x2": ("ray", 2)}
-    paths = {name: write_job(folder, name.replace(" ", ""), args.requests, args.max_tokens, *setup)
+    if args.smoke:  # a second replica's start-up is ~10 s more of the same code
+        del setups["ray x2"]
+    if importlib.util.find_spec("ray") is None:
+        print("ray is not installed (pip install 'offload[ray]'): only the local job runs")
+        setups = {"local": setups["local"]}
+    else:
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    torch.set_num_threads(1)  # the local job on the one CPU a replica gets
+    paths = {name: write_job(folder, name.replace(" ", ""), args.requests, args.max_tokens, *setup, args.model)
              for name, setup in setups.items()}
-    timed_job(write_job(folder, "warm-up", 4, 2, "local", 1))  # warm-up: the first job in a process pays one-time costs
+    # warm-up: the first job in a process pays one-time costs
+    timed_job(write_job(folder, "warm-up", 4, 2, "local", 1, args.model))
     rounds = [{name: timed_job(path) for name, path in paths.items()} for _ in range(args.repeats)]
-    ray.shutdown()
-    runs = {name: median_run([r[name] for r in rounds]) for name in setups}
-    print(f"{args.requests} requests x {args.max_tokens} tokens, the default model, 1 CPU per replica "
+    if "ray x1" in setups:
+        ray.shutdown()
+    report(args, {name: median_run([r[name] for r in rounds]) for name in setups}, rounds)
+
+
+def report(args, runs: dict, rounds: list[dict]) -> None:
+    """Each setup's figures, and the ratios and Ray's overhead where Ray ran."""
+    print(f"{args.requests} requests x {args.max_tokens} tokens, {Path(args.model).name} model, 1 CPU per replica "
           f"(local: 1 thread); medians of {args.repeats} rounds")
     for name, r in runs.items():
         print(f"  {name:>7}: start {r['start_s']:5.1f} s, generate {r['generate_s']:6.2f} s, "
               f"{r['tokens_per_s']:6.1f} generated tok/s ({r['requests']} requests, {r['tokens']} tokens)")
-    one, two, local = runs["ray x1"], runs["ray x2"], runs["local"]
-    print(f"  ray x2 / ray x1 throughput: {two['tokens_per_s'] / one['tokens_per_s']:.2f}x; "
-          f"ray x1 / local: {one['tokens_per_s'] / local['tokens_per_s']:.2f}x")
-    print(f"  Ray's overhead per request: {1e3 * (one['generate_s'] - local['generate_s']) / args.requests:+.1f} ms "
-          f"(ray x1 - local); {1e3 * (one['generate_s'] - one['replica_s']) / args.requests:+.2f} ms (the driver's "
-          f"generating time - the replica's time in LLM.generate, same run)")
-    same = all(r[name]["answers"] == local["answers"] for r in rounds for name in setups)
+    local = runs["local"]
+    if "ray x2" in runs:
+        print(f"  ray x2 / ray x1 throughput: {runs['ray x2']['tokens_per_s'] / runs['ray x1']['tokens_per_s']:.2f}x")
+    if "ray x1" in runs:
+        one = runs["ray x1"]
+        print(f"  ray x1 / local throughput: {one['tokens_per_s'] / local['tokens_per_s']:.2f}x")
+        over_local_s, over_replica_s = one["generate_s"] - local["generate_s"], one["generate_s"] - one["replica_s"]
+        print(f"  Ray's overhead per request: {1e3 * over_local_s / args.requests:+.1f} ms (ray x1 - local); "
+              f"{1e3 * over_replica_s / args.requests:+.2f} ms (the driver's generating time - the replica's time in "
+              f"LLM.generate, same run)")
+    same = all(r[name]["answers"] == local["answers"] for r in rounds for name in runs)
     print(f"  same answers in every run: {same}")
 
 

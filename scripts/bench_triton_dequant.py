@@ -10,6 +10,7 @@ in a real step). On a machine without a CUDA GPU and Triton it says so and exits
 
     python scripts/bench_triton_dequant.py                # about 2-4 minutes on an H200
     python scripts/bench_triton_dequant.py --models 8b --formats q4_0 --rows 1 32 --json out.json
+    python scripts/bench_triton_dequant.py --smoke    # 8B's o matrix, q4_0, 1 and 32 rows, no split table: seconds
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ def compare(w: DeviceQuantWeight, n: int) -> dict:
             "max_rel_diff": diff}
 
 
-def bench_linears(models, fmts, rows, device, bw_bps: float) -> list[dict]:
-    """One row per (model, matrix, format, order, rows of x)."""
+def bench_linears(models, fmts, rows, device, bw_bps: float, matrices=None) -> list[dict]:
+    """One row per (model, matrix, format, order, rows of x); matrices: the names to run (None: all)."""
     out = []
     for model in models:
         for name, shape in MODELS[model].items():
+            if matrices is not None and name not in matrices:
+                continue
             for fmt in fmts:
                 for tiled in (False, True):
                     w = random_weight(fmt, shape, tiled, device)
@@ -124,7 +127,11 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", nargs="+", type=int, default=list(ROWS))
     ap.add_argument("--no-split", action="store_true", help="skip the gemv-against-gemm table")
     ap.add_argument("--json", help="also write every row to this file")
+    ap.add_argument("--smoke", action="store_true", help="8B's o matrix in q4_0 at 1 and 32 rows, no split table")
     args = ap.parse_args(argv)
+    matrices = None
+    if args.smoke:
+        args.models, args.formats, args.rows, args.no_split, matrices = ["8b"], ["q4_0"], [1, 32], True, ["o"]
     if not torch.cuda.is_available() or not T.TRITON_AVAILABLE:
         print("bench_triton_dequant needs a CUDA GPU and Triton (found: GPU "
               f"{torch.cuda.is_available()}, Triton {T.TRITON_AVAILABLE}); nothing to measure here")
@@ -133,7 +140,7 @@ def main(argv=None) -> int:
     bw = copy_bandwidth_bps(device)
     print(f"{torch.cuda.get_device_name(device)}: device copy bandwidth {bw / 1e9:.0f} GB/s")
     result = {"device": torch.cuda.get_device_name(device), "copy_bps": bw,
-              "linears": bench_linears(args.models, args.formats, args.rows, device, bw)}
+              "linears": bench_linears(args.models, args.formats, args.rows, device, bw, matrices)}
     if not args.no_split:
         result["split"] = bench_split(args.formats, device)
     if args.json:

@@ -1,4 +1,4 @@
-"""The stamp scripts/install.sh keeps in .venv: a hash of what the install builds from, so pip runs only when it changed.
+"""The stamp scripts/install.sh keeps in .venv: a hash of what the install builds from; pip runs only when it changes.
 
 The inputs: pyproject.toml, setup.py, scripts/install.sh (its torch pin), every file under csrc/ (names and bytes),
 OFFLOAD_NO_EXT (whether setup.py builds the extension), the checkout's path and the Python version of the

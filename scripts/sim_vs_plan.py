@@ -2,6 +2,7 @@
 timed simulated device, over a matrix of models, GPU budgets, batch sizes and hardware presets.
 
   python scripts/sim_vs_plan.py            # the 24-case matrix; prints one row per case and the worst ratio
+  python scripts/sim_vs_plan.py --smoke    # two cases (8B and 70B at batch 1), one decode step each: seconds
 """
 
 from __future__ import annotations
@@ -21,18 +22,23 @@ BATCHES = (1, 32)
 def cases():
     for (model, budgets), hw, batch in itertools.product(MODELS.items(), HARDWARE, BATCHES):
         for gpu in budgets:
-            yield PlanRequest(model, "q4_0", "auto", hw, gpu_memory=gpu, batch_size=batch, max_model_len=1024,
-                              max_tokens=128)
+            yield PlanRequest(model=model, quantization="q4_0", dtype="auto", hardware=hw, gpu_memory=gpu,
+                              batch_size=batch, max_model_len=1024, max_tokens=128)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--decode-steps", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true", help="the first case of each model, one decode step: seconds")
     args = ap.parse_args()
+    requests = list(cases())
+    if args.smoke:
+        requests = [next(r for r in requests if r.model == m) for m in MODELS]
+        args.decode_steps = 1
     print(f"{'model':14s} {'hardware':13s} {'gpu':>6s} {'batch':>5s}  {'prefill pred/sim':>16s}  "
           f"{'decode pred/sim':>15s}  {'peak gpu / plan':>15s}  wall")
     worst = 0.0
-    for request in cases():
+    for request in requests:
         start = time.perf_counter()
         sim = simulate(request, args.decode_steps)
         ratios = [sim.phases[p].predicted_over_simulated for p in ("prefill", "decode")]
