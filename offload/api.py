@@ -157,6 +157,9 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  on_finish: Callable[[RequestOutput], None] | None = None) -> list[RequestOutput]:
         """Complete each prompt (a string, a list of token ids, or {'prompt_token_ids': [...]})."""
+        if not isinstance(prompts, (str, dict, list, tuple)):
+            raise ConfigError(f"prompts must be a string, a list of token ids, {{'prompt_token_ids': [...]}} or a list "
+                              f"of these, got {type(prompts).__name__}")
         prompts = [prompts] if isinstance(prompts, (str, dict)) or _is_token_list(prompts) else list(prompts)
         params = _broadcast(sampling_params, len(prompts))
         seqs, texts = [], []

@@ -32,7 +32,7 @@ def describe_path(path: Path) -> str:
         if e.errno == errno.ELOOP:
             return "is a symlink loop (a link that leads back to itself)"
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
-            return "is a broken symlink (what it points to does not exist)" if os.path.islink(path) else "does not exist"
+            return "is a broken symlink (its target does not exist)" if os.path.islink(path) else "does not exist"
         return f"cannot be read ({e.strerror})"
     kinds = ((stat.S_ISDIR, "is a folder"), (stat.S_ISFIFO, "is a named pipe (FIFO)"), (stat.S_ISSOCK, "is a socket"),
              (stat.S_ISCHR, "is a device"), (stat.S_ISBLK, "is a device"))

@@ -361,7 +361,8 @@ def load_spec(path: str | Path) -> ModelSpec:
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config_path} is not valid JSON ({e}); restore the file from the model's source") from e
     if not isinstance(config, dict):
-        raise ConfigError(f"{config_path} must hold a JSON object, found {type(config).__name__}")
+        raise ConfigError(f"{config_path} must hold a JSON object, found {type(config).__name__}; restore the file "
+                          f"from the model's source")
     return spec_from_config(config, source=str(config_path))
 
 

@@ -413,8 +413,9 @@ def _not_a_model(given: str, path: Path) -> str:
 
 def unwritable_reason(path: Path) -> str | None:
     """Why a file could not be created or appended to at path, or None if it can."""
-    if path.is_dir():
-        return "it is a folder"
+    what = _what_is(path)
+    if what not in ("is a file", "does not exist") and not what.startswith("is a broken symlink"):
+        return f"it {what}"  # a folder, a symlink loop, a FIFO, a device
     if path.exists():
         return None if os.access(path, os.W_OK) else "the file is read-only"
     parent = path.parent

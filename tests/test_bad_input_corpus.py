@@ -1,0 +1,373 @@
+"""A corpus of bad inputs, as a new user makes them (issue 32): YAML configs, paths, model folders, request lines
+and API arguments. Every CLI case exits 2 with one line naming the key or path and what to do, and leaves the
+outputs of an earlier run as they were; every bad request line becomes an error line naming its custom_id (or its
+line) while the job goes on; nothing prints a traceback."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import write_config
+from jobs_support import chat_line, completion_line, make_tiny_chat_model, read_records, run_cli, write_batch
+from offload.errors import OffloadError
+
+EARLIER = ("o.jsonl", "o.job.json", "o.report.json")  # what an earlier run of the job left
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    """A tiny chat model, an input, and the outputs of a finished run of the job every case breaks one thing of;
+    the hardware profile is this machine's estimate, not the user's calibrated one."""
+    with pytest.MonkeyPatch.context() as mp:
+        base = tmp_path_factory.mktemp("corpus")
+        mp.setenv("OFFLOAD_CACHE", str(base / "cache"))
+        model = make_tiny_chat_model(base / "model")
+        write_batch(base / "in.jsonl", [completion_line("a", "hi"), chat_line("b", "hello")])
+        (base / "earlier").mkdir()
+        job = write_yaml(base / "earlier" / "job.yaml", good_job(model, base / "in.jsonl"))
+        code, message = run_cli("run", job)
+        assert code == 0, message
+        yield {"base": base, "model": model, "input": base / "in.jsonl"}
+
+
+def good_job(model: Path, input_path: Path) -> dict:
+    return {"model": {"path": str(model)}, "input": {"path": str(input_path)}, "output": {"path": "o.jsonl"},
+            "sampling": {"max_tokens": 2, "temperature": 0}, "report": {"print": False}}
+
+
+def write_yaml(path: Path, data: dict) -> Path:
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.fixture
+def case(env, tmp_path):
+    """A folder holding the earlier run's outputs (the same job, so a rerun would resume them)."""
+    for name in EARLIER:
+        shutil.copy(env["base"] / "earlier" / name, tmp_path / name)
+    return tmp_path
+
+
+def assert_refused_keeping_outputs(folder: Path, env: dict, words: list[str], *argv) -> str:
+    """The command exits 2 with one error line holding words, no traceback, and the earlier outputs intact."""
+    code, message = run_cli(*argv)
+    errors = [line for line in message.splitlines() if line.startswith("offload: error:")]
+    assert code == 2 and "Traceback" not in message and len(errors) == 1, message
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+    for name in EARLIER:
+        assert (folder / name).read_bytes() == (env["base"] / "earlier" / name).read_bytes(), name
+    assert not list(folder.glob("o.jsonl.bak*"))
+    return errors[0]
+
+
+# name -> (changes to the job's sections: {section: {key: value}}, or raw bytes of the file; words of the message)
+YAML_CASES = {
+    "unknown section": ({"sampler": {"top_p": 0.9}}, ["unknown key 'sampler'", "did you mean 'sampling'?"]),
+    "misspelt key": ({"sampling": {"temprature": 0.5}}, ["'sampling.temprature'", "'sampling.temperature'?"]),
+    "max_tokens not a number": ({"sampling": {"max_tokens": "many"}},
+                                ["key 'sampling.max_tokens'", "expected a whole number", "'many'"]),
+    "negative temperature": ({"sampling": {"temperature": -1}}, ["key 'sampling.temperature'", ">= 0"]),
+    "top_p zero": ({"sampling": {"top_p": 0}}, ["key 'sampling.top_p'", "> 0"]),
+    "stop not a list": ({"sampling": {"stop": 5}}, ["key 'sampling.stop'", "expected a list", "found 5"]),
+    "seed too large": ({"sampling": {"seed": 2**70}}, ["key 'sampling.seed'"]),
+    "unknown quantization": ({"model": {"quantization": "q3"}}, ["key 'model.quantization'", "expected one of"]),
+    "max_model_len one": ({"model": {"max_model_len": 1}}, ["key 'model.max_model_len'", ">= 2"]),
+    "unparsable budget": ({"memory": {"cpu": "lots"}}, ["key 'memory.cpu'", "expected a size such as 22GiB"]),
+    "negative budget": ({"memory": {"gpu": "-2GiB"}}, ["key 'memory.gpu'", "a size of 0 or more"]),
+    "unknown on_exceed": ({"memory": {"on_exceed": "explode"}}, ["key 'memory.on_exceed'", "'warn'"]),
+    "batch size zero": ({"schedule": {"batch_size": 0}}, ["key 'schedule.batch_size'", ">= 1"]),
+    "section is a list": ({"sampling": [1, 2]}, ["key 'sampling': expected a section"]),
+    "unknown engine": ({"engine": "spark"}, ["key 'engine'", "'local'"]),
+    "unknown input format": ({"input": {"format": "csv"}}, ["key 'input.format'", "'openai'"]),
+    "model section missing": ({"model": None}, ["key 'model' is missing", "expected a section with at least"]),
+    "input section missing": ({"input": None}, ["key 'input' is missing", "expected a section with at least"]),
+    "output is the input": ({"output": {"path": "{input}"}}, ["the same file", "would write over its input",
+                                                             "give them different paths"]),
+    "report is the output": ({"report": {"path": "o.jsonl", "print": False}},
+                             ["'output.path' and key 'report.path' are the same file", "give them different"]),
+    "output is a folder": ({"output": {"path": "{folder}"}}, ["key 'output.path'", "it is a folder",
+                                                             "choose a writable location"]),
+    "output is the root": ({"output": {"path": "/"}}, ["key 'output.path': '/' cannot be written (it is a folder)"]),
+    "output under a file": ({"output": {"path": "{input}/o.jsonl"}}, ["key 'output.path'", "is a file, not a folder"]),
+    "unknown hardware": ({"hardware": "no-such-machine"}, ["hardware", "no-such-machine"]),
+    "model path missing": ({"model": {"path": "nowhere"}}, ["key 'model.path'", "'nowhere', which does not exist",
+                                                            "expected a folder with config.json"]),
+    "model is the input file": ({"model": {"path": "{input}"}}, ["key 'model.path'", "is a file, not a model"]),
+    "input missing": ({"input": {"path": "absent.jsonl"}}, ["key 'input.path'", "absent.jsonl', which does not"]),
+    "not YAML": (b"model: [unclosed\n", ["is not valid YAML", "fix the syntax"]),
+    "duplicated key": (b"model: {path: default}\nmodel: {path: default}\n",
+                       ["key 'model' is given twice (lines 1 and 2)", "merge them"]),
+    "a list, not a mapping": (b"- model\n- input\n", ["expected a mapping of sections", "found list"]),
+    "not UTF-8": (b"model:\n  path: d\xe9fault\n", ["is not UTF-8 text", "save the config as UTF-8"]),
+}
+
+
+def broken_job(folder: Path, env: dict, changes) -> Path:
+    path = folder / "job.yaml"
+    if isinstance(changes, bytes):
+        path.write_bytes(changes)
+        return path
+    data = good_job(env["model"], env["input"])
+    (folder / "a-folder").mkdir()
+    for section, value in changes.items():
+        if value is None:
+            data.pop(section)
+        elif isinstance(value, dict) and isinstance(data.get(section), dict):
+            data[section] = {**data[section], **value}
+        else:
+            data[section] = value
+    text = yaml.safe_dump(data, sort_keys=False).replace("'{input}", f"'{env['input']}").replace(
+        "{input}", str(env["input"])).replace("{folder}", str(folder / "a-folder"))
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("name", list(YAML_CASES))
+def test_a_bad_config_is_one_line_and_keeps_the_earlier_outputs(env, case, name):
+    changes, words = YAML_CASES[name]
+    job = broken_job(case, env, changes)
+    for command in ("validate", "run"):
+        assert_refused_keeping_outputs(case, env, words, command, job)
+
+
+def _fifo(folder: Path) -> Path:
+    os.mkfifo(folder / "fifo")
+    return folder / "fifo"
+
+
+def _loop(folder: Path) -> Path:
+    (folder / "loop").symlink_to("loop")
+    return folder / "loop"
+
+
+def _file(folder: Path, data: bytes | str, name: str = "x.jsonl") -> Path:
+    (folder / name).write_bytes(data.encode() if isinstance(data, str) else data)
+    return folder / name
+
+
+def _folder(folder: Path) -> Path:
+    (folder / "a-folder").mkdir()
+    return folder / "a-folder"
+
+
+# name -> (flag, how to make its value in the case's folder, words of the message)
+PATH_CASES = {
+    "input missing": ("--input", lambda f: f / "absent.jsonl", ["key 'input.path'", "which does not exist"]),
+    "input a folder": ("--input", _folder, ["key 'input.path': expected a file of requests", "which is a folder"]),
+    "input a FIFO": ("--input", _fifo, ["which is a named pipe (FIFO)", "save the requests to a file"]),
+    "input a symlink loop": ("--input", _loop, ["is a symlink loop"]),
+    "input empty": ("--input", lambda f: _file(f, b""), ["has no requests (it is empty)", "add requests"]),
+    "input blank lines": ("--input", lambda f: _file(f, b"\n \n"), ["has no requests (only blank lines)"]),
+    "input not UTF-8": ("--input", lambda f: _file(f, b'{"custom_id": "\xff"}\n'),
+                        ["cannot read the input file", "give a UTF-8 text file"]),
+    "input repeats a custom_id": ("--input", lambda f: _file(f, 2 * (json.dumps(completion_line("a", "hi")) + "\n")),
+                                  ["custom_id must be unique", "'a' on lines 1 and 2", "give each request its own"]),
+    "output the root": ("--output", lambda f: Path("/"), ["key 'output.path': '/' cannot be written"]),
+    "output a symlink loop": ("--output", _loop, ["is a symlink loop"]),
+    "model a file": ("--model", lambda f: _file(f, b"{}\n"), ["is a file, not a model", "a Hub id or 'default'"]),
+    "model missing": ("--model", lambda f: f / "absent", ["key 'model.path'", "which does not exist"]),
+    "model a folder without config.json": ("--model", _folder, ["is a folder without config.json, not a model"]),
+    "model a FIFO": ("--model", _fifo, ["is a named pipe (FIFO), not a model"]),
+}
+
+
+@pytest.mark.parametrize("name", list(PATH_CASES))
+def test_a_bad_path_is_one_line_and_keeps_the_earlier_outputs(env, case, name):
+    flag, make, words = PATH_CASES[name]
+    value = make(case)
+    argv = {"--model": env["model"], "--input": env["input"], "--output": case / "o.jsonl", flag: value}
+    args = [a for pair in argv.items() for a in pair] + ["--max-tokens", 2, "--temperature", 0]
+    for command in ("validate", "run"):
+        assert_refused_keeping_outputs(case, env, words, command, *args)
+
+
+def _link_model(env: dict, folder: Path, **config) -> Path:
+    """A copy of the tiny model (files linked, config.json copied) with config.json changed."""
+    model = folder / "model"
+    model.mkdir()
+    for path in env["model"].iterdir():
+        (model / path.name).symlink_to(path) if path.name != "config.json" else shutil.copy(path, model / path.name)
+    write_config(model, **config)
+    return model
+
+
+def _model_file(env: dict, folder: Path, name: str, data: bytes) -> Path:
+    model = _link_model(env, folder)
+    (model / name).unlink()
+    (model / name).write_bytes(data)
+    return model
+
+
+# name -> (how to break a copy of the model, words of the message, whether validate (no weights read) sees it)
+MODEL_CASES = {
+    "config.json not JSON": (lambda e, f: _model_file(e, f, "config.json", b"{model_type: llama"),
+                             ["config.json is not valid JSON", "restore the file from the model's source"], True),
+    "config.json a list": (lambda e, f: _model_file(e, f, "config.json", b"[1, 2]"),
+                           ["config.json must hold a JSON object, found list", "restore the file"], True),
+    "heads do not divide the width": (lambda e, f: _link_model(e, f, num_attention_heads=6, head_dim=None),
+                                      ["num_attention_heads=6 does not divide hidden_size=64", "fix config.json"],
+                                      True),
+    "unsupported architecture": (lambda e, f: _link_model(e, f, model_type="gpt2", architectures=["GPT2LMHeadModel"]),
+                                 ["architecture 'gpt2' is not supported", "llama, mistral"], True),
+    "width missing": (lambda e, f: _link_model(e, f, hidden_size=None),
+                      ["required key 'hidden_size' is missing", "must set it"], True),
+    "no layers": (lambda e, f: _link_model(e, f, num_hidden_layers=0),
+                  ["'num_hidden_layers' must be a whole number of 1 or more, found 0", "fix config.json"], True),
+    "unsupported rope": (lambda e, f: _link_model(e, f, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
+                         ["rope scaling type 'yarn' is not supported", "dynamic"], True),
+    "truncated weights": (lambda e, f: _model_file(e, f, "model.safetensors",
+                                                   (e["model"] / "model.safetensors").read_bytes()[:5000]),
+                          ["model.safetensors is truncated", "download it again"], False),
+    "git-lfs pointer": (lambda e, f: _model_file(e, f, "model.safetensors",
+                                                 b"version https://git-lfs.github.com/spec/v1\noid sha256:ab\n"),
+                        ["is a git-lfs pointer file, not the weights", "git lfs pull"], False),
+    "damaged tokenizer": (lambda e, f: _model_file(e, f, "tokenizer.json", b'{"model": {"type": "Nonsense"}}'),
+                          ["transformers cannot load the tokenizer in", "against the model's source"], True),
+}
+
+
+@pytest.mark.parametrize("name", list(MODEL_CASES))
+def test_a_bad_model_folder_is_one_line_and_a_restart_keeps_the_earlier_outputs(env, case, name):
+    """A restart onto a broken model fails while loading it, before the earlier outputs are moved aside."""
+    make, words, validate_sees_it = MODEL_CASES[name]
+    args = ["--model", make(env, case), "--input", env["input"], "--output", case / "o.jsonl", "--max-tokens", 2]
+    assert_refused_keeping_outputs(case, env, words, "run", *args, "--restart")
+    if validate_sees_it:
+        assert_refused_keeping_outputs(case, env, words, "validate", *args)
+
+
+# custom_id -> (the request line, words of its error line); each becomes an error line, the job goes on
+LINE_CASES = {
+    "not-json": ('{"custom_id": "not-json", "body": ', ["line 2 of in.jsonl is not valid JSON"]),
+    "an-array": ('["custom_id", "an-array"]', ["expected a JSON object, found list"]),
+    "no-id": ({"url": "/v1/completions", "body": {"prompt": "hi"}}, ["expected a non-empty string 'custom_id'"]),
+    "bad-url": ({**completion_line("bad-url", "hi"), "url": "/v1/completion"}, ["did you mean '/v1/completions'?"]),
+    "get": ({**completion_line("get", "hi"), "method": "GET"}, ["expected 'method' POST, found 'GET'"]),
+    "body-text": ({"custom_id": "body-text", "url": "/v1/completions", "body": "hi"},
+                  ["expected 'body' to be a JSON object"]),
+    "typo": (completion_line("typo", "hi", temprature=0.5), ["'temprature' is not supported; did you mean"]),
+    "stop-int": (completion_line("stop-int", "hi", stop=5), ["stop: expected a list of strings", "found 5"]),
+    "stop-ids": (completion_line("stop-ids", "hi", stop_token_ids=[-1]), ["stop_token_ids must be non-negative"]),
+    "cold": (completion_line("cold", "hi", temperature=-1), ["temperature must be a finite number >= 0"]),
+    "top-p": (completion_line("top-p", "hi", top_p=2), ["top_p must be in (0, 1]"]),
+    "no-tokens": (completion_line("no-tokens", "hi", max_tokens=0), ["max_tokens must be an integer >= 1"]),
+    "seed": (completion_line("seed", "hi", seed=2**70), ["seed must be a whole number"]),
+    "n": (completion_line("n", "hi", n=2), ["n must be 1"]),
+    "no-messages": ({**chat_line("no-messages", "hi"), "body": {"messages": []}},
+                    ["expected 'messages' to be a non-empty list"]),
+    "robot": ({**chat_line("robot", "hi"), "body": {"messages": [{"role": "robot", "content": "hi"}]}},
+              ["messages[0].role to be one of system, user, assistant, found 'robot'"]),
+    "content-int": ({**chat_line("content-int", "hi"), "body": {"messages": [{"role": "user", "content": 5}]}},
+                    ["expected messages[0] to have a string 'role' and text 'content'"]),
+    "empty-prompt": (completion_line("empty-prompt", ""), ["expected 'prompt' to be a non-empty string"]),
+    "too-long": (completion_line("too-long", list(range(80))), ["the prompt has 80 tokens", "max_model_len",
+                                                                 "raise max_model_len"]),
+    "vocab": (completion_line("vocab", [10**6]), ["prompt token ids must lie in [0, 49152)"]),
+}
+
+
+@pytest.fixture(scope="module")
+def line_job(env):
+    """One job resumed with every bad line between an answered request and a new one: (validate's message, the
+    output's records by key, the answered record's line before and after)."""
+    folder = env["base"] / "lines"
+    folder.mkdir()
+    job = write_yaml(folder / "job.yaml", {**good_job(env["model"], folder / "in.jsonl"),
+                                           "model": {"path": str(env["model"]), "max_model_len": 64}})
+    write_batch(folder / "in.jsonl", [completion_line("answered", "hi")])
+    assert run_cli("run", job)[0] == 0
+    before = (folder / "o.jsonl").read_text()
+    write_batch(folder / "in.jsonl", [completion_line("answered", "hi"), *[line for line, _ in LINE_CASES.values()],
+                                      completion_line("new", "hello")])
+    validate_code, validate_message = run_cli("validate", job)
+    assert validate_code == 2 and "Traceback" not in validate_message
+    code, message = run_cli("run", job)
+    assert code == 3 and "Traceback" not in message and f"{len(LINE_CASES)} request(s) are error lines" in message
+    records = {r["custom_id"] or f"line:{r['error']['line']}": r for r in read_records(folder / "o.jsonl")}
+    return validate_message, records, before, (folder / "o.jsonl").read_text()
+
+
+@pytest.mark.parametrize("custom_id", list(LINE_CASES))
+def test_a_bad_request_line_is_an_error_line_naming_it_and_the_job_goes_on(line_job, custom_id):
+    validate_message, records, before, after = line_job
+    _, words = LINE_CASES[custom_id]
+    line_no = list(LINE_CASES).index(custom_id) + 2
+    named = f"(custom_id {custom_id!r})" if custom_id in records else f"line {line_no} of in.jsonl"
+    record = records.get(custom_id) or records[f"line:{line_no}"]
+    message = record["error"]["message"]
+    assert named in message and record["response"] is None, message
+    for word in words:
+        assert word in message and word in validate_message, (word, message)
+    assert after.startswith(before) and records["answered"]["error"] is None and records["new"]["error"] is None
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded(model: str):
+    from offload import LLM
+
+    return LLM(model, max_model_len=64)
+
+
+def _llm(env):
+    return _loaded(str(env["model"]))
+
+
+# name -> (a call that must raise, the error type's name, words of its message)
+API_CASES = {
+    "stop an int": (lambda e: _sampling(stop=5), "SamplingError", ["stop: expected a list of strings", "found 5"]),
+    "stop ids a string": (lambda e: _sampling(stop_token_ids="12"), "SamplingError",
+                          ["stop_token_ids: expected a list of token ids"]),
+    "nan temperature": (lambda e: _sampling(temperature=math.nan), "SamplingError", ["temperature must be a finite"]),
+    "two completions": (lambda e: _sampling(n=2), "SamplingError", ["n must be 1"]),
+    "seed too large": (lambda e: _sampling(seed=2**70), "SamplingError", ["seed must be a whole number"]),
+    "model a file": (lambda e: _api_llm(e["input"]), "ConfigError", ["is a file, not a model"]),
+    "model missing": (lambda e: _api_llm(e["base"] / "absent"), "ConfigError", ["does not exist"]),
+    "prompt a number": (lambda e: _llm(e).generate(3.5), "ConfigError", ["prompts must be a string", "got float"]),
+    "params per prompt": (lambda e: _llm(e).generate(["a", "b"], [_sampling()] * 3), "ConfigError",
+                          ["got 3 SamplingParams for 2 prompts"]),
+    "prompt too long": (lambda e: _llm(e).generate([list(range(70))]), "ConfigError",
+                        ["prompts[0]: the prompt has 70 tokens", "raise max_model_len"]),
+    "job config a dict with a typo": (lambda e: _run_batch({**good_job(e["model"], e["input"]), "sampler": {}}),
+                                      "ConfigError", ["unknown key 'sampler'", "did you mean 'sampling'?"]),
+}
+
+
+def _sampling(**kwargs):
+    from offload import SamplingParams
+
+    return SamplingParams(**kwargs)
+
+
+def _api_llm(model):
+    from offload import LLM
+
+    return LLM(str(model))
+
+
+def _run_batch(config):
+    from offload.jobs.run import run_batch
+
+    return run_batch(config)
+
+
+@pytest.mark.parametrize("name", list(API_CASES))
+def test_a_bad_api_argument_raises_one_sentence(env, name):
+    call, kind, words = API_CASES[name]
+    with pytest.raises(OffloadError) as raised:
+        call(env)
+    assert type(raised.value).__name__ == kind and "\n" not in str(raised.value)
+    for word in words:
+        assert word in str(raised.value), (word, str(raised.value))
+
+
+def test_the_corpus_holds_at_least_40_bad_inputs():
+    assert sum(map(len, (YAML_CASES, PATH_CASES, MODEL_CASES, LINE_CASES, API_CASES))) >= 40
