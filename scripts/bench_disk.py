@@ -694,10 +694,6 @@ def bounded_limits(args, tools: list[str], budget: int, slack: int, results: dic
     return limits
 
 
-SMOKE_MODEL = ("--hidden", "64", "--layers", "2", "--intermediate", "128", "--heads", "4", "--kv-heads", "2",
-               "--vocab", "512")  # ~0.3 MB in bf16: every tool holds it in RAM; the rows' code runs, not the disk
-
-
 def smoke_row() -> str:
     try:
         MemCgroup.probe()
@@ -714,9 +710,7 @@ def smoke(args) -> int:
     import make_llama
 
     with tempfile.TemporaryDirectory(prefix="bench-disk-smoke-") as tmp:
-        model = Path(tmp) / "tiny"
-        if make_llama.main(["--out", str(model), *SMOKE_MODEL]) != 0:
-            return fail(f"could not write the smoke model into {model}")
+        model = make_llama.tiny(Path(tmp) / "tiny")  # ~0.3 MB: every tool holds it in RAM (the rows' code runs)
         argv = ["--model", str(model), "--budget", "768MiB", "--tokens", "3", "--prompt-len", "4", "--repeats", "1",
                 "--rows", args.rows or smoke_row(), "--timeout", "300", "--tmp-dir", tmp]
         return main(argv)
