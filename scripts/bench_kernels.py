@@ -33,6 +33,7 @@ from offload.runtime.backends.base import host_empty
 
 SMALL_PAGES = False  # --small-pages: weights on ordinary 4 KiB pages instead of offload's 2 MiB-page buffers
 TIME_BUDGET_S = 0.25  # how long median_time_s keeps repeating a call (--smoke: shorter)
+PEAK_RUNS, PEAK_ITERS = 5, 2_000_000  # peak_flops: the best of 5 runs of about 0.1 s (--smoke: one of ~0.01 s)
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:
@@ -176,10 +177,8 @@ PEAK_KIND.update({(p, f): ("vnni_s16" if p == "avx512" else "avx2_s16") if f == 
 
 
 def peak_flops(kind: str, n_threads: int) -> float:
-    """FLOP/s of one multiply-add instruction kind on n_threads threads, best of 5 runs of about 0.1 s (--smoke: one
-    of about 0.01 s)."""
-    smoke = TIME_BUDGET_S < 0.25
-    return max(K._C.peak_flops(kind, 200_000 if smoke else 2_000_000, n_threads) for _ in range(1 if smoke else 5))
+    """FLOP/s of one multiply-add instruction kind on n_threads threads, best of PEAK_RUNS runs."""
+    return max(K._C.peak_flops(kind, PEAK_ITERS, n_threads) for _ in range(PEAK_RUNS))
 
 
 def gemm_report(shapes, batches, fmts, threads) -> None:
@@ -226,12 +225,13 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="SmolLM2's shapes, 1 thread, three formats, batches 1 and 8, "
                     "short timings in cache: seconds (the figures mean little)")
     args = ap.parse_args()
-    global SMALL_PAGES, TIME_BUDGET_S, OUT_OF_CACHE_BYTES, GEMM_SHAPES
+    global SMALL_PAGES, TIME_BUDGET_S, OUT_OF_CACHE_BYTES, GEMM_SHAPES, PEAK_RUNS, PEAK_ITERS
     SMALL_PAGES = args.small_pages
     bw_bytes = 1 << 30
     if args.smoke:
         args.models, args.threads, args.formats, args.batches = ["135m"], [1], ["q8_0", "q4_0", "q4_k"], [1, 8]
         TIME_BUDGET_S, OUT_OF_CACHE_BYTES, GEMM_SHAPES, bw_bytes = 0.005, 4 << 20, GEMM_SHAPES[:1], 64 << 20
+        PEAK_RUNS, PEAK_ITERS = 1, 200_000
     old_threads = torch.get_num_threads()
     print(f"offload kernels: active path {K.ACTIVE_PATH}; CPU features {' '.join(sorted(K.CPU_FEATURES))}")
     bw = {}
