@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -12,12 +13,13 @@ from offload.errors import ConfigError
 from offload.formats import compute_format, torch_dtype
 from offload.generate import Generator, Sequence
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
+from offload.options import default_of, request_sections
 from offload.planner.request import DEFAULT_MAX_MODEL_LEN
 from offload.profile.timeline import Timeline
 from offload.runtime.backends import make_backend
 from offload.runtime.executor import PlacedModel
 from offload.runtime import speedprobe
-from offload.runtime.host_memory import process_baseline_bytes
+from offload.runtime.host_memory import check_budget_fits_machine
 from offload.sampling import SamplingParams
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import load_tokenizer, model_spec, weight_source
@@ -69,20 +71,18 @@ class LLM:
     is present, else on the CPU backend.
     """
 
-    def __init__(self, model: str | Path = "default", quantization: str = "none", dtype: str = "auto",
-                 max_batch_size: int | None = None, *, placement: Placement | None = None, gpu_memory=None,
-                 cpu_memory=None, disk_memory=None, hardware=None, backend: str = "auto",
-                 max_model_len: int | None = None, max_tokens: int | None = None, prefetch_depth: int | None = None,
-                 prefill_chunk_tokens: int = 512, disk_dir: str | None = None,
-                 host_baseline: int | str | None = "auto"):
-        """host_baseline: RAM this process holds besides the model (Python, torch, the tokenizer), counted against
-        cpu_memory as a job counts it; "auto" measures it, 0 or None counts nothing."""
-        if host_baseline == "auto":
-            host_baseline = process_baseline_bytes(str(resolve_model(model)))
-        request = PlanRequest(str(model), quantization, dtype, hardware, gpu_memory, cpu_memory, disk_memory,
-                              max_batch_size, max_model_len, max_tokens, prefetch_depth, prefill_chunk_tokens,
-                              backend, host_baseline)
-        self._load(request, placement, disk_dir)
+    def __init__(self, model: str | Path = default_of("model.path"), *, placement: Placement | None = None,
+                 disk_dir: str | None = None, max_batch_size: int | None = None, **options):
+        """options: the plan's options by their outside names (offload/options.py, the same as the job YAML's
+        and the flags': quantization, dtype, max_model_len, hardware, backend, gpu_memory, cpu_memory (the whole
+        process, as memory.cpu), disk_memory, host_baseline, batch_size, prefetch_depth, prefill_chunk_tokens,
+        max_tokens). max_batch_size is the old name of batch_size."""
+        if max_batch_size is not None:
+            if options.get("batch_size") is not None:
+                raise ConfigError("LLM got both batch_size and max_batch_size (its old name); pass batch_size only")
+            warnings.warn("LLM(max_batch_size=...) is now LLM(batch_size=...)", DeprecationWarning, stacklevel=2)
+            options["batch_size"] = max_batch_size
+        self._load(request_of(str(model), options), placement, disk_dir)
 
     @classmethod
     def from_request(cls, request: PlanRequest, *, placement: Placement | None = None,
@@ -102,6 +102,8 @@ class LLM:
         if placement is None:
             hw = request.profile()
             self.plan = plan_for(self.spec, hw, request)
+            if request.hardware is None:  # this machine's profile: the budgets must fit what it has now
+                check_budget_fits_machine(self.plan.budget, self.backend)
             self.spec = plan_spec(self.spec, self.plan)  # its units: with the dense MLPs split off if it chose so
             placement = Placement.from_plan(self.plan)
             compute = self.plan.workload.compute_format
@@ -196,6 +198,12 @@ class LLM:
     def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
         completion = CompletionOutput(0, self.generator.text_of(seq), list(seq.output_ids), seq.finish_reason)
         return RequestOutput(str(seq.request_id), prompt, list(seq.prompt_ids), [completion])
+
+
+def request_of(model: str, options: dict) -> PlanRequest:
+    """The PlanRequest of LLM(model, **options), checked by the same option sections as a job's YAML."""
+    model_options, hardware, memory, schedule, max_tokens = request_sections({"model": model, **options})
+    return PlanRequest.of(model_options, hardware, memory, schedule, max_tokens)
 
 
 def _is_token_list(x) -> bool:

@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.errors import SamplingError, WeightsError
+from offload.options import SEED_MAX, SEED_MIN
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes
 
 
 @dataclass

@@ -14,7 +14,7 @@ import time
 from offload.planner import PlanRequest
 from offload.simulate import simulate
 
-MODELS = {"llama-3.1-8b": ("4GiB", "8GiB", "16GiB"), "llama-3.1-70b": ("12GiB", "22GiB", "40GiB")}
+MODELS = {"llama-3.1-8b": ("4GiB", "8GiB", "16GiB"), "llama-3.1-70b": ("12GiB", "22GiB", "24GiB")}  # at most the cards' VRAM
 HARDWARE = ("rtx4090-ddr5", "rtx3090-ddr4")
 BATCHES = (1, 32)
 

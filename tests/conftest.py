@@ -11,6 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
+# The tests neither read nor write the user's offload cache: a calibrated profile or a recorded process baseline
+# there would move every plan (each session starts from the estimate and the documented baseline).
+os.environ["OFFLOAD_CACHE"] = __import__("tempfile").mkdtemp(prefix="offload-test-cache-")
+
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
             rms_norm_eps=1e-5, tie_word_embeddings=False)

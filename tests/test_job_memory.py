@@ -16,6 +16,7 @@ import pytest
 
 from jobs_support import completion_line, make_tiny_chat_model, read_records, write_batch, write_job
 from offload.errors import BudgetError
+from offload.baseline import DEFAULT_BASELINE_BYTES, record_baseline_bytes
 from offload.jobs.config import load_config, plan_request
 from offload.runtime.host_memory import MemoryWatch, process_baseline_bytes
 from offload.jobs.run import run_batch
@@ -38,13 +39,20 @@ def job(tmp_path, model_dir, n: int = 4, max_tokens: int = 3, **memory):
                      sampling={"max_tokens": max_tokens, "ignore_eos": True}, report={"print": False})
 
 
-def test_a_jobs_cpu_budget_counts_the_process_baseline(tmp_path, tiny_model):
+def test_a_jobs_cpu_budget_counts_the_process_baseline(tmp_path, tiny_model, monkeypatch):
+    """memory.cpu is the whole process: the plan places weights in what the baseline leaves of it, the documented
+    figure until `offload calibrate` records a measured one (read without importing torch)."""
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))  # what it records stays in this test
     config = load_config(job(tmp_path, tiny_model, cpu="4GiB"))
     request = plan_request(config)
-    baseline = process_baseline_bytes(str(tiny_model))
-    assert request.host_baseline == baseline > 100 * MIB  # torch alone holds more
+    assert request.host_baseline == "auto" and request.baseline_bytes() == DEFAULT_BASELINE_BYTES
     plan = plan_for(load_spec(tiny_model), request.profile(), request)
-    assert plan.budget.cpu_bytes == 4 * 2**30 - baseline
+    assert plan.budget.cpu_bytes == 4 * 2**30 - DEFAULT_BASELINE_BYTES
+    assert plan.budget.process_cpu_bytes == 4 * 2**30  # what the memory watch and the report hold it to
+    measured = process_baseline_bytes(str(tiny_model))
+    assert measured > 100 * MIB  # torch alone holds more
+    record_baseline_bytes(measured)  # as `offload calibrate` does
+    assert plan_for(load_spec(tiny_model), request.profile(), request).budget.cpu_bytes == 4 * 2**30 - measured
 
 
 def test_a_budget_below_the_baseline_is_one_sentence(tmp_path, tiny_model, capsys):
@@ -111,13 +119,14 @@ PEAK_SCRIPT = textwrap.dedent("""
     from offload.runtime.host_memory import process_baseline_bytes
     from offload.jobs.run import run_batch
     model, root, quantization = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4]
-    budget = process_baseline_bytes(str(model)) + 48 * 2**20  # the plan gets 48 MiB of it
+    baseline = process_baseline_bytes(str(model))  # measured, as `offload calibrate` records it
+    budget = baseline + 48 * 2**20  # the plan gets 48 MiB of it
     write_batch(root / "in.jsonl", [completion_line(f"r{i}", f"Story number {i}") for i in range(32)])
     out = []
     for batch in (1, 8, 32):
         config = write_job(root / "job.yaml", model={"path": str(model), "quantization": quantization,
                            "max_model_len": 128}, input={"path": "in.jsonl"}, output={"path": f"o{batch}.jsonl"},
-                           memory={"cpu": budget}, schedule={"batch_size": batch},
+                           memory={"cpu": budget, "baseline": baseline}, schedule={"batch_size": batch},
                            sampling={"max_tokens": 8}, report={"print": False})
         report = run_batch(config)
         out.append((batch, report["memory"]["cpu"]["peak_held_bytes"], budget, report["requests"]["done"]))

@@ -79,7 +79,7 @@ def test_plan_flags_and_llm_arguments_give_one_plan(capsys, tiny_dir):
     flags = ["--model", str(tiny_dir), "--quantization", "q8_0", "--cpu-memory", budget, "--hardware", "cpu-desktop"]
     llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory=budget, hardware="cpu-desktop")
     assert _plan_json(capsys, *flags) == json.loads(llm.plan.to_json())
-    assert llm.request.host_baseline > 0  # both count the process's own memory against the budget
+    assert llm.request.baseline_bytes() > 0  # both count the process's own memory against the budget
     flags += ["--set", "memory.baseline=0"]
     llm = LLM(str(tiny_dir), quantization="q8_0", cpu_memory=budget, hardware="cpu-desktop", host_baseline=0)
     assert _plan_json(capsys, *flags) == json.loads(llm.plan.to_json())
@@ -101,7 +101,7 @@ def test_executor_allocates_the_read_ahead_the_plan_budgeted(tiny_dir):
 
 def test_executor_allocates_the_staging_slots_the_plan_budgeted(tiny_dir):
     llm = LLM(str(tiny_dir), quantization="q4_0", hardware=gpu_profile(), gpu_memory="600KiB", cpu_memory="1GiB", host_baseline=0,
-              max_batch_size=2, max_model_len=48, prefetch_depth=3, backend="cpu")
+              batch_size=2, max_model_len=48, max_tokens=12, prefetch_depth=3, backend="cpu")
     plan = llm.plan
     assert any("stream" in (u.prefill, u.decode) for u in plan.units)
     ring = llm.model.ring

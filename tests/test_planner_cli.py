@@ -60,10 +60,9 @@ def test_plan_from_a_config_file_with_flags_on_top(tmp_path, capsys):
     assert main(["plan", str(config), "--json", "--batch-size", "3"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["weight_format"] == "q8_0" and data["hardware"] == "cpu-desktop"
-    from offload.runtime.host_memory import process_baseline_bytes
-    from offload.weights.default_model import resolve_model
+    from offload.baseline import recorded_baseline_bytes
 
-    baseline = process_baseline_bytes(str(resolve_model("default")))  # a job's RAM budget counts the process's own
+    baseline = recorded_baseline_bytes()  # a job's RAM budget counts the process's own (as calibrate recorded it)
     assert data["budget"]["cpu_bytes"] == 4 * 2**30 - baseline and data["budget"]["gpu_bytes"] == 0
     assert data["workload"]["batch_size"] == 3 and data["workload"]["gen_len"] == 16
 

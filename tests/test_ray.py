@@ -23,7 +23,8 @@ from conftest import child_env
 from jobs_support import completion_line, read_records, run_cli, write_batch, write_job
 from offload.errors import ConfigError, OffloadError, PlanError
 from offload.jobs.batch import COMPLETIONS, Request
-from offload.jobs.config import DistributedConfig, load_config, plan_request
+from offload.jobs.config import load_config, plan_request
+from offload.options import DistributedOptions
 from offload.jobs.ray import Dispatch, Slot, check_reachable, import_ray, replicas_that_fit, start_replicas
 from offload.jobs.run import run_batch
 from offload.jobs.worker import Answer
@@ -212,7 +213,7 @@ def test_an_address_that_refuses_connections_fails_at_once():
 
 def test_an_answer_that_arrives_twice_is_written_once():
     written, failed = [], []
-    dispatch = Dispatch(None, [], DistributedConfig(), lambda req, a: written.append(req.key),
+    dispatch = Dispatch(None, [], DistributedOptions(), lambda req, a: written.append(req.key),
                         lambda req, message: failed.append(req.key))
     slot = Slot(0, None, {"node": "n"})
     slot.shard = {key: Request(key, 1, COMPLETIONS, SamplingParams(), prompt="x") for key in ("a", "b", "c")}

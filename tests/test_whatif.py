@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from offload.cli.main import main
-from offload.hardware import load_hardware
+from offload.hardware import load_hardware, save_hardware
 from offload.planner import PlanRequest, plan_for
 from offload.planner.bottleneck import measured_bottleneck, predicted_bottleneck
 from offload.planner.costs import PhaseCost
@@ -23,9 +23,11 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_8B = str(ROOT / "configs/models/llama-3.1-8b")
 MODEL_70B = str(ROOT / "configs/models/llama-3.1-70b")
 # 8B in q8_0 on a T4 with a 6 GiB GPU budget at batch 4: every what-if fits (checked below).
-REQUEST_8B = PlanRequest(model=MODEL_8B, quantization="q8_0", hardware="t4-server", gpu_memory="6GiB", batch_size=4)
+REQUEST_8B = PlanRequest(model=MODEL_8B, quantization="q8_0", hardware="t4-server", gpu_memory="6GiB", batch_size=4,
+                         host_baseline=0)
 # 70B in q4_0 on a 4090 with 22 GiB and no disk: unquantized or q8_0 weights overflow the 64 GiB of RAM.
-REQUEST_70B = PlanRequest(model=MODEL_70B, quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="22GiB")
+REQUEST_70B = PlanRequest(model=MODEL_70B, quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="22GiB",
+                          host_baseline=0)
 
 
 def _what_ifs(request: PlanRequest):
@@ -133,7 +135,7 @@ def test_what_ifs_that_do_not_fit_say_why():
 
 def test_a_doubled_batch_that_does_not_fit_is_listed():
     # 8B at batch 32 on a 32 GiB desktop: 16 GiB of KV cache fits in 25.6 GiB of RAM, 32 GiB at batch 64 does not
-    request = PlanRequest(model=MODEL_8B, quantization="q4_0", hardware="cpu-desktop", batch_size=32)
+    request = PlanRequest(model=MODEL_8B, quantization="q4_0", hardware="cpu-desktop", batch_size=32, host_baseline=0)
     _, found = _what_ifs(request)
     assert found["batch 16"].fits and not found["batch 64"].fits
     assert "of cpu memory but the budget allows 25.60 GiB" in found["batch 64"].reason
@@ -177,7 +179,7 @@ def _cli_json(capsys, argv: list[str]) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-def test_plan_explain_prints_bottleneck_and_what_ifs(capsys):
+def test_plan_explain_prints_bottleneck_and_what_ifs(capsys, tmp_path):
     argv = ["plan", "--model", MODEL_70B, "--hardware", "rtx4090-ddr5", "--gpu-memory", "22GiB",
             "--quantization", "q4_0"]
     assert main(argv + ["--explain"]) == 0
@@ -195,8 +197,11 @@ def test_plan_explain_prints_bottleneck_and_what_ifs(capsys):
                                                       f"batch {2 * batch}", "hardware h200-server"]
     for w in data["what_ifs"]:
         assert f"  {what_if_line(w)}\n" in out
-    # what the same command says with the one change made by hand
-    for label, flags in [("+8 GiB VRAM", ["--gpu-memory", "30GiB", "--batch-size", str(batch)]),
+    # what the same command says with the one change made by hand (a 32 GiB card: a profile of one's own)
+    card = load_hardware("rtx4090-ddr5")
+    bigger = save_hardware(card.with_changes(vram_bytes=card.vram_bytes + MORE_VRAM_BYTES), tmp_path / "big.yaml")
+    for label, flags in [("+8 GiB VRAM", ["--gpu-memory", "30GiB", "--batch-size", str(batch), "--hardware",
+                                          str(bigger)]),
                          (f"batch {batch // 2}", ["--batch-size", str(batch // 2)])]:
         other = _cli_json(capsys, argv + flags + ["--json"])
         w = next(w for w in data["what_ifs"] if w["label"] == label)

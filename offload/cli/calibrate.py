@@ -25,8 +25,15 @@ def run(args) -> int:
     from offload.costfit import calibrate_cpu_costs, quick_cpu_curves
     from offload.runtime.calibrate import calibrate
 
+    from offload.baseline import record_baseline_bytes
+    from offload.runtime.host_memory import process_baseline_bytes
+    from offload.weights.default_model import resolve_model
+
     target = Path(args.output) if args.output else cache_path()
     check_writable(target)  # before minutes of measuring
+    baseline = process_baseline_bytes(str(resolve_model("default")))  # first: nothing else held yet
+    record_baseline_bytes(baseline)  # what plans count for the process itself (memory.baseline: auto)
+    log.info(f"process baseline {format_bytes(baseline)} (torch and a tokenizer), recorded for memory.baseline")
     profile = calibrate(log.info)
     if args.quick:
         profile = quick_cpu_curves(profile, log.info)

@@ -4,39 +4,68 @@ from __future__ import annotations
 
 from pathlib import Path
 
-# Flag (argparse dest) -> the config key it overrides; flags beat the file, which beats the defaults.
-OVERRIDES = {
-    "model": "model.path", "quantization": "model.quantization", "dtype": "model.dtype",
-    "max_model_len": "model.max_model_len",
-    "hardware": "hardware", "gpu_memory": "memory.gpu", "cpu_memory": "memory.cpu", "disk_memory": "memory.disk",
-    "input": "input.path", "input_format": "input.format", "output": "output.path",
-    "max_tokens": "sampling.max_tokens", "temperature": "sampling.temperature", "seed": "sampling.seed",
-    "batch_size": "schedule.batch_size", "prefetch_depth": "schedule.prefetch_depth",
-    "prefill_chunk_tokens": "schedule.prefill_chunk_tokens",
-    "report": "report.path", "trace": "report.trace", "plot": "report.plot",
-}
-
-
 RAY_CONFIG_ADDRESS = "from-config"  # --ray given without an address
+
+
+def job_sections() -> dict:
+    """The job's option sections, in the order their flags are listed."""
+    from offload import options as o
+
+    return {**o.PLAN_SECTIONS, "sampling": o.SamplingOptions, "input": o.InputOptions, "output": o.OutputOptions,
+            "report": o.ReportOptions}
+
+
+def flag_options(commands: tuple[str, ...]) -> dict[str, tuple[str, object]]:
+    """argparse dest -> (the config key it overrides, its field) for the flags of these commands ("plan", "job")."""
+    from offload.options import extra, named_options
+
+    return {name: (key, info) for name, (key, info) in named_options(job_sections()).items()
+            if extra(info).get("cli") in commands}
+
+
+def _add_flags(p, commands: tuple[str, ...]) -> None:
+    """One flag per option the commands take, with its type, choices and help from the option's field."""
+    from offload.options import extra
+
+    for dest, (key, info) in flag_options(commands).items():
+        flag = extra(info).get("flag") or "--" + dest.replace("_", "-")
+        default = None if info.is_required() else info.get_default(call_default_factory=True)
+        shown = "" if default in (None, "", []) else f"; default {default!r}" if isinstance(default, str) \
+            else f"; default {default}"
+        help_text = f"{info.description} ({key}{shown})"
+        if info.annotation is bool:  # a switch to the other value
+            p.add_argument(flag, dest=dest, action="store_const", const=not default, default=None,
+                           help=help_text.replace("%", "%%"))
+            continue
+        kind = _arg_type(info)
+        if isinstance(kind, tuple):  # checked by the option itself, which names the field and suggests a value
+            help_text = f"one of {', '.join(map(str, kind))}: {help_text}"
+        kwargs = {"type": kind} if kind in (int, float) else {}
+        p.add_argument(flag, dest=dest, help=help_text.replace("%", "%%"), **kwargs)
+
+
+def _arg_type(info):
+    """int, float, a tuple of choices, or None (a string: sizes and paths are parsed by the option's check)."""
+    import typing
+
+    from offload.options import extra
+
+    if extra(info).get("unit") == "bytes":  # 22GiB: read by the option's own check
+        return None
+
+    metadata_base = [a for a in typing.get_args(info.annotation)] or [info.annotation]
+    for ann in (info.annotation, *metadata_base):
+        if typing.get_origin(ann) is typing.Literal:
+            return typing.get_args(ann)
+        if ann in (int, float):
+            return ann
+    return None
 
 
 def add_plan_flags(p) -> None:
     """What decides the plan: model, hardware, budgets, workload."""
     p.add_argument("config", nargs="?", help="a job YAML file such as configs/demo.yaml (flags override it)")
-    p.add_argument("--model", help="model folder, .gguf file, a Hub id (org/name) in the local Hugging Face cache, a "
-                                    "name in configs/models, or 'default' (model.path)")
-    p.add_argument("--quantization", help="none, q8_0 or q4_0 (model.quantization)")
-    p.add_argument("--dtype", help="compute format: auto, fp32, bf16 or fp16 (model.dtype)")
-    p.add_argument("--max-model-len", type=int, help="tokens per sequence the KV cache holds (model.max_model_len)")
-    p.add_argument("--hardware", help="hardware preset name or profile YAML (default: the calibrated profile)")
-    p.add_argument("--gpu-memory", help="GPU budget such as 22GiB (memory.gpu; default 90%% of VRAM)")
-    p.add_argument("--cpu-memory", help="CPU RAM budget such as 48GiB (memory.cpu; default 80%% of RAM)")
-    p.add_argument("--disk-memory", help="disk budget for spilled weights such as 200GB (memory.disk; default 0)")
-    p.add_argument("--max-tokens", type=int, help="tokens generated per request (sampling.max_tokens)")
-    p.add_argument("--batch-size", type=int, help="sequences in flight (schedule.batch_size; default: planned)")
-    p.add_argument("--prefetch-depth", type=int, help="staging slots and read-ahead buffers (schedule.prefetch_depth; "
-                   "default: searched by the planner, 1-4)")
-    p.add_argument("--prefill-chunk-tokens", type=int, help="tokens per prefill pass (schedule.prefill_chunk_tokens)")
+    _add_flags(p, ("plan",))
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override any config key, e.g. --set sampling.top_p=0.9 (repeatable)")
 
@@ -44,14 +73,7 @@ def add_plan_flags(p) -> None:
 def add_job_flags(p) -> None:
     """add_plan_flags plus what a job reads and writes."""
     add_plan_flags(p)
-    p.add_argument("--input", help="batch JSONL or prompts file (input.path)")
-    p.add_argument("--input-format", choices=["openai", "text"], help="input.format")
-    p.add_argument("--output", help="output JSONL (output.path)")
-    p.add_argument("--temperature", type=float, help="sampling.temperature")
-    p.add_argument("--seed", type=int, help="sampling.seed")
-    p.add_argument("--report", help="report JSON path (report.path)")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON here (report.trace)")
-    p.add_argument("--plot", help="write a timeline PNG here (report.plot)")
+    _add_flags(p, ("job",))
     p.add_argument("--ray", nargs="?", const=RAY_CONFIG_ADDRESS, metavar="ADDRESS",
                    help="run on a Ray cluster (engine: ray): at ADDRESS (auto, local or HOST:PORT), or at "
                         "distributed.address when none is given; put it after the config file")
@@ -61,11 +83,8 @@ def effective_config(args, need_input: bool = True):
     """The config from args.config plus every flag that was given."""
     from offload.jobs.config import load_config, parse_set_option
 
-    overrides = {key: getattr(args, dest) for dest, key in OVERRIDES.items() if getattr(args, dest, None) is not None}
-    if getattr(args, "no_progress", False):
-        overrides["report.progress"] = False
-    if getattr(args, "echo", False):
-        overrides["report.echo"] = True
+    overrides = {key: getattr(args, dest) for dest, (key, _) in flag_options(("plan", "job")).items()
+                 if getattr(args, dest, None) is not None}
     if getattr(args, "ray", None) is not None:
         overrides |= ray_overrides(args)
     overrides.update(dict(parse_set_option(s) for s in args.set))

@@ -13,11 +13,9 @@ logger = logging.getLogger("offload")
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a batch job from a YAML config (resumable)")
     add_job_flags(p)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (also off when not a terminal)")
     p.add_argument("--restart", action="store_true",
                    help="start over; the old outputs are moved to <output>.bak (then .bak.1, .bak.2, ...: "
                         "none is overwritten) once the new run is ready")
-    p.add_argument("--echo", action="store_true", help="print each answer as it finishes (report.echo)")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     p.set_defaults(func=run)
 

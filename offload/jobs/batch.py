@@ -135,9 +135,16 @@ def _unsupported(key: str, url: str) -> str:
     return f"body parameter {key!r} is not supported; {hint}"
 
 
+def _is_whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _params(defaults: dict, body: dict, n: int) -> SamplingParams | BadLine:
     values = dict(defaults)
+    cap = values.pop("max_tokens_cap", None)  # sampling.max_tokens_cap: no body passes it
     values.update({PARAM_KEYS[k]: v for k, v in body.items() if k in PARAM_KEYS and v is not None})
+    if cap is not None and _is_whole(values.get("max_tokens")) and values["max_tokens"] > cap:
+        values["max_tokens"] = cap
     try:
         return SamplingParams(**values)
     except (OffloadError, TypeError, ValueError) as e:

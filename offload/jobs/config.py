@@ -6,151 +6,37 @@ import copy
 import difflib
 import importlib.util
 import os
-import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import yaml
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, Field, ValidationError
 
 from offload.errors import ConfigError, WeightsError
-from offload.formats import DTYPES, QUANTIZATIONS
+from offload.options import (ENGINES, DistributedOptions, HardwareOptions, InputOptions, MemoryOptions, ModelOptions,
+                             OutputOptions, ReportOptions, SamplingOptions, ScheduleOptions, Section)
 from offload.planner.request import PlanRequest
-from offload.runtime.host_memory import process_baseline_bytes
 from offload.profile.report import PLOT_EXTRA_HINT, plotting_available
-from offload.sampling import SEED_MAX, SEED_MIN
-from offload.planner.types import DEFAULT_PREFILL_CHUNK_TOKENS
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import has_model
 
-
-
-def _size(value: Any) -> int | None:
-    """Bytes from 22GiB, 64GB, 512MiB or a plain number; None stays None (the tier's default)."""
-    if value is None:
-        return None
-    from offload.hardware import parse_size
-
-    if isinstance(value, str) and value.strip().startswith("-") or isinstance(value, (int, float)) and value < 0:
-        raise ValueError(f"expected a size of 0 or more such as 22GiB, found {value!r}")
-    try:
-        return parse_size(value)
-    except ConfigError:
-        raise ValueError(f"expected a size such as 22GiB, 64GB or 512MiB, found {value!r}") from None
-
-
-Size = Annotated[int | None, BeforeValidator(_size)]
-Baseline = Annotated[int | str, BeforeValidator(lambda v: v if v == "auto" else _size(v) or 0)]
-
-
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
-
-
-class ModelConfig(_Section):
-    """Which model to load and how its weights are stored."""
-
-    path: str = Field(description="a Hugging Face model folder or 'default'")
-    quantization: Literal[QUANTIZATIONS] = "none"
-    dtype: Literal[DTYPES] = "auto"
-    max_model_len: int | None = Field(None, ge=2)  # tokens per sequence the KV cache holds (default 2048)
-
-
-class MemoryConfig(_Section):
-    """Budget per tier; None means the planner's default share of what the machine has."""
-
-    gpu: Size = None
-    cpu: Size = None  # everything the process holds, its own baseline included
-    disk: Size = None
-    baseline: Baseline = "auto"  # what the process holds before any weight; auto: measured at run time
-    on_exceed: Literal["warn", "stop"] = "warn"  # when the memory held while running passes memory.cpu
-
-
-class InputConfig(_Section):
-    """The requests: OpenAI Batch JSONL, or a text file with one prompt per line."""
-
-    path: str = Field(description="the path of a batch JSONL or prompts text file")
-    format: Literal["openai", "text"] = "openai"
-    chat: bool = True  # text prompts go through the model's chat template
-
-
-class OutputConfig(_Section):
-    """Where results go; an existing file is resumed unless overwrite is set."""
-
-    path: str | None = None  # default: <input stem>.outputs.jsonl beside the input
-    overwrite: bool = False  # start over (the old outputs are kept as <output>.bak)
-    retry_failed: bool = True  # a rerun retries the requests whose output is an error line
-
-
-class SamplingConfig(_Section):
-    """Defaults for every request; a request's own body overrides them."""
-
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(0.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0, le=1)
-    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
-    stop: list[str] = Field(default_factory=list)
-    ignore_eos: bool = False
-
-
-class ScheduleConfig(_Section):
-    """How many sequences run together; None lets the planner (or the runtime default) choose."""
-
-    batch_size: int | None = Field(None, ge=1)
-    prefetch_depth: int | None = Field(None, ge=1)  # None: the planner searches it
-    prefill_chunk_tokens: int = Field(DEFAULT_PREFILL_CHUNK_TOKENS, ge=1)  # padded tokens per prefill pass
-
-
 RAY_EXTRA_HINT = "install it with `pip install 'offload[ray]'` on the driver and every node, or set engine: local"
-ENGINES = ("local", "ray")
-_HOST_PORT = re.compile(r"[A-Za-z0-9_.\-\[\]:]+:[0-9]{1,5}")  # the head's GCS (Ray Client's ray:// is not used)
 
 
-def _ray_address(value: Any) -> Any:
-    if isinstance(value, str) and value not in ("auto", "local") and not _HOST_PORT.fullmatch(value):
-        raise ValueError(f"expected 'auto' (a running cluster), 'local' (one started for this job) or HOST:PORT "
-                         f"such as 10.0.0.5:6379, found {value!r}")
-    return value
+class JobConfig(Section):
+    """One offline batch job: the option sections of offload/options.py."""
 
-
-class DistributedConfig(_Section):
-    """engine: ray: the Ray cluster, the replicas (one LLM each, planned on its node) and what each reserves."""
-
-    address: Annotated[str, AfterValidator(_ray_address)] = "auto"  # auto: the cluster this machine is part of
-    replicas: int | None = Field(None, ge=1)  # None: as many as the cluster's CPUs (and GPUs) hold
-    cpus_per_replica: float = Field(1.0, gt=0)
-    gpus_per_replica: float = Field(0.0, ge=0)
-    shard_size: int | None = Field(None, ge=1)  # requests handed to a replica at once; None: its planned batch
-    max_restarts: int = Field(3, ge=0)  # per replica, after its process or node is lost
-
-
-class ReportConfig(_Section):
-    """The end-of-run report and its optional trace and plot."""
-
-    path: str | None = None  # default: <output stem>.report.json beside the outputs
-    trace: str | None = None
-    plot: str | None = None
-    progress: bool = True
-    print: bool = True  # the report, at the end
-    echo: bool = False  # each answer, as it finishes
-
-
-class JobConfig(_Section):
-    """One offline batch job."""
-
-    model: ModelConfig = Field(description="a section with at least 'path'")
-    hardware: str | None = None  # a preset name (configs/hardware) or a profile YAML; None: calibrated/estimated
-    memory: MemoryConfig = Field(default_factory=MemoryConfig)
-    input: InputConfig | None = None  # required to run a job (see validate_config), not to plan one
-    output: OutputConfig = Field(default_factory=OutputConfig)
-    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
-    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
-    report: ReportConfig = Field(default_factory=ReportConfig)
+    model: ModelOptions = Field(description="a section with at least 'path'")
+    hardware: HardwareOptions = Field(default_factory=HardwareOptions)
+    memory: MemoryOptions = Field(default_factory=MemoryOptions)
+    input: InputOptions | None = None  # required to run a job (see validate_config), not to plan one
+    output: OutputOptions = Field(default_factory=OutputOptions)
+    sampling: SamplingOptions = Field(default_factory=SamplingOptions)
+    schedule: ScheduleOptions = Field(default_factory=ScheduleOptions)
+    report: ReportOptions = Field(default_factory=ReportOptions)
     engine: Literal[ENGINES] = "local"  # ray: replicas on a Ray cluster (see distributed)
-    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    distributed: DistributedOptions = Field(default_factory=DistributedOptions)
 
     @property
     def output_path(self) -> Path:
@@ -175,7 +61,8 @@ class JobConfig(_Section):
 
 
 # Keys holding file paths; relative ones resolve against the config file's folder.
-PATH_KEYS = ("model.path", "input.path", "output.path", "report.path", "report.trace", "report.plot", "hardware")
+PATH_KEYS = ("model.path", "input.path", "output.path", "report.path", "report.trace", "report.plot",
+             "hardware.profile")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,
@@ -194,8 +81,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None
 
 
 def _shorthands(raw: dict) -> dict:
-    """Accept `model: default` and `input: prompts.jsonl` for sections with only a path."""
-    return {k: {"path": v} if k in ("model", "input") and isinstance(v, str) else v for k, v in raw.items()}
+    """Accept `model: default`, `input: prompts.jsonl` and `hardware: rtx4090-ddr5` for their one main key."""
+    main = {"model": "path", "input": "path", "hardware": "profile"}
+    return {k: {main[k]: v} if k in main and (isinstance(v, str) or k == "hardware" and v is None) else v
+            for k, v in raw.items()}
 
 
 def read_yaml(path: Path) -> dict:
@@ -241,7 +130,7 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 
 def validate_config(raw: dict, source: str = "config", need_input: bool = True) -> JobConfig:
     """A JobConfig from a mapping, or one ConfigError listing every problem found."""
-    problems = []
+    raw, problems = _shorthands(raw), []
     if need_input and raw.get("input") is None:
         problems.append("key 'input' is missing; expected a section with at least 'path'")
     config = None
@@ -351,7 +240,7 @@ def check_files(raw: dict) -> list[str]:
     if raw.get("engine") == "ray" and not ray_available():
         problems.append(f"key 'engine': running on Ray needs the ray package, which is not installed; "
                         f"{RAY_EXTRA_HINT}")
-    hardware = raw.get("hardware")
+    hardware = _get_dotted(raw, "hardware.profile")
     if isinstance(hardware, str):
         from offload.hardware import load_hardware
 
@@ -439,7 +328,7 @@ def _resolve_one(key: str, value: Any, base: Path) -> Any:
     """Make a relative path absolute against base; 'default' and hardware preset names stay as they are."""
     if key not in PATH_KEYS or not isinstance(value, str) or Path(value).is_absolute():
         return value
-    if (key == "model.path" and value == "default") or (key in ("hardware", "model.path")
+    if (key == "model.path" and value == "default") or (key in ("hardware.profile", "model.path")
                                                           and not (base / Path(value).expanduser()).exists()):
         return value  # a preset or shipped model name, or a path that does not exist (reported as given)
     return str((base / Path(value).expanduser()).resolve())
@@ -477,12 +366,4 @@ def parse_set_option(text: str) -> tuple[str, Any]:
 
 def plan_request(config: JobConfig) -> PlanRequest:
     """What a job asks of the planner: the one request both `offload plan JOB` and `offload run JOB` plan from."""
-    baseline = config.memory.baseline
-    if baseline == "auto":
-        baseline = process_baseline_bytes(str(resolve_model(config.model.path)))
-    return PlanRequest(model=config.model.path, quantization=config.model.quantization, dtype=config.model.dtype,
-                       host_baseline=baseline, hardware=config.hardware, gpu_memory=config.memory.gpu, cpu_memory=config.memory.cpu,
-                       disk_memory=config.memory.disk, batch_size=config.schedule.batch_size,
-                       max_model_len=config.model.max_model_len, max_tokens=config.sampling.max_tokens,
-                       prefetch_depth=config.schedule.prefetch_depth,
-                       prefill_chunk_tokens=config.schedule.prefill_chunk_tokens)
+    return PlanRequest.of(config.model, config.hardware, config.memory, config.schedule, config.sampling.max_tokens)

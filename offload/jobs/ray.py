@@ -21,7 +21,8 @@ from typing import Any
 
 from offload.errors import ConfigError, OffloadError
 from offload.jobs.batch import Request
-from offload.jobs.config import RAY_EXTRA_HINT, DistributedConfig, JobConfig, plan_request
+from offload.jobs.config import RAY_EXTRA_HINT, JobConfig, plan_request
+from offload.options import DistributedOptions
 from offload.jobs.worker import OnAnswer, OnError, generate_answers, job_timeline, llm_report, load_llm
 from offload.planner import Budget
 from offload.profile.report import JobCounts, format_report
@@ -86,7 +87,7 @@ def replicas_that_fit(nodes: list[dict], cpus: float, gpus: float) -> int:
     return total
 
 
-def replica_count(ray, dist: DistributedConfig) -> int:
+def replica_count(ray, dist: DistributedOptions) -> int:
     """distributed.replicas, checked against what the cluster's nodes hold (else they would wait forever)."""
     fit = replicas_that_fit(ray.nodes(), dist.cpus_per_replica, dist.gpus_per_replica)
     wanted = dist.replicas or fit
@@ -318,7 +319,7 @@ class Dispatch:
     """The driver's loop: hand each idle replica a shard, take each answer as it comes, put back what a lost
     replica left unanswered. The Ray calls are the only messages; the queue of requests is the only state."""
 
-    def __init__(self, ray, slots: list[Slot], dist: DistributedConfig, on_answer: OnAnswer, on_error: OnError):
+    def __init__(self, ray, slots: list[Slot], dist: DistributedOptions, on_answer: OnAnswer, on_error: OnError):
         self.ray, self.slots, self.dist = ray, slots, dist
         self.on_answer, self.on_error = on_answer, on_error
         self.queue: deque[Request] = deque()

@@ -15,7 +15,7 @@ from offload.jobs.batch import BadLine, Request, error_record, file_digest, read
 from offload.jobs.config import JobConfig, load_config, validate_config
 from offload.jobs.output import OutputLog
 from offload.jobs.ray import Replicas, format_replicas, start_replicas
-from offload.jobs.worker import Answer, generate_answers, job_timeline, llm_report, load_llm
+from offload.jobs.worker import Answer, budget_of, generate_answers, job_timeline, llm_report, load_llm
 from offload.profile.report import JobCounts, build_report, format_report, write_plot, write_report, write_trace
 from offload.profile.timeline import Timeline
 from offload.runtime.host_memory import MemoryWatch
@@ -46,7 +46,7 @@ def run_batch(config: JobConfig | dict | str | Path, *, restart: bool = False, p
         if todo and llm is None:
             llm = engine = load_engine(config)  # a plan that cannot work stops here, before anything is written
         # on Ray, memory.cpu is each replica's budget, planned on its node, not this process's
-        held_budget = config.memory.cpu if config.engine == "local" else None
+        held_budget = None if config.engine != "local" else budget_of(config, llm)["cpu"]
         with MemoryWatch(held_budget, stop=config.memory.on_exceed == "stop") as watch:
             try:
                 log.begin(restart)

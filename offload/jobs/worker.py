@@ -198,10 +198,9 @@ def peak_memory(llm) -> dict:
 
 
 def budget_of(config: JobConfig, llm) -> dict:
-    """Budget bytes per tier: the config's where set, else the plan's (with the process's baseline, for RAM)."""
+    """Budget bytes per tier as the plan holds them (the CPU budget: the whole process, as memory.cpu means it);
+    the config's where there is no plan (a placement given by hand)."""
     budget = getattr(getattr(llm, "plan", None), "budget", None)
-    cpu = config.memory.cpu
-    if cpu is None and budget is not None:
-        cpu = budget.cpu_bytes + (getattr(getattr(llm, "request", None), "host_baseline", None) or 0)
-    return {"gpu": config.memory.gpu if config.memory.gpu is not None else getattr(budget, "gpu_bytes", None),
-            "cpu": cpu}
+    if budget is None:
+        return {"gpu": config.memory.gpu, "cpu": config.memory.cpu}
+    return {"gpu": budget.gpu_bytes, "cpu": budget.process_cpu_bytes}

@@ -5,38 +5,39 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from offload.baseline import recorded_baseline_bytes
 from offload.errors import ConfigError, PlanError
 from offload.formats import AS_STORED, QUANTIZATIONS, compute_format, weight_format
+from offload.options import (BACKENDS, HardwareOptions, MemoryOptions, ModelOptions, ScheduleOptions,
+                             default_of)
 from offload.hardware import HardwareProfile, default_hardware, format_bytes, load_hardware, parse_size
 from offload.planner.search import plan, plan_best_batch
-from offload.planner.types import DEFAULT_PREFILL_CHUNK_TOKENS, Budget, Plan, Workload
+from offload.planner.types import Budget, Plan, Workload
 from offload.spec import ModelSpec
 from offload.system import page_cache_room_bytes
 
 DEFAULT_MAX_MODEL_LEN = 2048  # context the KV cache is budgeted for unless max_model_len says otherwise
-DEFAULT_MAX_TOKENS = 128  # generated tokens per sequence the prediction assumes unless max_tokens says otherwise
-BACKENDS = ("auto", "cpu", "cuda")  # auto: CUDA where a GPU is visible, else the CPU
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class PlanRequest:
-    """Everything a user says that decides the plan; None means the default named beside each field."""
+    """Everything a user says that decides the plan, by the options' outside names (offload/options.py holds
+    each one's type, default and help; PlanRequest.of makes one from the option sections)."""
 
-    model: str = "default"  # a model folder, a name in configs/models, or 'default'
-    quantization: str = "none"  # none | q8_0 | q4_0 (linear weights)
-    dtype: str = "auto"  # compute format; auto: bf16 where the plan uses a GPU, fp32 on the CPU
-    hardware: str | HardwareProfile | None = field(default=None, compare=False)  # None: calibrated or estimated
-    gpu_memory: int | str | None = None  # None: 90% of VRAM
-    cpu_memory: int | str | None = None  # None: 80% of RAM
-    disk_memory: int | str | None = None  # None: 0 (no spilling)
-    batch_size: int | None = None  # None: the batch with the best predicted throughput
-    max_model_len: int | None = None  # None: DEFAULT_MAX_MODEL_LEN, at most the model's context
-    max_tokens: int | None = None  # None: DEFAULT_MAX_TOKENS, at most a quarter of max_model_len
-    prefetch_depth: int | None = None  # staging slots; None: searched with the placement
-    prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS
-    backend: str = "auto"  # auto | cpu | cuda: with cpu, dtype 'auto' computes in fp32 even where a GPU is planned
-    host_baseline: int | None = None  # RAM the process holds besides the plan (Python, torch, tokenizer),
-    # counted against cpu_memory; measured by jobs (memory.baseline); None: not counted
+    model: str = default_of("model.path")
+    quantization: str = default_of("model.quantization")
+    dtype: str = default_of("model.dtype")
+    hardware: str | HardwareProfile | None = field(default=default_of("hardware.profile"), compare=False)
+    backend: str = default_of("hardware.backend")
+    gpu_memory: int | str | None = default_of("memory.gpu")
+    cpu_memory: int | str | None = default_of("memory.cpu")  # the whole process, host_baseline included
+    disk_memory: int | str | None = default_of("memory.disk")
+    host_baseline: int | str | None = default_of("memory.baseline")  # auto: recorded or DEFAULT_BASELINE_BYTES
+    batch_size: int | None = default_of("schedule.batch_size")
+    max_model_len: int | None = default_of("model.max_model_len")
+    max_tokens: int = default_of("sampling.max_tokens")
+    prefetch_depth: int | None = default_of("schedule.prefetch_depth")
+    prefill_chunk_tokens: int = default_of("schedule.prefill_chunk_tokens")
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -44,10 +45,25 @@ class PlanRequest:
         if self.quantization not in QUANTIZATIONS:
             raise ConfigError(f"quantization {self.quantization!r} is not supported; "
                               f"use one of {', '.join(QUANTIZATIONS)}")
-        for name in ("batch_size", "max_model_len", "max_tokens"):
+        for name in ("batch_size", "max_model_len", "max_tokens", "prefetch_depth", "prefill_chunk_tokens"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be a whole number of 1 or more, found {value!r}")
+
+    @classmethod
+    def of(cls, model: ModelOptions, hardware: HardwareOptions, memory: MemoryOptions, schedule: ScheduleOptions,
+           max_tokens: int) -> "PlanRequest":
+        """The request the option sections make: what a job, `offload plan` and LLM(...) all plan from."""
+        return cls(model=model.path, quantization=model.quantization, dtype=model.dtype,
+                   max_model_len=model.max_model_len, hardware=hardware.profile, backend=hardware.backend,
+                   gpu_memory=memory.gpu, cpu_memory=memory.cpu, disk_memory=memory.disk,
+                   host_baseline=memory.baseline, batch_size=schedule.batch_size,
+                   prefetch_depth=schedule.prefetch_depth, prefill_chunk_tokens=schedule.prefill_chunk_tokens,
+                   max_tokens=max_tokens)
+
+    def baseline_bytes(self) -> int:
+        """What the process holds besides the plan: the recorded figure (or the default) for 'auto'."""
+        return recorded_baseline_bytes() if self.host_baseline == "auto" else int(self.host_baseline or 0)
 
     def profile(self) -> HardwareProfile:
         """The hardware profile: a preset name, a YAML path, a profile, or the calibrated/estimated default."""
@@ -58,6 +74,8 @@ class PlanRequest:
         return load_hardware(self.hardware)
 
     def budget(self, hw: HardwareProfile) -> Budget:
+        """The tiers' budgets on hw: the CPU budget covers the whole process, so the plan places weights and KV in
+        what is left of it after the process's own baseline (Budget.host_baseline_bytes)."""
         gpu_bytes = _size(self.gpu_memory, "gpu_memory")
         if gpu_bytes and not hw.has_gpu:
             raise ConfigError(f"a GPU budget of {format_bytes(gpu_bytes)} was given (memory.gpu, --gpu-memory) but the "
@@ -65,12 +83,17 @@ class PlanRequest:
                               f"a hardware profile with a GPU")
         budget = Budget.for_hardware(hw, gpu_bytes=gpu_bytes, cpu_bytes=_size(self.cpu_memory, "cpu_memory"),
                                      disk_bytes=_size(self.disk_memory, "disk_memory") or 0)
-        baseline = self.host_baseline or 0
+        check_within(budget.cpu_bytes, hw.ram_bytes, "CPU", "memory.cpu, --cpu-memory", f"hardware profile "
+                     f"{hw.name!r} has {format_bytes(hw.ram_bytes)} of RAM")
+        if hw.has_gpu:
+            check_within(budget.gpu_bytes, hw.vram_bytes, "GPU", "memory.gpu, --gpu-memory", f"hardware profile "
+                         f"{hw.name!r} has {format_bytes(hw.vram_bytes)} of VRAM")
+        baseline = self.baseline_bytes()
         if baseline and budget.cpu_bytes <= baseline:
             raise ConfigError(f"the CPU budget of {format_bytes(budget.cpu_bytes)} (memory.cpu, --cpu-memory) is not "
                               f"more than this process's own {format_bytes(baseline)} (Python, torch, the "
                               f"tokenizer: memory.baseline); raise the budget above that")
-        budget = replace(budget, cpu_bytes=budget.cpu_bytes - baseline)
+        budget = replace(budget, cpu_bytes=budget.cpu_bytes - baseline, host_baseline_bytes=baseline)
         if self.hardware is None and budget.disk_bytes:  # this machine: how much of the disk units its page
             room = page_cache_room_bytes(budget.cpu_bytes)   # cache can keep (rounded: a plan and its run agree)
             budget = replace(budget, page_cache_bytes=room // PAGE_CACHE_ROUNDING * PAGE_CACHE_ROUNDING)
@@ -86,9 +109,7 @@ class PlanRequest:
         total = min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, spec.max_position_embeddings)
         if total < 2:
             raise ConfigError(f"max_model_len must be at least 2, found {self.max_model_len}")
-        gen = min(self.max_tokens or DEFAULT_MAX_TOKENS, total - 1)
-        if self.max_tokens is None:
-            gen = min(gen, total // 4) or 1
+        gen = min(self.max_tokens, total - 1)
         return Workload(batch_size=self.batch_size or 1, prompt_len=total - gen, gen_len=gen,
                         prefill_chunk_tokens=self.prefill_chunk_tokens, compute_format=self.compute_format(hw))
 
@@ -139,6 +160,13 @@ def plan_weight_format(spec: ModelSpec, quantization: str, compute: str) -> str:
     if spec.from_gguf and quantization == "none":
         return AS_STORED
     return weight_format(quantization, compute)
+
+
+def check_within(budget_bytes: int, has_bytes: int, tier: str, keys: str, what: str) -> None:
+    """A budget above what the machine (or the profile planned for) has is refused, not planned into."""
+    if budget_bytes > has_bytes:
+        raise ConfigError(f"the {tier} budget of {format_bytes(budget_bytes)} ({keys}) is more than the "
+                          f"{what}; set it to at most {format_bytes(has_bytes)}, or leave it unset for the default")
 
 
 def _size(value, what: str) -> int | None:

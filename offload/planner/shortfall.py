@@ -4,6 +4,7 @@ batch, a quantization and what it saves, the budget to raise and by how much). P
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from offload.formats import QUANT_BLOCK_BYTES
 from offload.hardware import format_bytes
@@ -19,30 +20,70 @@ def shortfall_message(search, shorts: list[tuple[str, int, int]]) -> str:
 
 
 def _hints(search, tier: str, short: int) -> list[str]:
-    """The KV cache and weights beside the shortfall, a quantization's saving, and the budget to raise."""
+    """The KV cache and weights beside the shortfall, then what would fit: a smaller batch or context where the KV
+    cache is what does not fit, a quantization that saves enough, and the budget to raise."""
     weights, kv = sum(search.w), sum(search.kv)
     hints = [f"weights take {format_bytes(weights)}, the KV cache {format_bytes(kv)} for batch "
              f"{search.wl.batch_size} x {search.wl.seq_len} tokens"]
-    if kv + search.ws_cpu > short or search.wl.batch_size > 1:
-        hints.append("a smaller --batch-size or --max-tokens would shrink the KV cache and activations")
+    smaller = _what_fits(search) if kv + search.ws_cpu >= short else []  # the KV cache could make room
+    hints += smaller
     compute = search.wl.compute_format
     sizes = {fmt: sum(u.nbytes(fmt, compute) for u in search.units) for fmt in QUANT_BLOCK_BYTES}
-    savings = [f"{fmt} would save {format_bytes(weights - n)}" for fmt, n in sizes.items() if n < weights]
+    # a quantization is offered where its saving alone covers the shortfall, not a few MiB against TiB
+    savings = [f"{fmt} would save {format_bytes(weights - n)}" for fmt, n in sizes.items() if weights - n >= short]
     if savings:
         hints.append("--quantization " + ", ".join(savings))
     if tier == "gpu":
         hints.append("raise --gpu-memory, or set it to 0 to run on the CPU")
-    else:
-        hints.append(_host_hint(search))
+    else:  # where the KV cache is what does not fit, spilling weights to disk is not offered for it
+        hints.append(_host_hint(search, spill=not smaller))
     return hints
 
 
-def _host_hint(search) -> str:
+def _what_fits(search) -> list[str]:
+    """Where a smaller batch or context fits (the KV cache grows with batch x max_model_len): the largest batch
+    that fits, with the weights spilled to disk if it takes that; else the longest context that fits one
+    sequence in this budget. Each found by placing it (memory only)."""
+    wl, one = search.wl, replace(search.wl, batch_size=1)
+    spill = replace(search.budget, disk_bytes=max(search.budget.disk_bytes, sum(search.w)))
+    for budget, also in ((search.budget, ""), (spill, f" with --disk-memory {_up(spill.disk_bytes)}")):
+        if wl.batch_size > 1 and _fits(search, one, budget):
+            batch = _largest(lambda n: _fits(search, replace(wl, batch_size=n), budget), 1, wl.batch_size - 1)
+            return [f"--batch-size {batch}{also} is the largest batch that fits (schedule.batch_size)"]
+    if wl.seq_len > 2 and _fits(search, _context(one, 2), search.budget):
+        tokens = _largest(lambda n: _fits(search, _context(one, n), search.budget), 2, wl.seq_len - 1)
+        where = "" if wl.batch_size == 1 else " at batch 1"
+        return [f"--max-model-len {tokens} is the longest context that fits{where} (model.max_model_len)"]
+    return []
+
+
+def _context(wl, tokens: int):
+    gen = min(wl.gen_len, tokens - 1)
+    return replace(wl, prompt_len=tokens - gen, gen_len=gen)
+
+
+def _fits(search, workload, budget) -> bool:
+    """Whether some placement of search's units fits budget for workload (its memory only: nothing is priced)."""
+    other = type(search)(search.spec, search.hw, budget, workload, search.fmt, search.depth)
+    return any(not cand.short for cand in other._candidates())
+
+
+def _largest(fits, low: int, high: int) -> int:
+    """The largest n in [low, high] with fits(n), given fits(low) and that fitting is monotone in n."""
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _host_hint(search, spill: bool = True) -> str:
     """What to raise so that the CPU-only placement fits: RAM for every weight, or RAM and disk with the
     weights that do not fit spilled. Budgets are sized for the margin taken from them."""
     ram_only = search._all_in_ram()
     hint = (f"raise --cpu-memory by {_up(_budget_for(search, ram_only) - search.budget.cpu_bytes)} to hold "
             f"every weight in RAM")
+    if not spill:
+        return hint
     spilled = search._build(0, use_gpu=False)
     on_disk = sum(search.w[i] for i in range(search.n) if spilled.weight[i] == "disk")
     disk = f"--disk-memory by {_up(on_disk - search.budget.disk_bytes)} (it is " \

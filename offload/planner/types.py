@@ -9,6 +9,7 @@ from dataclasses import asdict, dataclass, field
 from offload.errors import ConfigError
 from offload.formats import FLOAT_FORMATS
 from offload.hardware import HardwareProfile
+from offload.options import DEFAULT_PREFILL_CHUNK_TOKENS  # tokens a layer computes at once in prefill
 from offload.planner.costs import PhaseCost
 from offload.planner.schedule import PhaseSchedule, phase_schedule
 from offload.planner.text import moe_split, plan_explanation, plan_table
@@ -17,7 +18,6 @@ TIERS = ("gpu", "cpu", "disk")  # where weights (and KV caches) live
 PHASES = ("prefill", "decode")
 COMPUTE_MODES = ("gpu", "stream", "cpu")  # resident on the GPU, streamed to it ahead of use, or on the CPU
 DEFAULT_PREFETCH_DEPTH = 2
-DEFAULT_PREFILL_CHUNK_TOKENS = 512  # tokens a layer computes at once in prefill: bounds the working set
 DEFAULT_PREFILL_PASS_TOKENS = 4096  # padded prompt tokens per pass over the weights: bounds the residual stream
 
 
@@ -30,6 +30,12 @@ class Budget:
     disk_bytes: int = 0
     margin_frac: float = 0.05
     page_cache_bytes: int = 0  # page cache the OS can keep for disk units besides cpu_bytes (measured when planning)
+    host_baseline_bytes: int = 0  # what the process holds besides the plan; cpu_bytes is the budget less it
+
+    @property
+    def process_cpu_bytes(self) -> int:
+        """The CPU budget as the user gave it: the whole process (what the memory watch holds it to)."""
+        return self.cpu_bytes + self.host_baseline_bytes
 
     def __post_init__(self):
         for name in ("gpu_bytes", "cpu_bytes", "disk_bytes"):

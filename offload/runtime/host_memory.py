@@ -14,12 +14,13 @@ import logging
 import threading
 from pathlib import Path
 
-from offload.errors import BudgetError
+from offload.baseline import round_baseline
+from offload.errors import BudgetError, ConfigError
 from offload.hardware import format_bytes
+from offload.system import memory_limit_bytes
 
 log = logging.getLogger("offload")
 WATCH_INTERVAL_S = 0.2  # a sample costs ~20 us (one read of /proc/self/status)
-BASELINE_ROUNDING_BYTES = 64 << 20  # two processes' baselines differ by a few MiB; rounded, they agree
 
 
 MMAP_THRESHOLD_BYTES = 1 << 20  # glibc serves allocations from this size with mmap, and unmaps them when freed
@@ -78,8 +79,21 @@ def process_baseline_bytes(model_dir: str) -> int:
     tokenizer = load_tokenizer(Path(model_dir))
     held = held_bytes()
     del tokenizer
-    # rounded up, so that `offload plan` in one process and `offload run` in another plan with the same figure
-    return -(-held // BASELINE_ROUNDING_BYTES) * BASELINE_ROUNDING_BYTES
+    return round_baseline(held)
+
+
+def check_budget_fits_machine(budget, backend) -> None:
+    """A run on this machine allocates: its CPU budget (the whole process) must fit the RAM it may use (MemTotal,
+    and a memory cgroup's limit), and its GPU budget the device's memory."""
+    ram = memory_limit_bytes()
+    if budget.process_cpu_bytes > ram:
+        raise ConfigError(f"the CPU budget of {format_bytes(budget.process_cpu_bytes)} (memory.cpu, --cpu-memory) "
+                          f"is more than the {format_bytes(ram)} this process may use on this machine (its RAM, or "
+                          f"its container's memory limit); set it to at most {format_bytes(ram)}")
+    device_bytes = backend.device_memory_bytes() if budget.gpu_bytes else None
+    if device_bytes is not None and budget.gpu_bytes > device_bytes:
+        raise ConfigError(f"the GPU budget of {format_bytes(budget.gpu_bytes)} (memory.gpu, --gpu-memory) is more "
+                          f"than this GPU's {format_bytes(device_bytes)}; set it to at most that")
 
 
 

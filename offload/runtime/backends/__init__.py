@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from offload.errors import ConfigError
-from offload.planner.request import BACKENDS
+from offload.options import BACKENDS
 from offload.runtime.backends.base import Backend
 from offload.runtime.backends.cpu import CPUBackend
 

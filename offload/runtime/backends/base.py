@@ -215,6 +215,10 @@ class Backend:
         """Start peak tracking afresh."""
         self.memory.peak_bytes = dict(self.memory.now_bytes)
 
+    def device_memory_bytes(self) -> int | None:
+        """The device's total memory, or None where there is no device to hold a GPU budget to (the CPU)."""
+        return None
+
     def peak_device_bytes(self) -> int:
         """Peak device memory as the device itself reports it (the tracker's figure on the CPU backend)."""
         return self.memory.peak_bytes["gpu"]

@@ -240,6 +240,9 @@ class CUDABackend(Backend):
         super().reset_peak()
         torch.cuda.reset_peak_memory_stats(self.device)
 
+    def device_memory_bytes(self) -> int:
+        return int(torch.cuda.get_device_properties(self.device).total_memory)
+
     def peak_device_bytes(self) -> int:
         return int(torch.cuda.max_memory_allocated(self.device))
 

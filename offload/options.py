@@ -1,0 +1,245 @@
+"""Every option a user can set, defined once: one typed section per concern, each field with its type, default,
+unit and help. The job YAML is these sections; `LLM(...)` takes the plan's options as keywords of the same names;
+the CLI's flags and their help are made from the fields (cli/job_flags.py); the planner reads PlanRequest, made
+from the same sections. Later sections (speculative decoding, the server) are added here the same way.
+
+A field's `name` is what it is called outside the YAML: the keyword of LLM(...) and the flag (`cpu_memory`,
+`--cpu-memory` for memory.cpu). `cli` says which commands take it as a flag: "plan" (plan, validate, run), "job"
+(validate, run), or none (YAML and --set only). Pure data: no torch, no transformers."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, ValidationError
+
+from offload.errors import ConfigError
+from offload.formats import DTYPES, QUANTIZATIONS
+from offload.hardware import HardwareProfile, parse_size
+
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # OpenAI's schema takes any 64-bit seed; torch's manual_seed takes these
+DEFAULT_PREFILL_CHUNK_TOKENS = 512  # tokens a layer computes at once in prefill: bounds the working set
+BACKENDS = ("auto", "cpu", "cuda")  # auto: CUDA where a GPU is visible, else the CPU
+ENGINES = ("local", "ray")
+INPUT_FORMATS = ("openai", "text")
+
+
+def option(default: Any = ..., help: str = "", *, name: str | None = None, cli: str | None = None,
+           unit: str | None = None, flag: str | None = None, **bounds) -> Any:
+    """A field with its help, its outside name, which commands take it as a flag, and its unit."""
+    extra = {k: v for k, v in (("name", name), ("cli", cli), ("unit", unit), ("flag", flag)) if v is not None}
+    if "default_factory" in bounds:
+        return Field(description=help, json_schema_extra=extra, **bounds)
+    return Field(default, description=help, json_schema_extra=extra, **bounds)
+
+
+def _no_bool(value: Any) -> Any:
+    """A number field refuses true/false (pydantic would read them as 1 and 0)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, found {value!r}")
+    return value
+
+
+def _size(value: Any) -> int | None:
+    """Bytes from 22GiB, 64GB, 512MiB or a plain number; None stays None (the tier's default)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ValueError(f"expected a size such as 22GiB, found {value!r}")
+    if isinstance(value, str) and value.strip().startswith("-") or isinstance(value, (int, float)) and value < 0:
+        raise ValueError(f"expected a size of 0 or more such as 22GiB, found {value!r}")
+    try:
+        return parse_size(value)
+    except ConfigError:
+        raise ValueError(f"expected a size such as 22GiB, 64GB or 512MiB, found {value!r}") from None
+
+
+Whole = Annotated[int, BeforeValidator(_no_bool)]
+Number = Annotated[float, BeforeValidator(_no_bool)]
+Size = Annotated[int | None, BeforeValidator(_size)]
+Baseline = Annotated[int | Literal["auto"], BeforeValidator(lambda v: v if v == "auto" else _size(v) or 0)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True, allow_inf_nan=False)
+
+
+class ModelOptions(Section):
+    """Which model to load and how its weights are stored."""
+
+    path: str = option("default", "model folder, .gguf file, a Hub id (org/name) in the local Hugging Face cache, "
+                       "a name in configs/models, or 'default'", name="model", cli="plan")
+    quantization: Literal[QUANTIZATIONS] = option("none", "linear weights: none keeps them as stored",
+                                                  name="quantization", cli="plan")
+    dtype: Literal[DTYPES] = option("auto", "compute format: auto is bf16 where a GPU is planned, else fp32",
+                                    name="dtype", cli="plan")
+    max_model_len: Whole | None = option(None, "tokens per sequence the KV cache holds (default 2048, at most the "
+                                         "model's context)", name="max_model_len", cli="plan", unit="tokens", ge=2)
+
+
+class HardwareOptions(Section):
+    """The machine the plan is for and the backend that runs it (`hardware: NAME` is short for profile: NAME)."""
+
+    profile: str | InstanceOf[HardwareProfile] | None = option(None, "hardware preset name or profile YAML (default: this machine's calibrated "
+                                 "profile, else an estimate)", name="hardware", cli="plan")
+    backend: Literal[BACKENDS] = option("auto", "auto: CUDA where a GPU is visible, else the CPU; cpu computes "
+                                        "in fp32 even where a GPU is planned", name="backend", cli="plan")
+
+
+class MemoryOptions(Section):
+    """Budget per tier; unset means the planner's default share of what the machine has. The CPU budget covers
+    the whole process (its own baseline included), in LLM(...) as in a job."""
+
+    gpu: Size = option(None, "GPU budget such as 22GiB (default 90% of VRAM)", name="gpu_memory", cli="plan",
+                       unit="bytes")
+    cpu: Size = option(None, "RAM budget of the whole process such as 48GiB (default 80% of RAM)",
+                       name="cpu_memory", cli="plan", unit="bytes")
+    disk: Size = option(None, "disk budget for spilled weights such as 200GB (default 0: no spilling)",
+                        name="disk_memory", cli="plan", unit="bytes")
+    baseline: Baseline = option("auto", "RAM the process holds before any weight (Python, torch, the tokenizer), "
+                                "counted in the CPU budget; auto: the figure the last run on this machine "
+                                "recorded, else 512MiB", name="host_baseline", unit="bytes")
+    on_exceed: Literal["warn", "stop"] = option("warn", "when the memory held while running passes the CPU budget")
+
+
+class ScheduleOptions(Section):
+    """How many sequences run together and how weights are staged; unset lets the planner choose."""
+
+    batch_size: Whole | None = option(None, "sequences in flight (default: the batch with the best predicted "
+                                      "throughput)", name="batch_size", cli="plan", ge=1)
+    prefetch_depth: Whole | None = option(None, "staging slots and read-ahead buffers (default: searched, 1-4)",
+                                          name="prefetch_depth", cli="plan", ge=1)
+    prefill_chunk_tokens: Whole = option(DEFAULT_PREFILL_CHUNK_TOKENS, "tokens one layer computes at once in "
+                                         "prefill", name="prefill_chunk_tokens", cli="plan", unit="tokens", ge=1)
+
+
+class SamplingOptions(Section):
+    """Defaults for every request (a request's own body overrides them), and a cap no body passes."""
+
+    max_tokens: Whole = option(16, "tokens generated per request that does not set max_tokens itself (vLLM's "
+                               "and OpenAI completions' default is 16); the plan is sized for it",
+                               name="max_tokens", cli="plan", unit="tokens", ge=1)
+    max_tokens_cap: Whole | None = option(None, "at most this many tokens per request, whatever its body asks "
+                                          "(default: up to the context)", name="max_tokens_cap", cli="job",
+                                          unit="tokens", ge=1)
+    temperature: Number = option(0.0, "0 is greedy", name="temperature", cli="job", ge=0)
+    top_p: Number = option(1.0, gt=0, le=1)
+    top_k: Whole = option(0, "0 or -1: all tokens", ge=-1)
+    min_p: Number = option(0.0, ge=0, le=1)
+    seed: Whole | None = option(None, "per-request seed base (any 64-bit value)", name="seed", cli="job",
+                                ge=SEED_MIN, le=SEED_MAX)
+    stop: list[str] = option(help="strings that end a completion", default_factory=list)
+    ignore_eos: bool = option(False, "keep generating past the end-of-sequence token")
+
+
+class InputOptions(Section):
+    """The requests: OpenAI Batch JSONL, or a text file with one prompt per line."""
+
+    path: str = option(..., "batch JSONL or prompts file", name="input", cli="job")
+    format: Literal[INPUT_FORMATS] = option("openai", "openai (Batch API JSONL) or text (one prompt per line)",
+                                            name="input_format", cli="job")
+    chat: bool = option(True, "text prompts go through the model's chat template")
+
+
+class OutputOptions(Section):
+    """Where results go; an existing file is resumed unless overwrite is set."""
+
+    path: str | None = option(None, "output JSONL (default: <input stem>.outputs.jsonl beside the input)",
+                              name="output", cli="job")
+    overwrite: bool = option(False, "start over; earlier outputs are kept as numbered backups")
+    retry_failed: bool = option(True, "a rerun retries the requests whose output is an error line")
+
+
+class ReportOptions(Section):
+    """The end-of-run report and its optional trace and plot."""
+
+    path: str | None = option(None, "report JSON (default: <output stem>.report.json)", name="report", cli="job")
+    trace: str | None = option(None, "write a Chrome/Perfetto trace JSON here", name="trace", cli="job")
+    plot: str | None = option(None, "write a timeline PNG here", name="plot", cli="job")
+    progress: bool = option(True, "a progress bar (also off when not a terminal)", name="progress", cli="job",
+                            flag="--no-progress")
+    print: bool = option(True, "print the report at the end")
+    echo: bool = option(False, "print each answer as it finishes", name="echo", cli="job", flag="--echo")
+
+
+def _ray_address(value: Any) -> Any:
+    import re
+
+    host_port = re.compile(r"[A-Za-z0-9_.\-\[\]:]+:[0-9]{1,5}")  # the head's GCS (Ray Client's ray:// is not used)
+    if isinstance(value, str) and value not in ("auto", "local") and not host_port.fullmatch(value):
+        raise ValueError(f"expected 'auto' (a running cluster), 'local' (one started for this job) or HOST:PORT "
+                         f"such as 10.0.0.5:6379, found {value!r}")
+    return value
+
+
+class DistributedOptions(Section):
+    """engine: ray: the Ray cluster, the replicas (one LLM each, planned on its node) and what each reserves."""
+
+    address: Annotated[str, AfterValidator(_ray_address)] = option("auto", "auto: the cluster this machine is in")
+    replicas: Whole | None = option(None, "default: as many as the cluster's CPUs (and GPUs) hold", ge=1)
+    cpus_per_replica: Number = option(1.0, gt=0)
+    gpus_per_replica: Number = option(0.0, ge=0)
+    shard_size: Whole | None = option(None, "requests handed to a replica at once (default: its planned batch)",
+                                      ge=1)
+    max_restarts: Whole = option(3, "per replica, after its process or node is lost", ge=0)
+
+
+PLAN_SECTIONS = {"model": ModelOptions, "hardware": HardwareOptions, "memory": MemoryOptions,
+                 "schedule": ScheduleOptions}  # with sampling.max_tokens: what decides a plan
+
+
+def fields_of(section: type[Section]) -> dict[str, Any]:
+    """A section's fields: key -> pydantic FieldInfo."""
+    return dict(section.model_fields)
+
+
+def extra(info) -> dict:
+    return info.json_schema_extra or {}
+
+
+def named_options(sections: dict[str, type[Section]]) -> dict[str, tuple[str, Any]]:
+    """Outside name -> (dotted YAML key, FieldInfo), for every field with a name."""
+    out = {}
+    for section_name, section in sections.items():
+        for key, info in fields_of(section).items():
+            if "name" in extra(info):
+                out[extra(info)["name"]] = (f"{section_name}.{key}", info)
+    return out
+
+
+def default_of(key: str) -> Any:
+    """The one default of a dotted option key such as 'sampling.max_tokens'."""
+    section_name, field_name = key.split(".")
+    info = {**PLAN_SECTIONS, "sampling": SamplingOptions}[section_name].model_fields[field_name]
+    return info.get_default(call_default_factory=True)
+
+
+def request_sections(named: dict[str, Any]) -> tuple[ModelOptions, HardwareOptions, MemoryOptions, ScheduleOptions,
+                                                      int]:
+    """The plan's sections from options by their outside names (LLM's keywords), each checked as the job YAML's
+    is: a ConfigError names the first keyword that is unknown or wrong, and what it takes."""
+    import difflib
+
+    known = named_options(PLAN_SECTIONS) | {"max_tokens": ("sampling.max_tokens",
+                                                          SamplingOptions.model_fields["max_tokens"])}
+    raw: dict[str, dict] = {name: {} for name in (*PLAN_SECTIONS, "sampling")}
+    for name, value in named.items():
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"the options are {', '.join(sorted(known))}"
+            raise ConfigError(f"unknown option {name!r}; {hint}")
+        if value is not None or name == "hardware":
+            section, key = known[name][0].split(".")
+            raw[section][key] = value
+    sections = {}
+    for section, cls in {**PLAN_SECTIONS, "sampling": SamplingOptions}.items():
+        try:
+            sections[section] = cls.model_validate(raw[section])
+        except ValidationError as e:
+            err = e.errors()[0]
+            name = next(n for n, (k, _) in known.items() if k == f"{section}.{err['loc'][0]}")
+            msg = err["msg"].removeprefix("Value error, ")
+            msg = msg[:1].lower() + msg[1:] + ("" if "found" in msg else f", found {err.get('input')!r}")
+            raise ConfigError(f"option {name}: {msg}") from None
+    return (sections["model"], sections["hardware"], sections["memory"], sections["schedule"],
+            sections["sampling"].max_tokens)
