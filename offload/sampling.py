@@ -5,10 +5,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
+from typing import TYPE_CHECKING
 
 from offload.errors import SamplingError, WeightsError
 from offload.options import SEED_MAX, SEED_MIN
+
+if TYPE_CHECKING:  # torch is imported where a sampler runs, not where parameters are checked (offload validate)
+    import torch
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
 
@@ -68,6 +71,8 @@ class SamplingParams:
 
     def make_generator(self) -> torch.Generator:
         """A per-request random generator: seeded if seed is set, else seeded from the global RNG."""
+        import torch
+
         g = torch.Generator()
         g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,))))
         return g
@@ -84,6 +89,8 @@ def _is_int(x) -> bool:
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p on one row of logits [V]; removed tokens get -inf."""
+    import torch
+
     logits = logits / params.temperature
     if params.top_k > 0 and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -102,6 +109,8 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
     """Pick the next token id from fp32 logits [V]; WeightsError if they are not finite (NaN or inf)."""
+    import torch
+
     if not bool(torch.isfinite(logits).all()):
         raise WeightsError("the model produced NaN or infinite logits, so no token can be chosen; its weights "
                            "likely hold NaN or inf values (or the compute dtype overflows): check the checkpoint, "

@@ -78,10 +78,12 @@ def _cgroup_limits(root: Path) -> list[tuple[int, int]]:
 # plan and its run each measure the room and the planner rounds it (PAGE_CACHE_ROUNDING) so that they agree, which
 # holds only for a figure the two processes see alike but for what each of them holds. The reclaimable cache
 # counts as room instead: what is charged beyond it (anonymous memory, tmpfs, kernel memory) comes off the limit.
-def page_cache_room_bytes(to_allocate: int, root: Path = ROOT) -> int:
-    """Bytes of page cache the OS can keep for a run that will still allocate to_allocate bytes: what is
-    available now (MemAvailable, and under each memory cgroup's limit what reclaim could free) less that, less
-    1/RESERVE_FRACTION of the memory that applies (RAM, or the smallest cgroup limit)."""
+def page_cache_room_bytes(process_bytes: int, root: Path = ROOT) -> int:
+    """Bytes of page cache the OS can keep for a run whose process will hold process_bytes in all: what is
+    available now (MemAvailable, and under each memory cgroup's limit what reclaim could free) plus what this
+    process holds already (it is part of process_bytes), less process_bytes, less 1/RESERVE_FRACTION of the memory
+    that applies (RAM, or the smallest cgroup limit). Counting this process's own memory back makes `offload plan`
+    (no torch imported) and the run it predicts (torch imported) see the same room."""
     try:
         info = dict(line.split(":", 1) for line in (root / "proc/meminfo").read_text().splitlines())
         available, total = (int(info[key].split()[0]) * 1024 for key in ("MemAvailable", "MemTotal"))
@@ -89,7 +91,16 @@ def page_cache_room_bytes(to_allocate: int, root: Path = ROOT) -> int:
         return 0
     for limit, held in _cgroup_limits(root):
         available, total = min(available, limit - held), min(total, limit)
-    return max(0, available - to_allocate - total // RESERVE_FRACTION)
+    return max(0, available + _own_held_bytes(root) - process_bytes - total // RESERVE_FRACTION)
+
+
+def _own_held_bytes(root: Path) -> int:
+    """Resident anonymous + shared bytes of this process (what reclaim cannot free of it); 0 where unknown."""
+    try:
+        lines = (root / "proc/self/status").read_text().splitlines()
+    except OSError:
+        return 0
+    return sum(int(line.split()[1]) * 1024 for line in lines if line.startswith(("RssAnon:", "RssShmem:")))
 
 
 def memory_limit_bytes(root: Path = ROOT) -> int:

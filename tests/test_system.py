@@ -88,3 +88,15 @@ def test_never_negative_and_zero_without_meminfo(tmp_path):
     v1_group(root / "sys/fs/cgroup/memory/job", GiB, 900 * MiB, 0, 0)
     assert page_cache_room_bytes(200 * MiB, root=root) == 0
     assert page_cache_room_bytes(0, root=tmp_path / "nothing") == 0
+
+
+def test_what_the_process_holds_already_counts_as_part_of_its_total(tmp_path):
+    """`offload plan` (no torch) and its run (torch imported, 300 MiB more held, so 300 MiB less available) see
+    one room: the process's own held memory is part of the total it will hold."""
+    plan_root = fake_root(tmp_path / "plan", "0::/\n")
+    run_root = fake_root(tmp_path / "run", "0::/\n", available=20 * GiB - 300 * MiB)
+    (plan_root / "proc/self/status").write_text("Name: python\nRssAnon:\t102400 kB\nRssFile:\t5000 kB\n")
+    (run_root / "proc/self/status").write_text("Name: python\nRssAnon:\t409600 kB\nRssShmem:\t0 kB\n")
+    # 20 GiB available + 100 MiB held - 2 GiB total - 24 GiB / 16
+    assert page_cache_room_bytes(2 * GiB, root=plan_root) == 20 * GiB + 100 * MiB - 2 * GiB - 1536 * MiB
+    assert page_cache_room_bytes(2 * GiB, root=run_root) == page_cache_room_bytes(2 * GiB, root=plan_root)

@@ -16,7 +16,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from offload.jobs.batch import read_requests
-    from offload.jobs.run import sampling_defaults
+    from offload.jobs.config import sampling_defaults
 
     config = effective_config(args)
     requests, bad = read_requests(Path(config.input.path), config.input.format, sampling_defaults(config),

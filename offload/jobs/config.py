@@ -364,6 +364,11 @@ def parse_set_option(text: str) -> tuple[str, Any]:
         return key.strip(), value
 
 
+def sampling_defaults(config: JobConfig) -> dict:
+    """The sampling section as each request's defaults (a request's body overrides them)."""
+    return config.sampling.model_dump()
+
+
 def plan_request(config: JobConfig) -> PlanRequest:
     """What a job asks of the planner: the one request both `offload plan JOB` and `offload run JOB` plan from."""
     return PlanRequest.of(config.model, config.hardware, config.memory, config.schedule, config.sampling.max_tokens)

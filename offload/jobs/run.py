@@ -12,7 +12,7 @@ from pathlib import Path
 
 from offload.errors import BudgetError
 from offload.jobs.batch import BadLine, Request, error_record, file_digest, read_requests, success_record
-from offload.jobs.config import JobConfig, load_config, validate_config
+from offload.jobs.config import JobConfig, load_config, sampling_defaults, validate_config
 from offload.jobs.output import OutputLog
 from offload.jobs.ray import Replicas, format_replicas, start_replicas
 from offload.jobs.worker import Answer, budget_of, generate_answers, job_timeline, llm_report, load_llm
@@ -111,10 +111,6 @@ def as_config(config) -> JobConfig:
     if isinstance(config, dict):
         return validate_config(config, "run_batch config")
     return load_config(config)
-
-
-def sampling_defaults(config: JobConfig) -> dict:
-    return config.sampling.model_dump()
 
 
 def job_fingerprint(config: JobConfig) -> dict:

@@ -95,7 +95,7 @@ class PlanRequest:
                               f"tokenizer: memory.baseline); raise the budget above that")
         budget = replace(budget, cpu_bytes=budget.cpu_bytes - baseline, host_baseline_bytes=baseline)
         if self.hardware is None and budget.disk_bytes:  # this machine: how much of the disk units its page
-            room = page_cache_room_bytes(budget.cpu_bytes)   # cache can keep (rounded: a plan and its run agree)
+            room = page_cache_room_bytes(budget.process_cpu_bytes)  # cache can keep (rounded: plan = run)
             budget = replace(budget, page_cache_bytes=room // PAGE_CACHE_ROUNDING * PAGE_CACHE_ROUNDING)
         return budget
 

@@ -20,7 +20,7 @@ from offload.formats import AS_STORED, QUANT_BLOCK_BYTES, WEIGHT_FORMATS, is_qua
 from offload.hardware import HardwareProfile
 from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, READ_PAGE_CACHE_BYTES, PhaseCost, cpu_path, hop_s,
                                    main_format, phases_for, price_step, read_ahead_bytes, unit_cost, workspace_bytes)
-from offload.planner.shortfall import shortfall_message
+from offload.planner.shortfall import Shortfall
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec, UnitSpec
 
@@ -134,7 +134,7 @@ class Search:
             if job_s < best_s * (1 - 1e-9):
                 best, best_s = cand, job_s
         if best is None:
-            raise PlanError(shortfall_message(self, shorts))
+            raise Shortfall(self, shorts)
         self.best_residents = best.residents
         return self._freeze(best, self._phase_cost("prefill", best), self._phase_cost("decode", best))
 
@@ -328,7 +328,10 @@ class Search:
         first = [i for i in movable if i == self.i_embed]
         layers = [i for i in movable if self.kinds[i] in ("layer", "experts", "mlp")]
         rest = [i for i in movable if i not in first and i not in layers]
-        tried = [self._spill(cand, order) for order in (first + layers + rest, first + rest + layers)]
+        orders = (first + layers + rest, first + rest + layers)
+        tried = [self._spill(cand, orders[0])]
+        if any(w == "disk" for w in tried[0][0]) or tried[0][1] > self.budget.cpu_bytes:  # the order mattered
+            tried.append(self._spill(cand, orders[1]))
         fits = [t for t in tried if t[1] <= self.budget.cpu_bytes]
         cand.weight, used = (min(fits, key=lambda t: sum(self.w[i] for i in self._disk_reads(t[0]))) if fits
                              else min(tried, key=lambda t: t[1]))

@@ -6,8 +6,26 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from offload.errors import PlanError
 from offload.formats import QUANT_BLOCK_BYTES
 from offload.hardware import format_bytes
+
+
+class Shortfall(PlanError):
+    """No placement fits: the message (with its advice, which takes planning smaller batches and contexts) is
+    written when it is read, so a search that expects a failure (the largest batch that fits) pays nothing."""
+
+    def __init__(self, search, shorts: list[tuple[str, int, int]]):
+        super().__init__()
+        self._search, self._shorts, self._message = search, shorts, None
+
+    def __str__(self) -> str:
+        if self._message is None:
+            self._message = shortfall_message(self._search, self._shorts)
+        return self._message
+
+    def __reduce__(self):  # sent across processes (Ray) as the plain error it reads as
+        return PlanError, (str(self),)
 
 
 def shortfall_message(search, shorts: list[tuple[str, int, int]]) -> str:

@@ -23,7 +23,6 @@ import numpy as np
 from offload.errors import WeightsError
 from offload.paths import cache_dir
 from offload.spec import ModelSpec, spec_from_config
-from offload.weights.loader import pread_into
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
 # GGUF general.architecture -> ours (a llama file with experts is Mixtral, as llama.cpp's converter writes it)
@@ -125,6 +124,7 @@ class GGUFFile:
 
     def read(self, tensor: GGUFTensor) -> np.ndarray:
         """The tensor's bytes (uint8, its own memory)."""
+        from offload.weights.loader import pread_into  # torch comes with it: a plan reads no tensor
         raw = np.empty(tensor.n_bytes, dtype=np.uint8)
         fd = os.open(tensor.path, os.O_RDONLY)
         try:

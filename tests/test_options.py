@@ -1,0 +1,347 @@
+"""Every option is defined once (offload/options.py): LLM(...), the job YAML and the CLI list the same options under
+the same names, types and defaults; what one of them lacks is on an allow-list below, with the reason."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import re
+import types
+import typing
+from pathlib import Path
+
+import pytest
+
+from offload.api import LLM
+from offload.cli.main import build_parser
+from offload.errors import ConfigError
+from offload.jobs.config import JobConfig, load_config
+from offload.options import Section
+from offload.planner.request import PlanRequest
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMANDS = ("plan", "validate", "run")
+
+# What one or two of LLM / YAML / CLI lack, and why. Keys: an outside name (LLM keyword, flag dest), or the dotted
+# YAML key of a field without one.
+NOT_EVERYWHERE = {
+    # LLM only
+    "placement": "a Placement given by hand replaces the plan; a job always plans",
+    "disk_dir": "the folder LLM's disk tier writes to; a job uses the default",
+    "max_batch_size": "LLM's deprecated old name of batch_size",
+    # CLI only
+    "config": "the job YAML file itself",
+    "set": "--set KEY=VALUE sets any YAML key by its dotted name",
+    "ray": "--ray [ADDRESS] sets engine: ray and distributed.address",
+    "restart": "--restart is output.overwrite for one run",
+    "print_config": "prints the effective config instead of running",
+    "json": "the form `offload plan` prints the plan in",
+    "explain": "what `offload plan` prints besides the plan",
+    "help": "argparse's own", "debug": "logging, not the job", "quiet": "logging, not the job",
+    "log_level": "logging, not the job",
+    # YAML (and --set) only: no outside name
+    "memory.on_exceed": "what the job's memory watch does; LLM has no watch",
+    "sampling.top_p": "a job's sampling defaults: set per request in the body, or by --set",
+    "sampling.top_k": "a job's sampling defaults: set per request in the body, or by --set",
+    "sampling.min_p": "a job's sampling defaults: set per request in the body, or by --set",
+    "sampling.stop": "a list: set per request in the body, or by --set",
+    "sampling.ignore_eos": "a job's sampling defaults: set per request in the body, or by --set",
+    "input.chat": "how text prompts are read: set with --set input.chat=false",
+    "output.overwrite": "its flag is --restart",
+    "output.retry_failed": "how a rerun treats error lines: set with --set",
+    "report.print": "whether the report prints: set with --set",
+    "engine": "its flag is --ray",
+    "distributed.address": "its flag is --ray ADDRESS",
+    "distributed.replicas": "Ray only: set with --set",
+    "distributed.cpus_per_replica": "Ray only: set with --set",
+    "distributed.gpus_per_replica": "Ray only: set with --set",
+    "distributed.shard_size": "Ray only: set with --set",
+    "distributed.max_restarts": "Ray only: set with --set",
+    # YAML and LLM, no flag
+    "host_baseline": "memory.baseline is auto (recorded by offload calibrate) unless measured otherwise: --set",
+    # YAML and CLI, not LLM: LLM.generate takes sampling per call (SamplingParams) and writes no files
+    "max_tokens_cap": "a job's cap on request bodies; LLM's caller sets SamplingParams.max_tokens itself",
+    "temperature": "a job's sampling default; LLM.generate takes SamplingParams",
+    "seed": "a job's sampling default; LLM.generate takes SamplingParams",
+    "input": "a job's input file", "input_format": "a job's input file",
+    "output": "a job's output file", "report": "a job's report file", "trace": "a job's trace file",
+    "plot": "a job's plot file", "progress": "a job's progress bar", "echo": "a job's console output",
+}
+NO_DEFAULT_IN_HELP = {  # flags whose option is unset by default and whose help need not say so
+    "input.path": "required: a job has no default input",
+    "report.trace": "unset: no trace is written",
+    "report.plot": "unset: no plot is written",
+    "sampling.seed": "unset: each request draws its own seed",
+}
+UNITS = {"bytes", "tokens"}  # a new unit needs its check in test_flag_help_names_the_unit
+
+
+# --- the three surfaces ----------------------------------------------------------------------------------------
+
+def yaml_options(model=JobConfig, prefix: str = "") -> dict[str, object]:
+    """Dotted YAML key -> pydantic FieldInfo, for every leaf of the job schema (sections walked recursively)."""
+    out = {}
+    for key, info in model.model_fields.items():
+        section = [a for a in (info.annotation, *typing.get_args(info.annotation))
+                   if isinstance(a, type) and issubclass(a, Section)]
+        if section:
+            out |= yaml_options(section[0], f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = info
+    return out
+
+
+def outside_name(key: str, info) -> str:
+    return (info.json_schema_extra or {}).get("name", key)
+
+
+def yaml_by_name() -> dict[str, tuple[str, object]]:
+    """Outside name (or the dotted key where there is none) -> (dotted key, FieldInfo)."""
+    return {outside_name(key, info): (key, info) for key, info in yaml_options().items()}
+
+
+def cli_actions() -> dict[str, dict[str, object]]:
+    """command -> dest -> its argparse action, for plan, validate and run."""
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    return {cmd: {a.dest: a for a in sub.choices[cmd]._actions} for cmd in COMMANDS}
+
+
+def cli_dests() -> set[str]:
+    return {dest for actions in cli_actions().values() for dest in actions}
+
+
+def llm_requests(monkeypatch) -> list:
+    """LLM's planning request, caught where LLM would load the model (nothing is loaded)."""
+    caught = []
+    monkeypatch.setattr(LLM, "_load", lambda self, request, placement, disk_dir: caught.append(request))
+    return caught
+
+
+def llm_names(monkeypatch) -> set[str]:
+    """LLM's options: its signature's keywords and every outside name it accepts as **options."""
+    llm_requests(monkeypatch)
+    params = inspect.signature(LLM.__init__).parameters
+    names = {n for n, p in params.items() if n != "self" and p.kind is not p.VAR_KEYWORD}
+    for name in yaml_by_name():
+        try:
+            LLM(**{name: None})
+        except ConfigError as e:
+            assert "unknown option" in str(e), e
+            continue
+        names.add(name)
+    return names
+
+
+# --- types and sample values ---------------------------------------------------------------------------------
+
+def kind_of(info) -> object:
+    """'bytes', int, float, bool, list, a tuple of Literal choices, or str."""
+    if (info.json_schema_extra or {}).get("unit") == "bytes":
+        return "bytes"
+    found = []
+
+    def walk(ann):
+        origin = typing.get_origin(ann)
+        if origin is typing.Annotated:
+            walk(typing.get_args(ann)[0])
+        elif origin in (typing.Union, types.UnionType):
+            for a in typing.get_args(ann):
+                walk(a)
+        elif origin is typing.Literal:
+            found.append(typing.get_args(ann))
+        elif ann is not type(None):
+            found.append(origin or ann)
+
+    walk(info.annotation)
+    for kind in (int, float, bool, list):
+        if kind in found:
+            return kind
+    return next((k for k in found if isinstance(k, tuple)), str)
+
+
+SAMPLE_STR = {"model.path": "llama-3.1-8b", "hardware.profile": "rtx4090-ddr5", "distributed.address": "10.0.0.5:6379"}
+
+
+def sample(key: str, info, tmp: Path):
+    """A valid value for the option other than its default, as YAML gives it."""
+    kind, default = kind_of(info), info.get_default(call_default_factory=True)
+    if kind == "bytes":
+        return "3GiB"
+    if isinstance(kind, tuple):
+        return next(c for c in kind if c != default)
+    return {int: 3, float: 0.5, bool: not default, list: ["</s>"]}.get(kind) or SAMPLE_STR.get(key) or str(tmp / key)
+
+
+def section_value(key: str, value):
+    """What the job schema makes of value at key."""
+    section, field = key.split(".") if "." in key else (None, key)
+    raw = {"model": {"path": "default"}, **({section: {field: value}} if section else {field: value})}
+    config = JobConfig.model_validate(raw)
+    return getattr(getattr(config, section), field) if section else getattr(config, field)
+
+
+# --- the tests -----------------------------------------------------------------------------------------------
+
+def test_every_option_is_on_all_three_surfaces_or_allowed(monkeypatch):
+    yaml, llm, cli = set(yaml_by_name()), llm_names(monkeypatch), cli_dests()
+    everywhere = yaml & llm & cli
+    missing = {name: [s for s, names in (("YAML", yaml), ("LLM", llm), ("CLI", cli)) if name not in names]
+               for name in (yaml | llm | cli) - everywhere}
+    unexplained = {n: lacks for n, lacks in missing.items() if n not in NOT_EVERYWHERE}
+    assert not unexplained, f"options missing from a surface without a reason in NOT_EVERYWHERE: {unexplained}"
+    stale = set(NOT_EVERYWHERE) - set(missing)
+    assert not stale, f"NOT_EVERYWHERE lists options that are everywhere or nowhere: {sorted(stale)}"
+    assert {"model", "cpu_memory", "gpu_memory", "max_tokens", "batch_size"} <= everywhere
+
+
+def test_llm_keywords_set_the_yaml_key_of_their_name_with_its_default(monkeypatch):
+    caught = llm_requests(monkeypatch)
+    LLM()
+    defaults = caught.pop()
+    assert inspect.signature(LLM.__init__).parameters["model"].default == section_value("model.path", "default")
+    by_name = yaml_by_name()
+    shared = llm_names(monkeypatch) & set(by_name)
+    assert shared >= {"model", "cpu_memory", "max_tokens", "batch_size", "host_baseline"}
+    for name in sorted(shared):
+        key, info = by_name[name]
+        assert getattr(defaults, name) == info.get_default(call_default_factory=True), name
+        value = sample(key, info, Path("/tmp"))
+        LLM(**{name: value})
+        request = caught.pop()
+        assert getattr(request, name) == section_value(key, value), name
+        assert [f.name for f in dataclasses.fields(request) if getattr(request, f.name) != getattr(defaults, f.name)
+                and f.compare] == ([name] if name != "hardware" else []), f"{name} set more than its own field"
+    undocumented = [n for n in shared - {"model"} if not re.search(rf"\b{n}\b", LLM.__init__.__doc__ or "")]
+    assert not undocumented, f"LLM.__init__'s docstring lists its options; it lacks {undocumented}"
+
+
+def test_llm_deprecated_max_batch_size_is_batch_size(monkeypatch):
+    caught = llm_requests(monkeypatch)
+    with pytest.warns(DeprecationWarning, match="batch_size"):
+        LLM(max_batch_size=3)
+    assert caught.pop().batch_size == 3
+    with pytest.raises(ConfigError, match="batch_size"):
+        LLM(max_batch_size=3, batch_size=4)
+
+
+def test_llm_refuses_an_unknown_keyword_naming_the_close_one(monkeypatch):
+    llm_requests(monkeypatch)
+    with pytest.raises(ConfigError, match="unknown option 'cpu_memroy'; did you mean 'cpu_memory'"):
+        LLM(cpu_memroy="4GiB")
+
+
+def test_plan_request_fields_are_the_options_with_their_one_default(monkeypatch):
+    by_name = yaml_by_name()
+    fields = {f.name: f for f in dataclasses.fields(PlanRequest)}
+    assert set(fields) == llm_names(monkeypatch) & set(by_name), "PlanRequest's fields are LLM's plan options"
+    for name, f in fields.items():
+        key, info = by_name[name]
+        assert f.default == info.get_default(call_default_factory=True), f"{name} ({key})"
+
+
+def test_cli_flags_have_the_options_type_default_and_help():
+    by_name = yaml_by_name()
+    checked = set()
+    for cmd, actions in cli_actions().items():
+        for dest, action in actions.items():
+            if dest not in by_name:
+                continue
+            key, info = by_name[dest]
+            kind, default = kind_of(info), info.get_default(call_default_factory=True)
+            text = (action.help or "").replace("%%", "%")
+            assert action.default is None, f"{cmd} --{dest}: None means the option's default"
+            if kind is bool:
+                assert action.const == (not default) and action.nargs == 0, f"{cmd} {dest}: a switch to not default"
+            else:
+                assert action.type is {int: int, float: float}.get(kind), f"{cmd} {dest}: type {action.type}"
+            if isinstance(kind, tuple):
+                assert text.startswith(f"one of {', '.join(map(str, kind))}"), f"{cmd} {dest}: {text}"
+            assert f"({key}" in text, f"{cmd} {dest}: help names the YAML key {key}: {text}"
+            if default is not None and not isinstance(default, bool):
+                assert re.search(rf"default '?{re.escape(str(default))}'?\)", text), f"{cmd} {dest}: {text}"
+            elif default is None and key not in NO_DEFAULT_IN_HELP:
+                assert "default" in text, f"{cmd} {dest}: help says what unset means: {text}"
+            checked.add(dest)
+    assert {"cpu_memory", "max_tokens", "temperature", "seed", "batch_size", "progress"} <= checked
+
+
+def test_each_command_takes_the_flags_of_its_options():
+    """plan takes the plan's options; validate and run also the job's; all three the same plan flags."""
+    actions = cli_actions()
+    for key, info in yaml_options().items():
+        cli = (info.json_schema_extra or {}).get("cli")
+        name = outside_name(key, info)
+        assert (name in actions["plan"]) == (cli == "plan"), name
+        assert (name in actions["run"]) == (name in actions["validate"]) == (cli in ("plan", "job")), name
+
+
+def test_flags_set_the_yaml_key_their_help_names(tmp_path):
+    """All of run's option flags at once, each with a value other than its default: each lands on its own key."""
+    (tmp_path / "in.jsonl").write_text("")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    given = {"model.path": str(model), "input.path": str(tmp_path / "in.jsonl")}
+    argv, expected = ["run"], {}
+    for dest, action in cli_actions()["run"].items():
+        if dest not in yaml_by_name() or dest == "plot":  # a plot needs matplotlib, an extra
+            continue
+        key, info = yaml_by_name()[dest]
+        value = given.get(key) or sample(key, info, tmp_path)
+        argv += action.option_strings[:1] + ([] if kind_of(info) is bool else [str(value)])
+        expected[key] = section_value(key, value)
+    args = build_parser().parse_args(argv)
+    from offload.cli.job_flags import effective_config
+
+    config = effective_config(args)
+    for key, value in expected.items():
+        section, field = key.split(".")
+        assert getattr(getattr(config, section), field) == value, key
+    assert len(expected) >= 20
+
+
+def test_no_flags_leave_every_option_at_its_default():
+    args = build_parser().parse_args(["plan"])
+    from offload.cli.job_flags import effective_config
+
+    config, defaults = effective_config(args, need_input=False), load_config(None, {"model.path": "default"},
+                                                                             need_input=False)
+    assert config == defaults
+    for key, info in yaml_options().items():
+        if key.split(".")[0] in ("model", "hardware", "memory", "schedule", "sampling"):
+            section, field = key.split(".")
+            assert getattr(getattr(config, section), field) == info.get_default(call_default_factory=True), key
+
+
+def test_flag_help_names_the_unit():
+    for cmd, actions in cli_actions().items():
+        for dest, action in actions.items():
+            if dest not in yaml_by_name():
+                continue
+            unit = (yaml_by_name()[dest][1].json_schema_extra or {}).get("unit")
+            assert unit in UNITS | {None}, f"{dest}: unit {unit!r} has no check here"
+            if unit == "bytes":
+                assert re.search(r"such as \d+[KMGT]i?B", action.help), f"{cmd} {dest}: {action.help}"
+            elif unit == "tokens":
+                assert "tokens" in action.help, f"{cmd} {dest}: {action.help}"
+
+
+def test_every_unit_is_one_this_test_knows():
+    units = {(info.json_schema_extra or {}).get("unit") for info in yaml_options().values()}
+    assert units - {None} <= UNITS and {"bytes", "tokens"} <= units
+
+
+def test_no_plan_request_is_built_by_position():
+    """Keyword-only: a field added to PlanRequest cannot shift the others' values."""
+    found = []
+    for folder in ("offload", "scripts", "tests"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Call) and node.args and (
+                        getattr(node.func, "id", None) == "PlanRequest"
+                        or getattr(node.func, "attr", None) == "PlanRequest"):
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert not found, f"PlanRequest built by position at {found}"
+    with pytest.raises(TypeError):
+        PlanRequest("llama-3.1-8b")
