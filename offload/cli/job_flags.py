@@ -55,6 +55,8 @@ def _arg_type(info):
 
     metadata_base = [a for a in typing.get_args(info.annotation)] or [info.annotation]
     for ann in (info.annotation, *metadata_base):
+        if typing.get_origin(ann) is typing.Annotated:  # Whole | None: the int inside
+            ann = typing.get_args(ann)[0]
         if typing.get_origin(ann) is typing.Literal:
             return typing.get_args(ann)
         if ann in (int, float):
