@@ -31,8 +31,18 @@ def test_plan_70b_on_4090_prints_table_and_summary(capsys):
     out = capsys.readouterr().out
     assert "llama-3.1-70b (q4_0) on rtx4090-ddr5" in out
     assert "layer." in out and "tokens/s" in out and "compute split" in out
-    summary = [line for line in out.splitlines() if line.startswith("offloaded ")]
-    assert len(summary) == 1 and summary[0].endswith("/83 blocks to GPU")
+    summary = [line for line in out.splitlines() if line.startswith("blocks: ")]
+    assert len(summary) == 1 and " of 83 resident on the GPU; decode streams " in summary[0]
+
+
+def test_plan_explain_names_placements_one_way_and_summarises_once(capsys):
+    """'offloaded' meant both 'to the GPU' and 'off it' on consecutive lines, and --explain repeated the summary:
+    blocks are resident, streamed, computed on the CPU or read from disk, and the summary is printed once."""
+    assert main(PLAN_70B + ["--explain"]) == 0
+    out = capsys.readouterr().out
+    assert "offloaded" not in out.lower()
+    assert sum(line.startswith("blocks: ") for line in out.splitlines()) == 1
+    assert "units not resident on the GPU" in out and "Weights: " in out
 
 
 def test_plan_json(capsys):

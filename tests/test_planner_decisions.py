@@ -78,7 +78,8 @@ def test_pcie5_flips_to_streaming_at_a_smaller_batch_than_pcie3(llama70b):
 def test_cpu_only_machine_plans_everything_on_cpu_and_disk(llama70b):
     hw = load_hardware("cpu-desktop")  # 32 GiB RAM: the 38 GiB of q4_0 weights cannot all stay in RAM
     p = plan(llama70b, hw, Budget.for_hardware(hw, disk_bytes=100 * GiB), Workload(), "q4_0")
-    assert p.summary_line == "offloaded 0/83 blocks to GPU" and p.tier("gpu").total_bytes == 0
+    assert p.summary_line.startswith("blocks: 0 of 83 resident on the GPU;") and p.tier("gpu").total_bytes == 0
+    assert p.summary_line.endswith(f"; {sum(u.weight_tier == 'disk' for u in p.units)} read from disk")
     assert {u.prefill for u in p.units} == {u.decode for u in p.units} == {"cpu"}
     assert p.tier("disk").weights_bytes > 0 and p.tier("cpu").total_bytes <= p.budget.cpu_bytes
     assert p.decode.bound == "disk"

@@ -98,7 +98,7 @@ def _decision(plan, phase: str) -> str:
     cost = getattr(plan, phase)
     why = {"compute": "the compute chain", "pcie": "the PCIe link", "disk": "disk reads",
            "host_memory": "host-memory bandwidth"}[cost.bound]
-    return (f"{phase}: of {len(modes)} offloaded units, {n_stream} stream to the GPU and {n_cpu} compute on "
+    return (f"{phase}: of {len(modes)} units not resident on the GPU, {n_stream} stream to it and {n_cpu} compute on "
             f"the CPU; one step takes {_ms(cost.step_s)}, set by {why} (GPU {_ms(cost.gpu_s)}, "
             f"CPU {_ms(cost.cpu_s)}, PCIe {_ms(cost.pcie_s)}, disk {_ms(cost.disk_s)}, "
             f"host memory {_ms(cost.host_mem_s)}).")
@@ -127,8 +127,8 @@ def bottleneck_line(plan) -> str:
 def plan_explanation(plan) -> str:
     """Sentences saying what was placed where and why the step time is what it is."""
     gpu, cpu, disk = plan.tier("gpu"), plan.tier("cpu"), plan.tier("disk")
-    lines = [f"{plan.summary_line}: {format_bytes(gpu.weights_bytes)} of weights on the GPU, "
-             f"{format_bytes(cpu.weights_bytes)} in RAM, {format_bytes(disk.weights_bytes)} on disk.",
+    lines = [f"Weights: {format_bytes(gpu.weights_bytes)} resident on the GPU, {format_bytes(cpu.weights_bytes)} "
+             f"in RAM, {format_bytes(disk.weights_bytes)} on disk.",
              *([f"{plan.moe_summary}."] if plan.moe_summary else []),
              f"Each placement counts weights, the KV cache for batch {plan.workload.batch_size} x "
              f"{plan.workload.seq_len} tokens, activations at the largest shape, staging slots, pinned "

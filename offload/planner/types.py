@@ -160,8 +160,14 @@ class Plan:
 
     @property
     def summary_line(self) -> str:
-        """The stable, greppable line: how many units have their weights resident on the GPU."""
-        return f"offloaded {self.n_gpu_units}/{len(self.units)} blocks to GPU"
+        """The stable, greppable line, in words read one way: blocks resident on the GPU; of the others, how many
+        each phase streams to it and computes on the CPU; and how many are read from disk."""
+        away = [u for u in self.units if u.weight_tier != "gpu"]
+        phases = "; ".join(f"{p} streams {n} and computes {len(away) - n} on the CPU"
+                           for p, n in ((p, sum(getattr(u, p) == "stream" for u in away)) for p in ("decode", "prefill")))
+        on_disk = sum(u.weight_tier == "disk" for u in away)
+        return (f"blocks: {self.n_gpu_units} of {len(self.units)} resident on the GPU" + (f"; {phases}" if away else "")
+                + f"; {on_disk} read from disk")
 
     @property
     def moe_summary(self) -> str | None:
