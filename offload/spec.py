@@ -338,8 +338,10 @@ class ModelSpec:
         """Peak working set of one layer for n_tokens queries over ctx_len keys (residual, qkv, scores, MLP)."""
         d, f = self.hidden_size, self.mlp_width
         # x, normed x and attention output [T, d] (a MoE layer hands the experts unit [T, 2d]); q, k, v [T, q+2kv];
-        # gate and up [T, f]; attention scores [n_heads, T, ctx] kept in fp32 for the softmax.
-        per_token = 3 * d + self.q_size + 2 * self.kv_size + 2 * f + (2 * d if self.moe else 0)
+        # gate and up [T, f] (a MoE layer's grouped GPU path holds instead its picked pairs' activations [T, f]
+        # and their down outputs [T, top_k, d] before they are summed); attention scores [n_heads, T, ctx] in fp32.
+        mlp = 2 * f if self.moe is None else max(2 * f, f + self.moe.top_k * d)
+        per_token = 3 * d + self.q_size + 2 * self.kv_size + mlp + (2 * d if self.moe else 0)
         scores = self.n_heads * n_tokens * self.kv_len(ctx_len) * 4
         return n_tokens * per_token * elem_bytes + scores
 

@@ -85,3 +85,19 @@ def test_llama3_70b_kv_matches_design_reference():
     assert spec.rope.type == "llama3" and spec.rope.factor == 8.0
     assert load_spec(MODELS / "qwen2.5-72b").qkv_bias
     assert load_spec(MODELS / "mistral-7b").sliding_window == 4096
+
+
+def test_a_moe_layers_workspace_holds_the_grouped_paths_buffers():
+    """The grouped expert path (kernels/triton_moe.py) holds per token its picked pairs' activations [top_k x F]
+    and their down outputs [top_k x d]: Qwen3-30B-A3B's shape (d 2048, 8 of 128 experts of 768) needs
+    6144 + 16384 = 22528 values there, more than gate and up's 2 x 6144."""
+    from offload.spec import spec_from_config
+
+    spec = spec_from_config({"model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                             "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+                             "num_hidden_layers": 2, "num_attention_heads": 32, "num_key_value_heads": 4,
+                             "head_dim": 128, "vocab_size": 1000, "max_position_embeddings": 4096})
+    d, f = 2048, 8 * 768
+    attention = 3 * d + spec.q_size + 2 * spec.kv_size + 2 * d
+    scores = spec.n_heads * 1 * spec.kv_len(16) * 4
+    assert spec.activation_bytes(1, 16, 2) == (attention + f + 8 * d) * 2 + scores
