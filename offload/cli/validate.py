@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 from offload.cli.job_flags import add_job_flags, effective_config
 from offload.errors import ConfigError
+
+log = logging.getLogger("offload")
 
 
 def add_parser(sub) -> None:
@@ -23,6 +26,7 @@ def run(args) -> int:
                                   config.input.chat)
     name = args.config or "the command line"
     spec, context_len = check_plan(config)
+    warn_max_tokens_beyond_context(config, requests, spec, context_len)
     problems = sorted([(b.line_no, b.message) for b in bad] + check_prompts(config, requests, spec, context_len))
     if problems:
         lines = "\n".join(f"  - {message}" for _, message in problems)
@@ -46,6 +50,23 @@ def check_plan(config):
     if config.engine == "local":  # on Ray each replica plans for the node it lands on, when the job starts
         plan_for(spec, hw, request)
     return spec, request.workload(spec, hw).seq_len
+
+
+def warn_max_tokens_beyond_context(config, requests, spec, context_len: int) -> None:
+    """One warning line where sampling.max_tokens, or a request body's max_tokens (after sampling.max_tokens_cap),
+    asks for more tokens than the context holds: such a request ends where the context is full."""
+    default = min(config.sampling.max_tokens, config.sampling.max_tokens_cap or config.sampling.max_tokens)
+    over = [r for r in requests if r.params.max_tokens >= context_len and r.params.max_tokens != default]
+    parts = [f"sampling.max_tokens (--max-tokens) is {default}"] if default >= context_len else []
+    if over:
+        named = ", ".join(f"custom_id {r.custom_id!r} asks {r.params.max_tokens}" for r in over[:3])
+        parts.append(f"{len(over)} request(s) set more in their body ({named}{', ...' if len(over) > 3 else ''})")
+    if parts:
+        log.warning(f"max_tokens beyond the context of {context_len} tokens (model.max_model_len): "
+                    f"{'; '.join(parts)}; such a request stops when its prompt and answer fill the context "
+                    f"(finish_reason 'length'): lower max_tokens, cap it with sampling.max_tokens_cap "
+                    f"(--max-tokens-cap), or raise model.max_model_len (this model's context is at most "
+                    f"{spec.max_position_embeddings})")
 
 
 def check_prompts(config, requests, spec, context_len: int) -> list[tuple[int, str]]:
