@@ -357,3 +357,18 @@ def test_no_plan_request_is_built_by_position():
     make = PlanRequest  # (by another name, so that the walk above does not find this one)
     with pytest.raises(TypeError):
         make("llama-3.1-8b")
+
+
+def test_the_readme_table_lists_every_section_and_key():
+    """README's "Options" table: a row per section, naming each of its keys."""
+    text = (ROOT / "README.md").read_text()
+    sections = {}
+    for key in yaml_options():
+        if "." in key:
+            section, field = key.split(".")
+            sections.setdefault(section, []).append(field)
+    for section, fields in sections.items():
+        row = next((line for line in text.splitlines() if line.startswith(f"| `{section}` |")), None)
+        assert row is not None, f"README's options table has no row for {section}"
+        missing = [f for f in fields if f"`{f}`" not in row]
+        assert not missing, f"README's row for {section} lacks {missing}"
