@@ -83,11 +83,11 @@ class PlanRequest:
                               f"a hardware profile with a GPU")
         budget = Budget.for_hardware(hw, gpu_bytes=gpu_bytes, cpu_bytes=_size(self.cpu_memory, "cpu_memory"),
                                      disk_bytes=_size(self.disk_memory, "disk_memory") or 0)
-        check_within(budget.cpu_bytes, hw.ram_bytes, "CPU", "memory.cpu, --cpu-memory", f"hardware profile "
-                     f"{hw.name!r} has {format_bytes(hw.ram_bytes)} of RAM")
+        check_within(budget.cpu_bytes, hw.ram_bytes, "CPU", "memory.cpu, --cpu-memory",
+                     f"{format_bytes(hw.ram_bytes)} of RAM that the hardware profile {hw.name!r} has")
         if hw.has_gpu:
-            check_within(budget.gpu_bytes, hw.vram_bytes, "GPU", "memory.gpu, --gpu-memory", f"hardware profile "
-                         f"{hw.name!r} has {format_bytes(hw.vram_bytes)} of VRAM")
+            check_within(budget.gpu_bytes, hw.vram_bytes, "GPU", "memory.gpu, --gpu-memory",
+                         f"{format_bytes(hw.vram_bytes)} of VRAM that the hardware profile {hw.name!r} has")
         baseline = self.baseline_bytes()
         if baseline and budget.cpu_bytes <= baseline:
             raise ConfigError(f"the CPU budget of {format_bytes(budget.cpu_bytes)} (memory.cpu, --cpu-memory) is not "
