@@ -35,3 +35,7 @@ class OutputError(OffloadError):
 
 class BudgetError(OffloadError):
     """Memory measured while running passed the budget, and the job asked to stop then."""
+
+
+class QueueFull(OffloadError):
+    """The engine's waiting queue is at its bound; the request may be sent again later (a server answers 503)."""

@@ -4,7 +4,8 @@ Each step carries one decode token of every running sequence that has its prompt
 the prompts of sequences still being prefilled, up to a token budget (the plan's tokens per pass over the
 weights): one pass over the weights serves both, as vLLM's chunked-prefill scheduler does. The KV cache is one
 pool of token slots; a sequence gets a contiguous extent of prompt + max_tokens slots (at most the context)
-when it is admitted and gives it back when it finishes, so short requests leave room for more of them.
+when it is admitted and gives it back when it finishes, so short requests leave room for more of them. The loop
+that admits and releases them is the engine's (offload/engine.py): `run` is that loop over a fixed list.
 
 `mixed=False` keeps the schedule offload had before (a step is all prompt chunks or all decode tokens, and
 prompts go first): `scripts/bench_batch.py` runs both side by side.
@@ -13,12 +14,12 @@ prompts go first): `scripts/bench_batch.py` runs both side by side.
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Callable
 
 import torch
 
+from offload.engine import Engine, KVPool, Sequence, kv_extent  # noqa: F401 (KVPool: offload.generate's name too)
 from offload.errors import ConfigError
 from offload.model.llama import ragged_step
 from offload.model.model import Model  # or a PlacedModel: same interface
@@ -26,66 +27,6 @@ from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
 from offload.profile.timeline import StepShape
 from offload.sampling import SamplingParams, sample
 from offload.weights.prompts import check_prompt_ids
-
-
-@dataclass
-class Sequence:
-    """One request in flight: its prompt, what it has generated and why it stopped."""
-
-    request_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_text_end: int | None = None  # where a stop string cut the text
-    base: int = -1  # first KV slot of its extent in the pool
-    extent: int = 0  # KV slots it holds
-    n_cached: int = 0  # prompt tokens whose K and V are in the cache
-    generator: torch.Generator | None = None
-    _text: str = ""  # decoded so far (stop strings only): extended token by token
-    _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def prefilled(self) -> bool:
-        return self.n_cached >= len(self.prompt_ids)
-
-
-class KVPool:
-    """Contiguous extents of one cache row of `capacity` slots, handed out first fit and merged when returned."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.free = [(0, capacity)]  # (start, length), by start
-
-    def alloc(self, n: int) -> int | None:
-        """The first slot of n free slots in a row, or None when no free extent is that long."""
-        for i, (start, length) in enumerate(self.free):
-            if length >= n:
-                self.free[i] = (start + n, length - n)
-                if self.free[i][1] == 0:
-                    del self.free[i]
-                return start
-        return None
-
-    def release(self, start: int, n: int) -> None:
-        self.free.append((start, n))
-        self.free.sort()
-        merged = [self.free[0]]
-        for s, n_ in self.free[1:]:
-            last_s, last_n = merged[-1]
-            if last_s + last_n == s:
-                merged[-1] = (last_s, last_n + n_)
-            else:
-                merged.append((s, n_))
-        self.free = merged
-
-    @property
-    def n_free(self) -> int:
-        return sum(n for _, n in self.free)
 
 
 class Generator:
@@ -116,30 +57,12 @@ class Generator:
             self._check(seq)
         if not seqs:
             return
-        for seq in seqs:  # every token but the last one sampled is written to the cache
-            seq.extent = min(len(seq.prompt_ids) + seq.params.max_tokens, self.context_len) - 1
-        # the pool: what the run's sequences need at most, within kv_tokens with its trash slot (the longest
-        # sequence always fits)
-        largest = sorted((s.extent for s in seqs), reverse=True)
-        capacity = max(min(self.kv_tokens - 1, sum(largest[: self.max_batch_size])), largest[0])
-        cache = self.model.new_cache(1, capacity)
-        pool, pending, running = KVPool(capacity), deque(seqs), []
-        while pending or running:
-            while pending and len(running) < self.max_batch_size:
-                base = pool.alloc(pending[0].extent)
-                if base is None:
-                    break
-                seq = pending.popleft()
-                seq.base, seq.n_cached, seq.generator = base, 0, seq.params.make_generator()
-                running.append(seq)
-            self._step(running, cache, capacity)
-            for seq in [s for s in running if s.finish_reason]:
-                running.remove(seq)
-                pool.release(seq.base, seq.extent)
-                if on_finish:
-                    on_finish(seq)
-            if self.between_steps is not None:
-                self.between_steps()
+        # the pool: what these sequences need at most, within kv_tokens with its trash slot (the longest always fits)
+        largest = sorted((kv_extent(s, self.context_len) for s in seqs), reverse=True)
+        engine = Engine(self, kv_slots=max(min(self.kv_tokens - 1, sum(largest[: self.max_batch_size])), largest[0]))
+        for seq in seqs:
+            engine.submit(seq)
+        engine.run_until_done(on_finish)
 
     def _plan_step(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """The decode sequences and the (sequence, chunk length) prompt chunks of the next step."""
@@ -156,7 +79,7 @@ class Generator:
             room -= n
         return decode, chunks
 
-    def _step(self, running: list[Sequence], cache, trash_slot: int) -> None:
+    def step(self, running: list[Sequence], cache, trash_slot: int) -> None:
         """One forward pass over the weights: the decode tokens and prompt chunks, then sampling."""
         decode, chunks = self._plan_step(running)
         groups, tokens = [], []

@@ -19,7 +19,7 @@ LAYERS = [
     {"profile", "model"},
     {"weights"},
     {"runtime"},
-    {"generate"},
+    {"generate", "engine"},
     {"api", "simulate", "costfit"},
     {"jobs"},
     {"cli", "__main__"},

@@ -1,0 +1,239 @@
+"""The engine loop: requests join and leave one continuous batch while it steps.
+
+An Engine holds a KV pool for its life and a queue of requests waiting for slots. Each `step()` drops the
+requests aborted since the last one, admits waiting ones first come first served while their extents fit, and
+runs one mixed step of the generator (offload/generate.py) over every request in flight: one pass over the
+weights serves them all. `add` and `abort` may be called from other threads while a step runs (a server's
+event loop); the steps themselves run in one thread at a time. `Generator.run` is this loop over a fixed list.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+
+from offload.errors import ConfigError, QueueFull
+from offload.sampling import SamplingParams
+
+ABORT = "abort"  # the finish_reason of a request aborted before it finished (vLLM's)
+
+
+@dataclass
+class Sequence:
+    """One request in flight: its prompt, what it has generated and why it stopped."""
+
+    request_id: int | str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # where a stop string cut the text
+    base: int = -1  # first KV slot of its extent in the pool
+    extent: int = 0  # KV slots it holds
+    n_cached: int = 0  # prompt tokens whose K and V are in the cache
+    generator: torch.Generator | None = None
+    _text: str = ""  # decoded so far (stop strings only): extended token by token
+    _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.n_cached >= len(self.prompt_ids)
+
+
+def kv_extent(seq: Sequence, context_len: int) -> int:
+    """KV slots a sequence needs at most: every token but the last one sampled is written to the cache."""
+    return min(len(seq.prompt_ids) + seq.params.max_tokens, context_len) - 1
+
+
+class KVPool:
+    """Contiguous extents of one cache row of `capacity` slots, handed out first fit and merged when returned."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.free = [(0, capacity)]  # (start, length), by start
+
+    def alloc(self, n: int) -> int | None:
+        """The first slot of n free slots in a row, or None when no free extent is that long."""
+        for i, (start, length) in enumerate(self.free):
+            if length >= n:
+                self.free[i] = (start + n, length - n)
+                if self.free[i][1] == 0:
+                    del self.free[i]
+                return start
+        return None
+
+    def release(self, start: int, n: int) -> None:
+        self.free.append((start, n))
+        self.free.sort()
+        merged = [self.free[0]]
+        for s, n_ in self.free[1:]:
+            last_s, last_n = merged[-1]
+            if last_s + last_n == s:
+                merged[-1] = (last_s, last_n + n_)
+            else:
+                merged.append((s, n_))
+        self.free = merged
+
+    @property
+    def n_free(self) -> int:
+        return sum(n for _, n in self.free)
+
+
+@dataclass
+class StepOutput:
+    """What one step did: the token ids each request sampled in it, and the requests that left the batch (finished,
+    or aborted with finish_reason 'abort')."""
+
+    tokens: dict[int | str, list[int]] = field(default_factory=dict)
+    finished: list[Sequence] = field(default_factory=list)
+
+
+class Engine:
+    """Steps a Generator over the requests in flight, admitting new ones as slots free (continuous batching)."""
+
+    def __init__(self, generator, *, max_waiting: int | None = None, kv_slots: int | None = None):
+        """generator: an offload.generate.Generator; max_waiting: requests that may wait for a slot at once (None:
+        no bound); kv_slots: the pool's slots (None: the generator's kv_tokens, its plan's batch at the whole
+        context, less the trash slot; never fewer than one sequence of the whole context needs)."""
+        if max_waiting is not None and max_waiting < 1:
+            raise ConfigError(f"max_waiting must be 1 or more (None for no bound), got {max_waiting}")
+        self.generator = generator
+        self.max_waiting = max_waiting
+        self.capacity = kv_slots or max(generator.kv_tokens - 1, generator.context_len - 1)
+        self.pool = KVPool(self.capacity)
+        self.cache = generator.model.new_cache(1, self.capacity)  # slot `capacity` takes the writes of padding
+        self._waiting: deque[Sequence] = deque()
+        self._running: list[Sequence] = []  # changed by the stepping thread only, under the lock
+        self._in_flight: dict[int | str, Sequence] = {}  # waiting or running, by request id
+        self._aborting: dict[int, Sequence] = {}  # running ones to drop at the next step, by id(seq)
+        self._left: list[Sequence] = []  # aborted while waiting: reported by the next step
+        self._lock = threading.Lock()
+        self._work = threading.Condition(self._lock)  # notified when a request arrives
+        self._stepping = threading.Lock()
+
+    def add(self, request_id: int | str, prompt_ids: list[int], params: SamplingParams | None = None) -> Sequence:
+        """Queue a request; its Sequence fills in as steps run. ConfigError if it cannot run (the prompt, or an id
+        in flight); QueueFull if max_waiting requests wait already."""
+        seq = Sequence(request_id, [int(t) for t in prompt_ids], params or SamplingParams())
+        self.generator.check_prompt(seq.prompt_ids)
+        self.submit(seq)
+        return seq
+
+    def submit(self, seq: Sequence) -> None:
+        """Queue a Sequence whose prompt was checked (Generator.run checks a list first, naming each prompt)."""
+        seq.extent = kv_extent(seq, self.generator.context_len)
+        if seq.extent > self.capacity:
+            raise ConfigError(f"request {seq.request_id!r} needs {seq.extent} KV slots (prompt + max_tokens) and the "
+                              f"engine's pool has {self.capacity}; lower max_tokens or give the engine more kv_slots")
+        with self._lock:
+            if seq.request_id in self._in_flight:
+                raise ConfigError(f"request id {seq.request_id!r} is already in flight; give each request its own id")
+            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+                raise QueueFull(f"{len(self._waiting)} requests are waiting, the engine's max_waiting; send request "
+                                f"{seq.request_id!r} again once some have started, or raise max_waiting")
+            self._waiting.append(seq)
+            self._in_flight[seq.request_id] = seq
+            self._work.notify_all()
+
+    def abort(self, request_id: int | str) -> None:
+        """Stop a request: a waiting one leaves the queue now, a running one frees its slots at the next step; an
+        id not in flight (unknown, or finished) is ignored."""
+        with self._lock:
+            seq = self._in_flight.get(request_id)
+            if seq is None:
+                return
+            if any(s is seq for s in self._waiting):
+                self._waiting.remove(seq)
+                del self._in_flight[request_id]
+                seq.finish_reason = ABORT
+                self._left.append(seq)
+            else:
+                self._aborting[id(seq)] = seq
+            self._work.notify_all()
+
+    def step(self) -> StepOutput:
+        """One pass over the weights for every request in flight, after dropping the aborted ones and admitting
+        waiting ones while their extents fit; what was sampled and who left (nothing runs when nothing waits)."""
+        with self._stepping:
+            with self._lock:
+                out = StepOutput(finished=self._drop_aborted())
+                self._admit()
+            if self._running:
+                before = [len(s.output_ids) for s in self._running]
+                self.generator.step(self._running, self.cache, self.capacity)
+                out.tokens = {s.request_id: s.output_ids[n:] for s, n in zip(self._running, before)
+                              if len(s.output_ids) > n}
+                with self._lock:
+                    out.finished += self._release([s for s in self._running if s.finish_reason])
+                if self.generator.between_steps is not None:
+                    self.generator.between_steps()
+            return out
+
+    def steps(self) -> Iterator[StepOutput]:
+        """Step while any request is in flight (the iterator form of run_until_done)."""
+        while self.has_work():
+            yield self.step()
+
+    def run_until_done(self, on_finish: Callable[[Sequence], None] | None = None) -> None:
+        """Step until no request is in flight; on_finish is called as each one leaves."""
+        for out in self.steps():
+            for seq in out.finished:
+                if on_finish is not None:
+                    on_finish(seq)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            return self._has_work()
+
+    def wait_for_work(self, timeout_s: float | None = None) -> bool:
+        """Block until a request is in flight or timeout_s passes; whether one is."""
+        with self._work:
+            return self._work.wait_for(self._has_work, timeout_s)
+
+    @property
+    def n_waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def n_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def kv_slots_used(self) -> int:
+        return self.capacity - self.pool.n_free
+
+    def _has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._left)
+
+    def _admit(self) -> None:
+        """Waiting requests in arrival order while the batch has room and the head's extent fits in the pool."""
+        while self._waiting and len(self._running) < self.generator.max_batch_size:
+            base = self.pool.alloc(self._waiting[0].extent)
+            if base is None:
+                break
+            seq = self._waiting.popleft()
+            seq.base, seq.n_cached, seq.generator = base, 0, seq.params.make_generator()
+            self._running.append(seq)
+
+    def _drop_aborted(self) -> list[Sequence]:
+        left, self._left = self._left, []
+        aborted = [s for s in self._running if id(s) in self._aborting and not s.finish_reason]
+        self._aborting.clear()
+        for seq in aborted:
+            seq.finish_reason = ABORT
+        return left + self._release(aborted)
+
+    def _release(self, seqs: list[Sequence]) -> list[Sequence]:
+        for seq in seqs:
+            self._running.remove(seq)
+            self.pool.release(seq.base, seq.extent)
+            del self._in_flight[seq.request_id]
+        return seqs
