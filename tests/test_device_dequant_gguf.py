@@ -28,6 +28,7 @@ from offload.errors import KernelError
 from offload.formats import GGUF_BLOCKS
 from offload.runtime import device_quant
 from offload.runtime.device_quant import DeviceQuantWeight, dequantize_gguf
+from triton_support import INTERPRETER_PRELUDE
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
@@ -137,17 +138,8 @@ SHAPES = [("gemv", 1, 37, 3), ("gemv", 1, 21, 17), ("gemv", 3, 37, 2), ("gemv", 
 CASES = [(kernel, fmt, i % 2 == 0, n, m, n_blocks, DTYPES[i % 3])
          for i, (kernel, n, m, n_blocks) in enumerate(SHAPES) for fmt in FORMATS]
 
-# The interpreter keeps bf16 as uint16 bits and tl.dot multiplies the bits (triton-lang/triton#11584); a GPU
-# multiplies bf16 values exactly into fp32, which fp32 operands reproduce (as in tests/test_triton_dequant.py).
-WORKER = """
-import sys, torch
-import triton.language as tl
-from triton.runtime import interpreter
-dot = interpreter.InterpreterBuilder.create_dot
-def dot_bf16_as_values(self, a, b, *rest):
-    a, b = (self.cast_impl(t, tl.float32) if t.dtype == tl.bfloat16 else t for t in (a, b))
-    return dot(self, a, b, *rest)
-interpreter.InterpreterBuilder.create_dot = dot_bf16_as_values
+# The worker starts with triton_support's prelude (bf16 dot operands as values, as a GPU multiplies them).
+WORKER = INTERPRETER_PRELUDE + """
 from offload.kernels import triton_gguf
 cases = torch.load(sys.argv[1], weights_only=False)
 out = {}

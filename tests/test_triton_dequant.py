@@ -27,6 +27,7 @@ from conftest import child_env, run_interpreted
 
 from offload.kernels.packed import pack
 from offload.runtime.device_quant import DeviceQuantWeight
+from triton_support import INTERPRETER_PRELUDE
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
@@ -81,18 +82,8 @@ def assert_within(y: torch.Tensor, x: torch.Tensor, w, bias: torch.Tensor | None
 
 
 # ---------------------------------------------------------------------------------------- interpreted runs
-# The interpreter keeps bf16 as uint16 bits and tl.dot multiplies the bits (triton-lang/triton#11584; its
-# documentation says bf16 operations are unsupported). A GPU multiplies bf16 values exactly into fp32, which
-# fp32 operands reproduce, so the worker converts bf16 dot operands first; all else runs as the kernel says.
-WORKER = """
-import sys, torch
-import triton.language as tl
-from triton.runtime import interpreter
-dot = interpreter.InterpreterBuilder.create_dot
-def dot_bf16_as_values(self, a, b, *rest):
-    a, b = (self.cast_impl(t, tl.float32) if t.dtype == tl.bfloat16 else t for t in (a, b))
-    return dot(self, a, b, *rest)
-interpreter.InterpreterBuilder.create_dot = dot_bf16_as_values
+# The worker starts with triton_support's prelude (bf16 dot operands as values, as a GPU multiplies them).
+WORKER = INTERPRETER_PRELUDE + """
 from offload.kernels import triton_dequant as T
 cases = torch.load(sys.argv[1], weights_only=False)
 out = {}

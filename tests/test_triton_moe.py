@@ -30,6 +30,7 @@ from offload.model.llama import StackedWeight, linear
 from offload.model.moe import ExpertWeights, experts_forward_loop, route
 from offload.runtime.device_quant import DeviceQuantWeight
 from offload.spec import MoESpec
+from triton_support import INTERPRETER_PRELUDE
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
@@ -99,19 +100,11 @@ def tolerance(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------- interpreted runs
-# The interpreter's tl.dot multiplies bf16 bits (triton-lang/triton#11584): the worker converts bf16 dot operands
-# to fp32 first, as tests/test_triton_dequant.py's does. SyncGuard records every torch call that makes the host
-# wait for the device (a value read back, a data-dependent size, a copy to the host) while the grouped path runs.
-WORKER = """
-import sys, torch
-import triton.language as tl
+# The worker starts with triton_support's prelude (bf16 dot operands as values). SyncGuard records every torch
+# call that makes the host wait for the device (a value read back, a data-dependent size, a copy to the host)
+# while the grouped path runs.
+WORKER = INTERPRETER_PRELUDE + """
 from torch.overrides import TorchFunctionMode
-from triton.runtime import interpreter
-dot = interpreter.InterpreterBuilder.create_dot
-def dot_bf16_as_values(self, a, b, *rest):
-    a, b = (self.cast_impl(t, tl.float32) if t.dtype == tl.bfloat16 else t for t in (a, b))
-    return dot(self, a, b, *rest)
-interpreter.InterpreterBuilder.create_dot = dot_bf16_as_values
 from offload.kernels import triton_moe
 from offload.model.moe import experts_forward_grouped, experts_forward_loop
 SYNCING = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
