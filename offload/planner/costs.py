@@ -36,6 +36,12 @@ GPU_LAUNCH_S = 5e-6
 # loop (weights the grouped kernels do not take: GGUF block formats) 12, a host sync, then 8 per picked expert.
 MOE_GROUPED_LAUNCHES = 20
 MOE_LOOP_LAUNCHES = (12, 8)
+# Launches of a dense layer's forward on the GPU: the ops a decode step dispatches, views aside (counted on a tiny
+# Llama, tests/test_gpu_calibration.py counts them again): 2 RMSNorms of 6, 4 matmuls, rope 8, the KV append 2,
+# attention 1, SiLU and its gate 2, 2 residual adds, 3 for the mask. Of those, its MLP's: a norm, 2 matmuls, SiLU,
+# gate, the residual add. The host issues them one by one, so a unit takes at least its launches' seconds.
+DENSE_LAYER_LAUNCHES = 37
+MLP_LAUNCHES = 11
 
 
 @dataclass(frozen=True)
@@ -118,6 +124,15 @@ def hop_latency_s(hw: HardwareProfile, busy: bool = False) -> float:
     return round_trip / 2 if round_trip else HOP_LATENCY_S
 
 
+def unit_launches(spec: ModelSpec, unit: UnitSpec) -> int:
+    """Kernel launches of a layer or split-off MLP unit on the GPU (0 for the other kinds: a few, once a step)."""
+    if unit.kind == "mlp":
+        return MLP_LAUNCHES
+    if unit.kind == "layer":
+        return DENSE_LAYER_LAUNCHES - (MLP_LAUNCHES if spec.hands_over(unit.index) else 0)
+    return 0
+
+
 def moe_launch_s(unit: UnitSpec, fmt: str, compute: str, n_tokens: int,
                  hw: HardwareProfile | None = None) -> float:
     """Seconds of launches (and the loop's host sync) an experts unit adds to a pass on the GPU: a fixed count
@@ -164,6 +179,8 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
     cpu_s = _cpu_s(spec, unit, fmt, hw, phase, compute, flops, attn_flops, matmul_rows, read_bytes, kv_bytes)
     floor = passes * read_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf
     gpu_s = max(gpu_s, floor)
+    if hw.gpu_launch_s:  # measured: the host's launches bound a short unit (presets keep the roofline alone)
+        gpu_s = max(gpu_s, passes * unit_launches(spec, unit) * hw.gpu_launch_s)
     if unit.moe is not None:
         gpu_s += passes * moe_launch_s(unit, fmt, compute, -(-phase.n_tokens // passes), hw)
     host_kv = (0.0, 0.0, 0.0)
