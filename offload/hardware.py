@@ -476,6 +476,19 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
     return out
 
 
+def gpu_calibration_summary(profile: HardwareProfile) -> dict:
+    """The GPU figures calibration measured, for a check's summary: launch and hand-over microseconds, each
+    format's crossover rows (null: the fused kernel at every measured row count) and TFLOP/s by kernel and rows."""
+    crossover = profile.gpu_crossover()
+    return {"launch_us": profile.gpu_launch_s * 1e6, "handover_us": profile.handover_s * 1e6,
+            "handover_under_copy_us": profile.handover_busy_s * 1e6,
+            "crossover_rows": {fmt: crossover.get(fmt) for fmt, curves in profile.gpu_flops_by_rows.items()
+                               if "fused" in curves},
+            "tflops_by_rows": {fmt: {kernel: {rows: round(rate / 1e12, 3) for rows, rate in curve}
+                                     for kernel, curve in curves.items()}
+                               for fmt, curves in profile.gpu_flops_by_rows.items()}}
+
+
 def load_hardware(path_or_name: str | Path) -> HardwareProfile:
     """Read a profile from a YAML file, or a preset by name (see configs/hardware/)."""
     path = Path(path_or_name)

@@ -12,7 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import offload.runtime.device_quant as device_quant
 from offload.api import LLM
 from offload.errors import ConfigError
-from offload.hardware import crossover_rows, gpu_kernel, load_hardware, profile_from_dict, profile_to_dict
+from offload.hardware import (crossover_rows, gpu_calibration_summary, gpu_kernel, load_hardware, profile_from_dict,
+                              profile_to_dict)
 from offload.model.units import unit_forward
 from offload.planner.costs import (DENSE_LAYER_LAUNCHES, GPU_LAUNCH_S, HOP_LATENCY_S, MLP_LAUNCHES,
                                    MOE_GROUPED_LAUNCHES, Phase, hop_s, moe_launch_s, unit_cost)
@@ -33,7 +34,7 @@ TINY = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num
 def measured(**changes):
     """The H200 preset with measured GPU figures."""
     return load_hardware("h200-server").with_changes(
-        gpu_flops_by_rows={"q4_0": Q4_CURVES, "bf16": BF16_CURVES}, **changes)
+        **{"gpu_flops_by_rows": {"q4_0": Q4_CURVES, "bf16": BF16_CURVES}, **changes})
 
 
 def test_the_kernel_by_rows_follows_the_table():
@@ -59,6 +60,16 @@ def test_the_gpu_section_round_trips_through_yaml():
     again = profile_from_dict(data)
     assert again == hw and again.gpu_flops_by_rows == hw.gpu_flops_by_rows
     assert "flops_by_rows" not in profile_to_dict(load_hardware("h200-server"))["gpu"]  # not measured: left out
+
+
+def test_the_check_summary_holds_the_gpu_figures():
+    hw = measured(gpu_launch_s=4.5e-6, handover_s=31e-6, handover_busy_s=95e-6, gpu_flops_by_rows={
+        "q4_0": Q4_CURVES, "q8_0": {"fused": ((1, 2e12),), "dequant": ((1, 1e12),)}, "bf16": BF16_CURVES})
+    summary = gpu_calibration_summary(hw)
+    assert summary["launch_us"] == pytest.approx(4.5) and summary["handover_under_copy_us"] == pytest.approx(95)
+    assert summary["crossover_rows"] == {"q4_0": 64, "q8_0": None}
+    assert summary["tflops_by_rows"]["q4_0"]["dequant"] == {1: 0.1, 16: 5.0, 64: 40.0, 1024: 400.0}
+    assert summary["tflops_by_rows"]["bf16"] == {"cublas": {1: 2.0, 1024: 500.0}}
 
 
 @pytest.mark.parametrize("body, wrong", [({"q4_0": {"cuda": {1: 1e12}}}, "unknown GPU kernel 'cuda'"),
