@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import offload.runtime.backends.cuda as cuda_backend
+import offload.runtime.calibrate as calibrate_module
 import offload.runtime.device_quant as device_quant
 from offload.api import LLM
 from offload.errors import ConfigError
@@ -217,6 +219,23 @@ def test_a_gpu_short_of_memory_is_timed_on_a_smaller_weight():
 
     curves = measure_gpu_curves(1 << 30, log=lambda line: None, timer=timer)
     assert shapes == [GPU_CURVE_SMALL_SHAPE] and curves["q4_0"]["fused"][0][0] == 1
+
+
+def test_calibrate_puts_the_gpu_figures_in_the_profile(monkeypatch, tmp_path):
+    """calibrate() with the CUDA measurements stood in for (and the CPU and disk ones, which take minutes): the
+    launch, hand-over and curve figures land in the profile, and it round-trips through YAML."""
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate_module, "measure_cpu_mem_bps", lambda: 5e10)
+    monkeypatch.setattr(calibrate_module, "measure_cpu_flops", lambda fmt: (1e11, "torch"))
+    monkeypatch.setattr(calibrate_module, "measure_disk", lambda folder, log: (2e9, 1e10))
+    gpu = {"gpu_name": "stand-in", "vram_bytes": 100 << 30, "h2d_pinned_bps": 5e10, "h2d_pageable_bps": 1.6e10,
+           "gpu_flops": 7e14, "gpu_mem_bps": 4e12, "gpu_launch_s": 4e-6, "handover_s": 3e-5, "handover_busy_s": 9e-5}
+    monkeypatch.setattr(cuda_backend, "measure_cuda", lambda log: dict(gpu))
+    monkeypatch.setattr(cuda_backend, "matmul_timer", fake_timer)
+    hw = calibrate_module.calibrate(log=lambda line: None)
+    assert (hw.gpu_launch_s, hw.handover_s, hw.handover_busy_s) == (4e-6, 3e-5, 9e-5)
+    assert set(hw.gpu_flops_by_rows) == set(gpu_formats()) and hw.gpu_crossover()["q4_0"] == 1024
+    assert profile_from_dict(profile_to_dict(hw)) == hw
 
 
 def test_an_llm_planned_with_a_measured_profile_sets_linears_table(tiny_llama, monkeypatch):
