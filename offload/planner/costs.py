@@ -220,7 +220,7 @@ def _host_kv_attention(spec: ModelSpec, hw: HardwareProfile, phase: Phase, compu
     path = "fused" if compute in FUSED_COMPUTE else "torch"
     cpu = kv_bytes / hw.kv_read_bps + attn_flops / hw.attention_rate(path)
     moved = phase.n_tokens * (2 * spec.q_size + 2 * spec.kv_size) * FLOAT_FORMATS[compute]
-    return gpu, cpu, (2 * HOP_LATENCY_S + moved / link) if link else 0.0
+    return gpu, cpu, (2 * hop_latency_s(hw) + moved / link) if link else 0.0
 
 
 def _cpu_s(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase, compute: str,
