@@ -17,6 +17,7 @@ from offload.options import default_of, request_sections
 from offload.planner.request import DEFAULT_MAX_MODEL_LEN
 from offload.profile.timeline import Timeline
 from offload.runtime.backends import make_backend
+from offload.runtime.device_quant import set_gpu_crossover
 from offload.runtime.executor import PlacedModel
 from offload.runtime import speedprobe
 from offload.runtime.host_memory import check_budget_fits_machine
@@ -101,6 +102,7 @@ class LLM:
         self.plan = None
         if placement is None:
             hw = request.profile()
+            set_gpu_crossover(hw.gpu_crossover())  # linear()'s kernel by rows, as this profile measured it
             self.plan = plan_for(self.spec, hw, request)
             if request.hardware is None:  # this machine's profile: the budgets must fit what it has now
                 check_budget_fits_machine(self.plan.budget, self.backend)
@@ -113,6 +115,7 @@ class LLM:
             # size was given
             max_seqs = request.batch_size or min(max(MAX_SEQS, self.max_batch_size), placement.prefill_pass_tokens)
         else:
+            set_gpu_crossover({})  # no profile: the fused kernel at every row count
             compute = compute_format(request.dtype, self.backend.device.type != "cpu")
             self.max_batch_size = max_seqs = request.batch_size or DEFAULT_MAX_BATCH_SIZE
         dtype = torch_dtype(compute)

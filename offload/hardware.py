@@ -13,7 +13,7 @@ import yaml
 
 from offload.errors import ConfigError
 from offload.paths import cache_dir, configs_dir
-from offload.formats import WEIGHT_FORMATS
+from offload.formats import FLOAT_FORMATS, WEIGHT_FORMATS
 from offload.system import system_cores, system_memory_bytes
 
 PRESET_DIR = configs_dir() / "hardware"
@@ -114,6 +114,14 @@ class HardwareProfile:
     # DRAM read by the CPU kernels and by a pinned host-to-device copy together (0: not stated: the CPU's own
     # cpu_mem_bps); above cpu_mem_bps where the DMA engine adds bandwidth the cores alone do not reach
     host_read_bps: float = 0.0
+    # Measured by `offload calibrate` on a CUDA GPU (empty or 0 in presets: GPU blocks are then rooflines): the
+    # matmul rate of a layer-sized weight by rows of activations, per weight format and GPU_KERNELS kernel,
+    # {fmt: {kernel: ((rows, FLOP/s), ...)}}; one kernel launch (seconds, host side); a small tensor's round trip
+    # device -> host -> device, idle and while a large copy runs on another stream (seconds)
+    gpu_flops_by_rows: dict[str, dict[str, tuple[tuple[int, float], ...]]] = field(default_factory=dict, hash=False)
+    gpu_launch_s: float = 0.0
+    handover_s: float = 0.0
+    handover_busy_s: float = 0.0
     source: str = field(default="", compare=False)
 
     @property
@@ -175,6 +183,27 @@ class HardwareProfile:
                 return f0 + t * (f1 - f0)
         return curve[-1][1]
 
+    def gpu_crossover(self) -> dict[str, int]:
+        """{fmt: the fewest measured rows at which dequantize + cuBLAS beat the fused kernel}, for the formats
+        where it did (linear()'s table: gpu_kernel)."""
+        table = {fmt: crossover_rows(curves) for fmt, curves in self.gpu_flops_by_rows.items()}
+        return {fmt: rows for fmt, rows in table.items() if rows is not None}
+
+    def gpu_matmul_rate(self, fmt: str, rows: int) -> float | None:
+        """GPU matmul FLOP/s for weights in fmt at `rows` activation rows with the kernel linear() picks (the
+        measured curve, interpolated in log(rows) and held flat past its ends); None where not measured."""
+        curves = self.gpu_flops_by_rows.get(fmt) or self._float_kin_curves(fmt)
+        if not curves:
+            return None
+        kernel = "cublas" if "cublas" in curves else gpu_kernel(self.gpu_crossover(), fmt, rows)
+        return self._curve_rate(curves.get(kernel) or next(iter(curves.values())), rows)
+
+    def _float_kin_curves(self, fmt: str) -> dict:
+        """A float format's measured curves where its own are not: those of a float format as wide (cuBLAS reads
+        the same bytes and runs the same tensor-core rate for bf16 and fp16)."""
+        width = FLOAT_FORMATS.get(fmt)
+        return next((c for f, c in self.gpu_flops_by_rows.items() if width and FLOAT_FORMATS.get(f) == width), {})
+
     def attention_rate(self, path: str) -> float:
         """FLOP/s of CPU attention on a path (fused: offload's C++ layer; torch: scaled_dot_product_attention)."""
         return self.cpu_attention.get(path) or self.cpu_flops_for("fp32")
@@ -208,6 +237,24 @@ class HardwareProfile:
     def with_changes(self, **changes) -> HardwareProfile:
         """A copy with some figures replaced (for what-if planning)."""
         return replace(self, **changes)
+
+
+GPU_KERNELS = ("fused", "dequant", "cublas")  # Triton fused dequant-matmul; dequantize + cuBLAS; cuBLAS on float
+
+
+def crossover_rows(curves: dict[str, tuple[tuple[int, float], ...]]) -> int | None:
+    """The fewest rows at which the dequant curve's rate beat the fused curve's, over the rows both measured;
+    None where it never did (or one is missing)."""
+    fused, dequant = dict(curves.get("fused", ())), dict(curves.get("dequant", ()))
+    return next((rows for rows in sorted(fused.keys() & dequant.keys()) if dequant[rows] > fused[rows]), None)
+
+
+def gpu_kernel(crossover: dict[str, int], fmt: str, rows: int) -> str:
+    """Which GPU kernel multiplies `rows` activation rows by a quantized weight in fmt: dequantize + cuBLAS
+    ("dequant") from the format's measured crossover on, else the fused Triton kernel ("fused", also wherever
+    the table has no figure for fmt)."""
+    at = crossover.get(fmt)
+    return "dequant" if at is not None and rows >= at else "fused"
 
 
 COMPUTE_BOUND_ROWS = 64  # activation rows from which a CPU matmul is bound by compute, not by reading its weights
@@ -253,6 +300,10 @@ _YAML_KEYS = {
     ("gpu", "flops"): ("gpu_flops", parse_rate),
     ("gpu", "memory_bandwidth"): ("gpu_mem_bps", parse_rate),
     ("gpu", "reserved"): ("gpu_reserved_bytes", parse_size),
+    ("gpu", "flops_by_rows"): ("gpu_flops_by_rows", "gpu_curves"),
+    ("gpu", "launch"): ("gpu_launch_s", "seconds"),
+    ("gpu", "handover"): ("handover_s", "seconds"),
+    ("gpu", "handover_under_copy"): ("handover_busy_s", "seconds"),
     ("pcie", "pinned"): ("h2d_pinned_bps", parse_rate),
     ("pcie", "pageable"): ("h2d_pageable_bps", parse_rate),
     ("cpu", "name"): ("cpu_name", str),
@@ -275,7 +326,9 @@ _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, 
              "h2d_pinned_bps": 0.0, "h2d_pageable_bps": 0.0, "disk_bytes": 0, "disk_read_bps": 0.0,
              "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_k_factor": {}, "cpu_n_factor": {},
              "cpu_attention": {},
-             "overhead_s": {}, "page_cache_bps": 0.0, "cpu_probe": {}, "host_read_bps": 0.0}
+             "overhead_s": {}, "page_cache_bps": 0.0, "cpu_probe": {}, "host_read_bps": 0.0,
+             "gpu_flops_by_rows": {}, "gpu_launch_s": 0.0, "handover_s": 0.0, "handover_busy_s": 0.0}
+_ZERO_UNMEASURED = ("page_cache_bps", "host_read_bps", "gpu_launch_s", "handover_s", "handover_busy_s")  # 0: left out
 PROBE_KEYS = ("memory", "compute", "attention")  # cpu.probe's rates per format, in that order in cpu_probe
 
 
@@ -301,6 +354,13 @@ def _parse_curve(points, where: str) -> tuple[tuple[int, float], ...]:
             raise ConfigError(f"{where}: rows must be whole numbers of 1 or more, found {rows!r}")
         curve.append((rows, parse_rate(rate, f"{where}.{rows}")))
     return tuple(sorted(curve))
+
+
+def _parse_gpu_curves(value, where: str) -> dict[str, dict[str, tuple[tuple[int, float], ...]]]:
+    def kernels(body, at: str) -> dict:
+        return _parse_named_rates(body, at, GPU_KERNELS, "{rows: FLOP/s}", _parse_curve, "GPU kernel")
+
+    return _parse_named_rates(value, where, WEIGHT_FORMATS, "{kernel: {rows: FLOP/s}}", kernels, "weight format")
 
 
 def _parse_probes(value, where: str) -> dict[str, tuple[float, float, float]]:
@@ -368,6 +428,10 @@ def profile_from_dict(data: dict, source: str = "hardware.yaml") -> HardwareProf
                 values[name] = _parse_curves(value, where)
             elif parse == "probe":
                 values[name] = _parse_probes(value, where)
+            elif parse == "gpu_curves":
+                values[name] = _parse_gpu_curves(value, where)
+            elif parse == "seconds":
+                values[name] = _parse_seconds(value, where)
             elif parse == "attention":
                 values[name] = _parse_named_rates(value, where, ATTENTION_KEYS, "FLOP/s or bytes/s", parse_rate)
             else:
@@ -399,15 +463,30 @@ def profile_to_dict(profile: HardwareProfile) -> dict:
         value = getattr(profile, name)
         if name in ("cpu_flops_by_rows", "cpu_flops_one_thread", "cpu_k_factor", "cpu_n_factor"):
             value = {fmt: dict(curve) for fmt, curve in value.items()}
+        if name == "gpu_flops_by_rows":
+            value = {fmt: {kernel: dict(curve) for kernel, curve in kernels.items()} for fmt, kernels in value.items()}
         if name == "cpu_probe":
             value = {fmt: {k: r for k, r in zip(PROBE_KEYS, rates) if r or k != "attention"}
                      for fmt, rates in value.items()}
-        if (isinstance(value, dict) and not value and name != "cpu_flops") or (name in ("page_cache_bps", "host_read_bps") and not value):
+        if (isinstance(value, dict) and not value and name != "cpu_flops") or (name in _ZERO_UNMEASURED and not value):
             continue  # not calibrated
         out.setdefault(section, {})[key] = dict(value) if isinstance(value, dict) else value
     if profile.overhead_s:
         out["overhead"] = dict(profile.overhead_s)
     return out
+
+
+def gpu_calibration_summary(profile: HardwareProfile) -> dict:
+    """The GPU figures calibration measured, for a check's summary: launch and hand-over microseconds, each
+    format's crossover rows (null: the fused kernel at every measured row count) and TFLOP/s by kernel and rows."""
+    crossover = profile.gpu_crossover()
+    return {"launch_us": profile.gpu_launch_s * 1e6, "handover_us": profile.handover_s * 1e6,
+            "handover_under_copy_us": profile.handover_busy_s * 1e6,
+            "crossover_rows": {fmt: crossover.get(fmt) for fmt, curves in profile.gpu_flops_by_rows.items()
+                               if "fused" in curves},
+            "tflops_by_rows": {fmt: {kernel: {rows: round(rate / 1e12, 3) for rows, rate in curve}
+                                     for kernel, curve in curves.items()}
+                               for fmt, curves in profile.gpu_flops_by_rows.items()}}
 
 
 def load_hardware(path_or_name: str | Path) -> HardwareProfile:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GPU check: `offload calibrate --quick` (the GPU figures the plans below use), the CUDA tests (the fused
+# The GPU check: the full `offload calibrate` (the figures the plans below use: on the GPU, matmul rates by rows of
+# each weight format's kernels, the launch and hand-over seconds; under a minute of its time), the CUDA tests (the fused
 # dequant kernels of q8_0/q4_0 and GGUF's q4_1/K-quants among them), a Llama-3.1-70B-shaped q4_0 model (random
 # weights in memory) planned for a 22 GiB budget, offload against accelerate on a random 3B bf16 checkpoint with
 # a 2 GiB GPU budget (scripts/bench_gpu_offload.py), then the fused dequant kernels against the torch fallback;
@@ -95,7 +96,7 @@ if [ "$smoke" -eq 0 ]; then
         --kv-heads 8 --vocab 32000 > "$logs/make_llama.log" 2>&1 &
     maker=$!
     hardware=(--hardware configs/hardware/h200-server.yaml)  # the preset, unless calibrate measures this GPU
-    step calibrate 180 $py -m offload calibrate --quick && hardware=()
+    step calibrate 240 $py -m offload calibrate && hardware=()
     # only the CUDA test modules are collected: they need nothing the GPU machine lacks
     # (-m cuda: the tests that run Triton interpreted are for machines without a GPU; Triton 3.6 interprets them
     # wrongly under numpy 2.5, as the H200 image has them)
@@ -139,6 +140,10 @@ if bench.is_file():
                           for b, r in data["batches"].items()}
     summary["offload"]["build_s"] = data["build_s"]
     summary["ok"] = summary["ok"] and all(r["peak_within_budget"] for r in data["batches"].values())
+calibrated = [s for s in steps if s["step"] == "calibrate" and s["rc"] == 0]
+if calibrated:  # the GPU figures the profile the plans used holds
+    from offload.hardware import cache_path, gpu_calibration_summary, load_hardware
+    summary["calibration"] = gpu_calibration_summary(load_hardware(cache_path()))
 (logs / "summary.json").write_text(json.dumps(summary, indent=2))
 (out / "summary.json").write_text(json.dumps(summary, indent=2))
 print(json.dumps(summary, indent=2))

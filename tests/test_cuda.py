@@ -173,3 +173,29 @@ def test_cuda_layers_attending_over_a_host_kv_cache_match_the_device_cache(tiny,
     assert_logits_close(offload_logits(models[0], ids), offload_logits(models[1], ids), rel=rel)
     if dtype == torch.float32:  # bf16 sums in another order on the CPU: a near-tie may turn
         assert _greedy(models[0]) == _greedy(models[1])
+
+
+def test_the_gpu_calibration_times_each_kernel_and_the_hand_over():
+    """The GPU half of calibrate on a small weight: a time for every format's kernels, launches and hand-overs in
+    microseconds, not seconds; and linear() run by each kernel as the table picks it gives the same product."""
+    from offload.runtime import device_quant
+    from offload.runtime.backends.cuda import _random_device_weight, matmul_timer, measure_handover_s, measure_launch_s
+    from offload.runtime.calibrate import gpu_formats, gpu_matmul_curves
+
+    shape = (256, 512)
+    curves = gpu_matmul_curves(matmul_timer(shape, repeats=1, calls=1), gpu_formats(), shape, rows=(1, 64),
+                               log=lambda line: None)
+    assert set(curves) == set(gpu_formats()) and all(rate > 0 for c in curves.values() for k in c.values()
+                                                    for _, rate in k)
+    assert 0 < measure_launch_s(n_launches=20, repeats=1) < 1e-3
+    idle, busy = measure_handover_s(copy_bytes=64 << 20, repeats=3)
+    assert 0 < idle < 0.1 and 0 < busy < 0.1
+    w = _random_device_weight("q4_0", shape)
+    x = torch.randn(64, shape[1], device="cuda", dtype=torch.bfloat16)
+    try:
+        fused = w.apply(x, None)
+        device_quant.set_gpu_crossover({"q4_0": 64})
+        dequant = w.apply(x, None)
+    finally:
+        device_quant.set_gpu_crossover({})
+    torch.testing.assert_close(fused.float(), dequant.float(), rtol=2e-2, atol=2e-2)

@@ -18,7 +18,8 @@ from offload.planner.schedule import AHEAD, copy_plan
 from offload.spec import ModelSpec, UnitSpec
 
 HANDED_OVER = ("experts", "mlp")  # unit kinds that take their layer's [residual | normed h] hand-over
-HOP_LATENCY_S = 20e-6  # one hidden-state hand-over between CPU and GPU: copy launch plus synchronisation
+HOP_LATENCY_S = 20e-6  # one hidden-state hand-over between CPU and GPU: copy launch plus synchronisation (where
+# offload calibrate has not measured it: half a small tensor's round trip, HardwareProfile.handover_s)
 ACT_BYTES_GPU = 2  # activations in bf16/fp16 on the GPU
 ACT_BYTES_CPU = 4  # activations in fp32 on the CPU
 LOGIT_BYTES = 4
@@ -27,14 +28,20 @@ DROP_PIECE_BYTES = 8 << 20  # a read the page cache is not to keep is done, and 
 READ_AHEAD_TRAIL_BYTES = 16 << 20  # the OS's read-ahead runs up to this far past such a read
 READ_PAGE_CACHE_BYTES = DROP_PIECE_BYTES + READ_AHEAD_TRAIL_BYTES  # page cache dropped reads hold at any time
 STEADY_STEPS = 2  # steps priced for a steady one: the first's copies start at once, as the step before's would
-# One kernel launch, host side. Not measured by offload (no GPU was lent where this was written): the public figure
-# for a PyTorch eager op, until offload calibrate measures a GPU launch.
+# One kernel launch, host side, where offload calibrate has not measured it (HardwareProfile.gpu_launch_s): the public
+# figure for a PyTorch eager op.
 GPU_LAUNCH_S = 5e-6
 # Launches of a MoE layer's routed experts on the GPU (offload.model.moe): the grouped Triton path takes a fixed
 # count, the router 6, the sort and tiles 9, its two kernels, the sum over slots and the residual 3; the per-expert
 # loop (weights the grouped kernels do not take: GGUF block formats) 12, a host sync, then 8 per picked expert.
 MOE_GROUPED_LAUNCHES = 20
 MOE_LOOP_LAUNCHES = (12, 8)
+# Launches of a dense layer's forward on the GPU: the ops a decode step dispatches, views aside (counted on a tiny
+# Llama, tests/test_gpu_calibration.py counts them again): 2 RMSNorms of 6, 4 matmuls, rope 8, the KV append 2,
+# attention 1, SiLU and its gate 2, 2 residual adds, 3 for the mask. Of those, its MLP's: a norm, 2 matmuls, SiLU,
+# gate, the residual add. The host issues them one by one, so a unit takes at least its launches' seconds.
+DENSE_LAYER_LAUNCHES = 37
+MLP_LAUNCHES = 11
 
 
 @dataclass(frozen=True)
@@ -105,14 +112,38 @@ def expert_reads(unit: UnitSpec, fmt: str, compute: str, n_tokens: int) -> tuple
     return router + (w_bytes - router) * touched, n_tokens * unit.moe.top_k / experts if experts else 1.0
 
 
-def moe_launch_s(unit: UnitSpec, fmt: str, compute: str, n_tokens: int) -> float:
+def launch_s(hw: HardwareProfile) -> float:
+    """Seconds of one GPU kernel launch: measured by offload calibrate, else GPU_LAUNCH_S."""
+    return hw.gpu_launch_s or GPU_LAUNCH_S
+
+
+def hop_latency_s(hw: HardwareProfile, busy: bool = False) -> float:
+    """Seconds one hand-over takes besides its bytes: half the measured round trip of a small tensor (busy: while
+    weight copies run on another stream, where measured), else HOP_LATENCY_S."""
+    round_trip = (hw.handover_busy_s or hw.handover_s) if busy else hw.handover_s
+    return round_trip / 2 if round_trip else HOP_LATENCY_S
+
+
+def unit_launches(spec: ModelSpec, unit: UnitSpec) -> int:
+    """Kernel launches of a layer or split-off MLP unit on the GPU (0 for the other kinds: a few, once a step)."""
+    if unit.kind == "mlp":
+        return MLP_LAUNCHES
+    if unit.kind == "layer":
+        return DENSE_LAYER_LAUNCHES - (MLP_LAUNCHES if spec.hands_over(unit.index) else 0)
+    return 0
+
+
+def moe_launch_s(unit: UnitSpec, fmt: str, compute: str, n_tokens: int,
+                 hw: HardwareProfile | None = None) -> float:
     """Seconds of launches (and the loop's host sync) an experts unit adds to a pass on the GPU: a fixed count
-    where the grouped kernels take its weights (float, q8_0, q4_0), else a count per expected picked expert."""
+    where the grouped kernels take its weights (float, q8_0, q4_0), else a count per expected picked expert; at
+    hw's measured launch and hand-over seconds where it has them."""
+    launch, sync = (launch_s(hw), hop_latency_s(hw)) if hw is not None else (GPU_LAUNCH_S, HOP_LATENCY_S)
     held = {t.held_format(fmt, compute) for t in unit.tensors if t.role == "linear"}
     if all(f in FLOAT_FORMATS or f in QUANT_BLOCK_BYTES for f in held):
-        return MOE_GROUPED_LAUNCHES * GPU_LAUNCH_S
+        return MOE_GROUPED_LAUNCHES * launch
     base, per_expert = MOE_LOOP_LAUNCHES
-    return (base + per_expert * unit.moe.expected_experts(n_tokens)) * GPU_LAUNCH_S + HOP_LATENCY_S
+    return (base + per_expert * unit.moe.expected_experts(n_tokens)) * launch + sync
 
 
 def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase,
@@ -143,12 +174,15 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
         kv_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, kv_elem_bytes) if phase.kv_read_len else 0
         if phase.name == "prefill":
             kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
-    gpu_s = _roofline(flops + attn_flops, read_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
+    gpu_s = _gpu_s(unit, hw, unit.rate_format(fmt, compute), -(-rows // passes), flops, attn_flops, read_bytes,
+                   kv_bytes)
     cpu_s = _cpu_s(spec, unit, fmt, hw, phase, compute, flops, attn_flops, matmul_rows, read_bytes, kv_bytes)
     floor = passes * read_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf
     gpu_s = max(gpu_s, floor)
+    if hw.gpu_launch_s:  # measured: the host's launches bound a short unit (presets keep the roofline alone)
+        gpu_s = max(gpu_s, passes * unit_launches(spec, unit) * hw.gpu_launch_s)
     if unit.moe is not None:
-        gpu_s += passes * moe_launch_s(unit, fmt, compute, -(-phase.n_tokens // passes))
+        gpu_s += passes * moe_launch_s(unit, fmt, compute, -(-phase.n_tokens // passes), hw)
     host_kv = (0.0, 0.0, 0.0)
     if unit.kind == "layer" and phase.name == "decode":
         host_kv = _host_kv_attention(spec, hw, phase, compute, flops, read_bytes, attn_flops, kv_bytes, floor, link)
@@ -164,6 +198,18 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
     )
 
 
+def _gpu_s(unit: UnitSpec, hw: HardwareProfile, fmt: str, pass_rows: int, flops: float, attn_flops: float,
+           read_bytes: float, kv_bytes: float) -> float:
+    """Seconds of one unit on the GPU: its matmuls at the measured rate by rows of the kernel linear() runs
+    (HardwareProfile.gpu_matmul_rate; it includes reading the weights), then attention as a roofline; the whole
+    unit as a roofline where the profile has no curve for fmt, and for experts units (their grouped kernels are
+    not among the measured ones)."""
+    rate = hw.gpu_matmul_rate(fmt, pass_rows) if unit.moe is None else None
+    if not rate:
+        return _roofline(flops + attn_flops, read_bytes + kv_bytes, hw.gpu_flops, hw.gpu_mem_bps)
+    return flops / rate + (_roofline(attn_flops, kv_bytes, hw.gpu_flops, hw.gpu_mem_bps) if attn_flops else 0.0)
+
+
 def _host_kv_attention(spec: ModelSpec, hw: HardwareProfile, phase: Phase, compute: str, flops: float,
                        read_bytes: float, attn_flops: float, kv_bytes: int, floor: float,
                        link: float) -> tuple[float, float, float]:
@@ -174,7 +220,7 @@ def _host_kv_attention(spec: ModelSpec, hw: HardwareProfile, phase: Phase, compu
     path = "fused" if compute in FUSED_COMPUTE else "torch"
     cpu = kv_bytes / hw.kv_read_bps + attn_flops / hw.attention_rate(path)
     moved = phase.n_tokens * (2 * spec.q_size + 2 * spec.kv_size) * FLOAT_FORMATS[compute]
-    return gpu, cpu, (2 * HOP_LATENCY_S + moved / link) if link else 0.0
+    return gpu, cpu, (2 * hop_latency_s(hw) + moved / link) if link else 0.0
 
 
 def _cpu_s(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase, compute: str,
@@ -218,12 +264,12 @@ def overhead_s(hw: HardwareProfile, n_cpu_layers: int, path: str, n_seqs: int, n
             + n_seqs * hw.overhead("sequence") + n_logits * vocab * hw.overhead("logit"))
 
 
-def hop_s(spec: ModelSpec, hw: HardwareProfile, phase: Phase, width: int = 1) -> float:
+def hop_s(spec: ModelSpec, hw: HardwareProfile, phase: Phase, width: int = 1, busy: bool = False) -> float:
     """One hand-over of the hidden states [n_tokens, width x hidden] between CPU and GPU (width 2: a MoE layer's
-    attention part hands its experts [residual | normed hidden])."""
+    attention part hands its experts [residual | normed hidden]); busy: while weight copies share the link."""
     if not hw.has_gpu:
         return 0.0
-    return HOP_LATENCY_S + phase.n_tokens * width * spec.hidden_size * ACT_BYTES_GPU / hw.h2d_pinned_bps
+    return hop_latency_s(hw, busy) + phase.n_tokens * width * spec.hidden_size * ACT_BYTES_GPU / hw.h2d_pinned_bps
 
 
 @dataclass(frozen=True)
@@ -292,7 +338,9 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
     cached are the page cache's: computed in place by the CPU, or copied from it at its rate."""
     gpu = cpu = pcie = disk = host = 0.0
     chain = []
-    hop, wide = hop_s(spec, hw, phase), hop_s(spec, hw, phase, 2)  # experts / mlp take [residual | normed]
+    busy = "stream" in compute  # hand-overs then wait behind weight copies on the link
+    hop, wide = hop_s(spec, hw, phase, busy=busy), hop_s(spec, hw, phase, 2, busy)  # experts / mlp take [residual |
+    # normed]
     for i, (c, mode, dec, tier) in enumerate(zip(costs, compute, decode, weight)):
         if i in cached and tier == "disk":
             if mode == "cpu" and dec == "cpu":  # computed from the page cache's pages where they are

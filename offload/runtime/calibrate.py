@@ -11,9 +11,17 @@ import time
 from pathlib import Path
 
 from offload.weights.loader import pread_into
-from offload.hardware import HardwareProfile, cache_path
+from offload.hardware import HardwareProfile, cache_path, crossover_rows
 from offload.system import system_cores, system_memory_bytes
-from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK, WEIGHT_FORMATS
+from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANT_BLOCK_BYTES, WEIGHT_FORMATS
+
+GPU_CURVE_ROWS = (1, 4, 16, 64, 256, 1024)  # activation rows the GPU matmul curves are measured at
+GPU_CURVE_SHAPE = (8192, 8192)  # a layer-sized weight [N, K] (a 70B model's attention projections)
+GPU_CURVE_SMALL_SHAPE = (4096, 4096)  # ... where the GPU has under GPU_CURVE_MIN_FREE_BYTES free
+GPU_CURVE_MIN_FREE_BYTES = 2 << 30
+# The GPU curves stop after this long (the formats left are then priced as rooflines, and logged): Triton compiles
+# each format's kernels once (about a second each), the timing itself takes a few seconds in all
+GPU_CURVES_BUDGET_S = 40.0
 
 
 def _best_time(fn, repeats: int) -> float:
@@ -92,6 +100,54 @@ def measure_cpu_flops(fmt: str, m: int = 32, k: int = 2048, n: int = 2048, repea
     return 2 * m * k * n / _best_time(fn, repeats), path
 
 
+def gpu_formats() -> tuple[str, ...]:
+    """The weight formats a GPU multiplies by: split q8_0/q4_0 and the GGUF block formats (each by the fused Triton
+    kernel and by dequantize + cuBLAS), and bf16 (cuBLAS; it prices fp16 too)."""
+    return tuple(QUANT_BLOCK_BYTES) + tuple(GGUF_BLOCKS) + ("bf16",)
+
+
+def gpu_matmul_curves(time_s, formats: tuple[str, ...], shape: tuple[int, int] = GPU_CURVE_SHAPE,
+                      rows: tuple[int, ...] = GPU_CURVE_ROWS, budget_s: float = GPU_CURVES_BUDGET_S, log=print,
+                      clock=time.perf_counter) -> dict[str, dict[str, tuple[tuple[int, float], ...]]]:
+    """{fmt: {kernel: ((rows, FLOP/s), ...)}} (HardwareProfile.gpu_flops_by_rows) from time_s(fmt, kernel, rows):
+    seconds of one x [rows, K] @ W.T with W [N, K] = shape in fmt, or None where that kernel does not run here
+    (it is then left out). Quantized formats are timed on the fused and dequant kernels, float ones on cublas;
+    the formats not started within budget_s are left out and named in the log."""
+    n, k = shape
+    start, out = clock(), {}
+    for i, fmt in enumerate(formats):
+        if clock() - start > budget_s:
+            log(f"gpu matmul curves: {budget_s:.0f} s spent; {', '.join(formats[i:])} not measured (their GPU "
+                "blocks are priced as rooflines)")
+            break
+        kernels = ("cublas",) if fmt in FLOAT_FORMATS else ("fused", "dequant")
+        curves = {}
+        for kernel in kernels:
+            times = [(r, time_s(fmt, kernel, r)) for r in rows]
+            if all(t for _, t in times):
+                curves[kernel] = tuple((r, 2 * r * n * k / t) for r, t in times)
+        if curves:
+            out[fmt] = curves
+            log(_gpu_curve_text(fmt, curves, shape))
+    return out
+
+
+def _gpu_curve_text(fmt: str, curves: dict, shape: tuple[int, int]) -> str:
+    parts = [f"{kernel} " + " ".join(f"{r}:{rate / 1e12:.1f}" for r, rate in curve) for kernel, curve in curves.items()]
+    at = crossover_rows(curves)
+    pick = "" if "cublas" in curves else (f"; dequantize + cuBLAS from {at} rows" if at else "; fused at every row count")
+    return f"gpu matmul {fmt:5s} {shape[0]}x{shape[1]} (rows:TFLOP/s) {' | '.join(parts)}{pick}"
+
+
+def measure_gpu_curves(free_bytes: int, log=print, timer=None) -> dict:
+    """The GPU matmul curves of gpu_formats() on CUDA (timer: backends.cuda.matmul_timer, or a stand-in taking
+    the shape), on a layer-sized weight, or a smaller one where little memory is free."""
+    if timer is None:
+        from offload.runtime.backends.cuda import matmul_timer as timer
+    shape = GPU_CURVE_SHAPE if free_bytes >= GPU_CURVE_MIN_FREE_BYTES else GPU_CURVE_SMALL_SHAPE
+    return gpu_matmul_curves(timer(shape), gpu_formats(), shape, log=log)
+
+
 DISK_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # units read out of file order, as a model's layers are stored (safetensors
 # sorts tensor names: layer 10 comes before layer 2), so each read starts without the OS's read-ahead
 
@@ -162,6 +218,8 @@ def calibrate(log=print) -> HardwareProfile:
     disk_read_bps, page_cache_bps = measure_disk(folder, log=log)
     log(f"disk read: {disk_read_bps / 1e9:.2f} GB/s cold, {page_cache_bps / 1e9:.2f} GB/s from the page cache")
     gpu = measure_cuda(log) or {}
+    if gpu:
+        gpu["gpu_flops_by_rows"] = measure_gpu_curves(gpu["vram_bytes"], log)
     profile = HardwareProfile(
         name="calibrated", vram_bytes=gpu.get("vram_bytes", 0), ram_bytes=system_memory_bytes(),
         disk_bytes=shutil.disk_usage(folder).free, n_cores=system_cores(),
@@ -169,6 +227,8 @@ def calibrate(log=print) -> HardwareProfile:
         gpu_flops=gpu.get("gpu_flops", 0.0), gpu_mem_bps=gpu.get("gpu_mem_bps", 0.0), cpu_mem_bps=cpu_mem_bps,
         gpu_reserved_bytes=gpu.get("gpu_reserved_bytes", 0), host_read_bps=gpu.get("host_read_bps", 0.0),
         cpu_flops=cpu_flops, disk_read_bps=disk_read_bps, page_cache_bps=page_cache_bps, gpu_name=gpu.get("gpu_name", ""),
+        gpu_flops_by_rows=gpu.get("gpu_flops_by_rows", {}), gpu_launch_s=gpu.get("gpu_launch_s", 0.0),
+        handover_s=gpu.get("handover_s", 0.0), handover_busy_s=gpu.get("handover_busy_s", 0.0),
         cpu_name=_cpu_name(), source=f"measured by offload calibrate ({', '.join(sorted(paths))} matmuls)")
     return profile
 

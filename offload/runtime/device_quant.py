@@ -20,8 +20,18 @@ import torch.nn.functional as F
 
 from offload.errors import KernelError
 from offload.formats import GGUF_BLOCKS, QK
+from offload.hardware import gpu_kernel
 
 DEQUANT_CHUNK_ELEMENTS = 1 << 26  # dequantize big matrices (a 70B lm_head) in row slices of at most this many
+# {fmt: rows}: from how many activation rows dequantize + cuBLAS beat the fused kernel on this process's GPU, as
+# the hardware profile an LLM was planned with measured it (HardwareProfile.gpu_crossover); empty: fused always
+_CROSSOVER: dict[str, int] = {}
+
+
+def set_gpu_crossover(table: dict[str, int]) -> None:
+    """Make `table` ({fmt: rows}) the measured crossovers DeviceQuantWeight.apply picks its kernel by."""
+    _CROSSOVER.clear()
+    _CROSSOVER.update(table)
 
 
 def dequantize(qs: torch.Tensor, d: torch.Tensor, fmt: str, dtype: torch.dtype, tiled: bool = False) -> torch.Tensor:
@@ -133,8 +143,11 @@ class DeviceQuantWeight:
     tiled: bool = False  # tiled block order (offload.kernels.packed); slices of whole 4-row tiles stay valid
 
     def apply(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [..., K] @ W.T + bias in x's dtype: fused kernels on a CUDA device, else the torch fallback."""
-        if x.device.type == "cuda" and self.qs.device.type == "cuda":
+        """x [..., K] @ W.T + bias in x's dtype: on a CUDA device the fused kernels, or dequantize + cuBLAS where
+        the measured crossover says it is faster at x's rows (gpu_kernel); elsewhere the torch fallback."""
+        rows = x.numel() // max(x.shape[-1], 1)
+        if x.device.type == "cuda" and self.qs.device.type == "cuda" and \
+                gpu_kernel(_CROSSOVER, self.fmt, rows) == "fused":
             fused = _fused_kernels()
             if fused is not None:
                 if self.d is None:  # GGUF block bytes

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import resource
+import statistics
 import threading
 import time
 import warnings
@@ -283,13 +284,99 @@ def measure_cuda(log=print, copy_bytes: int = 512 * 2**20, repeats: int = 5) -> 
     out["gpu_flops"] = 2 * n**3 / _timed(lambda: a @ b, repeats)
     out["host_read_bps"] = combined_read_bps(pinned, target)
     del pinned, target, src, dst, a, b
+    out["gpu_launch_s"] = measure_launch_s()
+    out["handover_s"], out["handover_busy_s"] = measure_handover_s()
     torch.cuda.empty_cache()
     out["vram_bytes"] = torch.cuda.mem_get_info(dev)[0]
     log(f"gpu {out['gpu_name']}: H2D pinned {out['h2d_pinned_bps'] / 1e9:.1f} GB/s, "
         f"pageable {out['h2d_pageable_bps'] / 1e9:.1f} GB/s, memory {out['gpu_mem_bps'] / 1e9:.0f} GB/s, "
         f"bf16 matmul {out['gpu_flops'] / 1e12:.0f} TFLOP/s, free {out['vram_bytes'] / 2**30:.1f} GiB, host RAM "
-        f"to the CPU and the copies together {out['host_read_bps'] / 1e9:.1f} GB/s")
+        f"to the CPU and the copies together {out['host_read_bps'] / 1e9:.1f} GB/s; a launch "
+        f"{out['gpu_launch_s'] * 1e6:.1f} us, a hand-over round trip {out['handover_s'] * 1e6:.0f} us idle, "
+        f"{out['handover_busy_s'] * 1e6:.0f} us under a weight copy")
     return out
+
+
+def measure_launch_s(n_launches: int = 200, repeats: int = 5) -> float:
+    """Seconds per kernel launch: a sequence of n_launches tiny kernels (an in-place add on one element)."""
+    x = torch.zeros(1, device="cuda")
+    return _timed(lambda: [x.add_(1) for _ in range(n_launches)], repeats) / n_launches
+
+
+def measure_handover_s(n_bytes: int = 16 << 10, copy_bytes: int = 256 << 20, repeats: int = 20) -> tuple[float, float]:
+    """(idle, under copy) median seconds of a hand-over's round trip: n_bytes device -> pinned host -> device, each
+    way waited for; idle, then while a copy_bytes host-to-device copy runs on another stream (a streamed weight)."""
+    small = torch.ones(n_bytes // 2, dtype=torch.bfloat16, device="cuda")
+    host = torch.empty(small.shape, dtype=small.dtype).pin_memory()
+    big = torch.ones(copy_bytes, dtype=torch.uint8).pin_memory()
+    target, side = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda"), torch.cuda.Stream()
+    stream = torch.cuda.current_stream()
+
+    def round_trip(under_copy: bool) -> float:
+        torch.cuda.synchronize()
+        if under_copy:
+            with torch.cuda.stream(side):
+                target.copy_(big, non_blocking=True)
+        start = time.perf_counter()
+        host.copy_(small, non_blocking=True)
+        stream.synchronize()
+        small.copy_(host, non_blocking=True)
+        stream.synchronize()
+        return time.perf_counter() - start
+
+    round_trip(True)
+    idle = statistics.median(round_trip(False) for _ in range(repeats))
+    busy = statistics.median(round_trip(True) for _ in range(repeats))
+    torch.cuda.synchronize()
+    return idle, busy
+
+
+def matmul_timer(shape: tuple[int, int], repeats: int = 5, calls: int = 10):
+    """time_s(fmt, kernel, rows): best seconds of one x [rows, K] bf16 @ W.T on the GPU for W [N, K] random in
+    fmt, by kernel (calibrate.GPU_KERNELS: fused Triton, dequantize + cuBLAS, cuBLAS on a float W), each timed over
+    `calls` calls; None where the kernel does not run here. One format's weight is held at a time."""
+    from offload.runtime.device_quant import _fused_kernels
+
+    held: dict = {}
+
+    def time_s(fmt: str, kernel: str, rows: int) -> float | None:
+        if fmt not in held:
+            held.clear()
+            torch.cuda.empty_cache()
+            held[fmt] = _random_device_weight(fmt, shape)
+        w, fused = held[fmt], _fused_kernels()
+        x = torch.randn(rows, shape[1], device="cuda", dtype=torch.bfloat16)
+        if kernel == "cublas":
+            fn = lambda: x @ w.T  # noqa: E731
+        elif kernel == "dequant":
+            fn = lambda: w.apply_torch(x, None)  # noqa: E731
+        elif fused is None:
+            return None
+        elif w.d is None:
+            fn = lambda: fused.gguf.linear(x, w.qs, fmt, w.shape)  # noqa: E731
+        else:
+            fn = lambda: fused.quant.linear(x, w.qs, w.d, fmt, w.shape, w.tiled)  # noqa: E731
+        return _timed(lambda: [fn() for _ in range(calls)], repeats) / calls
+
+    return time_s
+
+
+def _random_device_weight(fmt: str, shape: tuple[int, int]):
+    """A random weight [N, K] in fmt on the GPU: a bf16 tensor for a float format, else a DeviceQuantWeight (row
+    block order; small positive scales)."""
+    from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK
+    from offload.kernels.quant import random_gguf_blocks
+    from offload.runtime.device_quant import DeviceQuantWeight
+
+    n, k = shape
+    if fmt in FLOAT_FORMATS:
+        return torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+    if fmt in GGUF_BLOCKS:
+        return DeviceQuantWeight(fmt, shape, torch.from_numpy(random_gguf_blocks(fmt, n, k)).cuda(), None)
+    d = (torch.rand(n, k // QK, device="cuda") * 0.01).half()
+    if fmt == "q8_0":
+        return DeviceQuantWeight(fmt, shape, torch.randint(-128, 128, (n, k), dtype=torch.int8, device="cuda"), d)
+    return DeviceQuantWeight(fmt, shape, torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device="cuda"), d)
 
 
 def combined_read_bps(pinned: torch.Tensor, target: torch.Tensor, seconds: float = 1.0) -> float:
