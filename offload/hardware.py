@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 import shutil
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -13,52 +12,11 @@ import yaml
 
 from offload.errors import ConfigError
 from offload.paths import cache_dir, configs_dir
+from offload.units import format_bytes, parse_rate, parse_size  # noqa: F401 (offload.hardware's names too)
 from offload.formats import FLOAT_FORMATS, WEIGHT_FORMATS
 from offload.system import system_cores, system_memory_bytes
 
 PRESET_DIR = configs_dir() / "hardware"
-
-_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
-               "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_RATE_UNITS = {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12, "p": 1e15}
-_NUMBER = r"\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*"
-
-
-def parse_size(value, what: str = "size") -> int:
-    """Bytes from 22GiB, 64GB, 512MiB, 1.5TB or a plain number of bytes."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a size such as 22GiB or 64GB, found {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0 or not math.isfinite(value):
-            raise ConfigError(f"{what}: expected a size of 0 or more, found {value!r}")
-        return int(value)
-    m = re.fullmatch(_NUMBER + r"([a-z]*)\s*", str(value).lower())
-    if not m or m.group(2) not in _SIZE_UNITS:
-        raise ConfigError(f"{what}: expected a size such as 22GiB, 64GB or 512MiB, found {value!r}")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
-
-
-def parse_rate(value, what: str = "rate") -> float:
-    """Per-second figure from 25GB/s, 165TFLOPS, 1.2e12 or a plain number."""
-    if isinstance(value, bool):
-        raise ConfigError(f"{what}: expected a number such as 25GB/s or 165TFLOPS, found {value!r}")
-    if isinstance(value, (int, float)):
-        if value < 0 or not math.isfinite(value):
-            raise ConfigError(f"{what}: expected a rate of 0 or more, found {value!r}")
-        return float(value)
-    m = re.fullmatch(_NUMBER + r"([kmgtp]?)(?:i?b/s|flops|flop/s)?\s*", str(value).lower())
-    if not m:
-        raise ConfigError(f"{what}: expected a rate such as 25GB/s or 165TFLOPS, found {value!r}")
-    return float(m.group(1)) * _RATE_UNITS[m.group(2)]
-
-
-def format_bytes(n: float) -> str:
-    """Human-readable binary size: 21.5 GiB."""
-    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
-
 
 # A profile measured before offload read GGUF formats has no figures for them: price them by the kin format
 # their kernels resemble (4 and 5-bit blocks like q4_0, 6-bit like q8_0) rather than by fp32.
