@@ -1,6 +1,7 @@
 """offload serve: OpenAI's completions and chat, plain and streamed, answer what LLM.generate answers; concurrent
 requests share steps; bad requests get 400/401/404/503 in OpenAI's error shape; a client that leaves frees its
-sequence; a failed step fails its requests only; /metrics has its series; `offload serve` starts and answers."""
+sequence; a failed step fails its requests only; /metrics has its series; `offload serve` starts on a port and
+answers the official openai client."""
 
 from __future__ import annotations
 
@@ -350,15 +351,17 @@ def test_the_extra_is_named_when_missing_and_a_state_folder_takes_one_server(tmp
         lock_state_dir(tmp_path / "file" / "state")
 
 
-def test_offload_serve_starts_on_a_port_and_answers(llm, model_dir, tmp_path):
-    want = llm.generate(PROMPT, greedy())[0].text
+def test_offload_serve_starts_on_a_port_and_answers_the_official_client(llm, model_dir, tmp_path):
+    openai = pytest.importorskip("openai", reason="the test extra brings openai")
+    want = [llm.generate(PROMPT, greedy())[0].text, llm.chat(CHAT, greedy(max_tokens=8))[0]]
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = open(tmp_path / "serve.log", "w")
     proc = subprocess.Popen([sys.executable, "-m", "offload", "serve", "--model", str(model_dir), "--backend", "cpu",
                              "--max-model-len", str(CONTEXT), "--port", str(port), "--state-dir",
-                             str(tmp_path / "state")], stdout=log, stderr=subprocess.STDOUT)
+                             str(tmp_path / "state")], stdout=log, stderr=subprocess.STDOUT,
+                            env={**os.environ, "OFFLOAD_API_KEY": "sesame"})
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 180
@@ -371,9 +374,18 @@ def test_offload_serve_starts_on_a_port_and_answers(llm, model_dir, tmp_path):
                 pass
             assert time.monotonic() < deadline, "offload serve did not answer /health in 180 s"
             time.sleep(0.5)
-        answer = httpx.post(f"{base}/v1/completions", json={"model": "tiny", "prompt": PROMPT, **GO_ON},
-                            timeout=60).json()
-        assert answer["choices"][0]["text"] == want
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="sesame", max_retries=0)
+        answer = client.completions.create(model="tiny", prompt=PROMPT, extra_body=GO_ON)
+        assert answer.choices[0].text == want[0]
+        chunks = list(client.chat.completions.create(model="tiny", messages=CHAT, max_tokens=8, stream=True,
+                                                     stream_options={"include_usage": True}, extra_body=GO_ON))
+        assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[1].text
+        assert chunks[-1].usage.completion_tokens == 8 and chunks[-1].usage.prompt_tokens == len(
+            want[1].prompt_token_ids)
+        with pytest.raises(openai.BadRequestError, match="temperature"):
+            client.completions.create(model="tiny", prompt=PROMPT, temperature=-1)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=f"{base}/v1", api_key="wrong", max_retries=0).models.list()
     finally:
         proc.send_signal(signal.SIGINT)
         try:
