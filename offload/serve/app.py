@@ -17,7 +17,6 @@ from offload.errors import ConfigError, QueueFull
 from offload.jobs.batch import CHAT, COMPLETIONS
 from offload.serve import protocol
 from offload.serve.engine_thread import EngineThread, Update
-from offload.serve.metrics import ServeMetrics
 from offload.serve.protocol import ApiError, Job, sse
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait: slots free as requests finish
@@ -31,7 +30,7 @@ class Server:
         self.llm, self.model_name, self.defaults, self.api_key = llm, model_name, defaults or {}, api_key
         self.created = int(time.time())
         self.engine_thread = EngineThread(llm, max_waiting=max_waiting)
-        self.metrics = self.engine_thread.metrics = ServeMetrics(self.engine_thread.engine)
+        self.metrics = self.engine_thread.metrics
 
     def check_model(self, body) -> None:
         """A body naming another model is refused; the name given, or its last path part, is this one."""

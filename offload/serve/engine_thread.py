@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from offload.engine import ABORT, Engine, Sequence, StepOutput
 from offload.generate import next_text
+from offload.serve.metrics import ServeMetrics
 
 logger = logging.getLogger("offload")
 
@@ -59,10 +60,10 @@ class Stream:
 class EngineThread:
     """Owns an LLM's generation loop for the server's life: submit and abort from the event loop, steps here."""
 
-    def __init__(self, llm, *, max_waiting: int, metrics=None):
+    def __init__(self, llm, *, max_waiting: int):
         self.llm = llm
         self.engine = Engine(llm.generator, max_waiting=max_waiting)
-        self.metrics = metrics
+        self.metrics = ServeMetrics(self.engine)
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -107,8 +108,7 @@ class EngineThread:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
             self.engine.abort(request_id)
-            if self.metrics is not None:
-                self.metrics.on_finish(ABORT, len(stream.seq.prompt_ids))
+            self.metrics.on_finish(ABORT, len(stream.seq.prompt_ids))
 
     def _run(self) -> None:
         try:
@@ -118,8 +118,7 @@ class EngineThread:
                 try:
                     out = self.engine.step()
                     self._deliver(out)
-                    if self.metrics is not None:
-                        self.metrics.on_step(getattr(self.llm.model, "timeline", None))
+                    self.metrics.on_step(getattr(self.llm.model, "timeline", None))
                 except Exception as e:  # noqa: BLE001 (nothing a step raises may end the server)
                     logger.error(f"a step failed ({type(e).__name__}: {e}); its requests get an error, the server "
                                  f"goes on")
@@ -133,9 +132,8 @@ class EngineThread:
             stream = self._streams.get(request_id)
             if stream is None:
                 continue
-            if self.metrics is not None:
-                first = stream.last_token_s is None
-                self.metrics.on_tokens(len(tokens), now - (stream.arrived_s if first else stream.last_token_s), first)
+            first = stream.last_token_s is None
+            self.metrics.on_tokens(len(tokens), now - (stream.arrived_s if first else stream.last_token_s), first)
             stream.last_token_s = now
             if stream.streaming and not stream.seq.finish_reason:
                 text = self._new_text(stream)
@@ -149,8 +147,7 @@ class EngineThread:
             text = self.llm.generator.text_of(seq)
             stream.post(Update(text=text[len(stream.sent):], finish_reason=seq.finish_reason,
                                n_prompt=len(seq.prompt_ids), n_completion=len(seq.output_ids)))
-            if self.metrics is not None:
-                self.metrics.on_finish(seq.finish_reason, len(seq.prompt_ids))
+            self.metrics.on_finish(seq.finish_reason, len(seq.prompt_ids))
 
     def _new_text(self, stream: Stream) -> str:
         """Text to send now: what the new tokens decode to, less the tail a stop string may still claim."""
@@ -173,5 +170,4 @@ class EngineThread:
             self.engine.abort(stream.seq.request_id)
             stream.post(Update(error=f"generation failed ({type(error).__name__}: {error}); the request was "
                                      f"dropped and the server goes on: send it again, or report the error"))
-            if self.metrics is not None:
-                self.metrics.on_finish(ERROR, len(stream.seq.prompt_ids))
+            self.metrics.on_finish(ERROR, len(stream.seq.prompt_ids))
