@@ -315,6 +315,21 @@ def test_a_step_that_raises_fails_its_requests_with_500_and_the_server_goes_on(l
     assert "".join(c["choices"][0]["text"] for c in streamed[:-1]) == want and streamed[-1] == "[DONE]"
 
 
+def test_an_engine_thread_that_dies_fails_what_is_in_flight_and_health_says_so(llm, defaults, monkeypatch):
+    def dies(running, *a):
+        raise KeyboardInterrupt  # not an Exception: the thread ends
+
+    monkeypatch.setattr(llm.generator, "step", dies)
+    with serving(llm, defaults) as (server, client):
+        assert_error(client.post("/v1/completions", json={"prompt": PROMPT}), 500, None, kind="server_error")
+        server.engine_thread._thread.join(10)
+        assert client.get("/health").status_code == 503
+        message = assert_error(client.post("/v1/completions", json={"prompt": PROMPT}), 503, None, "server_error")
+        assert "restart offload serve" in message
+    llm.acquire("this test")  # the dead thread gave the model back
+    llm.release()
+
+
 def test_metrics_has_the_named_series_and_the_server_owns_the_model(llm, defaults):
     with serving(llm, defaults) as (_, client):
         client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 5, "ignore_eos": True})

@@ -117,6 +117,9 @@ async def _answer(server: Server, request: Request, url: str):
         raise ApiError(400, f"the request body is not valid JSON ({e}); send one JSON object") from None
     server.check_model(body)
     job = protocol.prepare(url, body, server.llm, server.model_name, server.defaults)
+    if server.engine_thread.died:
+        raise ApiError(503, "the server's engine thread has stopped (its log says why); restart offload serve",
+                       kind="server_error")
     try:
         queue = server.engine_thread.submit(job.seq, job.stream)
     except QueueFull as e:

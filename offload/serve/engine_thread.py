@@ -87,6 +87,11 @@ class EngineThread:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def died(self) -> bool:
+        """Started, and ended without stop(): nothing would answer a request now."""
+        return self._thread is not None and not self._thread.is_alive()
+
     def submit(self, seq: Sequence, streaming: bool) -> asyncio.Queue:
         """Queue a checked sequence (from the event loop); its updates arrive on the queue returned. QueueFull
         or ConfigError as Engine.submit raises them."""
@@ -122,7 +127,10 @@ class EngineThread:
                 except Exception as e:  # noqa: BLE001 (nothing a step raises may end the server)
                     logger.error(f"a step failed ({type(e).__name__}: {e}); its requests get an error, the server "
                                  f"goes on")
-                    self._fail_running(e)
+                    self._fail(e, admitted_only=True)
+        except BaseException as e:  # the thread ends: no request in flight would ever be answered
+            logger.error(f"the engine thread stopped ({type(e).__name__}: {e}); restart offload serve")
+            self._fail(e, admitted_only=False)
         finally:
             self.llm.release()
 
@@ -160,14 +168,15 @@ class EngineThread:
         text, stream.sent = ready[len(stream.sent):], ready
         return text
 
-    def _fail_running(self, error: Exception) -> None:
-        """The requests of a step that raised end with an error and leave the engine at the next step."""
+    def _fail(self, error: BaseException, admitted_only: bool) -> None:
+        """End requests with an error: those of a step that raised (admitted_only: they leave the engine at the
+        next step), or every one in flight."""
         with self._lock:
-            failed = [s for s in self._streams.values() if s.seq.base >= 0]  # admitted: they were in the step
+            failed = [s for s in self._streams.values() if s.seq.base >= 0 or not admitted_only]
             for stream in failed:
                 del self._streams[stream.seq.request_id]
         for stream in failed:
             self.engine.abort(stream.seq.request_id)
             stream.post(Update(error=f"generation failed ({type(error).__name__}: {error}); the request was "
-                                     f"dropped and the server goes on: send it again, or report the error"))
+                                     f"dropped: send it again, or report the error"))
             self.metrics.on_finish(ERROR, len(stream.seq.prompt_ids))
