@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import threading
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -95,6 +96,7 @@ class LLM:
 
     def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None):
         self.request = request
+        self._in_use, self._user = threading.Lock(), None  # one generation loop at a time (acquire)
         self.speed_probes: list[speedprobe.SpeedProbe] = []  # of the CPU's speed around a job, for its report
         self.path = resolve_model(request.model)
         self.spec = model_spec(self.path)
@@ -173,9 +175,25 @@ class LLM:
             texts.append(text)
             seqs.append(Sequence(request_id=i, prompt_ids=ids, params=p))
         callback = None if on_finish is None else (lambda s: on_finish(self._output(s, texts[s.request_id])))
-        self.generator.run(seqs, callback)
-        self.model.flush()  # device timings resolved once per call, not per step
+        self.acquire("another LLM.generate call")
+        try:
+            self.generator.run(seqs, callback)
+            self.model.flush()  # device timings resolved once per call, not per step
+        finally:
+            self.release()
         return [self._output(s, t) for s, t in zip(seqs, texts)]
+
+    def acquire(self, user: str) -> None:
+        """Hold the model for one generation loop (a generate call, or offload serve's engine thread) until
+        release(); ConfigError names the one holding it already: the model runs one loop at a time."""
+        if not self._in_use.acquire(blocking=False):
+            raise ConfigError(f"this LLM is in use by {self._user}, and it runs one generation loop at a time; "
+                              f"wait for that to finish, or load a second LLM")
+        self._user = user
+
+    def release(self) -> None:
+        self._user = None
+        self._in_use.release()
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              add_generation_prompt: bool = True) -> list[RequestOutput]:

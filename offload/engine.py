@@ -225,10 +225,11 @@ class Engine:
 
     def _drop_aborted(self) -> list[Sequence]:
         left, self._left = self._left, []
-        aborted = [s for s in self._running if id(s) in self._aborting and not s.finish_reason]
+        # a step that raised may leave a sequence finished but not released: aborting it releases it
+        aborted = [s for s in self._running if id(s) in self._aborting]
         self._aborting.clear()
         for seq in aborted:
-            seq.finish_reason = ABORT
+            seq.finish_reason = seq.finish_reason or ABORT
         return left + self._release(aborted)
 
     def _release(self, seqs: list[Sequence]) -> list[Sequence]:

@@ -14,7 +14,11 @@ class WeightsError(OffloadError):
 
 
 class SamplingError(OffloadError):
-    """A sampling parameter is out of range."""
+    """A sampling parameter is out of range; param names its SamplingParams field."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 class PlanError(OffloadError):

@@ -170,16 +170,8 @@ class Generator:
         return True
 
     def _new_text(self, seq: Sequence) -> str:
-        """The text the newest token adds, decoded with a few tokens of context before it; empty while it ends
-        inside a multi-byte character (the next token completes it)."""
-        prefix_start, read_end = seq._offsets
-        skip = seq.params.skip_special_tokens
-        prefix = self.tokenizer.decode(seq.output_ids[prefix_start:read_end], skip_special_tokens=skip)
-        full = self.tokenizer.decode(seq.output_ids[prefix_start:], skip_special_tokens=skip)
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
-            return ""
-        seq._offsets = (read_end, len(seq.output_ids))
-        return full[len(prefix):]
+        text, seq._offsets = next_text(self.tokenizer, seq.output_ids, seq._offsets, seq.params.skip_special_tokens)
+        return text
 
     def _full_text(self, seq: Sequence) -> str:
         return self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
@@ -190,3 +182,16 @@ class Generator:
             return ""
         text = self._full_text(seq)
         return text if seq.stop_text_end is None else text[: seq.stop_text_end]
+
+
+def next_text(tokenizer, ids: list[int], offsets: tuple[int, int],
+              skip_special_tokens: bool) -> tuple[str, tuple[int, int]]:
+    """The text the tokens after offsets' read end add, decoded with a few tokens of context before them, and the
+    offsets to pass next time (vLLM's incremental detokenizing); empty while the text ends inside a multi-byte
+    character (a later token completes it)."""
+    prefix_start, read_end = offsets
+    prefix = tokenizer.decode(ids[prefix_start:read_end], skip_special_tokens=skip_special_tokens)
+    full = tokenizer.decode(ids[prefix_start:], skip_special_tokens=skip_special_tokens)
+    if full.endswith("\ufffd") or len(full) <= len(prefix):
+        return "", offsets
+    return full[len(prefix):], (read_end, len(ids))

@@ -4,8 +4,8 @@ the CLI's flags and their help are made from the fields (cli/job_flags.py); the 
 from the same sections. Later sections (speculative decoding, the server) are added here the same way.
 
 A field's `name` is what it is called outside the YAML: the keyword of LLM(...) and the flag (`cpu_memory`,
-`--cpu-memory` for memory.cpu). `cli` says which commands take it as a flag: "plan" (plan, validate, run), "job"
-(validate, run), or none (YAML and --set only). Pure data: no torch, no transformers."""
+`--cpu-memory` for memory.cpu). `cli` says which commands take it as a flag: "plan" (plan, validate, run, serve),
+"job" (validate, run), "serve" (serve), or none (YAML and --set only). Pure data: no torch, no transformers."""
 
 from __future__ import annotations
 
@@ -182,6 +182,21 @@ class DistributedOptions(Section):
     shard_size: Whole | None = option(None, "requests handed to a replica at once (default: its planned batch)",
                                       ge=1)
     max_restarts: Whole = option(3, "per replica, after its process or node is lost", ge=0)
+
+
+class ServeOptions(Section):
+    """`offload serve`: where it listens, who may call it, and how many requests may wait for a slot."""
+
+    host: str = option("127.0.0.1", "address to listen on: 127.0.0.1 is this machine only, 0.0.0.0 every "
+                       "interface", name="host", cli="serve")
+    port: Whole = option(8000, "TCP port to listen on", name="port", cli="serve", ge=1, le=65535)
+    api_key: str | None = option(None, "require `Authorization: Bearer KEY` on every route but /health (default: "
+                                 "none required; also read from OFFLOAD_API_KEY)", name="api_key", cli="serve",
+                                 min_length=1)
+    state_dir: str | None = option(None, "the server's state folder, locked against a second server (default: "
+                                   "none); the Batch API will keep its jobs there", name="state_dir", cli="serve")
+    max_waiting: Whole = option(256, "requests that may wait for a KV slot at once; past it a request gets 503 "
+                                "with Retry-After", name="max_waiting", cli="serve", ge=1)
 
 
 PLAN_SECTIONS = {"model": ModelOptions, "hardware": HardwareOptions, "memory": MemoryOptions,

@@ -38,7 +38,8 @@ class SamplingParams:
                                   ("stop_token_ids", (list, tuple), "token ids")):
             value = getattr(self, name)
             if value is not None and not isinstance(value, kinds):
-                raise SamplingError(f"invalid sampling parameter: {name}: expected a list of {what}, found {value!r}")
+                raise SamplingError(f"invalid sampling parameter: {name}: expected a list of {what}, found {value!r}",
+                                    name)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self.validate()
@@ -62,8 +63,8 @@ class SamplingParams:
             (self.n == 1, f"n must be 1 (one completion per prompt), got {self.n!r}"),
         ]
         for ok, message in checks:
-            if not ok:
-                raise SamplingError(f"invalid sampling parameter: {message}")
+            if not ok:  # each message starts with the field's name
+                raise SamplingError(f"invalid sampling parameter: {message}", message.split(" ", 1)[0])
 
     @property
     def greedy(self) -> bool:

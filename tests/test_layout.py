@@ -22,6 +22,7 @@ LAYERS = [
     {"generate", "engine"},
     {"api", "simulate", "costfit"},
     {"jobs"},
+    {"serve"},
     {"cli", "__main__"},
 ]
 RANK = {name: i for i, layer in enumerate(LAYERS) for name in layer}

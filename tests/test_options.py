@@ -21,7 +21,7 @@ from offload.options import Section
 from offload.planner.request import PlanRequest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("plan", "validate", "run")
+COMMANDS = ("plan", "validate", "run", "serve")
 
 # What one or two of LLM / YAML / CLI lack, and why. Keys: an outside name (LLM keyword, flag dest), or the dotted
 # YAML key of a field without one.
@@ -67,6 +67,10 @@ NOT_EVERYWHERE = {
     "input": "a job's input file", "input_format": "a job's input file",
     "output": "a job's output file", "report": "a job's report file", "trace": "a job's trace file",
     "plot": "a job's plot file", "progress": "a job's progress bar", "echo": "a job's console output",
+    # YAML and CLI (offload serve), not LLM: a server's own options
+    "host": "where offload serve listens", "port": "where offload serve listens",
+    "api_key": "who may call offload serve", "state_dir": "offload serve's state folder",
+    "max_waiting": "offload serve's bound on waiting requests (the Engine's max_waiting)",
 }
 NO_DEFAULT_IN_HELP = {  # flags whose option is unset by default and whose help need not say so
     "input.path": "required: a job has no default input",
@@ -278,13 +282,14 @@ def test_cli_flags_have_the_options_type_default_and_help():
 
 
 def test_each_command_takes_the_flags_of_its_options():
-    """plan takes the plan's options; validate and run also the job's; all three the same plan flags."""
+    """plan takes the plan's options; validate and run also the job's; serve the plan's and its own."""
     actions = cli_actions()
     for key, info in yaml_options().items():
         cli = (info.json_schema_extra or {}).get("cli")
         name = outside_name(key, info)
         assert (name in actions["plan"]) == (cli == "plan"), name
         assert (name in actions["run"]) == (name in actions["validate"]) == (cli in ("plan", "job")), name
+        assert (name in actions["serve"]) == (cli in ("plan", "serve")), name
 
 
 def test_flags_set_the_yaml_key_their_help_names(tmp_path):

@@ -1,4 +1,5 @@
-"""The flags shared by `offload run`, `offload validate` and `offload plan`: each overrides one job config key."""
+"""The flags of `offload run`, `offload validate`, `offload plan` and `offload serve`: each overrides one job config
+key."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ def job_sections() -> dict:
     from offload import options as o
 
     return {**o.PLAN_SECTIONS, "sampling": o.SamplingOptions, "input": o.InputOptions, "output": o.OutputOptions,
-            "report": o.ReportOptions}
+            "report": o.ReportOptions, "serve": o.ServeOptions}
 
 
 def flag_options(commands: tuple[str, ...]) -> dict[str, tuple[str, object]]:
@@ -81,11 +82,17 @@ def add_job_flags(p) -> None:
                         "distributed.address when none is given; put it after the config file")
 
 
+def add_serve_flags(p) -> None:
+    """add_plan_flags plus where the server listens, who may call it and how many requests may wait."""
+    add_plan_flags(p)
+    _add_flags(p, ("serve",))
+
+
 def effective_config(args, need_input: bool = True):
     """The config from args.config plus every flag that was given."""
     from offload.jobs.config import load_config, parse_set_option
 
-    overrides = {key: getattr(args, dest) for dest, (key, _) in flag_options(("plan", "job")).items()
+    overrides = {key: getattr(args, dest) for dest, (key, _) in flag_options(("plan", "job", "serve")).items()
                  if getattr(args, dest, None) is not None}
     if getattr(args, "ray", None) is not None:
         overrides |= ray_overrides(args)

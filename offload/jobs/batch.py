@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offload.errors import ConfigError, OffloadError
+from offload.errors import ConfigError, OffloadError, SamplingError
 from offload.sampling import SamplingParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
@@ -40,6 +40,14 @@ class Request:
     @property
     def key(self) -> str:
         return self.custom_id
+
+
+class BodyError(ConfigError):
+    """A request body that cannot run: the message, and the body field it names (OpenAI's error 'param')."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass
@@ -77,9 +85,10 @@ def read_requests(path: Path, fmt: str = "openai", defaults: dict | None = None,
 
 
 def _text_request(line: str, n: int, url: str, defaults: dict) -> Request | BadLine:
-    params = _params(defaults, {}, n)
-    if isinstance(params, BadLine):
-        return params
+    try:
+        params = sampling_params(defaults, {})
+    except BodyError as e:
+        return BadLine(n, str(e))
     if url == CHAT:
         return Request(f"line-{n}", n, url, params, messages=[{"role": "user", "content": line.strip()}])
     return Request(f"line-{n}", n, url, params, prompt=line)
@@ -99,17 +108,10 @@ def _openai_request(line: str, n: int, defaults: dict, name: str) -> Request | B
     problem = _check_envelope(obj)
     if problem:
         return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {problem}", custom_id)
-    body = obj["body"]
-    unknown = [k for k in body if k not in PARAM_KEYS and k not in IGNORED_KEYS and k not in ("prompt", "messages")]
-    if unknown:
-        return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {_unsupported(unknown[0], obj['url'])}",
-                       custom_id)
-    params = _params(defaults, body, n)
-    if isinstance(params, BadLine):
-        return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {params.message}", custom_id)
-    content, problem = _content(obj["url"], body)
-    if problem:
-        return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {problem}", custom_id)
+    try:
+        params, content = check_body(obj["url"], obj["body"], defaults)
+    except BodyError as e:
+        return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {e}", custom_id)
     if obj["url"] == CHAT:
         return Request(custom_id, n, CHAT, params, messages=content)
     return Request(custom_id, n, COMPLETIONS, params, prompt=content)
@@ -139,7 +141,17 @@ def _is_whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _params(defaults: dict, body: dict, n: int) -> SamplingParams | BadLine:
+def check_body(url: str, body: dict, defaults: dict) -> tuple[SamplingParams, Any]:
+    """The SamplingParams and the prompt (text or token ids; for chat, the messages) of an OpenAI request body to
+    url, its unset parameters taken from defaults; BodyError names the first field that cannot run."""
+    unknown = [k for k in body if k not in PARAM_KEYS and k not in IGNORED_KEYS and k not in ("prompt", "messages")]
+    if unknown:
+        raise BodyError(_unsupported(unknown[0], url), unknown[0])
+    return sampling_params(defaults, body), _content(url, body)
+
+
+def sampling_params(defaults: dict, body: dict) -> SamplingParams:
+    """defaults (a job's sampling section) overridden by the body's parameters; BodyError names a bad one."""
     values = dict(defaults)
     cap = values.pop("max_tokens_cap", None)  # sampling.max_tokens_cap: no body passes it
     values.update({PARAM_KEYS[k]: v for k, v in body.items() if k in PARAM_KEYS and v is not None})
@@ -147,35 +159,42 @@ def _params(defaults: dict, body: dict, n: int) -> SamplingParams | BadLine:
         values["max_tokens"] = cap
     try:
         return SamplingParams(**values)
+    except SamplingError as e:  # named by its SamplingParams field: the body's key if the body set it
+        key = next((k for k, field in PARAM_KEYS.items() if field == e.param and k in body), e.param)
+        raise BodyError(str(e) if key == e.param else f"{e} (the body's {key!r})", key) from None
     except (OffloadError, TypeError, ValueError) as e:
-        return BadLine(n, str(e))
+        raise BodyError(str(e), None) from None
 
 
-def _content(url: str, body: dict) -> tuple[Any, str | None]:
-    """(the prompt as text or token ids, or the messages; None) or (None, what is wrong)."""
+def _content(url: str, body: dict) -> Any:
+    """The prompt as text or token ids, or the messages; BodyError says what is wrong."""
     if url == COMPLETIONS:
         prompt = body.get("prompt")
         if isinstance(prompt, str) and prompt:
-            return prompt, None
+            return prompt
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt, None
-        return None, f"expected 'prompt' to be a non-empty string or a list of token ids, found {prompt!r}"
+            return prompt
+        raise BodyError(f"expected 'prompt' to be a non-empty string or a list of token ids, found {prompt!r}",
+                        "prompt")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        return None, f"expected 'messages' to be a non-empty list of {{'role', 'content'}} objects, found {messages!r}"
+        raise BodyError(f"expected 'messages' to be a non-empty list of {{'role', 'content'}} objects, found "
+                        f"{messages!r}", "messages")
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
-            return None, f"expected messages[{i}] to have a string 'role' and text 'content', found {m!r}"
+            raise BodyError(f"expected messages[{i}] to have a string 'role' and text 'content', found {m!r}",
+                            f"messages[{i}]")
         if m["role"] not in ROLES:
             close = difflib.get_close_matches(m["role"], ROLES, n=1)
             hint = f"; did you mean {close[0]!r}?" if close else ""
-            return None, f"expected messages[{i}].role to be one of {', '.join(ROLES)}, found {m['role']!r}{hint}"
+            raise BodyError(f"expected messages[{i}].role to be one of {', '.join(ROLES)}, found {m['role']!r}{hint}",
+                            f"messages[{i}].role")
         out.append({"role": m["role"], "content": content})
-    return out, None
+    return out
 
 
 def _refuse_duplicates(path: Path, items: list) -> None:

@@ -15,7 +15,7 @@ from pydantic import BaseModel, Field, ValidationError
 
 from offload.errors import ConfigError, WeightsError
 from offload.options import (ENGINES, DistributedOptions, HardwareOptions, InputOptions, MemoryOptions, ModelOptions,
-                             OutputOptions, ReportOptions, SamplingOptions, ScheduleOptions, Section)
+                             OutputOptions, ReportOptions, SamplingOptions, ScheduleOptions, Section, ServeOptions)
 from offload.planner.request import PlanRequest
 from offload.profile.report import PLOT_EXTRA_HINT, plotting_available
 from offload.weights.default_model import resolve_model
@@ -37,6 +37,7 @@ class JobConfig(Section):
     report: ReportOptions = Field(default_factory=ReportOptions)
     engine: Literal[ENGINES] = "local"  # ray: replicas on a Ray cluster (see distributed)
     distributed: DistributedOptions = Field(default_factory=DistributedOptions)
+    serve: ServeOptions = Field(default_factory=ServeOptions)  # offload serve only
 
     @property
     def output_path(self) -> Path:
@@ -62,7 +63,7 @@ class JobConfig(Section):
 
 # Keys holding file paths; relative ones resolve against the config file's folder.
 PATH_KEYS = ("model.path", "input.path", "output.path", "report.path", "report.trace", "report.plot",
-             "hardware.profile")
+             "hardware.profile", "serve.state_dir")
 
 
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | None = None,

@@ -136,10 +136,18 @@ class Timeline:
         return sum(s.n_bytes for s in self.spans if s.kind == kind and s.phase == phase)
 
     def clear(self) -> None:
+        self.drain()
+
+    def drain(self) -> Timeline:
+        """What this timeline holds, as a Timeline of its own, and this one cleared at once: a server's metrics
+        read it so, step by step, and it does not grow for the server's life."""
         with self._lock:
+            taken = Timeline(spans=list(self.spans), phase_time_s=self.phase_time_s, phase_tokens=self.phase_tokens,
+                             step_s=self.step_s, steps=self.steps, device_read_at_start=self.device_read_at_start)
             self.spans.clear()
             self.phase_time_s = {"prefill": 0.0, "decode": 0.0}
             self.phase_tokens = {"prefill": 0, "decode": 0}
             self.step_s = {"prefill": [], "decode": []}
             self.steps = []
             self.device_read_at_start = device_read_bytes()
+        return taken

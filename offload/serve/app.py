@@ -1,0 +1,191 @@
+"""The OpenAI-compatible HTTP app of `offload serve` (FastAPI): models, completions and chat completions, plain and
+streamed, health and Prometheus metrics. Requests go to the engine thread, which owns the model."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+import time
+from pathlib import Path
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from offload.errors import ConfigError, QueueFull
+from offload.jobs.batch import CHAT, COMPLETIONS
+from offload.serve import protocol
+from offload.serve.engine_thread import EngineThread, Update
+from offload.serve.protocol import ApiError, Job, sse
+
+RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait: slots free as requests finish
+
+
+class Server:
+    """What the routes share: the model and its name, the request defaults, the key, the engine thread."""
+
+    def __init__(self, llm, model_name: str, *, defaults: dict | None = None, api_key: str | None = None,
+                 max_waiting: int = 256):
+        self.llm, self.model_name, self.defaults, self.api_key = llm, model_name, defaults or {}, api_key
+        self.created = int(time.time())
+        self.engine_thread = EngineThread(llm, max_waiting=max_waiting)
+        self.metrics = self.engine_thread.metrics
+
+    def check_model(self, body) -> None:
+        """A body naming another model is refused; the name given, or its last path part, is this one."""
+        name = body.get("model") if isinstance(body, dict) else None
+        if name is not None and name not in (self.model_name, Path(self.model_name).name):
+            raise ApiError(404, f"the model {name!r} is not served here; this server serves {self.model_name!r} "
+                                f"(GET /v1/models)", "model", "model_not_found")
+
+
+def make_app(server: Server) -> FastAPI:
+    """The app; its lifespan starts the engine thread and stops it (app.state.server reaches both)."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.engine_thread.start()
+        try:
+            yield
+        finally:
+            server.engine_thread.stop()
+
+    app = FastAPI(title="offload", lifespan=lifespan)
+    app.state.server = server
+    _add_error_handlers(app)
+    auth = [Depends(_key_check(server))]
+
+    @app.get("/health")
+    async def health():
+        if not server.engine_thread.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models", dependencies=auth)
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "offload", "max_model_len": server.llm.generator.context_len}]}
+
+    @app.get("/metrics", dependencies=auth)
+    async def metrics():
+        text, content_type = server.metrics.exposition()
+        return Response(text, media_type=content_type)
+
+    @app.post("/v1/completions", dependencies=auth)
+    async def completions(request: Request):
+        return await _answer(server, request, COMPLETIONS)
+
+    @app.post("/v1/chat/completions", dependencies=auth)
+    async def chat_completions(request: Request):
+        return await _answer(server, request, CHAT)
+
+    return app
+
+
+def _key_check(server: Server):
+    async def check(request: Request) -> None:
+        if server.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+            raise ApiError(401, "missing or wrong API key; send the header `Authorization: Bearer <key>` with the "
+                                "key the server was started with (--api-key)", code="invalid_api_key")
+    return check
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        return JSONResponse(protocol.error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def server_error(request, e: Exception):
+        return JSONResponse(protocol.error_body(f"the server failed ({type(e).__name__}: {e})", "server_error"),
+                            status_code=500)
+
+
+async def _answer(server: Server, request: Request, url: str):
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e}); send one JSON object") from None
+    server.check_model(body)
+    job = protocol.prepare(url, body, server.llm, server.model_name, server.defaults)
+    if server.engine_thread.died:
+        raise ApiError(503, "the server's engine thread has stopped (its log says why); restart offload serve",
+                       kind="server_error")
+    try:
+        queue = server.engine_thread.submit(job.seq, job.stream)
+    except QueueFull as e:
+        raise ApiError(503, f"the server is busy: {e}", kind="server_error",
+                       headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+    except ConfigError as e:
+        raise ApiError(400, str(e), "max_tokens") from None
+    if job.stream:
+        return StreamingResponse(_events(server, job, queue), media_type="text/event-stream")
+    return await _whole(server, request, job, queue)
+
+
+async def _whole(server: Server, request: Request, job: Job, queue: asyncio.Queue):
+    """The answer of a request that does not stream; a client that leaves before it is done aborts it."""
+    text, done = "", asyncio.ensure_future(_last(queue))
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            return Response(status_code=499)  # nobody reads it
+        text, update = done.result()
+    finally:
+        for task in (done, gone):
+            task.cancel()
+        if not done.done() or done.cancelled():
+            server.engine_thread.abort(job.id)
+    if update.error:
+        raise ApiError(500, update.error, kind="server_error")
+    return protocol.completion(job, text, update.finish_reason, update.n_prompt, update.n_completion)
+
+
+async def _last(queue: asyncio.Queue) -> tuple[str, Update]:
+    """The text of every update, and the last one."""
+    text = ""
+    while True:
+        update = await queue.get()
+        text += update.text
+        if update.last:
+            return text, update
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _events(server: Server, job: Job, queue: asyncio.Queue):
+    """Server-sent events: chunks as text arrives, the end, usage if asked, [DONE]; a client that leaves (the
+    stream is cancelled or closed) aborts its request."""
+    finished = False
+    try:
+        if job.url == CHAT:
+            yield sse(protocol.chunk(job, role=True))
+        while not finished:
+            update = await queue.get()
+            finished = update.last
+            if update.error:
+                yield sse(protocol.error_body(update.error, "server_error"))
+                break
+            if update.text:
+                yield sse(protocol.chunk(job, update.text))
+            if update.finish_reason:
+                yield sse(protocol.chunk(job, finish_reason=update.finish_reason))
+                if job.include_usage:
+                    yield sse(protocol.usage_chunk(job, update.n_prompt, update.n_completion))
+        yield sse("[DONE]")
+    finally:
+        if not finished:
+            server.engine_thread.abort(job.id)
