@@ -139,7 +139,7 @@ class Generator:
 
     def _sample_next(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         for seq, row in zip(seqs, logits):
-            token = sample(row, seq.params, seq.generator)
+            token = sample(row, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
             seq.output_ids.append(token)
             self._check_stop(seq, token)
 

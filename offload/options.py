@@ -130,6 +130,13 @@ class SamplingOptions(Section):
                                 ge=SEED_MIN, le=SEED_MAX)
     stop: list[str] = option(help="strings that end a completion", default_factory=list)
     ignore_eos: bool = option(False, "keep generating past the end-of-sequence token")
+    presence_penalty: Number = option(0.0, "subtracted once from each token already generated (OpenAI's)",
+                                      ge=-2, le=2)
+    frequency_penalty: Number = option(0.0, "subtracted per time a token was generated (OpenAI's)", ge=-2, le=2)
+    repetition_penalty: Number = option(1.0, "a prompt or output token's logit divided by it where positive, "
+                                        "multiplied where negative (vLLM's; 1 changes nothing)", gt=0)
+    logit_bias: dict[int, Number] = option(help="token id: bias in [-100, 100] added to its logit (OpenAI's)",
+                                           default_factory=dict)
 
 
 class InputOptions(Section):

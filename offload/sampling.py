@@ -1,4 +1,5 @@
-"""SamplingParams (vLLM's field names) and the sampler: greedy, temperature, top-k, top-p, min-p, seed."""
+"""SamplingParams (vLLM's field names) and the sampler: penalties and logit bias, greedy, temperature, top-k,
+top-p, min-p, seed."""
 
 from __future__ import annotations
 
@@ -32,6 +33,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     n: int = field(default=1)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated
+    repetition_penalty: float = 1.0  # vLLM's (CTRL's): a prompt or output token's logit divided by it (> 0) or times
+    logit_bias: dict | None = None  # OpenAI's: {token id: bias in [-100, 100]} added to the logits
 
     def __post_init__(self):
         for name, kinds, what in (("stop", (str, list, tuple), "strings (or one string)"),
@@ -42,6 +47,10 @@ class SamplingParams:
                                     name)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise SamplingError(f"invalid sampling parameter: logit_bias: expected a mapping of token ids to biases, "
+                                f"found {self.logit_bias!r}", "logit_bias")
+        self.logit_bias = {_token_id(k): v for k, v in (self.logit_bias or {}).items()}
         self.validate()
 
     def validate(self) -> None:
@@ -61,6 +70,14 @@ class SamplingParams:
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
             (self.n == 1, f"n must be 1 (one completion per prompt), got {self.n!r}"),
+            (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
+            (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
+            (_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
+             f"repetition_penalty must be a number > 0 (1 changes nothing), got {self.repetition_penalty!r}"),
+            (all(_is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()),
+             f"logit_bias must map token ids to biases in [-100, 100], got {self.logit_bias!r}"),
         ]
         for ok, message in checks:
             if not ok:  # each message starts with the field's name
@@ -69,6 +86,12 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS
+
+    @property
+    def penalized(self) -> bool:
+        """Whether the logits change with the tokens seen (penalties) or by a bias before sampling."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+                    or self.logit_bias)
 
     def make_generator(self) -> torch.Generator:
         """A per-request random generator: seeded if seed is set, else seeded from the global RNG."""
@@ -82,6 +105,34 @@ class SamplingParams:
 def _is_number(x) -> bool:
     """A finite int or float (not a bool, NaN or infinity)."""
     return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _token_id(key):
+    """logit_bias keys: token ids, as JSON gives them (strings of digits) or as ints; anything else is kept to be
+    refused by validate."""
+    return int(key) if isinstance(key, str) and key.strip().isdigit() else key
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids, output_ids) -> torch.Tensor:
+    """One row of logits [V] with vLLM's penalties: repetition over the prompt's and output's tokens, frequency
+    and presence over the output's; then logit_bias added (ids past the vocabulary ignored)."""
+    import torch
+
+    logits = logits.float().clone()
+    vocab = logits.shape[-1]
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted({t for t in (*prompt_ids, *output_ids) if 0 <= t < vocab}), dtype=torch.long)
+        if len(seen):
+            row = logits[seen]
+            logits[seen] = torch.where(row > 0, row / params.repetition_penalty, row * params.repetition_penalty)
+    if (params.frequency_penalty or params.presence_penalty) and output_ids:
+        counts = torch.bincount(torch.tensor([t for t in output_ids if 0 <= t < vocab], dtype=torch.long),
+                                minlength=vocab).float()
+        logits -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0).float()
+    for token, bias in params.logit_bias.items():
+        if token < vocab:
+            logits[token] += bias
+    return logits
 
 
 def _is_int(x) -> bool:
@@ -108,14 +159,18 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return logits
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """Pick the next token id from fp32 logits [V]; WeightsError if they are not finite (NaN or inf)."""
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, prompt_ids=(),
+           output_ids=()) -> int:
+    """Pick the next token id from fp32 logits [V] (penalised for the request's prompt_ids and output_ids so far
+    where its params ask); WeightsError if they are not finite (NaN or inf)."""
     import torch
 
     if not bool(torch.isfinite(logits).all()):
         raise WeightsError("the model produced NaN or infinite logits, so no token can be chosen; its weights "
                            "likely hold NaN or inf values (or the compute dtype overflows): check the checkpoint, "
                            "or try model.dtype fp32")
+    if params.penalized:
+        logits = apply_penalties(logits, params, prompt_ids, output_ids)
     if params.greedy:
         return int(torch.argmax(logits))
     probs = filter_logits(logits.float(), params).softmax(-1)

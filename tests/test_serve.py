@@ -409,3 +409,13 @@ def test_offload_serve_starts_on_a_port_and_answers_the_official_client(llm, mod
             proc.kill()
             proc.wait()
         log.close()
+
+
+def test_penalties_and_logit_bias_in_a_body_are_llm_generates(llm, defaults):
+    body = {"presence_penalty": 1.5, "frequency_penalty": 0.5, "repetition_penalty": 1.3, "logit_bias": {"65": 5}}
+    want = llm.generate(PROMPT, greedy(**body))[0]
+    with serving(llm, defaults) as (_, client):
+        got = client.post("/v1/completions", json={"prompt": PROMPT, **body, **GO_ON}).json()
+        bad = client.post("/v1/completions", json={"prompt": PROMPT, "presence_penalty": 3})
+    assert got["choices"][0]["text"] == want.text and want.text != llm.generate(PROMPT, greedy())[0].text
+    assert "presence_penalty" in assert_error(bad, 400, "presence_penalty")

@@ -21,7 +21,9 @@ PARAM_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
               "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
               "stop_token_ids": "stop_token_ids", "ignore_eos": "ignore_eos", "n": "n",
               "skip_special_tokens": "skip_special_tokens",
-              "include_stop_str_in_output": "include_stop_str_in_output"}
+              "include_stop_str_in_output": "include_stop_str_in_output", "presence_penalty": "presence_penalty",
+              "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
+              "logit_bias": "logit_bias"}
 IGNORED_KEYS = ("model", "user", "stream", "metadata")
 ROLES = ("system", "user", "assistant")  # what chat templates render; OpenAI's tool roles need tool calls
 
