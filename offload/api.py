@@ -15,7 +15,6 @@ from offload.formats import compute_format, torch_dtype
 from offload.generate import Generator, Sequence
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.options import default_of, request_sections
-from offload.planner.request import DEFAULT_MAX_MODEL_LEN
 from offload.profile.timeline import Timeline
 from offload.runtime.backends import make_backend
 from offload.runtime.device_quant import set_gpu_crossover
@@ -124,7 +123,7 @@ class LLM:
         source = weight_source(self.path, self.spec, dtype, request.quantization)
         self.model = PlacedModel(self.spec, source, placement, self.backend, dtype, disk_dir)
         self.tokenizer = load_tokenizer(self.path)
-        self.max_model_len = min(request.max_model_len or DEFAULT_MAX_MODEL_LEN, self.spec.max_position_embeddings)
+        self.max_model_len = request.context_len(self.spec)
         self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_seqs, self.max_model_len,
                                    placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
                                    logits_rows=self.max_batch_size)

@@ -91,10 +91,10 @@ def page_cache_room_bytes(process_bytes: int, root: Path = ROOT) -> int:
         return 0
     for limit, held in _cgroup_limits(root):
         available, total = min(available, limit - held), min(total, limit)
-    return max(0, available + _own_held_bytes(root) - process_bytes - total // RESERVE_FRACTION)
+    return max(0, available + held_bytes(root) - process_bytes - total // RESERVE_FRACTION)
 
 
-def _own_held_bytes(root: Path) -> int:
+def held_bytes(root: Path = ROOT) -> int:
     """Resident anonymous + shared bytes of this process (what reclaim cannot free of it); 0 where unknown."""
     try:
         lines = (root / "proc/self/status").read_text().splitlines()

@@ -104,9 +104,14 @@ class PlanRequest:
         on_gpu = self.backend != "cpu" and hw.has_gpu and self.budget(hw).gpu_bytes > 0
         return compute_format(self.dtype, on_gpu)
 
+    def context_len(self, spec: ModelSpec) -> int:
+        """Tokens per sequence the KV cache holds: max_model_len (default DEFAULT_MAX_MODEL_LEN), at most the
+        model's context."""
+        return min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, spec.max_position_embeddings)
+
     def workload(self, spec: ModelSpec, hw: HardwareProfile) -> Workload:
         """The workload the plan is sized for: max_model_len tokens per sequence, max_tokens of them generated."""
-        total = min(self.max_model_len or DEFAULT_MAX_MODEL_LEN, spec.max_position_embeddings)
+        total = self.context_len(spec)
         if total < 2:
             raise ConfigError(f"max_model_len must be at least 2, found {self.max_model_len}")
         gen = min(self.max_tokens, total - 1)

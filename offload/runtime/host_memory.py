@@ -17,7 +17,7 @@ from pathlib import Path
 from offload.baseline import round_baseline
 from offload.errors import BudgetError, ConfigError
 from offload.hardware import format_bytes
-from offload.system import memory_limit_bytes
+from offload.system import held_bytes, memory_limit_bytes
 
 log = logging.getLogger("offload")
 WATCH_INTERVAL_S = 0.2  # a sample costs ~20 us (one read of /proc/self/status)
@@ -57,16 +57,6 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def held_bytes() -> int:
-    """Resident anonymous + shared bytes of this process (0 where /proc is not available)."""
-    try:
-        lines = Path("/proc/self/status").read_text().splitlines()
-    except OSError:
-        return 0
-    fields = dict(line.split(":", 1) for line in lines if line.startswith(("RssAnon", "RssShmem")))
-    return sum(int(v.split()[0]) * 1024 for v in fields.values())
 
 
 @functools.lru_cache(maxsize=None)
