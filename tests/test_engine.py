@@ -64,7 +64,7 @@ def test_requests_that_join_mid_decode_share_its_steps_and_give_their_alone_toke
     assert all(s.finish_reason == "length" for s in (first, second, third))
     assert _weight_passes(llm) < sum(n for _, n in alone)
     assert max(len(o.tokens) for o in outs) == 3  # one step sampled for all three
-    streamed = {rid: [t for o in outs for t in o.tokens.get(rid, [])] for rid in "abc"}
+    streamed = {rid: [t for o in outs for s, new in o.tokens if s.request_id == rid for t in new] for rid in "abc"}
     assert streamed == {"a": first.output_ids, "b": second.output_ids, "c": third.output_ids}
     assert sorted(s.request_id for o in outs for s in o.finished) == ["a", "b", "c"]
     assert engine.kv_slots_used == 0 and not engine.has_work()
@@ -88,7 +88,7 @@ def test_an_abort_frees_its_slots_for_a_waiting_request(llm):
     engine.abort("r1")
     out = engine.step()
     assert [s.request_id for s in out.finished] == ["r1"] and seqs[1].finish_reason == "abort"
-    assert "r1" not in out.tokens and len(seqs[1].output_ids) == 1
+    assert "r1" not in {s.request_id for s, _ in out.tokens} and len(seqs[1].output_ids) == 1
     assert (engine.n_running, engine.n_waiting, seqs[2].base) == (2, 0, seqs[1].base)
     engine.run_until_done()
     assert [s.output_ids for s in (seqs[0], seqs[2])] == [_alone(llm, p, 10)[0] for p in (prompts[0], prompts[2])]
@@ -134,7 +134,7 @@ def test_the_waiting_queue_is_bounded(llm):
         engine.add("d", prompts[3], _greedy(3))
     out = engine.step()  # "a" and "c" start: the queue is empty
     assert [(s.request_id, s.finish_reason, s.output_ids) for s in out.finished] == [("b", "abort", [])]
-    assert sorted(out.tokens) == ["a", "c"] and engine.n_waiting == 0
+    assert sorted(s.request_id for s, _ in out.tokens) == ["a", "c"] and engine.n_waiting == 0
     engine.add("d", prompts[3], _greedy(3))
     with pytest.raises(ConfigError, match="'a' is already in flight"):
         engine.add("a", prompts[0], _greedy(3))
