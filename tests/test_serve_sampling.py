@@ -253,3 +253,36 @@ def test_logprob_fields_out_of_shape_get_400_naming_them(client):
         with pytest.raises(openai.BadRequestError) as caught:
             call()
         assert caught.value.body["param"] == param, caught.value.body
+
+
+@pytest.mark.parametrize("where,compute", [("disk", "cpu"), ("disk", "stream")])
+def test_n_samples_and_logprobs_on_disk_and_streamed_placements_equal_the_cpu_run(tmp_path, where, compute):
+    """The prompt's K and V copied for the other samples wherever the cache lives; streamed: the simulated
+    asynchronous device."""
+    from conftest import gpu_profile, make_hf_model, save_hf_model
+    from offload.generate import Generator, Sequence
+    from offload.planner import Placement
+    from offload.runtime.backends.cpu import CPUBackend
+    from offload.runtime.backends.sim import SimBackend
+    from offload.runtime.executor import PlacedModel
+    from offload.weights.loader import Checkpoint
+    from offload.weights.model_files import model_spec
+    from offload.weights.sources import CheckpointSource
+
+    path = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
+    spec = model_spec(path)
+
+    def run(placement, backend, n):
+        model = PlacedModel(spec, CheckpointSource(Checkpoint(path), spec, torch.float32, "none"), placement, backend)
+        seqs = [Sequence(i, [1 + i, 2, 3 + i], greedy(max_tokens=5, n=n, logprobs=2)) for i in range(3)]
+        Generator(model, max_batch_size=8, max_model_len=64).run(seqs)
+        model.flush()
+        return [[s.output_ids for s in seq.group] for seq in seqs], [t.logprob for seq in seqs for s in seq.group
+                                                                    for t in s.logprobs]
+
+    alone = run(Placement.uniform(spec, "cpu", "cpu"), CPUBackend(), 1)
+    backend = SimBackend(gpu_profile()) if compute == "stream" else CPUBackend()
+    shared = run(Placement.uniform(spec, where, compute, page_cache=frozenset()), backend, 2)
+    assert shared[0] == [group * 2 for group in alone[0]]
+    twice = [p for i in range(3) for p in alone[1][5 * i: 5 * i + 5] * 2]  # each sequence's 5 logprobs, per sample
+    assert shared[1] == pytest.approx(twice, abs=TOLERANCE)
