@@ -1,6 +1,7 @@
 """The engine loop: requests join and leave one continuous batch while it steps.
 
-An Engine holds a KV pool for its life and a queue of requests waiting for slots. Each `step()` drops the
+An Engine holds a KV pool for its life and two queues of requests waiting for slots: interactive ones, and
+background ones (a server's batches) admitted only while no interactive one waits. Each `step()` drops the
 requests aborted since the last one, admits waiting ones first come first served while their extents fit, and
 runs one mixed step of the generator (offload/generate.py) over every request in flight: one pass over the
 weights serves them all. `add` and `abort` may be called from other threads while a step runs (a server's
@@ -111,6 +112,7 @@ class Engine:
         self.pool = KVPool(self.capacity)
         self.cache = generator.model.new_cache(1, self.capacity)  # slot `capacity` takes the writes of padding
         self._waiting: deque[Sequence] = deque()
+        self._background: deque[Sequence] = deque()  # admitted only while _waiting is empty; not bounded here
         self._running: list[Sequence] = []  # changed by the stepping thread only, under the lock
         self._in_flight: dict[int | str, Sequence] = {}  # waiting or running, by request id
         self._aborting: dict[int, Sequence] = {}  # running ones to drop at the next step, by id(seq)
@@ -127,8 +129,10 @@ class Engine:
         self.submit(seq)
         return seq
 
-    def submit(self, seq: Sequence) -> None:
-        """Queue a Sequence whose prompt was checked (Generator.run checks a list first, naming each prompt)."""
+    def submit(self, seq: Sequence, background: bool = False) -> None:
+        """Queue a Sequence whose prompt was checked (Generator.run checks a list first, naming each prompt).
+        background: it waits behind every interactive request, and max_waiting does not count it (its feeder
+        bounds how many it queues); a running sequence is never preempted either way."""
         seq.extent = kv_extent(seq, self.generator.context_len)
         if seq.extent > self.capacity:
             raise ConfigError(f"request {seq.request_id!r} needs {seq.extent} KV slots (prompt + max_tokens) and the "
@@ -136,10 +140,10 @@ class Engine:
         with self._lock:
             if seq.request_id in self._in_flight:
                 raise ConfigError(f"request id {seq.request_id!r} is already in flight; give each request its own id")
-            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+            if not background and self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting, the engine's max_waiting; send request "
                                 f"{seq.request_id!r} again once some have started, or raise max_waiting")
-            self._waiting.append(seq)
+            (self._background if background else self._waiting).append(seq)
             self._in_flight[seq.request_id] = seq
             self._work.notify_all()
 
@@ -150,8 +154,9 @@ class Engine:
             seq = self._in_flight.get(request_id)
             if seq is None:
                 return
-            if any(s is seq for s in self._waiting):
-                self._waiting.remove(seq)
+            queue = next((q for q in (self._waiting, self._background) if any(s is seq for s in q)), None)
+            if queue is not None:
+                queue.remove(seq)
                 del self._in_flight[request_id]
                 seq.finish_reason = ABORT
                 self._left.append(seq)
@@ -200,7 +205,7 @@ class Engine:
 
     @property
     def n_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._background)
 
     @property
     def n_running(self) -> int:
@@ -211,15 +216,16 @@ class Engine:
         return self.capacity - self.pool.n_free
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._left)
+        return bool(self._waiting or self._background or self._running or self._left)
 
     def _admit(self) -> None:
-        """Waiting requests in arrival order while the batch has room and the head's extent fits in the pool."""
-        while self._waiting and len(self._running) < self.generator.max_batch_size:
-            base = self.pool.alloc(self._waiting[0].extent)
+        """Waiting requests in arrival order, interactive ones first, while the batch has room and the head's extent
+        fits in the pool (an interactive head that does not fit holds the background ones back too)."""
+        while (queue := self._waiting or self._background) and len(self._running) < self.generator.max_batch_size:
+            base = self.pool.alloc(queue[0].extent)
             if base is None:
                 break
-            seq = self._waiting.popleft()
+            seq = queue.popleft()
             seq.base, seq.n_cached, seq.generator = base, 0, seq.params.make_generator()
             self._running.append(seq)
 
