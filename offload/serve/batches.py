@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import secrets
 import shutil
@@ -54,10 +55,9 @@ class Batches:
         for path in sorted(self.folder.glob("batch_*/batch.json")):
             try:
                 obj = json.loads(path.read_text())
-            except (OSError, ValueError) as e:
-                logger.error(f"{path} cannot be read ({e}); that batch is left out")
-                continue
-            self._objects[obj["id"]] = obj
+                self._objects[obj["id"]] = obj
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                logger.error(f"{path} is not a batch object ({type(e).__name__}: {e}); that batch is left out")
 
     def resume(self) -> None:
         """Start (again) every batch not in a final state: at server start, once the engine thread runs."""
@@ -92,7 +92,7 @@ class Batches:
         batch_id, now = f"batch_{secrets.token_hex(12)}", int(time.time())
         folder = self.folder / batch_id
         folder.mkdir()
-        shutil.copyfile(self.files.content_path(source["id"]), folder / "input.jsonl")
+        _copy(self.files.content_path(source["id"]), folder / "input.jsonl")
         obj = {"id": batch_id, "object": "batch", "endpoint": endpoint, "errors": None,
                "input_file_id": source["id"], "completion_window": window, "status": "validating",
                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
@@ -188,8 +188,11 @@ class Batches:
         line by line; how many went to each."""
         folder, counts = self.folder / batch_id, {"completed": 0, "failed": 0}
         log = folder / LOG_NAME
-        with open(folder / "output.jsonl", "wb") as ok, open(folder / "error.jsonl", "wb") as failed:
-            for line in (open(log, "rb") if log.exists() else ()):
+        if not log.exists():
+            log.touch()  # a batch cancelled before its runner wrote anything
+        with open(log, "rb") as records, open(folder / "output.jsonl", "wb") as ok, \
+                open(folder / "error.jsonl", "wb") as failed:
+            for line in records:
                 if not line.endswith(b"\n") or not line.strip():  # a torn last line: its request was never answered
                     continue
                 answered = json.loads(line).get("error") is None
@@ -207,6 +210,15 @@ class Batches:
         with self._lock:
             write_json_atomic(self.folder / obj["id"] / "batch.json", obj)
             self._objects[obj["id"]] = obj
+
+
+def _copy(source: Path, target: Path) -> None:
+    """A batch's own copy of its input: a hard link where the file system allows (stored files are only ever
+    replaced whole, never changed in place), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
 
 
 def _check_metadata(metadata) -> dict | None:
