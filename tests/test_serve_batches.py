@@ -1,7 +1,7 @@
 """offload serve's Batch API: a batch file uploaded through the official openai client completes with every
 custom_id answered once (answers in the output file, failed lines in the error file) and the answers are
 LLM.generate's; a server SIGKILLed mid-batch and restarted on its state folder finishes it, every custom_id still
-once; cancel keeps what was answered; ids cannot leave the state folder; uploads have a limit; every route but
+once; an interactive request is answered while a batch runs; cancel keeps what was answered; ids cannot leave the state folder; uploads have a limit; every route but
 /health needs the key; without a state folder the routes say how to get one."""
 
 from __future__ import annotations
@@ -141,9 +141,10 @@ def test_every_batch_and_file_route_needs_the_key(llm, defaults, tmp_path):
         assert client.get("/v1/batches", headers=good).json()["data"] == []
 
 
-def test_a_cancelled_batch_keeps_what_it_answered_each_once(model_dir, defaults, tmp_path):
+def test_an_interactive_request_runs_beside_a_batch_and_a_cancel_keeps_its_answers_once(model_dir, defaults, tmp_path):
     data, _ = batch_lines(30, max_tokens=40, bad=False)
     two = LLM(str(model_dir), backend="cpu", max_model_len=CONTEXT, batch_size=2)  # 15 rounds of 40 steps
+    want = two.generate("Hello", SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))[0].text
     with serving(two, defaults, state_dir=tmp_path) as (server, client):
         step = server.engine_thread.engine.step
         server.engine_thread.engine.step = lambda: (time.sleep(0.002), step())[1]  # a slower machine's steps
@@ -156,6 +157,10 @@ def test_a_cancelled_batch_keeps_what_it_answered_each_once(model_dir, defaults,
         while not (log.exists() and log.read_bytes().count(b"\n") >= 2):
             assert time.monotonic() < deadline
             time.sleep(0.01)
+        # an interactive request shares the batch's steps: it is answered while the batch still runs
+        answer = client.post("/v1/completions", json={"prompt": "Hello", "ignore_eos": True}).json()
+        assert answer["choices"][0]["text"] == want
+        assert client.get(f"/v1/batches/{batch['id']}").json()["status"] == "in_progress"
         assert client.post(f"/v1/batches/{batch['id']}/cancel").json()["status"] in ("cancelling", "cancelled")
         done = wait_for(client, batch["id"])
         assert done["status"] == "cancelled" and done["cancelled_at"] and done["error_file_id"] is None
