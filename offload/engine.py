@@ -1,6 +1,7 @@
 """The engine loop: requests join and leave one continuous batch while it steps.
 
-An Engine holds a KV pool for its life and a queue of requests waiting for slots. Each `step()` drops the
+An Engine holds a KV pool for its life and two queues of requests waiting for slots: interactive ones, and
+background ones (a server's batches) admitted only while no interactive one waits. Each `step()` drops the
 requests aborted since the last one, admits waiting ones first come first served while their extents fit, and
 runs one mixed step of the generator (offload/generate.py) over every request in flight: one pass over the
 weights serves them all. `add` and `abort` may be called from other threads while a step runs (a server's
@@ -136,6 +137,7 @@ class Engine:
         self.pool = KVPool(self.capacity)
         self.cache = generator.model.new_cache(1, self.capacity)  # slot `capacity` takes the writes of padding
         self._waiting: deque[Sequence] = deque()
+        self._background: deque[Sequence] = deque()  # admitted only while _waiting is empty; not bounded here
         self._running: list[Sequence] = []  # changed by the stepping thread only, under the lock
         self._in_flight: dict[int | str, Sequence] = {}  # waiting or running, by request id
         self._aborting: dict[int, Sequence] = {}  # running requests to drop at the next step, by id(first sample)
@@ -152,8 +154,10 @@ class Engine:
         self.submit(seq)
         return seq
 
-    def submit(self, seq: Sequence) -> None:
-        """Queue a Sequence whose prompt was checked (Generator.run checks a list first, naming each prompt)."""
+    def submit(self, seq: Sequence, background: bool = False) -> None:
+        """Queue a Sequence whose prompt was checked (Generator.run checks a list first, naming each prompt).
+        background: it waits behind every interactive request, and max_waiting does not count it (its feeder
+        bounds how many it queues); a running sequence is never preempted either way."""
         seq.fork()
         for sample in seq.group:
             sample.extent = kv_extent(sample, self.generator.context_len)
@@ -169,10 +173,10 @@ class Engine:
         with self._lock:
             if seq.request_id in self._in_flight:
                 raise ConfigError(f"request id {seq.request_id!r} is already in flight; give each request its own id")
-            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+            if not background and self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting, the engine's max_waiting; send request "
                                 f"{seq.request_id!r} again once some have started, or raise max_waiting")
-            self._waiting.append(seq)
+            (self._background if background else self._waiting).append(seq)
             self._in_flight[seq.request_id] = seq
             self._work.notify_all()
 
@@ -183,8 +187,9 @@ class Engine:
             seq = self._in_flight.get(request_id)
             if seq is None:
                 return
-            if any(s is seq for s in self._waiting):
-                self._waiting.remove(seq)
+            queue = next((q for q in (self._waiting, self._background) if any(s is seq for s in q)), None)
+            if queue is not None:
+                queue.remove(seq)
                 del self._in_flight[request_id]
                 for sample in seq.group:
                     sample.finish_reason = ABORT
@@ -233,7 +238,7 @@ class Engine:
 
     @property
     def n_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._background)
 
     @property
     def n_running(self) -> int:
@@ -244,13 +249,15 @@ class Engine:
         return self.capacity - self.pool.n_free
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._left)
+        return bool(self._waiting or self._background or self._running or self._left)
 
     def _admit(self) -> None:
-        """Waiting requests in arrival order while the batch has room for all their samples and their extents fit
-        in the pool."""
-        while self._waiting and len(self._running) + len(self._waiting[0].group) <= self.generator.max_batch_size:
-            group, bases = self._waiting[0].group, []
+        """Waiting requests in arrival order, interactive ones first, while the batch has room for all their samples
+        and their extents fit in the pool (an interactive head that does not fit holds the background ones back
+        too)."""
+        while (queue := self._waiting or self._background) and \
+                len(self._running) + len(queue[0].group) <= self.generator.max_batch_size:
+            group, bases = queue[0].group, []
             for sample in group:
                 base = self.pool.alloc(sample.extent)
                 if base is None:
@@ -260,7 +267,7 @@ class Engine:
                 for sample, base in zip(group, bases):
                     self.pool.release(base, sample.extent)
                 break
-            self._waiting.popleft()
+            queue.popleft()
             for sample, base in zip(group, bases):
                 sample.base, sample.n_cached, sample.generator = base, 0, sample.params.make_generator(sample.index)
                 if sample.params.logprobs is not None:

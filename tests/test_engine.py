@@ -164,3 +164,27 @@ def test_a_request_the_context_cannot_hold_is_refused_at_add(llm):
     with pytest.raises(ConfigError, match="needs 29 KV slots"):
         engine.add("wide", _prompts([10])[0], _greedy(20))
     assert not engine.has_work()
+
+
+def test_an_interactive_request_is_admitted_before_background_ones_without_preempting(llm):
+    """A batch of two runs two background requests; two more wait. An interactive request that arrives takes the
+    first slot that frees, before the waiting background ones; the running ones are never stopped for it."""
+    engine = Engine(_generator(llm, max_batch_size=2), max_waiting=1)
+    prompts = _prompts([5, 6, 7, 8, 9])
+    bg = [Sequence(f"b{i}", p, _greedy(2 if i == 0 else 6)) for i, p in enumerate(prompts[:4])]
+    for seq in bg:
+        engine.submit(seq, background=True)  # not counted against max_waiting's bound
+    engine.step()
+    assert [s.base >= 0 for s in bg] == [True, True, False, False] and engine.n_waiting == 2
+    interactive = engine.add("i", prompts[4], _greedy(3))
+    assert engine.n_waiting == 3
+    with pytest.raises(QueueFull):  # interactive requests alone fill max_waiting
+        engine.add("j", prompts[4], _greedy(3))
+    engine.step()  # b0 finishes its two tokens here; b1 and the interactive one were not preempted
+    assert bg[0].finish_reason == "length" and interactive.base < 0 and len(bg[1].output_ids) == 2
+    engine.step()
+    assert interactive.base >= 0 and bg[2].base < 0 and bg[3].base < 0
+    engine.abort("b3")  # a waiting background request leaves its queue at once
+    engine.run_until_done()
+    assert interactive.output_ids == _alone(llm, prompts[4], 3)[0] and bg[3].finish_reason == "abort"
+    assert bg[2].output_ids == _alone(llm, prompts[2], 6)[0] and engine.n_waiting == engine.kv_slots_used == 0

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app of `offload serve` (FastAPI): models, completions and chat completions, plain and
-streamed, health and Prometheus metrics. Requests go to the engine thread, which owns the model."""
+streamed, health and Prometheus metrics, and the Batch API's routes (batches.py). Requests go to the engine
+thread, which owns the model."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from starlette.exceptions import HTTPException
 
 from offload.errors import ConfigError, QueueFull
 from offload.jobs.batch import CHAT, COMPLETIONS
+from offload.options import ServeOptions
 from offload.serve import protocol
+from offload.serve.batches import Batches, add_batch_routes
 from offload.serve.engine_thread import EngineThread
 from offload.serve.protocol import ApiError, Job, sse
 
@@ -23,14 +26,18 @@ RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait: slots 
 
 
 class Server:
-    """What the routes share: the model and its name, the request defaults, the key, the engine thread."""
+    """What the routes share: the model and its name, the request defaults, the key, the engine thread, and the
+    batches of the state folder (None without one)."""
 
     def __init__(self, llm, model_name: str, *, defaults: dict | None = None, api_key: str | None = None,
-                 max_waiting: int = 256):
+                 max_waiting: int = ServeOptions.model_fields["max_waiting"].default, state_dir: Path | None = None,
+                 max_upload_bytes: int = ServeOptions.model_fields["max_upload_bytes"].default):
         self.llm, self.model_name, self.defaults, self.api_key = llm, model_name, defaults or {}, api_key
         self.created = int(time.time())
         self.engine_thread = EngineThread(llm, max_waiting=max_waiting)
         self.metrics = self.engine_thread.metrics
+        self.max_upload_bytes = max_upload_bytes
+        self.batches = Batches(Path(state_dir), self) if state_dir is not None else None
 
     def check_model(self, body) -> None:
         """A body naming another model is refused; the name given, or its last path part, is this one."""
@@ -41,14 +48,19 @@ class Server:
 
 
 def make_app(server: Server) -> FastAPI:
-    """The app; its lifespan starts the engine thread and stops it (app.state.server reaches both)."""
+    """The app; its lifespan starts the engine thread and resumes the unfinished batches, and stops both
+    (app.state.server reaches them)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.engine_thread.start()
+        if server.batches is not None:
+            server.batches.resume()
         try:
             yield
         finally:
+            if server.batches is not None:
+                server.batches.stop()
             server.engine_thread.stop()
 
     app = FastAPI(title="offload", lifespan=lifespan)
@@ -80,6 +92,7 @@ def make_app(server: Server) -> FastAPI:
     async def chat_completions(request: Request):
         return await _answer(server, request, CHAT)
 
+    add_batch_routes(app, server, auth)
     return app
 
 

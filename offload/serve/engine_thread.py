@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from offload.engine import ABORT, Engine, Sequence, StepOutput
 from offload.generate import next_text
@@ -53,18 +54,23 @@ class SampleText:
 
 @dataclass
 class Stream:
-    """A request in flight as the engine thread sees it: its sequence, where its updates go, what was sent."""
+    """A request in flight as the engine thread sees it: its sequence, where its updates go (an event loop's
+    queue, or for a batch's request a sink called in the engine thread), what was sent."""
 
     seq: Sequence
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None
+    queue: asyncio.Queue | None
     streaming: bool  # its text goes out as it is generated (else all at once at its end)
     first_index: int = 0  # its first choice's index in the answer (a request of several prompts)
+    sink: Callable[[Update], None] | None = None
     arrived_s: float = field(default_factory=time.perf_counter)
     last_token_s: float | None = None
     samples: dict[int, SampleText] = field(default_factory=dict)
 
     def post(self, update: Update) -> None:
+        if self.sink is not None:
+            self.sink(update)
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
         except RuntimeError:  # its event loop has closed: the server is shutting down
@@ -113,18 +119,27 @@ class EngineThread:
         Engine.submit raises them."""
         stream = Stream(seq, asyncio.get_running_loop(), queue or asyncio.Queue(),
                         streaming and self.llm.generator.tokenizer is not None, first_index)
-        with self._lock:  # before the engine sees it: its first step may come at once
-            self._streams[seq.request_id] = stream
-        try:
-            self.engine.submit(seq)
-        except BaseException:
-            with self._lock:
-                del self._streams[seq.request_id]
-            raise
+        self._submit(stream, background=False)
         return stream.queue
 
+    def submit_background(self, seq: Sequence, sink: Callable[[Update], None]) -> None:
+        """Queue a batch's checked sequence behind every interactive one (Engine.submit's background); its last
+        update goes to sink, called in the engine thread. ConfigError as Engine.submit raises it."""
+        self._submit(Stream(seq, None, None, False, sink=sink), background=True)
+
+    def _submit(self, stream: Stream, background: bool) -> None:
+        with self._lock:  # before the engine sees it: its first step may come at once
+            self._streams[stream.seq.request_id] = stream
+        try:
+            self.engine.submit(stream.seq, background)
+        except BaseException:
+            with self._lock:
+                del self._streams[stream.seq.request_id]
+            raise
+
     def abort(self, request_id: str) -> None:
-        """The client left: the request frees its slots at the next step (a waiting one leaves the queue now)."""
+        """The client left (or its batch was cancelled): the request frees its slots at the next step (a waiting one
+        leaves the queue now); nothing more is posted for it."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
