@@ -188,3 +188,22 @@ def test_an_interactive_request_is_admitted_before_background_ones_without_preem
     engine.run_until_done()
     assert interactive.output_ids == _alone(llm, prompts[4], 3)[0] and bg[3].finish_reason == "abort"
     assert bg[2].output_ids == _alone(llm, prompts[2], 6)[0] and engine.n_waiting == engine.kv_slots_used == 0
+
+
+def test_a_large_host_pool_holds_memory_as_sequences_write_it():
+    """A KV pool sized for the plan's whole batch costs nothing until written: an idle server's pool is zero
+    pages, not 12 GB of touched memory (torch.zeros memsets what it allocates)."""
+    import gc
+
+    import torch
+
+    from offload.model.llama import LayerKV
+    from offload.system import held_bytes
+
+    gc.collect()
+    before = held_bytes()
+    kv = LayerKV(1, 4, 1 << 16, 256, torch.float32)  # 2 x 256 MiB
+    largest = float(kv.k.abs().max())  # reading the zero page holds nothing either
+    assert held_bytes() - before < 64 << 20 and largest == 0.0
+    kv.k[0, :1024] = 1.0  # 4 MiB written
+    assert 4 << 20 <= held_bytes() - before < 96 << 20 and float(kv.k.sum()) == 1024 * 4 * 256

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import math
+import mmap
 from dataclasses import dataclass, field
 
 import torch
@@ -162,8 +163,8 @@ class LayerKV:
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
                  device: torch.device | str = "cpu"):
-        self.k = torch.zeros(batch, max_len + 1, n_kv_heads, head_dim, dtype=dtype, device=device)
-        self.v = torch.zeros_like(self.k)
+        shape = (batch, max_len + 1, n_kv_heads, head_dim)
+        self.k, self.v = (_zeros(shape, dtype, device) for _ in range(2))
 
     def update(self, step: "Step", k: torch.Tensor, v: torch.Tensor):
         """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return K, V [b, H, T, Dh]: each
@@ -191,6 +192,20 @@ class LayerKV:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+LAZY_ZEROS_BYTES = 1 << 20  # host caches from this size on are zero pages until written (see _zeros)
+
+
+def _zeros(shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed cache tensor. On the host, a large one is an anonymous mapping: its pages are the kernel's zero
+    page until a sequence writes them, so a pool sized for the plan's whole batch holds memory as it fills (a
+    server's idle pool costs nothing), not all at once as torch.zeros's memset makes it."""
+    n_bytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    if torch.device(device).type != "cpu" or n_bytes < LAZY_ZEROS_BYTES:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    private = mmap.mmap(-1, n_bytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # reads map the zero page
+    return torch.frombuffer(private, dtype=dtype).view(shape)  # the tensor keeps the mapping
 
 
 def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:
