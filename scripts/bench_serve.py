@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import os
 import signal
 import socket
@@ -166,7 +167,7 @@ async def run_clients(base: str, bodies: list[list[dict]], url: str, max_tokens:
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100), nearest rank."""
     ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered) + 0.5) - 1))]
+    return ordered[min(len(ordered), max(1, math.ceil(q / 100 * len(ordered)))) - 1]
 
 
 def parting_token(offline_ids: list[int], served: str, decode) -> int | None:
