@@ -13,7 +13,9 @@ running their length (offload: ignore_eos; llama.cpp: min_tokens = max_tokens), 
   token. A parting at a larger gap would be a bug: each is printed.
 - --against-llamacpp: the same GGUF file served by offload serve (its defaults: weights as stored, fp32 compute,
   the planner's batch) and by `python -m llama_cpp.server` (--n_threads and --n_threads_batch = this machine's
-  cores, n_ctx = offload's max_model_len, logits_all false, the rest its defaults), one server at a time, in
+  cores, n_ctx = offload's max_model_len, logits_all false, interrupt_requests false (so that concurrent requests
+  wait their turn rather than end the one running), its AMX and repacking buffers off (NO_EXTRA_BUFTS),
+  OMP_WAIT_POLICY=PASSIVE (llamacpp_env), the rest its defaults), one server at a time, in
   alternating rounds (offload, llama.cpp, offload, llama.cpp ...). Each round: one warm-up request, then 1 client
   sending --sequential requests one after another (median per-request decode tokens/s and time to first
   token), then 16 clients at once (total generated tokens/s). Prints the medians over --rounds and the ratios
@@ -80,12 +82,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def serving(cmd: list[str], port: int, ready_path: str, log: Path, timeout_s: float = 300):
-    """A server subprocess on 127.0.0.1:port, once ready_path answers 200; stopped (SIGINT, then kill) after."""
+def serving(cmd: list[str], port: int, ready_path: str, log: Path, timeout_s: float = 300, env: dict | None = None):
+    """A server subprocess on 127.0.0.1:port (env added to this process's), once ready_path answers 200; stopped
+    (SIGINT, then kill) after."""
     import httpx
 
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -257,22 +260,26 @@ def against_llamacpp(args) -> None:
     threads = os.cpu_count() or 1
     prompts = [f"{ASKS[i % len(ASKS)].format(TOPICS[i % len(TOPICS)])} Answer:" for i in range(16)]
     results: dict[str, list[dict]] = {"offload": [], "llama.cpp": []}
-    cmds = {}
+    cmds, load_before = {}, os.getloadavg()[0]
     for _ in range(args.rounds):
         for name in results:
             port = free_port()
             cmds[name] = offload_cmd(str(gguf), port, ["--max-model-len", str(args.n_ctx)]) if name == "offload" \
-                else [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                      "--port", str(port), "--n_threads", str(threads), "--n_threads_batch", str(threads),
-                      "--n_ctx", str(args.n_ctx), "--logits_all", "false"]
-            ready = "/health" if name == "offload" else "/v1/models"
+                else llamacpp_cmd(gguf, port, threads, args.n_ctx, args.llamacpp_extra_bufts)
+            ready, env = ("/health", {}) if name == "offload" else ("/v1/models", llamacpp_env(args))
             with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp, \
-                    serving(cmds[name], port, ready, Path(tmp) / "serve.log") as base:
+                    serving(cmds[name], port, ready, Path(tmp) / "serve.log", env=env) as base:
                 results[name].append(one_round(base, name, prompts, args))
-    print(f"same GGUF file {gguf.name}, {threads} cores; completions, greedy, {args.max_tokens} tokens per answer; "
-          f"median of {args.rounds} rounds, the servers alternating")
+    print(f"same GGUF file {gguf.name}, {threads} cores (load average {load_before:.1f} before, "
+          f"{os.getloadavg()[0]:.1f} after); completions, greedy, {args.max_tokens} tokens per answer; median of "
+          f"{args.rounds} rounds, the servers alternating")
     for name, cmd in cmds.items():
-        print(f"  {name}: {' '.join(Path(c).name if c.startswith('/') else c for c in cmd[1:] if c != '--port')}")
+        shown = ["python", *(["-m", "llama_cpp.server"] if NO_EXTRA_BUFTS in cmd else []),
+                 *(Path(c).name if c.startswith("/") else c for c in cmd[1:] if c not in ("-c", NO_EXTRA_BUFTS))]
+        env = " ".join(f"{k}={v}" for k, v in llamacpp_env(args).items()) if name == "llama.cpp" else ""
+        print(f"  {name}: {env + ' ' if env else ''}{' '.join(shown)}" + (
+            "" if args.llamacpp_extra_bufts or name == "offload" else
+            "; llama.cpp's extra buffer types (AMX, repacking) off"))
     med = {name: {key: statistics.median(r[key] for r in runs) for key in runs[0]} for name, runs in results.items()}
     for name, m in med.items():
         print(f"{name:>9}: 1 client: decode {m['decode_tps']:6.1f} tok/s, TTFT {m['ttft_s'] * 1000:6.0f} ms, "
@@ -282,6 +289,28 @@ def against_llamacpp(args) -> None:
     print(f"offload / llama.cpp: 1 client decode {o['decode_tps'] / ll['decode_tps']:.2f}x, end to end "
           f"{o['e2e_tps'] / ll['e2e_tps']:.2f}x, TTFT {o['ttft_s'] / ll['ttft_s']:.2f}x (lower is faster); "
           f"16 clients total generated tok/s {o['total_tps'] / ll['total_tps']:.2f}x")
+
+
+# llama.cpp's extra buffer types (its AMX matmul, weight repacking) off: llama-cpp-python 0.3.36 built here dies
+# in ggml_backend_amx_mul_mat (a general-protection fault) on any prompt of more than one token on the 2-core Xeon
+# (AMX) this was written on; off, its prompts run on the AVX-512 kernels
+NO_EXTRA_BUFTS = ("import runpy, llama_cpp.llama_cpp as c; d = c.llama_model_default_params\n"
+                  "def params():\n    p = d(); p.use_extra_bufts = False; return p\n"
+                  "c.llama_model_default_params = params; runpy.run_module('llama_cpp.server', run_name='__main__')")
+
+
+def llamacpp_cmd(gguf: Path, port: int, threads: int, n_ctx: int, extra_bufts: bool) -> list[str]:
+    run = ["-m", "llama_cpp.server"] if extra_bufts else ["-c", NO_EXTRA_BUFTS]
+    return [sys.executable, *run, "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
+            "--logits_all", "false", "--interrupt_requests", "false"]
+
+
+def llamacpp_env(args) -> dict:
+    """OpenMP's threads sleep when idle rather than spin: on a shared 2-core machine, llama.cpp's spinning threads
+    (its default) fell from 35-40 to 0.7-2.8 decode tok/s while another process ran (measured on the 2-core Xeon
+    this was written on)."""
+    return {} if args.llamacpp_omp_active else {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def one_round(base: str, name: str, prompts: list[str], args) -> dict:
@@ -336,6 +365,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds of each server (llama.cpp)")
     parser.add_argument("--sequential", type=int, default=4, help="requests of the 1-client run (llama.cpp)")
     parser.add_argument("--n-ctx", type=int, default=2048, help="context of both servers (llama.cpp)")
+    parser.add_argument("--llamacpp-extra-bufts", action="store_true",
+                        help="leave llama.cpp's extra buffer types (AMX, repacking) on (see NO_EXTRA_BUFTS)")
+    parser.add_argument("--llamacpp-omp-active", action="store_true",
+                        help="leave llama.cpp's OpenMP threads spinning when idle (see llamacpp_env)")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, a few clients and tokens: seconds")
     args = parser.parse_args()
     args.serve_args = []
