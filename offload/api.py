@@ -21,7 +21,7 @@ from offload.runtime.device_quant import set_gpu_crossover
 from offload.runtime.executor import PlacedModel
 from offload.runtime import speedprobe
 from offload.runtime.host_memory import check_budget_fits_machine
-from offload.sampling import SamplingParams
+from offload.sampling import SamplingParams, TokenLogprob
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import load_tokenizer, model_spec, weight_source
 from offload.weights.prompts import encode_chat, encode_text
@@ -32,12 +32,14 @@ MAX_SEQS = 256  # sequences in flight at most when the planner chose the batch (
 
 @dataclass
 class CompletionOutput:
-    """One completion: text, generated token ids, and why it ended ('stop' or 'length')."""
+    """One completion (sample `index` of the request's n): text, generated token ids, why it ended ('stop' or
+    'length'), and each token's logprob with the top ones when SamplingParams.logprobs asked for them."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -48,6 +50,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs: None for token 0
 
     @property
     def text(self) -> str:
@@ -173,14 +176,14 @@ class LLM:
             text, ids = self._tokenize(prompt)
             texts.append(text)
             seqs.append(Sequence(request_id=i, prompt_ids=ids, params=p))
-        callback = None if on_finish is None else (lambda s: on_finish(self._output(s, texts[s.request_id])))
+        callback = None if on_finish is None else (lambda s: on_finish(self.output_of(s, texts[s.request_id])))
         self.acquire("another LLM.generate call")
         try:
             self.generator.run(seqs, callback)
             self.model.flush()  # device timings resolved once per call, not per step
         finally:
             self.release()
-        return [self._output(s, t) for s, t in zip(seqs, texts)]
+        return [self.output_of(s, t) for s, t in zip(seqs, texts)]
 
     def acquire(self, user: str) -> None:
         """Hold the model for one generation loop (a generate call, or offload serve's engine thread) until
@@ -215,9 +218,11 @@ class LLM:
         raise ConfigError(f"a prompt must be a string, a list of token ids or {{'prompt_token_ids': [...]}}, "
                           f"got {type(prompt).__name__}")
 
-    def _output(self, seq: Sequence, prompt: str | None) -> RequestOutput:
-        completion = CompletionOutput(0, self.generator.text_of(seq), list(seq.output_ids), seq.finish_reason)
-        return RequestOutput(str(seq.request_id), prompt, list(seq.prompt_ids), [completion])
+    def output_of(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:
+        """The RequestOutput of a finished sequence (its samples, for n > 1)."""
+        completions = [CompletionOutput(s.index, self.generator.text_of(s), list(s.output_ids), s.finish_reason,
+                                        s.logprobs) for s in seq.group]
+        return RequestOutput(str(seq.request_id), prompt, list(seq.prompt_ids), completions, seq.prompt_logprobs)
 
 
 def request_of(model: str, options: dict) -> PlanRequest:

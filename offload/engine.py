@@ -1,10 +1,16 @@
 """The engine loop: requests join and leave one continuous batch while it steps.
 
-An Engine holds a KV pool for its life and a queue of requests waiting for slots. Each `step()` drops the
+An Engine holds a KV pool for its life and two queues of requests waiting for slots: interactive ones, and
+background ones (a server's batches) admitted only while no interactive one waits. Each `step()` drops the
 requests aborted since the last one, admits waiting ones first come first served while their extents fit, and
 runs one mixed step of the generator (offload/generate.py) over every request in flight: one pass over the
 weights serves them all. `add` and `abort` may be called from other threads while a step runs (a server's
 event loop); the steps themselves run in one thread at a time. `Generator.run` is this loop over a fixed list.
+
+A request with n > 1 samples is a group of n sequences admitted together: the first prefills the prompt, the
+others wait, and in the step where the prompt is in the cache they copy its K and V into their own extents and
+sample their first token from the same logits (the prompt's prefill is computed once). The group leaves the
+engine when its last sample ends; each sample's extent is freed as it ends.
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Callable, Iterator
 import torch
 
 from offload.errors import ConfigError, QueueFull
-from offload.sampling import SamplingParams
+from offload.sampling import SamplingParams, TokenLogprob
 
 ABORT = "abort"  # the finish_reason of a request aborted before it finished (vLLM's)
 
@@ -36,6 +42,11 @@ class Sequence:
     extent: int = 0  # KV slots it holds
     n_cached: int = 0  # prompt tokens whose K and V are in the cache
     generator: torch.Generator | None = None
+    index: int = 0  # which of the request's n samples
+    parent: Sequence | None = None  # the sample whose prefill this one shares (None: it prefills itself)
+    samples: list[Sequence] = field(default_factory=list)  # the request's samples, on its first one ([] for n=1)
+    logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first one)
     _text: str = ""  # decoded so far (stop strings only): extended token by token
     _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
 
@@ -46,6 +57,21 @@ class Sequence:
     @property
     def prefilled(self) -> bool:
         return self.n_cached >= len(self.prompt_ids)
+
+    @property
+    def group(self) -> list[Sequence]:
+        """The request's samples: this one alone unless n > 1."""
+        return self.samples or [self]
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish_reason for s in self.group)
+
+    def fork(self) -> None:
+        """Make the n - 1 further samples of this request (n > 1); they share its prompt and its prefill."""
+        if self.params.n > 1 and not self.samples:
+            self.samples = [self] + [Sequence(self.request_id, self.prompt_ids, self.params, index=i, parent=self)
+                                     for i in range(1, self.params.n)]
 
 
 def kv_extent(seq: Sequence, context_len: int) -> int:
@@ -89,10 +115,10 @@ class KVPool:
 
 @dataclass
 class StepOutput:
-    """What one step did: the token ids each request sampled in it, and the requests that left the batch (finished,
-    or aborted with finish_reason 'abort')."""
+    """What one step did: the token ids each sample sampled in it, and the requests that left the batch (finished,
+    or aborted with finish_reason 'abort'; for n > 1, the first sample, once every one has ended)."""
 
-    tokens: dict[int | str, list[int]] = field(default_factory=dict)
+    tokens: list[tuple[Sequence, list[int]]] = field(default_factory=list)
     finished: list[Sequence] = field(default_factory=list)
 
 
@@ -111,9 +137,10 @@ class Engine:
         self.pool = KVPool(self.capacity)
         self.cache = generator.model.new_cache(1, self.capacity)  # slot `capacity` takes the writes of padding
         self._waiting: deque[Sequence] = deque()
+        self._background: deque[Sequence] = deque()  # admitted only while _waiting is empty; not bounded here
         self._running: list[Sequence] = []  # changed by the stepping thread only, under the lock
         self._in_flight: dict[int | str, Sequence] = {}  # waiting or running, by request id
-        self._aborting: dict[int, Sequence] = {}  # running ones to drop at the next step, by id(seq)
+        self._aborting: dict[int, Sequence] = {}  # running requests to drop at the next step, by id(first sample)
         self._left: list[Sequence] = []  # aborted while waiting: reported by the next step
         self._lock = threading.Lock()
         self._work = threading.Condition(self._lock)  # notified when a request arrives
@@ -127,19 +154,29 @@ class Engine:
         self.submit(seq)
         return seq
 
-    def submit(self, seq: Sequence) -> None:
-        """Queue a Sequence whose prompt was checked (Generator.run checks a list first, naming each prompt)."""
-        seq.extent = kv_extent(seq, self.generator.context_len)
-        if seq.extent > self.capacity:
-            raise ConfigError(f"request {seq.request_id!r} needs {seq.extent} KV slots (prompt + max_tokens) and the "
-                              f"engine's pool has {self.capacity}; lower max_tokens or give the engine more kv_slots")
+    def submit(self, seq: Sequence, background: bool = False) -> None:
+        """Queue a Sequence whose prompt was checked (Generator.run checks a list first, naming each prompt).
+        background: it waits behind every interactive request, and max_waiting does not count it (its feeder
+        bounds how many it queues); a running sequence is never preempted either way."""
+        seq.fork()
+        for sample in seq.group:
+            sample.extent = kv_extent(sample, self.generator.context_len)
+        n = len(seq.group)
+        if n > self.generator.max_batch_size:
+            raise ConfigError(f"request {seq.request_id!r} asks for n={n} samples and the engine runs "
+                              f"{self.generator.max_batch_size} sequences at once; lower n or raise the batch size")
+        if n * seq.extent > self.capacity:
+            what = f"{n} samples of {seq.extent}" if n > 1 else f"{seq.extent}"
+            raise ConfigError(f"request {seq.request_id!r} needs {what} KV slots (prompt + max_tokens) and the "
+                              f"engine's pool has {self.capacity}; lower max_tokens{' or n' if n > 1 else ''} or "
+                              f"give the engine more kv_slots")
         with self._lock:
             if seq.request_id in self._in_flight:
                 raise ConfigError(f"request id {seq.request_id!r} is already in flight; give each request its own id")
-            if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+            if not background and self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
                 raise QueueFull(f"{len(self._waiting)} requests are waiting, the engine's max_waiting; send request "
                                 f"{seq.request_id!r} again once some have started, or raise max_waiting")
-            self._waiting.append(seq)
+            (self._background if background else self._waiting).append(seq)
             self._in_flight[seq.request_id] = seq
             self._work.notify_all()
 
@@ -150,10 +187,12 @@ class Engine:
             seq = self._in_flight.get(request_id)
             if seq is None:
                 return
-            if any(s is seq for s in self._waiting):
-                self._waiting.remove(seq)
+            queue = next((q for q in (self._waiting, self._background) if any(s is seq for s in q)), None)
+            if queue is not None:
+                queue.remove(seq)
                 del self._in_flight[request_id]
-                seq.finish_reason = ABORT
+                for sample in seq.group:
+                    sample.finish_reason = ABORT
                 self._left.append(seq)
             else:
                 self._aborting[id(seq)] = seq
@@ -169,8 +208,7 @@ class Engine:
             if self._running:
                 before = [len(s.output_ids) for s in self._running]
                 self.generator.step(self._running, self.cache, self.capacity)
-                out.tokens = {s.request_id: s.output_ids[n:] for s, n in zip(self._running, before)
-                              if len(s.output_ids) > n}
+                out.tokens = [(s, s.output_ids[n:]) for s, n in zip(self._running, before) if len(s.output_ids) > n]
                 with self._lock:
                     out.finished += self._release([s for s in self._running if s.finish_reason])
                 if self.generator.between_steps is not None:
@@ -200,7 +238,7 @@ class Engine:
 
     @property
     def n_waiting(self) -> int:
-        return len(self._waiting)
+        return len(self._waiting) + len(self._background)
 
     @property
     def n_running(self) -> int:
@@ -211,30 +249,48 @@ class Engine:
         return self.capacity - self.pool.n_free
 
     def _has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._left)
+        return bool(self._waiting or self._background or self._running or self._left)
 
     def _admit(self) -> None:
-        """Waiting requests in arrival order while the batch has room and the head's extent fits in the pool."""
-        while self._waiting and len(self._running) < self.generator.max_batch_size:
-            base = self.pool.alloc(self._waiting[0].extent)
-            if base is None:
+        """Waiting requests in arrival order, interactive ones first, while the batch has room for all their samples
+        and their extents fit in the pool (an interactive head that does not fit holds the background ones back
+        too)."""
+        while (queue := self._waiting or self._background) and \
+                len(self._running) + len(queue[0].group) <= self.generator.max_batch_size:
+            group, bases = queue[0].group, []
+            for sample in group:
+                base = self.pool.alloc(sample.extent)
+                if base is None:
+                    break
+                bases.append(base)
+            if len(bases) < len(group):
+                for sample, base in zip(group, bases):
+                    self.pool.release(base, sample.extent)
                 break
-            seq = self._waiting.popleft()
-            seq.base, seq.n_cached, seq.generator = base, 0, seq.params.make_generator()
-            self._running.append(seq)
+            queue.popleft()
+            for sample, base in zip(group, bases):
+                sample.base, sample.n_cached, sample.generator = base, 0, sample.params.make_generator(sample.index)
+                if sample.params.logprobs is not None:
+                    sample.logprobs = []
+                self._running.append(sample)
 
     def _drop_aborted(self) -> list[Sequence]:
         left, self._left = self._left, []
         # a step that raised may leave a sequence finished but not released: aborting it releases it
-        aborted = [s for s in self._running if id(s) in self._aborting]
+        aborted = [s for s in self._running if id(s.parent or s) in self._aborting]
         self._aborting.clear()
         for seq in aborted:
             seq.finish_reason = seq.finish_reason or ABORT
         return left + self._release(aborted)
 
     def _release(self, seqs: list[Sequence]) -> list[Sequence]:
+        """Free the extents of samples that ended; the requests whose every sample has now ended leave."""
+        left = []
         for seq in seqs:
             self._running.remove(seq)
             self.pool.release(seq.base, seq.extent)
-            del self._in_flight[seq.request_id]
-        return seqs
+            first = seq.parent or seq
+            if first.done and first.request_id in self._in_flight:
+                del self._in_flight[first.request_id]
+                left.append(first)
+        return left

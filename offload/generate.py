@@ -25,7 +25,7 @@ from offload.model.llama import ragged_step
 from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
 from offload.profile.timeline import StepShape
-from offload.sampling import SamplingParams, sample
+from offload.sampling import SamplingParams, sample, token_logprobs
 from offload.weights.prompts import check_prompt_ids
 
 
@@ -58,8 +58,10 @@ class Generator:
         if not seqs:
             return
         # the pool: what these sequences need at most, within kv_tokens with its trash slot (the longest always fits)
-        largest = sorted((kv_extent(s, self.context_len) for s in seqs), reverse=True)
-        engine = Engine(self, kv_slots=max(min(self.kv_tokens - 1, sum(largest[: self.max_batch_size])), largest[0]))
+        extents = [(kv_extent(s, self.context_len), s.params.n) for s in seqs]  # n samples: n extents
+        largest = sorted((e for e, n in extents for _ in range(n)), reverse=True)
+        whole = max(e * n for e, n in extents)  # one request's samples are admitted together
+        engine = Engine(self, kv_slots=max(min(self.kv_tokens - 1, sum(largest[: self.max_batch_size])), whole))
         for seq in seqs:
             engine.submit(seq)
         engine.run_until_done(on_finish)
@@ -67,7 +69,7 @@ class Generator:
     def _plan_step(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
         """The decode sequences and the (sequence, chunk length) prompt chunks of the next step."""
         decode = [s for s in running if s.prefilled]
-        prefilling = [s for s in running if not s.prefilled]
+        prefilling = [s for s in running if not s.prefilled and s.parent is None]  # samples 1.. wait for sample 0
         if not self.mixed and prefilling:
             decode = []  # the old schedule: prompts first, decode waits
         room, chunks = self.step_tokens - len(decode), []
@@ -98,16 +100,30 @@ class Generator:
         threads = torch.get_num_threads()  # as the executor set it for this step
         # rows to sample: every decode token, and the last token of each prompt finished in this step
         rows, sampled, at = list(range(len(decode))), list(decode), len(decode)
+        scored = []  # (sequence, rows, prompt token ids they predict): prompt logprobs asked for (echo)
         for seq, n in chunks:
+            if seq.params.prompt_logprobs is not None:  # row i predicts the prompt's token after it
+                first, last = seq.n_cached, min(seq.n_cached + n, len(seq.prompt_ids) - 1)
+                scored.append((seq, list(range(at, at + max(last - first, 0))), seq.prompt_ids[first + 1: last + 1]))
             at += n
             seq.n_cached += n
             if seq.prefilled:
                 rows.append(at - 1)
                 sampled.append(seq)
-        logits = self._logits(hidden, rows)
+        logits = self._logits(hidden, rows + [r for _, more, _ in scored for r in more])  # one lm_head pass
+        logits, extra = logits[: len(rows)], logits[len(rows):]
+        for seq, more, ids in scored:
+            scores, extra = extra[: len(more)], extra[len(more):]
+            seq.prompt_logprobs = (seq.prompt_logprobs or [None]) + (
+                token_logprobs(torch.stack(scores), ids, seq.params.prompt_logprobs) if scores else [])
+        for seq, row in list(zip(sampled[len(decode):], logits[len(decode):])):
+            for other in seq.samples[1:]:  # n > 1: the other samples take the prompt's K and V, and its logits
+                share_prefill(cache, seq, other)
+                sampled.append(other)
+                logits.append(row)
         n_prompt = sum(n for _, n in chunks)
         self._count(phase, start, len(tokens), StepShape(
-            phase, 0.0, n_prompt, len(decode), len(decode) + len(chunks), len(rows),
+            phase, 0.0, n_prompt, len(decode), len(decode) + len(chunks), len(rows) + sum(len(m) for _, m, _ in scored),
             attended_keys=sum(s.n_tokens for s in decode) + sum(n * (s.n_cached - n) + n * (n + 1) // 2
                                                                  for s, n in chunks),
             kv_read_tokens=sum(s.n_tokens for s in decode) + sum(s.n_cached for s, _ in chunks), threads=threads))
@@ -140,6 +156,8 @@ class Generator:
     def _sample_next(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         for seq, row in zip(seqs, logits):
             token = sample(row, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
+            if seq.logprobs is not None:
+                seq.logprobs += token_logprobs(row[None], [token], seq.params.logprobs)
             seq.output_ids.append(token)
             self._check_stop(seq, token)
 
@@ -182,6 +200,15 @@ class Generator:
             return ""
         text = self._full_text(seq)
         return text if seq.stop_text_end is None else text[: seq.stop_text_end]
+
+
+def share_prefill(cache, seq: Sequence, other: Sequence) -> None:
+    """Copy the K and V of seq's prompt (now in the cache) into other's extent: other's prompt is in the cache."""
+    n = len(seq.prompt_ids)
+    for layer in cache:
+        for t in (layer.k, layer.v):
+            t[:, other.base: other.base + n].copy_(t[:, seq.base: seq.base + n])
+    other.n_cached = n
 
 
 def next_text(tokenizer, ids: list[int], offsets: tuple[int, int],

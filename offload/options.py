@@ -57,6 +57,7 @@ def _size(value: Any) -> int | None:
 Whole = Annotated[int, BeforeValidator(_no_bool)]
 Number = Annotated[float, BeforeValidator(_no_bool)]
 Size = Annotated[int | None, BeforeValidator(_size)]
+Bytes = Annotated[int, BeforeValidator(_size)]  # a size that must be given (no tier default to fall back on)
 Baseline = Annotated[int | Literal["auto"], BeforeValidator(lambda v: v if v == "auto" else _size(v) or 0)]
 
 
@@ -192,7 +193,8 @@ class DistributedOptions(Section):
 
 
 class ServeOptions(Section):
-    """`offload serve`: where it listens, who may call it, and how many requests may wait for a slot."""
+    """`offload serve`: where it listens, who may call it, how many requests may wait for a slot, where its batches
+    live and the largest upload."""
 
     host: str = option("127.0.0.1", "address to listen on: 127.0.0.1 is this machine only, 0.0.0.0 every "
                        "interface", name="host", cli="serve")
@@ -200,10 +202,14 @@ class ServeOptions(Section):
     api_key: str | None = option(None, "require `Authorization: Bearer KEY` on every route but /health (default: "
                                  "none required; also read from OFFLOAD_API_KEY)", name="api_key", cli="serve",
                                  min_length=1)
-    state_dir: str | None = option(None, "the server's state folder, locked against a second server (default: "
-                                   "none); the Batch API will keep its jobs there", name="state_dir", cli="serve")
+    state_dir: str | None = option(None, "the server's state folder, locked against a second server: the Batch "
+                                   "API's files and batches live there (default: none, and no Batch API)",
+                                   name="state_dir", cli="serve")
     max_waiting: Whole = option(256, "requests that may wait for a KV slot at once; past it a request gets 503 "
                                 "with Retry-After", name="max_waiting", cli="serve", ge=1)
+    max_upload_bytes: Bytes = option(200_000_000, "largest file POST /v1/files takes, such as 200MB (OpenAI's "
+                                    "Batch API limit); past it 413", name="max_upload", cli="serve", unit="bytes",
+                                    gt=0)
 
 
 PLAN_SECTIONS = {"model": ModelOptions, "hardware": HardwareOptions, "memory": MemoryOptions,

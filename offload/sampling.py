@@ -15,6 +15,8 @@ if TYPE_CHECKING:  # torch is imported where a sampler runs, not where parameter
     import torch
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's max_logprobs; OpenAI chat's top_logprobs)
+MAX_N = 64  # samples per prompt at most
 
 
 @dataclass
@@ -32,11 +34,13 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
-    n: int = field(default=1)
+    n: int = field(default=1)  # samples of the prompt; they share its prefill (the KV of the prompt is copied)
     presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
     frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated
     repetition_penalty: float = 1.0  # vLLM's (CTRL's): a prompt or output token's logit divided by it (> 0) or times
     logit_bias: dict | None = None  # OpenAI's: {token id: bias in [-100, 100]} added to the logits
+    logprobs: int | None = None  # vLLM's: the sampled token's logprob and this many top ones, per output token
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first (OpenAI's echo)
 
     def __post_init__(self):
         for name, kinds, what in (("stop", (str, list, tuple), "strings (or one string)"),
@@ -69,7 +73,7 @@ class SamplingParams:
             (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
             (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
              f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
-            (self.n == 1, f"n must be 1 (one completion per prompt), got {self.n!r}"),
+            (_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer from 1 to {MAX_N}, got {self.n!r}"),
             (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
             (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
@@ -78,6 +82,11 @@ class SamplingParams:
              f"repetition_penalty must be a number > 0 (1 changes nothing), got {self.repetition_penalty!r}"),
             (all(_is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()),
              f"logit_bias must map token ids to biases in [-100, 100], got {self.logit_bias!r}"),
+            (self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (top logprobs per token), got {self.logprobs!r}"),
+            (self.prompt_logprobs is None or _is_int(self.prompt_logprobs) and
+             0 <= self.prompt_logprobs <= MAX_LOGPROBS,
+             f"prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.prompt_logprobs!r}"),
         ]
         for ok, message in checks:
             if not ok:  # each message starts with the field's name
@@ -93,12 +102,17 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
                     or self.logit_bias)
 
-    def make_generator(self) -> torch.Generator:
-        """A per-request random generator: seeded if seed is set, else seeded from the global RNG."""
+    def make_generator(self, index: int = 0) -> torch.Generator:
+        """A per-sample random generator: seeded if seed is set (sample `index` of n from seed + index, so the
+        samples of one prompt differ and repeat), else seeded from the global RNG."""
         import torch
 
         g = torch.Generator()
-        g.manual_seed(self.seed if self.seed is not None else int(torch.randint(0, 2**62, (1,))))
+        if self.seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)))
+        else:
+            seed = self.seed if index == 0 else (self.seed + index) % 2**64
+        g.manual_seed(seed)
         return g
 
 
@@ -175,3 +189,27 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         return int(torch.argmax(logits))
     probs = filter_logits(logits.float(), params).softmax(-1)
     return int(torch.multinomial(probs, 1, generator=generator))
+
+
+@dataclass
+class TokenLogprob:
+    """A token's log-probability under the model's own distribution (raw logits: before penalties, bias and
+    temperature, as vLLM returns them), and the top ones at its position, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def token_logprobs(logits: torch.Tensor, token_ids, n_top: int) -> list[TokenLogprob]:
+    """The TokenLogprob of token_ids[i] under logits[i] ([rows, V]) with n_top top tokens each."""
+    import torch
+
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(1, torch.tensor(token_ids, dtype=torch.long)[:, None])[:, 0].tolist()
+    if n_top > 0:
+        values, ids = torch.topk(logp, n_top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]
+    else:
+        tops = [[] for _ in token_ids]
+    return [TokenLogprob(int(t), p, top) for t, p, top in zip(token_ids, picked, tops)]

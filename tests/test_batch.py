@@ -50,7 +50,10 @@ def test_text_prompt_file(tmp_path):
     (json.dumps(completion_line("x", "")), "expected 'prompt' to be a non-empty string or a list of token ids"),
     (json.dumps({**chat_line("x", "hi"), "body": {"messages": []}}), "expected 'messages' to be a non-empty list"),
     (json.dumps(chat_line("x", "hi", top_p=0)), "top_p must be in (0, 1]"),
-    (json.dumps(chat_line("x", "hi", n=2)), "n must be 1"),
+    (json.dumps(chat_line("x", "hi", n=0)), "n must be an integer from 1 to 64"),
+    (json.dumps(chat_line("x", "hi", top_logprobs=3)), "'top_logprobs' needs 'logprobs': true"),
+    (json.dumps(completion_line("x", "hi", logprobs=True)), "expected 'logprobs' to be an integer from 0 to 20"),
+    (json.dumps(completion_line("x", ["a", "b"])), "a batch line takes one prompt"),
 ])
 def test_bad_lines_become_errors_not_crashes(tmp_path, line, message):
     path = tmp_path / "in.jsonl"
@@ -69,13 +72,16 @@ def test_duplicate_ids_refused_before_start(tmp_path):
 def test_records_follow_openai_batch_format(tmp_path):
     path = write_batch(tmp_path / "in.jsonl", [chat_line("c", "hi"), completion_line("p", "x"), "oops"])
     (chat, completion), (bad,) = read_requests(path)
-    rec = success_record(chat, "Paris.", "stop", 7, 2, "m")
+    chat_choice = {"index": 0, "message": {"role": "assistant", "content": "Paris."}, "logprobs": None,
+                   "finish_reason": "stop"}
+    rec = success_record(chat, [chat_choice], 7, 2, "m")
     assert rec["custom_id"] == "c" and rec["error"] is None and rec["id"].startswith("batch_req_")
     body = rec["response"]["body"]
     assert rec["response"]["status_code"] == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Paris."}
     assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
-    assert success_record(completion, "y", "length", 1, 1, "m")["response"]["body"]["choices"][0]["text"] == "y"
+    text_choice = {"index": 0, "text": "y", "logprobs": None, "finish_reason": "length"}
+    assert success_record(completion, [text_choice], 1, 1, "m")["response"]["body"]["choices"][0]["text"] == "y"
     err = error_record(bad, bad.message)
     assert err["response"] is None and err["custom_id"] is None and err["error"]["line"] == 3
 

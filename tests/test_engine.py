@@ -64,7 +64,7 @@ def test_requests_that_join_mid_decode_share_its_steps_and_give_their_alone_toke
     assert all(s.finish_reason == "length" for s in (first, second, third))
     assert _weight_passes(llm) < sum(n for _, n in alone)
     assert max(len(o.tokens) for o in outs) == 3  # one step sampled for all three
-    streamed = {rid: [t for o in outs for t in o.tokens.get(rid, [])] for rid in "abc"}
+    streamed = {rid: [t for o in outs for s, new in o.tokens if s.request_id == rid for t in new] for rid in "abc"}
     assert streamed == {"a": first.output_ids, "b": second.output_ids, "c": third.output_ids}
     assert sorted(s.request_id for o in outs for s in o.finished) == ["a", "b", "c"]
     assert engine.kv_slots_used == 0 and not engine.has_work()
@@ -88,7 +88,7 @@ def test_an_abort_frees_its_slots_for_a_waiting_request(llm):
     engine.abort("r1")
     out = engine.step()
     assert [s.request_id for s in out.finished] == ["r1"] and seqs[1].finish_reason == "abort"
-    assert "r1" not in out.tokens and len(seqs[1].output_ids) == 1
+    assert "r1" not in {s.request_id for s, _ in out.tokens} and len(seqs[1].output_ids) == 1
     assert (engine.n_running, engine.n_waiting, seqs[2].base) == (2, 0, seqs[1].base)
     engine.run_until_done()
     assert [s.output_ids for s in (seqs[0], seqs[2])] == [_alone(llm, p, 10)[0] for p in (prompts[0], prompts[2])]
@@ -134,7 +134,7 @@ def test_the_waiting_queue_is_bounded(llm):
         engine.add("d", prompts[3], _greedy(3))
     out = engine.step()  # "a" and "c" start: the queue is empty
     assert [(s.request_id, s.finish_reason, s.output_ids) for s in out.finished] == [("b", "abort", [])]
-    assert sorted(out.tokens) == ["a", "c"] and engine.n_waiting == 0
+    assert sorted(s.request_id for s, _ in out.tokens) == ["a", "c"] and engine.n_waiting == 0
     engine.add("d", prompts[3], _greedy(3))
     with pytest.raises(ConfigError, match="'a' is already in flight"):
         engine.add("a", prompts[0], _greedy(3))
@@ -164,3 +164,27 @@ def test_a_request_the_context_cannot_hold_is_refused_at_add(llm):
     with pytest.raises(ConfigError, match="needs 29 KV slots"):
         engine.add("wide", _prompts([10])[0], _greedy(20))
     assert not engine.has_work()
+
+
+def test_an_interactive_request_is_admitted_before_background_ones_without_preempting(llm):
+    """A batch of two runs two background requests; two more wait. An interactive request that arrives takes the
+    first slot that frees, before the waiting background ones; the running ones are never stopped for it."""
+    engine = Engine(_generator(llm, max_batch_size=2), max_waiting=1)
+    prompts = _prompts([5, 6, 7, 8, 9])
+    bg = [Sequence(f"b{i}", p, _greedy(2 if i == 0 else 6)) for i, p in enumerate(prompts[:4])]
+    for seq in bg:
+        engine.submit(seq, background=True)  # not counted against max_waiting's bound
+    engine.step()
+    assert [s.base >= 0 for s in bg] == [True, True, False, False] and engine.n_waiting == 2
+    interactive = engine.add("i", prompts[4], _greedy(3))
+    assert engine.n_waiting == 3
+    with pytest.raises(QueueFull):  # interactive requests alone fill max_waiting
+        engine.add("j", prompts[4], _greedy(3))
+    engine.step()  # b0 finishes its two tokens here; b1 and the interactive one were not preempted
+    assert bg[0].finish_reason == "length" and interactive.base < 0 and len(bg[1].output_ids) == 2
+    engine.step()
+    assert interactive.base >= 0 and bg[2].base < 0 and bg[3].base < 0
+    engine.abort("b3")  # a waiting background request leaves its queue at once
+    engine.run_until_done()
+    assert interactive.output_ids == _alone(llm, prompts[4], 3)[0] and bg[3].finish_reason == "abort"
+    assert bg[2].output_ids == _alone(llm, prompts[2], 6)[0] and engine.n_waiting == engine.kv_slots_used == 0

@@ -219,7 +219,7 @@ def test_an_answer_that_arrives_twice_is_written_once():
                         lambda req, message: failed.append(req.key))
     slot = Slot(0, None, {"node": "n"})
     slot.shard = {key: Request(key, 1, COMPLETIONS, SamplingParams(), prompt="x") for key in ("a", "b", "c")}
-    answer = Answer("text", "length", 1, 2)
+    answer = Answer([{"index": 0, "text": "text", "logprobs": None, "finish_reason": "length"}], 1, 2)
     for key, result in [("a", answer), ("a", answer), ("b", "too long"), ("b", answer), ("zz", answer)]:
         dispatch.accept(slot, key, result)
     assert written == ["a"] and failed == ["b"] and set(slot.shard) == {"c"}

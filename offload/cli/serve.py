@@ -13,7 +13,7 @@ from offload.errors import ConfigError
 
 logger = logging.getLogger("offload")
 
-SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")  # the offload[serve] extra
+SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client", "python_multipart")  # the offload[serve] extra
 API_KEY_ENV = "OFFLOAD_API_KEY"
 
 
@@ -50,7 +50,8 @@ def _serve(config, api_key: str | None) -> int:
     options = config.serve
     llm = load_llm(config)
     server = Server(llm, config.model.path, defaults=sampling_defaults(config), api_key=api_key,
-                    max_waiting=options.max_waiting)
+                    max_waiting=options.max_waiting, state_dir=options.state_dir,
+                    max_upload_bytes=options.max_upload_bytes)
     logger.info(f"serving {config.model.path} at http://{options.host}:{options.port}/v1 "
                 f"({'an API key is required' if api_key else 'no API key required'}); Ctrl-C stops it")
     level = logging.getLogger("offload").getEffectiveLevel()

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from offload.errors import ConfigError, OffloadError, SamplingError
-from offload.sampling import SamplingParams
+from offload.sampling import MAX_LOGPROBS, SamplingParams
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 URLS = (COMPLETIONS, CHAT)
@@ -24,6 +24,7 @@ PARAM_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
               "include_stop_str_in_output": "include_stop_str_in_output", "presence_penalty": "presence_penalty",
               "frequency_penalty": "frequency_penalty", "repetition_penalty": "repetition_penalty",
               "logit_bias": "logit_bias"}
+LOGPROB_KEYS = ("logprobs", "top_logprobs", "echo")  # read by endpoint: see logprob_params
 IGNORED_KEYS = ("model", "user", "stream", "metadata")
 ROLES = ("system", "user", "assistant")  # what chat templates render; OpenAI's tool roles need tool calls
 
@@ -38,6 +39,7 @@ class Request:
     params: SamplingParams
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
+    echo: bool = False  # completions: the answer's text (and logprobs) begin with the prompt's
 
     @property
     def key(self) -> str:
@@ -116,7 +118,7 @@ def _openai_request(line: str, n: int, defaults: dict, name: str) -> Request | B
         return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {e}", custom_id)
     if obj["url"] == CHAT:
         return Request(custom_id, n, CHAT, params, messages=content)
-    return Request(custom_id, n, COMPLETIONS, params, prompt=content)
+    return Request(custom_id, n, COMPLETIONS, params, prompt=content, echo=obj["body"].get("echo") is True)
 
 
 def _check_envelope(obj: dict) -> str | None:
@@ -133,7 +135,7 @@ def _check_envelope(obj: dict) -> str | None:
 
 
 def _unsupported(key: str, url: str) -> str:
-    known = sorted([*PARAM_KEYS, *IGNORED_KEYS, "messages" if url == CHAT else "prompt"])
+    known = sorted([*PARAM_KEYS, *_logprob_keys(url), *IGNORED_KEYS, "messages" if url == CHAT else "prompt"])
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"supported: {', '.join(known)}"
     return f"body parameter {key!r} is not supported; {hint}"
@@ -143,20 +145,53 @@ def _is_whole(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_body(url: str, body: dict, defaults: dict) -> tuple[SamplingParams, Any]:
+def check_body(url: str, body: dict, defaults: dict, many: bool = False) -> tuple[SamplingParams, Any]:
     """The SamplingParams and the prompt (text or token ids; for chat, the messages) of an OpenAI request body to
-    url, its unset parameters taken from defaults; BodyError names the first field that cannot run."""
-    unknown = [k for k in body if k not in PARAM_KEYS and k not in IGNORED_KEYS and k not in ("prompt", "messages")]
+    url, its unset parameters taken from defaults; BodyError names the first field that cannot run. many: a
+    completions prompt may be a list of prompts (a server's request), and the prompt returned is always a list."""
+    known = (*PARAM_KEYS, *IGNORED_KEYS, *_logprob_keys(url), "prompt", "messages")
+    unknown = [k for k in body if k not in known]
     if unknown:
         raise BodyError(_unsupported(unknown[0], url), unknown[0])
-    return sampling_params(defaults, body), _content(url, body)
+    return sampling_params(defaults, body, url), _content(url, body, many)
 
 
-def sampling_params(defaults: dict, body: dict) -> SamplingParams:
+def _logprob_keys(url: str) -> tuple[str, ...]:
+    return ("logprobs", "top_logprobs") if url == CHAT else ("logprobs", "echo")
+
+
+def logprob_params(url: str, body: dict) -> dict:
+    """The SamplingParams fields of a body's logprob keys. Chat: logprobs true/false and top_logprobs (0-20);
+    completions: logprobs (top ones per token, 0-20) and echo (with logprobs, the prompt's tokens are scored)."""
+    want = body.get("logprobs")
+    if url == CHAT:
+        top = body.get("top_logprobs")
+        if want is not None and not isinstance(want, bool):
+            raise BodyError(f"expected 'logprobs' to be true or false, found {want!r}; the number of top tokens is "
+                            f"'top_logprobs'", "logprobs")
+        if top is not None and not (_is_whole(top) and 0 <= top <= MAX_LOGPROBS):
+            raise BodyError(f"expected 'top_logprobs' to be an integer from 0 to {MAX_LOGPROBS}, found {top!r}",
+                            "top_logprobs")
+        if top is not None and not want:
+            raise BodyError("'top_logprobs' needs 'logprobs': true; set it, or drop top_logprobs", "top_logprobs")
+        return {"logprobs": top or 0} if want else {}
+    echo = body.get("echo")
+    if echo is not None and not isinstance(echo, bool):
+        raise BodyError(f"expected 'echo' to be true or false, found {echo!r}", "echo")
+    if want is None:
+        return {}
+    if not _is_whole(want) or not 0 <= want <= MAX_LOGPROBS:
+        raise BodyError(f"expected 'logprobs' to be an integer from 0 to {MAX_LOGPROBS} (the top tokens given per "
+                        f"token), found {want!r}", "logprobs")
+    return {"logprobs": want, **({"prompt_logprobs": want} if echo else {})}
+
+
+def sampling_params(defaults: dict, body: dict, url: str = COMPLETIONS) -> SamplingParams:
     """defaults (a job's sampling section) overridden by the body's parameters; BodyError names a bad one."""
     values = dict(defaults)
     cap = values.pop("max_tokens_cap", None)  # sampling.max_tokens_cap: no body passes it
     values.update({PARAM_KEYS[k]: v for k, v in body.items() if k in PARAM_KEYS and v is not None})
+    values.update(logprob_params(url, body))
     if cap is not None and _is_whole(values.get("max_tokens")) and values["max_tokens"] > cap:
         values["max_tokens"] = cap
     try:
@@ -168,16 +203,20 @@ def sampling_params(defaults: dict, body: dict) -> SamplingParams:
         raise BodyError(str(e), None) from None
 
 
-def _content(url: str, body: dict) -> Any:
-    """The prompt as text or token ids, or the messages; BodyError says what is wrong."""
+def _content(url: str, body: dict, many: bool = False) -> Any:
+    """The prompt as text or token ids (many: a list of them), or the messages; BodyError says what is wrong."""
     if url == COMPLETIONS:
         prompt = body.get("prompt")
-        if isinstance(prompt, str) and prompt:
+        if _one_prompt(prompt):
+            return [prompt] if many else prompt
+        if many and isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt):
             return prompt
-        if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return prompt
-        raise BodyError(f"expected 'prompt' to be a non-empty string or a list of token ids, found {prompt!r}",
-                        "prompt")
+        if isinstance(prompt, list) and prompt and all(_one_prompt(p) for p in prompt):
+            raise BodyError("a batch line takes one prompt (a string or a list of token ids); put each prompt on a "
+                            "line of its own", "prompt")
+        what = "a list of them" if many else "one of them"
+        raise BodyError(f"expected 'prompt' to be a non-empty string or a list of token ids (or {what}), found "
+                        f"{_short(prompt)}", "prompt")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BodyError(f"expected 'messages' to be a non-empty list of {{'role', 'content'}} objects, found "
@@ -199,6 +238,16 @@ def _content(url: str, body: dict) -> Any:
     return out
 
 
+def _one_prompt(prompt) -> bool:
+    return (isinstance(prompt, str) and bool(prompt)) or (
+        isinstance(prompt, list) and bool(prompt) and all(_is_whole(t) for t in prompt))
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
 def _refuse_duplicates(path: Path, items: list) -> None:
     first: dict[str, int] = {}
     repeats = []
@@ -216,21 +265,24 @@ def _refuse_duplicates(path: Path, items: list) -> None:
                           f"give each request its own custom_id")
 
 
-def success_record(req: Request, text: str, finish_reason: str, n_prompt: int, n_generated: int,
-                   model: str) -> dict:
-    """An OpenAI Batch output line for a finished request."""
-    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_generated, "total_tokens": n_prompt + n_generated}
-    if req.url == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish_reason}
-        obj, prefix = "chat.completion", "chatcmpl"
-    else:
-        choice = {"index": 0, "text": text, "finish_reason": finish_reason, "logprobs": None}
-        obj, prefix = "text_completion", "cmpl"
+def success_record(req: Request, choices: list[dict], n_prompt: int, n_generated: int, model: str) -> dict:
+    """An OpenAI Batch output line for a finished request: its choices (offload.jobs.responses.choices)."""
     request_id = uuid.uuid4().hex
-    body = {"id": f"{prefix}-{request_id}", "object": obj, "created": int(time.time()), "model": model,
-            "choices": [choice], "usage": usage}
+    prefix = "chatcmpl" if req.url == CHAT else "cmpl"
+    answer = response_body(req.url, f"{prefix}-{request_id}", int(time.time()), model, choices,
+                           usage(n_prompt, n_generated))
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.custom_id,
-            "response": {"status_code": 200, "request_id": request_id, "body": body}, "error": None}
+            "response": {"status_code": 200, "request_id": request_id, "body": answer}, "error": None}
+
+
+def usage(n_prompt: int, n_completion: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+def response_body(url: str, request_id: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:
+    """The whole answer of a request, as OpenAI's API returns it (and a batch output line's response body)."""
+    return {"id": request_id, "object": "chat.completion" if url == CHAT else "text_completion", "created": created,
+            "model": model, "choices": choices, "usage": usage_}
 
 
 def error_record(item: BadLine | Request, message: str, code: str = "invalid_request") -> dict:

@@ -156,8 +156,7 @@ def generate_all(llm, todo: list[Request], log: OutputLog, counts: JobCounts, pr
     start = Timeline.now()
 
     def on_answer(req: Request, answer: Answer) -> None:
-        log.append(success_record(req, answer.text, answer.finish_reason, answer.n_prompt, answer.n_generated,
-                                  model_name))
+        log.append(success_record(req, answer.choices, answer.n_prompt, answer.n_generated, model_name))
         counts.n_done += 1
         counts.n_prompt_tokens += answer.n_prompt
         counts.n_generated_tokens += answer.n_generated

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from offload.errors import OffloadError
+from offload.jobs import responses
 from offload.jobs.batch import CHAT, Request
 from offload.jobs.config import JobConfig, plan_request
 from offload.planner.recost import recost_steps, recost_steps_at
@@ -34,12 +35,18 @@ class Prepared:
 
 @dataclass(frozen=True)
 class Answer:
-    """What a finished request hands to the writer of the outputs (small: it crosses the network on Ray)."""
+    """What a finished request hands to the writer of the outputs (small: it crosses the network on Ray): its
+    choices in OpenAI's shape (one per sample, logprobs where asked) and its token counts."""
 
-    text: str
-    finish_reason: str
+    choices: list[dict]
     n_prompt: int
     n_generated: int
+
+    @property
+    def text(self) -> str:
+        """The first choice's text."""
+        first = self.choices[0]
+        return first["message"]["content"] if "message" in first else first["text"]
 
 
 OnAnswer = Callable[[Request, Answer], None]
@@ -100,8 +107,11 @@ def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error
         return
 
     def on_finish(out) -> None:
-        answer = Answer(out.text, out.finish_reason, len(out.prompt_token_ids), len(out.token_ids))
-        on_answer(ready[int(out.request_id)].request, answer)
+        req = ready[int(out.request_id)].request
+        counts = responses.usage_of([out])
+        answer = Answer(responses.choices(req.url, out, llm.tokenizer, echo=req.echo), counts["prompt_tokens"],
+                        counts["completion_tokens"])
+        on_answer(req, answer)
 
     llm.generate([p.prompt for p in ready], [p.request.params for p in ready], on_finish=on_finish)
 

@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP app of `offload serve` (FastAPI): models, completions and chat completions, plain and
-streamed, health and Prometheus metrics. Requests go to the engine thread, which owns the model."""
+streamed, health and Prometheus metrics, and the Batch API's routes (batches.py). Requests go to the engine
+thread, which owns the model."""
 
 from __future__ import annotations
 
@@ -15,22 +16,28 @@ from starlette.exceptions import HTTPException
 
 from offload.errors import ConfigError, QueueFull
 from offload.jobs.batch import CHAT, COMPLETIONS
+from offload.options import ServeOptions
 from offload.serve import protocol
-from offload.serve.engine_thread import EngineThread, Update
+from offload.serve.batches import Batches, add_batch_routes
+from offload.serve.engine_thread import EngineThread
 from offload.serve.protocol import ApiError, Job, sse
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait: slots free as requests finish
 
 
 class Server:
-    """What the routes share: the model and its name, the request defaults, the key, the engine thread."""
+    """What the routes share: the model and its name, the request defaults, the key, the engine thread, and the
+    batches of the state folder (None without one)."""
 
     def __init__(self, llm, model_name: str, *, defaults: dict | None = None, api_key: str | None = None,
-                 max_waiting: int = 256):
+                 max_waiting: int = ServeOptions.model_fields["max_waiting"].default, state_dir: Path | None = None,
+                 max_upload_bytes: int = ServeOptions.model_fields["max_upload_bytes"].default):
         self.llm, self.model_name, self.defaults, self.api_key = llm, model_name, defaults or {}, api_key
         self.created = int(time.time())
         self.engine_thread = EngineThread(llm, max_waiting=max_waiting)
         self.metrics = self.engine_thread.metrics
+        self.max_upload_bytes = max_upload_bytes
+        self.batches = Batches(Path(state_dir), self) if state_dir is not None else None
 
     def check_model(self, body) -> None:
         """A body naming another model is refused; the name given, or its last path part, is this one."""
@@ -41,14 +48,19 @@ class Server:
 
 
 def make_app(server: Server) -> FastAPI:
-    """The app; its lifespan starts the engine thread and stops it (app.state.server reaches both)."""
+    """The app; its lifespan starts the engine thread and resumes the unfinished batches, and stops both
+    (app.state.server reaches them)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         server.engine_thread.start()
+        if server.batches is not None:
+            server.batches.resume()
         try:
             yield
         finally:
+            if server.batches is not None:
+                server.batches.stop()
             server.engine_thread.stop()
 
     app = FastAPI(title="offload", lifespan=lifespan)
@@ -80,6 +92,7 @@ def make_app(server: Server) -> FastAPI:
     async def chat_completions(request: Request):
         return await _answer(server, request, CHAT)
 
+    add_batch_routes(app, server, auth)
     return app
 
 
@@ -120,45 +133,56 @@ async def _answer(server: Server, request: Request, url: str):
     if server.engine_thread.died:
         raise ApiError(503, "the server's engine thread has stopped (its log says why); restart offload serve",
                        kind="server_error")
+    queue, first = asyncio.Queue(), 0
     try:
-        queue = server.engine_thread.submit(job.seq, job.stream)
+        for seq in job.seqs:  # a request of several prompts: one sequence each, one queue
+            server.engine_thread.submit(seq, job.stream, queue, first)
+            first += seq.params.n
     except QueueFull as e:
+        _abort(server, job)
         raise ApiError(503, f"the server is busy: {e}", kind="server_error",
                        headers={"Retry-After": str(RETRY_AFTER_S)}) from None
     except ConfigError as e:
-        raise ApiError(400, str(e), "max_tokens") from None
+        _abort(server, job)
+        raise ApiError(400, str(e), "n" if "asks for n=" in str(e) else "max_tokens") from None
     if job.stream:
         return StreamingResponse(_events(server, job, queue), media_type="text/event-stream")
     return await _whole(server, request, job, queue)
 
 
+def _abort(server: Server, job: Job) -> None:
+    for seq in job.seqs:
+        server.engine_thread.abort(str(seq.request_id))
+
+
 async def _whole(server: Server, request: Request, job: Job, queue: asyncio.Queue):
     """The answer of a request that does not stream; a client that leaves before it is done aborts it."""
-    text, done = "", asyncio.ensure_future(_last(queue))
+    done = asyncio.ensure_future(_all_done(queue, len(job.seqs)))
     gone = asyncio.ensure_future(_disconnected(request))
     try:
         await asyncio.wait({done, gone}, return_when=asyncio.FIRST_COMPLETED)
         if not done.done():
             return Response(status_code=499)  # nobody reads it
-        text, update = done.result()
+        error = done.result()
     finally:
         for task in (done, gone):
             task.cancel()
-        if not done.done() or done.cancelled():
-            server.engine_thread.abort(job.id)
-    if update.error:
-        raise ApiError(500, update.error, kind="server_error")
-    return protocol.completion(job, text, update.finish_reason, update.n_prompt, update.n_completion)
+        if not done.done() or done.cancelled() or done.result() is not None:
+            _abort(server, job)
+    if error:
+        raise ApiError(500, error, kind="server_error")
+    outputs = [server.llm.output_of(seq, text) for seq, text in zip(job.seqs, job.prompt_texts)]
+    return protocol.completion(job, outputs)
 
 
-async def _last(queue: asyncio.Queue) -> tuple[str, Update]:
-    """The text of every update, and the last one."""
-    text = ""
-    while True:
+async def _all_done(queue: asyncio.Queue, n_seqs: int) -> str | None:
+    """Wait until each of the request's sequences is done; the error that ended one, if any."""
+    while n_seqs:
         update = await queue.get()
-        text += update.text
-        if update.last:
-            return text, update
+        if update.error:
+            return update.error
+        n_seqs -= update.done
+    return None
 
 
 async def _disconnected(request: Request) -> None:
@@ -167,25 +191,48 @@ async def _disconnected(request: Request) -> None:
 
 
 async def _events(server: Server, job: Job, queue: asyncio.Queue):
-    """Server-sent events: chunks as text arrives, the end, usage if asked, [DONE]; a client that leaves (the
-    stream is cancelled or closed) aborts its request."""
-    finished = False
+    """Server-sent events: chunks as text arrives, each choice's end, usage if asked, [DONE]; a client that
+    leaves (the stream is cancelled or closed) aborts its request."""
+    finished, left, n_prompt, n_completion = False, len(job.seqs), 0, 0
     try:
-        if job.url == CHAT:
-            yield sse(protocol.chunk(job, role=True))
-        while not finished:
+        for index in range(job.n_choices):
+            if job.url == CHAT:
+                yield sse(protocol.chunk(job, index, role=True))
+            elif job.echo:  # the prompt's text first
+                seq = _seq_of(job, index)
+                yield sse(protocol.chunk(job, index, _prompt_text(server, job, seq)))
+        while left:
             update = await queue.get()
-            finished = update.last
             if update.error:
                 yield sse(protocol.error_body(update.error, "server_error"))
                 break
-            if update.text:
-                yield sse(protocol.chunk(job, update.text))
+            if update.done:
+                left -= 1
+                n_prompt, n_completion = n_prompt + update.n_prompt, n_completion + update.n_completion
+                continue
+            if update.text or update.logprobs:
+                yield sse(protocol.chunk(job, update.index, update.text, logprobs=update.logprobs,
+                                         token_ids=list(update.token_ids)))
             if update.finish_reason:
-                yield sse(protocol.chunk(job, finish_reason=update.finish_reason))
-                if job.include_usage:
-                    yield sse(protocol.usage_chunk(job, update.n_prompt, update.n_completion))
+                yield sse(protocol.chunk(job, update.index, finish_reason=update.finish_reason))
+        finished = not left
+        if finished and job.include_usage:
+            yield sse(protocol.usage_chunk(job, n_prompt, n_completion))
         yield sse("[DONE]")
     finally:
         if not finished:
-            server.engine_thread.abort(job.id)
+            _abort(server, job)
+
+
+def _seq_of(job: Job, index: int):
+    for seq in job.seqs:
+        if index < seq.params.n:
+            return seq
+        index -= seq.params.n
+    raise IndexError(index)
+
+
+def _prompt_text(server: Server, job: Job, seq) -> str:
+    text = job.prompt_texts[job.seqs.index(seq)]
+    tokenizer = server.llm.tokenizer
+    return text if text is not None else "" if tokenizer is None else tokenizer.decode(seq.prompt_ids)

@@ -9,6 +9,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from offload.engine import ABORT, Engine, Sequence, StepOutput
 from offload.generate import next_text
@@ -22,35 +23,54 @@ ERROR = "error"  # the finish reason counted for a request whose step raised
 
 @dataclass(frozen=True)
 class Update:
-    """What a request gained in one step: new text (streaming), and on its last update why it ended (or the
-    error that ended it) with its token counts."""
+    """What a request gained in one step. Streaming: a choice's new text and its tokens (with their logprobs where
+    asked), and at that choice's end why it ended. The last update of a request says it is done (every sample
+    ended) with its token counts, or carries the error that ended it."""
 
+    index: int = 0  # the choice: the request's first index + the sample's
     text: str = ""
+    token_ids: tuple[int, ...] = ()
+    logprobs: list | None = None
     finish_reason: str | None = None
+    done: bool = False
     error: str | None = None
     n_prompt: int = 0
     n_completion: int = 0
 
     @property
     def last(self) -> bool:
-        return self.finish_reason is not None or self.error is not None
+        return self.done or self.error is not None
+
+
+@dataclass
+class SampleText:
+    """What one sample of a streamed request has decoded and handed on."""
+
+    decoded: str = ""  # text decoded so far
+    offsets: tuple[int, int] = (0, 0)  # next_text's
+    sent: str = ""  # text handed on so far
+    n_logprobs: int = 0  # logprobs handed on so far
 
 
 @dataclass
 class Stream:
-    """A request in flight as the engine thread sees it: its sequence, where its updates go, what was sent."""
+    """A request in flight as the engine thread sees it: its sequence, where its updates go (an event loop's
+    queue, or for a batch's request a sink called in the engine thread), what was sent."""
 
     seq: Sequence
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop | None
+    queue: asyncio.Queue | None
     streaming: bool  # its text goes out as it is generated (else all at once at its end)
+    first_index: int = 0  # its first choice's index in the answer (a request of several prompts)
+    sink: Callable[[Update], None] | None = None
     arrived_s: float = field(default_factory=time.perf_counter)
     last_token_s: float | None = None
-    decoded: str = ""  # text decoded so far (streaming)
-    offsets: tuple[int, int] = (0, 0)  # next_text's
-    sent: str = ""  # text handed on so far
+    samples: dict[int, SampleText] = field(default_factory=dict)
 
     def post(self, update: Update) -> None:
+        if self.sink is not None:
+            self.sink(update)
+            return
         try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, update)
         except RuntimeError:  # its event loop has closed: the server is shutting down
@@ -92,23 +112,34 @@ class EngineThread:
         """Started, and ended without stop(): nothing would answer a request now."""
         return self._thread is not None and not self._thread.is_alive()
 
-    def submit(self, seq: Sequence, streaming: bool) -> asyncio.Queue:
-        """Queue a checked sequence (from the event loop); its updates arrive on the queue returned. QueueFull
-        or ConfigError as Engine.submit raises them."""
-        stream = Stream(seq, asyncio.get_running_loop(), asyncio.Queue(),
-                        streaming and self.llm.generator.tokenizer is not None)
-        with self._lock:  # before the engine sees it: its first step may come at once
-            self._streams[seq.request_id] = stream
-        try:
-            self.engine.submit(seq)
-        except BaseException:
-            with self._lock:
-                del self._streams[seq.request_id]
-            raise
+    def submit(self, seq: Sequence, streaming: bool, queue: asyncio.Queue | None = None,
+               first_index: int = 0) -> asyncio.Queue:
+        """Queue a checked sequence (from the event loop); its updates arrive on the queue returned (queue: one
+        the request's other prompts share), its choices numbered from first_index. QueueFull or ConfigError as
+        Engine.submit raises them."""
+        stream = Stream(seq, asyncio.get_running_loop(), queue or asyncio.Queue(),
+                        streaming and self.llm.generator.tokenizer is not None, first_index)
+        self._submit(stream, background=False)
         return stream.queue
 
+    def submit_background(self, seq: Sequence, sink: Callable[[Update], None]) -> None:
+        """Queue a batch's checked sequence behind every interactive one (Engine.submit's background); its last
+        update goes to sink, called in the engine thread. ConfigError as Engine.submit raises it."""
+        self._submit(Stream(seq, None, None, False, sink=sink), background=True)
+
+    def _submit(self, stream: Stream, background: bool) -> None:
+        with self._lock:  # before the engine sees it: its first step may come at once
+            self._streams[stream.seq.request_id] = stream
+        try:
+            self.engine.submit(stream.seq, background)
+        except BaseException:
+            with self._lock:
+                del self._streams[stream.seq.request_id]
+            raise
+
     def abort(self, request_id: str) -> None:
-        """The client left: the request frees its slots at the next step (a waiting one leaves the queue now)."""
+        """The client left (or its batch was cancelled): the request frees its slots at the next step (a waiting one
+        leaves the queue now); nothing more is posted for it."""
         with self._lock:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
@@ -136,37 +167,49 @@ class EngineThread:
 
     def _deliver(self, out: StepOutput) -> None:
         now = time.perf_counter()
-        for request_id, tokens in out.tokens.items():
-            stream = self._streams.get(request_id)
+        new: dict[int, tuple[Stream, int, int]] = {}  # by id(stream): its new tokens, and the most of one sample
+        for seq, tokens in out.tokens:
+            stream = self._streams.get((seq.parent or seq).request_id)
             if stream is None:
                 continue
+            _, total, most = new.get(id(stream), (stream, 0, 0))
+            new[id(stream)] = (stream, total + len(tokens), max(most, len(tokens)))
+            if stream.streaming:
+                self._stream_tokens(stream, seq, tokens)
+        for stream, n_tokens, per_sample in new.values():
             first = stream.last_token_s is None
-            self.metrics.on_tokens(len(tokens), now - (stream.arrived_s if first else stream.last_token_s), first)
+            self.metrics.on_tokens(n_tokens, now - (stream.arrived_s if first else stream.last_token_s), first,
+                                   per_sample)
             stream.last_token_s = now
-            if stream.streaming and not stream.seq.finish_reason:
-                text = self._new_text(stream)
-                if text:
-                    stream.post(Update(text=text))
         for seq in out.finished:
             with self._lock:
                 stream = self._streams.pop(seq.request_id, None)
             if stream is None or seq.finish_reason == ABORT:  # aborted: its client is gone
                 continue
-            text = self.llm.generator.text_of(seq)
-            stream.post(Update(text=text[len(stream.sent):], finish_reason=seq.finish_reason,
-                               n_prompt=len(seq.prompt_ids), n_completion=len(seq.output_ids)))
+            stream.post(Update(done=True, n_prompt=len(seq.prompt_ids),
+                               n_completion=sum(len(s.output_ids) for s in seq.group)))
             self.metrics.on_finish(seq.finish_reason, len(seq.prompt_ids))
 
-    def _new_text(self, stream: Stream) -> str:
-        """Text to send now: what the new tokens decode to, less the tail a stop string may still claim."""
-        seq, params = stream.seq, stream.seq.params
-        piece, stream.offsets = next_text(self.llm.generator.tokenizer, seq.output_ids, stream.offsets,
-                                          params.skip_special_tokens)
-        stream.decoded += piece
-        held = max(map(len, params.stop)) - 1 if params.stop and not params.include_stop_str_in_output else 0
-        ready = stream.decoded[: max(len(stream.sent), len(stream.decoded) - held)]
-        text, stream.sent = ready[len(stream.sent):], ready
-        return text
+    def _stream_tokens(self, stream: Stream, seq: Sequence, tokens: list[int]) -> None:
+        """Hand on a sample's new text (less the tail a stop string may still claim; at its end, the rest of its
+        text, cut where a stop string ended it) and its new tokens' logprobs."""
+        state = stream.samples.setdefault(seq.index, SampleText())
+        if seq.finish_reason:
+            text = self.llm.generator.text_of(seq)[len(state.sent):]
+        else:
+            params = seq.params
+            piece, state.offsets = next_text(self.llm.generator.tokenizer, seq.output_ids, state.offsets,
+                                             params.skip_special_tokens)
+            state.decoded += piece
+            held = max(map(len, params.stop)) - 1 if params.stop and not params.include_stop_str_in_output else 0
+            ready = state.decoded[: max(len(state.sent), len(state.decoded) - held)]
+            text, state.sent = ready[len(state.sent):], ready
+        logprobs = None
+        if seq.logprobs is not None:
+            logprobs, state.n_logprobs = seq.logprobs[state.n_logprobs:], len(seq.logprobs)
+        if text or logprobs or seq.finish_reason:
+            ids = tuple(seq.output_ids[len(seq.output_ids) - len(logprobs):]) if logprobs else tuple(tokens)
+            stream.post(Update(stream.first_index + seq.index, text, ids, logprobs, seq.finish_reason))
 
     def _fail(self, error: BaseException, admitted_only: bool) -> None:
         """End requests with an error: those of a step that raised (admitted_only: they leave the engine at the

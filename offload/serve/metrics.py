@@ -25,6 +25,8 @@ class ServeMetrics:
                 ("offload_kv_slots", "KV cache slots in the engine's pool", lambda: engine.capacity)):
             Gauge(name, help_text, registry=r).set_function(read)
         self.prompt_tokens = Counter("offload_prompt_tokens", "prompt tokens of finished requests", registry=r)
+        self.prefill_tokens = Counter("offload_prefill_tokens", "prompt tokens run through the model (a prompt "
+                                      "with n samples is run once)", registry=r)
         self.generated_tokens = Counter("offload_generation_tokens", "tokens generated", registry=r)
         self.finished = Counter("offload_requests_finished", "requests that left the engine, by why",
                                 ["finish_reason"], registry=r)
@@ -40,14 +42,16 @@ class ServeMetrics:
         self._busy_s = {(res, ph): 0.0 for res in RESOURCES for ph in PHASES}
         self._phase_s = dict.fromkeys(PHASES, 0.0)
 
-    def on_tokens(self, n_tokens: int, since_s: float, first: bool) -> None:
-        """n_tokens new tokens of one request, since_s after its arrival (first) or its previous token."""
+    def on_tokens(self, n_tokens: int, since_s: float, first: bool, per_sample: int | None = None) -> None:
+        """n_tokens new tokens of one request (per_sample of them each of its samples: n_tokens if one), since_s
+        after its arrival (first) or its previous tokens."""
         self.generated_tokens.inc(n_tokens)
+        per_sample = per_sample or n_tokens
         if first:
             self.ttft.observe(since_s)
         else:
-            for _ in range(n_tokens):
-                self.itl.observe(since_s / n_tokens)
+            for _ in range(per_sample):
+                self.itl.observe(since_s / per_sample)
 
     def on_finish(self, finish_reason: str, n_prompt: int) -> None:
         self.finished.labels(finish_reason).inc()
@@ -58,6 +62,7 @@ class ServeMetrics:
         if timeline is None:
             return
         taken = timeline.drain()
+        self.prefill_tokens.inc(sum(shape.n_prompt_tokens for shape in taken.steps))
         for ph in PHASES:
             self._phase_s[ph] += taken.phase_time_s.get(ph, 0.0)
             self.phase.labels(ph).inc(taken.phase_time_s.get(ph, 0.0))

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from offload.engine import Sequence
 from offload.errors import OffloadError
+from offload.jobs import responses
 from offload.jobs.batch import CHAT, BodyError, Request, check_body
 from offload.jobs.worker import prompt_ids
 
@@ -35,18 +36,22 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
 
 @dataclass
 class Job:
-    """One checked request: its sequence for the engine and how to answer it."""
+    """One checked request: a sequence per prompt for the engine (n samples each), and how to answer it."""
 
     url: str
-    seq: Sequence
+    id: str
+    seqs: list[Sequence]
     model: str
+    prompt_texts: list[str | None]  # each prompt's text where it was given as text (echo)
     stream: bool = False
     include_usage: bool = False
+    echo: bool = False
+    tokenizer: object = field(default=None, repr=False)  # the model's: logprobs name their tokens by it
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
-    def id(self) -> str:
-        return str(self.seq.request_id)
+    def n_choices(self) -> int:
+        return sum(s.params.n for s in self.seqs)
 
 
 def prepare(url: str, body, llm, model: str, defaults: dict) -> Job:
@@ -58,19 +63,28 @@ def prepare(url: str, body, llm, model: str, defaults: dict) -> Job:
         raise ApiError(400, f"expected 'stream' to be true or false, found {stream!r}", "stream")
     include_usage = _include_usage(body.get("stream_options"), stream)
     try:
-        params, content = check_body(url, {k: v for k, v in body.items() if k not in SERVE_KEYS}, defaults)
+        params, content = check_body(url, {k: v for k, v in body.items() if k not in SERVE_KEYS}, defaults,
+                                     many=True)
     except BodyError as e:
         raise ApiError(400, str(e), e.param) from None
-    request_id = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
-    req = Request(request_id, 0, url, params, **({"messages": content} if url == CHAT else {"prompt": content}))
-    try:
-        ids, _ = prompt_ids(req, llm.tokenizer, llm.path)
-        llm.generator.check_prompt(ids)  # the one check, against the context the server's cache holds
-    except OffloadError as e:
-        raise ApiError(400, str(e), "messages" if url == CHAT else "prompt") from None
-    return Job(url, Sequence(request_id, ids, params), model, stream, include_usage)
-
-
+    echo = url != CHAT and body.get("echo") is True
+    if echo and stream and params.prompt_logprobs is not None:
+        raise ApiError(400, "'echo' with 'logprobs' is answered whole, not streamed; set 'stream' to false, or drop "
+                            "one of them", "echo")
+    job_id = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
+    prompts = [content] if url == CHAT else content
+    seqs, texts = [], []
+    for i, prompt in enumerate(prompts):
+        req = Request(job_id, 0, url, params, **({"messages": prompt} if url == CHAT else {"prompt": prompt}))
+        where = "messages" if url == CHAT else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+        try:
+            ids, text = prompt_ids(req, llm.tokenizer, llm.path)
+            llm.generator.check_prompt(ids)  # the one check, against the context the server's cache holds
+        except OffloadError as e:
+            raise ApiError(400, str(e) if len(prompts) == 1 else f"{where}: {e}", where) from None
+        seqs.append(Sequence(job_id if len(prompts) == 1 else f"{job_id}-{i}", ids, params))
+        texts.append(text)
+    return Job(url, job_id, seqs, model, texts, stream, include_usage, echo, llm.tokenizer)
 def _include_usage(options, stream: bool) -> bool:
     if options is None:
         return False
@@ -84,28 +98,27 @@ def _include_usage(options, stream: bool) -> bool:
     return options.get("include_usage", False)
 
 
-def usage(n_prompt: int, n_completion: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+def completion(job: Job, outputs: list) -> dict:
+    """The whole answer of a request that did not stream, from each prompt's RequestOutput."""
+    out_choices, first = [], 0
+    for output, text in zip(outputs, job.prompt_texts):
+        out_choices += responses.choices(job.url, output, job.tokenizer, echo=job.echo, prompt_text=text,
+                                         first_index=first)
+        first += len(output.outputs)
+    return responses.response_body(job.url, job.id, job.created, job.model, out_choices, responses.usage_of(outputs))
 
 
-def completion(job: Job, text: str, finish_reason: str, n_prompt: int, n_completion: int) -> dict:
-    """The whole answer of a request that did not stream."""
-    if job.url == CHAT:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
-    else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-    return {"id": job.id, "object": "chat.completion" if job.url == CHAT else "text_completion",
-            "created": job.created, "model": job.model, "choices": [choice], "usage": usage(n_prompt, n_completion)}
-
-
-def chunk(job: Job, text: str | None = None, finish_reason: str | None = None, role: bool = False) -> dict:
-    """One streamed piece: new text, or the end (finish_reason); for chat, the first one carries the role."""
+def chunk(job: Job, index: int = 0, text: str | None = None, finish_reason: str | None = None,
+          role: bool = False, logprobs: list | None = None, token_ids: list[int] | None = None) -> dict:
+    """One streamed piece of choice `index`: new text (and its tokens' logprobs), or its end (finish_reason); for
+    chat, the first one carries the role."""
     if job.url == CHAT:
         delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        lp = None if logprobs is None else responses.chat_logprobs(job.tokenizer, logprobs)
+        choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        lp = None if logprobs is None else responses.completion_logprobs(job.tokenizer, token_ids, logprobs)
+        choice = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish_reason}
     out = {"id": job.id, "object": "chat.completion.chunk" if job.url == CHAT else "text_completion",
            "created": job.created, "model": job.model, "choices": [choice]}
     return {**out, "usage": None} if job.include_usage else out
@@ -114,10 +127,9 @@ def chunk(job: Job, text: str | None = None, finish_reason: str | None = None, r
 def usage_chunk(job: Job, n_prompt: int, n_completion: int) -> dict:
     """The last chunk when stream_options.include_usage is set: no choices, the request's usage."""
     return {"id": job.id, "object": "chat.completion.chunk" if job.url == CHAT else "text_completion",
-            "created": job.created, "model": job.model, "choices": [], "usage": usage(n_prompt, n_completion)}
+            "created": job.created, "model": job.model, "choices": [], "usage": responses.usage(n_prompt, n_completion)}
 
 
 def sse(obj: dict | str) -> str:
     """One server-sent event: `data: <json>` (or `data: [DONE]`) and a blank line."""
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
-

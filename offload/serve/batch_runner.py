@@ -1,0 +1,177 @@
+"""One batch running on the served model: a thread reads its input (the job engine's read_requests), resumes its
+output log (the job engine's OutputLog: a record flushed per answer, so a killed server loses only what was in
+flight, and a resume skips every custom_id already answered), and feeds its requests to the engine thread as
+background sequences, a bounded number at a time, behind every interactive request. Each answer or failure is
+written once, by this thread, in the job engine's record shapes."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from pathlib import Path
+
+from offload.engine import Sequence
+from offload.errors import ConfigError, OffloadError
+from offload.jobs import responses
+from offload.jobs.batch import BadLine, Request, error_record, read_requests, success_record
+from offload.jobs.output import OutputLog
+from offload.jobs.worker import prompt_ids, request_problem
+from offload.serve.engine_thread import Update
+
+logger = logging.getLogger("offload")
+
+# Sequences one batch keeps queued or running per slot of the engine's batch: two refill every slot that frees at
+# the next step, and a 50,000-line batch never waits in the engine at once.
+QUEUED_PER_SLOT = 2
+LOG_NAME = "log.jsonl"  # the batch's output log, in its folder
+POLL_S = 0.2  # how often a runner waiting for answers looks at its cancel and stop flags
+
+
+class BatchRunner:
+    """Runs one batch in its own thread; cancel() and stop() may come from any thread."""
+
+    def __init__(self, batch: dict, folder: Path, server, batches):
+        """batch: its object (id, endpoint); server: what the routes share (llm, engine_thread, model_name,
+        defaults); batches: the registry this runner reports to (update, finalize)."""
+        self.batch_id, self.endpoint, self.folder = batch["id"], batch["endpoint"], folder
+        self.server, self.batches = server, batches
+        self.n_total = self.n_completed = self.n_failed = 0
+        self._started = False  # counts are the job's once its log is read
+        self._answers: queue.Queue[tuple[str, Update]] = queue.Queue()
+        self._in_flight: dict[str, tuple[Request, Sequence]] = {}
+        self._cancel, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"offload-{self.batch_id}", daemon=True)
+
+    @property
+    def input_path(self) -> Path:
+        return self.folder / "input.jsonl"
+
+    @property
+    def log_path(self) -> Path:
+        return self.folder / LOG_NAME
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def cancel(self) -> None:
+        """Feed no more; what is in flight is aborted, and the batch ends as cancelled with the answers written."""
+        self._cancel.set()
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """The server is stopping: leave the batch as it stands (a restart resumes it)."""
+        self._stop.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def counts(self) -> dict | None:
+        """The request counts so far (None until the batch's input and log are read)."""
+        if not self._started:
+            return None
+        return {"total": self.n_total, "completed": self.n_completed, "failed": self.n_failed}
+
+    def _run(self) -> None:
+        try:
+            requests, bad = self._read()
+            log = OutputLog(self.log_path, self._fingerprint(), retry_failed=True)
+            done = log.open()
+        except ConfigError as e:
+            self.batches.fail(self.batch_id, str(e))
+            return
+        try:
+            self._answer(log, done, requests, bad)
+        except Exception as e:  # noqa: BLE001 (a runner that fails must say so, not leave the batch in progress)
+            logger.error(f"batch {self.batch_id} failed ({type(e).__name__}: {e})")
+            self._abort_in_flight()
+            log.close()
+            self.batches.fail(self.batch_id, f"the batch stopped ({type(e).__name__}: {e}); the answers written "
+                                             f"are kept in its output file")
+            return
+        log.close()
+        if not self._stop.is_set():
+            self.batches.finalize(self.batch_id, cancelled=self._cancel.is_set())
+
+    def _read(self) -> tuple[list[Request], list[BadLine]]:
+        """The batch's requests; a line for another endpoint than the batch's is a failed line."""
+        requests, bad = read_requests(self.input_path, "openai", self.server.defaults)
+        wrong = [r for r in requests if r.url != self.endpoint]
+        bad += [BadLine(r.line_no, f"line {r.line_no} (custom_id {r.custom_id!r}): expected 'url' to be the "
+                                   f"batch's endpoint {self.endpoint}, found {r.url}", r.custom_id) for r in wrong]
+        return [r for r in requests if r.url == self.endpoint], sorted(bad, key=lambda b: b.line_no)
+
+    def _fingerprint(self) -> dict:
+        """What decides the answers: a restart under another model or other defaults refuses to resume."""
+        return {"batch.id": self.batch_id, "batch.endpoint": self.endpoint, "model": self.server.model_name,
+                **{f"sampling.{k}": v for k, v in sorted(self.server.defaults.items())}}
+
+    def _answer(self, log: OutputLog, done: set[str], requests: list[Request], bad: list[BadLine]) -> None:
+        """Write the bad lines, then feed the requests not yet answered and write each answer as it comes."""
+        self.n_total, self.n_completed, self._started = len(requests) + len(bad), len(done), True
+        self.batches.started(self.batch_id, self.counts())
+        for item in bad:
+            if item.key not in done:
+                self._write(log, error_record(item, item.message))
+        todo = deque(r for r in requests if r.key not in done)
+        window = QUEUED_PER_SLOT * self.server.llm.generator.max_batch_size
+        while not self._stop.is_set():
+            if self._cancel.is_set():
+                self._abort_in_flight()
+                break
+            while todo and len(self._in_flight) < window and not self._cancel.is_set():
+                self._feed(log, todo.popleft())
+            if not self._in_flight:
+                break
+            try:
+                request_id, update = self._answers.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            self._write_answer(log, *self._in_flight.pop(request_id), update)
+        self._drain(log)
+
+    def _feed(self, log: OutputLog, req: Request) -> None:
+        """Hand one request to the engine thread (or write why it cannot run)."""
+        llm, request_id = self.server.llm, f"{self.batch_id}:{req.custom_id}"  # never an interactive id (cmpl-)
+        try:
+            ids, _ = prompt_ids(req, llm.tokenizer, llm.path)
+            llm.generator.check_prompt(ids)
+            seq = Sequence(request_id, ids, req.params)
+            self._in_flight[request_id] = (req, seq)
+            self.server.engine_thread.submit_background(seq, lambda update: self._answers.put((request_id, update)))
+        except OffloadError as e:
+            self._in_flight.pop(request_id, None)
+            self._write(log, error_record(req, request_problem(req, e)))
+
+    def _write_answer(self, log: OutputLog, req: Request, seq: Sequence, update: Update) -> None:
+        if update.error:
+            self._write(log, error_record(req, request_problem(req, update.error), "server_error"))
+            return
+        llm = self.server.llm
+        output = llm.output_of(seq, req.prompt if isinstance(req.prompt, str) else None)
+        choices = responses.choices(req.url, output, llm.tokenizer, echo=req.echo)
+        self._write(log, success_record(req, choices, update.n_prompt, update.n_completion, self.server.model_name))
+
+    def _write(self, log: OutputLog, record: dict) -> None:
+        log.append(record)
+        if record["error"] is None:
+            self.n_completed += 1
+        else:
+            self.n_failed += 1
+
+    def _abort_in_flight(self) -> None:
+        for request_id in list(self._in_flight):
+            self.server.engine_thread.abort(request_id)
+
+    def _drain(self, log: OutputLog) -> None:
+        """Answers that arrived as the batch was cancelled or stopped are written too: each was generated once."""
+        while True:
+            try:
+                request_id, update = self._answers.get_nowait()
+            except queue.Empty:
+                return
+            pending = self._in_flight.pop(request_id, None)
+            if pending is not None:
+                self._write_answer(log, *pending, update)

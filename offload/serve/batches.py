@@ -1,0 +1,278 @@
+"""OpenAI's Batch API on `offload serve`: files (upload, object, content) and batches (create, retrieve, list,
+cancel). Each batch is a job in the state folder:
+
+    <state_dir>/files/<file id>, <file id>.json         uploads, and each batch's output and error files
+    <state_dir>/batches/<batch id>/batch.json            the batch object (written whole, atomically)
+    <state_dir>/batches/<batch id>/input.jsonl           a copy of its input file
+    <state_dir>/batches/<batch id>/log.jsonl             the job engine's output log: answers and failed lines
+
+A batch runs on the served model (batch_runner.py) behind interactive requests; at startup every batch not in a
+final state resumes, skipping what its output log already answers. When it ends, the log is split into OpenAI's
+output file (answers) and error file (failed lines)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from pathlib import Path
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse
+
+from offload.jobs.batch import URLS
+from offload.serve import files
+from offload.serve.batch_runner import LOG_NAME, BatchRunner
+from offload.serve.files import FileStore, derived_file_id, write_json_atomic
+from offload.serve.protocol import ApiError
+
+logger = logging.getLogger("offload")
+
+BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
+COMPLETION_WINDOWS = ("24h",)  # OpenAI's only one; the server answers as fast as it can whatever is asked
+FINAL = ("completed", "failed", "cancelled", "expired")
+LIST_LIMIT_MAX, LIST_LIMIT_DEFAULT = 100, 20  # GET /v1/batches?limit= (OpenAI's bounds)
+METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's
+
+
+class Batches:
+    """The batches of one state folder: their objects (cached, written through) and the runners of live ones."""
+
+    def __init__(self, state_dir: Path, server):
+        self.folder = state_dir / "batches"
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.files = FileStore(state_dir / "files")
+        self.server = server
+        self._lock = threading.Lock()  # the objects and their files
+        self._ending = threading.Lock()  # one finalize at a time: a cancel may race a runner's own end
+        self._objects: dict[str, dict] = {}
+        self._runners: dict[str, BatchRunner] = {}
+        for path in sorted(self.folder.glob("batch_*/batch.json")):
+            try:
+                obj = json.loads(path.read_text())
+                self._objects[obj["id"]] = obj
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                logger.error(f"{path} is not a batch object ({type(e).__name__}: {e}); that batch is left out")
+
+    def resume(self) -> None:
+        """Start (again) every batch not in a final state: at server start, once the engine thread runs."""
+        for batch_id, obj in sorted(self._objects.items(), key=lambda item: item[1]["created_at"]):
+            if obj["status"] == "cancelling":
+                self.finalize(batch_id, cancelled=True)
+            elif obj["status"] not in FINAL:
+                logger.info(f"resuming batch {batch_id} ({obj['status']})")
+                self._start(obj)
+
+    def stop(self) -> None:
+        """The server stops: every runner leaves its batch as it stands."""
+        for runner in list(self._runners.values()):
+            runner.stop()
+
+    def create(self, body) -> dict:
+        """POST /v1/batches: check the body and the input file, copy the input, start the batch."""
+        if not isinstance(body, dict):
+            raise ApiError(400, f"expected the request body to be a JSON object, found {type(body).__name__}")
+        endpoint, window = body.get("endpoint"), body.get("completion_window")
+        if endpoint not in URLS:
+            raise ApiError(400, f"expected 'endpoint' to be one of {', '.join(URLS)} (what this server answers), "
+                                f"found {endpoint!r}", "endpoint")
+        if window not in COMPLETION_WINDOWS:
+            raise ApiError(400, f"expected 'completion_window' to be {', '.join(COMPLETION_WINDOWS)}, found "
+                                f"{window!r}", "completion_window")
+        metadata = _check_metadata(body.get("metadata"))
+        source = self.files.info(body.get("input_file_id"))
+        if source["purpose"] != "batch":
+            raise ApiError(400, f"the file {source['id']} has purpose {source['purpose']!r}; a batch's input must be "
+                                f"uploaded with purpose 'batch'", "input_file_id")
+        batch_id, now = f"batch_{secrets.token_hex(12)}", int(time.time())
+        folder = self.folder / batch_id
+        folder.mkdir()
+        _copy(self.files.content_path(source["id"]), folder / "input.jsonl")
+        obj = {"id": batch_id, "object": "batch", "endpoint": endpoint, "errors": None,
+               "input_file_id": source["id"], "completion_window": window, "status": "validating",
+               "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
+               "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+               "expired_at": None, "cancelling_at": None, "cancelled_at": None,
+               "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
+               "model": self.server.model_name}
+        self._save(obj)
+        self._start(obj)
+        return self.get(batch_id)
+
+    def get(self, batch_id: str) -> dict:
+        """The batch object, its counts read from its running job where it runs; ApiError 404 if unknown."""
+        with self._lock:
+            obj = self._objects.get(batch_id) if isinstance(batch_id, str) and BATCH_ID.fullmatch(batch_id) else None
+            if obj is None:
+                raise ApiError(404, f"no batch with id {str(batch_id)[:80]!r} on this server (GET /v1/batches "
+                                    f"lists them)", code="batch_not_found")
+            runner = self._runners.get(batch_id)
+            counts = runner.counts() if runner is not None and obj["status"] in ("in_progress", "cancelling") else None
+            return {**obj, "request_counts": counts or obj["request_counts"]}
+
+    def page(self, after: str | None, limit: int) -> dict:
+        """GET /v1/batches: newest first, limit of them after the id `after`."""
+        with self._lock:
+            ids = [o["id"] for o in sorted(self._objects.values(), key=lambda o: (-o["created_at"], o["id"]))]
+        start = ids.index(after) + 1 if after in ids else 0
+        data = [self.get(i) for i in ids[start: start + limit]]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": start + limit < len(ids)}
+
+    def cancel(self, batch_id: str) -> dict:
+        """POST /v1/batches/{id}/cancel: cancelling now, cancelled once what is in flight is aborted."""
+        obj = self.get(batch_id)
+        if obj["status"] in FINAL or obj["status"] == "cancelling":
+            if obj["status"] == "cancelled" or obj["status"] == "cancelling":
+                return obj
+            raise ApiError(409, f"batch {batch_id} is {obj['status']} and cannot be cancelled", code="batch_ended")
+        self._update(batch_id, status="cancelling", cancelling_at=int(time.time()))
+        runner = self._runners.get(batch_id)
+        if runner is not None and runner.alive:
+            runner.cancel()
+        else:
+            self.finalize(batch_id, cancelled=True)
+        return self.get(batch_id)
+
+    # --- what runners report -----------------------------------------------------------------------------------
+
+    def started(self, batch_id: str, counts: dict) -> None:
+        obj = self._objects[batch_id]
+        if obj["status"] == "validating":
+            self._update(batch_id, status="in_progress", in_progress_at=int(time.time()), request_counts=counts)
+        else:
+            self._update(batch_id, request_counts=counts)
+
+    def fail(self, batch_id: str, message: str) -> None:
+        """The batch cannot run (its input, or a resume under another model): failed, with the reason."""
+        logger.error(f"batch {batch_id} failed: {message}")
+        self._update(batch_id, status="failed", failed_at=int(time.time()),
+                     errors={"object": "list", "data": [{"code": "invalid_batch", "message": message,
+                                                         "param": None, "line": None}]})
+
+    def finalize(self, batch_id: str, cancelled: bool) -> None:
+        """Split the output log into the output file (answers) and the error file (failed lines), count them,
+        and end the batch: completed, or cancelled with what was answered before."""
+        with self._ending:
+            if self._objects[batch_id]["status"] in FINAL:
+                return
+            if not cancelled:
+                self._update(batch_id, status="finalizing", finalizing_at=int(time.time()))
+            counts = self._split(batch_id)
+            ids = {}
+            for kind in ("output", "error"):
+                path, ids[f"{kind}_file_id"] = self.folder / batch_id / f"{kind}.jsonl", None
+                if path.stat().st_size:
+                    ids[f"{kind}_file_id"] = self.files.adopt(path, f"{batch_id}_{kind}.jsonl", "batch_output",
+                                                              derived_file_id(f"{batch_id}:{kind}"))["id"]
+                path.unlink(missing_ok=True)
+            counts["total"] = max(self._objects[batch_id]["request_counts"]["total"], sum(counts.values()))
+            end = {"status": "cancelled", "cancelled_at": int(time.time())} if cancelled else \
+                {"status": "completed", "completed_at": int(time.time())}
+            self._update(batch_id, **ids, **end, request_counts=counts)
+
+    # --- inside ------------------------------------------------------------------------------------------------
+
+    def _start(self, obj: dict) -> None:
+        runner = BatchRunner(obj, self.folder / obj["id"], self.server, self)
+        self._runners[obj["id"]] = runner
+        runner.start()
+
+    def _split(self, batch_id: str) -> dict:
+        """The output log's whole records into output.jsonl (answers) and error.jsonl (failed lines) beside it,
+        line by line; how many went to each."""
+        folder, counts = self.folder / batch_id, {"completed": 0, "failed": 0}
+        log = folder / LOG_NAME
+        if not log.exists():
+            log.touch()  # a batch cancelled before its runner wrote anything
+        with open(log, "rb") as records, open(folder / "output.jsonl", "wb") as ok, \
+                open(folder / "error.jsonl", "wb") as failed:
+            for line in records:
+                if not line.endswith(b"\n") or not line.strip():  # a torn last line: its request was never answered
+                    continue
+                answered = json.loads(line).get("error") is None
+                (ok if answered else failed).write(line)
+                counts["completed" if answered else "failed"] += 1
+        return counts
+
+    def _update(self, batch_id: str, **fields) -> None:
+        with self._lock:
+            obj = {**self._objects[batch_id], **fields}
+            write_json_atomic(self.folder / batch_id / "batch.json", obj)
+            self._objects[batch_id] = obj
+
+    def _save(self, obj: dict) -> None:
+        with self._lock:
+            write_json_atomic(self.folder / obj["id"] / "batch.json", obj)
+            self._objects[obj["id"]] = obj
+
+
+def _copy(source: Path, target: Path) -> None:
+    """A batch's own copy of its input: a hard link where the file system allows (stored files are only ever
+    replaced whole, never changed in place), else a copy."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copyfile(source, target)
+
+
+def _check_metadata(metadata) -> dict | None:
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or len(metadata) > METADATA_MAX_KEYS or not all(
+            isinstance(k, str) and isinstance(v, str) and len(k) <= METADATA_KEY_CHARS and
+            len(v) <= METADATA_VALUE_CHARS for k, v in metadata.items()):
+        raise ApiError(400, f"expected 'metadata' to be at most {METADATA_MAX_KEYS} string keys of at most "
+                            f"{METADATA_KEY_CHARS} characters with string values of at most {METADATA_VALUE_CHARS}",
+                       "metadata")
+    return metadata
+
+
+def add_batch_routes(app: FastAPI, server, auth: list) -> None:
+    """The files and batches routes; without a state folder each answers 400 saying how to start the server."""
+
+    def batches() -> Batches:
+        if server.batches is None:
+            raise ApiError(400, "the Batch API keeps its files and batches in the server's state folder, and this "
+                                "server has none; start offload serve with --state-dir FOLDER")
+        return server.batches
+
+    @app.post("/v1/files", dependencies=auth)
+    async def create_file(request: Request):
+        return await files.upload(request, batches().files, server.max_upload_bytes)
+
+    @app.get("/v1/files/{file_id}", dependencies=auth)
+    async def retrieve_file(file_id: str):
+        return batches().files.info(file_id)
+
+    @app.get("/v1/files/{file_id}/content", dependencies=auth)
+    async def file_content(file_id: str):
+        return FileResponse(batches().files.content_path(file_id), media_type="application/octet-stream")
+
+    @app.post("/v1/batches", dependencies=auth)
+    async def create_batch(request: Request):
+        store = batches()
+        try:
+            body = await request.json()
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON ({e}); send one JSON object") from None
+        return store.create(body)
+
+    @app.get("/v1/batches", dependencies=auth)
+    async def list_batches(after: str | None = None, limit: int = LIST_LIMIT_DEFAULT):
+        if not 1 <= limit <= LIST_LIMIT_MAX:
+            raise ApiError(400, f"expected 'limit' from 1 to {LIST_LIMIT_MAX}, found {limit}", "limit")
+        return batches().page(after, limit)
+
+    @app.get("/v1/batches/{batch_id}", dependencies=auth)
+    async def retrieve_batch(batch_id: str):
+        return batches().get(batch_id)
+
+    @app.post("/v1/batches/{batch_id}/cancel", dependencies=auth)
+    async def cancel_batch(batch_id: str):
+        return batches().cancel(batch_id)
