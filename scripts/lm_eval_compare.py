@@ -14,8 +14,8 @@ Prints acc and acc_norm of each with their stderr, and each difference against t
 differences of ~0).
 
 Usage: python scripts/lm_eval_compare.py [--folder <offload's cache>/lm-eval-fp32] [--limit N] [--concurrent 4]
---smoke runs both on a tiny random model and 4 items: seconds. Needs `pip install lm-eval` (not a dependency of
-offload); without it, it says so and exits 0.
+--smoke runs both on a tiny random model and 4 items: seconds. Needs `pip install 'lm-eval[api]'` (not a
+dependency of offload; the api extra is local-completions'); without it, it says so and exits 0.
 """
 
 from __future__ import annotations
@@ -55,20 +55,24 @@ def write_fp32(folder: Path) -> Path:
     return folder
 
 
-def evaluate(model: str, model_args: str, limit: int | None) -> dict[str, tuple[float, float]]:
-    """metric -> (value, stderr) of offload_mc50 through lm-eval's backend model with model_args."""
+def evaluate(model: str, model_args: str, limit: int | None) -> dict:
+    """metric -> (value, stderr) of offload_mc50 through lm-eval's backend model with model_args, and under
+    'loglikelihoods' {(item, choice): the choice's loglikelihood}."""
     import lm_eval
     from lm_eval.tasks import TaskManager
 
     out = lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=[TASK], limit=limit,
                                   task_manager=TaskManager(include_path=str(TASK_DIR)), batch_size=1,
-                                  device="cpu", log_samples=False)
+                                  device="cpu", log_samples=True)
     results = out["results"][TASK]
-    return {m: (results[f"{m},none"], results[f"{m}_stderr,none"]) for m in METRICS}
+    lls = {(s["doc_id"], k): float(r[0]) for s in out["samples"][TASK] for k, r in enumerate(s["filtered_resps"])}
+    return {**{m: (results[f"{m},none"], results[f"{m}_stderr,none"]) for m in METRICS}, "loglikelihoods": lls}
 
 
-def against_offload(folder: Path, limit: int | None, concurrent: int) -> dict[str, tuple[float, float]] | str:
+def against_offload(folder: Path, limit: int | None, concurrent: int) -> dict | str:
     """offload_mc50 through local-completions against offload serve on folder; or why it could not run."""
+    if importlib.util.find_spec("tenacity") is None:
+        return "lm-eval's api extra is not installed (pip install 'lm-eval[api]')"
     sys.path.insert(0, str(HERE))
     from bench_serve import free_port, offload_cmd, serving
 
@@ -101,8 +105,8 @@ def echo_logprobs_missing(base: str) -> str | None:
     return None
 
 
-def report(name: str, scores: dict[str, tuple[float, float]]) -> None:
-    print(f"{name:>32}: " + ", ".join(f"{m} {v:.3f} ± {se:.3f}" for m, (v, se) in scores.items()))
+def report(name: str, scores: dict) -> None:
+    print(f"{name:>33}: " + ", ".join(f"{m} {scores[m][0]:.3f} ± {scores[m][1]:.3f}" for m in METRICS))
 
 
 def compare(args) -> None:
@@ -126,6 +130,10 @@ def compare(args) -> None:
         diff, se = served[m][0] - hf[m][0], math.hypot(served[m][1], hf[m][1])
         print(f"{m}: offload serve - hf = {diff:+.3f} (stderr of the difference {se:.3f}; "
               f"{'within' if abs(diff) <= 2 * se else 'OUTSIDE'} 2 stderr)")
+    a, b = hf["loglikelihoods"], served["loglikelihoods"]
+    gaps = [abs(a[key] - b[key]) for key in a]
+    print(f"loglikelihood of each (item, choice), offload serve against hf: largest |difference| {max(gaps):.2e} "
+          f"nats over {len(gaps)} (median {sorted(gaps)[len(gaps) // 2]:.2e})")
 
 
 def version() -> str:
@@ -146,7 +154,7 @@ def main() -> None:
     args = parser.parse_args()
     args.folder_is_model = False
     if importlib.util.find_spec("lm_eval") is None:
-        print("lm-eval is not installed (pip install lm-eval): nothing to compare")
+        print("lm-eval is not installed (pip install 'lm-eval[api]'): nothing to compare")
         return
     if args.smoke:
         sys.path.insert(0, str(HERE))
