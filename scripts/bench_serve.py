@@ -83,8 +83,8 @@ def free_port() -> int:
 
 @contextmanager
 def serving(cmd: list[str], port: int, ready_path: str, log: Path, timeout_s: float = 300, env: dict | None = None):
-    """A server subprocess on 127.0.0.1:port (env added to this process's), once ready_path answers 200; stopped
-    (SIGINT, then kill) after."""
+    """A server subprocess on 127.0.0.1:port (env added to this process's), once ready_path answers 200: its base
+    URL and process; stopped (SIGINT, then kill) after."""
     import httpx
 
     with open(log, "w") as out:
@@ -102,7 +102,7 @@ def serving(cmd: list[str], port: int, ready_path: str, log: Path, timeout_s: fl
                 if time.monotonic() > deadline:
                     raise SystemExit(f"the server did not answer {ready_path} in {timeout_s:.0f} s; see {log}")
                 time.sleep(0.5)
-            yield f"http://127.0.0.1:{port}/v1"
+            yield f"http://127.0.0.1:{port}/v1", proc
         finally:
             proc.send_signal(signal.SIGINT)
             try:
@@ -167,6 +167,15 @@ async def run_clients(base: str, bodies: list[list[dict]], url: str, max_tokens:
     return [a for t in tasks for a in (t.result() if t in done else [None] * len(bodies[tasks.index(t)]))], wall
 
 
+def peak_rss_bytes(pid: int) -> int:
+    """A process's peak resident memory (Linux: VmHWM), 0 where it cannot be read."""
+    try:
+        line = next(x for x in Path(f"/proc/{pid}/status").read_text().splitlines() if x.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return 0
+    return int(line.split()[1]) * 1024
+
+
 def percentile(values: list[float], q: float) -> float:
     """The q-th percentile (0-100), nearest rank."""
     ordered = sorted(values)
@@ -202,13 +211,15 @@ def load(args) -> None:
     cmd = offload_cmd(args.model, port, ["--max-tokens", str(args.max_tokens), *args.serve_args])
     bodies = [[{"messages": m, **greedy_body(args.max_tokens, "offload")}] for m in chats]
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp, \
-            serving(cmd, port, "/health", Path(tmp) / "serve.log") as base:
+            serving(cmd, port, "/health", Path(tmp) / "serve.log") as (base, proc):
         answers, wall = asyncio.run(run_clients(base, bodies, "/chat/completions", args.max_tokens,
                                                 args.time_limit_s))
+        peak_bytes = peak_rss_bytes(proc.pid)
     done = [a for a in answers if a is not None]
     print(f"offload serve {' '.join(cmd[4:])}; {args.clients} concurrent streaming chat requests, greedy, "
           f"{args.max_tokens} tokens each (ignore_eos), limit {args.time_limit_s:.0f} s")
-    print(f"completed: {len(done)} of {len(answers)} in {wall:.1f} s")
+    print(f"completed: {len(done)} of {len(answers)} in {wall:.1f} s; the server's peak resident memory "
+          f"{peak_bytes / 2**30:.2f} GiB; load average {os.getloadavg()[0]:.1f}")
     if not done:
         return
     ttfts = [a.ttft_s for a in done]
@@ -268,7 +279,7 @@ def against_llamacpp(args) -> None:
                 else llamacpp_cmd(gguf, port, threads, args.n_ctx, args.llamacpp_extra_bufts)
             ready, env = ("/health", {}) if name == "offload" else ("/v1/models", llamacpp_env(args))
             with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp, \
-                    serving(cmds[name], port, ready, Path(tmp) / "serve.log", env=env) as base:
+                    serving(cmds[name], port, ready, Path(tmp) / "serve.log", env=env) as (base, _):
                 results[name].append(one_round(base, name, prompts, args))
     print(f"same GGUF file {gguf.name}, {threads} cores (load average {load_before:.1f} before, "
           f"{os.getloadavg()[0]:.1f} after); completions, greedy, {args.max_tokens} tokens per answer; median of "

@@ -80,7 +80,7 @@ def against_offload(folder: Path, limit: int | None, concurrent: int) -> dict | 
     cmd = offload_cmd(str(folder), port, ["--quantization", "none", "--dtype", "fp32", "--max-model-len", "512"])
     print(f"  {' '.join(cmd[2:])}")
     with tempfile.TemporaryDirectory(prefix="lm-eval-") as tmp, \
-            serving(cmd, port, "/health", Path(tmp) / "serve.log") as base:
+            serving(cmd, port, "/health", Path(tmp) / "serve.log") as (base, _):
         missing = echo_logprobs_missing(base)
         if missing:
             return missing
