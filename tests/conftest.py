@@ -108,6 +108,9 @@ def convert_gguf(gguf_path: Path, folder: Path) -> Path:
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=name)
     model = AutoModelForCausalLM.from_pretrained(src, gguf_file=name, dtype=torch.float32)
     model.config.save_pretrained(folder)
+    config = json.loads((folder / "config.json").read_text())
+    config.pop("quantization_config", None)  # the weights are fp32 now; lm-eval's HF backend would load it as GGUF
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
     model.generation_config.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     state = model.state_dict()
