@@ -12,7 +12,8 @@ from offload.formats import GGUF_TYPES
 K_TINY = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
 ARCH_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
-GGPY_QUANTIZES = {"BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"}  # types gguf.quants.quantize writes (0.19)
+# types gguf.quants.quantize writes (0.19)
+GGPY_QUANTIZES = {"BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
