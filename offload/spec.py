@@ -134,6 +134,15 @@ class UnitSpec:
                 weight[held] = weight.get(held, 0) + t.numel
         return max(weight, key=weight.get) if weight else compute
 
+    def held_formats(self, fmt: str, compute: str = "fp32") -> tuple[str, ...]:
+        """The formats the unit's linear weights are held in (all its tensors' where it has no linear), the one
+        holding most weights first: a GGUF layer whose q is q5_0 and whose k and v are q8_0 holds (q5_0, q8_0)."""
+        weight: dict[str, int] = {}
+        for t in [t for t in self.tensors if t.role == "linear"] or self.tensors:
+            held = t.held_format(fmt, compute)
+            weight[held] = weight.get(held, 0) + t.numel
+        return tuple(sorted(weight, key=lambda f: -weight[f]))
+
     @property
     def linear_numel(self) -> int:
         """Weights that take part in matmuls (the embedding is a lookup, norms and biases are elementwise)."""

@@ -140,6 +140,14 @@ def test_mixed_new_types_in_one_layer(tmp_path):
     layer = GGUFSource(GGUFFile(path), llm.spec, torch.float32).load(llm.spec.units()[1])
     assert isinstance(layer.qkv, StackedWeight) and [p.fmt for p in layer.qkv.parts] == ["q5_0", "q8_0", "q3_k"]
     assert_logits_close(offload_logits(llm.model, IDS), hf_logits(hf_from_gguf(model, path), IDS), rel=1e-3)
+    # the plan sizes each tensor by its own type: q 256x256 in q5_0 (22 bytes per 32), k and v 128x256 in q8_0 (34
+    # per 32) and q3_k (110 per 256), o 256x256, gate and up 512x256 in q5_1 (24 per 32); down 256x512 in q5_1
+    # too in layer 0; two norms of 256 fp32
+    unit = llm.plan.unit("layer.0")
+    q5_1 = (256 * 256 + 2 * 512 * 256 + 256 * 512) // 32 * 24
+    assert unit.weight_bytes == 256 * 256 // 32 * 22 + 128 * 256 // 32 * 34 + 128 * 256 // 256 * 110 + q5_1 + 2048
+    assert unit.stored == "q5_1+q5_0+q8_0+q3_k" and llm.plan.unit("layer.1").stored == "q5_1+iq4_nl"
+    assert "q5_1+q5_0+q8_0+q3_k" in llm.plan.table()
 
 
 def test_a_type_offload_does_not_read_is_refused_by_name(tmp_path):
