@@ -158,3 +158,21 @@ def test_a_type_offload_does_not_read_is_refused_by_name(tmp_path):
 
     with pytest.raises(WeightsError, match=r"blk\.0\.ffn_up\.weight .* is stored as IQ1_M, which offload does not"):
         LLM(str(path))
+
+
+def test_bf16_gguf_linears_stay_bf16(tmp_path):
+    """A BF16 file under fp32 compute: linears stay bf16 (offload's bf16 kernels take fp32 activations), the plan
+    sizes them at 2 bytes a weight, and logits are transformers' on the same weights."""
+    from offload import LLM
+    from offload.weights.gguf import GGUFFile
+    from offload.weights.gguf_source import GGUFSource
+
+    model = make_hf_model("llama", vocab_size=300)
+    path = write_gguf(model, tmp_path / "bf16.gguf", "BF16")
+    llm = LLM(str(path))
+    layer = GGUFSource(GGUFFile(path), llm.spec, torch.float32).load(llm.spec.units()[1])
+    assert layer.qkv.dtype == torch.bfloat16 and layer.down.dtype == torch.bfloat16
+    # q 64x64, k and v 32x64, o 64x64, gate and up 128x64, down 64x128 at 2 bytes; two norms of 64 fp32
+    assert llm.plan.unit("layer.0").weight_bytes == (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64) * 2 + 2 * 64 * 4
+    assert llm.plan.unit("layer.0").stored == "bf16"
+    assert_logits_close(offload_logits(llm.model, IDS), hf_logits(hf_from_gguf(model, path), IDS), rel=1e-4)

@@ -134,6 +134,7 @@ ALIGN_BYTES = 64  # each plane of a unit's flat buffer starts at a multiple of t
 # The weight format of a plan for a GGUF model run as stored: each linear keeps its file's format (ModelSpec
 # tensors carry it); the planner sizes every tensor by its own format.
 AS_STORED = "gguf"
+KEPT_FLOAT = "bf16"  # the float format a GGUF linear keeps as stored (run by offload's bf16 kernels on the CPU)
 QUANTIZATIONS = ("none",) + tuple(QUANT_BLOCK_BYTES)  # the user option; none keeps the compute format
 
 # Names a user may give for the compute format, and the config.json torch_dtype names, mapped to ours.
