@@ -4,7 +4,9 @@ files in those types loaded, run and compared with transformers on the dequantiz
 
 from __future__ import annotations
 
+import importlib.util
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +18,7 @@ import offload.kernels as K
 from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits
 from gguf_support import K_TINY, hf_from_gguf, write_gguf
 from offload.errors import WeightsError
-from offload.formats import CPU_KERNELS, GGUF_BLOCKS, GGUF_TYPE, GGUF_TYPES
+from offload.formats import CPU_KERNELS, GGUF_BLOCKS, GGUF_NAMES, GGUF_TYPE, GGUF_TYPES
 from offload.kernels.quant import random_gguf_blocks
 
 BLOCK_TYPES = tuple(GGUF_BLOCKS)
@@ -176,3 +178,29 @@ def test_bf16_gguf_linears_stay_bf16(tmp_path):
     assert llm.plan.unit("layer.0").weight_bytes == (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64) * 2 + 2 * 64 * 4
     assert llm.plan.unit("layer.0").stored == "bf16"
     assert_logits_close(offload_logits(llm.model, IDS), hf_logits(hf_from_gguf(model, path), IDS), rel=1e-4)
+
+
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama-cpp-python is not installed")
+
+
+@needs_llama_cpp
+def test_llama_cpp_q4_k_m_of_smollm2_widths_loads(tmp_path):
+    """llama.cpp's Q4_K_M of a 576-wide model falls back to Q5_0 (and Q8_0) for rows that are not whole 256-weight
+    super-blocks, which offload refused before; it now loads as stored and generates."""
+    import gguf
+
+    from offload import LLM, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import make_gguf
+
+    f16, q4km = tmp_path / "smol.f16.gguf", tmp_path / "smol.Q4_K_M.gguf"
+    make_gguf.write_f16(f16, "smol-2l")
+    make_gguf.quantize(f16, q4km, "Q4_K_M", threads=2)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(q4km).tensors if t.name.startswith("blk.")}
+    assert "Q5_0" in types and types <= set(GGUF_NAMES)
+    llm = LLM(str(q4km))
+    assert "q5_0" in llm.plan.unit("layer.0").stored
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
