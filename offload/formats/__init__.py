@@ -115,6 +115,8 @@ GGUF_TYPES = tuple(GGUFType(**t) for t in (
     dict(name="iq2_s", ggml_name="IQ2_S", ggml_type=22, block_weights=256, block_bytes=82,
          fields=_F16 + (("qs", 32, "bits"), ("signs", 32, "bits"), ("qh", 8, "bits"), ("scales", 8, "bits")),
          layout="blocks", kin=_DEQUANTIZED),
+    dict(name="tq2_0", ggml_name="TQ2_0", ggml_type=35, block_weights=256, block_bytes=66,
+         fields=(("qs", 64, "bits"), ("d", 2, "f16")), layout="blocks", kin=_DEQUANTIZED),
 ))
 GGUF_TYPE = {t.name: t for t in GGUF_TYPES}  # by offload's name
 GGUF_NAMES = {t.ggml_name: t.name for t in GGUF_TYPES}  # GGUF's type name -> offload's

@@ -221,3 +221,10 @@ def iq3_s(b: np.ndarray) -> np.ndarray:
     db = _fp16(b, 0) * (1 + 2 * _bits(b[:, 106:110], 4))  # uint8 times fp32, as gguf-py
     grid = lattice("IQ3_S")[0][idx].reshape(n, 8, 4, 8)
     return (db[:, :, None, None] * grid * _signs(b[:, 74:106]).reshape(n, 8, 4, 8)).reshape(n, 256)
+
+
+def tq2_0(b: np.ndarray) -> np.ndarray:
+    """{qs[64], fp16 d}: ternary weights d * (q - 1), q 2 bits (each 32 bytes hold 4 runs of 32, lowest bits first)."""
+    n = b.shape[0]
+    q = (b[:, :64].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
+    return _fp16(b, 64) * (q.reshape(n, 256).astype(np.int8) - np.int8(1)).astype(np.float32)

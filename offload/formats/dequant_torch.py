@@ -222,3 +222,8 @@ def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
     db = _half(blocks, 0) * (1 + 2 * _bits(blocks[..., 106:110], 4).float())
     grid = _table("grid", "IQ3_S", blocks.device)[idx].reshape(m, nb, 8, 4, 8)
     return _scaled(db, grid, _signs(blocks[..., 74:106]).reshape(m, nb, 8, 4, 8), m, nb)
+
+
+def tq2_0(blocks: torch.Tensor) -> torch.Tensor:
+    """{qs[64], fp16 d} [M, nb, 66] -> fp32 [M, nb, 256]: ternary weights d * (q - 1), q 2 bits as in q2_k."""
+    return _unpack(blocks[..., :64], 2, 2).float().sub_(1).mul_(_half(blocks, 64))
