@@ -184,6 +184,7 @@ needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is No
                                      reason="llama-cpp-python is not installed")
 
 
+@pytest.mark.slow  # ~25 s: llama.cpp quantizes a 49k-token vocabulary
 @needs_llama_cpp
 def test_llama_cpp_q4_k_m_of_smollm2_widths_loads(tmp_path):
     """llama.cpp's Q4_K_M of a 576-wide model falls back to Q5_0 (and Q8_0) for rows that are not whole 256-weight
