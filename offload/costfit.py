@@ -16,7 +16,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from offload.formats import GGUF_BLOCKS, QUANTIZATIONS, compute_format, format_nbytes, weight_format
+from offload.formats import GGUF_BLOCKS, GGUF_TYPES, QUANTIZATIONS, compute_format, format_nbytes, weight_format
 from offload.hardware import COMPUTE_BOUND_ROWS, OVERHEAD_TERMS, HardwareProfile, scale_curve
 from offload.runtime.speedprobe import (attention_cache, attention_prefill, attention_run, linear_for, machine_speed,
                                         median_time, probe, random_weight, reference_probe)
@@ -26,8 +26,9 @@ CURVE_ROWS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)  # activation rows the matm
 CPU_COMPUTE = compute_format("auto", False)  # what CPU layers compute in
 CURVE_FORMATS = tuple(weight_format(q, CPU_COMPUTE) for q in QUANTIZATIONS)  # each quantization's weights
 # GGUF formats read as stored get matmul curves too (the default model is Q4_1; Q4_K_M files are Q4_K and Q6_K);
-# their overhead terms are the fused layer's, fitted on CURVE_FORMATS. Q5_K is priced by Q4_K's curves.
-GGUF_CURVE_FORMATS = ("q4_1", "q4_k", "q6_k")
+# their overhead terms are the fused layer's, fitted on CURVE_FORMATS. The others are priced by their kin's curves
+# (formats.GGUFType.kin: Q5_K by Q4_K's).
+GGUF_CURVE_FORMATS = tuple(t.name for t in GGUF_TYPES if t.calibrated)
 # Float weights other than fp32 run where a float compute format is asked for (dtype bf16 on the CPU): torch's
 # matmul with activations in that format, measured as such.
 FLOAT_CURVE_FORMATS = ("bf16",)

@@ -13,14 +13,15 @@ import yaml
 from offload.errors import ConfigError
 from offload.paths import cache_dir, configs_dir
 from offload.units import format_bytes, parse_rate, parse_size  # noqa: F401 (offload.hardware's names too)
-from offload.formats import FLOAT_FORMATS, WEIGHT_FORMATS
+from offload.formats import FLOAT_FORMATS, GGUF_TYPES, WEIGHT_FORMATS
 from offload.system import system_cores, system_memory_bytes
 
 PRESET_DIR = configs_dir() / "hardware"
 
 # A profile measured before offload read GGUF formats has no figures for them: price them by the kin format
 # their kernels resemble (4 and 5-bit blocks like q4_0, 6-bit like q8_0) rather than by fp32.
-KIN_FORMATS = {"q4_1": ("q4_0",), "q4_k": ("q4_0",), "q5_k": ("q4_k", "q4_0"), "q6_k": ("q8_0",)}
+# Types without a fused CPU kernel are dequantized and multiplied in fp32: priced by fp32's rates.
+KIN_FORMATS = {t.name: t.kin for t in GGUF_TYPES if t.kin}
 
 
 def _measured(fmt: str, table: dict) -> str:

@@ -10,8 +10,8 @@ from pathlib import Path
 
 from offload.errors import ConfigError
 from offload.paths import describe_path
-from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANT_BLOCK_BYTES,
-                             QUANT_QS_BYTES, format_nbytes)
+from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK,
+                             QUANT_BLOCK_BYTES, QUANT_QS_BYTES, format_nbytes)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
 MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
@@ -66,11 +66,11 @@ class TensorSpec:
 
     def held_format(self, fmt: str, compute: str) -> str:
         """The format this tensor is held in when linear weights are in fmt. Under AS_STORED a linear keeps the
-        quantized format its file stores it in; floats, embeddings (dequantized for lookup) and norms take the
-        compute format."""
+        quantized format its file stores it in, or bf16 (KEPT_FLOAT); other floats, embeddings (dequantized for
+        lookup) and norms take the compute format."""
         if fmt == AS_STORED:
-            quantized = self.stored in QUANT_BLOCK_BYTES or self.stored in GGUF_BLOCKS
-            return self.stored if quantized and self.role == "linear" else compute
+            kept = self.stored in QUANT_BLOCK_BYTES or self.stored in GGUF_BLOCKS or self.stored == KEPT_FLOAT
+            return self.stored if kept and self.role == "linear" else compute
         if fmt in FLOAT_FORMATS:
             return fmt
         return fmt if self.quantizable else compute
@@ -133,6 +133,15 @@ class UnitSpec:
                 held = t.held_format(fmt, compute)
                 weight[held] = weight.get(held, 0) + t.numel
         return max(weight, key=weight.get) if weight else compute
+
+    def held_formats(self, fmt: str, compute: str = "fp32") -> tuple[str, ...]:
+        """The formats the unit's linear weights are held in (all its tensors' where it has no linear), the one
+        holding most weights first: a GGUF layer whose q is q5_0 and whose k and v are q8_0 holds (q5_0, q8_0)."""
+        weight: dict[str, int] = {}
+        for t in [t for t in self.tensors if t.role == "linear"] or self.tensors:
+            held = t.held_format(fmt, compute)
+            weight[held] = weight.get(held, 0) + t.numel
+        return tuple(sorted(weight, key=lambda f: -weight[f]))
 
     @property
     def linear_numel(self) -> int:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import offload.kernels as K
-from offload.formats import GGUF_BLOCKS
+from offload.formats import CPU_KERNELS, GGUF_BLOCKS
 from offload.kernels.quant import random_gguf_blocks
 from offload.runtime.backends.base import host_empty
 
@@ -173,7 +173,7 @@ PEAK_KIND = {("avx512", "q4_0"): "vnni_u8", ("avx512", "q8_0"): "vnni_s16", ("av
              ("avx2", "q8_0"): "avx2_s16", ("avx512", "bf16"): "fma32", ("avx2", "bf16"): "fma32",
              ("avx512", "fp16"): "fma32", ("avx2", "fp16"): "fma32"}
 PEAK_KIND.update({(p, f): ("vnni_s16" if p == "avx512" else "avx2_s16") if f == "q4_1" else
-                  ("vnni_u8" if p == "avx512" else "avx2_u8") for p in ("avx2", "avx512") for f in GGUF_BLOCKS})
+                  ("vnni_u8" if p == "avx512" else "avx2_u8") for p in ("avx2", "avx512") for f in GGUF_BLOCKS if f in CPU_KERNELS})
 
 
 def peak_flops(kind: str, n_threads: int) -> float:
@@ -214,9 +214,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["135m", "8b", "70b"], choices=sorted(MODEL_KEYS))
     ap.add_argument("--threads", nargs="+", type=int, default=[1, 2])
-    ap.add_argument("--formats", nargs="+", default=["q8_0", "q4_0", "bf16", "fp16"] + list(GGUF_BLOCKS),
+    ap.add_argument("--formats", nargs="+", default=list(CPU_KERNELS),
                     choices=list(K.PACKED_FORMATS) + ["q8_0-rows", "q4_0-rows"],
-                    help="weight formats; q8_0-rows / q4_0-rows: GGUF's row block order instead of the tiled one")
+                    help="weight formats (default: those with fused CPU kernels); q8_0-rows / q4_0-rows: GGUF's row block order instead of the tiled one")
     ap.add_argument("--paths", nargs="+", default=[K.ACTIVE_PATH], help="kernel paths (e.g. avx2 scalar numba)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128, 512])
     ap.add_argument("--no-gemm", action="store_true", help="skip the matrix-matrix section")

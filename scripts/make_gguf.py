@@ -27,6 +27,7 @@ SHAPES = {  # name: (hidden, intermediate, layers, heads, kv heads)
     "0.3b": (1024, 2816, 16, 16, 4),
     "8b": (4096, 14336, 32, 32, 8),
     "tiny": (64, 128, 2, 4, 2),  # the smoke modes' (K: two 32-weight blocks)
+    "smol-2l": (576, 1536, 2, 9, 3),  # SmolLM2-135M's widths, 2 layers: rows not a multiple of 256 (Q4_K -> Q5_0)
 }
 
 

@@ -7,9 +7,13 @@ from pathlib import Path
 
 import numpy as np
 
+from offload.formats import GGUF_TYPES
+
 K_TINY = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
 ARCH_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+# types gguf.quants.quantize writes (0.19)
+GGPY_QUANTIZES = {"BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4"}
 _LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
@@ -96,8 +100,17 @@ def random_blocks(qtype, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
     elif qtype == T.Q4_1:
         put(0, (rand(0.5, 1.5) * scale / 4)[..., 0])
         put(2, (-rand(0.5, 1.5) * scale * 2)[..., 0])
-    else:
+    elif qtype in (T.Q8_0, T.Q4_0):
         put(0, (rand(0.5, 1.5) * scale / 8)[..., 0])
+    else:  # any other type of offload's table: each fp16 field set so that the weights' mean size is about scale
+        kind = next((t for t in GGUF_TYPES if t.ggml_name == qtype.name), None)
+        if kind is None:  # a type offload does not read: random bytes are all it needs
+            return raw.reshape(rows, -1)
+        for at in kind.f16_offsets:
+            put(at, np.ones((rows, cols // block)))
+        unit = np.abs(kind.dequantize_np(raw.reshape(-1, size)[:64])).mean()
+        for at in kind.f16_offsets:
+            put(at, (rand(0.5, 1.5) * scale / unit)[..., 0])
     return raw.reshape(rows, -1)
 
 
@@ -106,7 +119,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, ar
                split_max_tensors: int = 0) -> Path:
     """Write a transformers model as a GGUF file: linear weights in qtype (or types[gguf name]), norms F32.
 
-    Types gguf-py cannot quantize to (the K-quants) get random blocks (random_quants must be set): the model is
+    Types gguf-py cannot quantize to (the K-quants, the IQ types) get random blocks (random_quants must be set): the model is
     then the one those blocks encode, which transformers reads back the same way."""
     import gguf
     from gguf import GGMLQuantizationType as T
@@ -142,7 +155,7 @@ def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, ar
             w.add_tensor(g, np.ascontiguousarray(t))
         elif qt in (T.F16,):
             w.add_tensor(g, t.astype(np.float16))
-        elif qt in (T.Q4_K, T.Q5_K, T.Q6_K):
+        elif kind not in GGPY_QUANTIZES:
             assert random_quants, f"gguf-py cannot quantize to {kind}: pass random_quants=True"
             w.add_tensor(g, random_blocks(qt, t.shape, seed=zlib.crc32(g.encode())), raw_dtype=qt)
         else:

@@ -25,7 +25,7 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from offload.errors import KernelError
-from offload.formats import GGUF_BLOCKS
+from offload.formats import GGUF_BLOCKS, GGUF_TYPES
 from offload.runtime import device_quant
 from offload.runtime.device_quant import DeviceQuantWeight, dequantize_gguf
 from triton_support import INTERPRETER_PRELUDE
@@ -33,9 +33,9 @@ from triton_support import INTERPRETER_PRELUDE
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installed (pip install triton)")
 FORMATS = tuple(GGUF_BLOCKS)
-QTYPES = {"q4_1": GGMLQuantizationType.Q4_1, "q4_k": GGMLQuantizationType.Q4_K,
-          "q5_k": GGMLQuantizationType.Q5_K, "q6_k": GGMLQuantizationType.Q6_K}
-HALF_FIELDS = {"q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # byte offsets of fp16 d / dmin
+TRITON_FORMATS = tuple(t.name for t in GGUF_TYPES if t.triton)  # the others run the torch fallback on a GPU too
+QTYPES = {t.name: GGMLQuantizationType[t.ggml_name] for t in GGUF_TYPES}
+HALF_FIELDS = {t.name: t.f16_offsets for t in GGUF_TYPES}  # byte offsets of fp16 d / m / dmin
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -136,7 +136,7 @@ def test_device_quant_linear_on_the_cpu(fmt, dtype, monkeypatch):
 SHAPES = [("gemv", 1, 37, 3), ("gemv", 1, 21, 17), ("gemv", 3, 37, 2), ("gemv", 16, 21, 1),
           ("gemm", 5, 70, 2), ("gemm", 40, 131, 1), ("gemm", 70, 37, 3)]
 CASES = [(kernel, fmt, i % 2 == 0, n, m, n_blocks, DTYPES[i % 3])
-         for i, (kernel, n, m, n_blocks) in enumerate(SHAPES) for fmt in FORMATS]
+         for i, (kernel, n, m, n_blocks) in enumerate(SHAPES) for fmt in TRITON_FORMATS]
 
 # The worker starts with triton_support's prelude (bf16 dot operands as values, as a GPU multiplies them).
 WORKER = INTERPRETER_PRELUDE + """
@@ -220,7 +220,7 @@ def test_triton_linear_refuses_wrong_block_bytes():
 
 @needs_triton
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="TRITON_INTERPRET=1: kernels are interpreted")
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", TRITON_FORMATS)
 @pytest.mark.parametrize("kernel,n", [("gemv", 1), ("gemv", 16), ("gemm", 64)])
 def test_kernels_compile_for_an_h200(fmt, kernel, n):
     """The interpreter accepts code the compiler rejects: compile each kernel to sm_90 with Triton's ptxas."""

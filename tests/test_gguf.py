@@ -191,8 +191,8 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     cases["magic"] = (tmp_path / "magic.gguf", "not a GGUF file")
     (tmp_path / "arch.gguf").write_bytes(data.replace(b"llama", b"gpt2\0", 1))
     cases["architecture"] = (tmp_path / "arch.gguf", "architecture")
-    cases["tensor type"] = (write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "q5.gguf", "Q8_0",
-                                       types={"blk.1.ffn_down.weight": "Q5_0"}), "stored as Q5_0")
+    cases["tensor type"] = (write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "mxfp4.gguf", "Q8_0",
+                                       types={"blk.1.ffn_down.weight": "MXFP4"}), "stored as MXFP4")
     cases["tokenizer"] = (write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "notok.gguf", "Q8_0",
                                      tokenizer=False), "no tokenizer")
     return cases
@@ -214,14 +214,16 @@ def test_bad_gguf_cli_exits_2_without_traceback(tmp_path):
 
 
 def test_unsupported_type_requantized_on_request(tmp_path):
-    """Asked for q8_0, a Q5_0 tensor is dequantized with gguf-py and quantized again, with a warning."""
+    """Asked for q8_0, an MXFP4 tensor (a type offload does not read) is dequantized with gguf-py and quantized
+    again, with a warning."""
+    from gguf_support import hf_from_gguf
     from offload import LLM
 
-    path = write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "q5.gguf", "Q8_0",
-                      types={"blk.1.ffn_down.weight": "Q5_0"})
+    model = make_hf_model("llama", vocab_size=300)
+    path = write_gguf(model, tmp_path / "mxfp4.gguf", "Q8_0", types={"blk.1.ffn_down.weight": "MXFP4"})
     with pytest.warns(UserWarning, match="dequantized and quantized again"):
         llm = LLM(str(path), quantization="q8_0")
-    assert_logits_close(offload_logits(llm.model, IDS), hf_logits(_transformers(path), IDS), rel=1e-2)
+    assert_logits_close(offload_logits(llm.model, IDS), hf_logits(hf_from_gguf(model, path), IDS), rel=1e-2)
 
 
 def test_job_config_accepts_gguf_path(tmp_path):

@@ -25,13 +25,13 @@ from conftest import assert_thread_count_invariant
 
 import offload.kernels as K
 from offload.errors import KernelError
-from offload.formats import GGUF_BLOCKS
+from offload.formats import CPU_KERNELS, GGUF_BLOCKS
 
 gguf = pytest.importorskip("gguf")
 
 TOL_REF = 1e-5
 TOL_FLOAT = {"q4_1": 1e-4, "q4_k": 3e-2, "q5_k": 3e-2, "q6_k": 3e-2}
-FORMATS = list(GGUF_BLOCKS)
+FORMATS = [f for f in GGUF_BLOCKS if f in CPU_KERNELS]  # the GGUF types with fused CPU kernels (the others: test_formats.py)
 SIMD = [p for p, need in (("avx2", {"avx2", "fma", "f16c"}),
                           ("avx512", {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512vnni"}))
         if K._C is not None and need <= K.CPU_FEATURES]

@@ -1,4 +1,7 @@
-"""CPU matmul kernels over packed weights (q8_0, q4_0, bf16, fp16, GGUF's q4_1 and K-quants), dispatched at import.
+"""CPU matmul kernels over packed weights (q8_0, q4_0, bf16, fp16, GGUF's block types), dispatched at import.
+
+GGUF types with fused kernels (formats.CPU_KERNELS: q4_1 and the K-quants q4_k, q5_k, q6_k) run in csrc/; the others
+(q5_0, q5_1, q2_k, q3_k, the IQ types) are dequantized a slice of rows at a time and multiplied in fp32.
 
 ACTIVE_PATH is "avx512", "avx2", "scalar" (extension built, no SIMD) or "numba" (no extension).
 OFFLOAD_KERNELS=numba|scalar|avx2|avx512 forces a path (one this CPU can run).
@@ -15,7 +18,7 @@ import torch
 
 from offload.errors import KernelError
 from offload.kernels.dispatch import ENV_VAR, PATH_IDS, choose_path, load_extension
-from offload.formats import GGUF_BLOCKS, PACKED_FORMATS
+from offload.formats import GGUF_BLOCKS, GGUF_TYPE, PACKED_FORMATS
 from offload.kernels.packed import PackedWeight
 from offload.kernels.packed import pack as _pack
 
@@ -31,6 +34,9 @@ TILED: bool = ACTIVE_PATH != "numba"  # pack() makes tiled q8_0/q4_0 weights for
 # matmul from 256 rows and faster below (csrc/qgemm_avx512.cpp)
 BF16_TILES: bool = ACTIVE_PATH == "avx512" and "avx512bf16" in CPU_FEATURES
 _XTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# fp32 weights a type without fused CPU kernels dequantizes per step (its temporaries take ~3x more): small enough to
+# stay in a server's L2 + L3 share, large enough that torch's matmul runs at speed
+DEQUANT_SLICE_BYTES = 4 << 20
 _F32 = torch.float32
 
 
@@ -79,6 +85,8 @@ def linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -
         y = torch.empty((n, m), dtype=_F32)
     if n == 0:
         return y
+    if w.fmt_id < 0:
+        return _linear_dequantized(x, w, bias, y)
     if _C is None:
         return _linear_numba(x, w, bias, y)
     _C.linear(ACTIVE_PATH_ID, x.data_ptr(), xt, n, k, w.fmt_id, w.qs_ptr, w.d_ptr, m,
@@ -90,6 +98,8 @@ def linear_path(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, pat
     """linear() on a named path ("scalar", "avx2", "avx512", "numba"); for tests and benchmarks."""
     _check(x, w, bias)
     y = torch.empty((x.shape[0], w.shape[0]), dtype=torch.float32)
+    if w.fmt_id < 0:  # one path for a type without fused kernels
+        return _linear_dequantized(x, w, bias, y)
     if path == "numba":
         return _linear_numba(x, w, bias, y)
     if _C is None or path not in PATH_IDS:
@@ -102,6 +112,19 @@ def linear_path(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None, pat
 def linear_ref(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The scalar reference of linear(): same integer math, plain loops (C++ ref, or numba without it)."""
     return linear_path(x, w, bias, "scalar" if _C is not None else "numba")
+
+
+def _linear_dequantized(x: torch.Tensor, w: PackedWeight, bias, y: torch.Tensor) -> torch.Tensor:
+    """y = x @ w.T + bias for a GGUF type without fused CPU kernels: slices of w's rows dequantized to fp32 (torch,
+    gguf-py's values) and multiplied by torch's matmul in fp32, DEQUANT_SLICE_BYTES of weights at a time."""
+    m, k = w.shape
+    kind = GGUF_TYPE[w.fmt]
+    blocks = w.qs.view(m, k // kind.block_weights, kind.block_bytes)
+    xf = x.float()
+    rows = max(1, DEQUANT_SLICE_BYTES // (4 * k))
+    for r in range(0, m, rows):
+        y[:, r: r + rows] = xf @ kind.dequantize_torch(blocks[r: r + rows]).reshape(-1, k).T
+    return y if bias is None else y.add_(bias)
 
 
 def _linear_numba(x: torch.Tensor, w: PackedWeight, bias, y: torch.Tensor) -> torch.Tensor:

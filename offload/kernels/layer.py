@@ -98,7 +98,7 @@ def weights_fusable(w, moe: bool = False) -> bool:
 
 def can_fuse(w, x: torch.Tensor, kv) -> bool:
     """Whether fused_layer_forward can run this layer: extension built, fp32 or bf16 CPU activations and cache,
-    packed linears (any PackedWeight format, GGUF's q4_1 and K-quants included), fp32 or bf16 norms and biases."""
+    packed linears of formats with fused kernels (formats.CPU_KERNELS), fp32 or bf16 norms and biases."""
     return x.dtype in ACTIVATIONS and x.is_cpu and kv_view(kv) is not None and weights_fusable(w)
 
 
@@ -309,9 +309,10 @@ def _make_fused_weights(spec, w, moe: bool = False):
 
 
 def _packed(m) -> bool:
-    """A PackedWeight, or a stack of them (a StackedWeight's parts run one after another in the fused layer)."""
-    parts = getattr(m, "parts", None)
-    return isinstance(m, PackedWeight) or (parts is not None and all(isinstance(p, PackedWeight) for p in parts))
+    """A PackedWeight of a format with fused CPU kernels, or a stack of them (a StackedWeight's parts run one after
+    another in the fused layer)."""
+    parts = getattr(m, "parts", (m,))
+    return all(isinstance(p, PackedWeight) and p.fmt_id >= 0 for p in parts)
 
 
 def _linear_tuple(m, bias: torch.Tensor | None, name: str) -> list[tuple]:

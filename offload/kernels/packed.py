@@ -1,4 +1,4 @@
-"""PackedWeight: a [M, K] weight matrix in a kernel format (q8_0, q4_0, bf16, fp16, GGUF's q4_1 and K-quants), and pack()."""
+"""PackedWeight: a [M, K] weight matrix in a kernel format (q8_0, q4_0, bf16, fp16, GGUF's block types), and pack()."""
 
 from __future__ import annotations
 
@@ -6,11 +6,10 @@ import numpy as np
 import torch
 
 from offload.errors import KernelError
-from offload.formats import GGUF_BLOCKS, PACKED_FORMATS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES, format_nbytes
+from offload.formats import CPU_KERNELS, GGUF_BLOCKS, PACKED_FORMATS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES, format_nbytes
 from offload.kernels import quant
 
-FMT_IDS = {"q8_0": 0, "q4_0": 1, "bf16": 2, "fp16": 3,  # csrc/kernels.h enum WFmt
-           "q4_1": 8, "q4_k": 9, "q5_k": 10, "q6_k": 11}  # GGUF block bytes in row order (formats.GGUF_BLOCKS)
+NO_KERNEL_ID = -1  # fmt_id of a format without fused CPU kernels (formats.CPU_KERNELS): kernels.linear dequantizes
 TILED_ID = 4  # csrc/kernels.h W_TILED: added to a quantized format's id for tiled block order
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,7 +33,7 @@ class PackedWeight:
             raise KernelError(f"only q8_0/q4_0 weights have a tiled block order, not {fmt}")
         self.qs, self.d = qs.contiguous(), None if d is None else d.contiguous()
         self.tiled = bool(tiled)
-        self.fmt_id = FMT_IDS[fmt] + (TILED_ID if tiled else 0)
+        self.fmt_id = CPU_KERNELS.get(fmt, NO_KERNEL_ID) + (TILED_ID if tiled else 0)
         self.qs_ptr = self.qs.data_ptr()
         self.d_ptr = 0 if self.d is None else self.d.data_ptr()
         self._d32 = None  # fp32 scales, made on demand for the numba path
@@ -197,6 +196,6 @@ def pack(w: torch.Tensor, fmt: str, ext=None, n_threads: int | None = None) -> P
         return PackedWeight(fmt, (m, k), torch.from_numpy(qs), torch.from_numpy(d))
     qs_t = torch.empty((m, k if fmt == "q8_0" else k // 2), dtype=torch.int8 if fmt == "q8_0" else torch.uint8)
     d_t = torch.empty((m, k // QK), dtype=torch.float16)
-    ext.quantize_weights(FMT_IDS[fmt], w32.data_ptr(), m, k, qs_t.data_ptr(), d_t.data_ptr(),
+    ext.quantize_weights(CPU_KERNELS[fmt], w32.data_ptr(), m, k, qs_t.data_ptr(), d_t.data_ptr(),
                          n_threads or torch.get_num_threads())
     return PackedWeight(fmt, (m, k), qs_t, d_t)

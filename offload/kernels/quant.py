@@ -4,14 +4,15 @@ GGUF stores a q8_0 row as blocks of 34 bytes (fp16 scale d, then 32 int8 quants)
 as blocks of 18 bytes (fp16 d, then 16 bytes whose low nibbles are elements 0..15 and high nibbles
 elements 16..31, each value (q - 8) * d). The kernels keep the same bytes in a split layout: all
 quants of a row contiguous ([M, K] int8 or [M, K/2] uint8) and the scales apart ([M, K/32] fp16).
-The formats of GGUF_BLOCKS (q4_1 and the K-quants, layouts in csrc/kquant.h) stay in GGUF's own block bytes.
+The formats of GGUF_BLOCKS (q4_1, q5_0/q5_1, the K-quants and the IQ types) stay in GGUF's own block bytes; their
+numpy references live beside the table of formats (offload.formats.dequant_np).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from offload.formats import GGUF_BLOCKS, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES
+from offload.formats import GGUF_TYPE, QK, QUANT_BLOCK_BYTES, QUANT_QS_BYTES
 
 DEQUANT_CHUNK_BLOCKS = 4096  # GGUF blocks dequantized per step: temporaries stay in the L2 cache. Measured on
 # 512 x 4096 matrices: 1.3x (q4_k, q5_k, q6_k) to 1.9x (q4_1) faster than gguf-py's dequantize, same bits
@@ -86,81 +87,23 @@ def dequantize_torch(qs, d, fmt: str):
     return q.mul_(d.float()[:, :, None]).reshape(m, nb * QK)
 
 
-def _nibbles(qs: np.ndarray, groups: int) -> np.ndarray:
-    """uint8 [n, groups * 32] -> [n, 2 * groups, 32]: each 32 bytes' low nibbles, then their high nibbles."""
-    q = qs.reshape(qs.shape[0], groups, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    return (q & np.uint8(15)).reshape(qs.shape[0], 2 * groups, 32)
-
-
-def _fp16(b: np.ndarray, at: int) -> np.ndarray:
-    """The fp16 field at byte `at` of each block [n, bytes], as fp32 [n, 1]."""
-    return np.ascontiguousarray(b[:, at: at + 2]).view(np.float16).astype(np.float32)
-
-
-def _k4_scales(b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 6-bit scales and minimums [n, 8] of q4_k / q5_k blocks (12 packed bytes at offset 4; csrc/kquant.h)."""
-    w = np.ascontiguousarray(b[:, 4:16]).view(np.uint32)
-    out = np.empty((b.shape[0], 4), dtype=np.uint32)
-    out[:, 0] = w[:, 0] & 0x3F3F3F3F
-    out[:, 1] = (w[:, 2] & 0x0F0F0F0F) | ((w[:, 0] >> 2) & 0x30303030)
-    out[:, 2] = w[:, 1] & 0x3F3F3F3F
-    out[:, 3] = ((w[:, 2] >> 4) & 0x0F0F0F0F) | ((w[:, 1] >> 2) & 0x30303030)
-    sm = out.view(np.uint8).astype(np.float32)
-    return sm[:, :8], sm[:, 8:]
-
-
-def _q4_1(b: np.ndarray) -> np.ndarray:
-    q = (b[:, None, 4:20] >> np.array([0, 4], dtype=np.uint8)[None, :, None]) & np.uint8(15)  # [n, 2, 16]
-    return _fp16(b, 0) * q.reshape(-1, 32).astype(np.float32) + _fp16(b, 2)
-
-
-def _q4_k(b: np.ndarray) -> np.ndarray:
-    sc, m = _k4_scales(b)
-    d, dm = (_fp16(b, 0) * sc)[:, :, None], (_fp16(b, 2) * m)[:, :, None]
-    return (d * _nibbles(b[:, 16:], 4).astype(np.float32) - dm).reshape(-1, 256)
-
-
-def _q5_k(b: np.ndarray) -> np.ndarray:
-    sc, m = _k4_scales(b)
-    d, dm = (_fp16(b, 0) * sc)[:, :, None], (_fp16(b, 2) * m)[:, :, None]
-    high = (b[:, None, 16:48] >> np.arange(8, dtype=np.uint8)[None, :, None]) & np.uint8(1)  # [n, 8, 32]
-    q = _nibbles(b[:, 48:], 4) | (high << np.uint8(4))
-    return (d * q.astype(np.float32) - dm).reshape(-1, 256)
-
-
-def _q6_k(b: np.ndarray) -> np.ndarray:
-    n = b.shape[0]
-    d = (_fp16(b, 208) * b[:, 192:208].view(np.int8).astype(np.float32))[:, :, None]  # [n, 16, 1]
-    ql = b[:, :128].reshape(n, 2, 1, 64) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
-    ql = (ql & np.uint8(15)).reshape(n, 8, 32)
-    qh = b[:, 128:192].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
-    qh = (qh & np.uint8(3)).reshape(n, 8, 32)
-    q = ((ql | (qh << np.uint8(4))).view(np.int8) - np.int8(32)).reshape(n, 16, 16).astype(np.float32)
-    return (d * q).reshape(n, 256)
-
-
-_DEQUANT = {"q4_1": _q4_1, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
-_FP16_FIELDS = {"q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}  # byte offsets of d (and m / dmin)
-
-
 def dequantize_gguf_np(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.ndarray:
     """GGUF block bytes of a [M, K] matrix in a GGUF_BLOCKS format -> fp32 [M, K], bit for bit as gguf-py's
     gguf.quants.dequantize (same fp32 operations in the same order), a chunk of blocks at a time."""
-    per_block, block_bytes = GGUF_BLOCKS[fmt]
-    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, block_bytes)
-    out = np.empty((blocks.shape[0], per_block), dtype=np.float32)
-    fn = _DEQUANT[fmt]
+    kind = GGUF_TYPE[fmt]
+    blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, kind.block_bytes)
+    out = np.empty((blocks.shape[0], kind.block_weights), dtype=np.float32)
     for i in range(0, blocks.shape[0], DEQUANT_CHUNK_BLOCKS):
-        out[i: i + DEQUANT_CHUNK_BLOCKS] = fn(blocks[i: i + DEQUANT_CHUNK_BLOCKS])
+        out[i: i + DEQUANT_CHUNK_BLOCKS] = kind.dequantize_np(blocks[i: i + DEQUANT_CHUNK_BLOCKS])
     return out.reshape(shape)
 
 
 def random_gguf_blocks(fmt: str, m: int, k: int, seed: int = 0) -> np.ndarray:
     """Random GGUF bytes uint8 [m, K / per_block * block_bytes] of a GGUF_BLOCKS format, fp16 fields set to small
     positive values (random bytes there would make infinities and NaNs): weights to time kernels on."""
-    per_block, block_bytes = GGUF_BLOCKS[fmt]
+    kind = GGUF_TYPE[fmt]
     rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (m * (k // per_block), block_bytes), dtype=np.uint8)
-    for at in _FP16_FIELDS[fmt]:
+    blocks = rng.integers(0, 256, (m * (k // kind.block_weights), kind.block_bytes), dtype=np.uint8)
+    for at in kind.f16_offsets:
         blocks[:, at: at + 2] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
     return blocks.reshape(m, -1)

@@ -16,12 +16,12 @@ from __future__ import annotations
 import torch
 
 from offload.errors import KernelError
-from offload.formats import GGUF_BLOCKS
+from offload.formats import GGUF_BLOCKS, GGUF_TYPES
 from offload.kernels.triton_dequant import (_LAUNCH, check_x_and_bias, GEMV_MAX_ROWS, GEMV_PRODUCTS, TRITON_AVAILABLE,
                                             _jit, _store, tl, triton)
 
-# fmt: (kernel id, sub-blocks per block, weights per sub-block); bytes per block from formats.GGUF_BLOCKS
-LAYOUTS = {"q4_1": (0, 1, 32), "q4_k": (1, 8, 32), "q5_k": (2, 8, 32), "q6_k": (3, 16, 16)}
+# fmt: (kernel id, sub-blocks per block, weights per sub-block), for the types formats.GGUF_TYPES gives a kernel
+LAYOUTS = {t.name: (t.triton[0], t.triton[1], t.block_weights // t.triton[1]) for t in GGUF_TYPES if t.triton}
 
 
 @_jit

@@ -220,13 +220,17 @@ HALF_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # dense weights 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ w.T + bias, for dense tensors or packed (quantized) weights. Half-precision weights on the
     CPU, for a row or two (a decode step), go through offload's kernel, which streams them faster than torch; bf16
-    weights against bf16 activations at any rows too, where the CPU has AVX-512 BF16 (offload's tiles)."""
+    weights against bf16 activations at any rows too, where the CPU has AVX-512 BF16 (offload's tiles), and against
+    activations of another dtype at any rows (a GGUF file's bf16 weights kept as stored)."""
     if isinstance(w, torch.Tensor):
-        if ((x.numel() <= HALF_KERNEL_ROWS * x.shape[-1] or _bf16_tiles(x, w)) and w.dtype in HALF_WEIGHTS
+        few_rows = x.numel() <= HALF_KERNEL_ROWS * x.shape[-1]
+        if ((few_rows or _bf16_tiles(x, w) or x.dtype != w.dtype) and w.dtype in HALF_WEIGHTS
                 and w.device.type == "cpu" and x.dtype in HALF_ACTIVATIONS and w.dim() == 2 and w.is_contiguous()):
             as_packed = _half_kernel()
             if as_packed is not None:  # its bias in fp32, as the kernel adds it
                 return linear(x, as_packed(w), None if bias is None else bias.float())
+        if w.dtype != x.dtype:  # a weight kept in its stored format (a GGUF file's bf16) under another compute dtype
+            return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
         return F.linear(x, w, bias)
     if isinstance(w, StackedWeight):
         biases = bias.split([p.shape[0] for p in w.parts]) if bias is not None else [None] * len(w.parts)

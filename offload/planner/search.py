@@ -67,6 +67,7 @@ class Search:
         self.streamable = [i for i, k in enumerate(kinds) if k in STREAMABLE]
         compute = workload.compute_format
         self.w = self._per_unit(lambda u: u.nbytes(fmt, compute))
+        self.stored = self._per_unit(lambda u: "+".join(u.held_formats(fmt, compute)))
         self.buf = self._per_unit(lambda u: u.buffer_bytes(fmt, compute))  # what a slot or read buffer holds
         layer_kv = spec.layer_kv_bytes(workload.batch_size, workload.seq_len, workload.kv_elem_bytes)
         self.kv = [layer_kv if k == "layer" else 0 for k in kinds]
@@ -359,8 +360,10 @@ class Search:
         for i, u in enumerate(self.units):
             kv_tier = ("cpu" if cand.compute["decode"][i] == "cpu" or cand.host_kv else "gpu") if u.kind == "layer" \
                 else None
-            units.append(UnitPlan(u.name, u.kind, u.index, cand.weight[i], cand.compute["prefill"][i],
-                                  cand.compute["decode"][i], kv_tier, self.w[i], self.kv[i], i in cand.cached))
+            units.append(UnitPlan(name=u.name, kind=u.kind, index=u.index, weight_tier=cand.weight[i],
+                                  prefill=cand.compute["prefill"][i], decode=cand.compute["decode"][i],
+                                  kv_tier=kv_tier, weight_bytes=self.w[i], kv_bytes=self.kv[i],
+                                  page_cached=i in cand.cached, stored=self.stored[i]))
         n_streamed = sum("stream" in (u.prefill, u.decode) for u in units)
         depth = min(self.depth, n_streamed)  # copies run this many streamed units ahead
         in_place = self._in_place(cand)

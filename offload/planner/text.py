@@ -16,7 +16,7 @@ def _unit_rows(plan) -> list[tuple]:
     rows: list[list] = []
     open_rows: dict[str, list] = {}  # kind -> its last row, which the next unit of that kind may extend
     for u in plan.units:
-        key = (u.kind, u.weight_tier, u.prefill, u.decode, u.kv_tier, u.weight_bytes)
+        key = (u.kind, u.weight_tier, u.prefill, u.decode, u.kv_tier, u.weight_bytes, u.stored)
         row = open_rows.get(u.kind)
         if row is not None and row[0] == key and row[2] + 1 == u.index:
             row[2] = u.index
@@ -29,8 +29,8 @@ def _unit_rows(plan) -> list[tuple]:
     for key, name, last, count, u in rows:
         label = f"{u.kind}.{u.index}-{last}" if count > 1 else name
         kv = format_bytes(u.kv_bytes) if u.kind == "layer" else "-"
-        out.append((label, str(count), format_bytes(u.weight_bytes), u.weight_tier, u.prefill, u.decode,
-                    kv, u.kv_tier or "-"))
+        out.append((label, str(count), u.stored or "-", format_bytes(u.weight_bytes), u.weight_tier, u.prefill,
+                    u.decode, kv, u.kv_tier or "-"))
     return out
 
 
@@ -44,7 +44,7 @@ def plan_table(plan) -> str:
     wl = plan.workload
     lines = [f"plan: {plan.model} ({plan.weight_format}) on {plan.hardware}: batch {wl.batch_size}, "
              f"prompt {wl.prompt_len}, generate {wl.gen_len}", ""]
-    lines += _grid(("unit", "n", "weights/unit", "tier", "prefill", "decode", "kv/unit", "kv tier"),
+    lines += _grid(("unit", "n", "stored", "weights/unit", "tier", "prefill", "decode", "kv/unit", "kv tier"),
                    _unit_rows(plan))
     lines.append("")
     tier_rows = [(t.tier, format_bytes(t.budget_bytes), format_bytes(t.weights_bytes), format_bytes(t.kv_bytes),

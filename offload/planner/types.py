@@ -102,6 +102,7 @@ class UnitPlan:
     weight_bytes: int
     kv_bytes: int
     page_cached: bool = False  # a disk unit the page cache is left to keep between reads (its reads are cheap)
+    stored: str = ""  # the formats its weights are held in, most weights first, joined by "+" (q5_0+q8_0)
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,11 @@
-"""Quantized weights on the compute device: q8_0/q4_0 planes, or GGUF block bytes (q4_1, q4_k, q5_k, q6_k),
-multiplied there without a dequantized copy.
+"""Quantized weights on the compute device: q8_0/q4_0 planes, or GGUF block bytes (formats.GGUF_BLOCKS), multiplied
+there without a dequantized copy where a fused Triton kernel exists (formats.GGUFType.triton).
 
 Streamed blocks cross PCIe in this form (a quarter to an eighth of fp32's bytes). On a CUDA device the fused
-Triton kernels (offload.kernels.triton_dequant) read the planes directly; elsewhere, or without Triton, the
-torch fallback below dequantizes into x's dtype for the call and multiplies. The fallback runs on the CPU
-under the CPU backend, so CI checks it.
+Triton kernels (offload.kernels.triton_dequant, triton_gguf) read the planes directly; elsewhere, without
+Triton, or for a type without a Triton kernel, the torch fallback below dequantizes row slices into x's dtype
+for the call (offload.formats.dequant_torch) and multiplies. The fallback runs on the CPU under the CPU
+backend, so CI checks it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.errors import KernelError
-from offload.formats import GGUF_BLOCKS, QK
+from offload.formats import GGUF_TYPE, QK
 from offload.hardware import gpu_kernel
 
 DEQUANT_CHUNK_ELEMENTS = 1 << 26  # dequantize big matrices (a 70B lm_head) in row slices of at most this many
@@ -54,78 +55,17 @@ def dequantize(qs: torch.Tensor, d: torch.Tensor, fmt: str, dtype: torch.dtype, 
 def dequantize_gguf(raw: torch.Tensor, fmt: str, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
     """GGUF block bytes uint8 [M, K/per_block*block_bytes] -> weights [M, K] in dtype, on raw's device.
 
-    Computed in fp32 in gguf-py's order of operations (gguf.quants), so the fp32 result is bit for bit
-    gguf-py's; other dtypes are that result rounded once.
+    Computed in fp32 in gguf-py's order of operations (offload.formats.dequant_torch), so the fp32 result is bit
+    for bit gguf-py's; other dtypes are that result rounded once.
     """
     m, k = shape
-    per_block, block_bytes = GGUF_BLOCKS[fmt]
+    kind = GGUF_TYPE[fmt]
+    per_block, block_bytes = kind.block_weights, kind.block_bytes
     if k % per_block or tuple(raw.shape) != (m, k // per_block * block_bytes):
         raise KernelError(f"{fmt} weight {list(shape)} needs block bytes [{m}, {k // per_block * block_bytes}] "
                           f"(K a multiple of {per_block}), got {list(raw.shape)}")
     blocks = raw.view(torch.uint8).reshape(m, k // per_block, block_bytes)
-    return _GGUF_DEQUANT[fmt](blocks).reshape(m, k).to(dtype)
-
-
-def _half(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    """The fp16 field at byte `at` of each block [M, nb, bytes], as fp32 [M, nb, 1]."""
-    return blocks[..., at: at + 2].contiguous().view(torch.float16).float()
-
-
-def _unpack(b: torch.Tensor, groups: int, bits: int) -> torch.Tensor:
-    """Bit fields of bytes [M, nb, groups * n] -> uint8 [M, nb, groups * (8 // bits) * n]: within each group
-    of n bytes, the n lowest fields first, then the next bits up (ggml's order for nibbles and high bits)."""
-    m, nb, _ = b.shape
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=b.device)[:, None]  # [8 / bits, 1]
-    fields = (b.reshape(m, nb, groups, 1, -1) >> shifts) & ((1 << bits) - 1)  # [M, nb, groups, 8 / bits, n]
-    return fields.reshape(m, nb, -1)
-
-
-def _k_scales(blocks: torch.Tensor, d: torch.Tensor, dmin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Q4_K / Q5_K: the 8 sub-block scales d*sc and offsets dmin*m, fp32 [M, nb, 8, 1], from 12 bytes of 6-bit
-    fields (gguf.quants.Q4_K.get_scale_min): bytes 0-3 and 4-7 hold sc and m of sub-blocks 0-3 in their low 6
-    bits, bytes 8-11 the low 4 bits of sub-blocks 4-7, whose top 2 bits are the top bits of bytes 0-7."""
-    m, nb, _ = blocks.shape
-    s = blocks[..., 4:16].reshape(m, nb, 3, 4)
-    lo, mins, hi = s[..., 0, :], s[..., 1, :], s[..., 2, :]
-    sc = torch.cat((lo & 0x3F, (hi & 0x0F) | ((lo >> 2) & 0x30)), dim=-1).float()  # [M, nb, 8]
-    mn = torch.cat((mins & 0x3F, (hi >> 4) | ((mins >> 2) & 0x30)), dim=-1).float()
-    return (d * sc)[..., None], (dmin * mn)[..., None]
-
-
-def _q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """block_q4_1 {fp16 d, fp16 m, qs[16]} [M, nb, 20] -> fp32 [M, nb, 32]: d * q + m."""
-    q = _unpack(blocks[..., 4:], 1, 4).float()
-    return q.mul_(_half(blocks, 0)).add_(_half(blocks, 2))
-
-
-def _q4_k(blocks: torch.Tensor) -> torch.Tensor:
-    """block_q4_K {fp16 d, fp16 dmin, scales[12], qs[128]} [M, nb, 144] -> fp32 [M, nb, 256]: sub-block s of 32
-    is (d*sc[s]) * q - dmin*m[s]."""
-    m, nb, _ = blocks.shape
-    scale, offset = _k_scales(blocks, _half(blocks, 0), _half(blocks, 2))
-    q = _unpack(blocks[..., 16:], 4, 4).float().reshape(m, nb, 8, 32)
-    return q.mul_(scale).sub_(offset).reshape(m, nb, 256)
-
-
-def _q5_k(blocks: torch.Tensor) -> torch.Tensor:
-    """block_q5_K {fp16 d, fp16 dmin, scales[12], qh[32], qs[128]} [M, nb, 176] -> fp32 [M, nb, 256]: as Q4_K,
-    with bit s of qh[i] the fifth bit of element i of sub-block s."""
-    m, nb, _ = blocks.shape
-    scale, offset = _k_scales(blocks, _half(blocks, 0), _half(blocks, 2))
-    q = _unpack(blocks[..., 48:], 4, 4) | (_unpack(blocks[..., 16:48], 1, 1) << 4)
-    return q.float().reshape(m, nb, 8, 32).mul_(scale).sub_(offset).reshape(m, nb, 256)
-
-
-def _q6_k(blocks: torch.Tensor) -> torch.Tensor:
-    """block_q6_K {ql[128], qh[64], int8 scales[16], fp16 d} [M, nb, 210] -> fp32 [M, nb, 256]: sub-block s of
-    16 is (d*scales[s]) * (q - 32), q's low 4 bits from ql and top 2 from qh, each in two halves of 128."""
-    m, nb, _ = blocks.shape
-    scale = (_half(blocks, 208) * blocks[..., 192:208].view(torch.int8).float())[..., None]  # [M, nb, 16, 1]
-    q = (_unpack(blocks[..., :128], 2, 4) | (_unpack(blocks[..., 128:192], 2, 2) << 4)).to(torch.int8) - 32
-    return q.float().reshape(m, nb, 16, 16).mul_(scale).reshape(m, nb, 256)
-
-
-_GGUF_DEQUANT = {"q4_1": _q4_1, "q4_k": _q4_k, "q5_k": _q5_k, "q6_k": _q6_k}
+    return kind.dequantize_torch(blocks).reshape(m, k).to(dtype)
 
 
 @dataclass
@@ -149,7 +89,7 @@ class DeviceQuantWeight:
         if x.device.type == "cuda" and self.qs.device.type == "cuda" and \
                 gpu_kernel(_CROSSOVER, self.fmt, rows) == "fused":
             fused = _fused_kernels()
-            if fused is not None:
+            if fused is not None and (self.d is not None or GGUF_TYPE[self.fmt].triton is not None):
                 if self.d is None:  # GGUF block bytes
                     return fused.gguf.linear(x, self.qs, self.fmt, self.shape, bias)
                 return fused.quant.linear(x, self.qs, self.d, self.fmt, self.shape, self.tiled, bias)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from offload.errors import WeightsError
+from offload.formats import GGUF_NAMES
 from offload.paths import cache_dir
 from offload.spec import ModelSpec, spec_from_config
 
@@ -28,9 +29,7 @@ SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gg
 # GGUF general.architecture -> ours (a llama file with experts is Mixtral, as llama.cpp's converter writes it)
 ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen2moe": "qwen2_moe",
                  "qwen3moe": "qwen3_moe"}
-# GGUF tensor type names -> offload format names (the types offload computes with as stored)
-TENSOR_FORMATS = {"F32": "fp32", "F16": "fp16", "BF16": "bf16", "Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1",
-                  "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
+
 # Hugging Face module of a layer -> its GGUF tensor (blk.N.<name>); a MoE layer's routed experts are not here: each
 # expert is a slice of the layer's stacked ffn_{gate,up,down}_exps tensors (see tensor_map)
 _LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
@@ -66,7 +65,7 @@ class GGUFTensor:
     @property
     def fmt(self) -> str | None:
         """offload's name of the tensor's type, None for a type offload does not compute with."""
-        return TENSOR_FORMATS.get(self.ggml_type)
+        return GGUF_NAMES.get(self.ggml_type)
 
 
 def shard_paths(path: Path) -> list[Path]:
@@ -386,7 +385,7 @@ def check_tensors(gf: GGUFFile, spec: ModelSpec, requantize: bool) -> None:
     if odd and not requantize:
         t = next(iter(odd.values()))
         raise WeightsError(f"tensor {t.name} in {gf.path} is stored as {t.ggml_type}, which offload does not compute "
-                           f"with (it reads {', '.join(TENSOR_FORMATS)}); pass a quantization (q8_0 or q4_0) to "
+                           f"with (it reads {', '.join(GGUF_NAMES)}); pass a quantization (q8_0 or q4_0) to "
                            f"convert it, or use a file of a supported type")
     if odd:
         warnings.warn(f"{len(odd)} tensors of {gf.path.name} are stored as "

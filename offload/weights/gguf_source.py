@@ -1,7 +1,7 @@
 """GGUFSource: the units of a GGUF model, one at a time, with each tensor in the form the kernels take.
 
-Quantized linears keep their file's blocks (q8_0/q4_0 in offload's tiled order, q4_1 and the K-quants as GGUF
-blocks); float linears take the compute dtype; embeddings are dequantized for lookup. With a quantization
+Quantized linears keep their file's blocks (q8_0/q4_0 in offload's tiled order, the other types as GGUF blocks);
+bf16 linears stay bf16, other float linears take the compute dtype; embeddings are dequantized for lookup. With a quantization
 asked for, tensors of another type are dequantized and quantized to it (those already in it are kept). A MoE
 layer's routed experts are read each from its slice of the layer's stacked experts tensors, which is a tensor of
 its own in every respect (contiguous rows of whole blocks), so disk units read it straight from the file too.
@@ -14,7 +14,7 @@ import logging
 import numpy as np
 import torch
 
-from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK, is_quantized
+from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK, is_quantized
 from offload.model.llama import LayerWeights, StackedWeight
 from offload.model.moe import ExpertWeights
 from offload.spec import ModelSpec, UnitSpec
@@ -119,6 +119,8 @@ class GGUFSource:
 
         t, raw = self._raw(name)
         want = self.quantization
+        if want == "none" and t.fmt == KEPT_FLOAT:  # kept as stored (TensorSpec.held_format)
+            return _float_tensor(raw, t)
         if want == "none" and t.fmt in FLOAT_FORMATS:
             return _float_tensor(raw, t).to(self.dtype)
         if t.fmt is not None and is_quantized(t.fmt) and want in ("none", t.fmt):

@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from offload.errors import ConfigError
-from offload.formats import AS_STORED, FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANTIZATIONS
+from offload.formats import AS_STORED, FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK, QUANTIZATIONS, torch_dtype
 from offload.model.llama import LayerWeights, MLPWeights, StackedWeight
 from offload.model.model import Model
 from offload.model.moe import ExpertWeights
@@ -255,7 +255,8 @@ class MetaSource:
         out_features, in_features = t.shape
         fmt = "none" if self.weight_format == "none" else t.held_format(self.weight_format, "fp32")
         if fmt in FLOAT_FORMATS or fmt == "none":
-            return self._tensor(out_features, in_features)
+            dtype = torch_dtype(fmt) if fmt == KEPT_FLOAT and self.weight_format == AS_STORED else None
+            return self._tensor(out_features, in_features, dtype=dtype)
         from offload.kernels import TILED, PackedWeight
 
         if fmt in GGUF_BLOCKS:

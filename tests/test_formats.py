@@ -1,0 +1,207 @@
+"""The table of GGUF types (offload.formats.GGUF_TYPES) against gguf-py and csrc/, each type's numpy and torch
+dequantizers bit for bit against gguf-py, the dequantizing CPU matmul of the types without fused kernels, and GGUF
+files in those types loaded, run and compared with transformers on the dequantized weights."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+import offload.kernels as K
+from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits
+from gguf_support import K_TINY, hf_from_gguf, write_gguf
+from offload.errors import WeightsError
+from offload.formats import CPU_KERNELS, GGUF_BLOCKS, GGUF_NAMES, GGUF_TYPE, GGUF_TYPES
+from offload.kernels.quant import random_gguf_blocks
+
+BLOCK_TYPES = tuple(GGUF_BLOCKS)
+DEQUANTIZED = tuple(f for f in GGUF_BLOCKS if f not in CPU_KERNELS)  # computed by dequantizing, no fused kernel
+IDS = [5, 17, 42, 99, 3, 200, 7]
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+
+
+@pytest.fixture(autouse=True)
+def own_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))
+
+
+def gguf_py(raw: np.ndarray, fmt: str) -> np.ndarray:
+    return quants.dequantize(raw, GGMLQuantizationType[GGUF_TYPE[fmt].ggml_name])
+
+
+def signed_blocks(fmt: str, m: int, n_blocks: int, seed: int) -> np.ndarray:
+    """Random blocks [m, n_blocks * block_bytes] whose fp16 fields are finite and of either sign."""
+    raw = random_gguf_blocks(fmt, m, n_blocks * GGUF_TYPE[fmt].block_weights, seed)
+    blocks = raw.reshape(-1, GGUF_TYPE[fmt].block_bytes)
+    rng = np.random.default_rng(seed + 1)
+    for at in GGUF_TYPE[fmt].f16_offsets:
+        blocks[:, at: at + 2] = rng.uniform(-2e-2, 2e-2, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    return raw
+
+
+# ----------------------------------------------------------------------------------------------- the table
+def test_the_table_agrees_with_gguf_py():
+    for t in GGUF_TYPES:
+        qtype = GGMLQuantizationType[t.ggml_name]
+        assert qtype.value == t.ggml_type and GGML_QUANT_SIZES[qtype] == (t.block_weights, t.block_bytes), t.name
+        assert not t.fields or sum(n for _, n, _ in t.fields) == t.block_bytes, t.name
+        assert t.layout in ("float", "split", "blocks") and set(t.kin) <= set(GGUF_TYPE), t.name
+
+
+def test_the_tables_kernel_codes_are_csrcs():
+    """formats.CPU_KERNELS is csrc/kernels.h's enum WFmt, name for name."""
+    enum = re.search(r"enum WFmt : int \{([^}]*)\}", (CSRC / "kernels.h").read_text())[1]
+    codes = {name.strip().removeprefix("W_").lower(): int(v) for name, v in
+             (item.split("=") for item in enum.split(","))}
+    assert {f: c for f, c in codes.items()} == {f.replace("fp16", "f16"): c for f, c in CPU_KERNELS.items()}
+
+
+# -------------------------------------------------------------------------------- dequantizers, bit for bit
+@pytest.mark.parametrize("fmt", BLOCK_TYPES)
+@pytest.mark.parametrize("m,n_blocks", [(1, 1), (7, 3), (3, 1)])
+def test_numpy_and_torch_dequantizers_are_gguf_py_bit_for_bit(fmt, m, n_blocks):
+    from offload.runtime.device_quant import dequantize_gguf
+
+    raw = signed_blocks(fmt, m, n_blocks, seed=m * 10 + n_blocks)
+    shape = (m, n_blocks * GGUF_TYPE[fmt].block_weights)
+    want = gguf_py(raw, fmt).reshape(shape)
+    numpy_ref = K.PackedWeight.from_gguf(raw, fmt, shape).dequantize().numpy()
+    torch_path = dequantize_gguf(torch.from_numpy(raw), fmt, shape, torch.float32).numpy()
+    for got in (numpy_ref, torch_path):
+        assert got.shape == shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
+# ---------------------------------------------------------------------------- the dequantizing CPU matmul
+@pytest.mark.parametrize("fmt", DEQUANTIZED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_types_without_kernels_multiply_dequantized(fmt, dtype, monkeypatch):
+    """kernels.linear on a type without fused kernels: x @ (gguf-py's values).T + bias in fp32 (within 1e-5 of
+    torch's fp32 matmul), whole or in slices of rows, on every path."""
+    m, k = 13, 2 * GGUF_TYPE[fmt].block_weights
+    raw = signed_blocks(fmt, m, 2, seed=3)
+    w = K.PackedWeight.from_gguf(raw, fmt, (m, k))
+    assert w.fmt_id < 0
+    x, bias = torch.randn(5, k).to(dtype), torch.randn(m)
+    want = x.float() @ torch.from_numpy(gguf_py(raw, fmt).reshape(m, k)).T + bias
+    torch.testing.assert_close(K.linear(x, w, bias), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(K.linear_ref(x, w, bias), want, rtol=1e-5, atol=1e-5)
+    monkeypatch.setattr(K, "DEQUANT_SLICE_BYTES", 4 * 4 * k)  # slices of 4 rows, then the tail of 1
+    torch.testing.assert_close(K.linear(x, w, None), want - bias, rtol=1e-5, atol=1e-5)
+
+
+def test_the_fused_layer_leaves_types_without_kernels_to_the_unfused_path():
+    from offload.kernels.layer import _packed
+    from offload.model.llama import StackedWeight
+
+    kernel, none = (K.PackedWeight.from_gguf(random_gguf_blocks(f, 4, 256), f, (4, 256)) for f in ("q4_k", "q3_k"))
+    assert _packed(kernel) and not _packed(none) and not _packed(StackedWeight((kernel, none)))
+
+
+# --------------------------------------------------------------------------------------- GGUF files as stored
+# On the dequantizing path the weights are gguf-py's values multiplied in fp32, as transformers multiplies them:
+# logits agree as an F32 file's do (1e-4 of their range).
+TOLERANCE = 1e-4
+
+
+@pytest.mark.parametrize("fmt", DEQUANTIZED)
+def test_gguf_file_in_a_type_without_kernels_loads_and_runs(tmp_path, fmt):
+    """Every linear (and the embedding) of a 256-wide model stored in fmt: it loads as stored, generates, and its
+    logits are transformers' on gguf-py's dequantization of the same file."""
+    from offload import LLM, SamplingParams
+
+    qtype = GGUF_TYPE[fmt].ggml_name
+    model = make_hf_model("llama", **{**K_TINY, "vocab_size": 300})
+    path = write_gguf(model, tmp_path / f"tiny-{qtype}.gguf", qtype, random_quants=True)
+    llm = LLM(str(path))
+    assert llm.spec.stored_format == fmt and llm.plan.weight_format == "gguf"
+    assert_logits_close(offload_logits(llm.model, IDS), hf_logits(hf_from_gguf(model, path), IDS), rel=TOLERANCE)
+    out = llm.generate([IDS], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 4
+
+
+def test_mixed_new_types_in_one_layer(tmp_path):
+    """Q5_0 rows beside Q8_0 and Q3_K ones in one layer (as llama.cpp's Q4_K_M fallback writes them): the fused
+    q|k|v is a stack of the three types, and logits match transformers'."""
+    from offload import LLM
+    from offload.model.llama import StackedWeight
+    from offload.weights.gguf import GGUFFile
+    from offload.weights.gguf_source import GGUFSource
+
+    types = {"blk.0.attn_q.weight": "Q5_0", "blk.0.attn_k.weight": "Q8_0", "blk.0.attn_v.weight": "Q3_K",
+             "blk.1.ffn_down.weight": "IQ4_NL"}
+    model = make_hf_model("llama", **{**K_TINY, "vocab_size": 300})
+    path = write_gguf(model, tmp_path / "mixed.gguf", "Q5_1", types=types, random_quants=True)
+    llm = LLM(str(path))
+    layer = GGUFSource(GGUFFile(path), llm.spec, torch.float32).load(llm.spec.units()[1])
+    assert isinstance(layer.qkv, StackedWeight) and [p.fmt for p in layer.qkv.parts] == ["q5_0", "q8_0", "q3_k"]
+    assert_logits_close(offload_logits(llm.model, IDS), hf_logits(hf_from_gguf(model, path), IDS), rel=1e-3)
+    # the plan sizes each tensor by its own type: q 256x256 in q5_0 (22 bytes per 32), k and v 128x256 in q8_0 (34
+    # per 32) and q3_k (110 per 256), o 256x256, gate and up 512x256 in q5_1 (24 per 32); down 256x512 in q5_1
+    # too in layer 0; two norms of 256 fp32
+    unit = llm.plan.unit("layer.0")
+    q5_1 = (256 * 256 + 2 * 512 * 256 + 256 * 512) // 32 * 24
+    assert unit.weight_bytes == 256 * 256 // 32 * 22 + 128 * 256 // 32 * 34 + 128 * 256 // 256 * 110 + q5_1 + 2048
+    assert unit.stored == "q5_1+q5_0+q8_0+q3_k" and llm.plan.unit("layer.1").stored == "q5_1+iq4_nl"
+    assert "q5_1+q5_0+q8_0+q3_k" in llm.plan.table()
+
+
+def test_a_type_offload_does_not_read_is_refused_by_name(tmp_path):
+    model = make_hf_model("llama", **{**K_TINY, "vocab_size": 300})
+    path = write_gguf(model, tmp_path / "iq1.gguf", "Q8_0", types={"blk.0.ffn_up.weight": "IQ1_M"},
+                      random_quants=True)
+    from offload import LLM
+
+    with pytest.raises(WeightsError, match=r"blk\.0\.ffn_up\.weight .* is stored as IQ1_M, which offload does not"):
+        LLM(str(path))
+
+
+def test_bf16_gguf_linears_stay_bf16(tmp_path):
+    """A BF16 file under fp32 compute: linears stay bf16 (offload's bf16 kernels take fp32 activations), the plan
+    sizes them at 2 bytes a weight, and logits are transformers' on the same weights."""
+    from offload import LLM
+    from offload.weights.gguf import GGUFFile
+    from offload.weights.gguf_source import GGUFSource
+
+    model = make_hf_model("llama", vocab_size=300)
+    path = write_gguf(model, tmp_path / "bf16.gguf", "BF16")
+    llm = LLM(str(path))
+    layer = GGUFSource(GGUFFile(path), llm.spec, torch.float32).load(llm.spec.units()[1])
+    assert layer.qkv.dtype == torch.bfloat16 and layer.down.dtype == torch.bfloat16
+    # q 64x64, k and v 32x64, o 64x64, gate and up 128x64, down 64x128 at 2 bytes; two norms of 64 fp32
+    assert llm.plan.unit("layer.0").weight_bytes == (2 * 64 * 64 + 2 * 32 * 64 + 3 * 128 * 64) * 2 + 2 * 64 * 4
+    assert llm.plan.unit("layer.0").stored == "bf16"
+    assert_logits_close(offload_logits(llm.model, IDS), hf_logits(hf_from_gguf(model, path), IDS), rel=1e-4)
+
+
+needs_llama_cpp = pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None,
+                                     reason="llama-cpp-python is not installed")
+
+
+@pytest.mark.slow  # ~25 s: llama.cpp quantizes a 49k-token vocabulary
+@needs_llama_cpp
+def test_llama_cpp_q4_k_m_of_smollm2_widths_loads(tmp_path):
+    """llama.cpp's Q4_K_M of a 576-wide model falls back to Q5_0 (and Q8_0) for rows that are not whole 256-weight
+    super-blocks, which offload refused before; it now loads as stored and generates."""
+    import gguf
+
+    from offload import LLM, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+    import make_gguf
+
+    f16, q4km = tmp_path / "smol.f16.gguf", tmp_path / "smol.Q4_K_M.gguf"
+    make_gguf.write_f16(f16, "smol-2l")
+    make_gguf.quantize(f16, q4km, "Q4_K_M", threads=2)
+    types = {t.tensor_type.name for t in gguf.GGUFReader(q4km).tensors if t.name.startswith("blk.")}
+    assert "Q5_0" in types and types <= set(GGUF_NAMES)
+    llm = LLM(str(q4km))
+    assert "q5_0" in llm.plan.unit("layer.0").stored
+    out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3
