@@ -9,12 +9,14 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
+from pydantic import ValidationError
+
 
 from offload.errors import ConfigError
 from offload.formats import compute_format, torch_dtype
 from offload.generate import Generator, Sequence
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
-from offload.options import default_of, request_sections
+from offload.options import SpeculativeOptions, default_of, request_sections
 from offload.profile.timeline import Timeline
 from offload.runtime.backends import make_backend
 from offload.runtime.device_quant import set_gpu_crossover
@@ -22,6 +24,7 @@ from offload.runtime.executor import PlacedModel
 from offload.runtime import speedprobe
 from offload.runtime.host_memory import check_budget_fits_machine
 from offload.sampling import SamplingParams, TokenLogprob
+from offload.speculative import make_speculator
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import load_tokenizer, model_spec, weight_source
 from offload.weights.prompts import encode_chat, encode_text
@@ -76,27 +79,31 @@ class LLM:
     """
 
     def __init__(self, model: str | Path = default_of("model.path"), *, placement: Placement | None = None,
-                 disk_dir: str | None = None, max_batch_size: int | None = None, **options):
+                 disk_dir: str | None = None, max_batch_size: int | None = None,
+                 speculative_config: dict | None = None, **options):
         """options: the plan's options by their outside names (offload/options.py, the same as the job YAML's
         and the flags': quantization, dtype, max_model_len, hardware, backend, gpu_memory, cpu_memory (the whole
         process, as memory.cpu), disk_memory, host_baseline, batch_size, prefetch_depth, prefill_chunk_tokens,
-        max_tokens). max_batch_size is the old name of batch_size."""
+        max_tokens). max_batch_size is the old name of batch_size. speculative_config: the job YAML's
+        `speculative` section as a dict (vLLM's name), e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
+        speculative = speculative_options(speculative_config)
         if max_batch_size is not None:
             if options.get("batch_size") is not None:
                 raise ConfigError("LLM got both batch_size and max_batch_size (its old name); pass batch_size only")
             warnings.warn("LLM(max_batch_size=...) is now LLM(batch_size=...)", DeprecationWarning, stacklevel=2)
             options["batch_size"] = max_batch_size
-        self._load(request_of(str(model), options), placement, disk_dir)
+        self._load(request_of(str(model), options), placement, disk_dir, speculative)
 
     @classmethod
     def from_request(cls, request: PlanRequest, *, placement: Placement | None = None,
-                     disk_dir: str | None = None) -> "LLM":
+                     disk_dir: str | None = None, speculative_config=None) -> "LLM":
         """An LLM planned from a PlanRequest (what `offload plan` prints for the same request)."""
         llm = cls.__new__(cls)
-        llm._load(request, placement, disk_dir)
+        llm._load(request, placement, disk_dir, speculative_options(speculative_config))
         return llm
 
-    def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None):
+    def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None,
+              speculative: SpeculativeOptions | None = None):
         self.request = request
         self._in_use, self._user = threading.Lock(), None  # one generation loop at a time (acquire)
         self.speed_probes: list[speedprobe.SpeedProbe] = []  # of the CPU's speed around a job, for its report
@@ -131,6 +138,14 @@ class LLM:
                                    placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
                                    logits_rows=self.max_batch_size)
         self.generator.between_steps = self._probe_cpu_speed_if_due
+        self.generator.speculator = make_speculator(speculative)
+
+    @property
+    def speculative_stats(self) -> dict | None:
+        """What speculative decoding did so far (proposed, accepted, acceptance_rate, tokens_per_pass), or None
+        when it is off."""
+        speculator = self.generator.speculator
+        return None if speculator is None else speculator.stats.as_dict()
 
     @property
     def timeline(self) -> Timeline:
@@ -223,6 +238,21 @@ class LLM:
         completions = [CompletionOutput(s.index, self.generator.text_of(s), list(s.output_ids), s.finish_reason,
                                         s.logprobs) for s in seq.group]
         return RequestOutput(str(seq.request_id), prompt, list(seq.prompt_ids), completions, seq.prompt_logprobs)
+
+
+def speculative_options(config) -> SpeculativeOptions | None:
+    """LLM's speculative_config checked as the job YAML's speculative section; ConfigError names what is wrong."""
+    if config is None or isinstance(config, SpeculativeOptions):
+        return config
+    if not isinstance(config, dict):
+        raise ConfigError(f"speculative_config must be a dict of the speculative options (method, "
+                          f"num_speculative_tokens, ...), got {type(config).__name__}")
+    try:
+        return SpeculativeOptions.model_validate(config)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = f"speculative_config[{err['loc'][0]!r}]" if err["loc"] else "speculative_config"
+        raise ConfigError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
 def request_of(model: str, options: dict) -> PlanRequest:

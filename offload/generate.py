@@ -26,6 +26,7 @@ from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
 from offload.profile.timeline import StepShape
 from offload.sampling import SamplingParams, sample, token_logprobs
+from offload.speculative import Speculator
 from offload.weights.prompts import check_prompt_ids
 
 
@@ -50,6 +51,7 @@ class Generator:
         self.logits_rows = logits_rows or max_batch_size
         self.mixed = mixed
         self.between_steps: Callable[[], None] | None = None  # called after each step, outside its timing
+        self.speculator: Speculator | None = None  # speculative decoding (offload/speculative.py), when asked for
 
     def run(self, seqs: list[Sequence], on_finish: Callable[[Sequence], None] | None = None) -> None:
         """Generate until every sequence has finished; on_finish is called as each one does."""
@@ -66,29 +68,51 @@ class Generator:
             engine.submit(seq)
         engine.run_until_done(on_finish)
 
-    def _plan_step(self, running: list[Sequence]) -> tuple[list[Sequence], list[tuple[Sequence, int]]]:
-        """The decode sequences and the (sequence, chunk length) prompt chunks of the next step."""
+    def _plan_step(self, running: list[Sequence]) -> tuple[list[Sequence], dict[int, list[int]],
+                                                           list[tuple[Sequence, int]]]:
+        """The decode sequences, the drafter's proposals for some of them (by id), and the (sequence, chunk length)
+        prompt chunks of the next step."""
         decode = [s for s in running if s.prefilled]
         prefilling = [s for s in running if not s.prefilled and s.parent is None]  # samples 1.. wait for sample 0
         if not self.mixed and prefilling:
             decode = []  # the old schedule: prompts first, decode waits
-        room, chunks = self.step_tokens - len(decode), []
+        drafts = self._drafts(decode)
+        room, chunks = self.step_tokens - len(decode) - sum(map(len, drafts.values())), []
         for seq in prefilling:
             if room <= 0:
                 break
             n = min(room, len(seq.prompt_ids) - seq.n_cached)
             chunks.append((seq, n))
             room -= n
-        return decode, chunks
+        return decode, drafts, chunks
+
+    def _drafts(self, decode: list[Sequence]) -> dict[int, list[int]]:
+        """Proposals for decode sequences (speculative decoding), each within its KV extent, all within the step's
+        tokens; sequences the drafter has nothing for are left out."""
+        if self.speculator is None or not decode:
+            return {}
+        k, room, drafts = self.speculator.choose_k(len(decode)), self.step_tokens - len(decode), {}
+        for seq in decode:
+            n = min(k, seq.extent - seq.n_tokens, room)  # positions up to n_tokens - 1 + n are in its extent
+            draft = self.speculator.propose(seq.prompt_ids + seq.output_ids, n) if n > 0 else []
+            if draft:
+                drafts[id(seq)] = draft
+                room -= len(draft)
+        return drafts
 
     def step(self, running: list[Sequence], cache, trash_slot: int) -> None:
         """One forward pass over the weights: the decode tokens and prompt chunks, then sampling."""
-        decode, chunks = self._plan_step(running)
+        decode, drafts, chunks = self._plan_step(running)
+        plain = [s for s in decode if id(s) not in drafts]
+        verified = [(s, drafts[id(s)]) for s in decode if id(s) in drafts]
         groups, tokens = [], []
-        if decode:
-            positions = torch.tensor([[s.n_tokens - 1] for s in decode])
-            groups.append((positions, torch.tensor([s.base for s in decode])))
-            tokens += [s.output_ids[-1] for s in decode]
+        if plain:
+            positions = torch.tensor([[s.n_tokens - 1] for s in plain])
+            groups.append((positions, torch.tensor([s.base for s in plain])))
+            tokens += [s.output_ids[-1] for s in plain]
+        for seq, draft in verified:  # its last token and its proposals: the model's next token after each
+            groups.append((torch.arange(seq.n_tokens - 1, seq.n_tokens + len(draft))[None], torch.tensor([seq.base])))
+            tokens += [seq.output_ids[-1], *draft]
         for seq, n in chunks:
             groups.append((torch.arange(seq.n_cached, seq.n_cached + n)[None], torch.tensor([seq.base])))
             tokens += seq.prompt_ids[seq.n_cached: seq.n_cached + n]
@@ -98,8 +122,13 @@ class Generator:
         with torch.inference_mode():
             hidden = self.model.forward(torch.tensor([tokens]), step, cache)[0]
         threads = torch.get_num_threads()  # as the executor set it for this step
-        # rows to sample: every decode token, and the last token of each prompt finished in this step
-        rows, sampled, at = list(range(len(decode))), list(decode), len(decode)
+        # rows to sample: every plain decode token, every row of a verified sequence, and the last token of each
+        # prompt finished in this step
+        rows, sampled, at = list(range(len(plain))), list(plain), len(plain)
+        verify_rows = []
+        for seq, draft in verified:
+            verify_rows.append(list(range(at, at + len(draft) + 1)))
+            at += len(draft) + 1
         scored = []  # (sequence, rows, prompt token ids they predict): prompt logprobs asked for (echo)
         for seq, n in chunks:
             if seq.params.prompt_logprobs is not None:  # row i predicts the prompt's token after it
@@ -110,24 +139,33 @@ class Generator:
             if seq.prefilled:
                 rows.append(at - 1)
                 sampled.append(seq)
-        logits = self._logits(hidden, rows + [r for _, more, _ in scored for r in more])  # one lm_head pass
-        logits, extra = logits[: len(rows)], logits[len(rows):]
+        flat_verify = [r for more in verify_rows for r in more]
+        logits = self._logits(hidden, rows + flat_verify + [r for _, more, _ in scored for r in more])  # one pass
+        logits, checked, extra = (logits[: len(rows)], logits[len(rows): len(rows) + len(flat_verify)],
+                                  logits[len(rows) + len(flat_verify):])
         for seq, more, ids in scored:
             scores, extra = extra[: len(more)], extra[len(more):]
             seq.prompt_logprobs = (seq.prompt_logprobs or [None]) + (
                 token_logprobs(torch.stack(scores), ids, seq.params.prompt_logprobs) if scores else [])
-        for seq, row in list(zip(sampled[len(decode):], logits[len(decode):])):
+        for seq, row in list(zip(sampled[len(plain):], logits[len(plain):])):
             for other in seq.samples[1:]:  # n > 1: the other samples take the prompt's K and V, and its logits
                 share_prefill(cache, seq, other)
                 sampled.append(other)
                 logits.append(row)
         n_prompt = sum(n for _, n in chunks)
+        n_logits = len(rows) + len(flat_verify) + sum(len(m) for _, m, _ in scored)
         self._count(phase, start, len(tokens), StepShape(
-            phase, 0.0, n_prompt, len(decode), len(decode) + len(chunks), len(rows) + sum(len(m) for _, m, _ in scored),
-            attended_keys=sum(s.n_tokens for s in decode) + sum(n * (s.n_cached - n) + n * (n + 1) // 2
-                                                                 for s, n in chunks),
-            kv_read_tokens=sum(s.n_tokens for s in decode) + sum(s.n_cached for s, _ in chunks), threads=threads))
+            phase, 0.0, n_prompt, len(tokens) - n_prompt, len(decode) + len(chunks), n_logits,
+            attended_keys=sum(s.n_tokens for s in plain) + sum(n * (s.n_cached - n) + n * (n + 1) // 2
+                                                               for s, n in chunks)
+            + sum((len(d) + 1) * s.n_tokens + len(d) * (len(d) + 1) // 2 for s, d in verified),
+            kv_read_tokens=sum(s.n_tokens for s in decode) + sum(len(d) for _, d in verified)
+            + sum(s.n_cached for s, _ in chunks), threads=threads))
         self._sample_next(sampled, logits)
+        for (seq, draft), more in zip(verified, verify_rows):
+            mine, checked = checked[: len(more)], checked[len(more):]
+            self.speculator.verify(mine, draft, seq.params, seq.generator, seq.prompt_ids, seq.output_ids,
+                                   lambda token, row, seq=seq: self._take(seq, token, row))
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
         """Logits of hidden[rows], at most logits_rows at a time (the plan budgets that many)."""
@@ -138,6 +176,8 @@ class Generator:
         return out
 
     def _count(self, phase: str, start_s: float, n_tokens: int, shape: StepShape) -> None:
+        if self.speculator is not None and phase == "decode":
+            self.speculator.observe_step(n_tokens, self.now() - start_s)
         timeline = getattr(self.model, "timeline", None)
         if timeline is not None:
             elapsed = self.now() - start_s
@@ -155,11 +195,15 @@ class Generator:
 
     def _sample_next(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         for seq, row in zip(seqs, logits):
-            token = sample(row, seq.params, seq.generator, seq.prompt_ids, seq.output_ids)
-            if seq.logprobs is not None:
-                seq.logprobs += token_logprobs(row[None], [token], seq.params.logprobs)
-            seq.output_ids.append(token)
-            self._check_stop(seq, token)
+            self._take(seq, sample(row, seq.params, seq.generator, seq.prompt_ids, seq.output_ids), row)
+
+    def _take(self, seq: Sequence, token: int, row: torch.Tensor) -> bool:
+        """Append a token sampled (or kept) from a row of logits; whether the sequence goes on."""
+        if seq.logprobs is not None:
+            seq.logprobs += token_logprobs(row[None], [token], seq.params.logprobs)
+        seq.output_ids.append(token)
+        self._check_stop(seq, token)
+        return not seq.finish_reason
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
         p = seq.params

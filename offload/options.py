@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, ValidationError
+from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, InstanceOf, ValidationError,
+                      model_validator)
 
 from offload.errors import ConfigError
 from offload.formats import DTYPES, QUANTIZATIONS
@@ -210,6 +211,31 @@ class ServeOptions(Section):
     max_upload_bytes: Bytes = option(200_000_000, "largest file POST /v1/files takes, such as 200MB (OpenAI's "
                                     "Batch API limit); past it 413", name="max_upload", cli="serve", unit="bytes",
                                     gt=0)
+
+
+SPECULATIVE_METHODS = ("ngram",)  # drafters offload has; vLLM's draft_model and a quantized self-draft to come
+
+
+class SpeculativeOptions(Section):
+    """Speculative decoding (vLLM's speculative_config): a drafter proposes tokens and the model checks them all in
+    one pass over its weights. Greedy answers stay the same; sampled ones keep the model's distribution."""
+
+    method: Literal[SPECULATIVE_METHODS] | None = option(None, "ngram: prompt lookup, tokens that followed the "
+                                                         "same n-gram earlier in the prompt or output (no model); "
+                                                         "none: no speculation")
+    num_speculative_tokens: Whole | None = option(None, "tokens proposed per step (default: chosen from the "
+                                                  "acceptance rate measured as the run goes, at most "
+                                                  "max_speculative_tokens)", ge=1, le=32)
+    max_speculative_tokens: Whole = option(8, "the most tokens the adaptive choice proposes per step", ge=1, le=32)
+    prompt_lookup_max: Whole = option(4, "ngram: the longest n-gram looked up", ge=1)
+    prompt_lookup_min: Whole = option(1, "ngram: the shortest n-gram looked up", ge=1)
+
+    @model_validator(mode="after")
+    def _lookup_range(self):
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        return self
 
 
 PLAN_SECTIONS = {"model": ModelOptions, "hardware": HardwareOptions, "memory": MemoryOptions,

@@ -183,12 +183,19 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         raise WeightsError("the model produced NaN or infinite logits, so no token can be chosen; its weights "
                            "likely hold NaN or inf values (or the compute dtype overflows): check the checkpoint, "
                            "or try model.dtype fp32")
+    if params.greedy:
+        if params.penalized:
+            logits = apply_penalties(logits, params, prompt_ids, output_ids)
+        return int(torch.argmax(logits))
+    return int(torch.multinomial(probabilities(logits, params, prompt_ids, output_ids), 1, generator=generator))
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams, prompt_ids=(), output_ids=()) -> torch.Tensor:
+    """The distribution a sampled (not greedy) request draws its next token from, fp32 [V]: penalties and bias,
+    temperature, top-k, top-p and min-p over one row of logits, then softmax."""
     if params.penalized:
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
-    if params.greedy:
-        return int(torch.argmax(logits))
-    probs = filter_logits(logits.float(), params).softmax(-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return filter_logits(logits.float(), params).softmax(-1)
 
 
 @dataclass

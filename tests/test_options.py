@@ -62,6 +62,12 @@ NOT_EVERYWHERE = {
     "distributed.gpus_per_replica": "Ray only: set with --set",
     "distributed.shard_size": "Ray only: set with --set",
     "distributed.max_restarts": "Ray only: set with --set",
+    # the speculative section: LLM takes it whole as speculative_config (vLLM's name), the YAML as `speculative:`,
+    # the CLI by --set speculative.KEY=VALUE; one class (SpeculativeOptions) checks all three
+    "speculative_config": "LLM's dict of the YAML's speculative section",
+    "speculative.method": "LLM: speculative_config; CLI: --set", "speculative.num_speculative_tokens": "ditto",
+    "speculative.max_speculative_tokens": "ditto", "speculative.prompt_lookup_max": "ditto",
+    "speculative.prompt_lookup_min": "ditto",
     # YAML and LLM, no flag
     "host_baseline": "memory.baseline is auto (recorded by offload calibrate) unless measured otherwise: --set",
     # YAML and CLI, not LLM: LLM.generate takes sampling per call (SamplingParams) and writes no files
@@ -128,7 +134,7 @@ def cli_dests() -> set[str]:
 def llm_requests(monkeypatch) -> list:
     """LLM's planning request, caught where LLM would load the model (nothing is loaded)."""
     caught = []
-    monkeypatch.setattr(LLM, "_load", lambda self, request, placement, disk_dir: caught.append(request))
+    monkeypatch.setattr(LLM, "_load", lambda self, request, *rest: caught.append(request))
     return caught
 
 

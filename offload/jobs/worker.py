@@ -57,7 +57,7 @@ def load_llm(config: JobConfig):
     """The LLM for a config: model, budgets, hardware; the planner picks the batch size unless it is set."""
     from offload.api import LLM
 
-    return LLM.from_request(plan_request(config))
+    return LLM.from_request(plan_request(config), speculative_config=config.speculative)
 
 
 def prompt_ids(req: Request, tokenizer, path: Path) -> tuple[list[int], str | None]:
@@ -137,8 +137,10 @@ def llm_report(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeli
     if speed is not None:  # with the prediction at the calibrated speed beside the scaled one, seconds per phase
         summary, speeds = speed
         speed_report = {**summary.to_dict(), "predicted_s_at_calibration": job_predicted_s(llm, tl)}
-    return build_report(counts, tl, getattr(llm, "plan", None), peaks, budget_of(config, llm), source,
-                        job_what_ifs(llm, tl), job_predicted_s(llm, tl, speeds), speed_report)
+    report = build_report(counts, tl, getattr(llm, "plan", None), peaks, budget_of(config, llm), source,
+                          job_what_ifs(llm, tl), job_predicted_s(llm, tl, speeds), speed_report)
+    stats = getattr(llm, "speculative_stats", None)
+    return report if stats is None else {**report, "speculative": stats}
 
 
 def job_speed(llm, timeline) -> tuple[MachineSpeed, list[tuple]] | None:

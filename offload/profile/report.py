@@ -152,6 +152,11 @@ def format_report(report: dict) -> str:
         if "bottleneck" in p:  # reports saved before bottlenecks were added lack it
             lines.append(f"{'':>7}  bottleneck {bottleneck_name(p['bottleneck'])} "
                          f"(predicted {bottleneck_name(p['predicted_bottleneck'])})")
+    spec = report.get("speculative")
+    if spec:
+        lines.append(f"{'spec':>7}: {spec['accepted']} of {spec['proposed']} proposed tokens kept "
+                     f"({_pct(spec['acceptance_rate'])}); {spec['tokens_per_pass']:.2f} tokens per pass that carried "
+                     f"proposals ({spec['verified_passes']} such passes)")
     speed = report.get("machine_speed")
     if speed:
         attention = f", {speed['attention']:.2f}x attention" if speed.get("attention") else ""

@@ -1,0 +1,157 @@
+"""Speculative decoding: a drafter proposes the next tokens of a sequence, the sequence's next step carries them
+all (its last token and k proposals: one pass over the weights for k + 1 tokens), and the step keeps the
+proposals the model agrees with, plus one token of the model's own.
+
+- Greedy requests keep a proposal while it is the model's argmax (after penalties and bias, as the sampler
+  picks): the answer is the one decoding without speculation gives.
+- Sampled requests use the rejection rule (Leviathan et al. 2023; Chen et al. 2023): a proposal d drawn from
+  the drafter's distribution q is kept with probability min(1, p(d) / q(d)), p the model's final sampling
+  distribution; at the first rejection the token is drawn from max(p - q, 0), renormalized; after k kept ones
+  the next is drawn from p. The tokens are then distributed as p exactly. Prompt lookup proposes one token
+  for sure (q is a point mass), so d is kept with probability p(d) and a rejection draws from p without d.
+- Rejected proposals leave K and V in the sequence's extent past its length; the cache is read by position, and
+  the next step writes those positions again, so nothing else rolls them back.
+
+How many tokens to propose (k): the user's num_speculative_tokens, or the k that maximizes the expected tokens
+per pass over its cost: with acceptance rate a, a pass over k proposals yields (1 - a^(k+1)) / (1 - a) tokens
+on average, and costs (s + t (n + k)) / (s + t n) of a pass without them, where a step of n tokens takes s + t n
+seconds (fitted on the run's own decode steps; a prior before). The rate starts at 0.7 and follows the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from offload.sampling import SamplingParams, probabilities
+
+PRIOR_ACCEPTANCE = 0.7  # the acceptance rate assumed before any is measured
+PRIOR_WEIGHT = 8  # proposals the prior counts as: the measured rate takes over within a few steps
+PRIOR_TOKEN_COST = 0.05  # a proposal's cost as a share of a 1-token step, before the run's steps are fitted
+FIT_DECAY = 0.98  # weight of older steps in the fit of a step's seconds on its tokens
+
+
+class NgramDrafter:
+    """Prompt lookup (vLLM's ngram method, llama.cpp's lookup decoding): the tokens that followed the most recent
+    earlier occurrence of the sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min."""
+
+    def __init__(self, lookup_max: int = 4, lookup_min: int = 1):
+        self.lookup_max, self.lookup_min = lookup_max, lookup_min
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        if k <= 0:
+            return []
+        last = len(tokens)
+        for n in range(min(self.lookup_max, last - 1), self.lookup_min - 1, -1):
+            tail = tokens[last - n:]
+            for start in range(last - n - 1, -1, -1):  # the most recent match first; it must be followed
+                if tokens[start] == tail[0] and tokens[start: start + n] == tail:
+                    return tokens[start + n: min(start + n + k, last)]
+        return []
+
+
+@dataclass
+class SpeculativeStats:
+    """What speculation did in a run: proposals made and kept, passes over verified sequences, tokens they gave."""
+
+    proposed: int = 0
+    accepted: int = 0
+    verified_passes: int = 0  # a sequence's step that carried proposals
+    verified_tokens: int = 0  # tokens those steps gave it (kept proposals and the model's own)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def tokens_per_pass(self) -> float:
+        """Mean tokens a sequence gained per pass that carried proposals."""
+        return self.verified_tokens / self.verified_passes if self.verified_passes else 0.0
+
+    def as_dict(self) -> dict:
+        return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
+                "verified_passes": self.verified_passes, "tokens_per_pass": self.tokens_per_pass}
+
+
+class Speculator:
+    """A drafter, the choice of k, and the verification of a sequence's proposals against the model's logits."""
+
+    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = 8):
+        self.drafter, self.num_tokens, self.max_tokens = drafter, num_tokens, max_tokens
+        self.stats = SpeculativeStats()
+        self._fit = [0.0] * 5  # decayed sums: weight, x, y, xx, xy (x: tokens in a decode step, y: its seconds)
+
+    # how many ----------------------------------------------------------------------------------------------
+    @property
+    def acceptance(self) -> float:
+        s = self.stats
+        return (s.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (s.proposed + PRIOR_WEIGHT)
+
+    def observe_step(self, n_tokens: int, seconds: float) -> None:
+        """A decode step's tokens and seconds, for the fit of a step's cost."""
+        w, x, y, xx, xy = (v * FIT_DECAY for v in self._fit)
+        self._fit = [w + 1, x + n_tokens, y + seconds, xx + n_tokens * n_tokens, xy + n_tokens * seconds]
+
+    def token_cost(self, n_tokens: int) -> float:
+        """A proposal's cost as a share of a step of n_tokens tokens (the fit's slope over its value there)."""
+        w, x, y, xx, xy = self._fit
+        spread = w * xx - x * x
+        if w < 3 or spread <= 1e-9 * max(w * xx, 1.0):
+            return PRIOR_TOKEN_COST
+        slope = (w * xy - x * y) / spread
+        intercept = (y - slope * x) / w
+        at = intercept + slope * n_tokens
+        return max(slope, 0.0) / at if at > 0 else PRIOR_TOKEN_COST
+
+    def choose_k(self, n_tokens: int) -> int:
+        """Proposals per sequence in a step of n_tokens tokens: the user's, or the best expected tokens per cost."""
+        if self.num_tokens is not None:
+            return self.num_tokens
+        a, r = min(self.acceptance, 0.999), self.token_cost(n_tokens)
+        gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + r * k) for k in range(self.max_tokens + 1)]
+        return max(range(len(gains)), key=gains.__getitem__)
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self.drafter.propose(tokens, k) if k > 0 else []
+
+    # which to keep ------------------------------------------------------------------------------------------
+    def verify(self, rows: list[torch.Tensor], draft: list[int], params: SamplingParams, generator,
+               prompt_ids: list[int], output_ids: list[int], take) -> None:
+        """Go through a sequence's k + 1 rows of logits (after its last token and after each proposal): take(token,
+        row) each token kept and the one drawn after them; take returns False once the sequence has ended."""
+        n_kept = n_taken = 0
+        for i, row in enumerate(rows):
+            proposal = draft[i] if i < len(draft) else None
+            token = self._decide(row, proposal, params, generator, prompt_ids, output_ids)
+            kept = token == proposal
+            n_kept, n_taken = n_kept + kept, n_taken + 1
+            if not take(token, row) or not kept:
+                break
+        self.stats.proposed += len(draft)
+        self.stats.accepted += n_kept
+        self.stats.verified_passes += 1
+        self.stats.verified_tokens += n_taken
+
+    def _decide(self, row, proposal, params, generator, prompt_ids, output_ids) -> int:
+        """The token at this row: the proposal where the rule keeps it, else the model's own draw."""
+        from offload.sampling import sample
+
+        if params.greedy or proposal is None:
+            return sample(row, params, generator, prompt_ids, output_ids)
+        p = probabilities(row, params, prompt_ids, output_ids)
+        if float(torch.rand((), generator=generator)) < float(p[proposal]):
+            return proposal
+        p[proposal] = 0.0  # max(p - q, 0) for q a point mass on the proposal
+        total = float(p.sum())
+        if total <= 0.0:  # p was the point mass itself: the proposal cannot be rejected (it was kept above)
+            return proposal
+        return int(torch.multinomial(p / total, 1, generator=generator))
+
+
+def make_speculator(options) -> Speculator | None:
+    """The Speculator of a speculative options section (offload.options.SpeculativeOptions), or None."""
+    if options is None or options.method is None:
+        return None
+    drafter = NgramDrafter(options.prompt_lookup_max, options.prompt_lookup_min)
+    return Speculator(drafter, options.num_speculative_tokens, options.max_speculative_tokens)

@@ -1,0 +1,187 @@
+"""Speculative decoding: prompt lookup's proposals; greedy answers equal decoding without speculation on fp32
+placements (CPU, disk, streamed on the simulated device; batch 1 and a mixed batch), rejected proposals rolled
+back; sampled tokens keep the model's distribution (chi-square tests); the options and the report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from offload import LLM, SamplingParams
+from offload.errors import ConfigError
+from offload.speculative import NgramDrafter, Speculator
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from make_llama import tiny  # noqa: E402
+
+# chi-square's 0.999 quantile by degrees of freedom: a correct rule fails one run in a thousand
+CHI2_999 = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88}
+REPEATS = "ab ab ab ab ab ab cd cd cd cd ef ef ef ab ab cd"  # prompt lookup finds n-grams to follow
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return tiny(tmp_path_factory.mktemp("spec") / "tiny", vocab=259, tokenizer=True)
+
+
+def llm_of(model_dir, **spec) -> LLM:
+    return LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
+               speculative_config={"method": "ngram", **spec} if spec is not None else None)
+
+
+def greedy(n: int = 24) -> SamplingParams:
+    return SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+
+class Fixed:
+    """A drafter proposing the same tokens every time."""
+
+    def __init__(self, tokens: list[int]):
+        self.tokens = tokens
+
+    def propose(self, tokens: list[int], k: int) -> list[int]:
+        return self.tokens[:k]
+
+
+def test_prompt_lookup_follows_the_most_recent_longest_match():
+    drafter = NgramDrafter(lookup_max=3, lookup_min=1)
+    assert drafter.propose([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 2) == [7, 8]  # the later 1 2 3 is followed by 7 8
+    assert drafter.propose([5, 6, 7, 5, 6], 3) == [7, 5, 6]  # 5 6 -> 7 5 6
+    assert drafter.propose([1, 2, 3, 4], 3) == []  # nothing repeats
+    assert drafter.propose([4, 4], 5) == [4]  # what follows stops at the end
+    assert NgramDrafter(lookup_max=2, lookup_min=2).propose([1, 9, 2, 1], 2) == []  # 1 alone is too short
+
+
+def test_greedy_answers_equal_plain_decoding_at_batch_one_and_in_a_mixed_batch(model_dir):
+    plain, fixed_k, adaptive = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32"), \
+        llm_of(model_dir, num_speculative_tokens=4), llm_of(model_dir)
+    prompts = [REPEATS, "The quick brown fox", "xyz xyz xyz xyz xyz", "Hello! " * 6]
+    params = [greedy(), greedy(12), greedy(30), greedy(7)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    assert [o.token_ids for o in fixed_k.generate(prompts[0], params[0])] == want[:1]
+    assert [o.token_ids for o in fixed_k.generate(prompts, params)] == want
+    assert [o.token_ids for o in adaptive.generate(prompts, params)] == want
+    stats = fixed_k.speculative_stats
+    assert stats["accepted"] > 0 and stats["accepted"] < stats["proposed"]  # some kept, some rolled back
+    assert stats["tokens_per_pass"] > 1
+
+
+def test_proposals_the_model_rejects_are_rolled_back(model_dir):
+    """A drafter that is always wrong: every step keeps none, and the answer is still plain decoding's."""
+    plain = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32")
+    wrong = llm_of(model_dir)
+    want = plain.generate(REPEATS, greedy())[0].token_ids
+    absent = next(t for t in range(3, 259) if t not in want)
+    wrong.generator.speculator = Speculator(Fixed([absent] * 6), num_tokens=6)
+    assert wrong.generate(REPEATS, greedy())[0].token_ids == want
+    assert wrong.speculative_stats["accepted"] == 0 and wrong.speculative_stats["tokens_per_pass"] == 1
+
+
+@pytest.mark.parametrize("where,compute", [("disk", "cpu"), ("disk", "stream")])
+def test_greedy_answers_equal_plain_decoding_on_disk_and_streamed_placements(tmp_path, where, compute):
+    from conftest import gpu_profile, make_hf_model, save_hf_model
+    from offload.generate import Generator, Sequence
+    from offload.planner import Placement
+    from offload.runtime.backends.cpu import CPUBackend
+    from offload.runtime.backends.sim import SimBackend
+    from offload.runtime.executor import PlacedModel
+    from offload.weights.loader import Checkpoint
+    from offload.weights.model_files import model_spec
+    from offload.weights.sources import CheckpointSource
+
+    path = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
+    spec = model_spec(path)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9], [11, 12, 13]]
+
+    def run(speculator):
+        backend = SimBackend(gpu_profile()) if compute == "stream" else CPUBackend()
+        model = PlacedModel(spec, CheckpointSource(Checkpoint(path), spec, torch.float32, "none"),
+                            Placement.uniform(spec, where, compute, page_cache=frozenset()), backend)
+        generator = Generator(model, max_batch_size=4, max_model_len=64)
+        generator.speculator = speculator
+        seqs = [Sequence(i, p, greedy(10)) for i, p in enumerate(prompts)]
+        generator.run(seqs)
+        return [s.output_ids for s in seqs]
+
+    speculator = Speculator(NgramDrafter(3, 1), num_tokens=3)
+    assert run(speculator) == run(None) and speculator.stats.proposed > 0
+
+
+def chi_square(counts: Counter, probs: dict[int, float], n: int) -> tuple[float, int]:
+    """Pearson's statistic of counts against n draws of probs, and its degrees of freedom."""
+    stat = sum((counts.get(t, 0) - n * p) ** 2 / (n * p) for t, p in probs.items() if p > 0)
+    assert set(counts) <= {t for t, p in probs.items() if p > 0}, "a token outside the distribution's support"
+    return stat, sum(p > 0 for p in probs.values()) - 1
+
+
+@pytest.mark.parametrize("proposal", ["likeliest", "middle", "outside"])
+def test_the_rejection_rule_keeps_the_distribution(proposal):
+    """One row of logits, one proposal from prompt lookup (a point mass): the token taken is distributed as the
+    sampler's own distribution (temperature and top-k applied), whatever the proposal."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.2, -0.5, 0.8, -3.0, 0.0])
+    params = SamplingParams(temperature=0.8, top_k=5)
+    from offload.sampling import probabilities
+
+    p = probabilities(logits, params)
+    order = p.argsort(descending=True).tolist()
+    draft = {"likeliest": order[0], "middle": order[2], "outside": order[-1]}[proposal]
+    speculator, gen, n, taken = Speculator(Fixed([draft])), torch.Generator().manual_seed(1), 4000, []
+    for _ in range(n):
+        speculator.verify([logits, logits], [draft], params, gen, [], [], lambda t, row: taken.append(t) or False)
+    stat, df = chi_square(Counter(taken), dict(enumerate(p.tolist())), n)
+    assert stat < CHI2_999[df], (proposal, stat, Counter(taken))
+    kept = speculator.stats.accepted / n
+    assert abs(kept - float(p[draft])) < 4 * (float(p[draft]) * (1 - float(p[draft])) / n) ** 0.5 + 1e-9
+
+
+def test_sampled_generation_keeps_the_models_distribution(model_dir):
+    """Many seeds of a tiny model, a drafter that always proposes the same token: the second token, given the
+    first, is distributed as the model's own distribution after them (a chi-square test): the first is sampled
+    from the prompt's logits, the second in a step that verified the proposal."""
+    from offload.sampling import probabilities
+
+    llm, n_runs = LLM(str(model_dir), backend="cpu", max_model_len=64, dtype="fp32"), 1500
+    prompt = {"prompt_token_ids": llm.generate("ab", greedy(1))[0].prompt_token_ids}
+    likely = llm.generate(prompt, greedy(2))[0].token_ids
+    llm.generator.speculator = Speculator(Fixed([likely[1]]), num_tokens=1)
+    outs = llm.generate([prompt] * n_runs, [SamplingParams(max_tokens=3, temperature=1.0, top_k=4, seed=s,
+                                                            ignore_eos=True) for s in range(n_runs)])
+    assert llm.speculative_stats["proposed"] >= n_runs  # every second token was a verified one
+    pairs = Counter(tuple(o.token_ids[:2]) for o in outs)
+    common = Counter(first for first, _ in pairs.elements()).most_common(1)[0][0]
+    seconds = Counter({second: c for (first, second), c in pairs.items() if first == common})
+    llm.generator.speculator = None
+    after = llm.generate({"prompt_token_ids": prompt["prompt_token_ids"] + [common]},
+                         SamplingParams(max_tokens=1, temperature=0, logprobs=8))[0].outputs[0].logprobs[0]
+    raw = torch.full((259,), float("-inf"))  # log-softmax's top 8: top-k 4 and softmax need no more
+    for token, logprob in after.top:
+        raw[token] = logprob
+    p = probabilities(raw, SamplingParams(temperature=1.0, top_k=4))
+    n = sum(seconds.values())
+    stat, df = chi_square(seconds, {i: float(v) for i, v in enumerate(p.tolist()) if v > 0}, n)
+    assert n > 200 and stat < CHI2_999[df], (stat, df, seconds)
+
+
+def test_options_are_checked_and_a_job_reports_what_speculation_did(model_dir, tmp_path):
+    with pytest.raises(ConfigError, match=r"speculative_config\['method'\]"):
+        LLM(str(model_dir), backend="cpu", speculative_config={"method": "medusa"})
+    with pytest.raises(ConfigError, match="prompt_lookup_min .* must not exceed"):
+        LLM(str(model_dir), backend="cpu", speculative_config={"method": "ngram", "prompt_lookup_min": 9})
+    with pytest.raises(ConfigError, match="speculative_config must be a dict"):
+        LLM(str(model_dir), backend="cpu", speculative_config="ngram")
+    from offload.jobs.run import run_batch
+
+    (tmp_path / "in.jsonl").write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                                   "body": {"prompt": REPEATS, "max_tokens": 20,
+                                                            "ignore_eos": True}}) + "\n")
+    report = run_batch({"model": {"path": str(model_dir), "max_model_len": 256},
+                        "hardware": {"backend": "cpu"}, "input": {"path": str(tmp_path / "in.jsonl")},
+                        "speculative": {"method": "ngram", "num_speculative_tokens": 3},
+                        "report": {"print": False}}, progress=False)
+    assert report["speculative"]["proposed"] > 0 and 0 <= report["speculative"]["acceptance_rate"] <= 1
