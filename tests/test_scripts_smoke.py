@@ -35,6 +35,7 @@ SMOKE = {
     "bench_plan.py": r"batch 128, depth 2 +: median [\d.]+ ms",
     "bench_ray.py": r"same answers in every run: True",
     "bench_serve.py": r"identical \d+, parting at a near-tie \(top-2 gap < [\d.]+\) \d+, parting at a larger gap 0",
+    "bench_spec.py": r"identical \d+, parting at a near-tie \(top-2 gap < [\d.]+\) \d+, parting at a larger gap 0",
     "bench_triton_dequant.py": r"nothing to measure here|speedup +[\d.]+x",
     "install_stamp.py": r"3 of 3 checks as expected",
     "lm_eval_compare.py": r"hf \(transformers fp32\): acc [\d.]+|lm-eval is not installed",

@@ -1,0 +1,197 @@
+"""Speculative decoding's speed in RAM: prompt lookup on a rewrite task, against no speculation and against
+llama.cpp's own prompt lookup.
+
+The task: 10 chat prompts, each quoting a paragraph with a few misspellings and asking for it back corrected
+(the answer repeats most of the prompt, which prompt lookup proposes). Greedy, --max-tokens new tokens, one
+request at a time (batch 1, where speculation pays), on --model as stored (default: the default model's GGUF).
+
+- offload: LLM(model) and LLM(model, speculative_config={"method": "ngram"}) (k chosen as the run goes), in
+  alternating rounds; the median tokens/s of each over --rounds, the ratio, the acceptance rate and tokens per
+  pass; the answers compared: identical, or where one parts, the top-2 logit gap there under the plain run (a
+  (k+1)-token pass runs other kernel paths than a 1-token step on quantized weights, and sums in another order:
+  a near-tie, gap < 0.05, may part; a larger gap would be a bug and is printed).
+- --against-llamacpp: the same token ids through llama-cpp-python's Llama (in a subprocess: 2 threads, its AMX
+  and repacking buffers off, which crash on this VM's AMX; OMP_WAIT_POLICY=PASSIVE) with and without its
+  LlamaPromptLookupDecoding (its defaults: max_ngram_size 2, num_pred_tokens 10), alternating with offload's two
+  runs; prints each one's tokens/s and offload-with-lookup / llama.cpp-with-lookup.
+
+  python scripts/bench_spec.py [--rounds 3] [--max-tokens 128] [--against-llamacpp]
+  python scripts/bench_spec.py --smoke    # a tiny random model, 2 prompts, 8 tokens, one round
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+TIE = 0.05  # top-2 logit gap below which a parting is a near-tie (issue 35)
+ASK = "Correct the spelling mistakes in this paragraph and write it back in full:\n\n{}"
+PARAGRAPHS = [
+    "The old lighthouse stood at the edge of the cliff for more then a hundred years. Every night its keeper climbed "
+    "the narow stairs to light the lamp, and every morning he wrote the weather in a small leather book.",
+    "Bread is made from flour, water, salt and yeast. The dough is kneeded until it is smooth, left to rise in a "
+    "warm place, shaped into loafs and baked in a hot oven until the crust is golden and crisp.",
+    "Honey bees live in colonys of many thousands. The worker bees gather nectar from flowers and bring it back to "
+    "the hive, where it is turned into honey and stored in wax cells for the long winter.",
+    "The train left the station at seven o'clock and traveled north through feilds and small villages. By noon it "
+    "had reached the mountains, where the track climbed slowly through tunnels and over high bridges.",
+    "Chess is played on a board of sixty-four squares. Each player begins with sixteen peices, and the aim of the "
+    "game is to trap the other player's king so that it can not escape capture.",
+    "Rain falls when water droplets in a cloud grow to heavy to stay in the air. In warm regions it can fall for "
+    "hours at a time, filling rivers and lakes and giving life to forests and farms alike.",
+    "The desert is hot during the day and surprisingly cold at night. Few plants grow there, but those that do "
+    "have long roots to reach water deep under the sand, and thick leafs that store it for weeks.",
+    "Coffee beans are the seeds of a small red fruit. After they are picked, the beans are dried, roasted and "
+    "ground, and hot water is poured over them to make the drink that so many people enjoy each morning.",
+    "Volcanoes form where melted rock rises from deep inside the earth. When the preasure becomes too great, the "
+    "rock bursts out as lava, ash and gas, and over many years it builds mountains that can reach the clouds.",
+    "A small robot rolled accross the kitchen floor, looking for crumbs. It bumped gently into the table legs, "
+    "turned around, and went back the way it came, humming a quiet tune to itself as it worked.",
+]
+
+
+def chats(n: int) -> list[list[dict]]:
+    return [[{"role": "user", "content": ASK.format(p)}] for p in PARAGRAPHS[:n]]
+
+
+class OffloadPair:
+    """offload's plain and speculative LLMs on one model, and the prompts as token ids."""
+
+    def __init__(self, model: str, args):
+        from offload import LLM, SamplingParams
+
+        self.plain = LLM(model, max_model_len=2048)
+        self.spec = LLM(model, max_model_len=2048, speculative_config={"method": "ngram"})
+        self.prompts = [self.plain.apply_chat_template(c) for c in chats(args.prompts)]
+        self.params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+        for llm in (self.plain, self.spec):  # warm-up: kernels, caches
+            llm.generate({"prompt_token_ids": self.prompts[0]}, SamplingParams(max_tokens=4, temperature=0.0))
+        self.answers: dict[str, list[list[int]]] = {}
+
+    def rate(self, name: str) -> float:
+        """Tokens/s of one pass over the prompts, one request at a time."""
+        llm = self.plain if name == "plain" else self.spec
+        start, outs = time.perf_counter(), []
+        for ids in self.prompts:
+            outs += llm.generate({"prompt_token_ids": ids}, self.params)
+        seconds = time.perf_counter() - start
+        self.answers[name] = [o.token_ids for o in outs]
+        return sum(len(o.token_ids) for o in outs) / seconds
+
+
+def compare(llm, prompts: list[list[int]], want: list[list[int]], got: list[list[int]]) -> dict:
+    """Identical answers, and for each that parts the top-2 logit gap at its first differing token (plain run)."""
+    from offload import SamplingParams
+
+    out = {"identical": 0, "near_tie": 0, "other": []}
+    for prompt, a, b in zip(prompts, want, got):
+        if a == b:
+            out["identical"] += 1
+            continue
+        at = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        row = llm.generate({"prompt_token_ids": prompt + a[:at]},
+                           SamplingParams(max_tokens=1, temperature=0.0, logprobs=2))[0].outputs[0].logprobs[0]
+        gap = row.top[0][1] - row.top[1][1]  # logprobs differ from logits by one constant per row
+        if gap < TIE:
+            out["near_tie"] += 1
+        else:
+            out["other"].append({"at": at, "gap": gap})
+    return out
+
+
+LLAMACPP_WORKER = r"""
+import json, sys, time
+import llama_cpp.llama_cpp as c
+default = c.llama_model_default_params
+def params():
+    p = default(); p.use_extra_bufts = False; return p
+c.llama_model_default_params = params  # its AMX and repacking buffers off (they crash on this VM's AMX)
+from llama_cpp import Llama
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+job = json.loads(sys.argv[1])
+llm = Llama(model_path=job["model"], n_ctx=2048, n_threads=job["threads"], n_threads_batch=job["threads"],
+            verbose=False, draft_model=LlamaPromptLookupDecoding() if job["lookup"] else None)
+llm.create_completion(prompt=job["prompts"][0], max_tokens=4, temperature=0.0)  # warm-up
+start, n = time.perf_counter(), 0
+for ids in job["prompts"]:
+    out = llm.create_completion(prompt=ids, max_tokens=job["max_tokens"], temperature=0.0, top_k=1)
+    n += out["usage"]["completion_tokens"]
+print(json.dumps({"tokens": n, "seconds": time.perf_counter() - start}))
+"""
+
+
+def llamacpp_rate(gguf: str, prompts: list[list[int]], args, lookup: bool) -> float:
+    job = {"model": gguf, "prompts": prompts, "max_tokens": args.max_tokens, "threads": os.cpu_count() or 1,
+           "lookup": lookup}
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+    done = subprocess.run([sys.executable, "-c", LLAMACPP_WORKER, json.dumps(job)], capture_output=True, text=True,
+                          env=env, timeout=1800)
+    if done.returncode != 0:
+        raise SystemExit(f"llama-cpp-python failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    return result["tokens"] / result["seconds"]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="default", help="a model offload loads (default: the default model's GGUF)")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=len(PARAGRAPHS), help=f"how many (at most {len(PARAGRAPHS)})")
+    ap.add_argument("--against-llamacpp", action="store_true",
+                    help="also llama-cpp-python with and without its prompt lookup, on the same GGUF file")
+    ap.add_argument("--smoke", action="store_true", help="a tiny random model, 2 prompts, 8 tokens, one round")
+    args = ap.parse_args(argv)
+    model = args.model
+    if args.smoke:
+        sys.path.insert(0, str(HERE))
+        from make_llama import tiny
+
+        args.rounds, args.max_tokens, args.prompts, args.against_llamacpp = 1, 8, 2, False
+        model = str(tiny(Path(tempfile.mkdtemp(prefix="bench-spec-")) / "tiny", vocab=259, tokenizer=True))
+    load = os.getloadavg()[0]
+    pair = OffloadPair(model, args)
+    gguf = None
+    if args.against_llamacpp:
+        from offload.weights.default_model import resolve_model
+
+        gguf = str(resolve_model(model))
+        if not gguf.endswith(".gguf"):
+            raise SystemExit(f"--against-llamacpp needs a GGUF file; {gguf} is not one")
+    rates = {"plain": [], "lookup": [], "llama.cpp": [], "llama.cpp lookup": []}
+    for _ in range(args.rounds):  # alternating: this machine's speed drifts over minutes
+        rates["plain"].append(pair.rate("plain"))
+        rates["lookup"].append(pair.rate("lookup"))
+        if gguf is not None:
+            rates["llama.cpp"].append(llamacpp_rate(gguf, pair.prompts, args, False))
+            rates["llama.cpp lookup"].append(llamacpp_rate(gguf, pair.prompts, args, True))
+    med = {name: statistics.median(r) for name, r in rates.items() if r}
+    stats = pair.spec.speculative_stats
+    partings = compare(pair.plain, pair.prompts, pair.answers["plain"], pair.answers["lookup"])
+    print(f"{model}: {args.prompts} rewrite prompts, greedy, {args.max_tokens} new tokens, one at a time; median "
+          f"of {args.rounds} rounds, alternating (load average {load:.1f} before, {os.getloadavg()[0]:.1f} after)")
+    print(f"offload without speculation: {med['plain']:.1f} tok/s; with prompt lookup: {med['lookup']:.1f} tok/s "
+          f"({med['lookup'] / med['plain']:.2f}x); acceptance {stats['acceptance_rate']:.2f}, "
+          f"{stats['tokens_per_pass']:.2f} tokens per pass that carried proposals")
+    print(f"answers: identical {partings['identical']}, parting at a near-tie (top-2 gap < {TIE}) "
+          f"{partings['near_tie']}, parting at a larger gap {len(partings['other'])}"
+          + "".join(f"\n  parts at token {p['at']} (gap {p['gap']:.3f})" for p in partings["other"]))
+    if gguf is not None:
+        print(f"llama.cpp (llama-cpp-python, {os.cpu_count()} threads, AMX buffers off): without "
+              f"{med['llama.cpp']:.1f} tok/s, with LlamaPromptLookupDecoding {med['llama.cpp lookup']:.1f} tok/s "
+              f"({med['llama.cpp lookup'] / med['llama.cpp']:.2f}x)")
+        print(f"offload with prompt lookup / llama.cpp with prompt lookup: "
+              f"{med['lookup'] / med['llama.cpp lookup']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
