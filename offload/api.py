@@ -138,14 +138,16 @@ class LLM:
                                    placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
                                    logits_rows=self.max_batch_size)
         self.generator.between_steps = self._probe_cpu_speed_if_due
-        self.generator.speculator = make_speculator(speculative)
+        self.generator.speculator = make_speculator(speculative, self)
 
     @property
     def speculative_stats(self) -> dict | None:
         """What speculative decoding did so far (proposed, accepted, acceptance_rate, tokens_per_pass), or None
         when it is off."""
         speculator = self.generator.speculator
-        return None if speculator is None else speculator.stats.as_dict()
+        if speculator is None:
+            return None
+        return {**speculator.stats.as_dict(), "draft_s": speculator.draft_seconds}
 
     @property
     def timeline(self) -> Timeline:

@@ -285,10 +285,12 @@ class Engine:
 
     def _release(self, seqs: list[Sequence]) -> list[Sequence]:
         """Free the extents of samples that ended; the requests whose every sample has now ended leave."""
-        left = []
+        left, speculator = [], getattr(self.generator, "speculator", None)
         for seq in seqs:
             self._running.remove(seq)
             self.pool.release(seq.base, seq.extent)
+            if speculator is not None:
+                speculator.forget(seq)
             first = seq.parent or seq
             if first.done and first.request_id in self._in_flight:
                 del self._in_flight[first.request_id]

@@ -94,7 +94,7 @@ class Generator:
         k, room, drafts = self.speculator.choose_k(len(decode)), self.step_tokens - len(decode), {}
         for seq in decode:
             n = min(k, seq.extent - seq.n_tokens, room)  # positions up to n_tokens - 1 + n are in its extent
-            draft = self.speculator.propose(seq.prompt_ids + seq.output_ids, n) if n > 0 else []
+            draft = self.speculator.propose(seq.prompt_ids + seq.output_ids, n, seq) if n > 0 else []
             if draft:
                 drafts[id(seq)] = draft
                 room -= len(draft)

@@ -213,7 +213,7 @@ class ServeOptions(Section):
                                     gt=0)
 
 
-SPECULATIVE_METHODS = ("ngram",)  # drafters offload has; vLLM's draft_model and a quantized self-draft to come
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self")  # prompt lookup, a smaller model, the model's own weights
 
 
 class SpeculativeOptions(Section):
@@ -222,7 +222,13 @@ class SpeculativeOptions(Section):
 
     method: Literal[SPECULATIVE_METHODS] | None = option(None, "ngram: prompt lookup, tokens that followed the "
                                                          "same n-gram earlier in the prompt or output (no model); "
-                                                         "none: no speculation")
+                                                         "draft_model: a smaller model with the same tokenizer "
+                                                         "(model); self: the model's own weights in a smaller "
+                                                         "format (quantization); none: no speculation")
+    model: str | None = option(None, "draft_model: the draft model (a folder, a GGUF file or a Hub id in the local "
+                               "cache), with the model's tokenizer")
+    quantization: Literal[QUANTIZATIONS] | None = option(None, "the draft's weight format (self: default q4_0; "
+                                                         "draft_model: default none, as stored)")
     num_speculative_tokens: Whole | None = option(None, "tokens proposed per step (default: chosen from the "
                                                   "acceptance rate measured as the run goes, at most "
                                                   "max_speculative_tokens)", ge=1, le=32)
@@ -231,10 +237,15 @@ class SpeculativeOptions(Section):
     prompt_lookup_min: Whole = option(1, "ngram: the shortest n-gram looked up", ge=1)
 
     @model_validator(mode="after")
-    def _lookup_range(self):
+    def _consistent(self):
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must not exceed prompt_lookup_max "
                              f"({self.prompt_lookup_max})")
+        if self.method == "draft_model" and not self.model:
+            raise ValueError("method draft_model needs model: the draft model's path (a smaller model with the same "
+                             "tokenizer)")
+        if self.method == "self" and self.model:
+            raise ValueError("method self drafts with the model's own weights; drop model, or use method draft_model")
         return self
 
 

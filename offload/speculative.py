@@ -39,7 +39,7 @@ class NgramDrafter:
     def __init__(self, lookup_max: int = 4, lookup_min: int = 1):
         self.lookup_max, self.lookup_min = lookup_max, lookup_min
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
         if k <= 0:
             return []
         last = len(tokens)
@@ -112,8 +112,18 @@ class Speculator:
         gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + r * k) for k in range(self.max_tokens + 1)]
         return max(range(len(gains)), key=gains.__getitem__)
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
-        return self.drafter.propose(tokens, k) if k > 0 else []
+    def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
+        return self.drafter.propose(tokens, k, seq) if k > 0 else []
+
+    def forget(self, seq) -> None:
+        """A sequence left the batch: the drafter frees what it held for it."""
+        forget = getattr(self.drafter, "forget", None)
+        if forget is not None:
+            forget(seq)
+
+    @property
+    def draft_seconds(self) -> float:
+        return getattr(self.drafter, "seconds", 0.0)
 
     # which to keep ------------------------------------------------------------------------------------------
     def verify(self, rows: list[torch.Tensor], draft: list[int], params: SamplingParams, generator,
@@ -149,9 +159,90 @@ class Speculator:
         return int(torch.multinomial(p / total, 1, generator=generator))
 
 
-def make_speculator(options) -> Speculator | None:
-    """The Speculator of a speculative options section (offload.options.SpeculativeOptions), or None."""
+class ModelDrafter:
+    """A smaller model (a draft model, or the model's own weights in a smaller format) proposes k tokens greedily,
+    one pass over its weights each. It keeps each sequence's K and V in a pool of its own: a proposal first runs
+    the tokens the sequence gained since its last one (its earlier proposals the model rejected are overwritten by
+    position, as the model's are), then decodes. A greedy proposal is a point mass, so the rejection rule keeps
+    sampled requests exact. A sequence the pool has no room for gets no proposals."""
+
+    def __init__(self, draft):
+        """draft: an offload LLM (its generator and model run the proposals)."""
+        from offload.engine import KVPool
+
+        self.draft, self.generator = draft, draft.generator
+        self.capacity = max(self.generator.kv_tokens - 1, self.generator.context_len - 1)
+        self.pool = KVPool(self.capacity)
+        self.cache = self.generator.model.new_cache(1, self.capacity)
+        self._held: dict[int, tuple[int, int, list[int]]] = {}  # by id(seq): (base, extent, tokens in the cache)
+        self.seconds = 0.0  # time spent proposing
+
+    def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
+        import time
+
+        from offload.engine import Sequence
+
+        if k <= 0 or seq is None or len(tokens) + k > self.generator.context_len:
+            return []
+        held = self._held.get(id(seq))
+        if held is None:
+            base = self.pool.alloc(seq.extent)
+            if base is None:
+                return []
+            held = self._held[id(seq)] = (base, seq.extent, [])
+        base, extent, cached = held
+        same = 0
+        for a, b in zip(cached, tokens):
+            if a != b:
+                break
+            same += 1
+        start = time.perf_counter()
+        run = Sequence(seq.request_id, tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
+        run.base, run.extent, run.n_cached = base, extent, min(same, len(tokens) - 1)
+        run.generator = torch.Generator()
+        with torch.inference_mode():
+            while not run.finish_reason:
+                self.generator.step([run], self.cache, self.capacity)
+        self.seconds += time.perf_counter() - start
+        self._held[id(seq)] = (base, extent, tokens + run.output_ids[:-1])  # the last one is not in the cache
+        return run.output_ids
+
+    def forget(self, seq) -> None:
+        held = self._held.pop(id(seq), None)
+        if held is not None:
+            self.pool.release(held[0], held[1])
+
+
+def make_speculator(options, llm=None) -> Speculator | None:
+    """The Speculator of a speculative options section (offload.options.SpeculativeOptions) for llm (the offload
+    LLM that verifies: a model drafter is loaded for its context and batch), or None."""
     if options is None or options.method is None:
         return None
-    drafter = NgramDrafter(options.prompt_lookup_max, options.prompt_lookup_min)
+    if options.method == "ngram":
+        drafter = NgramDrafter(options.prompt_lookup_max, options.prompt_lookup_min)
+    else:
+        drafter = ModelDrafter(load_draft(options, llm))
     return Speculator(drafter, options.num_speculative_tokens, options.max_speculative_tokens)
+
+
+def load_draft(options, llm):
+    """The draft LLM: the model's own weights in options.quantization (self; q4_0 by default), or options.model
+    (draft_model) as stored or in options.quantization; the same context and batch as llm, on its backend; its
+    vocabulary must be llm's."""
+    from offload.api import LLM
+    from offload.errors import ConfigError
+    from offload.system import memory_limit_bytes
+
+    if llm is None:
+        raise ConfigError(f"speculative method {options.method!r} needs the model it drafts for")
+    request = llm.request
+    path = str(llm.path) if options.method == "self" else options.model
+    quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
+    # its own plan, not yet priced with the model's: on this machine, within what the process may use
+    room = {"cpu_memory": memory_limit_bytes()} if request.hardware is None else {"hardware": request.hardware}
+    draft = LLM(path, quantization=quantization, max_model_len=llm.max_model_len, batch_size=llm.max_batch_size,
+                backend=request.backend, dtype=request.dtype, **room)
+    if draft.spec.vocab_size != llm.spec.vocab_size:
+        raise ConfigError(f"the draft model {path} has a vocabulary of {draft.spec.vocab_size} tokens and the model "
+                          f"{llm.spec.vocab_size}; a draft model must share the model's tokenizer")
+    return draft

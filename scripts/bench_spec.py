@@ -15,7 +15,15 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
   LlamaPromptLookupDecoding (its defaults: max_ngram_size 2, num_pred_tokens 10), alternating with offload's two
   runs; prints each one's tokens/s and offload-with-lookup / llama.cpp-with-lookup.
 
+- --disk: where the weights are far. The target is the default model's fp32 copy (the float reference the tests
+  write: its GGUF dequantized by transformers), on the disk tier: cpu_memory --budget (the whole process) leaves
+  most of it on disk; the draft is `method: self` at q4_0 (the same weights, quantized, in RAM). Each run is a
+  child process in a memory cgroup (scripts/bench_disk.py's, limit: --budget + --draft-room), the model's files
+  dropped from the page cache before it, so every pass reads what is on disk; --disk-prompts chat prompts,
+  --disk-tokens greedy tokens each, one at a time; without and with speculation alternating over --rounds.
+
   python scripts/bench_spec.py [--rounds 3] [--max-tokens 128] [--against-llamacpp]
+  python scripts/bench_spec.py --disk [--budget 256MiB] [--disk-prompts 10] [--disk-tokens 64]
   python scripts/bench_spec.py --smoke    # a tiny random model, 2 prompts, 8 tokens, one round
 """
 
@@ -140,6 +148,70 @@ def llamacpp_rate(gguf: str, prompts: list[list[int]], args, lookup: bool) -> fl
     return result["tokens"] / result["seconds"]
 
 
+def disk_child(job: dict) -> dict:
+    """One run on the disk tier (in its cgroup): tokens/s over the prompts, the stats, the answers."""
+    from offload import LLM, SamplingParams
+
+    spec = {"method": "self", "quantization": "q4_0"} if job["speculate"] else None
+    llm = LLM(job["model"], quantization="none", dtype="fp32", cpu_memory=job["budget"], gpu_memory=0, disk_memory="4GiB",
+              backend="cpu", batch_size=1, max_model_len=1024, speculative_config=spec)
+    on_disk = sum(u.weight_tier == "disk" for u in llm.plan.units) if llm.plan is not None else None
+    llm.generate({"prompt_token_ids": job["prompts"][0]}, SamplingParams(max_tokens=2, temperature=0.0))
+    params = SamplingParams(max_tokens=job["tokens"], temperature=0.0)
+    start, outs = time.perf_counter(), []
+    for ids in job["prompts"]:
+        outs += llm.generate({"prompt_token_ids": ids}, params)
+    seconds = time.perf_counter() - start
+    return {"tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds, "answers": [o.token_ids for o in outs],
+            "stats": llm.speculative_stats, "units_on_disk": on_disk, "units": len(llm.plan.units)}
+
+
+def disk_rows(args) -> None:
+    sys.path.insert(0, str(HERE))
+    from bench_disk import MemCgroup, drop_cache
+    from lm_eval_compare import write_fp32
+
+    from offload.paths import cache_dir
+    from offload.units import format_bytes, parse_size
+
+    folder = write_fp32(cache_dir() / "lm-eval-fp32")
+    from offload.weights.model_files import load_tokenizer
+    from offload.weights.prompts import encode_chat
+
+    tokenizer = load_tokenizer(folder)
+    prompts = [encode_chat(tokenizer, folder, c, True) for c in chats(args.disk_prompts)]
+    budget, room = parse_size(args.budget), parse_size(args.draft_room)
+    files = sorted(folder.glob("*.safetensors"))
+    rates, runs = {False: [], True: []}, {}
+    for _ in range(args.rounds):
+        for speculate in (False, True):
+            drop_cache(files)
+            job = {"model": str(folder), "budget": budget, "tokens": args.disk_tokens, "prompts": prompts,
+                   "speculate": speculate}
+            cgroup = MemCgroup(budget + room)
+            try:
+                done = subprocess.run([sys.executable, __file__, "--disk-child", json.dumps(job)], capture_output=True,
+                                      text=True, timeout=3600, preexec_fn=cgroup.join)
+            finally:
+                peak = cgroup.stats()["peak_bytes"]
+                cgroup.remove()
+            if done.returncode != 0:
+                raise SystemExit(f"a disk run failed (exit {done.returncode}): {done.stderr.strip()[-800:]}")
+            runs[speculate] = json.loads(done.stdout.strip().splitlines()[-1]) | {"peak": peak}
+            rates[speculate].append(runs[speculate]["tokens_per_s"])
+    plain, spec = (statistics.median(rates[s]) for s in (False, True))
+    same = sum(a == b for a, b in zip(runs[False]["answers"], runs[True]["answers"]))
+    stats = runs[True]["stats"]
+    print(f"{folder.name} (fp32, {runs[False]['units_on_disk']} of {runs[False]['units']} units on disk), cpu_memory "
+          f"{format_bytes(budget)}, cgroup limit {format_bytes(budget + room)} (peaks {format_bytes(runs[False]['peak'])}"
+          f" / {format_bytes(runs[True]['peak'])}); {args.disk_prompts} chat prompts x {args.disk_tokens} greedy "
+          f"tokens, one at a time; median of {args.rounds} runs each, alternating")
+    print(f"without speculation: {plain:.2f} tok/s; with method self (q4_0 draft in RAM): {spec:.2f} tok/s "
+          f"({spec / plain:.2f}x); acceptance {stats['acceptance_rate']:.2f}, {stats['tokens_per_pass']:.2f} tokens "
+          f"per pass that carried proposals, drafting {stats['draft_s']:.1f} s; answers identical {same} of "
+          f"{len(prompts)}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="a model offload loads (default: the default model's GGUF)")
@@ -149,7 +221,19 @@ def main(argv=None) -> int:
     ap.add_argument("--against-llamacpp", action="store_true",
                     help="also llama-cpp-python with and without its prompt lookup, on the same GGUF file")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, 2 prompts, 8 tokens, one round")
+    ap.add_argument("--disk", action="store_true", help="the fp32 copy on the disk tier, a self-draft at q4_0")
+    ap.add_argument("--budget", default="512MiB", help="--disk: cpu_memory of the target (the whole process)")
+    ap.add_argument("--draft-room", default="512MiB", help="--disk: the cgroup's room beyond --budget (the draft)")
+    ap.add_argument("--disk-prompts", type=int, default=10)
+    ap.add_argument("--disk-tokens", type=int, default=64)
+    ap.add_argument("--disk-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.disk_child:
+        print(json.dumps(disk_child(json.loads(args.disk_child))))
+        return 0
+    if args.disk:
+        disk_rows(args)
+        return 0
     model = args.model
     if args.smoke:
         sys.path.insert(0, str(HERE))

@@ -67,7 +67,7 @@ NOT_EVERYWHERE = {
     "speculative_config": "LLM's dict of the YAML's speculative section",
     "speculative.method": "LLM: speculative_config; CLI: --set", "speculative.num_speculative_tokens": "ditto",
     "speculative.max_speculative_tokens": "ditto", "speculative.prompt_lookup_max": "ditto",
-    "speculative.prompt_lookup_min": "ditto",
+    "speculative.prompt_lookup_min": "ditto", "speculative.model": "ditto", "speculative.quantization": "ditto",
     # YAML and LLM, no flag
     "host_baseline": "memory.baseline is auto (recorded by offload calibrate) unless measured otherwise: --set",
     # YAML and CLI, not LLM: LLM.generate takes sampling per call (SamplingParams) and writes no files

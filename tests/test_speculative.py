@@ -45,7 +45,7 @@ class Fixed:
     def __init__(self, tokens: list[int]):
         self.tokens = tokens
 
-    def propose(self, tokens: list[int], k: int) -> list[int]:
+    def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
         return self.tokens[:k]
 
 
@@ -70,6 +70,26 @@ def test_greedy_answers_equal_plain_decoding_at_batch_one_and_in_a_mixed_batch(m
     stats = fixed_k.speculative_stats
     assert stats["accepted"] > 0 and stats["accepted"] < stats["proposed"]  # some kept, some rolled back
     assert stats["tokens_per_pass"] > 1
+
+
+def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(model_dir):
+    """draft_model with the model itself as its draft: every proposal is kept; self at q4_0: some are, and the
+    answers are plain decoding's either way; each sequence's draft extent is freed when it ends."""
+    plain = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32")
+    prompts, params = ["The quick brown fox", "Hello there", REPEATS], [greedy(20), greedy(9), greedy(16)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    same = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
+               speculative_config={"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": 3})
+    assert [o.token_ids for o in same.generate(prompts, params)] == want
+    stats = same.speculative_stats
+    assert stats["proposed"] > 0 and stats["accepted"] == stats["proposed"] and stats["tokens_per_pass"] > 3
+    drafter = same.generator.speculator.drafter
+    assert drafter.pool.n_free == drafter.capacity and not drafter._held  # every sequence's extent given back
+    small = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
+                speculative_config={"method": "self", "num_speculative_tokens": 2})
+    assert [o.token_ids for o in small.generate(prompts, params)] == want
+    assert small.generator.speculator.drafter.draft.request.quantization == "q4_0"
+    assert small.speculative_stats["proposed"] > 0 and small.speculative_stats["draft_s"] > 0
 
 
 def test_proposals_the_model_rejects_are_rolled_back(model_dir):
@@ -173,6 +193,8 @@ def test_options_are_checked_and_a_job_reports_what_speculation_did(model_dir, t
         LLM(str(model_dir), backend="cpu", speculative_config={"method": "medusa"})
     with pytest.raises(ConfigError, match="prompt_lookup_min .* must not exceed"):
         LLM(str(model_dir), backend="cpu", speculative_config={"method": "ngram", "prompt_lookup_min": 9})
+    with pytest.raises(ConfigError, match="method draft_model needs model"):
+        LLM(str(model_dir), backend="cpu", speculative_config={"method": "draft_model"})
     with pytest.raises(ConfigError, match="speculative_config must be a dict"):
         LLM(str(model_dir), backend="cpu", speculative_config="ngram")
     from offload.jobs.run import run_batch

@@ -140,7 +140,10 @@ def llm_report(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeli
     report = build_report(counts, tl, getattr(llm, "plan", None), peaks, budget_of(config, llm), source,
                           job_what_ifs(llm, tl), job_predicted_s(llm, tl, speeds), speed_report)
     stats = getattr(llm, "speculative_stats", None)
-    return report if stats is None else {**report, "speculative": stats}
+    if stats is None:
+        return report
+    draft_share = stats["draft_s"] / counts.generate_s if counts.generate_s > 0 else None
+    return {**report, "speculative": {**stats, "draft_share": draft_share}}
 
 
 def job_speed(llm, timeline) -> tuple[MachineSpeed, list[tuple]] | None:

@@ -156,7 +156,8 @@ def format_report(report: dict) -> str:
     if spec:
         lines.append(f"{'spec':>7}: {spec['accepted']} of {spec['proposed']} proposed tokens kept "
                      f"({_pct(spec['acceptance_rate'])}); {spec['tokens_per_pass']:.2f} tokens per pass that carried "
-                     f"proposals ({spec['verified_passes']} such passes)")
+                     f"proposals ({spec['verified_passes']} such passes)"
+                     + (f"; drafting took {_pct(spec['draft_share'])} of the time" if spec.get("draft_share") else ""))
     speed = report.get("machine_speed")
     if speed:
         attention = f", {speed['attention']:.2f}x attention" if speed.get("attention") else ""
