@@ -207,3 +207,42 @@ def test_options_are_checked_and_a_job_reports_what_speculation_did(model_dir, t
                         "speculative": {"method": "ngram", "num_speculative_tokens": 3},
                         "report": {"print": False}}, progress=False)
     assert report["speculative"]["proposed"] > 0 and 0 <= report["speculative"]["acceptance_rate"] <= 1
+
+
+def test_the_planner_prices_speculation_and_falls_back_to_no_proposals_where_they_do_not_pay():
+    """llama-3.1-8b on a 4 GiB rtx4090 budget (its layers stream over PCIe) with the 1B draft in VRAM: proposals
+    pay at acceptance 0.7 (a pass over 8 tokens costs little more than over 1); at acceptance 0 they never do."""
+    from offload.hardware import load_hardware
+    from offload.options import SpeculativeOptions
+    from offload.planner import PlanRequest
+    from offload.planner.speculation import expected_tokens, price_speculation
+    from offload.weights.model_files import model_spec
+
+    assert expected_tokens(0.0, 5) == 1 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
+    spec, draft = (model_spec(ROOT / "configs" / "models" / name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
+    hw = load_hardware("rtx4090-ddr5")
+    request = PlanRequest(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
+                          hardware="rtx4090-ddr5", gpu_memory="4GiB", max_model_len=4096)
+    options = SpeculativeOptions(method="draft_model", model=str(ROOT / "configs/models/llama-3.2-1b"),
+                                 quantization="q4_0")
+    good = price_speculation(spec, hw, request, options, 0.7, draft)
+    assert good.k > 0 and good.speedup > 1.2 and good.draft_gpu_bytes > 0 and good.draft_s > 0
+    assert abs(good.tokens_per_s - good.tokens_per_pass / (good.verify_s + good.draft_s)) < 1e-9
+    useless = price_speculation(spec, hw, request, options, 0.0, draft)
+    assert useless.k == 0 and useless.draft_s == 0
+    fixed = price_speculation(spec, hw, request, SpeculativeOptions(method="ngram", num_speculative_tokens=3), 0.5)
+    assert fixed.k == 3 and fixed.draft_s == 0 and fixed.draft_gpu_bytes == 0
+
+
+def test_simulate_prints_the_chosen_k_and_refuses_an_acceptance_without_a_method():
+    import subprocess
+
+    model = ["--model", str(ROOT / "configs/models/llama-3.1-8b"), "--hardware", "rtx4090-ddr5", "--gpu-memory",
+             "4GiB", "--quantization", "q4_0", "--decode-steps", "2", "--prompt-len", "16", "--batch-size", "1"]
+    done = subprocess.run([sys.executable, "-m", "offload", "simulate", *model, "--set", "speculative.method=ngram",
+                           "--speculative-acceptance", "0.6"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert "speculative decoding (ngram, acceptance 0.60): k = " in done.stdout
+    bad = subprocess.run([sys.executable, "-m", "offload", "simulate", *model, "--speculative-acceptance", "0.6"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "needs a speculative method" in bad.stderr and "Traceback" not in bad.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -19,7 +20,34 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, help="tokens per simulated prompt (default: max_model_len - max_tokens)")
     p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON of the simulated run here")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--speculative-acceptance", type=float, metavar="RATE",
+                   help="price speculative decoding (the config's speculative section, e.g. --set "
+                        "speculative.method=draft_model --set speculative.model=llama-3.2-1b) at batch 1 with this "
+                        "acceptance rate (default with a speculative method: 0.7)")
     p.set_defaults(func=run)
+
+
+def speculation_price(request, options, acceptance: float | None):
+    """The priced speculation of the config's speculative section at batch 1, or None where none is asked for."""
+    from offload.errors import ConfigError
+
+    if acceptance is None and options.method is None:
+        return None
+    if options.method is None:
+        raise ConfigError("--speculative-acceptance needs a speculative method: add --set speculative.method=ngram, "
+                          "self, or draft_model (with --set speculative.model=PATH)")
+    if acceptance is not None and not 0.0 <= acceptance < 1.0:
+        raise ConfigError(f"--speculative-acceptance must be a rate from 0 to below 1, found {acceptance}")
+    from offload.planner.speculation import price_speculation
+    from offload.speculative import PRIOR_ACCEPTANCE
+    from offload.weights.default_model import resolve_model
+    from offload.weights.model_files import model_spec
+
+    spec = model_spec(resolve_model(request.model))
+    draft = model_spec(resolve_model(options.model)) if options.method == "draft_model" else None
+    return price_speculation(spec, request.profile(), request, options,
+                             PRIOR_ACCEPTANCE if acceptance is None else acceptance, draft,
+                             options.max_speculative_tokens)
 
 
 def run(args) -> int:
@@ -31,12 +59,19 @@ def run(args) -> int:
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise ConfigError(f"--{flag.replace('_', '-')} must be 1 or more, found {value}")
-    request = plan_request(effective_config(args, need_input=False))
+    config = effective_config(args, need_input=False)
+    request = plan_request(config)
+    speculation = speculation_price(request, config.speculative, args.speculative_acceptance)
     result = simulate(request, args.decode_steps, args.trace, prompt_len=args.prompt_len, requests=args.requests)
     if args.json:
-        print(json.dumps(result.to_dict(), indent=2, default=lambda v: None))
+        out = result.to_dict()
+        if speculation is not None:
+            out["speculative"] = {**dataclasses.asdict(speculation), "speedup": speculation.speedup}
+        print(json.dumps(out, indent=2, default=lambda v: None))
     else:
         print(result.table())
+        if speculation is not None:
+            print(speculation.line())
     if args.trace:
         log.info(f"trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
     return 0

@@ -1,0 +1,130 @@
+"""Speculative decoding priced with the placement: what a batch-1 token costs when a drafter proposes k tokens and
+the model checks them in one (k + 1)-token pass over its weights.
+
+- The drafter takes a tier first. A draft model (or the model's own weights in a smaller format) is planned on
+  the whole budget at batch 1 (on a GPU machine it goes to VRAM when it fits); the model is then planned on what
+  is left (VRAM the draft holds is VRAM the model's layers do not), so the price of the draft's room is in the
+  model's own pass. Prompt lookup takes nothing.
+- A pass of the model over k + 1 tokens of one sequence, and one draft step, are priced by the cost model the
+  plan uses (planner.recost: the same placement, a step of that shape).
+- With acceptance rate a, a pass gives (1 - a^(k+1)) / (1 - a) tokens on average; k is the one with the most
+  tokens per second, (tokens per pass) / (pass + k draft steps), from 0 (no speculation) to max_k.
+Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from offload.planner.recost import recost_steps
+
+
+@dataclass(frozen=True)
+class SpeculationPrice:
+    """The chosen k and what it predicts at batch 1, beside decoding without speculation."""
+
+    method: str
+    acceptance: float
+    k: int
+    tokens_per_pass: float
+    verify_s: float  # the model's pass over k + 1 tokens
+    draft_s: float  # k draft steps
+    tokens_per_s: float
+    plain_tokens_per_s: float  # the model alone, planned on the whole budget
+    draft_gpu_bytes: int = 0  # VRAM the draft holds (taken from the model's layers)
+    draft_cpu_bytes: int = 0
+
+    @property
+    def speedup(self) -> float:
+        return self.tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else 0.0
+
+    def line(self) -> str:
+        where = ""
+        if self.draft_gpu_bytes or self.draft_cpu_bytes:
+            where = (f"; the draft holds {_gib(self.draft_gpu_bytes)} of VRAM and {_gib(self.draft_cpu_bytes)} of "
+                     f"RAM, taken from the model's budget")
+        return (f"speculative decoding ({self.method}, acceptance {self.acceptance:.2f}): k = {self.k}, "
+                f"{self.tokens_per_pass:.2f} tokens per pass; batch 1 predicted {self.tokens_per_s:.2f} tok/s against "
+                f"{self.plain_tokens_per_s:.2f} without ({self.speedup:.2f}x); a pass {self.verify_s * 1e3:.1f} ms, "
+                f"drafting {self.draft_s * 1e3:.1f} ms{where}")
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens a pass over k proposals gives on average: the kept ones and the model's own after them."""
+    a = min(max(acceptance, 0.0), 0.9999)
+    return (1 - a ** (k + 1)) / (1 - a)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A step's shape as recost prices it (profile.timeline.StepShape's fields)."""
+
+    n_tokens: int
+    attended_keys: int
+    kv_read_tokens: int
+    phase: str = "decode"
+    n_seqs: int = 1
+    threads: int = 0
+
+    @property
+    def n_logits(self) -> int:
+        return self.n_tokens
+
+
+def decode_pass_s(spec, hw, plan, n_tokens: int, context: int) -> float:
+    """The plan's seconds for one sequence's decode step of n_tokens tokens after context cached ones."""
+    shape = _Step(n_tokens, n_tokens * context + n_tokens * (n_tokens + 1) // 2, context + n_tokens - 1)
+    return recost_steps(spec, hw, plan, [shape])["decode"]
+
+
+def price_speculation(spec, hw, request, options, acceptance: float, draft_spec=None,
+                      max_k: int = 8) -> SpeculationPrice:
+    """Plan request at batch 1 with the speculative options (offload.options.SpeculativeOptions) on hw and price
+    every k; spec is the model's, draft_spec the draft's (draft_model; self: spec). The draft is planned first,
+    on the whole budget."""
+    from offload.planner.request import plan_for, plan_spec
+
+    one = replace(request, batch_size=1)
+    plain = plan_for(spec, hw, one)
+    context = plain.workload.prompt_len + plain.workload.gen_len // 2
+    plain_s = decode_pass_s(plan_spec(spec, plain), hw, plain, 1, context)
+    draft_step_s, gpu_bytes, cpu_bytes, target = 0.0, 0, 0, plain
+    if options.method in ("draft_model", "self"):
+        path = request.model if options.method == "self" else options.model
+        quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
+        draft_spec = draft_spec or spec
+        if draft_spec.vocab_size != spec.vocab_size:
+            from offload.errors import ConfigError
+
+            raise ConfigError(f"the draft model {path} has a vocabulary of {draft_spec.vocab_size} tokens and the "
+                              f"model {spec.vocab_size}; a draft model must share the model's tokenizer")
+        draft_plan = plan_for(draft_spec, hw, replace(one, model=path, quantization=quantization))
+        draft_step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
+        gpu_bytes = _held(draft_plan, "gpu")
+        cpu_bytes = _held(draft_plan, "cpu")
+        budget = one.budget(hw)
+        target = plan_for(spec, hw, replace(one, gpu_memory=max(budget.gpu_bytes - gpu_bytes, 0),
+                                            cpu_memory=max(budget.process_cpu_bytes - cpu_bytes, 0)))
+    target_spec = plan_spec(spec, target)
+    best = None
+    for k in range(0 if options.num_speculative_tokens is None else options.num_speculative_tokens,
+                   (max_k if options.num_speculative_tokens is None else options.num_speculative_tokens) + 1):
+        verify_s = decode_pass_s(target_spec, hw, target, k + 1, context)
+        tokens = expected_tokens(acceptance, k)
+        rate = tokens / (verify_s + k * draft_step_s)
+        if best is None or rate > best.tokens_per_s:
+            best = SpeculationPrice(options.method, acceptance, k, tokens, verify_s, k * draft_step_s, rate,
+                                    1.0 / plain_s, gpu_bytes, cpu_bytes)
+    return best
+
+
+def _held(plan, tier: str) -> int:
+    """Bytes a plan holds on a tier (weights, KV, buffers), 0 where it has none."""
+    t = next((t for t in plan.tiers if t.tier == tier), None)
+    if t is None:
+        return 0
+    return t.weights_bytes + t.kv_bytes + t.workspace_bytes + t.staging_bytes + t.pinned_bytes
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
