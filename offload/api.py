@@ -25,6 +25,7 @@ from offload.runtime import speedprobe
 from offload.runtime.host_memory import check_budget_fits_machine
 from offload.sampling import SamplingParams, TokenLogprob
 from offload.speculative import make_speculator
+from offload.system import memory_limit_bytes
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import load_tokenizer, model_spec, weight_source
 from offload.weights.prompts import encode_chat, encode_text
@@ -138,7 +139,8 @@ class LLM:
                                    placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
                                    logits_rows=self.max_batch_size)
         self.generator.between_steps = self._probe_cpu_speed_if_due
-        self.generator.speculator = make_speculator(speculative, self)
+        draft = load_draft(speculative, self) if speculative and speculative.method in ("draft_model", "self") else None
+        self.generator.speculator = make_speculator(speculative, draft)
 
     @property
     def speculative_stats(self) -> dict | None:
@@ -255,6 +257,23 @@ def speculative_options(config) -> SpeculativeOptions | None:
         err = e.errors()[0]
         where = f"speculative_config[{err['loc'][0]!r}]" if err["loc"] else "speculative_config"
         raise ConfigError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+
+
+def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
+    """The draft LLM of speculative decoding: the model's own weights in options.quantization (self; q4_0 by
+    default), or options.model (draft_model) as stored or in options.quantization; llm's context, batch, backend
+    and compute format; its vocabulary must be llm's."""
+    request = llm.request
+    path = str(llm.path) if options.method == "self" else options.model
+    quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
+    # its own plan, not yet priced with the model's: on this machine, within what the process may use
+    room = {"cpu_memory": memory_limit_bytes()} if request.hardware is None else {"hardware": request.hardware}
+    draft = LLM(path, quantization=quantization, max_model_len=llm.max_model_len, batch_size=llm.max_batch_size,
+                backend=request.backend, dtype=request.dtype, **room)
+    if draft.spec.vocab_size != llm.spec.vocab_size:
+        raise ConfigError(f"the draft model {path} has a vocabulary of {draft.spec.vocab_size} tokens and the model "
+                          f"{llm.spec.vocab_size}; a draft model must share the model's tokenizer")
+    return draft
 
 
 def request_of(model: str, options: dict) -> PlanRequest:

@@ -213,36 +213,17 @@ class ModelDrafter:
             self.pool.release(held[0], held[1])
 
 
-def make_speculator(options, llm=None) -> Speculator | None:
-    """The Speculator of a speculative options section (offload.options.SpeculativeOptions) for llm (the offload
-    LLM that verifies: a model drafter is loaded for its context and batch), or None."""
+def make_speculator(options, draft=None) -> Speculator | None:
+    """The Speculator of a speculative options section (offload.options.SpeculativeOptions), or None; draft: the
+    loaded draft LLM of methods draft_model and self (offload.api loads it for the model it drafts for)."""
     if options is None or options.method is None:
         return None
     if options.method == "ngram":
         drafter = NgramDrafter(options.prompt_lookup_max, options.prompt_lookup_min)
     else:
-        drafter = ModelDrafter(load_draft(options, llm))
+        if draft is None:
+            from offload.errors import ConfigError
+
+            raise ConfigError(f"speculative method {options.method!r} needs its draft model loaded")
+        drafter = ModelDrafter(draft)
     return Speculator(drafter, options.num_speculative_tokens, options.max_speculative_tokens)
-
-
-def load_draft(options, llm):
-    """The draft LLM: the model's own weights in options.quantization (self; q4_0 by default), or options.model
-    (draft_model) as stored or in options.quantization; the same context and batch as llm, on its backend; its
-    vocabulary must be llm's."""
-    from offload.api import LLM
-    from offload.errors import ConfigError
-    from offload.system import memory_limit_bytes
-
-    if llm is None:
-        raise ConfigError(f"speculative method {options.method!r} needs the model it drafts for")
-    request = llm.request
-    path = str(llm.path) if options.method == "self" else options.model
-    quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
-    # its own plan, not yet priced with the model's: on this machine, within what the process may use
-    room = {"cpu_memory": memory_limit_bytes()} if request.hardware is None else {"hardware": request.hardware}
-    draft = LLM(path, quantization=quantization, max_model_len=llm.max_model_len, batch_size=llm.max_batch_size,
-                backend=request.backend, dtype=request.dtype, **room)
-    if draft.spec.vocab_size != llm.spec.vocab_size:
-        raise ConfigError(f"the draft model {path} has a vocabulary of {draft.spec.vocab_size} tokens and the model "
-                          f"{llm.spec.vocab_size}; a draft model must share the model's tokenizer")
-    return draft
