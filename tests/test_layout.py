@@ -19,7 +19,7 @@ LAYERS = [
     {"profile", "model"},
     {"weights"},
     {"runtime"},
-    {"generate", "engine"},
+    {"generate", "engine", "quality"},
     {"api", "simulate", "costfit"},
     {"jobs"},
     {"serve"},
