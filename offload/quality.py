@@ -71,6 +71,12 @@ def chunk_logits(model, ids: list[int], rows: range, pass_tokens: int, logits_ro
     return torch.cat(out)
 
 
+def llm_logits(llm):
+    """(ids, rows) -> fp32 logits of one chunk at rows, from an offload.LLM run in its plan's passes."""
+    gen = llm.generator
+    return lambda ids, rows: chunk_logits(llm.model, ids, rows, gen.step_tokens, gen.logits_rows)
+
+
 @dataclass(frozen=True)
 class Estimate:
     value: float

@@ -33,7 +33,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from offload.quality import adds_bos, chunk_tokens, evaluate, format_result
+    from offload.quality import adds_bos, chunk_tokens, evaluate, format_result, llm_logits
 
     text = read_text(Path(args.text))
     if args.chunks is not None and args.chunks < 1:
@@ -49,7 +49,7 @@ def run(args) -> int:
     chunks = chunk_tokens(ids, args.ctx, args.chunks, adds_bos(model.tokenizer))
     log.info(f"{len(ids)} tokens, {len(chunks)} chunks of {args.ctx}")
     done = lambda i, sums: log.info(f"chunk {i + 1}/{len(chunks)}: mean KLD {sums.kld / sums.count:.6f}")  # noqa
-    result = evaluate(logits_of(model), logits_of(reference), chunks, done)
+    result = evaluate(llm_logits(model), llm_logits(reference), chunks, done)
     print(format_result(result, args.model, args.reference))
     return 0
 
@@ -82,10 +82,3 @@ def check_same_vocab(model, reference, args) -> None:
         raise ConfigError(f"--model {args.model} has {model.spec.vocab_size} tokens and --reference "
                           f"{args.reference} {reference.spec.vocab_size}; give the same model's reference file")
 
-
-def logits_of(llm):
-    """(ids, rows) -> the chunk's logits at rows, in the plan's passes."""
-    from offload.quality import chunk_logits
-
-    gen = llm.generator
-    return lambda ids, rows: chunk_logits(llm.model, ids, rows, gen.step_tokens, gen.logits_rows)
