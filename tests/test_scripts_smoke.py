@@ -27,6 +27,7 @@ SMOKE = {
     "bench_cpu_decode.py": r"offload q4_0 .* 32-token prompt: prefill +[\d.]+ tok/s, decode +[\d.]+ tok/s",
     "bench_disk.py": r"tok/s: decode rate \(N-1\)/\(t_N - t_1\)",
     "bench_gpu_offload.py": r"offload: load [\d.]+ s",
+    "bench_kl.py": r"PPL of the F32 reference: offload [\d.]+",
     "bench_kernels.py": r"q4_0 +\d+\.\d+ +[\d.]+ +[\d.]+x +[\d.]+x",
     "bench_load.py": r"second / first: [\d.]+",
     "bench_moe.py": r"offload q4_0 .* decode +[\d.]+ tok/s",
