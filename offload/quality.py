@@ -13,7 +13,7 @@ takes logits from any tool (scripts/bench_kl.py feeds it llama.cpp's)."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -127,9 +127,6 @@ class KLSums:
             self.nll_nll_ref += float((nll * nll_ref).sum())
             self.kld += float(kld.sum())
             self.kld2 += float((kld * kld).sum())
-
-    def merge(self, other: "KLSums") -> "KLSums":
-        return KLSums(**{f.name: getattr(self, f.name) + getattr(other, f.name) for f in fields(self)})
 
     def result(self) -> KLResult:
         n = self.count

@@ -118,6 +118,7 @@ def test_eval_kl_prints_the_table(gguf_pair, tmp_path, capsys):
     ("model", "--model {tmp}/missing.gguf does not exist"),
     ("text", "--text {tmp}/missing.txt is not a file"),
     ("short", "fewer than the 2 x 512 (--ctx) that llama-perplexity requires"),
+    ("chunks", "--chunks 0: give 1 or more"),
 ])
 def test_eval_kl_bad_input_is_one_sentence(gguf_pair, tmp_path, capsys, case, expected):
     model, reference = gguf_pair
@@ -128,6 +129,8 @@ def test_eval_kl_bad_input_is_one_sentence(gguf_pair, tmp_path, capsys, case, ex
         args["--model"] = str(tmp_path / "missing.gguf")
     elif case == "text":
         args["--text"] = str(tmp_path / "missing.txt")
+    elif case == "chunks":
+        args["--chunks"] = "0"
     assert main(["eval-kl", *[x for kv in args.items() for x in kv]]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("offload: error: ") and expected.format(tmp=tmp_path) in err

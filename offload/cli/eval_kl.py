@@ -43,13 +43,17 @@ def run(args) -> int:
     for flag, path in (("--model", args.model), ("--reference", args.reference)):
         if not Path(path).exists():
             raise ConfigError(f"{flag} {path} does not exist; give a .gguf file or a model folder")
-    model, reference = load(args.model, args), load(args.reference, args)
-    check_same_vocab(model, reference, args)
+    model = load(args.model, args)
     ids = model.tokenizer.encode(text, add_special_tokens=True)
-    chunks = chunk_tokens(ids, args.ctx, args.chunks, adds_bos(model.tokenizer))
+    chunks = chunk_tokens(ids, args.ctx, args.chunks, adds_bos(model.tokenizer))  # a short text: before the reference
+    reference = load(args.reference, args)
+    check_same_vocab(model, reference, args)
     log.info(f"{len(ids)} tokens, {len(chunks)} chunks of {args.ctx}")
-    done = lambda i, sums: log.info(f"chunk {i + 1}/{len(chunks)}: mean KLD {sums.kld / sums.count:.6f}")  # noqa
-    result = evaluate(llm_logits(model), llm_logits(reference), chunks, done)
+
+    def progress(i: int, sums) -> None:
+        log.info(f"chunk {i + 1}/{len(chunks)}: mean KLD so far {sums.kld / sums.count:.6f}")
+
+    result = evaluate(llm_logits(model), llm_logits(reference), chunks, progress)
     print(format_result(result, args.model, args.reference))
     return 0
 
