@@ -234,6 +234,9 @@ def table(model: str, ours: dict, theirs: dict) -> str:
 def run(model: str, kinds: list[str], args) -> int:
     args.workdir.mkdir(parents=True, exist_ok=True)
     have_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
+    if not have_llama_cpp and not args.smoke:
+        sys.exit("bench_kl.py needs llama-cpp-python, for llama.cpp's quantizer and its figures (pip install "
+                 "llama-cpp-python; it builds from source and is not in CI); --smoke runs offload's side alone")
     f32 = f32_file(model, args.workdir, args.threads)
     files = {"F32": f32} if args.smoke and not have_llama_cpp else {}
     for kind in kinds if have_llama_cpp else ():
