@@ -19,7 +19,7 @@ LAYERS = [
     {"profile", "model"},
     {"weights"},
     {"runtime"},
-    {"generate", "engine", "speculative"},
+    {"generate", "engine", "speculative", "quality"},
     {"api", "simulate", "costfit"},
     {"jobs"},
     {"serve"},

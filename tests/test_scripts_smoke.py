@@ -28,6 +28,7 @@ SMOKE = {
     "bench_disk.py": r"tok/s: decode rate \(N-1\)/\(t_N - t_1\)",
     "bench_gpu_offload.py": r"offload: load [\d.]+ s",
     "bench_kernels.py": r"q4_0 +\d+\.\d+ +[\d.]+ +[\d.]+x +[\d.]+x",
+    "bench_kl.py": r"PPL of the F32 reference: offload [\d.]+",
     "bench_load.py": r"second / first: [\d.]+",
     "bench_moe.py": r"offload q4_0 .* decode +[\d.]+ tok/s",
     "bench_offload.py": r"batch +2 peak device memory .* \(within\)",

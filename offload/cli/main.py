@@ -1,4 +1,4 @@
-"""The `offload` command line: generate, plan, simulate, calibrate, run, validate, serve, cache.
+"""The `offload` command line: generate, plan, simulate, calibrate, run, validate, serve, cache, eval-kl.
 Errors print one line unless --debug."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ import sys
 import threading
 
 from offload import __version__
-from offload.cli import cache, calibrate, generate, plan, run, serve, simulate, validate
+from offload.cli import cache, calibrate, eval_kl, generate, plan, run, serve, simulate, validate
 from offload.cli.exits import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED
 from offload.errors import OffloadError
 
-COMMANDS = (generate, plan, simulate, calibrate, run, validate, serve, cache)  # each adds its parser: add_parser(sub)
+# each adds its parser: add_parser(sub)
+COMMANDS = (generate, plan, simulate, calibrate, run, validate, serve, cache, eval_kl)
 LOG_LEVELS = ("debug", "info", "warning", "error")
 SYMLINK_LOOP = "Symlink loop from "  # pathlib's RuntimeError for ELOOP: "Symlink loop from '<path>'"
 
