@@ -105,6 +105,11 @@ class LLM:
 
     def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None,
               speculative: SpeculativeOptions | None = None):
+        draft = None
+        self.draft_bytes = {"gpu": 0, "cpu": 0}  # what a speculative draft holds of the budgets (planned first)
+        if speculative is not None and speculative.method in MODEL_DRAFTS and placement is None:
+            draft, request = plan_draft_first(speculative, request)
+            self.draft_bytes = {"gpu": draft.plan_held[0], "cpu": draft.plan_held[1]}
         self.request = request
         self._in_use, self._user = threading.Lock(), None  # one generation loop at a time (acquire)
         self.speed_probes: list[speedprobe.SpeedProbe] = []  # of the CPU's speed around a job, for its report
@@ -139,7 +144,9 @@ class LLM:
                                    placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
                                    logits_rows=self.max_batch_size)
         self.generator.between_steps = self._probe_cpu_speed_if_due
-        draft = load_draft(speculative, self) if speculative and speculative.method in ("draft_model", "self") else None
+        if speculative is not None and speculative.method in MODEL_DRAFTS:
+            draft = draft or load_draft(speculative, self)  # with a placement given: the draft plans on its own
+            check_draft_vocab(draft, self)
         self.generator.speculator = make_speculator(speculative, draft)
 
     @property
@@ -259,6 +266,30 @@ def speculative_options(config) -> SpeculativeOptions | None:
         raise ConfigError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
+MODEL_DRAFTS = ("draft_model", "self")  # speculative methods that load a draft model
+
+
+def plan_draft_first(options: SpeculativeOptions, request: PlanRequest) -> tuple[LLM, PlanRequest]:
+    """The draft LLM planned first, on the request's whole budget (batch: the request's, else one sequence), and
+    the request for the model with the draft's GPU and CPU bytes taken from its budgets (as the planner prices
+    speculation: planner/speculation.py)."""
+    from offload.planner.speculation import draft_held, without_draft
+
+    path = request.model if options.method == "self" else options.model
+    quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
+    context = request.context_len(model_spec(resolve_model(request.model)))
+    draft = LLM.from_request(replace(request, model=path, quantization=quantization, max_model_len=context,
+                                     batch_size=request.batch_size or 1))
+    draft.plan_held = draft_held(draft.plan)
+    return draft, without_draft(request, request.profile(), *draft.plan_held)
+
+
+def check_draft_vocab(draft: LLM, llm: LLM) -> None:
+    if draft.spec.vocab_size != llm.spec.vocab_size:
+        raise ConfigError(f"the draft model {draft.path} has a vocabulary of {draft.spec.vocab_size} tokens and the "
+                          f"model {llm.spec.vocab_size}; a draft model must share the model's tokenizer")
+
+
 def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
     """The draft LLM of speculative decoding: the model's own weights in options.quantization (self; q4_0 by
     default), or options.model (draft_model) as stored or in options.quantization; llm's context, batch, backend
@@ -268,12 +299,8 @@ def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
     quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
     # its own plan, not yet priced with the model's: on this machine, within what the process may use
     room = {"cpu_memory": memory_limit_bytes()} if request.hardware is None else {"hardware": request.hardware}
-    draft = LLM(path, quantization=quantization, max_model_len=llm.max_model_len, batch_size=llm.max_batch_size,
-                backend=request.backend, dtype=request.dtype, **room)
-    if draft.spec.vocab_size != llm.spec.vocab_size:
-        raise ConfigError(f"the draft model {path} has a vocabulary of {draft.spec.vocab_size} tokens and the model "
-                          f"{llm.spec.vocab_size}; a draft model must share the model's tokenizer")
-    return draft
+    return LLM(path, quantization=quantization, max_model_len=llm.max_model_len, batch_size=llm.max_batch_size,
+               backend=request.backend, dtype=request.dtype, **room)
 
 
 def request_of(model: str, options: dict) -> PlanRequest:

@@ -16,10 +16,11 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
   runs; prints each one's tokens/s and offload-with-lookup / llama.cpp-with-lookup.
 
 - --disk: where the weights are far. The target is the default model's fp32 copy (the float reference the tests
-  write: its GGUF dequantized by transformers), on the disk tier: cpu_memory --budget (the whole process) leaves
-  most of it on disk; the draft is `method: self` at q4_0 (the same weights, quantized, in RAM). Each run is a
-  child process in a memory cgroup (scripts/bench_disk.py's, limit: --budget + --draft-room), the model's files
-  dropped from the page cache before it, so every pass reads what is on disk; --disk-prompts chat prompts,
+  write: its GGUF dequantized by transformers), on the disk tier: cpu_memory --budget (the whole process, the
+  draft included: it is planned first and the model gets the rest) leaves most of it on disk; the draft is
+  `method: self` at q4_0 (the same weights, quantized, in RAM). Each run is a child process in a memory cgroup
+  (scripts/bench_disk.py's, limit: --budget + --cgroup-slack for the page cache and activations), the model's
+  files dropped from the page cache before it, so every pass reads what is on disk; --disk-prompts chat prompts,
   --disk-tokens greedy tokens each, one at a time; without and with speculation alternating over --rounds.
 
   python scripts/bench_spec.py [--rounds 3] [--max-tokens 128] [--against-llamacpp]
@@ -180,7 +181,7 @@ def disk_rows(args) -> None:
 
     tokenizer = load_tokenizer(folder)
     prompts = [encode_chat(tokenizer, folder, c, True) for c in chats(args.disk_prompts)]
-    budget, room = parse_size(args.budget), parse_size(args.draft_room)
+    budget, room = parse_size(args.budget), parse_size(args.cgroup_slack)
     files = sorted(folder.glob("*.safetensors"))
     rates, runs = {False: [], True: []}, {}
     for _ in range(args.rounds):
@@ -202,7 +203,8 @@ def disk_rows(args) -> None:
     plain, spec = (statistics.median(rates[s]) for s in (False, True))
     same = sum(a == b for a, b in zip(runs[False]["answers"], runs[True]["answers"]))
     stats = runs[True]["stats"]
-    print(f"{folder.name} (fp32, {runs[False]['units_on_disk']} of {runs[False]['units']} units on disk), cpu_memory "
+    print(f"{folder.name} (fp32; units on disk: {runs[False]['units_on_disk']} of {runs[False]['units']} without a "
+          f"draft, {runs[True]['units_on_disk']} with one), cpu_memory "
           f"{format_bytes(budget)}, cgroup limit {format_bytes(budget + room)} (peaks {format_bytes(runs[False]['peak'])}"
           f" / {format_bytes(runs[True]['peak'])}); {args.disk_prompts} chat prompts x {args.disk_tokens} greedy "
           f"tokens, one at a time; median of {args.rounds} runs each, alternating")
@@ -222,8 +224,8 @@ def main(argv=None) -> int:
                     help="also llama-cpp-python with and without its prompt lookup, on the same GGUF file")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, 2 prompts, 8 tokens, one round")
     ap.add_argument("--disk", action="store_true", help="the fp32 copy on the disk tier, a self-draft at q4_0")
-    ap.add_argument("--budget", default="512MiB", help="--disk: cpu_memory of the target (the whole process)")
-    ap.add_argument("--draft-room", default="512MiB", help="--disk: the cgroup's room beyond --budget (the draft)")
+    ap.add_argument("--budget", default="640MiB", help="--disk: cpu_memory (the whole process, the draft included)")
+    ap.add_argument("--cgroup-slack", default="512MiB", help="--disk: the cgroup's room beyond --budget")
     ap.add_argument("--disk-prompts", type=int, default=10)
     ap.add_argument("--disk-tokens", type=int, default=64)
     ap.add_argument("--disk-child", help=argparse.SUPPRESS)

@@ -92,6 +92,21 @@ def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(mo
     assert small.speculative_stats["proposed"] > 0 and small.speculative_stats["draft_s"] > 0
 
 
+def test_a_draft_is_planned_first_and_its_bytes_come_out_of_the_models_budget(model_dir):
+    """memory.cpu is the whole process: the draft (planned first) holds part of it, the model's plan the rest,
+    and a job's memory watch and report hold the process to the sum."""
+    from offload.jobs.config import load_config
+    from offload.jobs.worker import budget_of
+
+    budget = 2 << 30
+    llm = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32", cpu_memory=budget,
+              speculative_config={"method": "self"})
+    held = llm.draft_bytes["cpu"]
+    assert held > 0 and llm.plan.budget.process_cpu_bytes == budget - held
+    config = load_config(None, {"model.path": str(model_dir), "memory.cpu": budget}, need_input=False)
+    assert budget_of(config, llm)["cpu"] == budget
+
+
 def test_proposals_the_model_rejects_are_rolled_back(model_dir):
     """A drafter that is always wrong: every step keeps none, and the answer is still plain decoding's."""
     plain = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32")

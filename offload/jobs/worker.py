@@ -218,4 +218,5 @@ def budget_of(config: JobConfig, llm) -> dict:
     budget = getattr(getattr(llm, "plan", None), "budget", None)
     if budget is None:
         return {"gpu": config.memory.gpu, "cpu": config.memory.cpu}
-    return {"gpu": budget.gpu_bytes, "cpu": budget.process_cpu_bytes}
+    draft = getattr(llm, "draft_bytes", {})  # a speculative draft's share, planned first: the process holds both
+    return {"gpu": budget.gpu_bytes + draft.get("gpu", 0), "cpu": budget.process_cpu_bytes + draft.get("cpu", 0)}

@@ -100,11 +100,8 @@ def price_speculation(spec, hw, request, options, acceptance: float, draft_spec=
                               f"model {spec.vocab_size}; a draft model must share the model's tokenizer")
         draft_plan = plan_for(draft_spec, hw, replace(one, model=path, quantization=quantization))
         draft_step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
-        gpu_bytes = _held(draft_plan, "gpu")
-        cpu_bytes = _held(draft_plan, "cpu")
-        budget = one.budget(hw)
-        target = plan_for(spec, hw, replace(one, gpu_memory=max(budget.gpu_bytes - gpu_bytes, 0),
-                                            cpu_memory=max(budget.process_cpu_bytes - cpu_bytes, 0)))
+        gpu_bytes, cpu_bytes = draft_held(draft_plan)
+        target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
     target_spec = plan_spec(spec, target)
     best = None
     for k in range(0 if options.num_speculative_tokens is None else options.num_speculative_tokens,
@@ -116,6 +113,19 @@ def price_speculation(spec, hw, request, options, acceptance: float, draft_spec=
             best = SpeculationPrice(options.method, acceptance, k, tokens, verify_s, k * draft_step_s, rate,
                                     1.0 / plain_s, gpu_bytes, cpu_bytes)
     return best
+
+
+def draft_held(plan) -> tuple[int, int]:
+    """(GPU, CPU) bytes a draft's plan holds: what the model's plan has left."""
+    return _held(plan, "gpu"), _held(plan, "cpu")
+
+
+def without_draft(request, hw, gpu_bytes: int, cpu_bytes: int):
+    """request with its GPU and CPU budgets less what a draft holds (the CPU's: the whole process, as memory.cpu
+    means it; the process's baseline is counted once, in the model's plan)."""
+    budget = request.budget(hw)
+    return replace(request, gpu_memory=max(budget.gpu_bytes - gpu_bytes, 0),
+                   cpu_memory=max(budget.process_cpu_bytes - cpu_bytes, 0))
 
 
 def _held(plan, tier: str) -> int:
