@@ -19,7 +19,8 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
   write: its GGUF dequantized by transformers), on the disk tier: cpu_memory --budget (the whole process, the
   draft included: it is planned first and the model gets the rest) leaves most of it on disk; the draft is
   `method: self` at q4_0 (the same weights, quantized, in RAM). Each run is a child process in a memory cgroup
-  (scripts/bench_disk.py's, limit: --budget + --cgroup-slack for the page cache and activations), the model's
+  (scripts/bench_disk.py's; one limit for both runs: the larger budget + --cgroup-slack for the page cache and
+  activations), the model's
   files dropped from the page cache before it, so every pass reads what is on disk; --disk-prompts chat prompts,
   --disk-tokens greedy tokens each, one at a time; without and with speculation alternating over --rounds.
 
@@ -164,7 +165,8 @@ def disk_child(job: dict) -> dict:
         outs += llm.generate({"prompt_token_ids": ids}, params)
     seconds = time.perf_counter() - start
     return {"tokens_per_s": sum(len(o.token_ids) for o in outs) / seconds, "answers": [o.token_ids for o in outs],
-            "stats": llm.speculative_stats, "units_on_disk": on_disk, "units": len(llm.plan.units)}
+            "stats": llm.speculative_stats, "units_on_disk": on_disk, "units": len(llm.plan.units),
+            "draft_cpu_bytes": llm.draft_bytes["cpu"], "model_cpu_bytes": llm.plan.budget.process_cpu_bytes}
 
 
 def disk_rows(args) -> None:
@@ -184,12 +186,14 @@ def disk_rows(args) -> None:
     budget, room = parse_size(args.budget), parse_size(args.cgroup_slack)
     files = sorted(folder.glob("*.safetensors"))
     rates, runs = {False: [], True: []}, {}
+    limit = max(budget, parse_size(args.spec_budget) if args.spec_budget else 0) + room
     for _ in range(args.rounds):
         for speculate in (False, True):
             drop_cache(files)
-            job = {"model": str(folder), "budget": budget, "tokens": args.disk_tokens, "prompts": prompts,
+            mine = parse_size(args.spec_budget) if speculate and args.spec_budget else budget
+            job = {"model": str(folder), "budget": mine, "tokens": args.disk_tokens, "prompts": prompts,
                    "speculate": speculate}
-            cgroup = MemCgroup(budget + room)
+            cgroup = MemCgroup(limit)  # one limit for both runs: the same room for the page cache
             try:
                 done = subprocess.run([sys.executable, __file__, "--disk-child", json.dumps(job)], capture_output=True,
                                       text=True, timeout=3600, preexec_fn=cgroup.join)
@@ -204,10 +208,12 @@ def disk_rows(args) -> None:
     same = sum(a == b for a, b in zip(runs[False]["answers"], runs[True]["answers"]))
     stats = runs[True]["stats"]
     print(f"{folder.name} (fp32; units on disk: {runs[False]['units_on_disk']} of {runs[False]['units']} without a "
-          f"draft, {runs[True]['units_on_disk']} with one), cpu_memory "
-          f"{format_bytes(budget)}, cgroup limit {format_bytes(budget + room)} (peaks {format_bytes(runs[False]['peak'])}"
-          f" / {format_bytes(runs[True]['peak'])}); {args.disk_prompts} chat prompts x {args.disk_tokens} greedy "
-          f"tokens, one at a time; median of {args.rounds} runs each, alternating")
+          f"draft, {runs[True]['units_on_disk']} with one); cpu_memory {format_bytes(budget)} without, "
+          f"{format_bytes(runs[True]['model_cpu_bytes'] + runs[True]['draft_cpu_bytes'])} with the draft (the model "
+          f"{format_bytes(runs[True]['model_cpu_bytes'])}, the draft {format_bytes(runs[True]['draft_cpu_bytes'])}); "
+          f"cgroup limit {format_bytes(limit)} for both (peaks {format_bytes(runs[False]['peak'])} / "
+          f"{format_bytes(runs[True]['peak'])}); {args.disk_prompts} chat prompts x {args.disk_tokens} greedy tokens, "
+          f"one at a time; median of {args.rounds} runs each, alternating")
     print(f"without speculation: {plain:.2f} tok/s; with method self (q4_0 draft in RAM): {spec:.2f} tok/s "
           f"({spec / plain:.2f}x); acceptance {stats['acceptance_rate']:.2f}, {stats['tokens_per_pass']:.2f} tokens "
           f"per pass that carried proposals, drafting {stats['draft_s']:.1f} s; answers identical {same} of "
@@ -226,6 +232,9 @@ def main(argv=None) -> int:
     ap.add_argument("--disk", action="store_true", help="the fp32 copy on the disk tier, a self-draft at q4_0")
     ap.add_argument("--budget", default="640MiB", help="--disk: cpu_memory (the whole process, the draft included)")
     ap.add_argument("--cgroup-slack", default="512MiB", help="--disk: the cgroup's room beyond --budget")
+    ap.add_argument("--spec-budget", help="--disk: cpu_memory of the speculative run (default --budget); more gives "
+                                          "the draft room of its own, so that the model keeps as much in RAM as "
+                                          "without it")
     ap.add_argument("--disk-prompts", type=int, default=10)
     ap.add_argument("--disk-tokens", type=int, default=64)
     ap.add_argument("--disk-child", help=argparse.SUPPRESS)
