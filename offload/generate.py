@@ -105,17 +105,7 @@ class Generator:
         decode, drafts, chunks = self._plan_step(running)
         plain = [s for s in decode if id(s) not in drafts]
         verified = [(s, drafts[id(s)]) for s in decode if id(s) in drafts]
-        groups, tokens = [], []
-        if plain:
-            positions = torch.tensor([[s.n_tokens - 1] for s in plain])
-            groups.append((positions, torch.tensor([s.base for s in plain])))
-            tokens += [s.output_ids[-1] for s in plain]
-        for seq, draft in verified:  # its last token and its proposals: the model's next token after each
-            groups.append((torch.arange(seq.n_tokens - 1, seq.n_tokens + len(draft))[None], torch.tensor([seq.base])))
-            tokens += [seq.output_ids[-1], *draft]
-        for seq, n in chunks:
-            groups.append((torch.arange(seq.n_cached, seq.n_cached + n)[None], torch.tensor([seq.base])))
-            tokens += seq.prompt_ids[seq.n_cached: seq.n_cached + n]
+        groups, tokens = self._inputs(plain, verified, chunks)
         phase = "prefill" if chunks else "decode"
         start = self.now()
         step = ragged_step(self.model.spec, self.model.dtype, groups, trash_slot, phase)
@@ -152,20 +142,45 @@ class Generator:
                 share_prefill(cache, seq, other)
                 sampled.append(other)
                 logits.append(row)
-        n_prompt = sum(n for _, n in chunks)
         n_logits = len(rows) + len(flat_verify) + sum(len(m) for _, m, _ in scored)
-        self._count(phase, start, len(tokens), StepShape(
-            phase, 0.0, n_prompt, len(tokens) - n_prompt, len(decode) + len(chunks), n_logits,
-            attended_keys=sum(s.n_tokens for s in plain) + sum(n * (s.n_cached - n) + n * (n + 1) // 2
-                                                               for s, n in chunks)
-            + sum((len(d) + 1) * s.n_tokens + len(d) * (len(d) + 1) // 2 for s, d in verified),
-            kv_read_tokens=sum(s.n_tokens for s in decode) + sum(len(d) for _, d in verified)
-            + sum(s.n_cached for s, _ in chunks), threads=threads))
+        self._count(phase, start, len(tokens), self._shape(phase, len(tokens), plain, verified, chunks, n_logits,
+                                                           threads))
         self._sample_next(sampled, logits)
         for (seq, draft), more in zip(verified, verify_rows):
             mine, checked = checked[: len(more)], checked[len(more):]
             self.speculator.verify(mine, draft, seq.params, seq.generator, seq.prompt_ids, seq.output_ids,
                                    lambda token, row, seq=seq: self._take(seq, token, row))
+
+    @staticmethod
+    def _inputs(plain: list[Sequence], verified: list[tuple[Sequence, list[int]]],
+                chunks: list[tuple[Sequence, int]]) -> tuple[list, list[int]]:
+        """The step's ragged groups (positions, base slots) and its tokens: the plain decode tokens in one group,
+        each verified sequence's last token and proposals, each prompt chunk."""
+        groups, tokens = [], []
+        if plain:
+            positions = torch.tensor([[s.n_tokens - 1] for s in plain])
+            groups.append((positions, torch.tensor([s.base for s in plain])))
+            tokens += [s.output_ids[-1] for s in plain]
+        for seq, draft in verified:  # its last token and its proposals: the model's next token after each
+            groups.append((torch.arange(seq.n_tokens - 1, seq.n_tokens + len(draft))[None], torch.tensor([seq.base])))
+            tokens += [seq.output_ids[-1], *draft]
+        for seq, n in chunks:
+            groups.append((torch.arange(seq.n_cached, seq.n_cached + n)[None], torch.tensor([seq.base])))
+            tokens += seq.prompt_ids[seq.n_cached: seq.n_cached + n]
+        return groups, tokens
+
+    @staticmethod
+    def _shape(phase: str, n_tokens: int, plain: list[Sequence], verified: list[tuple[Sequence, list[int]]],
+               chunks: list[tuple[Sequence, int]], n_logits: int, threads: int) -> StepShape:
+        """What the step computed, for the cost model (the chunks' n_cached already counts them)."""
+        n_prompt = sum(n for _, n in chunks)
+        return StepShape(
+            phase, 0.0, n_prompt, n_tokens - n_prompt, len(plain) + len(verified) + len(chunks), n_logits,
+            attended_keys=sum(s.n_tokens for s in plain) + sum(n * (s.n_cached - n) + n * (n + 1) // 2
+                                                               for s, n in chunks)
+            + sum((len(d) + 1) * s.n_tokens + len(d) * (len(d) + 1) // 2 for s, d in verified),
+            kv_read_tokens=sum(s.n_tokens for s in plain) + sum(s.n_tokens + len(d) for s, d in verified)
+            + sum(s.n_cached for s, _ in chunks), threads=threads)
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
         """Logits of hidden[rows], at most logits_rows at a time (the plan budgets that many)."""

@@ -18,9 +18,8 @@ from offload.system import system_cores, system_memory_bytes
 
 PRESET_DIR = configs_dir() / "hardware"
 
-# A profile measured before offload read GGUF formats has no figures for them: price them by the kin format
-# their kernels resemble (4 and 5-bit blocks like q4_0, 6-bit like q8_0) rather than by fp32.
-# Types without a fused CPU kernel are dequantized and multiplied in fp32: priced by fp32's rates.
+# A profile without figures for a GGUF type prices it by its kin (formats.GGUF_TYPES: the format its kernels
+# resemble); types without a fused CPU kernel are dequantized and multiplied in fp32, so priced by fp32's rates.
 KIN_FORMATS = {t.name: t.kin for t in GGUF_TYPES if t.kin}
 
 

@@ -1,12 +1,10 @@
 """OpenAI's answer shapes, built once for a batch job's output line and a server's answer: the choices of a
-finished request (n samples each; for completions, echo) with their logprobs, the body around them, and the
-streamed chunks of a server."""
+finished request (n samples each; for completions, echo) with their logprobs, and their usage (the body around
+them is jobs.batch.response_body)."""
 
 from __future__ import annotations
 
 from offload.jobs.batch import CHAT, response_body, usage  # noqa: F401 (the shapes of one answer)
-
-MAX_TOP_LOGPROBS_COMPLETIONS = 20  # the completions API's logprobs at most (OpenAI: 5; vLLM: its max_logprobs 20)
 
 
 def token_text(tokenizer, token_id: int) -> str:

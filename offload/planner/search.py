@@ -356,14 +356,11 @@ class Search:
         return frozenset(i for i in range(self.n) if self.kinds[i] == "layer" and cand.compute["decode"][i] != "cpu")
 
     def _freeze(self, cand: _Candidate, pre, dec) -> Plan:
-        units = []
+        units, mode = [], cand.compute
         for i, u in enumerate(self.units):
-            kv_tier = ("cpu" if cand.compute["decode"][i] == "cpu" or cand.host_kv else "gpu") if u.kind == "layer" \
-                else None
-            units.append(UnitPlan(name=u.name, kind=u.kind, index=u.index, weight_tier=cand.weight[i],
-                                  prefill=cand.compute["prefill"][i], decode=cand.compute["decode"][i],
-                                  kv_tier=kv_tier, weight_bytes=self.w[i], kv_bytes=self.kv[i],
-                                  page_cached=i in cand.cached, stored=self.stored[i]))
+            kv_tier = ("cpu" if mode["decode"][i] == "cpu" or cand.host_kv else "gpu") if u.kind == "layer" else None
+            units.append(UnitPlan(u.name, u.kind, u.index, cand.weight[i], mode["prefill"][i], mode["decode"][i],
+                                  kv_tier, self.w[i], self.kv[i], i in cand.cached, self.stored[i]))
         n_streamed = sum("stream" in (u.prefill, u.decode) for u in units)
         depth = min(self.depth, n_streamed)  # copies run this many streamed units ahead
         in_place = self._in_place(cand)
