@@ -8,8 +8,8 @@
 //    in row order); within a tile, block pairs (b, b+1) one after another, each pair holding the 4 rows'
 //    two blocks side by side (row 0's b and b+1, then row 1's...), then an odd last block of the 4 rows.
 //    The scales follow the same order. A matrix-vector product then reads one sequential stream.
-// GGUF block formats (q4_1, q4_k, q5_k, q6_k) are kept as GGUF's own block bytes in row order, in qs alone
-// (d is null): see kquant.h for their layouts.
+// GGUF block formats (q4_1, q5_0, q5_1, iq4_nl, and the super-blocks q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs) are kept
+// as GGUF's own block bytes in row order, in qs alone (d is null): see kquant.h for their layouts.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -18,15 +18,20 @@ namespace offload {
 
 constexpr int64_t QK = 32;  // elements per quant block
 
-enum WFmt : int { W_Q8_0 = 0, W_Q4_0 = 1, W_BF16 = 2, W_F16 = 3, W_Q4_1 = 8, W_Q4_K = 9, W_Q5_K = 10, W_Q6_K = 11 };
+// The ids are offload/formats (GGUF_TYPES' cpu_kernel).
+enum WFmt : int {
+  W_Q8_0 = 0, W_Q4_0 = 1, W_BF16 = 2, W_F16 = 3,
+  W_Q4_1 = 8, W_Q4_K = 9, W_Q5_K = 10, W_Q6_K = 11, W_Q5_0 = 12, W_Q5_1 = 13, W_Q3_K = 14, W_Q2_K = 15,
+  W_IQ4_NL = 16, W_IQ4_XS = 17
+};
 constexpr int W_TILED = 4;  // format id + W_TILED: the same format in tiled order (q8_0 / q4_0 only)
 
-constexpr bool is_gguf(int fmt) { return fmt >= W_Q4_1 && fmt <= W_Q6_K; }
-// Weights and bytes per GGUF block (offload/formats.py GGUF_BLOCKS).
-constexpr int64_t gguf_block_weights(int fmt) { return fmt == W_Q4_1 ? 32 : 256; }
-constexpr int64_t gguf_block_bytes(int fmt) {
-  return fmt == W_Q4_1 ? 20 : fmt == W_Q4_K ? 144 : fmt == W_Q5_K ? 176 : 210;
-}
+constexpr bool is_gguf(int fmt) { return fmt >= W_Q4_1 && fmt <= W_IQ4_XS; }
+// Weights and bytes per GGUF block (offload/formats GGUF_TYPES), indexed by fmt - W_Q4_1.
+constexpr int64_t kGgufWeights[] = {32, 256, 256, 256, 32, 32, 256, 256, 32, 256};
+constexpr int64_t kGgufBytes[] = {20, 144, 176, 210, 22, 24, 110, 84, 18, 136};
+constexpr int64_t gguf_block_weights(int fmt) { return kGgufWeights[fmt - W_Q4_1]; }
+constexpr int64_t gguf_block_bytes(int fmt) { return kGgufBytes[fmt - W_Q4_1]; }
 // A format id as the Python face sends it -> (format, tiled order); false for an unknown id.
 inline bool parse_fmt_id(int id, int& fmt, bool& tiled) {
   tiled = id == W_TILED + W_Q8_0 || id == W_TILED + W_Q4_0;
@@ -130,6 +135,12 @@ void gemm_q4_1_ref(const WView& w, const XQ& x, float* y, const float* bias, int
 void gemm_q4_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q5_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q6_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q5_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q5_1_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q3_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q2_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_iq4_nl_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_iq4_xs_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 
 // AVX2 + FMA + F16C (qgemm_avx2.cpp, fgemm_avx2.cpp).
 void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
@@ -144,6 +155,12 @@ void gemm_q4_1_avx2(const WView& w, const XQ& x, float* y, const float* bias, in
 void gemm_q4_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q5_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q6_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q5_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q5_1_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q3_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q2_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_iq4_nl_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_iq4_xs_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 
 // AVX-512 VL + VNNI (qgemm_avx512.cpp): the AVX2 tiles with dpbusd dot products.
 void gemm_q8_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
@@ -152,5 +169,11 @@ void gemm_q4_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, 
 void gemm_q4_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q5_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q6_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q5_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q5_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q3_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_q2_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_iq4_nl_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_iq4_xs_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 
 }  // namespace offload

@@ -9,6 +9,19 @@
 //   q6_k (256, 210):  ql[128], qh[64], int8 scales[16], fp16 d. Sub-block i = 4h + t (h < 2, t < 4, 32 weights):
 //                     q = (nibble t / 2 of ql[64 h + 32 (t % 2) + l]) | ((qh[32 h + l] >> 2t) & 3) << 4, and
 //                     w = d * scales[2i + l / 16] * (q - 32)
+//   q5_0 (32, 22):    fp16 d, qh[4], qs[16]; q = nibble | (bit l of qh, as a little-endian uint32) << 4 for weight l
+//                     (low nibbles weights 0-15, high 16-31): w = d * (q - 16)
+//   q5_1 (32, 24):    fp16 d, fp16 m, qh[4], qs[16]; q as q5_0: w = d * q + m
+//   iq4_nl (32, 18):  fp16 d, qs[16]; nibbles as q4_1's, each an index into kIQ4Values: w = d * kIQ4Values[nibble]
+//   iq4_xs (256, 136): fp16 d, scales_h (uint16), scales_l[4], qs[128]. Sub-block i (32 weights): 6-bit scale
+//                     ls = (nibble i of scales_l) | (bits 2i of scales_h) << 4, nibbles of qs[16 i + l] as iq4_nl:
+//                     w = d * (ls - 32) * kIQ4Values[nibble]
+//   q3_k (256, 110):  hmask[32], qs[64], scales[12], fp16 d. Sub-block i = 4h + j (32 weights): q = ((qs[32 h + l]
+//                     >> 2j) & 3) | ((hmask[l] >> i) & 1) << 2, 16 6-bit scales (unpack_q3_scales) one per 16
+//                     weights: w = d * (scales[2i + l / 16] - 32) * (q - 4)
+//   q2_k (256, 84):   scales[16], qs[64], fp16 d, fp16 dmin. Sub-block i = 4h + j: q = (qs[32 h + l] >> 2j) & 3;
+//                     per 16 weights a 4-bit scale (low nibble of scales[2i + l / 16]) and minimum (high nibble):
+//                     w = d * sc * q - dmin * m
 //
 // Every sub-block of 32 lines up with one activation block of 32, so the kernels work in integers per block.
 #pragma once
@@ -19,6 +32,25 @@ namespace offload {
 
 constexpr int64_t QK_K = 256;  // weights per super-block of the K-quants
 constexpr int64_t kQ41Bytes = 20, kQ4KBytes = 144, kQ5KBytes = 176, kQ6KBytes = 210;
+constexpr int64_t kQ50Bytes = 22, kQ51Bytes = 24, kIQ4NLBytes = 18, kIQ4XSBytes = 136, kQ3KBytes = 110,
+                  kQ2KBytes = 84;
+
+// The 16 non-uniform levels of iq4_nl and iq4_xs (ggml-common.h kvalues_iq4nl).
+alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
+                                                1,    13,   25,  38,  53,  69,  89,  113};
+
+// The 16 6-bit scales of a q3_k super-block (before their -32) from its 12 packed bytes, one per byte of out:
+// scale k has its low 4 bits in byte k % 8 (low nibble for k < 8, high for the rest) and its top 2 bits in bits
+// 2 (k / 4) of byte 8 + k % 4 (ggml's dequantize_row_q3_K).
+inline void unpack_q3_scales(const uint8_t* packed, uint32_t out[4]) {
+  uint32_t a[3];
+  std::memcpy(a, packed, 12);
+  const uint32_t m4 = 0x0f0f0f0fu, m2 = 0x03030303u;
+  out[0] = (a[0] & m4) | ((a[2] & m2) << 4);
+  out[1] = (a[1] & m4) | (((a[2] >> 2) & m2) << 4);
+  out[2] = ((a[0] >> 4) & m4) | (((a[2] >> 4) & m2) << 4);
+  out[3] = ((a[1] >> 4) & m4) | (((a[2] >> 6) & m2) << 4);
+}
 
 // The 8 scales and 8 minimums of a q4_k / q5_k super-block, 6 bits each, from its 12 packed bytes:
 // bytes 0-3 hold scales 0-3 (low 6 bits) and the top 2 bits of scales 4-7; bytes 4-7 the same for the

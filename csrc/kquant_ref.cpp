@@ -1,13 +1,14 @@
-// Scalar references of the GGUF block formats (q4_1, q4_k, q5_k, q6_k): plain loops over the stored blocks,
+// Scalar references of the GGUF block formats (kquant.h): plain loops over the stored blocks,
 // the same integer dot products per activation block of 32 as the SIMD tiles (kquant_tiles.inc).
 //
 // Per activation block b of token n: y += dw_b * dx_b * dot_b - mw_b * xs_b, with dot_b the integer dot product
 // of the block's unsigned weight quants and the activation quants, dw_b, mw_b the block's weight scale and minimum
 // (fp32 products of the fp16 and 6-bit fields, as gguf-py dequantizes), dx_b, xs_b the activations' scale and
-// scale * sum (the sum of the quants, an exact integer). q6_k's quants carry an offset of 32 and a scale per 16
-// instead, folded into dot_b exactly.
+// scale * sum (the sum of the quants, an exact integer). q6_k's and q3_k's quants carry an offset (32, 4) and a
+// scale per 16 instead, folded into dot_b exactly; q2_k's minimum per 16 comes from the token's sums per 16. The
+// iq4 types' quants are signed levels (no minimum).
 //
-// Activations: int16 against q4_1 (quantize_x16), int8 against the K-quants (as llama.cpp's q8_K). With int8
+// Activations: int16 against q4_1 (quantize_x16), int8 against the others (as llama.cpp's q8_K and q8_0). With int8
 // activations (llama.cpp's q8_1) the default model's Q4_1 file answered "What is the capital of France?" with
 // "L'Étoile, la Marseillaise" (so does llama.cpp), its logits 2.7e-2 of their range away from transformers'
 // dequantized fp32 model; with int16 it answers Paris, 1.1e-4 away (tests/test_kernels_gguf.py).
@@ -110,6 +111,105 @@ float row_q6_k(const uint8_t* row, const XRow& x, int64_t K) {
   return acc;
 }
 
+int dot32s(const int8_t* wq, const int8_t* xq) {
+  int t = 0;
+  for (int l = 0; l < 32; ++l) t += int(wq[l]) * int(xq[l]);
+  return t;
+}
+
+// The 32 quants of a q5_0 / q5_1 block (unsigned, 0-31) and of an iq4_nl-style nibble block (signed levels).
+void q5_quants(const uint8_t* qh4, const uint8_t* qs, uint8_t (&q)[32]) {
+  uint32_t qh;
+  std::memcpy(&qh, qh4, 4);
+  for (int j = 0; j < 16; ++j) {
+    q[j] = uint8_t((qs[j] & 15) | ((qh >> j) & 1) << 4);
+    q[j + 16] = uint8_t((qs[j] >> 4) | ((qh >> (j + 16)) & 1) << 4);
+  }
+}
+
+void iq4_quants(const uint8_t* qs, int8_t (&q)[32]) {
+  for (int j = 0; j < 16; ++j) q[j] = kIQ4Values[qs[j] & 15], q[j + 16] = kIQ4Values[qs[j] >> 4];
+}
+
+// q5_0, q5_1, iq4_nl: blocks of 32 with one scale (and q5_1's minimum; q5_0's -16 offset as a minimum of 16 d).
+template <int FMT>
+float row_b32(const uint8_t* row, const XRow& x, int64_t K) {
+  const int64_t bytes = gguf_block_bytes(FMT);
+  float acc = 0.f;
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* blk = row + b * bytes;
+    const float d = fp16_to_f32(load_u16(blk));
+    if (FMT == W_IQ4_NL) {
+      int8_t q[32];
+      iq4_quants(blk + 2, q);
+      add_block(acc, d, 0.f, x, b, dot32s(q, x.q + b * 32));
+      continue;
+    }
+    uint8_t q[32];
+    q5_quants(blk + (FMT == W_Q5_1 ? 4 : 2), blk + (FMT == W_Q5_1 ? 8 : 6), q);
+    const float mw = FMT == W_Q5_1 ? -fp16_to_f32(load_u16(blk + 2)) : 16.f * d;
+    add_block(acc, d, mw, x, b, dot32(q, x.q + b * 32));
+  }
+  return acc;
+}
+
+float row_iq4_xs(const uint8_t* row, const XRow& x, int64_t K) {
+  float acc = 0.f;
+  for (int64_t g = 0; g < K / QK_K; ++g) {
+    const uint8_t* blk = row + g * kIQ4XSBytes;
+    const float d = fp16_to_f32(load_u16(blk));
+    const int sh = load_u16(blk + 2);
+    for (int i = 0; i < 8; ++i) {
+      const int ls = ((blk[4 + i / 2] >> (4 * (i % 2))) & 15) | ((sh >> (2 * i)) & 3) << 4;
+      int8_t q[32];
+      iq4_quants(blk + 8 + 16 * i, q);
+      const int64_t b = g * 8 + i;
+      add_block(acc, d * float(ls - 32), 0.f, x, b, dot32s(q, x.q + b * 32));
+    }
+  }
+  return acc;
+}
+
+// q3_k and q2_k: 2-bit quants (q3_k with a third bit from hmask) in sub-blocks of 32, a scale per 16.
+template <bool Q3>
+float row_q23_k(const uint8_t* row, const XRow& x, int64_t K) {
+  const int64_t bytes = Q3 ? kQ3KBytes : kQ2KBytes;
+  float acc = 0.f;
+  for (int64_t g = 0; g < K / QK_K; ++g) {
+    const uint8_t* blk = row + g * bytes;
+    const uint8_t* qs = blk + (Q3 ? 32 : 16);
+    int sc[16], mn[16] = {};
+    if (Q3) {
+      uint32_t packed[4];
+      unpack_q3_scales(blk + 96, packed);
+      uint8_t u[16];
+      std::memcpy(u, packed, 16);
+      for (int k = 0; k < 16; ++k) sc[k] = int(u[k]) - 32;
+    } else {
+      for (int k = 0; k < 16; ++k) sc[k] = blk[k] & 15, mn[k] = blk[k] >> 4;
+    }
+    const float d = fp16_to_f32(load_u16(blk + (Q3 ? 108 : 80))), dmin = Q3 ? 0.f : fp16_to_f32(load_u16(blk + 82));
+    for (int i = 0; i < 8; ++i) {
+      const int h = i / 4, j = i % 4;
+      const int64_t b = g * 8 + i;
+      int dot = 0, low = 0;
+      for (int half = 0; half < 2; ++half) {
+        int part = 0;
+        for (int l = 16 * half; l < 16 * half + 16; ++l) {
+          int q = (qs[32 * h + l] >> (2 * j)) & 3;
+          if (Q3) q |= ((blk[l] >> i) & 1) << 2;
+          part += q * int(x.q[b * 32 + l]);
+        }
+        const int sum16 = x.s16[2 * b + half];
+        dot += sc[2 * i + half] * (part - (Q3 ? 4 * sum16 : 0));
+        low += mn[2 * i + half] * sum16;
+      }
+      acc += d * x.d[b] * float(dot) - dmin * x.d[b] * float(low);
+    }
+  }
+  return acc;
+}
+
 template <float (*ROW)(const uint8_t*, const XRow&, int64_t)>
 void gemm_gguf_ref(int fmt, const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
   const int64_t K = w.K, row_bytes = K / gguf_block_weights(fmt) * gguf_block_bytes(fmt);
@@ -139,6 +239,30 @@ void gemm_q5_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int
 
 void gemm_q6_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
   gemm_gguf_ref<row_q6_k>(W_Q6_K, w, x, y, bias, r0, r1);
+}
+
+void gemm_q5_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_b32<W_Q5_0>>(W_Q5_0, w, x, y, bias, r0, r1);
+}
+
+void gemm_q5_1_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_b32<W_Q5_1>>(W_Q5_1, w, x, y, bias, r0, r1);
+}
+
+void gemm_iq4_nl_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_b32<W_IQ4_NL>>(W_IQ4_NL, w, x, y, bias, r0, r1);
+}
+
+void gemm_iq4_xs_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_iq4_xs>(W_IQ4_XS, w, x, y, bias, r0, r1);
+}
+
+void gemm_q3_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_q23_k<true>>(W_Q3_K, w, x, y, bias, r0, r1);
+}
+
+void gemm_q2_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_ref<row_q23_k<false>>(W_Q2_K, w, x, y, bias, r0, r1);
 }
 
 }  // namespace offload

@@ -37,6 +37,7 @@ KFN __m256 load8(const void* x, int xtype, int64_t i) {
   return _mm256_loadu_ps(static_cast<const float*>(x) + i);
 }
 
+constexpr bool kExactUS = false;  // vpmaddubsw saturates int16 pairs: the iq4 levels stay signed
 #include "qgemm_tiles.inc"
 #include "kquant_tiles.inc"
 
@@ -240,6 +241,36 @@ void gemm_q5_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, in
 __attribute__((target("avx2,fma,f16c")))
 void gemm_q6_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
   gemm_gguf_rows<Q6K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q5_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q50>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q5_1_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q51>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q3_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q3K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_q2_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<Q2K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_iq4_nl_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<IQ4NL>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_iq4_xs_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_gguf_rows<IQ4XS>(w, x, y, bias, r0, r1);
 }
 
 __attribute__((target("avx2,fma,f16c")))

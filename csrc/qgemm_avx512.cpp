@@ -6,6 +6,7 @@
 // GCC 12's AVX-512 headers build some intrinsics on _mm512_undefined_*(), which -Wmaybe-uninitialized flags.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
@@ -29,6 +30,7 @@ KFN __m256i dot_q8x16(__m256i w1, __m256i x1, __m256i w2, __m256i x2) {
   return _mm256_dpwssd_epi32(_mm256_dpwssd_epi32(_mm256_setzero_si256(), w1, x1), w2, x2);
 }
 
+constexpr bool kExactUS = true;  // vpdpbusd sums u8 x s8 products in int32, no int16 step
 #define GEMM_TOKENS 4  // 32 vector registers: 16 accumulators of a 4 x 4 tile
 #include "qgemm_tiles.inc"
 #include "kquant_tiles.inc"
@@ -237,39 +239,47 @@ KFN void wide_q4_0_rows(const WView& w, const XQ& x, float* y, const float* bias
 
 // GGUF block formats in 16-row tiles. A K-quant's own group decoder (kquant_tiles.inc) runs once per row and group
 // of a tile, and its quants are regrouped so that one zmm holds 4 consecutive quants of each of the 16 rows, with
-// per block the 16 rows' scales and negated minimums (q6_k: d times its two scales per 16 weights). q4_1 is
-// unpacked a block at a time, its nibbles widened to int16 pairs for its int16 activations. Per token and block:
-// 8 vpdpbusd (q4_1: 16 vpdpwssd), then the scale and the minimum's term once for all 16 rows; q6_k's -32 offset
-// starts its two integer sums per 16 (-32 x the token's sums per 16).
+// per block the 16 rows' scales and negated minimums (kScale16: d times its two scales per 16 weights, and q2_k's
+// dmin times its two minimums). q4_1 is unpacked a block at a time, its nibbles widened
+// to int16 pairs for its int16 activations. Per token and block: 8 vpdpbusd (q4_1: 16 vpdpwssd), then the scale
+// and the minimum's term once for all 16 rows; q6_k's and q3_k's offsets start their two integer sums per 16
+// (-32 or -4 x the token's sums per 16). The formats in blocks of 32 decode a row's last, partial group in part.
 template <class F>
-constexpr int gguf_wide_zmm() { return F::kX16 ? 18 : 10; }
+constexpr int gguf_wide_zmm() { return F::kX16 ? 18 : F::kMin16 ? 12 : 10; }
 constexpr int64_t kWideMinTokensGguf = 8;  // the decoding, once per tile, pays from here (1.0-1.2x at 8)
 
 template <class F>
 KFN void unpack_kquant_wide(const WView& w, int64_t r0, __m512i* scratch) {
   constexpr int Z = gguf_wide_zmm<F>();
-  const int64_t row_bytes = w.K / F::kWeights * F::kBytes;
+  const int64_t row_bytes = w.K / F::kWeights * F::kBytes, nb = w.K / QK;
   alignas(64) uint8_t q[WR][8][32];         // one group: row, block, quants in natural order
-  alignas(64) float v1[8][WR], v2[8][WR];  // block, row: scale and negated minimum (q6_k: d x scale of each 16)
-  alignas(32) float lanes[8];
-  alignas(32) int16_t sc16[16];
-  for (int64_t g = 0; g < w.K / QK_K; ++g) {
+  alignas(64) float v[4][8][WR];            // block, row: scale and negated minimum (kScale16: see above)
+  alignas(32) float dw[8], mw[8];
+  alignas(32) int16_t sc16[16], m16[16];
+  for (int64_t g = 0; 8 * g < nb; ++g) {
+    const int n = int(std::min<int64_t>(8, nb - 8 * g));  // blocks in this group
     for (int r = 0; r < WR; ++r) {
       Group G;
-      F::decode(w.qs + (r0 + r) * row_bytes + g * F::kBytes, G);
+      const uint8_t* p = w.qs + (r0 + r) * row_bytes + g * F::kGroupBytes;
+      if constexpr (F::kTail) F::decode(p, G, n);
+      else F::decode(p, G);
       for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(q[r][i]), G.q[i]);
-      if constexpr (F::kQ6) {
+      if constexpr (F::kScale16) {
         _mm256_store_si256(reinterpret_cast<__m256i*>(sc16), G.sc16);
         const float d = _mm256_cvtss_f32(G.dw);
-        for (int i = 0; i < 8; ++i) v1[i][r] = d * sc16[2 * i], v2[i][r] = d * sc16[2 * i + 1];
+        for (int i = 0; i < 8; ++i) v[0][i][r] = d * sc16[2 * i], v[1][i][r] = d * sc16[2 * i + 1];
+        if constexpr (F::kMin16) {
+          _mm256_store_si256(reinterpret_cast<__m256i*>(m16), G.m16);
+          const float dmin = _mm256_cvtss_f32(G.mw);
+          for (int i = 0; i < 8; ++i) v[2][i][r] = dmin * m16[2 * i], v[3][i][r] = dmin * m16[2 * i + 1];
+        }
       } else {
-        _mm256_store_ps(lanes, G.dw);
-        for (int i = 0; i < 8; ++i) v1[i][r] = lanes[i];
-        _mm256_store_ps(lanes, G.mw);
-        for (int i = 0; i < 8; ++i) v2[i][r] = -lanes[i];
+        _mm256_store_ps(dw, G.dw);
+        _mm256_store_ps(mw, G.mw);
+        for (int i = 0; i < 8; ++i) v[0][i][r] = dw[i], v[1][i][r] = -mw[i];
       }
     }
-    for (int i = 0; i < 8; ++i) {
+    for (int i = 0; i < n; ++i) {
       __m512i* o = scratch + (8 * g + i) * Z;
       const uint8_t* rows[WR];
       for (int r = 0; r < WR; ++r) rows[r] = q[r][i];
@@ -278,8 +288,7 @@ KFN void unpack_kquant_wide(const WView& w, int64_t r0, __m512i* scratch) {
         transpose16x4(rows, 16 * h, p);
         for (int j = 0; j < 4; ++j) _mm512_store_si512(o + 4 * h + j, p[j]);
       }
-      _mm512_store_ps(o + 8, _mm512_load_ps(v1[i]));
-      _mm512_store_ps(o + 9, _mm512_load_ps(v2[i]));
+      for (int k = 0; k < Z - 8; ++k) _mm512_store_ps(o + 8 + k, _mm512_load_ps(v[k][i]));
     }
   }
 }
@@ -339,16 +348,20 @@ KFN void wide_gguf(const __m512i* scratch, const XQ& x, int64_t n0, float* y, in
         for (int j = 0; j < 16; ++j) s = _mm512_dpwssd_epi32(s, q[j], bcast4(xr + 4 * j));
         acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), v1, acc[t]);
         acc[t] = _mm512_fmadd_ps(v2, _mm512_set1_ps(x.s[xb]), acc[t]);
-      } else if constexpr (F::kQ6) {  // two sums per 16 weights, each from -32 x the token's sum of its 16
+      } else if constexpr (F::kScale16) {  // two sums per 16 weights, each from -offset x the token's sum of its 16
         const int8_t* xr = x.qs + (n0 + t) * ld + b * QK;
         const int16_t* s16 = x.s16 + (n0 + t) * (K / 16) + 2 * b;
-        __m512i lo = _mm512_set1_epi32(-32 * s16[0]), hi = _mm512_set1_epi32(-32 * s16[1]);
+        __m512i lo = _mm512_set1_epi32(-F::kOff * s16[0]), hi = _mm512_set1_epi32(-F::kOff * s16[1]);
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           lo = _mm512_dpbusd_epi32(lo, q[j], bcast4(xr + 4 * j));
           hi = _mm512_dpbusd_epi32(hi, q[4 + j], bcast4(xr + 16 + 4 * j));
         }
-        const __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), v2, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), v1));
+        __m512 f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), v2, _mm512_mul_ps(_mm512_cvtepi32_ps(lo), v1));
+        if constexpr (F::kMin16) {  // q2_k: less dmin x m x the token's sum of each 16
+          f = _mm512_fnmadd_ps(_mm512_load_ps(o + NQ + 2), _mm512_set1_ps(float(s16[0])), f);
+          f = _mm512_fnmadd_ps(_mm512_load_ps(o + NQ + 3), _mm512_set1_ps(float(s16[1])), f);
+        }
         acc[t] = _mm512_fmadd_ps(f, dx, acc[t]);
       } else {
         const int8_t* xr = x.qs + (n0 + t) * ld + b * QK;
@@ -503,6 +516,36 @@ void gemm_q5_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 void gemm_q6_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
   gguf_rows<Q6K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q5_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gguf_rows<Q50>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q5_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gguf_rows<Q51>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q3_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gguf_rows<Q3K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_q2_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gguf_rows<Q2K>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_iq4_nl_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gguf_rows<IQ4NL>(w, x, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
+void gemm_iq4_xs_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gguf_rows<IQ4XS>(w, x, y, bias, r0, r1);
 }
 
 }  // namespace offload

@@ -66,6 +66,8 @@ _F16 = (("d", 2, "f16"),)
 _K_SCALES = (("d", 2, "f16"), ("dmin", 2, "f16"), ("scales", 12, "bits"))
 # Types without a fused CPU kernel run dequantized to fp32 and multiplied (kernels.linear): priced as fp32
 _DEQUANTIZED = ("fp32",)
+# Where a profile has no curves of a type's own, those of a kernel of its kind: blocks of 32, super-blocks of 256
+_KIN_32, _KIN_256 = ("q4_1", "q4_0"), ("q4_k", "q4_0")
 GGUF_TYPES = tuple(GGUFType(**t) for t in (
     dict(name="fp32", ggml_name="F32", ggml_type=0, block_weights=1, block_bytes=4, fields=(), layout="float"),
     dict(name="bf16", ggml_name="BF16", ggml_type=30, block_weights=1, block_bytes=2, fields=(), layout="float",
@@ -80,15 +82,17 @@ GGUF_TYPES = tuple(GGUFType(**t) for t in (
          fields=_F16 + (("m", 2, "f16"), ("qs", 16, "bits")), layout="blocks", cpu_kernel=8, triton=(0, 1),
          kin=("q4_0",), calibrated=True),
     dict(name="q5_0", ggml_name="Q5_0", ggml_type=6, block_weights=32, block_bytes=22,
-         fields=_F16 + (("qh", 4, "bits"), ("qs", 16, "bits")), layout="blocks", kin=_DEQUANTIZED),
+         fields=_F16 + (("qh", 4, "bits"), ("qs", 16, "bits")), layout="blocks", cpu_kernel=12, kin=_KIN_32,
+         calibrated=True),
     dict(name="q5_1", ggml_name="Q5_1", ggml_type=7, block_weights=32, block_bytes=24,
-         fields=_F16 + (("m", 2, "f16"), ("qh", 4, "bits"), ("qs", 16, "bits")), layout="blocks", kin=_DEQUANTIZED),
+         fields=_F16 + (("m", 2, "f16"), ("qh", 4, "bits"), ("qs", 16, "bits")), layout="blocks", cpu_kernel=13,
+         kin=_KIN_32, calibrated=True),
     dict(name="q2_k", ggml_name="Q2_K", ggml_type=10, block_weights=256, block_bytes=84,
          fields=(("scales", 16, "bits"), ("qs", 64, "bits"), ("d", 2, "f16"), ("dmin", 2, "f16")), layout="blocks",
-         kin=_DEQUANTIZED),
+         cpu_kernel=15, kin=_KIN_256, calibrated=True),
     dict(name="q3_k", ggml_name="Q3_K", ggml_type=11, block_weights=256, block_bytes=110,
          fields=(("hmask", 32, "bits"), ("qs", 64, "bits"), ("scales", 12, "bits"), ("d", 2, "f16")),
-         layout="blocks", kin=_DEQUANTIZED),
+         layout="blocks", cpu_kernel=14, kin=_KIN_256, calibrated=True),
     dict(name="q4_k", ggml_name="Q4_K", ggml_type=12, block_weights=256, block_bytes=144,
          fields=_K_SCALES + (("qs", 128, "bits"),), layout="blocks", cpu_kernel=9, triton=(1, 8), kin=("q4_0",),
          calibrated=True),
@@ -99,10 +103,10 @@ GGUF_TYPES = tuple(GGUFType(**t) for t in (
          fields=(("ql", 128, "bits"), ("qh", 64, "bits"), ("scales", 16, "bits"), ("d", 2, "f16")), layout="blocks",
          cpu_kernel=11, triton=(3, 16), kin=("q8_0",), calibrated=True),
     dict(name="iq4_nl", ggml_name="IQ4_NL", ggml_type=20, block_weights=32, block_bytes=18,
-         fields=_F16 + (("qs", 16, "bits"),), layout="blocks", kin=_DEQUANTIZED),
+         fields=_F16 + (("qs", 16, "bits"),), layout="blocks", cpu_kernel=16, kin=_KIN_32, calibrated=True),
     dict(name="iq4_xs", ggml_name="IQ4_XS", ggml_type=23, block_weights=256, block_bytes=136,
          fields=_F16 + (("scales_h", 2, "bits"), ("scales_l", 4, "bits"), ("qs", 128, "bits")), layout="blocks",
-         kin=_DEQUANTIZED),
+         cpu_kernel=17, kin=_KIN_256, calibrated=True),
     dict(name="iq3_xxs", ggml_name="IQ3_XXS", ggml_type=18, block_weights=256, block_bytes=98,
          fields=_F16 + (("qs", 64, "bits"), ("signs_scales", 32, "bits")), layout="blocks", kin=_DEQUANTIZED),
     dict(name="iq3_s", ggml_name="IQ3_S", ggml_type=21, block_weights=256, block_bytes=110,
