@@ -107,9 +107,11 @@ class LLM:
               speculative: SpeculativeOptions | None = None):
         draft = None
         self.draft_bytes = {"gpu": 0, "cpu": 0}  # what a speculative draft holds of the budgets (planned first)
+        self.whole_request = request  # the request the draft and the model share (planner/speculation.py)
         if speculative is not None and speculative.method in MODEL_DRAFTS and placement is None:
             draft, request = plan_draft_first(speculative, request)
             self.draft_bytes = {"gpu": draft.plan_held[0], "cpu": draft.plan_held[1]}
+        self.speculative = speculative
         self.request = request
         self._in_use, self._user = threading.Lock(), None  # one generation loop at a time (acquire)
         self.speed_probes: list[speedprobe.SpeedProbe] = []  # of the CPU's speed around a job, for its report
@@ -156,7 +158,9 @@ class LLM:
         speculator = self.generator.speculator
         if speculator is None:
             return None
-        return {**speculator.stats.as_dict(), "draft_s": speculator.draft_seconds}
+        draft_s = speculator.draft_seconds
+        return {**speculator.stats.as_dict(), "draft_s": draft_s,
+                "decode_tokens_per_s": speculator.stats.decode_tokens_per_s(draft_s)}
 
     @property
     def timeline(self) -> Timeline:
