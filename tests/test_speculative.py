@@ -5,6 +5,7 @@ back; sampled tokens keep the model's distribution (chi-square tests); the optio
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections import Counter
 from pathlib import Path
@@ -105,6 +106,36 @@ def test_a_draft_is_planned_first_and_its_bytes_come_out_of_the_models_budget(mo
     assert held > 0 and llm.plan.budget.process_cpu_bytes == budget - held
     config = load_config(None, {"model.path": str(model_dir), "memory.cpu": budget}, need_input=False)
     assert budget_of(config, llm)["cpu"] == budget
+
+
+def test_a_draft_that_does_not_pay_is_dropped_unless_k_is_set(model_dir, caplog):
+    """A draft as large as the model (the model itself, as stored) costs a model's pass a proposal: at the prior
+    acceptance no k pays, so the LLM runs without it, on the whole budget, and says why (both predicted speeds);
+    with num_speculative_tokens set it keeps the draft and says it is predicted slower."""
+    from offload.jobs.worker import job_speculation
+    from offload.profile.report import JobCounts, speculation_lines
+
+    config = {"method": "draft_model", "model": str(model_dir)}
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        llm = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32", cpu_memory=2 << 30,
+                  speculative_config=config)
+    price = llm.draft_price
+    assert not price.pays and price.tokens_per_s < price.plain_tokens_per_s
+    assert llm.generator.speculator is None and llm.speculative_stats is None and llm.draft_bytes["cpu"] == 0
+    assert llm.plan.budget.process_cpu_bytes == 2 << 30  # the whole budget is the model's
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "speculative decoding (draft_model) dropped" in said
+    assert f"predicted {price.tokens_per_s:.2f} tok/s (k = {price.k})" in said and price.k >= 1
+    assert f"{price.plain_tokens_per_s:.2f} tok/s without the draft" in said
+    report = job_speculation(llm, JobCounts())
+    assert report["dropped"] and "dropped" in speculation_lines(report)[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        kept = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
+                   speculative_config={**config, "num_speculative_tokens": 2})
+    assert kept.generator.speculator is not None and kept.draft_bytes["cpu"] > 0
+    assert "kept, as num_speculative_tokens is set, though predicted slower" in caplog.text
+    assert "predicted slower" in " ".join(speculation_lines(job_speculation(kept, JobCounts())))
 
 
 def test_proposals_the_model_rejects_are_rolled_back(model_dir):
@@ -279,6 +310,36 @@ def test_the_planner_prices_speculation_and_falls_back_to_no_proposals_where_the
     assert useless.k == 0 and useless.draft_s == 0
     fixed = price_speculation(spec, hw, request, SpeculativeOptions(method="ngram", num_speculative_tokens=3), 0.5)
     assert fixed.k == 3 and fixed.draft_s == 0 and fixed.draft_gpu_bytes == 0
+
+
+def test_a_draft_that_pushes_the_models_layers_off_the_gpu_is_weighed(caplog):
+    """llama-3.1-8b at q4_0 on an rtx4090 with the 1B draft: at 6 GiB the model alone has 33 of its 35 units in
+    VRAM, and the draft's 1.58 GiB push 10 more of its layers to the CPU (23 left), which costs more than the
+    proposals gain: plan_draft_first drops the draft (loading nothing) and says why; at 8 GiB the draft pays."""
+    from dataclasses import replace
+
+    from offload.api import plan_draft_first
+    from offload.options import SpeculativeOptions
+    from offload.planner import PlanRequest, plan_for
+    from offload.planner.speculation import plan_speculation, price_on
+    from offload.weights.model_files import model_spec
+
+    spec, draft = (model_spec(ROOT / "configs" / "models" / name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
+    options = SpeculativeOptions(method="draft_model", model=str(ROOT / "configs/models/llama-3.2-1b"),
+                                 quantization="q4_0")
+    request = PlanRequest(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
+                          hardware="rtx4090-ddr5", gpu_memory="6GiB", max_model_len=4096)
+    hw = request.profile()
+    on_gpu = lambda plan: sum(u.weight_tier == "gpu" for u in plan.units)  # noqa: E731
+    plans = plan_speculation(spec, hw, request, options, draft)
+    assert on_gpu(plan_for(spec, hw, replace(request, batch_size=1))) - on_gpu(plans.target) >= 8
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        none, same, price = plan_draft_first(options, request)
+    assert none is None and same == request and not price.pays and price.k >= 1 and price.draft_gpu_bytes > 0
+    assert price == price_on(plans, options, 0.7, options.max_speculative_tokens, min_k=1)
+    assert "speculative decoding (draft_model) dropped" in caplog.text
+    assert price_on(plan_speculation(spec, hw, replace(request, gpu_memory="8GiB"), options, draft), options,
+                    0.7, min_k=1).pays
 
 
 def test_the_steps_run_are_priced_as_the_planner_prices_k_and_a_batch_is_not():

@@ -148,12 +148,17 @@ def llm_report(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeli
 def job_speculation(llm, counts: JobCounts, speed: MachineSpeed | None = None) -> dict | None:
     """What speculative decoding did in the job, with its draft's share of the time and its batch-1 price against
     the decode speed measured (planner.speculation.against_measured; on the profile moved to the CPU's speed
-    during the job where it was probed); None without speculation."""
-    stats = getattr(llm, "speculative_stats", None)
+    during the job where it was probed); where the draft was dropped at load as not paying, why (None: no
+    speculation was asked for)."""
+    stats, price = getattr(llm, "speculative_stats", None), getattr(llm, "draft_price", None)
     if stats is None:
-        return None
+        return None if price is None else {"dropped": True, "reason": price.verdict(kept=False),
+                                           "predicted_tokens_per_s": price.tokens_per_s,
+                                           "plain_tokens_per_s": price.plain_tokens_per_s}
     draft_share = stats["draft_s"] / counts.generate_s if counts.generate_s > 0 else None
     out = {**stats, "draft_share": draft_share}
+    if price is not None and not price.pays:  # the user's k kept it
+        out["kept_though_slower"] = price.verdict(kept=True)
     if getattr(llm, "plan", None) is None:  # a placement given by hand: nothing priced it
         return out
     try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from offload.planner.recost import recost_steps
+from offload.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,25 @@ class SpeculationPrice:
     @property
     def speedup(self) -> float:
         return self.tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else 0.0
+
+    @property
+    def pays(self) -> bool:
+        """Whether decoding with the draft (and the model on what it leaves) is predicted faster than without."""
+        return self.tokens_per_s > self.plain_tokens_per_s
+
+    def verdict(self, kept: bool) -> str:
+        """Why speculation that does not pay was dropped, or (kept: the user set k) that it runs predicted slower."""
+        held = " and ".join(f"{format_bytes(n)} of {tier}" for n, tier in ((self.draft_gpu_bytes, "VRAM"),
+                                                                             (self.draft_cpu_bytes, "RAM")) if n)
+        why = (f"at batch 1 and the prior acceptance {self.acceptance:.2f}, with the draft holding {held or 'nothing'} "
+               f"and the model planned on what it leaves, decoding is predicted {self.tokens_per_s:.2f} tok/s (k = "
+               f"{self.k}) against {self.plain_tokens_per_s:.2f} tok/s without the draft, the model on the whole "
+               f"budget")
+        if kept:
+            return (f"speculative decoding ({self.method}) kept, as num_speculative_tokens is set, though predicted "
+                    f"slower: {why}")
+        return (f"speculative decoding ({self.method}) dropped: {why}; set speculative.num_speculative_tokens to "
+                f"keep it, or give the draft room of its own (a larger memory budget)")
 
     def line(self) -> str:
         where = ""
@@ -132,11 +152,12 @@ def price_speculation(spec, hw, request, options, acceptance: float, draft_spec=
     return price_on(plan_speculation(spec, hw, request, options, draft_spec, context), options, acceptance, max_k)
 
 
-def price_on(plans: SpeculationPlans, options, acceptance: float, max_k: int = 8) -> SpeculationPrice:
-    """price_speculation on plans made already."""
+def price_on(plans: SpeculationPlans, options, acceptance: float, max_k: int = 8,
+             min_k: int = 0) -> SpeculationPrice:
+    """price_speculation on plans made already; min_k: the fewest proposals priced (1: the best that speculates)."""
     fixed = options.num_speculative_tokens
     best = None
-    for k in range(0 if fixed is None else fixed, (max_k if fixed is None else fixed) + 1):
+    for k in range(min_k if fixed is None else fixed, (max(max_k, min_k) if fixed is None else fixed) + 1):
         verify_s, tokens = plans.pass_s(k), expected_tokens(acceptance, k)
         rate = tokens / (verify_s + k * plans.draft_step_s)
         if best is None or rate > best.tokens_per_s:

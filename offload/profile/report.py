@@ -172,13 +172,18 @@ def format_report(report: dict) -> str:
 
 
 def speculation_lines(spec: dict | None) -> list[str]:
-    """The report's lines on speculative decoding: what it did and its predicted speed against the measured."""
+    """The report's lines on speculative decoding: what it did and its predicted speed against the measured, or
+    why it was dropped."""
     if not spec:
         return []
+    if spec.get("dropped"):
+        return [f"{'spec':>7}: {spec['reason']}"]
     lines = [f"{'spec':>7}: {spec['accepted']} of {spec['proposed']} proposed tokens kept "
              f"({_pct(spec['acceptance_rate'])}); {spec['tokens_per_pass']:.2f} tokens per pass that carried "
              f"proposals ({spec['verified_passes']} such passes)"
              + (f"; drafting took {_pct(spec['draft_share'])} of the time" if spec.get("draft_share") else "")]
+    if spec.get("kept_though_slower"):
+        lines.append(f"{'':>7}  {spec['kept_though_slower']}")
     if "predicted_for" not in spec:  # a placement given by hand, or a report saved before predictions were added
         return lines
     measured = (f"{'':>7}  decode with it {_fmt(spec['measured_tokens_per_s'], '.2f')} tok/s measured (drafting "
@@ -189,9 +194,10 @@ def speculation_lines(spec: dict | None) -> list[str]:
              f"{spec['predicted_tokens_per_s']:.2f} tok/s for the steps run (the measured acceptance, k = "
              f"{spec['predicted_k']} on {_pct(spec['predicted_share'])} of them): "
              f"{_ratio_text(spec['predicted_over_measured'])} of measured; ")
-    return lines + [measured, f"{'':>7}  predicted {steps}forecast {spec['forecast_tokens_per_s']:.2f} tok/s (the prior "
-                              f"acceptance {spec['prior_acceptance']:.2f}, the planner's k = {spec['forecast_k']}): "
-                              f"{_ratio_text(spec['forecast_over_measured'])}"]
+    forecast = (f"forecast {spec['forecast_tokens_per_s']:.2f} tok/s (the prior acceptance "
+                f"{spec['prior_acceptance']:.2f}, the planner's k = {spec['forecast_k']}): "
+                f"{_ratio_text(spec['forecast_over_measured'])}")
+    return lines + [measured, f"{'':>7}  predicted {steps}{forecast}"]
 
 
 def _ratio_text(x) -> str:
