@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import warnings
 from dataclasses import dataclass, replace
@@ -16,6 +17,7 @@ from offload.errors import ConfigError
 from offload.formats import compute_format, torch_dtype
 from offload.generate import Generator, Sequence
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
+from offload.planner.speculation import SpeculationPrice
 from offload.options import SpeculativeOptions, default_of, request_sections
 from offload.profile.timeline import Timeline
 from offload.runtime.backends import make_backend
@@ -32,6 +34,8 @@ from offload.weights.prompts import encode_chat, encode_text
 
 DEFAULT_MAX_BATCH_SIZE = 32  # sequences in flight when a placement is given and no batch size
 MAX_SEQS = 256  # sequences in flight at most when the planner chose the batch (vLLM's max_num_seqs)
+
+log = logging.getLogger("offload")
 
 
 @dataclass
@@ -107,9 +111,15 @@ class LLM:
               speculative: SpeculativeOptions | None = None):
         draft = None
         self.draft_bytes = {"gpu": 0, "cpu": 0}  # what a speculative draft holds of the budgets (planned first)
+        # the request the draft and the model share, and the draft's price on it (planner/speculation.py)
+        self.whole_request, self.draft_price = request, None
         if speculative is not None and speculative.method in MODEL_DRAFTS and placement is None:
-            draft, request = plan_draft_first(speculative, request)
-            self.draft_bytes = {"gpu": draft.plan_held[0], "cpu": draft.plan_held[1]}
+            draft, request, self.draft_price = plan_draft_first(speculative, request)
+            if draft is None:
+                speculative = None  # dropped: it does not pay (plan_draft_first logged why)
+            else:
+                self.draft_bytes = {"gpu": draft.plan_held[0], "cpu": draft.plan_held[1]}
+        self.speculative = speculative
         self.request = request
         self._in_use, self._user = threading.Lock(), None  # one generation loop at a time (acquire)
         self.speed_probes: list[speedprobe.SpeedProbe] = []  # of the CPU's speed around a job, for its report
@@ -156,7 +166,9 @@ class LLM:
         speculator = self.generator.speculator
         if speculator is None:
             return None
-        return {**speculator.stats.as_dict(), "draft_s": speculator.draft_seconds}
+        draft_s = speculator.draft_seconds
+        return {**speculator.stats.as_dict(), "draft_s": draft_s,
+                "decode_tokens_per_s": speculator.stats.decode_tokens_per_s(draft_s)}
 
     @property
     def timeline(self) -> Timeline:
@@ -269,19 +281,29 @@ def speculative_options(config) -> SpeculativeOptions | None:
 MODEL_DRAFTS = ("draft_model", "self")  # speculative methods that load a draft model
 
 
-def plan_draft_first(options: SpeculativeOptions, request: PlanRequest) -> tuple[LLM, PlanRequest]:
+def plan_draft_first(options: SpeculativeOptions,
+                     request: PlanRequest) -> tuple[LLM | None, PlanRequest, SpeculationPrice]:
     """The draft LLM planned first, on the request's whole budget (batch: the request's, else one sequence), and
-    the request for the model with the draft's GPU and CPU bytes taken from its budgets (as the planner prices
-    speculation: planner/speculation.py)."""
-    from offload.planner.speculation import draft_held, without_draft
+    the request for the model with the draft's GPU and CPU bytes taken from its budgets, as the planner prices
+    speculation (planner/speculation.py), with the price of its best k (1 or more) at the prior acceptance. Where
+    the draft's room and steps cost more than its proposals gain, no draft (None) and the request as it was,
+    unless the user set k."""
+    from offload.planner.speculation import draft_held, plan_speculation, price_on, without_draft
+    from offload.speculative import PRIOR_ACCEPTANCE
 
     path = request.model if options.method == "self" else options.model
     quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
-    context = request.context_len(model_spec(resolve_model(request.model)))
-    draft = LLM.from_request(replace(request, model=path, quantization=quantization, max_model_len=context,
-                                     batch_size=request.batch_size or 1))
+    spec = model_spec(resolve_model(request.model))
+    plans = plan_speculation(spec, request.profile(), request, options, model_spec(resolve_model(path)))
+    price = price_on(plans, options, PRIOR_ACCEPTANCE, options.max_speculative_tokens, min_k=1)
+    if not price.pays:
+        log.warning(price.verdict(kept=options.num_speculative_tokens is not None))
+        if options.num_speculative_tokens is None:
+            return None, request, price
+    draft = LLM.from_request(replace(request, model=path, quantization=quantization,
+                                     max_model_len=request.context_len(spec), batch_size=request.batch_size or 1))
     draft.plan_held = draft_held(draft.plan)
-    return draft, without_draft(request, request.profile(), *draft.plan_held)
+    return draft, without_draft(request, request.profile(), *draft.plan_held), price
 
 
 def check_draft_vocab(draft: LLM, llm: LLM) -> None:

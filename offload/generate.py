@@ -143,13 +143,25 @@ class Generator:
                 sampled.append(other)
                 logits.append(row)
         n_logits = len(rows) + len(flat_verify) + sum(len(m) for _, m, _ in scored)
-        self._count(phase, start, len(tokens), self._shape(phase, len(tokens), plain, verified, chunks, n_logits,
-                                                           threads))
+        shape = self._shape(phase, len(tokens), plain, verified, chunks, n_logits, threads)
+        elapsed = self._count(phase, start, len(tokens), shape)
         self._sample_next(sampled, logits)
+        gained = self._verify(verified, verify_rows, checked)
+        if self.speculator is not None and phase == "decode":
+            self.speculator.observe_step(shape, elapsed, len(plain) + gained)
+
+    def _verify(self, verified: list[tuple[Sequence, list[int]]], verify_rows: list[list[int]],
+                checked: list[torch.Tensor]) -> int:
+        """Each verified sequence takes the proposals the model agrees with and one token of its own (checked: the
+        rows of logits of verify_rows); the tokens they gained."""
+        if not verified:
+            return 0
+        before = self.speculator.stats.verified_tokens
         for (seq, draft), more in zip(verified, verify_rows):
             mine, checked = checked[: len(more)], checked[len(more):]
             self.speculator.verify(mine, draft, seq.params, seq.generator, seq.prompt_ids, seq.output_ids,
                                    lambda token, row, seq=seq: self._take(seq, token, row))
+        return self.speculator.stats.verified_tokens - before
 
     @staticmethod
     def _inputs(plain: list[Sequence], verified: list[tuple[Sequence, list[int]]],
@@ -190,13 +202,13 @@ class Generator:
             out += list(self.model.logits(hidden[rows[i: i + self.logits_rows]], more=more))
         return out
 
-    def _count(self, phase: str, start_s: float, n_tokens: int, shape: StepShape) -> None:
-        if self.speculator is not None and phase == "decode":
-            self.speculator.observe_step(n_tokens, self.now() - start_s)
+    def _count(self, phase: str, start_s: float, n_tokens: int, shape: StepShape) -> float:
+        """The step's seconds since start_s, added to the timeline."""
+        elapsed = self.now() - start_s
         timeline = getattr(self.model, "timeline", None)
         if timeline is not None:
-            elapsed = self.now() - start_s
             timeline.add_phase(phase, elapsed, n_tokens, replace(shape, seconds=elapsed, start_s=start_s))
+        return elapsed
 
     def _check(self, seq: Sequence) -> None:
         try:

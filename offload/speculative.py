@@ -59,6 +59,11 @@ class SpeculativeStats:
     accepted: int = 0
     verified_passes: int = 0  # a sequence's step that carried proposals
     verified_tokens: int = 0  # tokens those steps gave it (kept proposals and the model's own)
+    decode_steps: int = 0  # decode steps (no prompt tokens), with or without proposals
+    decode_seqs: int = 0  # sequences in them, summed over the steps
+    decode_context: int = 0  # their cached positions before the step, summed over the steps
+    decode_tokens: int = 0  # tokens the sequences gained in them
+    decode_s: float = 0.0  # seconds of their passes over the weights (drafting not included)
 
     @property
     def acceptance_rate(self) -> float:
@@ -69,9 +74,26 @@ class SpeculativeStats:
         """Mean tokens a sequence gained per pass that carried proposals."""
         return self.verified_tokens / self.verified_passes if self.verified_passes else 0.0
 
+    @property
+    def mean_batch(self) -> float:
+        """Sequences per decode step."""
+        return self.decode_seqs / self.decode_steps if self.decode_steps else 0.0
+
+    @property
+    def mean_context(self) -> float:
+        """A decode step's sequence's cached positions before the step, on average."""
+        return self.decode_context / self.decode_seqs if self.decode_seqs else 0.0
+
+    def decode_tokens_per_s(self, draft_s: float) -> float | None:
+        """Tokens gained per second of decode steps and drafting (draft_s: the drafter's seconds), None before any."""
+        seconds = self.decode_s + draft_s
+        return self.decode_tokens / seconds if self.decode_tokens and seconds > 0 else None
+
     def as_dict(self) -> dict:
         return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
-                "verified_passes": self.verified_passes, "tokens_per_pass": self.tokens_per_pass}
+                "verified_passes": self.verified_passes, "tokens_per_pass": self.tokens_per_pass,
+                "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "decode_s": self.decode_s,
+                "mean_batch": self.mean_batch, "mean_context": self.mean_context}
 
 
 class Speculator:
@@ -88,8 +110,14 @@ class Speculator:
         s = self.stats
         return (s.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (s.proposed + PRIOR_WEIGHT)
 
-    def observe_step(self, n_tokens: int, seconds: float) -> None:
-        """A decode step's tokens and seconds, for the fit of a step's cost."""
+    def observe_step(self, shape, seconds: float, n_gained: int) -> None:
+        """A decode step (profile.timeline.StepShape), its seconds and the tokens its sequences gained: counted in
+        the stats, and its tokens and seconds taken into the fit of a step's cost."""
+        s, n_tokens = self.stats, shape.n_tokens
+        s.decode_steps, s.decode_seqs, s.decode_context = (s.decode_steps + 1, s.decode_seqs + shape.n_seqs,
+                                                           s.decode_context + shape.kv_read_tokens
+                                                           - (n_tokens - shape.n_seqs))  # less the proposals
+        s.decode_tokens, s.decode_s = s.decode_tokens + n_gained, s.decode_s + seconds
         w, x, y, xx, xy = (v * FIT_DECAY for v in self._fit)
         self._fit = [w + 1, x + n_tokens, y + seconds, xx + n_tokens * n_tokens, xy + n_tokens * seconds]
 

@@ -157,6 +157,8 @@ def disk_child(job: dict) -> dict:
     spec = {"method": "self", "quantization": "q4_0"} if job["speculate"] else None
     llm = LLM(job["model"], quantization="none", dtype="fp32", cpu_memory=job["budget"], gpu_memory=0, disk_memory="4GiB",
               backend="cpu", batch_size=1, max_model_len=1024, speculative_config=spec)
+    if job["speculate"] and llm.speculative_stats is None:  # priced at load as not paying (offload/api.py)
+        raise SystemExit(f"no speculative run to measure: {llm.draft_price.verdict(kept=False)}")
     on_disk = sum(u.weight_tier == "disk" for u in llm.plan.units) if llm.plan is not None else None
     llm.generate({"prompt_token_ids": job["prompts"][0]}, SamplingParams(max_tokens=2, temperature=0.0))
     params = SamplingParams(max_tokens=job["tokens"], temperature=0.0)

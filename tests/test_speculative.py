@@ -5,6 +5,7 @@ back; sampled tokens keep the model's distribution (chi-square tests); the optio
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from collections import Counter
 from pathlib import Path
@@ -107,6 +108,36 @@ def test_a_draft_is_planned_first_and_its_bytes_come_out_of_the_models_budget(mo
     assert budget_of(config, llm)["cpu"] == budget
 
 
+def test_a_draft_that_does_not_pay_is_dropped_unless_k_is_set(model_dir, caplog):
+    """A draft as large as the model (the model itself, as stored) costs a model's pass a proposal: at the prior
+    acceptance no k pays, so the LLM runs without it, on the whole budget, and says why (both predicted speeds);
+    with num_speculative_tokens set it keeps the draft and says it is predicted slower."""
+    from offload.jobs.worker import job_speculation
+    from offload.profile.report import JobCounts, speculation_lines
+
+    config = {"method": "draft_model", "model": str(model_dir)}
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        llm = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32", cpu_memory=2 << 30,
+                  speculative_config=config)
+    price = llm.draft_price
+    assert not price.pays and price.tokens_per_s < price.plain_tokens_per_s
+    assert llm.generator.speculator is None and llm.speculative_stats is None and llm.draft_bytes["cpu"] == 0
+    assert llm.plan.budget.process_cpu_bytes == 2 << 30  # the whole budget is the model's
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "speculative decoding (draft_model) dropped" in said
+    assert f"predicted {price.tokens_per_s:.2f} tok/s (k = {price.k})" in said and price.k >= 1
+    assert f"{price.plain_tokens_per_s:.2f} tok/s without the draft" in said
+    report = job_speculation(llm, JobCounts())
+    assert report["dropped"] and "dropped" in speculation_lines(report)[0]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        kept = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
+                   speculative_config={**config, "num_speculative_tokens": 2})
+    assert kept.generator.speculator is not None and kept.draft_bytes["cpu"] > 0
+    assert "kept, as num_speculative_tokens is set, though predicted slower" in caplog.text
+    assert "predicted slower" in " ".join(speculation_lines(job_speculation(kept, JobCounts())))
+
+
 def test_proposals_the_model_rejects_are_rolled_back(model_dir):
     """A drafter that is always wrong: every step keeps none, and the answer is still plain decoding's."""
     plain = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32")
@@ -203,7 +234,7 @@ def test_sampled_generation_keeps_the_models_distribution(model_dir):
     assert n > 200 and stat < CHI2_999[df], (stat, df, seconds)
 
 
-def test_options_are_checked_and_a_job_reports_what_speculation_did(model_dir, tmp_path):
+def test_the_speculative_options_are_checked(model_dir):
     with pytest.raises(ConfigError, match=r"speculative_config\['method'\]"):
         LLM(str(model_dir), backend="cpu", speculative_config={"method": "medusa"})
     with pytest.raises(ConfigError, match="prompt_lookup_min .* must not exceed"):
@@ -212,16 +243,48 @@ def test_options_are_checked_and_a_job_reports_what_speculation_did(model_dir, t
         LLM(str(model_dir), backend="cpu", speculative_config={"method": "draft_model"})
     with pytest.raises(ConfigError, match="speculative_config must be a dict"):
         LLM(str(model_dir), backend="cpu", speculative_config="ngram")
+
+
+def test_a_job_reports_what_speculation_did_and_its_predicted_speed_against_the_measured(model_dir, tmp_path):
+    """One request at batch 1: its 20 tokens are one from the prompt's step and 19 from decode steps; the report
+    gives the decode speed measured (tokens over the steps' and the drafting's seconds) and the price of the steps
+    run (planner.speculation.run_tokens_per_s at the measured acceptance, k and context, on the profile moved to
+    the job's CPU speed) over it."""
     from offload.jobs.run import run_batch
+    from offload.options import SpeculativeOptions
+    from offload.planner import PlanRequest
+    from offload.planner.speculation import plan_speculation, run_tokens_per_s
+    from offload.profile.report import format_report
+    from offload.weights.model_files import model_spec
 
     (tmp_path / "in.jsonl").write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
                                                    "body": {"prompt": REPEATS, "max_tokens": 20,
                                                             "ignore_eos": True}}) + "\n")
     report = run_batch({"model": {"path": str(model_dir), "max_model_len": 256},
-                        "hardware": {"backend": "cpu"}, "input": {"path": str(tmp_path / "in.jsonl")},
+                        "hardware": {"backend": "cpu"}, "schedule": {"batch_size": 1},
+                        "input": {"path": str(tmp_path / "in.jsonl")},
                         "speculative": {"method": "ngram", "num_speculative_tokens": 3},
                         "report": {"print": False}}, progress=False)
-    assert report["speculative"]["proposed"] > 0 and 0 <= report["speculative"]["acceptance_rate"] <= 1
+    spec = report["speculative"]
+    assert spec["proposed"] > 0 and 0 <= spec["acceptance_rate"] <= 1
+    assert spec["decode_tokens"] == 19 and spec["mean_batch"] == 1
+    verified_tokens = round(spec["tokens_per_pass"] * spec["verified_passes"])  # and one a step without proposals
+    assert spec["decode_tokens"] == verified_tokens + spec["decode_steps"] - spec["verified_passes"]
+    measured = spec["decode_tokens"] / (spec["decode_s"] + spec["draft_s"])
+    assert spec["measured_tokens_per_s"] == pytest.approx(measured, rel=1e-12)
+    request, speed = PlanRequest(model=str(model_dir), max_model_len=256), report["machine_speed"]
+    hw = request.profile() if speed is None else request.profile().at_speed(speed["memory"], speed["compute"],
+                                                                            speed.get("attention"))
+    plans = plan_speculation(model_spec(model_dir), hw, request,
+                             SpeculativeOptions(method="ngram", num_speculative_tokens=3),
+                             context=round(spec["mean_context"]))
+    k, share = round(spec["proposed"] / spec["verified_passes"]), spec["verified_passes"] / spec["decode_steps"]
+    predicted = run_tokens_per_s(plans, spec["acceptance_rate"], k, share)
+    assert spec["predicted_k"] == k and spec["predicted_tokens_per_s"] == pytest.approx(predicted, rel=1e-9)
+    assert spec["predicted_over_measured"] == pytest.approx(predicted / measured, rel=1e-9)
+    assert 0 < spec["forecast_over_measured"] < float("inf") and spec["forecast_k"] == 3
+    text = format_report(report)
+    assert f"{spec['predicted_over_measured']:.2f}x of measured" in text and "the prior acceptance 0.70" in text
 
 
 def test_the_planner_prices_speculation_and_falls_back_to_no_proposals_where_they_do_not_pay():
@@ -247,6 +310,64 @@ def test_the_planner_prices_speculation_and_falls_back_to_no_proposals_where_the
     assert useless.k == 0 and useless.draft_s == 0
     fixed = price_speculation(spec, hw, request, SpeculativeOptions(method="ngram", num_speculative_tokens=3), 0.5)
     assert fixed.k == 3 and fixed.draft_s == 0 and fixed.draft_gpu_bytes == 0
+
+
+def test_a_draft_that_pushes_the_models_layers_off_the_gpu_is_weighed(caplog):
+    """llama-3.1-8b at q4_0 on an rtx4090 with the 1B draft: at 6 GiB the model alone has 33 of its 35 units in
+    VRAM, and the draft's 1.58 GiB push 10 more of its layers to the CPU (23 left), which costs more than the
+    proposals gain: plan_draft_first drops the draft (loading nothing) and says why; at 8 GiB the draft pays."""
+    from dataclasses import replace
+
+    from offload.api import plan_draft_first
+    from offload.options import SpeculativeOptions
+    from offload.planner import PlanRequest, plan_for
+    from offload.planner.speculation import plan_speculation, price_on
+    from offload.weights.model_files import model_spec
+
+    spec, draft = (model_spec(ROOT / "configs" / "models" / name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
+    options = SpeculativeOptions(method="draft_model", model=str(ROOT / "configs/models/llama-3.2-1b"),
+                                 quantization="q4_0")
+    request = PlanRequest(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
+                          hardware="rtx4090-ddr5", gpu_memory="6GiB", max_model_len=4096)
+    hw = request.profile()
+    on_gpu = lambda plan: sum(u.weight_tier == "gpu" for u in plan.units)  # noqa: E731
+    plans = plan_speculation(spec, hw, request, options, draft)
+    assert on_gpu(plan_for(spec, hw, replace(request, batch_size=1))) - on_gpu(plans.target) >= 8
+    with caplog.at_level(logging.WARNING, logger="offload"):
+        none, same, price = plan_draft_first(options, request)
+    assert none is None and same == request and not price.pays and price.k >= 1 and price.draft_gpu_bytes > 0
+    assert price == price_on(plans, options, 0.7, options.max_speculative_tokens, min_k=1)
+    assert "speculative decoding (draft_model) dropped" in caplog.text
+    assert price_on(plan_speculation(spec, hw, replace(request, gpu_memory="8GiB"), options, draft), options,
+                    0.7, min_k=1).pays
+
+
+def test_the_steps_run_are_priced_as_the_planner_prices_k_and_a_batch_is_not():
+    """run_tokens_per_s with every step carrying the planner's k is the planner's own price; with none, the model's
+    1-token step on what the draft leaves; a run that decoded two sequences a step gets no batch-1 price."""
+    from offload.hardware import load_hardware
+    from offload.options import SpeculativeOptions
+    from offload.planner import PlanRequest
+    from offload.planner.speculation import against_measured, plan_speculation, price_on, run_tokens_per_s
+    from offload.weights.model_files import model_spec
+
+    spec, draft = (model_spec(ROOT / "configs" / "models" / name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
+    hw = load_hardware("rtx4090-ddr5")
+    request = PlanRequest(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
+                          hardware="rtx4090-ddr5", gpu_memory="4GiB", max_model_len=4096)
+    options = SpeculativeOptions(method="draft_model", model=str(ROOT / "configs/models/llama-3.2-1b"),
+                                 quantization="q4_0")
+    plans = plan_speculation(spec, hw, request, options, draft, context=300)
+    price = price_on(plans, options, 0.6)
+    assert price.k > 0 and run_tokens_per_s(plans, 0.6, price.k, 1.0) == pytest.approx(price.tokens_per_s)
+    assert run_tokens_per_s(plans, 0.6, price.k, 0.0) == pytest.approx(1 / plans.pass_s(0))
+    stats = {"decode_tokens_per_s": 30.0, "mean_batch": 2.0, "mean_context": 300.0, "acceptance_rate": 0.6,
+             "proposed": 40, "verified_passes": 10, "decode_steps": 10}
+    batch = against_measured(spec, hw, request, options, stats, 0.7, draft)
+    assert batch["predicted_over_measured"] is None and "2.00 sequences a step" in batch["predicted_for"]
+    one = against_measured(spec, hw, request, options, {**stats, "mean_batch": 1.0}, 0.7, draft)
+    assert one["predicted_k"] == 4 and one["predicted_over_measured"] == pytest.approx(
+        run_tokens_per_s(plans, 0.6, 4, 1.0) / 30.0)
 
 
 def test_simulate_prints_the_chosen_k_and_refuses_an_acceptance_without_a_method():

@@ -14,12 +14,14 @@ from offload.jobs import responses
 from offload.jobs.batch import CHAT, Request
 from offload.jobs.config import JobConfig, plan_request
 from offload.planner.recost import recost_steps, recost_steps_at
+from offload.planner.speculation import against_measured
 from offload.planner.whatif import what_ifs
 from offload.profile.report import JobCounts, build_report
 from offload.profile.timeline import Timeline
 from offload.runtime.host_memory import peak_rss_bytes
 from offload.runtime.speedprobe import MachineSpeed, machine_speed, speed_at
 from offload.spec import ModelSpec
+from offload.speculative import PRIOR_ACCEPTANCE
 from offload.weights.prompts import check_prompt_ids, encode_chat, encode_text
 
 logger = logging.getLogger("offload")
@@ -139,11 +141,42 @@ def llm_report(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeli
         speed_report = {**summary.to_dict(), "predicted_s_at_calibration": job_predicted_s(llm, tl)}
     report = build_report(counts, tl, getattr(llm, "plan", None), peaks, budget_of(config, llm), source,
                           job_what_ifs(llm, tl), job_predicted_s(llm, tl, speeds), speed_report)
-    stats = getattr(llm, "speculative_stats", None)
+    speculative = job_speculation(llm, counts, speed[0] if speed is not None else None)
+    return report if speculative is None else {**report, "speculative": speculative}
+
+
+def job_speculation(llm, counts: JobCounts, speed: MachineSpeed | None = None) -> dict | None:
+    """What speculative decoding did in the job, with its draft's share of the time and its batch-1 price against
+    the decode speed measured (planner.speculation.against_measured; on the profile moved to the CPU's speed
+    during the job where it was probed); where the draft was dropped at load as not paying, why (None: no
+    speculation was asked for)."""
+    stats, price = getattr(llm, "speculative_stats", None), getattr(llm, "draft_price", None)
     if stats is None:
-        return report
+        return None if price is None else {"dropped": True, "reason": price.verdict(kept=False),
+                                           "predicted_tokens_per_s": price.tokens_per_s,
+                                           "plain_tokens_per_s": price.plain_tokens_per_s}
     draft_share = stats["draft_s"] / counts.generate_s if counts.generate_s > 0 else None
-    return {**report, "speculative": {**stats, "draft_share": draft_share}}
+    out = {**stats, "draft_share": draft_share}
+    if price is not None and not price.pays:  # the user's k kept it
+        out["kept_though_slower"] = price.verdict(kept=True)
+    if getattr(llm, "plan", None) is None:  # a placement given by hand: nothing priced it
+        return out
+    try:
+        hw = llm.request.profile()
+        if speed is not None:
+            hw = hw.at_speed(speed.memory, speed.compute, speed.attention)
+        return {**out, **against_measured(llm.spec, hw, llm.whole_request, llm.speculative, stats, PRIOR_ACCEPTANCE,
+                                          job_draft_spec(llm))}
+    except OffloadError as e:  # e.g. the hardware file changed during the job
+        logger.warning(f"speculation's predicted speed is left out of the report: {e}")
+        return out
+
+
+def job_draft_spec(llm):
+    """The spec of llm's draft model (draft_model), None for the other methods (self drafts with the model's)."""
+    if llm.speculative.method != "draft_model":
+        return None
+    return llm.generator.speculator.drafter.draft.spec
 
 
 def job_speed(llm, timeline) -> tuple[MachineSpeed, list[tuple]] | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from offload.planner.recost import recost_steps
+from offload.units import format_bytes
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,25 @@ class SpeculationPrice:
     @property
     def speedup(self) -> float:
         return self.tokens_per_s / self.plain_tokens_per_s if self.plain_tokens_per_s else 0.0
+
+    @property
+    def pays(self) -> bool:
+        """Whether decoding with the draft (and the model on what it leaves) is predicted faster than without."""
+        return self.tokens_per_s > self.plain_tokens_per_s
+
+    def verdict(self, kept: bool) -> str:
+        """Why speculation that does not pay was dropped, or (kept: the user set k) that it runs predicted slower."""
+        held = " and ".join(f"{format_bytes(n)} of {tier}" for n, tier in ((self.draft_gpu_bytes, "VRAM"),
+                                                                             (self.draft_cpu_bytes, "RAM")) if n)
+        why = (f"at batch 1 and the prior acceptance {self.acceptance:.2f}, with the draft holding {held or 'nothing'} "
+               f"and the model planned on what it leaves, decoding is predicted {self.tokens_per_s:.2f} tok/s (k = "
+               f"{self.k}) against {self.plain_tokens_per_s:.2f} tok/s without the draft, the model on the whole "
+               f"budget")
+        if kept:
+            return (f"speculative decoding ({self.method}) kept, as num_speculative_tokens is set, though predicted "
+                    f"slower: {why}")
+        return (f"speculative decoding ({self.method}) dropped: {why}; set speculative.num_speculative_tokens to "
+                f"keep it, or give the draft room of its own (a larger memory budget)")
 
     def line(self) -> str:
         where = ""
@@ -77,42 +97,109 @@ def decode_pass_s(spec, hw, plan, n_tokens: int, context: int) -> float:
     return recost_steps(spec, hw, plan, [shape])["decode"]
 
 
-def price_speculation(spec, hw, request, options, acceptance: float, draft_spec=None,
-                      max_k: int = 8) -> SpeculationPrice:
-    """Plan request at batch 1 with the speculative options (offload.options.SpeculativeOptions) on hw and price
-    every k; spec is the model's, draft_spec the draft's (draft_model; self: spec). The draft is planned first,
-    on the whole budget."""
+@dataclass(frozen=True)
+class SpeculationPlans:
+    """What speculation is priced on, at batch 1 and one context: the model's plan on the whole budget (plain)
+    and on what the draft leaves (target), and a draft step's seconds and bytes."""
+
+    hw: object
+    context: int  # cached positions a decode step reads
+    plain_s: float  # a 1-token step of the plain plan
+    target: object
+    target_spec: object
+    draft_step_s: float = 0.0
+    draft_gpu_bytes: int = 0
+    draft_cpu_bytes: int = 0
+
+    def pass_s(self, k: int) -> float:
+        """The target plan's step over a sequence's last token and k proposals."""
+        return decode_pass_s(self.target_spec, self.hw, self.target, k + 1, self.context)
+
+
+def plan_speculation(spec, hw, request, options, draft_spec=None, context: int | None = None) -> SpeculationPlans:
+    """Plan request at batch 1 on hw with and without the draft of the speculative options
+    (offload.options.SpeculativeOptions); spec is the model's, draft_spec the draft's (draft_model; self: spec).
+    The draft is planned first, on the whole budget. context: cached positions a decode step reads (default: the
+    plan's workload's, halfway through its answer)."""
     from offload.planner.request import plan_for, plan_spec
 
     one = replace(request, batch_size=1)
     plain = plan_for(spec, hw, one)
-    context = plain.workload.prompt_len + plain.workload.gen_len // 2
+    if context is None:
+        context = plain.workload.prompt_len + plain.workload.gen_len // 2
     plain_s = decode_pass_s(plan_spec(spec, plain), hw, plain, 1, context)
-    draft_step_s, gpu_bytes, cpu_bytes, target = 0.0, 0, 0, plain
-    if options.method in ("draft_model", "self"):
-        path = request.model if options.method == "self" else options.model
-        quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
-        draft_spec = draft_spec or spec
-        if draft_spec.vocab_size != spec.vocab_size:
-            from offload.errors import ConfigError
+    if options.method not in ("draft_model", "self"):
+        return SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
+    path = request.model if options.method == "self" else options.model
+    quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
+    draft_spec = draft_spec or spec
+    if draft_spec.vocab_size != spec.vocab_size:
+        from offload.errors import ConfigError
 
-            raise ConfigError(f"the draft model {path} has a vocabulary of {draft_spec.vocab_size} tokens and the "
-                              f"model {spec.vocab_size}; a draft model must share the model's tokenizer")
-        draft_plan = plan_for(draft_spec, hw, replace(one, model=path, quantization=quantization))
-        draft_step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
-        gpu_bytes, cpu_bytes = draft_held(draft_plan)
-        target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
-    target_spec = plan_spec(spec, target)
+        raise ConfigError(f"the draft model {path} has a vocabulary of {draft_spec.vocab_size} tokens and the "
+                          f"model {spec.vocab_size}; a draft model must share the model's tokenizer")
+    draft_plan = plan_for(draft_spec, hw, replace(one, model=path, quantization=quantization))
+    draft_step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
+    gpu_bytes, cpu_bytes = draft_held(draft_plan)
+    target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
+    return SpeculationPlans(hw, context, plain_s, target, plan_spec(spec, target), draft_step_s, gpu_bytes, cpu_bytes)
+
+
+def price_speculation(spec, hw, request, options, acceptance: float, draft_spec=None,
+                      max_k: int = 8, context: int | None = None) -> SpeculationPrice:
+    """The k with the most tokens per second at batch 1 (options.num_speculative_tokens if set, else 0 to max_k)
+    at this acceptance rate, on plan_speculation's plans (its arguments)."""
+    return price_on(plan_speculation(spec, hw, request, options, draft_spec, context), options, acceptance, max_k)
+
+
+def price_on(plans: SpeculationPlans, options, acceptance: float, max_k: int = 8,
+             min_k: int = 0) -> SpeculationPrice:
+    """price_speculation on plans made already; min_k: the fewest proposals priced (1: the best that speculates)."""
+    fixed = options.num_speculative_tokens
     best = None
-    for k in range(0 if options.num_speculative_tokens is None else options.num_speculative_tokens,
-                   (max_k if options.num_speculative_tokens is None else options.num_speculative_tokens) + 1):
-        verify_s = decode_pass_s(target_spec, hw, target, k + 1, context)
-        tokens = expected_tokens(acceptance, k)
-        rate = tokens / (verify_s + k * draft_step_s)
+    for k in range(min_k if fixed is None else fixed, (max(max_k, min_k) if fixed is None else fixed) + 1):
+        verify_s, tokens = plans.pass_s(k), expected_tokens(acceptance, k)
+        rate = tokens / (verify_s + k * plans.draft_step_s)
         if best is None or rate > best.tokens_per_s:
-            best = SpeculationPrice(options.method, acceptance, k, tokens, verify_s, k * draft_step_s, rate,
-                                    1.0 / plain_s, gpu_bytes, cpu_bytes)
+            best = SpeculationPrice(options.method, acceptance, k, tokens, verify_s, k * plans.draft_step_s, rate,
+                                    1.0 / plans.plain_s, plans.draft_gpu_bytes, plans.draft_cpu_bytes)
     return best
+
+
+def run_tokens_per_s(plans: SpeculationPlans, acceptance: float, k: int, share: float) -> float:
+    """Predicted tokens per second of decode steps of which a share carried k proposals at this acceptance rate
+    (with k draft steps each) and the rest none."""
+    tokens = share * expected_tokens(acceptance, k) + (1 - share)
+    return tokens / (share * (plans.pass_s(k) + k * plans.draft_step_s) + (1 - share) * plans.pass_s(0))
+
+
+def against_measured(spec, hw, request, options, stats: dict, prior: float, draft_spec=None) -> dict:
+    """The run's decode speed with speculation (stats: offload.api.LLM.speculative_stats) against its price at
+    batch 1 and the run's mean context. The prediction (predicted_*) prices the steps the run took: its measured
+    acceptance, its mean proposals per pass (k) and its share of steps that carried any; that checks the cost
+    model and the tokens a pass gives. The forecast (forecast_*) is what the planner predicts before anything is
+    measured: the prior acceptance and the k it would choose. Speeds: over_measured above 1 is a prediction
+    faster than the run. Both are left out (None) where the run decoded more than one sequence a step."""
+    measured = stats.get("decode_tokens_per_s")
+    out = dict.fromkeys(("predicted_tokens_per_s", "predicted_k", "predicted_over_measured", "forecast_tokens_per_s",
+                         "forecast_k", "forecast_over_measured"))
+    out.update(measured_tokens_per_s=measured, prior_acceptance=prior)
+    if not measured:
+        return {**out, "predicted_for": "nothing: the run made no decode steps"}
+    if stats["mean_batch"] > 1.0:
+        return {**out, "predicted_for": f"nothing: the run decoded {stats['mean_batch']:.2f} sequences a step, and "
+                                        f"speculation is priced for one"}
+    plans = plan_speculation(spec, hw, request, options, draft_spec, round(stats["mean_context"]))
+    forecast = price_on(plans, options, prior, options.max_speculative_tokens)
+    out.update(forecast_tokens_per_s=forecast.tokens_per_s, forecast_k=forecast.k,
+               forecast_over_measured=forecast.tokens_per_s / measured)
+    if stats["verified_passes"]:
+        k = max(1, round(stats["proposed"] / stats["verified_passes"]))
+        share = min(stats["verified_passes"] / stats["decode_steps"], 1.0)
+        predicted = run_tokens_per_s(plans, stats["acceptance_rate"], k, share)
+        out.update(predicted_tokens_per_s=predicted, predicted_k=k, predicted_over_measured=predicted / measured,
+                   predicted_share=share)
+    return {**out, "predicted_for": f"batch 1 and the run's mean context of {plans.context} positions"}
 
 
 def draft_held(plan) -> tuple[int, int]:

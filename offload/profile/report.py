@@ -152,12 +152,7 @@ def format_report(report: dict) -> str:
         if "bottleneck" in p:  # reports saved before bottlenecks were added lack it
             lines.append(f"{'':>7}  bottleneck {bottleneck_name(p['bottleneck'])} "
                          f"(predicted {bottleneck_name(p['predicted_bottleneck'])})")
-    spec = report.get("speculative")
-    if spec:
-        lines.append(f"{'spec':>7}: {spec['accepted']} of {spec['proposed']} proposed tokens kept "
-                     f"({_pct(spec['acceptance_rate'])}); {spec['tokens_per_pass']:.2f} tokens per pass that carried "
-                     f"proposals ({spec['verified_passes']} such passes)"
-                     + (f"; drafting took {_pct(spec['draft_share'])} of the time" if spec.get("draft_share") else ""))
+    lines += speculation_lines(report.get("speculative"))
     speed = report.get("machine_speed")
     if speed:
         attention = f", {speed['attention']:.2f}x attention" if speed.get("attention") else ""
@@ -174,6 +169,35 @@ def format_report(report: dict) -> str:
                      f"({_pct(disk['page_cache_share'])} served by the page cache)")
     lines += format_what_ifs(report.get("what_ifs") or [])
     return "\n".join(lines)
+
+
+def speculation_lines(spec: dict | None) -> list[str]:
+    """The report's lines on speculative decoding: what it did and its predicted speed against the measured, or
+    why it was dropped."""
+    if not spec:
+        return []
+    if spec.get("dropped"):
+        return [f"{'spec':>7}: {spec['reason']}"]
+    lines = [f"{'spec':>7}: {spec['accepted']} of {spec['proposed']} proposed tokens kept "
+             f"({_pct(spec['acceptance_rate'])}); {spec['tokens_per_pass']:.2f} tokens per pass that carried "
+             f"proposals ({spec['verified_passes']} such passes)"
+             + (f"; drafting took {_pct(spec['draft_share'])} of the time" if spec.get("draft_share") else "")]
+    if spec.get("kept_though_slower"):
+        lines.append(f"{'':>7}  {spec['kept_though_slower']}")
+    if "predicted_for" not in spec:  # a placement given by hand, or a report saved before predictions were added
+        return lines
+    measured = (f"{'':>7}  decode with it {_fmt(spec['measured_tokens_per_s'], '.2f')} tok/s measured (drafting "
+                f"included); predicted for {spec['predicted_for']}")
+    if spec["forecast_tokens_per_s"] is None:
+        return lines + [measured]
+    steps = ("" if spec["predicted_tokens_per_s"] is None else
+             f"{spec['predicted_tokens_per_s']:.2f} tok/s for the steps run (the measured acceptance, k = "
+             f"{spec['predicted_k']} on {_pct(spec['predicted_share'])} of them): "
+             f"{_ratio_text(spec['predicted_over_measured'])} of measured; ")
+    forecast = (f"forecast {spec['forecast_tokens_per_s']:.2f} tok/s (the prior acceptance "
+                f"{spec['prior_acceptance']:.2f}, the planner's k = {spec['forecast_k']}): "
+                f"{_ratio_text(spec['forecast_over_measured'])}")
+    return lines + [measured, f"{'':>7}  predicted {steps}{forecast}"]
 
 
 def _ratio_text(x) -> str:
