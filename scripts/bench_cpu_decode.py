@@ -90,11 +90,23 @@ def bench_llama_cpp(gguf: str, prompts: list[list[int]], n_decode: int, threads:
         return [tuple(r) for r in json.loads(result.read_text())]
 
 
+def amx_cpu() -> bool:
+    """Whether the CPU has AMX (llama-cpp-python 0.3.36 then repacks quantized weights for it, and segfaults)."""
+    try:
+        return "amx_int8" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+
+
 def _llama_cpp_child(gguf: str, prompts: list[list[int]], n_decode: int, threads: int,
                      repeats: int) -> list[tuple[float, float]]:
     import numpy as np
     from llama_cpp import Llama
 
+    if amx_cpu():  # llama.cpp's AMX-repacked buffers crash on this CPU: its weights as stored (see bench_kl)
+        from bench_kl import without_repacking
+
+        without_repacking()
     n_ctx = max(len(p) for p in prompts) + n_decode + 16
     llm = Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=n_ctx, n_batch=512, verbose=False)
     results = []
