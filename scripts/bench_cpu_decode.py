@@ -47,7 +47,7 @@ class OffloadRunner:
 
     def __init__(self, model: str, quantization: str, prompts: list[list[int]], n_decode: int):
         longest = max(len(p) for p in prompts) + n_decode + 8
-        self.llm = LLM(model, quantization=quantization, backend="cpu", max_batch_size=1,
+        self.llm = LLM(model, quantization=quantization, backend="cpu", batch_size=1,
                        placement=_all_cpu(model), max_model_len=longest)
         self.params = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
         for ids in prompts:
