@@ -113,11 +113,11 @@ class HardwareProfile:
         """CPU matmul FLOP/s for weights in fmt at `rows` activation rows on `threads` threads (0: all cores):
         the calibrated curve, interpolated in log(rows) and held flat past its ends, and between the one-thread
         and all-core curves by thread count; else the flat cpu_flops figure."""
-        fmt = _measured(fmt, self.cpu_flops_by_rows)
-        full = self._curve_rate(self.cpu_flops_by_rows.get(fmt), rows)
+        rated = _measured(fmt, self.cpu_flops_by_rows)
+        full = self._curve_rate(self.cpu_flops_by_rows.get(rated), rows)
         if full is None:
             return self.cpu_flops_for(fmt)
-        one = self._curve_rate(self.cpu_flops_one_thread.get(fmt), rows)
+        one = self._curve_rate(self.cpu_flops_one_thread.get(rated), rows)
         if one is None or threads <= 0 or threads >= self.n_cores:
             return full
         return one + (full - one) * (threads - 1) / max(self.n_cores - 1, 1)

@@ -134,6 +134,13 @@ class UnitSpec:
                 weight[held] = weight.get(held, 0) + t.numel
         return max(weight, key=weight.get) if weight else compute
 
+    def linear_shares(self, fmt: str, compute: str = "fp32") -> dict[str, list]:
+        """Shapes of the unit's linears by the format each is held in (none: its rate format, no shapes)."""
+        out: dict[str, list] = {}
+        for t in (t for t in self.tensors if t.role == "linear"):
+            out.setdefault(t.held_format(fmt, compute), []).append(t.shape)
+        return out or {self.rate_format(fmt, compute): []}
+
     def held_formats(self, fmt: str, compute: str = "fp32") -> tuple[str, ...]:
         """The formats the unit's linear weights are held in (all its tensors' where it has no linear), the one
         holding most weights first: a GGUF layer whose q is q5_0 and whose k and v are q8_0 holds (q5_0, q8_0)."""

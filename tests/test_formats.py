@@ -157,6 +157,32 @@ def test_mixed_new_types_in_one_layer(tmp_path):
     assert "q5_1+q5_0+q8_0+q3_k" in llm.plan.table()
 
 
+def test_a_unit_of_mixed_types_is_priced_by_each_types_own_rate(tmp_path):
+    """A layer holding q5_1, q5_0, q8_0 and q3_k linears: its CPU matmul time is each format's share of the
+    weights at that format's rate (curves of one format no longer price the others)."""
+    from dataclasses import replace
+
+    from offload import LLM
+    from offload.hardware import load_hardware
+    from offload.planner.costs import _cpu_matmul_s
+
+    types = {"blk.0.attn_q.weight": "Q5_0", "blk.0.attn_k.weight": "Q8_0", "blk.0.attn_v.weight": "Q3_K"}
+    path = write_gguf(make_hf_model("llama", **{**K_TINY, "vocab_size": 300}), tmp_path / "mixed.gguf", "Q5_1",
+                      types=types, random_quants=True)
+    unit = LLM(str(path)).spec.units()[1]
+    rates = {"q5_1": 1e9, "q5_0": 2e9, "q8_0": 4e9, "q3_k": 8e9, "fp32": 1e9}
+    hw = replace(load_hardware("cpu-desktop"), cpu_flops=rates, cpu_flops_by_rows={}, cpu_k_factor={},
+                 cpu_n_factor={})
+    numel = {}
+    for t in (t for t in unit.tensors if t.role == "linear"):
+        numel[t.held_format("gguf", "fp32")] = numel.get(t.held_format("gguf", "fp32"), 0) + t.numel
+    flops = 1e9
+    want = sum(flops * n / sum(numel.values()) / rates[f] for f, n in numel.items())
+    assert set(numel) == {"q5_1", "q5_0", "q8_0", "q3_k"}
+    assert _cpu_matmul_s(unit, "gguf", "fp32", hw, flops, 1, 0) == pytest.approx(want, rel=1e-9)
+    assert want > flops / rates["q5_0"]  # slower than pricing the whole layer at any one faster format's rate
+
+
 def test_a_type_offload_does_not_read_is_refused_by_name(tmp_path):
     model = make_hf_model("llama", **{**K_TINY, "vocab_size": 300})
     path = write_gguf(model, tmp_path / "iq1.gguf", "Q8_0", types={"blk.0.ffn_up.weight": "IQ1_M"},

@@ -226,14 +226,27 @@ def _cpu_s(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase
     """Seconds of one unit on the CPU: its matmuls at the kernel rate for `rows` activation rows (the calibrated
     rate includes reading the weights from DRAM; the flat one is a roofline against read_bytes) and attention."""
     passes = phase.n_passes
+    matmul_s = _cpu_matmul_s(unit, fmt, compute, hw, flops, rows, phase.n_threads)
     fmt = hw.rated_format(unit.rate_format(fmt, compute))  # a GGUF unit: its main format (or that one's kin)
-    k_eff = hw.shape_efficiency(fmt, [t.shape for t in unit.tensors if t.role == "linear"])
-    matmul_s = flops / (hw.cpu_matmul_rate(fmt, rows, phase.n_threads) * k_eff)
     cpu_compute_s = matmul_s + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
     if hw.cpu_flops_by_rows.get(fmt):
         kv_read = kv_bytes if unit.kind == "layer" else 0  # in the compute format (a bf16 plan's caches: bf16)
         return cpu_compute_s + (passes - 1) * read_bytes / hw.cpu_mem_bps + kv_read / hw.kv_read_bps
     return max(cpu_compute_s, (passes * read_bytes + kv_bytes) / hw.cpu_mem_bps)
+
+
+def _cpu_matmul_s(unit: UnitSpec, fmt: str, compute: str, hw: HardwareProfile, flops: float, rows: float,
+                  threads: int) -> float:
+    """Seconds of a unit's matmuls on the CPU: each format's share of its linear weights (a GGUF layer mixes
+    q3_k, q4_k and q5_k) at that format's calibrated rate (or its kin's) and shape factors."""
+    shares = unit.linear_shares(fmt, compute)
+    numel = {f: sum(math.prod(s) for s in shapes) for f, shapes in shares.items()}
+    total = sum(numel.values())
+    seconds = 0.0
+    for held, shapes in shares.items():
+        share = numel[held] / total if total else 1.0
+        seconds += flops * share / (hw.cpu_matmul_rate(held, rows, threads) * hw.shape_efficiency(held, shapes))
+    return seconds
 
 
 def step_phase_attention_flops(spec: ModelSpec, shape) -> float:
