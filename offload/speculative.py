@@ -14,8 +14,11 @@ proposals the model agrees with, plus one token of the model's own.
 
 How many tokens to propose (k): the user's num_speculative_tokens, or the k that maximizes the expected tokens
 per pass over its cost: with acceptance rate a, a pass over k proposals yields (1 - a^(k+1)) / (1 - a) tokens
-on average, and costs (s + t (n + k)) / (s + t n) of a pass without them, where a step of n tokens takes s + t n
-seconds (fitted on the run's own decode steps; a prior before). The rate starts at 0.7 and follows the run.
+on average per sequence, and a step of n sequences with k proposals each costs (s + t n (1 + k) + n k d) /
+(s + t n) of a step without them, where a step of n tokens takes s + t n seconds (fitted on the run's own decode
+steps; a prior before) and a draft model's pass d seconds (measured; prompt lookup costs nothing). So where a
+pass grows with its tokens (a large batch, compute-bound), k falls to 0. The rate starts at 0.7 and follows the
+run.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from offload.sampling import SamplingParams, probabilities
 
 PRIOR_ACCEPTANCE = 0.7  # the acceptance rate assumed before any is measured
 PRIOR_WEIGHT = 8  # proposals the prior counts as: the measured rate takes over within a few steps
-PRIOR_TOKEN_COST = 0.05  # a proposal's cost as a share of a 1-token step, before the run's steps are fitted
+PRIOR_TOKEN_COST = 0.05  # a sequence's proposal's cost as a share of a step, before the run's steps are fitted
 FIT_DECAY = 0.98  # weight of older steps in the fit of a step's seconds on its tokens
 
 
@@ -121,22 +124,34 @@ class Speculator:
         w, x, y, xx, xy = (v * FIT_DECAY for v in self._fit)
         self._fit = [w + 1, x + n_tokens, y + seconds, xx + n_tokens * n_tokens, xy + n_tokens * seconds]
 
-    def token_cost(self, n_tokens: int) -> float:
-        """A proposal's cost as a share of a step of n_tokens tokens (the fit's slope over its value there)."""
+    def _line(self) -> tuple[float, float] | None:
+        """(intercept, slope) of the fit of a decode step's seconds on its tokens; None before three steps."""
         w, x, y, xx, xy = self._fit
         spread = w * xx - x * x
         if w < 3 or spread <= 1e-9 * max(w * xx, 1.0):
-            return PRIOR_TOKEN_COST
+            return None
         slope = (w * xy - x * y) / spread
-        intercept = (y - slope * x) / w
-        at = intercept + slope * n_tokens
-        return max(slope, 0.0) / at if at > 0 else PRIOR_TOKEN_COST
+        return (y - slope * x) / w, slope
 
-    def choose_k(self, n_tokens: int) -> int:
-        """Proposals per sequence in a step of n_tokens tokens: the user's, or the best expected tokens per cost."""
+    def token_cost(self, n_tokens: int) -> float | None:
+        """A proposal's cost as a share of a step of n_tokens tokens: the fit's slope over its value there, plus
+        a draft model's pass (its measured seconds per pass) over the same; None before the fit."""
+        line = self._line()
+        at = line[0] + line[1] * n_tokens if line else 0.0
+        if at <= 0:
+            return None
+        passes = getattr(self.drafter, "passes", 0)
+        draft = self.draft_seconds / passes if passes else 0.0
+        return (max(line[1], 0.0) + draft) / at
+
+    def choose_k(self, n_seqs: int) -> int:
+        """Proposals per sequence in a decode step of n_seqs sequences: the user's, or the best expected tokens per
+        cost (n_seqs x k proposals, each at token_cost; before the fit, the prior for the whole step, so that the
+        first steps carry proposals and the fit sees steps of other sizes)."""
         if self.num_tokens is not None:
             return self.num_tokens
-        a, r = min(self.acceptance, 0.999), self.token_cost(n_tokens)
+        cost = self.token_cost(n_seqs)
+        a, r = min(self.acceptance, 0.999), PRIOR_TOKEN_COST if cost is None else cost * n_seqs
         gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + r * k) for k in range(self.max_tokens + 1)]
         return max(range(len(gains)), key=gains.__getitem__)
 
@@ -203,7 +218,7 @@ class ModelDrafter:
         self.pool = KVPool(self.capacity)
         self.cache = self.generator.model.new_cache(1, self.capacity)
         self._held: dict[int, tuple[int, int, list[int]]] = {}  # by id(seq): (base, extent, tokens in the cache)
-        self.seconds = 0.0  # time spent proposing
+        self.seconds, self.passes = 0.0, 0  # time spent proposing, passes over the draft's weights
 
     def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
         import time
@@ -231,6 +246,7 @@ class ModelDrafter:
         with torch.inference_mode():
             while not run.finish_reason:
                 self.generator.step([run], self.cache, self.capacity)
+                self.passes += 1
         self.seconds += time.perf_counter() - start
         self._held[id(seq)] = (base, extent, tokens + run.output_ids[:-1])  # the last one is not in the cache
         return run.output_ids

@@ -382,3 +382,30 @@ def test_simulate_prints_the_chosen_k_and_refuses_an_acceptance_without_a_method
     bad = subprocess.run([sys.executable, "-m", "offload", "simulate", *model, "--speculative-acceptance", "0.6"],
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "needs a speculative method" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def _fitted(step_s, drafter=None) -> Speculator:
+    """A Speculator whose fit has seen decode steps of 1-8 tokens taking step_s(n_tokens) seconds."""
+    from types import SimpleNamespace
+
+    spec = Speculator(drafter or NgramDrafter(4, 1))
+    for n in (1, 2, 4, 8, 1, 2, 4, 8):
+        spec.observe_step(SimpleNamespace(n_tokens=n, n_seqs=1, kv_read_tokens=100), step_s(n), 1)
+    return spec
+
+
+def test_k_counts_every_sequences_proposals_and_falls_to_zero_at_large_batch():
+    """A step of n sequences with k proposals each carries n k more tokens: where a token costs 0.005 s beside a
+    0.1 s read of the weights, one sequence takes many proposals, 32 take one, 64 none."""
+    spec = _fitted(lambda n: 0.1 + 0.005 * n)
+    assert spec.choose_k(1) >= 4 and spec.choose_k(32) == 1 and spec.choose_k(64) == 0
+
+
+def test_k_weighs_a_draft_models_measured_pass():
+    """Proposals from a draft model cost its passes: at 0.05 s a pass beside a 0.1 s step, k stays small; free
+    proposals (prompt lookup) on the same steps take the most."""
+    class Drafter:  # a draft model's timing as ModelDrafter records it
+        seconds, passes = 0.5, 10
+
+    step = (lambda n: 0.1 + 0.0001 * n)
+    assert _fitted(step, Drafter()).choose_k(1) <= 2 and _fitted(step).choose_k(1) >= 6
