@@ -91,14 +91,14 @@ class Generator:
         tokens; sequences the drafter has nothing for are left out."""
         if self.speculator is None or not decode:
             return {}
-        k, room, drafts = self.speculator.choose_k(len(decode)), self.step_tokens - len(decode), {}
+        k, room, asks = self.speculator.choose_k(len(decode)), self.step_tokens - len(decode), []
         for seq in decode:
             n = min(k, seq.extent - seq.n_tokens, room)  # positions up to n_tokens - 1 + n are in its extent
-            draft = self.speculator.propose(seq.prompt_ids + seq.output_ids, n, seq) if n > 0 else []
-            if draft:
-                drafts[id(seq)] = draft
-                room -= len(draft)
-        return drafts
+            if n > 0:
+                asks.append((seq.prompt_ids + seq.output_ids, n, seq))
+                room -= n
+        proposals = self.speculator.propose_many(asks)
+        return {id(seq): draft for (_, _, seq), draft in zip(asks, proposals) if draft}
 
     def step(self, running: list[Sequence], cache, trash_slot: int) -> None:
         """One forward pass over the weights: the decode tokens and prompt chunks, then sampling."""

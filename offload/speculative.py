@@ -158,6 +158,13 @@ class Speculator:
     def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
         return self.drafter.propose(tokens, k, seq) if k > 0 else []
 
+    def propose_many(self, asks: list[tuple[list[int], int, object]]) -> list[list[int]]:
+        """Proposals for several sequences ((tokens, k, seq) each): a draft model drafts them together."""
+        many = getattr(self.drafter, "propose_many", None)
+        if many is not None:
+            return many(asks)
+        return [self.propose(tokens, k, seq) for tokens, k, seq in asks]
+
     def forget(self, seq) -> None:
         """A sequence left the batch: the drafter frees what it held for it."""
         forget = getattr(self.drafter, "forget", None)
@@ -221,17 +228,44 @@ class ModelDrafter:
         self.seconds, self.passes = 0.0, 0  # time spent proposing, passes over the draft's weights
 
     def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
+        return self.propose_many([(tokens, k, seq)])[0]
+
+    def propose_many(self, asks: list[tuple[list[int], int, object]]) -> list[list[int]]:
+        """Proposals for several sequences ((tokens, k, seq) each), drafted together: each pass over the draft's
+        weights serves every sequence still drafting (each catches up on the tokens it gained, then decodes)."""
         import time
 
+        runs = [self._run(tokens, k, seq) for tokens, k, seq in asks]
+        active = [r for r in runs if r is not None]
+        start = time.perf_counter()
+        with torch.inference_mode():
+            while active:
+                self.generator.step(active, self.cache, self.capacity)
+                self.passes += 1
+                active = [r for r in active if not r.finish_reason]
+        self.seconds += time.perf_counter() - start
+        out = []
+        for run, (tokens, _, seq) in zip(runs, asks):
+            if run is None:
+                out.append([])
+                continue
+            base, extent, _ = self._held[id(seq)]
+            self._held[id(seq)] = (base, extent, tokens + run.output_ids[:-1])  # the last one is not in the cache
+            out.append(run.output_ids)
+        return out
+
+    def _run(self, tokens: list[int], k: int, seq):
+        """A greedy draft sequence of k tokens after tokens, in seq's extent of the draft's pool (its cached
+        prefix reused); None where it gets no proposals."""
         from offload.engine import Sequence
 
         if k <= 0 or seq is None or len(tokens) + k > self.generator.context_len:
-            return []
+            return None
         held = self._held.get(id(seq))
         if held is None:
             base = self.pool.alloc(seq.extent)
             if base is None:
-                return []
+                return None
             held = self._held[id(seq)] = (base, seq.extent, [])
         base, extent, cached = held
         same = 0
@@ -239,17 +273,10 @@ class ModelDrafter:
             if a != b:
                 break
             same += 1
-        start = time.perf_counter()
         run = Sequence(seq.request_id, tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
         run.base, run.extent, run.n_cached = base, extent, min(same, len(tokens) - 1)
         run.generator = torch.Generator()
-        with torch.inference_mode():
-            while not run.finish_reason:
-                self.generator.step([run], self.cache, self.capacity)
-                self.passes += 1
-        self.seconds += time.perf_counter() - start
-        self._held[id(seq)] = (base, extent, tokens + run.output_ids[:-1])  # the last one is not in the cache
-        return run.output_ids
+        return run
 
     def forget(self, seq) -> None:
         held = self._held.pop(id(seq), None)

@@ -75,7 +75,8 @@ def test_greedy_answers_equal_plain_decoding_at_batch_one_and_in_a_mixed_batch(m
 
 def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(model_dir):
     """draft_model with the model itself as its draft: every proposal is kept; self at q4_0: some are, and the
-    answers are plain decoding's either way; each sequence's draft extent is freed when it ends."""
+    answers are plain decoding's either way; the batch's sequences draft together; each sequence's draft extent is
+    freed when it ends."""
     plain = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32")
     prompts, params = ["The quick brown fox", "Hello there", REPEATS], [greedy(20), greedy(9), greedy(16)]
     want = [o.token_ids for o in plain.generate(prompts, params)]
@@ -86,6 +87,8 @@ def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(mo
     assert stats["proposed"] > 0 and stats["accepted"] == stats["proposed"] and stats["tokens_per_pass"] > 3
     drafter = same.generator.speculator.drafter
     assert drafter.pool.n_free == drafter.capacity and not drafter._held  # every sequence's extent given back
+    # the sequences of a step draft together: 3 passes a step serve them all (one at a time: 3 for each)
+    assert drafter.passes < 2 * stats["verified_passes"]
     small = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
                 speculative_config={"method": "self", "num_speculative_tokens": 2})
     assert [o.token_ids for o in small.generate(prompts, params)] == want
