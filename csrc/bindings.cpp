@@ -24,30 +24,32 @@ struct KernelTable {
   QuantX16Fn quantize_x16;
   QuantXKFn quantize_xk;
   QGemmFn q8_0, q4_0;
-  QGemmFn gguf[W_IQ4_XS - W_Q4_1 + 1];  // indexed by fmt - W_Q4_1 (enum WFmt's order)
   FGemmFn bf16, f16;
+  QGemmFn gguf[kFormatIds];  // the GGUF block formats' (kernels.h OFFLOAD_GGUF_FORMATS), by format id
 };
 
-// Indexed by Path. The AVX-512 path reuses AVX2 code where 512-bit/VNNI brings nothing.
-const KernelTable kTables[3] = {
-    {quantize_x_ref, quantize_x16_ref, quantize_xk_ref, gemm_q8_0_ref, gemm_q4_0_ref,
-     {gemm_q4_1_ref, gemm_q4_k_ref, gemm_q5_k_ref, gemm_q6_k_ref, gemm_q5_0_ref, gemm_q5_1_ref, gemm_q3_k_ref,
-      gemm_q2_k_ref, gemm_iq4_nl_ref, gemm_iq4_xs_ref},
-     gemm_bf16_ref, gemm_f16_ref},
-    {quantize_x_avx2, quantize_x16_avx2, quantize_xk_avx2, gemm_q8_0_avx2, gemm_q4_0_avx2,
-     {gemm_q4_1_avx2, gemm_q4_k_avx2, gemm_q5_k_avx2, gemm_q6_k_avx2, gemm_q5_0_avx2, gemm_q5_1_avx2, gemm_q3_k_avx2,
-      gemm_q2_k_avx2, gemm_iq4_nl_avx2, gemm_iq4_xs_avx2},
-     gemm_bf16_avx2, gemm_f16_avx2},
-    {quantize_x_avx2, quantize_x16_avx2, quantize_xk_avx2, gemm_q8_0_avx512, gemm_q4_0_avx512,
-     {gemm_q4_1_avx512, gemm_q4_k_avx512, gemm_q5_k_avx512, gemm_q6_k_avx512, gemm_q5_0_avx512, gemm_q5_1_avx512,
-      gemm_q3_k_avx512, gemm_q2_k_avx512, gemm_iq4_nl_avx512, gemm_iq4_xs_avx512},
-     gemm_bf16_avx2, gemm_f16_avx2},
-};
+// The kernels of a path. The AVX-512 path reuses AVX2 code where 512-bit/VNNI brings nothing.
+KernelTable table_of(int path) {
+  KernelTable t{};
+  if (path == P_SCALAR)
+    t = {quantize_x_ref, quantize_x16_ref, quantize_xk_ref, gemm_q8_0_ref, gemm_q4_0_ref, gemm_bf16_ref, gemm_f16_ref,
+         {}};
+  else
+    t = {quantize_x_avx2, quantize_x16_avx2, quantize_xk_avx2, path == P_AVX2 ? gemm_q8_0_avx2 : gemm_q8_0_avx512,
+         path == P_AVX2 ? gemm_q4_0_avx2 : gemm_q4_0_avx512, gemm_bf16_avx2, gemm_f16_avx2, {}};
+#define OFFLOAD_FILL(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) \
+  t.gguf[id_] = path == P_SCALAR ? gemm_##name_##_ref : path == P_AVX2 ? gemm_##name_##_avx2 : gemm_##name_##_avx512;
+  OFFLOAD_GGUF_FORMATS(OFFLOAD_FILL)
+#undef OFFLOAD_FILL
+  return t;
+}
+// Indexed by Path.
+const KernelTable kTables[3] = {table_of(P_SCALAR), table_of(P_AVX2), table_of(P_AVX512)};
 
 QGemmFn qgemm_of(const KernelTable& t, int fmt) {
   if (fmt == W_Q8_0) return t.q8_0;
   if (fmt == W_Q4_0) return t.q4_0;
-  return t.gguf[fmt - W_Q4_1];
+  return t.gguf[fmt];
 }
 
 std::vector<std::string> cpu_features() {

@@ -18,20 +18,37 @@ namespace offload {
 
 constexpr int64_t QK = 32;  // elements per quant block
 
-// The ids are offload/formats (GGUF_TYPES' cpu_kernel).
-enum WFmt : int {
-  W_Q8_0 = 0, W_Q4_0 = 1, W_BF16 = 2, W_F16 = 3,
-  W_Q4_1 = 8, W_Q4_K = 9, W_Q5_K = 10, W_Q6_K = 11, W_Q5_0 = 12, W_Q5_1 = 13, W_Q3_K = 14, W_Q2_K = 15,
-  W_IQ4_NL = 16, W_IQ4_XS = 17
-};
-constexpr int W_TILED = 4;  // format id + W_TILED: the same format in tiled order (q8_0 / q4_0 only)
+// The GGUF block formats with fused kernels, one line each: X(name, NAME, id, weights per block, bytes per block,
+// decoder, scalar reference's row function). The id is offload/formats GGUF_TYPES' cpu_kernel; the decoder is a
+// struct of kquant_tiles.inc, the row function one of kquant_ref.cpp. Each line declares and defines the format's
+// enum value, sizes and entry points (gemm_<name>_ref, _avx2, _avx512) and fills the dispatch tables.
+#define OFFLOAD_GGUF_FORMATS(X)                                                                               \
+  X(q4_1, Q4_1, 8, 32, 20, Q41, row_q4_1) X(q4_k, Q4_K, 9, 256, 144, Q4K, row_qk<false>)                      \
+  X(q5_k, Q5_K, 10, 256, 176, Q5K, row_qk<true>) X(q6_k, Q6_K, 11, 256, 210, Q6K, row_q6_k)                   \
+  X(q5_0, Q5_0, 12, 32, 22, Q50, row_b32<W_Q5_0>) X(q5_1, Q5_1, 13, 32, 24, Q51, row_b32<W_Q5_1>)             \
+  X(q3_k, Q3_K, 14, 256, 110, Q3K, row_q23_k<true>) X(q2_k, Q2_K, 15, 256, 84, Q2K, row_q23_k<false>)         \
+  X(iq4_nl, IQ4_NL, 16, 32, 18, IQ4NL, row_b32<W_IQ4_NL>) X(iq4_xs, IQ4_XS, 17, 256, 136, IQ4XS, row_iq4_xs)
 
-constexpr bool is_gguf(int fmt) { return fmt >= W_Q4_1 && fmt <= W_IQ4_XS; }
-// Weights and bytes per GGUF block (offload/formats GGUF_TYPES), indexed by fmt - W_Q4_1.
-constexpr int64_t kGgufWeights[] = {32, 256, 256, 256, 32, 32, 256, 256, 32, 256};
-constexpr int64_t kGgufBytes[] = {20, 144, 176, 210, 22, 24, 110, 84, 18, 136};
-constexpr int64_t gguf_block_weights(int fmt) { return kGgufWeights[fmt - W_Q4_1]; }
-constexpr int64_t gguf_block_bytes(int fmt) { return kGgufBytes[fmt - W_Q4_1]; }
+#define OFFLOAD_ENUM(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) W_##NAME_ = id_,
+enum WFmt : int { W_Q8_0 = 0, W_Q4_0 = 1, W_BF16 = 2, W_F16 = 3, OFFLOAD_GGUF_FORMATS(OFFLOAD_ENUM) };
+#undef OFFLOAD_ENUM
+constexpr int W_TILED = 4;  // format id + W_TILED: the same format in tiled order (q8_0 / q4_0 only)
+constexpr int kFormatIds = 32;  // format ids are below this
+
+// Weights and bytes per GGUF block (0: not a GGUF block format with kernels).
+constexpr int64_t gguf_block_weights(int fmt) {
+#define OFFLOAD_WEIGHTS(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) if (fmt == id_) return weights_;
+  OFFLOAD_GGUF_FORMATS(OFFLOAD_WEIGHTS)
+#undef OFFLOAD_WEIGHTS
+  return 0;
+}
+constexpr int64_t gguf_block_bytes(int fmt) {
+#define OFFLOAD_BYTES(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) if (fmt == id_) return bytes_;
+  OFFLOAD_GGUF_FORMATS(OFFLOAD_BYTES)
+#undef OFFLOAD_BYTES
+  return 0;
+}
+constexpr bool is_gguf(int fmt) { return gguf_block_weights(fmt) > 0; }
 // A format id as the Python face sends it -> (format, tiled order); false for an unknown id.
 inline bool parse_fmt_id(int id, int& fmt, bool& tiled) {
   tiled = id == W_TILED + W_Q8_0 || id == W_TILED + W_Q4_0;
@@ -131,16 +148,6 @@ void quantize_w_q4_0_rows(const float* src, int64_t r0, int64_t r1, int64_t K, u
 
 // Scalar references of the GGUF block formats (kquant_ref.cpp).
 void quantize_xk_ref(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s, int16_t* s16);
-void gemm_q4_1_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q4_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q5_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q6_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q5_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q5_1_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q3_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q2_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_iq4_nl_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_iq4_xs_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 
 // AVX2 + FMA + F16C (qgemm_avx2.cpp, fgemm_avx2.cpp).
 void quantize_x_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s);
@@ -151,29 +158,18 @@ void gemm_bf16_avx2(const WView& w, const float* x, int64_t N, float* y, const f
 void gemm_f16_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
 uint64_t read_bytes_avx2(const uint8_t* p, int64_t n);  // bandwidth probe: touches every byte
 void quantize_xk_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s, int16_t* s16);
-void gemm_q4_1_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q4_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q5_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q6_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q5_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q5_1_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q3_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q2_k_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_iq4_nl_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_iq4_xs_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 
 // AVX-512 VL + VNNI (qgemm_avx512.cpp): the AVX2 tiles with dpbusd dot products.
 void gemm_q8_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_q4_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q4_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q4_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q5_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q6_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q5_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q5_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q3_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_q2_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_iq4_nl_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
-void gemm_iq4_xs_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+
+// Each GGUF block format's entry points: the scalar reference (kquant_ref.cpp), AVX2 (qgemm_avx2.cpp) and AVX-512
+// (qgemm_avx512.cpp).
+#define OFFLOAD_DECLARE(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) \
+  void gemm_##name_##_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);     \
+  void gemm_##name_##_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);    \
+  void gemm_##name_##_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
+OFFLOAD_GGUF_FORMATS(OFFLOAD_DECLARE)
+#undef OFFLOAD_DECLARE
 
 }  // namespace offload

@@ -28,12 +28,16 @@
 #include <cstdint>
 #include <cstring>
 
+#include "kernels.h"
+
 namespace offload {
 
 constexpr int64_t QK_K = 256;  // weights per super-block of the K-quants
-constexpr int64_t kQ41Bytes = 20, kQ4KBytes = 144, kQ5KBytes = 176, kQ6KBytes = 210;
-constexpr int64_t kQ50Bytes = 22, kQ51Bytes = 24, kIQ4NLBytes = 18, kIQ4XSBytes = 136, kQ3KBytes = 110,
-                  kQ2KBytes = 84;
+constexpr int64_t kQ41Bytes = gguf_block_bytes(W_Q4_1), kQ4KBytes = gguf_block_bytes(W_Q4_K),
+                  kQ5KBytes = gguf_block_bytes(W_Q5_K), kQ6KBytes = gguf_block_bytes(W_Q6_K),
+                  kQ50Bytes = gguf_block_bytes(W_Q5_0), kQ51Bytes = gguf_block_bytes(W_Q5_1),
+                  kIQ4NLBytes = gguf_block_bytes(W_IQ4_NL), kIQ4XSBytes = gguf_block_bytes(W_IQ4_XS),
+                  kQ3KBytes = gguf_block_bytes(W_Q3_K), kQ2KBytes = gguf_block_bytes(W_Q2_K);
 
 // The 16 non-uniform levels of iq4_nl and iq4_xs (ggml-common.h kvalues_iq4nl).
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,

@@ -225,44 +225,11 @@ void gemm_gguf_ref(int fmt, const WView& w, const XQ& x, float* y, const float* 
 
 }  // namespace
 
-void gemm_q4_1_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_q4_1>(W_Q4_1, w, x, y, bias, r0, r1);
-}
-
-void gemm_q4_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_qk<false>>(W_Q4_K, w, x, y, bias, r0, r1);
-}
-
-void gemm_q5_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_qk<true>>(W_Q5_K, w, x, y, bias, r0, r1);
-}
-
-void gemm_q6_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_q6_k>(W_Q6_K, w, x, y, bias, r0, r1);
-}
-
-void gemm_q5_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_b32<W_Q5_0>>(W_Q5_0, w, x, y, bias, r0, r1);
-}
-
-void gemm_q5_1_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_b32<W_Q5_1>>(W_Q5_1, w, x, y, bias, r0, r1);
-}
-
-void gemm_iq4_nl_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_b32<W_IQ4_NL>>(W_IQ4_NL, w, x, y, bias, r0, r1);
-}
-
-void gemm_iq4_xs_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_iq4_xs>(W_IQ4_XS, w, x, y, bias, r0, r1);
-}
-
-void gemm_q3_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_q23_k<true>>(W_Q3_K, w, x, y, bias, r0, r1);
-}
-
-void gemm_q2_k_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_gguf_ref<row_q23_k<false>>(W_Q2_K, w, x, y, bias, r0, r1);
-}
+#define OFFLOAD_REF(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) \
+  void gemm_##name_##_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {     \
+    gemm_gguf_ref<Row_>(W_##NAME_, w, x, y, bias, r0, r1);                                                           \
+  }
+OFFLOAD_GGUF_FORMATS(OFFLOAD_REF)
+#undef OFFLOAD_REF
 
 }  // namespace offload

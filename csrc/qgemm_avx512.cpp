@@ -529,54 +529,12 @@ void gemm_q4_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, 
   if (done < r1) gemm_rows<true>(w, x, y, bias, done, r1);
 }
 
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_q4_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<Q41>(w, x, y, bias, r0, r1);
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_q4_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<Q4K>(w, x, y, bias, r0, r1);
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_q5_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<Q5K>(w, x, y, bias, r0, r1);
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_q6_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<Q6K>(w, x, y, bias, r0, r1);
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_q5_0_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<Q50>(w, x, y, bias, r0, r1);
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_q5_1_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<Q51>(w, x, y, bias, r0, r1);
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_q3_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<Q3K>(w, x, y, bias, r0, r1);
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_q2_k_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<Q2K>(w, x, y, bias, r0, r1);
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_iq4_nl_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<IQ4NL>(w, x, y, bias, r0, r1);
-}
-
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
-void gemm_iq4_xs_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gguf_rows<IQ4XS>(w, x, y, bias, r0, r1);
-}
+#define OFFLOAD_ENTRY(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))                          \
+  void gemm_##name_##_avx512(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {  \
+    gguf_rows<Dec_>(w, x, y, bias, r0, r1);                                                                     \
+  }
+OFFLOAD_GGUF_FORMATS(OFFLOAD_ENTRY)
+#undef OFFLOAD_ENTRY
 
 }  // namespace offload

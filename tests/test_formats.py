@@ -56,11 +56,16 @@ def test_the_table_agrees_with_gguf_py():
 
 
 def test_the_tables_kernel_codes_are_csrcs():
-    """formats.CPU_KERNELS is csrc/kernels.h's enum WFmt, name for name."""
-    enum = re.search(r"enum WFmt : int \{([^}]*)\}", (CSRC / "kernels.h").read_text())[1]
-    codes = {name.strip().removeprefix("W_").lower(): int(v) for name, v in
-             (item.split("=") for item in enum.split(","))}
-    assert {f: c for f, c in codes.items()} == {f.replace("fp16", "f16"): c for f, c in CPU_KERNELS.items()}
+    """formats.CPU_KERNELS is csrc/kernels.h's formats, name for name: the enum's fixed ids and the GGUF block
+    formats' lines (OFFLOAD_GGUF_FORMATS), whose block sizes are the table's."""
+    header = (CSRC / "kernels.h").read_text()
+    enum = re.search(r"enum WFmt : int \{([^}]*)\}", header)[1]
+    codes = {m[1].lower(): int(m[2]) for m in re.finditer(r"W_(\w+) = (\d+)", enum)}
+    lines = re.findall(r"X\((\w+), (\w+), (\d+), (\d+), (\d+), ", header)
+    codes.update({name: int(code) for name, _, code, _, _ in lines})
+    assert codes == {f.replace("fp16", "f16"): c for f, c in CPU_KERNELS.items()}
+    for name, upper, _, weights, block_bytes in lines:
+        assert upper.lower() == name and (int(weights), int(block_bytes)) == GGUF_BLOCKS[name], name
 
 
 # -------------------------------------------------------------------------------- dequantizers, bit for bit
