@@ -27,9 +27,9 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.planner.speculation import PRIOR_ACCEPTANCE
 from offload.sampling import SamplingParams, probabilities
 
-PRIOR_ACCEPTANCE = 0.7  # the acceptance rate assumed before any is measured
 PRIOR_WEIGHT = 8  # proposals the prior counts as: the measured rate takes over within a few steps
 PRIOR_TOKEN_COST = 0.05  # a sequence's proposal's cost as a share of a step, before the run's steps are fitted
 FIT_DECAY = 0.98  # weight of older steps in the fit of a step's seconds on its tokens

@@ -14,14 +14,13 @@ from offload.jobs import responses
 from offload.jobs.batch import CHAT, Request
 from offload.jobs.config import JobConfig, plan_request
 from offload.planner.recost import recost_steps, recost_steps_at
-from offload.planner.speculation import against_measured
+from offload.planner.speculation import PRIOR_ACCEPTANCE, against_measured
 from offload.planner.whatif import what_ifs
 from offload.profile.report import JobCounts, build_report
 from offload.profile.timeline import Timeline
 from offload.runtime.host_memory import peak_rss_bytes
 from offload.runtime.speedprobe import MachineSpeed, machine_speed, speed_at
 from offload.spec import ModelSpec
-from offload.speculative import PRIOR_ACCEPTANCE
 from offload.weights.prompts import check_prompt_ids, encode_chat, encode_text
 
 logger = logging.getLogger("offload")

@@ -19,6 +19,8 @@ from dataclasses import dataclass, replace
 from offload.planner.recost import recost_steps
 from offload.units import format_bytes
 
+PRIOR_ACCEPTANCE = 0.7  # the acceptance rate assumed before any is measured
+
 
 @dataclass(frozen=True)
 class SpeculationPrice:
