@@ -290,22 +290,31 @@ def test_a_job_reports_what_speculation_did_and_its_predicted_speed_against_the_
     assert f"{spec['predicted_over_measured']:.2f}x of measured" in text and "the prior acceptance 0.70" in text
 
 
+def _llama_8b_with_1b_draft(gpu_memory: str):
+    """llama-3.1-8b at q4_0 on an rtx4090 budget of gpu_memory, with the 1B draft at q4_0: (spec, draft spec,
+    speculative options, plan request)."""
+    from offload.options import SpeculativeOptions
+    from offload.planner import PlanRequest
+    from offload.weights.model_files import model_spec
+
+    spec, draft = (model_spec(ROOT / "configs" / "models" / name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
+    options = SpeculativeOptions(method="draft_model", model=str(ROOT / "configs/models/llama-3.2-1b"),
+                                 quantization="q4_0")
+    request = PlanRequest(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
+                          hardware="rtx4090-ddr5", gpu_memory=gpu_memory, max_model_len=4096)
+    return spec, draft, options, request
+
+
 def test_the_planner_prices_speculation_and_falls_back_to_no_proposals_where_they_do_not_pay():
     """llama-3.1-8b on a 4 GiB rtx4090 budget (its layers stream over PCIe) with the 1B draft in VRAM: proposals
     pay at acceptance 0.7 (a pass over 8 tokens costs little more than over 1); at acceptance 0 they never do."""
     from offload.hardware import load_hardware
     from offload.options import SpeculativeOptions
-    from offload.planner import PlanRequest
     from offload.planner.speculation import expected_tokens, price_speculation
-    from offload.weights.model_files import model_spec
 
     assert expected_tokens(0.0, 5) == 1 and abs(expected_tokens(0.5, 2) - 1.75) < 1e-12
-    spec, draft = (model_spec(ROOT / "configs" / "models" / name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
+    spec, draft, options, request = _llama_8b_with_1b_draft("4GiB")
     hw = load_hardware("rtx4090-ddr5")
-    request = PlanRequest(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
-                          hardware="rtx4090-ddr5", gpu_memory="4GiB", max_model_len=4096)
-    options = SpeculativeOptions(method="draft_model", model=str(ROOT / "configs/models/llama-3.2-1b"),
-                                 quantization="q4_0")
     good = price_speculation(spec, hw, request, options, 0.7, draft)
     assert good.k > 0 and good.speedup > 1.2 and good.draft_gpu_bytes > 0 and good.draft_s > 0
     assert abs(good.tokens_per_s - good.tokens_per_pass / (good.verify_s + good.draft_s)) < 1e-9
@@ -322,16 +331,10 @@ def test_a_draft_that_pushes_the_models_layers_off_the_gpu_is_weighed(caplog):
     from dataclasses import replace
 
     from offload.api import plan_draft_first
-    from offload.options import SpeculativeOptions
-    from offload.planner import PlanRequest, plan_for
+    from offload.planner import plan_for
     from offload.planner.speculation import plan_speculation, price_on
-    from offload.weights.model_files import model_spec
 
-    spec, draft = (model_spec(ROOT / "configs" / "models" / name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
-    options = SpeculativeOptions(method="draft_model", model=str(ROOT / "configs/models/llama-3.2-1b"),
-                                 quantization="q4_0")
-    request = PlanRequest(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
-                          hardware="rtx4090-ddr5", gpu_memory="6GiB", max_model_len=4096)
+    spec, draft, options, request = _llama_8b_with_1b_draft("6GiB")
     hw = request.profile()
     on_gpu = lambda plan: sum(u.weight_tier == "gpu" for u in plan.units)  # noqa: E731
     plans = plan_speculation(spec, hw, request, options, draft)
@@ -349,17 +352,10 @@ def test_the_steps_run_are_priced_as_the_planner_prices_k_and_a_batch_is_not():
     """run_tokens_per_s with every step carrying the planner's k is the planner's own price; with none, the model's
     1-token step on what the draft leaves; a run that decoded two sequences a step gets no batch-1 price."""
     from offload.hardware import load_hardware
-    from offload.options import SpeculativeOptions
-    from offload.planner import PlanRequest
     from offload.planner.speculation import against_measured, plan_speculation, price_on, run_tokens_per_s
-    from offload.weights.model_files import model_spec
 
-    spec, draft = (model_spec(ROOT / "configs" / "models" / name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
+    spec, draft, options, request = _llama_8b_with_1b_draft("4GiB")
     hw = load_hardware("rtx4090-ddr5")
-    request = PlanRequest(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
-                          hardware="rtx4090-ddr5", gpu_memory="4GiB", max_model_len=4096)
-    options = SpeculativeOptions(method="draft_model", model=str(ROOT / "configs/models/llama-3.2-1b"),
-                                 quantization="q4_0")
     plans = plan_speculation(spec, hw, request, options, draft, context=300)
     price = price_on(plans, options, 0.6)
     assert price.k > 0 and run_tokens_per_s(plans, 0.6, price.k, 1.0) == pytest.approx(price.tokens_per_s)
