@@ -226,6 +226,17 @@ def test_unsupported_type_requantized_on_request(tmp_path):
     assert_logits_close(offload_logits(llm.model, IDS), hf_logits(hf_from_gguf(model, path), IDS), rel=1e-2)
 
 
+def test_a_type_gguf_py_cannot_dequantize_is_refused_even_on_request(tmp_path):
+    """Q1_0 (llama.cpp's, which neither offload nor gguf-py 0.19 reads): refused by name with a quantization asked
+    too, where it would fail in gguf-py's dequantize while loading."""
+    from offload import LLM
+
+    path = write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "q1_0.gguf", "Q8_0",
+                      types={"blk.1.ffn_down.weight": "Q1_0"}, random_quants=True)
+    with pytest.raises(WeightsError, match=r"blk\.1\.ffn_down\.weight .* stored as Q1_0, .* gguf-py cannot dequantize"):
+        LLM(str(path), quantization="q8_0")
+
+
 def test_job_config_accepts_gguf_path(tmp_path):
     from offload.jobs.config import check_files
 
