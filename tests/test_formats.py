@@ -118,18 +118,23 @@ def test_gguf_py_quantized_blocks_dequantize_bit_for_bit(fmt):
 @pytest.mark.parametrize("fmt", DEQUANTIZED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_types_without_kernels_multiply_dequantized(fmt, dtype, monkeypatch):
-    """kernels.linear on a type without fused kernels: x @ (gguf-py's values).T + bias in fp32 (within 1e-5 of
-    torch's fp32 matmul), whole or in slices of rows, on every path."""
+    """kernels.linear on a type without fused kernels: x @ (gguf-py's values).T + bias in fp32, whole or in slices of
+    rows, on every path. Its matmuls sum the k products in another order than torch's one: the results are apart by
+    about sqrt(k) roundings of the products' sizes (the bound tests/test_device_dequant_gguf.py argues; a fixed 1e-5
+    failed now and then, x being drawn unseeded)."""
     m, k = 13, 2 * GGUF_TYPE[fmt].block_weights
     raw = signed_blocks(fmt, m, 2, seed=3)
     w = K.PackedWeight.from_gguf(raw, fmt, (m, k))
     assert w.fmt_id < 0
-    x, bias = torch.randn(5, k).to(dtype), torch.randn(m)
-    want = x.float() @ torch.from_numpy(gguf_py(raw, fmt).reshape(m, k)).T + bias
-    torch.testing.assert_close(K.linear(x, w, bias), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(K.linear_ref(x, w, bias), want, rtol=1e-5, atol=1e-5)
+    x, bias = torch.randn(5, k).to(dtype).float(), torch.randn(m)
+    values = torch.from_numpy(gguf_py(raw, fmt).reshape(m, k))
+    want = x @ values.T + bias
+    tol = 2 * ((1 + k ** 0.5) * (x.abs() @ values.abs().T + bias.abs()) + want.abs()) * 2.0**-24
+    got = [K.linear(x.to(dtype), w, bias), K.linear_ref(x.to(dtype), w, bias)]
     monkeypatch.setattr(K, "DEQUANT_SLICE_BYTES", 4 * 4 * k)  # slices of 4 rows, then the tail of 1
-    torch.testing.assert_close(K.linear(x, w, None), want - bias, rtol=1e-5, atol=1e-5)
+    got.append(K.linear(x.to(dtype), w, None) + bias)
+    for y in got:
+        assert y.dtype == torch.float32 and y.shape == want.shape and bool(((y - want).abs() <= tol).all())
 
 
 def test_the_fused_layer_leaves_types_without_kernels_to_the_unfused_path():
