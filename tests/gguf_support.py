@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 
 from offload.formats import GGUF_TYPES
+from offload.kernels.quant import put_scales
 
 K_TINY = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -77,7 +78,7 @@ def hf_from_gguf(model, path: Path):
 
 
 def random_blocks(qtype, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
-    """Random bytes of a quantized type with small, finite fp16 scales: uint8 [rows, row bytes]."""
+    """Random bytes of a quantized type with small, finite scales: uint8 [rows, row bytes]."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
     block, size = GGML_QUANT_SIZES[qtype]
@@ -102,15 +103,14 @@ def random_blocks(qtype, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
         put(2, (-rand(0.5, 1.5) * scale * 2)[..., 0])
     elif qtype in (T.Q8_0, T.Q4_0):
         put(0, (rand(0.5, 1.5) * scale / 8)[..., 0])
-    else:  # any other type of offload's table: each fp16 field set so that the weights' mean size is about scale
+    else:  # any other type of offload's table: each scale field set so that the weights' mean size is about scale
         kind = next((t for t in GGUF_TYPES if t.ggml_name == qtype.name), None)
         if kind is None:  # a type offload does not read: random bytes are all it needs
             return raw.reshape(rows, -1)
-        for at in kind.f16_offsets:
-            put(at, np.ones((rows, cols // block)))
-        unit = np.abs(kind.dequantize_np(raw.reshape(-1, size)[:64])).mean()
-        for at in kind.f16_offsets:
-            put(at, (rand(0.5, 1.5) * scale / unit)[..., 0])
+        blocks = raw.reshape(-1, size)
+        put_scales(blocks, kind.name, np.ones)
+        unit = np.abs(kind.dequantize_np(blocks[:64])).mean()
+        put_scales(blocks, kind.name, lambda n: rng.uniform(0.5, 1.5, n).astype(np.float32) * scale / unit)
     return raw.reshape(rows, -1)
 
 

@@ -1,9 +1,9 @@
-"""Device dequantization of GGUF's q4_1, q4_k, q5_k, q6_k: the torch ops against gguf-py, the Triton kernels
-(offload.kernels.triton_gguf) against the torch ops, and DeviceQuantWeight's linear over block bytes.
+"""Device dequantization of GGUF's block types: the torch ops against gguf-py, the Triton kernels (q4_1, q4_k, q5_k,
+q6_k: offload.kernels.triton_gguf) against the torch ops, and DeviceQuantWeight's linear over block bytes.
 
 Weights are raw GGUF block bytes uint8 [M, K/per_block*block_bytes] (formats.GGUF_BLOCKS), as a GGUF file
-stores them: q4_1 quantized from random data by gguf-py; the K-quants (gguf-py cannot quantize them) random
-bytes with their fp16 d/dmin fields overwritten by small finite values.
+stores them: q4_1 quantized from random data by gguf-py; the others random bytes with their scale fields (fp16
+d/dmin, IQ1_M's packed d, MXFP4's and NVFP4's scale bytes: kernels.quant.put_scales) set to small finite values.
 
 Tolerances. The torch dequantization in fp32 is gguf-py's result bit for bit (same operations in the same
 order); in bf16/fp16 it is that result rounded once, so within u * |w| (u the unit roundoff: 2^-8 bf16,
@@ -25,7 +25,8 @@ from gguf import GGMLQuantizationType
 from gguf import quants as gguf_quants
 
 from offload.errors import KernelError
-from offload.formats import GGUF_BLOCKS, GGUF_TYPES
+from offload.formats import GGUF_BLOCKS, GGUF_TYPE, GGUF_TYPES
+from offload.kernels.quant import put_scales
 from offload.runtime import device_quant
 from offload.runtime.device_quant import DeviceQuantWeight, dequantize_gguf
 from triton_support import INTERPRETER_PRELUDE
@@ -35,7 +36,6 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="Triton is not installe
 FORMATS = tuple(GGUF_BLOCKS)
 TRITON_FORMATS = tuple(t.name for t in GGUF_TYPES if t.triton)  # the others run the torch fallback on a GPU too
 QTYPES = {t.name: GGMLQuantizationType[t.ggml_name] for t in GGUF_TYPES}
-HALF_FIELDS = {t.name: t.f16_offsets for t in GGUF_TYPES}  # byte offsets of fp16 d / m / dmin
 UNIT_ROUNDOFF = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -48,8 +48,8 @@ def gguf_blocks(fmt: str, m: int, n_blocks: int, seed: int) -> torch.Tensor:
         raw = gguf_quants.quantize(rng.standard_normal((m, n_blocks * per_block), dtype=np.float32), QTYPES[fmt])
         return torch.from_numpy(np.ascontiguousarray(raw))
     raw = rng.integers(0, 256, (m, n_blocks, block_bytes), dtype=np.uint8)
-    for at in HALF_FIELDS[fmt]:  # random bytes there could be inf/nan; real files hold small scales
-        raw[..., at: at + 2] = rng.uniform(1e-4, 0.02, (m, n_blocks, 1)).astype(np.float16).view(np.uint8)
+    # random bytes in the scales could be inf/nan; real files hold small scales
+    put_scales(raw.reshape(-1, block_bytes), fmt, lambda n: rng.uniform(1e-4, 0.02, n))
     return torch.from_numpy(raw.reshape(m, -1))
 
 
@@ -255,6 +255,20 @@ def test_cuda_torch_dequant_is_gguf_py_bit_for_bit(fmt):
     raw = gguf_blocks(fmt, 64, 4096 // GGUF_BLOCKS[fmt][0], seed=6)
     got = dequantize_gguf(raw.cuda(), fmt, shape_of(raw, fmt), torch.float32).cpu()
     assert torch.equal(got.view(torch.int32), gguf_py(raw, fmt).view(torch.int32))
+
+
+@pytest.mark.cuda
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_cuda_fp4_scales_over_every_byte(fmt):
+    """Every scale byte on the GPU too: MXFP4's subnormal 2^-128 and overflowing 2^127 must not be flushed."""
+    raw = gguf_blocks(fmt, 256, 4, seed=8)
+    n_scales = GGUF_TYPE[fmt].fields[0][1]  # the scale bytes lead the block
+    raw.view(256, 4, GGUF_BLOCKS[fmt][1])[..., :n_scales] = torch.arange(256, dtype=torch.uint8)[:, None, None]
+    got = dequantize_gguf(raw.cuda(), fmt, shape_of(raw, fmt), torch.float32).cpu()
+    with np.errstate(over="ignore"):
+        want = gguf_py(raw, fmt)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
 
 
 @pytest.mark.cuda

@@ -16,10 +16,10 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 import offload.kernels as K
 from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits
-from gguf_support import K_TINY, hf_from_gguf, write_gguf
+from gguf_support import GGPY_QUANTIZES, K_TINY, hf_from_gguf, write_gguf
 from offload.errors import WeightsError
 from offload.formats import CPU_KERNELS, GGUF_BLOCKS, GGUF_NAMES, GGUF_TYPE, GGUF_TYPES
-from offload.kernels.quant import random_gguf_blocks
+from offload.kernels.quant import put_scales, random_gguf_blocks
 
 BLOCK_TYPES = tuple(GGUF_BLOCKS)
 DEQUANTIZED = tuple(f for f in GGUF_BLOCKS if f not in CPU_KERNELS)  # computed by dequantizing, no fused kernel
@@ -37,12 +37,10 @@ def gguf_py(raw: np.ndarray, fmt: str) -> np.ndarray:
 
 
 def signed_blocks(fmt: str, m: int, n_blocks: int, seed: int) -> np.ndarray:
-    """Random blocks [m, n_blocks * block_bytes] whose fp16 fields are finite and of either sign."""
+    """Random blocks [m, n_blocks * block_bytes] whose scales are finite, the fp16 ones of either sign."""
     raw = random_gguf_blocks(fmt, m, n_blocks * GGUF_TYPE[fmt].block_weights, seed)
-    blocks = raw.reshape(-1, GGUF_TYPE[fmt].block_bytes)
     rng = np.random.default_rng(seed + 1)
-    for at in GGUF_TYPE[fmt].f16_offsets:
-        blocks[:, at: at + 2] = rng.uniform(-2e-2, 2e-2, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    put_scales(raw.reshape(-1, GGUF_TYPE[fmt].block_bytes), fmt, lambda n: rng.uniform(-2e-2, 2e-2, n))
     return raw
 
 
@@ -53,6 +51,7 @@ def test_the_table_agrees_with_gguf_py():
         assert qtype.value == t.ggml_type and GGML_QUANT_SIZES[qtype] == (t.block_weights, t.block_bytes), t.name
         assert not t.fields or sum(n for _, n, _ in t.fields) == t.block_bytes, t.name
         assert t.layout in ("float", "split", "blocks") and set(t.kin) <= set(GGUF_TYPE), t.name
+        assert {kind for _, _, kind in t.fields} <= {"f16", "e8m0", "ue4m3", "bits+f16", "bits"}, t.name
 
 
 def test_the_tables_kernel_codes_are_csrcs():
@@ -83,22 +82,59 @@ def test_numpy_and_torch_dequantizers_are_gguf_py_bit_for_bit(fmt, m, n_blocks):
         assert got.shape == shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_scales_over_every_byte_are_gguf_pys(fmt):
+    """Each of the 256 scale bytes beside each of the 16 levels: MXFP4's e8m0 from 2^-128 (subnormal) to 2^127
+    (its larger levels overflow to inf), NVFP4's ue4m3 with its 0x7F (zero) and the unused top bit. The numpy
+    and torch dequantizers are gguf-py's, bit for bit."""
+    kind = GGUF_TYPE[fmt]
+    n_scales = kind.fields[0][1]
+    blocks = np.random.default_rng(5).integers(0, 256, (256, kind.block_bytes), dtype=np.uint8)
+    blocks[:, :n_scales] = np.arange(256, dtype=np.uint8)[:, None]
+    blocks[:, n_scales: n_scales + 8] = np.arange(0, 16, 2, dtype=np.uint8) | np.arange(16, 256, 32, dtype=np.uint8)
+    with np.errstate(over="ignore"):
+        want, got = gguf_py(blocks, fmt), kind.dequantize_np(blocks)
+    on_torch = kind.dequantize_torch(torch.from_numpy(blocks)[None])[0].numpy()
+    if fmt == "mxfp4":  # both ends of the range were reached
+        assert np.isinf(want).any() and (np.abs(want[want != 0]) < np.finfo(np.float32).tiny).any()
+    for out in (got, on_torch):
+        assert np.array_equal(out.view(np.uint32), want.view(np.uint32))
+
+
+@pytest.mark.parametrize("fmt", [f for f in BLOCK_TYPES if GGUF_TYPE[f].ggml_name in GGPY_QUANTIZES])
+def test_gguf_py_quantized_blocks_dequantize_bit_for_bit(fmt):
+    """Blocks as gguf-py quantizes them (realistic scales: MXFP4's exponents, TQ1_0's base-3 bytes below 243)."""
+    qtype = GGMLQuantizationType[GGUF_TYPE[fmt].ggml_name]
+    rows = np.logspace(-3, 1, 9, dtype=np.float32)[:, None]  # 4 decades of scale
+    w = np.random.default_rng(6).standard_normal((9, 512)).astype(np.float32) * rows
+    raw = quants.quantize(w, qtype).reshape(-1, GGUF_TYPE[fmt].block_bytes)
+    want = gguf_py(raw, fmt).reshape(raw.shape[0], -1)
+    assert np.array_equal(GGUF_TYPE[fmt].dequantize_np(raw).view(np.uint32), want.view(np.uint32))
+    on_torch = GGUF_TYPE[fmt].dequantize_torch(torch.from_numpy(raw)[None])[0].numpy()
+    assert np.array_equal(on_torch.view(np.uint32), want.view(np.uint32))
+
+
 # ---------------------------------------------------------------------------- the dequantizing CPU matmul
 @pytest.mark.parametrize("fmt", DEQUANTIZED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_types_without_kernels_multiply_dequantized(fmt, dtype, monkeypatch):
-    """kernels.linear on a type without fused kernels: x @ (gguf-py's values).T + bias in fp32 (within 1e-5 of
-    torch's fp32 matmul), whole or in slices of rows, on every path."""
+    """kernels.linear on a type without fused kernels: x @ (gguf-py's values).T + bias in fp32, whole or in slices of
+    rows, on every path. Its matmuls sum the k products in another order than torch's one: the results are apart by
+    about sqrt(k) roundings of the products' sizes (the bound tests/test_device_dequant_gguf.py argues; a fixed 1e-5
+    failed now and then, x being drawn unseeded)."""
     m, k = 13, 2 * GGUF_TYPE[fmt].block_weights
     raw = signed_blocks(fmt, m, 2, seed=3)
     w = K.PackedWeight.from_gguf(raw, fmt, (m, k))
     assert w.fmt_id < 0
-    x, bias = torch.randn(5, k).to(dtype), torch.randn(m)
-    want = x.float() @ torch.from_numpy(gguf_py(raw, fmt).reshape(m, k)).T + bias
-    torch.testing.assert_close(K.linear(x, w, bias), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(K.linear_ref(x, w, bias), want, rtol=1e-5, atol=1e-5)
+    x, bias = torch.randn(5, k).to(dtype).float(), torch.randn(m)
+    values = torch.from_numpy(gguf_py(raw, fmt).reshape(m, k))
+    want = x @ values.T + bias
+    tol = 2 * ((1 + k ** 0.5) * (x.abs() @ values.abs().T + bias.abs()) + want.abs()) * 2.0**-24
+    got = [K.linear(x.to(dtype), w, bias), K.linear_ref(x.to(dtype), w, bias)]
     monkeypatch.setattr(K, "DEQUANT_SLICE_BYTES", 4 * 4 * k)  # slices of 4 rows, then the tail of 1
-    torch.testing.assert_close(K.linear(x, w, None), want - bias, rtol=1e-5, atol=1e-5)
+    got.append(K.linear(x.to(dtype), w, None) + bias)
+    for y in got:
+        assert y.dtype == torch.float32 and y.shape == want.shape and bool(((y - want).abs() <= tol).all())
 
 
 def test_the_fused_layer_leaves_types_without_kernels_to_the_unfused_path():
@@ -190,11 +226,11 @@ def test_a_unit_of_mixed_types_is_priced_by_each_types_own_rate(tmp_path):
 
 def test_a_type_offload_does_not_read_is_refused_by_name(tmp_path):
     model = make_hf_model("llama", **{**K_TINY, "vocab_size": 300})
-    path = write_gguf(model, tmp_path / "iq1.gguf", "Q8_0", types={"blk.0.ffn_up.weight": "IQ1_M"},
+    path = write_gguf(model, tmp_path / "q1_0.gguf", "Q8_0", types={"blk.0.ffn_up.weight": "Q1_0"},
                       random_quants=True)
     from offload import LLM
 
-    with pytest.raises(WeightsError, match=r"blk\.0\.ffn_up\.weight .* is stored as IQ1_M, which offload does not"):
+    with pytest.raises(WeightsError, match=r"blk\.0\.ffn_up\.weight .* is stored as Q1_0, which offload does not"):
         LLM(str(path))
 
 

@@ -191,8 +191,9 @@ def _bad_files(tmp_path: Path) -> dict[str, tuple[Path, str]]:
     cases["magic"] = (tmp_path / "magic.gguf", "not a GGUF file")
     (tmp_path / "arch.gguf").write_bytes(data.replace(b"llama", b"gpt2\0", 1))
     cases["architecture"] = (tmp_path / "arch.gguf", "architecture")
-    cases["tensor type"] = (write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "mxfp4.gguf", "Q8_0",
-                                       types={"blk.1.ffn_down.weight": "MXFP4"}), "stored as MXFP4")
+    cases["tensor type"] = (write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "q1_0.gguf", "Q8_0",
+                                       types={"blk.1.ffn_down.weight": "Q1_0"}, random_quants=True),
+                            "stored as Q1_0")
     cases["tokenizer"] = (write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "notok.gguf", "Q8_0",
                                      tokenizer=False), "no tokenizer")
     return cases
@@ -213,17 +214,33 @@ def test_bad_gguf_cli_exits_2_without_traceback(tmp_path):
         assert "Traceback" not in done.stderr and message in done.stderr, (what, done.stderr)
 
 
-def test_unsupported_type_requantized_on_request(tmp_path):
-    """Asked for q8_0, an MXFP4 tensor (a type offload does not read) is dequantized with gguf-py and quantized
-    again, with a warning."""
+def test_unsupported_type_requantized_on_request(tmp_path, monkeypatch):
+    """Asked for q8_0, a tensor of a type gguf-py dequantizes but offload does not read is dequantized with gguf-py
+    and quantized again, with a warning. gguf-py 0.19 dequantizes no type outside offload's table: MXFP4 is taken out
+    of it here to stand for one."""
     from gguf_support import hf_from_gguf
     from offload import LLM
+    from offload.weights import gguf
 
     model = make_hf_model("llama", vocab_size=300)
     path = write_gguf(model, tmp_path / "mxfp4.gguf", "Q8_0", types={"blk.1.ffn_down.weight": "MXFP4"})
-    with pytest.warns(UserWarning, match="dequantized and quantized again"):
+    monkeypatch.setattr(gguf, "GGUF_NAMES", {k: v for k, v in gguf.GGUF_NAMES.items() if k != "MXFP4"})
+    with pytest.raises(WeightsError, match="stored as MXFP4, .* pass a quantization"):
+        LLM(str(path))
+    with pytest.warns(UserWarning, match="stored as MXFP4, .* dequantized and quantized again"):
         llm = LLM(str(path), quantization="q8_0")
     assert_logits_close(offload_logits(llm.model, IDS), hf_logits(hf_from_gguf(model, path), IDS), rel=1e-2)
+
+
+def test_a_type_gguf_py_cannot_dequantize_is_refused_even_on_request(tmp_path):
+    """Q1_0 (llama.cpp's, which neither offload nor gguf-py 0.19 reads): refused by name with a quantization asked
+    too, where it would fail in gguf-py's dequantize while loading."""
+    from offload import LLM
+
+    path = write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "q1_0.gguf", "Q8_0",
+                      types={"blk.1.ffn_down.weight": "Q1_0"}, random_quants=True)
+    with pytest.raises(WeightsError, match=r"blk\.1\.ffn_down\.weight .* stored as Q1_0, .* gguf-py cannot dequantize"):
+        LLM(str(path), quantization="q8_0")
 
 
 def test_job_config_accepts_gguf_path(tmp_path):

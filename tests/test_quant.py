@@ -71,7 +71,7 @@ def test_pack_accepts_bf16_and_fp16_input_like_fp32():
 
 @pytest.mark.parametrize("bad, match", [
     (lambda: K.pack(torch.randn(4, 48), "q8_0"), "divisible by 32"),
-    (lambda: K.pack(torch.randn(4, 64), "iq1_s"), "not supported"),
+    (lambda: K.pack(torch.randn(4, 64), "q3_0"), "not supported"),
     (lambda: K.pack(torch.randn(4, 256), "q5_k"), "does not quantize to q5_k"),
     (lambda: K.pack(torch.randn(4, 64).double(), "q8_0"), "float32/bfloat16/float16"),
     (lambda: K.pack(torch.randn(64), "q8_0"), "2-D"),

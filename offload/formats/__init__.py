@@ -25,7 +25,8 @@ class GGUFType:
     block_weights: int  # weights per block (1 for floats)
     block_bytes: int
     # (field, bytes, kind) in block order, as ggml-common.h's block_<type>: kind "f16" is a half-precision scale,
-    # "bits" packed quants, signs or sub-block scales
+    # "e8m0" a power-of-two scale byte (MXFP4), "ue4m3" fp8 scale bytes (NVFP4), "bits+f16" IQ1_M's 3-bit sub-block
+    # scales, its fp16 d in the top nibbles of their uint16s; "bits" packed quants, signs or sub-block scales
     fields: tuple[tuple[str, int, str], ...]
     # how offload keeps it: "float" (a dense tensor), "split" (offload's quant and scale planes, tiled for its
     # kernels), "blocks" (GGUF's block bytes unchanged, rows in order)
@@ -121,6 +122,17 @@ GGUF_TYPES = tuple(GGUFType(**t) for t in (
          layout="blocks", kin=_DEQUANTIZED),
     dict(name="tq2_0", ggml_name="TQ2_0", ggml_type=35, block_weights=256, block_bytes=66,
          fields=(("qs", 64, "bits"), ("d", 2, "f16")), layout="blocks", kin=_DEQUANTIZED),
+    dict(name="tq1_0", ggml_name="TQ1_0", ggml_type=34, block_weights=256, block_bytes=54,
+         fields=(("qs", 48, "bits"), ("qh", 4, "bits"), ("d", 2, "f16")), layout="blocks", kin=_DEQUANTIZED),
+    dict(name="iq1_s", ggml_name="IQ1_S", ggml_type=19, block_weights=256, block_bytes=50,
+         fields=_F16 + (("qs", 32, "bits"), ("qh", 16, "bits")), layout="blocks", kin=_DEQUANTIZED),
+    dict(name="iq1_m", ggml_name="IQ1_M", ggml_type=29, block_weights=256, block_bytes=56,
+         fields=(("qs", 32, "bits"), ("qh", 16, "bits"), ("scales", 8, "bits+f16")), layout="blocks",
+         kin=_DEQUANTIZED),
+    dict(name="mxfp4", ggml_name="MXFP4", ggml_type=39, block_weights=32, block_bytes=17,
+         fields=(("e", 1, "e8m0"), ("qs", 16, "bits")), layout="blocks", kin=_DEQUANTIZED),
+    dict(name="nvfp4", ggml_name="NVFP4", ggml_type=40, block_weights=64, block_bytes=36,
+         fields=(("d", 4, "ue4m3"), ("qs", 32, "bits")), layout="blocks", kin=_DEQUANTIZED),
 ))
 GGUF_TYPE = {t.name: t for t in GGUF_TYPES}  # by offload's name
 GGUF_NAMES = {t.ggml_name: t.name for t in GGUF_TYPES}  # GGUF's type name -> offload's

@@ -2,7 +2,8 @@
 
 Each takes uint8 blocks [n, block_bytes] and returns fp32 [n, block_weights], bit for bit gguf-py's
 gguf.quants.dequantize: the same fp32 operations in the same order (a product rounds once; d * q + m twice).
-The lattice types' codebooks (grids) and sign table are read from gguf-py, a dependency, not copied.
+The lattice types' codebooks (grids) and sign table, and the fp4 types' levels and scale decoders, are read from
+gguf-py, a dependency, not copied.
 """
 
 from __future__ import annotations
@@ -228,3 +229,75 @@ def tq2_0(b: np.ndarray) -> np.ndarray:
     n = b.shape[0]
     q = (b[:, :64].reshape(n, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & np.uint8(3)
     return _fp16(b, 64) * (q.reshape(n, 256).astype(np.int8) - np.int8(1)).astype(np.float32)
+
+
+_POW3 = np.array([1, 3, 9, 27, 81], dtype=np.uint8)
+
+
+def _trits(b: np.ndarray, k: int) -> np.ndarray:
+    """TQ1_0: bytes [n, m] -> [n, k * m] trits 0..2, run j holding trit j of each byte ((x * 3^j mod 256) * 3 >> 8)."""
+    q = b[:, None, :] * _POW3[:k, None]  # uint8: mod 256
+    return ((q.astype(np.uint16) * np.uint16(3)) >> np.uint16(8)).astype(np.uint8).reshape(b.shape[0], -1)
+
+
+def tq1_0(b: np.ndarray) -> np.ndarray:
+    """{qs[48], qh[4], fp16 d}: ternary weights d * (t - 1), 5 trits a byte of qs (4 of qh) in base-3 fixed point:
+    qs's bytes 0-31 give 5 runs of 32 weights, bytes 32-47 5 runs of 16, qh 4 runs of 4."""
+    q = np.concatenate((_trits(b[:, :32], 5), _trits(b[:, 32:48], 5), _trits(b[:, 48:52], 4)), axis=1)
+    return _fp16(b, 52) * (q.astype(np.int8) - np.int8(1)).astype(np.float32)
+
+
+def _iq1(dl: np.ndarray, idx: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """IQ1_S / IQ1_M: dl * (grid[idx] + delta), delta -0.125 where the shift bit is set, else 0.125; dl [n, s],
+    idx and shift [n, 32] (8 weights each), s scales over the 32 grid rows in order -> fp32 [n, 256]."""
+    n, s = dl.shape
+    delta = np.where(shift == 0, np.float32(0.125), np.float32(-0.125))
+    grid = lattice("IQ1_S")[0][idx] + delta[:, :, None]
+    return (dl[:, :, None, None] * grid.reshape(n, s, -1, 8)).reshape(n, 256)
+
+
+def iq1_s(b: np.ndarray) -> np.ndarray:
+    """{fp16 d, qs[32], qh[8] uint16}: an 11-bit grid index per 8 weights into iq1s's grid of -1/0/1 (a byte of qs,
+    3 bits of qh); per 32 weights a uint16 of qh holds the 4 indices' high bits (from bit 0 up), a 3-bit scale (bits
+    12-14) and a shift's sign (bit 15): (d * (2 * scale + 1)) * (grid + delta), delta +-0.125."""
+    qh = np.ascontiguousarray(b[:, 34:50]).view(np.uint16)  # [n, 8]
+    dl = _fp16(b, 0) * (2 * ((qh >> np.uint16(12)) & np.uint16(7)) + 1)  # uint16 times fp32, as gguf-py
+    high = (qh[:, :, None] >> np.array([0, 3, 6, 9], dtype=np.uint16)) & np.uint16(7)
+    idx = b[:, 2:34].astype(np.uint16) | (high.reshape(-1, 32) << np.uint16(8))
+    return _iq1(dl, idx, np.repeat(qh >> np.uint16(15), 4, axis=1))
+
+
+def iq1_m(b: np.ndarray) -> np.ndarray:
+    """{qs[32], qh[16], scales[8]}: as iq1_s, a nibble of qh per 8 weights (the index's high 3 bits, the shift's sign
+    bit 3), a 3-bit scale per 16 weights (fields of the 4 uint16 scales from bit 0 up), and fp16 d the top nibbles of
+    those uint16s (lowest bits first)."""
+    top = b[:, 49:56:2]  # the uint16 scales' high bytes
+    d = ((top[:, 0::2] >> np.uint8(4)) | (top[:, 1::2] & np.uint8(0xF0))).copy().view(np.float16).astype(np.float32)
+    sc = np.ascontiguousarray(b[:, 48:56]).view(np.uint16)[:, :, None] >> np.array([0, 3, 6, 9], dtype=np.uint16)
+    dl = d * (2 * (sc.reshape(-1, 16) & np.uint16(7)) + 1)  # uint16 times fp32, as gguf-py
+    qh = _bits(b[:, 32:48], 4)
+    idx = b[:, :32].astype(np.uint16) | ((qh & np.uint8(7)).astype(np.uint16) << np.uint16(8))
+    return _iq1(dl, idx, qh & np.uint8(8))
+
+
+@functools.cache
+def fp4_tables() -> dict[str, np.ndarray]:
+    """MXFP4's and NVFP4's lookup tables, fp32 from gguf-py: "e2m1" the 16 levels (doubled, ggml's kvalues_mxfp4),
+    "e8m0" and "ue4m3" the scale of each of the 256 bytes (halved, for the doubled levels)."""
+    from gguf.quants import MXFP4, NVFP4
+
+    every = np.arange(256, dtype=np.uint8)
+    return {"e2m1": np.array(MXFP4.kvalues, dtype=np.float32), "e8m0": MXFP4.e8m0_to_fp32_half(every),
+            "ue4m3": NVFP4.ue4m3_to_fp32(every).astype(np.float32)}
+
+
+def mxfp4(b: np.ndarray) -> np.ndarray:
+    """{e8m0 e, qs[16]}: 2^(e - 128) * levels[q], q the nibbles (low ones are weights 0..15)."""
+    t = fp4_tables()
+    return t["e8m0"][b[:, :1]] * t["e2m1"][_nibbles(b[:, 1:17], 1).reshape(-1, 32)]
+
+
+def nvfp4(b: np.ndarray) -> np.ndarray:
+    """{ue4m3 d[4], qs[32]}: sub-block s of 16 is d[s] * levels[q], q the nibbles of its 8 bytes (low ones first)."""
+    t, n = fp4_tables(), b.shape[0]
+    return (t["ue4m3"][b[:, :4]][:, :, None] * t["e2m1"][_nibbles(b[:, 4:36], 4)].reshape(n, 4, 16)).reshape(n, 64)

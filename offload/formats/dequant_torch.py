@@ -127,13 +127,17 @@ def q6_k(blocks: torch.Tensor) -> torch.Tensor:
 @functools.cache
 def _table(kind: str, name: str, device: torch.device) -> torch.Tensor:
     """A lookup table from offload.formats.dequant_np (gguf-py's values) on device: IQ4 levels as fp32, a
-    lattice's grid fp32 [entries, width], or the sign masks uint8 [128]."""
+    lattice's grid fp32 [entries, width], the sign masks uint8 [128], or an fp4 table (e2m1, e8m0, ue4m3) fp32."""
     from offload.formats import dequant_np
 
     if kind == "values":
-        return torch.from_numpy(dequant_np.iq4_values().astype("float32")).to(device)
-    grid, signs = dequant_np.lattice(name)
-    return torch.from_numpy(grid.copy() if kind == "grid" else signs.copy()).to(device)
+        table = dequant_np.iq4_values().astype("float32")
+    elif kind in ("grid", "signs"):
+        grid, signs = dequant_np.lattice(name)
+        table = grid if kind == "grid" else signs
+    else:
+        table = dequant_np.fp4_tables()[kind]
+    return torch.from_numpy(table.copy()).to(device)
 
 
 def iq4_nl(blocks: torch.Tensor) -> torch.Tensor:
@@ -227,3 +231,63 @@ def iq3_s(blocks: torch.Tensor) -> torch.Tensor:
 def tq2_0(blocks: torch.Tensor) -> torch.Tensor:
     """{qs[64], fp16 d} [M, nb, 66] -> fp32 [M, nb, 256]: ternary weights d * (q - 1), q 2 bits as in q2_k."""
     return _unpack(blocks[..., :64], 2, 2).float().sub_(1).mul_(_half(blocks, 64))
+
+
+def _trits(b: torch.Tensor, k: int) -> torch.Tensor:
+    """TQ1_0: bytes [M, nb, n] -> [M, nb, k * n] trits 0..2, run j holding trit j of each byte
+    ((x * 3^j mod 256) * 3 >> 8)."""
+    pow3 = torch.tensor([1, 3, 9, 27, 81][:k], dtype=torch.int32, device=b.device)[:, None]
+    return ((((b[..., None, :].int() * pow3) & 255) * 3) >> 8).flatten(-2)
+
+
+def tq1_0(blocks: torch.Tensor) -> torch.Tensor:
+    """{qs[48], qh[4], fp16 d} [M, nb, 54] -> fp32 [M, nb, 256]: ternary weights d * (t - 1), 5 trits a byte of qs
+    (runs of 32, then of 16), 4 a byte of qh (runs of 4)."""
+    t = (_trits(blocks[..., :32], 5), _trits(blocks[..., 32:48], 5), _trits(blocks[..., 48:52], 4))
+    return torch.cat(t, dim=-1).float().sub_(1).mul_(_half(blocks, 52))
+
+
+def _iq1(dl: torch.Tensor, idx: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """IQ1_S / IQ1_M: dl * (grid[idx] + delta), delta -0.125 where shift is 1, else 0.125; dl [M, nb, s], idx and
+    shift [M, nb, 32] (8 weights each), s scales over the 32 grid rows in order -> fp32 [M, nb, 256]."""
+    m, nb, s = dl.shape
+    grid = _table("grid", "IQ1_S", dl.device)[idx] + (0.125 - 0.25 * shift.float())[..., None]
+    return (dl[..., None, None] * grid.reshape(m, nb, s, -1, 8)).reshape(m, nb, 256)
+
+
+def iq1_s(blocks: torch.Tensor) -> torch.Tensor:
+    """{fp16 d, qs[32], qh[8] uint16} [M, nb, 50] -> fp32 [M, nb, 256]: an 11-bit index per 8 weights into iq1s's
+    grid (a byte of qs, 3 bits of qh), per 32 weights a uint16 of qh with the indices' high bits, a 3-bit scale (bits
+    12-14) and a shift's sign (bit 15): (d * (2 * scale + 1)) * (grid + delta), delta +-0.125."""
+    m, nb, _ = blocks.shape
+    qh = _words(blocks[..., 34:50], 2)  # [M, nb, 8]
+    dl = _half(blocks, 0) * (2 * ((qh >> 12) & 7) + 1).float()
+    high = (qh[..., None] >> torch.tensor([0, 3, 6, 9], device=blocks.device)) & 7
+    idx = blocks[..., 2:34].long() | (high.reshape(m, nb, 32) << 8)
+    return _iq1(dl, idx, (qh >> 15).repeat_interleave(4, dim=-1))
+
+
+def iq1_m(blocks: torch.Tensor) -> torch.Tensor:
+    """{qs[32], qh[16], scales[8]} [M, nb, 56] -> fp32 [M, nb, 256]: as iq1_s, a nibble of qh per 8 weights (high
+    index bits, shift sign bit 3), a 3-bit scale per 16 weights, fp16 d the top nibbles of the 4 uint16 scales."""
+    m, nb, _ = blocks.shape
+    top = blocks[..., 49:56:2]  # the uint16 scales' high bytes
+    d = ((top[..., 0::2] >> 4) | (top[..., 1::2] & 0xF0)).contiguous().view(torch.float16).float()
+    sc = _words(blocks[..., 48:56], 2)[..., None] >> torch.tensor([0, 3, 6, 9], device=blocks.device)
+    dl = d * (2 * (sc.reshape(m, nb, 16) & 7) + 1).float()
+    qh = _bits(blocks[..., 32:48], 4).long()
+    return _iq1(dl, blocks[..., :32].long() | ((qh & 7) << 8), qh >> 3)
+
+
+def mxfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """{e8m0 e, qs[16]} [M, nb, 17] -> fp32 [M, nb, 32]: 2^(e - 128) * levels[q] (e2m1's, doubled)."""
+    levels = _table("e2m1", "", blocks.device)[_unpack(blocks[..., 1:17], 1, 4).long()]
+    return levels.mul_(_table("e8m0", "", blocks.device)[blocks[..., :1].long()])
+
+
+def nvfp4(blocks: torch.Tensor) -> torch.Tensor:
+    """{ue4m3 d[4], qs[32]} [M, nb, 36] -> fp32 [M, nb, 64]: sub-block s of 16 is d[s] * levels[q], q the nibbles of
+    its 8 bytes (low ones first)."""
+    m, nb, _ = blocks.shape
+    levels = _table("e2m1", "", blocks.device)[_unpack(blocks[..., 4:36], 4, 4).long()].reshape(m, nb, 4, 16)
+    return levels.mul_(_table("ue4m3", "", blocks.device)[blocks[..., :4].long()][..., None]).reshape(m, nb, 64)

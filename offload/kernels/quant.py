@@ -4,8 +4,8 @@ GGUF stores a q8_0 row as blocks of 34 bytes (fp16 scale d, then 32 int8 quants)
 as blocks of 18 bytes (fp16 d, then 16 bytes whose low nibbles are elements 0..15 and high nibbles
 elements 16..31, each value (q - 8) * d). The kernels keep the same bytes in a split layout: all
 quants of a row contiguous ([M, K] int8 or [M, K/2] uint8) and the scales apart ([M, K/32] fp16).
-The formats of GGUF_BLOCKS (q4_1, q5_0/q5_1, the K-quants and the IQ types) stay in GGUF's own block bytes; their
-numpy references live beside the table of formats (offload.formats.dequant_np).
+The formats of GGUF_BLOCKS (q4_1, q5_0/q5_1, the K-quants, the IQ, ternary and fp4 types) stay in GGUF's own block
+bytes; their numpy references live beside the table of formats (offload.formats.dequant_np).
 """
 
 from __future__ import annotations
@@ -99,11 +99,32 @@ def dequantize_gguf_np(raw: np.ndarray, fmt: str, shape: tuple[int, int]) -> np.
 
 
 def random_gguf_blocks(fmt: str, m: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random GGUF bytes uint8 [m, K / per_block * block_bytes] of a GGUF_BLOCKS format, fp16 fields set to small
+    """Random GGUF bytes uint8 [m, K / per_block * block_bytes] of a GGUF_BLOCKS format, scales set to small
     positive values (random bytes there would make infinities and NaNs): weights to time kernels on."""
     kind = GGUF_TYPE[fmt]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, (m * (k // kind.block_weights), kind.block_bytes), dtype=np.uint8)
-    for at in kind.f16_offsets:
-        blocks[:, at: at + 2] = rng.uniform(1e-4, 1e-2, (blocks.shape[0], 1)).astype(np.float16).view(np.uint8)
+    put_scales(blocks, fmt, lambda n: rng.uniform(1e-4, 1e-2, n))
     return blocks.reshape(m, -1)
+
+
+def put_scales(blocks: np.ndarray, fmt: str, draw) -> None:
+    """Set the scale fields of blocks uint8 [n, block_bytes] of fmt in place, each to draw(n) (values [n], drawn
+    afresh per field and per NVFP4 sub-block) as near as the field holds it: fp16 fields, IQ1_M's fp16 d (the top
+    nibbles of its uint16 scales), MXFP4's e8m0 and NVFP4's ue4m3 bytes (the smallest code at or above |value|:
+    the dequantizers' scale rises with the code, ue4m3's up to 0x7E)."""
+    from offload.formats.dequant_np import fp4_tables
+
+    n, at = blocks.shape[0], 0
+    for _, n_bytes, kind in GGUF_TYPE[fmt].fields:
+        if kind == "f16":
+            blocks[:, at: at + 2] = np.asarray(draw(n), np.float16).view(np.uint8).reshape(n, 2)
+        elif kind == "bits+f16":  # d's nibbles, lowest first, into bytes at + 1, + 3, + 5, + 7
+            d = np.asarray(draw(n), np.float16).view(np.uint16)[:, None] >> np.array([0, 4, 8, 12], np.uint16)
+            top = blocks[:, at + 1: at + 8: 2]
+            blocks[:, at + 1: at + 8: 2] = (top & np.uint8(15)) | ((d & np.uint16(15)).astype(np.uint8) << 4)
+        elif kind in ("e8m0", "ue4m3"):
+            codes = fp4_tables()[kind][: 0x7F if kind == "ue4m3" else 256]
+            for i in range(n_bytes):
+                blocks[:, at + i] = np.clip(np.searchsorted(codes, np.abs(draw(n))), 1, len(codes) - 1)
+        at += n_bytes

@@ -367,7 +367,7 @@ def gguf_spec(gf: GGUFFile) -> ModelSpec:
 
 def check_tensors(gf: GGUFFile, spec: ModelSpec, requantize: bool) -> None:
     """Every tensor the spec needs is in the file with the right shape and a type offload computes with (or the
-    user asked for a quantization, and other types are dequantized and quantized again, with a warning)."""
+    user asked for a quantization, and other types gguf-py dequantizes are quantized again, with a warning)."""
     found, where = tensor_map(gf, spec), gguf_locations(spec)
     odd: dict[str, GGUFTensor] = {}
     for ts in spec.tensors():
@@ -382,12 +382,27 @@ def check_tensors(gf: GGUFFile, spec: ModelSpec, requantize: bool) -> None:
                                f"{list(ts.shape)}; the file is corrupt — download it again")
         if t.fmt is None:
             odd.setdefault(t.name.split("[")[0], t)  # a stacked experts tensor counts once
-    if odd and not requantize:
-        t = next(iter(odd.values()))
+    stuck = next((t for t in odd.values() if not _gguf_py_dequantizes(t.ggml_type)), None)
+    if stuck or (odd and not requantize):
+        t = stuck or next(iter(odd.values()))
+        fix = ("gguf-py cannot dequantize it to convert it either; use" if stuck else
+               "pass a quantization (q8_0 or q4_0) to convert it, or use")
         raise WeightsError(f"tensor {t.name} in {gf.path} is stored as {t.ggml_type}, which offload does not compute "
-                           f"with (it reads {', '.join(GGUF_NAMES)}); pass a quantization (q8_0 or q4_0) to "
-                           f"convert it, or use a file of a supported type")
+                           f"with (it reads {', '.join(GGUF_NAMES)}); {fix} a file of a supported type")
     if odd:
         warnings.warn(f"{len(odd)} tensors of {gf.path.name} are stored as "
                       f"{', '.join(sorted({t.ggml_type for t in odd.values()}))}, which offload does not compute "
                       f"with; they are dequantized and quantized again, which loses some accuracy", stacklevel=3)
+
+
+def _gguf_py_dequantizes(ggml_type: str) -> bool:
+    """Whether gguf-py's quants.dequantize has code for a type (it raises NotImplementedError where it has none):
+    tried on one block of zeros."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[ggml_type]
+    try:
+        quants.dequantize(np.zeros(GGML_QUANT_SIZES[qtype][1], dtype=np.uint8), qtype)
+    except NotImplementedError:
+        return False
+    return True
