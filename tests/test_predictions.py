@@ -248,6 +248,31 @@ def test_calibration_moves_each_measurement_to_the_reference_speed(monkeypatch):
     assert costfit.measure_attention_at_reference((10e9, 100e9, 5e9)) == {"fused": 10e9, "kv_read": 8e9}
 
 
+def test_a_curve_bent_by_a_slowdown_is_measured_again_and_the_steady_one_kept(monkeypatch):
+    """A slowdown of seconds (3x here) over the middle of a curve, where both probes saw the machine at its speed:
+    the curve's fall as rows grow gives it away; it is measured again and the steady one kept. A machine unsteady
+    every time keeps the try that moved least, after CURVE_TRIES."""
+    from offload import costfit
+    from offload.runtime.speedprobe import SpeedProbe
+
+    monkeypatch.setattr(costfit, "probe", lambda fmt: SpeedProbe(fmt, 10e9, 100e9))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    steady = ((1, 5e9), (2, 9e9), (16, 30e9), (64, 50e9), (512, 80e9))
+    bent = ((1, 5e9), (2, 9e9), (16, 30e9), (64, 50e9 / 3), (512, 80e9 / 3))
+    tries = iter([bent, steady, bent])
+    monkeypatch.setattr(costfit, "measure_cpu_curve", lambda fmt, rows, threads=0: next(tries))
+    lines = []
+    [curve] = costfit.measure_format_curves("q8_0", (10e9, 100e9, 0.0), log=lines.append)
+    assert list(curve) == [pytest.approx(point) for point in steady]
+    assert next(tries) == bent and "measured 2 times" in lines[0]  # the third try was not needed
+    worst, less = ((1, 5e9), (2, 40e9), (64, 8e9)), ((1, 5e9), (2, 40e9), (64, 20e9))
+    tries = iter([worst, less, worst])
+    [curve] = costfit.measure_format_curves("q8_0", (10e9, 100e9, 0.0), log=lambda line: None)
+    assert list(curve) == [pytest.approx(point) for point in costfit.monotone_curve(less)]
+    assert costfit.unsteadiness(steady, [SpeedProbe("q8_0", 10e9, 100e9), SpeedProbe("q8_0", 13e9, 100e9)]) == 1.3
+    assert costfit.unsteadiness(((1, 9e9), (2, 5e9), (4, 6e9)), [SpeedProbe("q8_0", 1, 1)] * 2) == 1.0  # 1 row left out
+
+
 def _small_config(n_layers: int, vocab: int) -> dict:
     return {"model_type": "llama", "hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
             "intermediate_size": 512, "num_hidden_layers": n_layers, "vocab_size": vocab,
