@@ -252,7 +252,7 @@ KFN void wide_q4_0_rows(const WView& w, const XQ& x, float* y, const float* bias
 // and the minimum's term once for all 16 rows; q6_k's and q3_k's offsets start their two integer sums per 16
 // (-32 or -4 x the token's sums per 16). The formats in blocks of 32 decode a row's last, partial group in part.
 template <class F>
-constexpr int gguf_wide_zmm() { return F::kX16 ? 18 : F::kMin16 ? 12 : 10; }
+constexpr int gguf_wide_zmm() { return F::kX16 ? 18 : F::kMin16 ? 12 : F::kMinOff ? 9 : 10; }
 constexpr int64_t kWideMinTokensGguf = 8;  // the decoding, once per tile, pays from here (1.0-1.2x at 8)
 
 template <class F>
@@ -345,7 +345,22 @@ KFN const uint32_t* sums16(const XQ& x) {
   return out.data();
 }
 
-// T tokens from n0 against one unpacked 16-row tile of format F (s16w: sums16's, kScale16 only).
+// kMinOff: per token and block of 32, -kMinOff x the token's sum of the block (int32), each dot product's start.
+template <class F>
+KFN const int32_t* block_offsets(const XQ& x) {
+  thread_local std::vector<int32_t> out;
+  const int64_t nb = x.K / QK;
+  out.resize(size_t(x.N * nb));
+  for (int64_t n = 0; n < x.N; ++n)
+    for (int64_t b = 0; b < nb; ++b) {
+      const int16_t* s = x.s16 + n * (x.K / 16) + 2 * b;
+      out[size_t(n * nb + b)] = -F::kMinOff * (int32_t(s[0]) + int32_t(s[1]));
+    }
+  return out.data();
+}
+
+// T tokens from n0 against one unpacked 16-row tile of format F (s16w: sums16's for kScale16, block_offsets' for
+// kMinOff).
 template <class F, int T>
 KFN void wide_gguf(const __m512i* scratch, const XQ& x, int64_t n0, float* y, int64_t M, int64_t r0,
                    const float* bias, const uint32_t* s16w) {
@@ -359,7 +374,7 @@ KFN void wide_gguf(const __m512i* scratch, const XQ& x, int64_t n0, float* y, in
     __m512i q[NQ];
 #pragma GCC unroll 16
     for (int j = 0; j < NQ; ++j) q[j] = _mm512_load_si512(o + j);
-    const __m512 v1 = _mm512_load_ps(o + NQ), v2 = _mm512_load_ps(o + NQ + 1);
+    const __m512 v1 = _mm512_load_ps(o + NQ), v2 = F::kMinOff ? v1 : _mm512_load_ps(o + NQ + 1);
 #pragma GCC unroll 16
     for (int t = 0; t < T; ++t) {
       const int64_t xb = (n0 + t) * nb + b;
@@ -392,6 +407,7 @@ KFN void wide_gguf(const __m512i* scratch, const XQ& x, int64_t n0, float* y, in
       } else {
         const int8_t* xr = x.qs + (n0 + t) * ld + b * QK;
         __m512i s = _mm512_setzero_si512(), s2 = s;  // two chains of 4 (their latency, not throughput, bound one)
+        if constexpr (F::kMinOff != 0) s = _mm512_set1_epi32(int32_t(s16w[xb]));
 #pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           s = dpbusd_at(s, q[j], xr + 4 * j);
@@ -399,7 +415,7 @@ KFN void wide_gguf(const __m512i* scratch, const XQ& x, int64_t n0, float* y, in
         }
         s = _mm512_add_epi32(s, s2);
         acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), dx), v1, acc[t]);
-        acc[t] = _mm512_fmadd_ps(v2, _mm512_set1_ps(x.s[xb]), acc[t]);
+        if constexpr (F::kMinOff == 0) acc[t] = _mm512_fmadd_ps(v2, _mm512_set1_ps(x.s[xb]), acc[t]);
       }
     }
   }
@@ -416,7 +432,8 @@ KFN void gguf_rows(const WView& w, const XQ& x, float* y, const float* bias, int
   thread_local std::vector<Zmm> buffer;
   buffer.resize(size_t(w.K / QK * Z));
   __m512i* scratch = reinterpret_cast<__m512i*>(buffer.data());
-  const uint32_t* s16w = F::kScale16 ? sums16<F>(x) : nullptr;
+  const uint32_t* s16w = F::kScale16 ? sums16<F>(x)
+                         : F::kMinOff ? reinterpret_cast<const uint32_t*>(block_offsets<F>(x)) : nullptr;
   int64_t r = r0;
   for (; r + WR <= r1; r += WR) {
     if constexpr (F::kX16) unpack_q4_1_wide(w, r, scratch);
