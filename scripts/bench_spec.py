@@ -11,7 +11,7 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
   (k+1)-token pass runs other kernel paths than a 1-token step on quantized weights, and sums in another order:
   a near-tie, gap < 0.05, may part; a larger gap would be a bug and is printed).
 - --against-llamacpp: the same token ids through llama-cpp-python's Llama (in a subprocess: 2 threads, its AMX
-  and repacking buffers off, which crash on this VM's AMX; OMP_WAIT_POLICY=PASSIVE) with and without its
+  and repacking buffers off on an AMX CPU, where they crash; OMP_WAIT_POLICY=PASSIVE) with and without its
   LlamaPromptLookupDecoding (its defaults: max_ngram_size 2, num_pred_tokens 10), alternating with offload's two
   runs; prints each one's tokens/s and offload-with-lookup / llama.cpp-with-lookup.
 
@@ -123,7 +123,8 @@ import llama_cpp.llama_cpp as c
 default = c.llama_model_default_params
 def params():
     p = default(); p.use_extra_bufts = False; return p
-c.llama_model_default_params = params  # its AMX and repacking buffers off (they crash on this VM's AMX)
+if "amx_int8" in open("/proc/cpuinfo").read():
+    c.llama_model_default_params = params  # its AMX and repacking buffers off (they crash on an AMX CPU)
 from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 job = json.loads(sys.argv[1])
@@ -282,7 +283,11 @@ def main(argv=None) -> int:
           f"{partings['near_tie']}, parting at a larger gap {len(partings['other'])}"
           + "".join(f"\n  parts at token {p['at']} (gap {p['gap']:.3f})" for p in partings["other"]))
     if gguf is not None:
-        print(f"llama.cpp (llama-cpp-python, {os.cpu_count()} threads, AMX buffers off): without "
+        sys.path.insert(0, str(HERE))
+        from bench_cpu_decode import amx_cpu
+
+        buffers = "AMX and repacking buffers off" if amx_cpu() else "its weight repacking on"
+        print(f"llama.cpp (llama-cpp-python, {os.cpu_count()} threads, {buffers}): without "
               f"{med['llama.cpp']:.1f} tok/s, with LlamaPromptLookupDecoding {med['llama.cpp lookup']:.1f} tok/s "
               f"({med['llama.cpp lookup'] / med['llama.cpp']:.2f}x)")
         print(f"offload with prompt lookup / llama.cpp with prompt lookup: "
