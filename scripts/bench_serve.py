@@ -261,10 +261,24 @@ def compare_offline(args, chats: list[list[dict]], answers: list[Answer | None])
             print(line)
 
 
+def llamacpp_server_missing() -> str | None:
+    """What is missing for llama-cpp-python's server (the package, or its `server` extra), or None."""
+    import importlib.util
+
+    if importlib.util.find_spec("llama_cpp") is None:
+        return "llama-cpp-python is not installed"
+    if any(importlib.util.find_spec(m) is None for m in ("sse_starlette", "starlette_context", "pydantic_settings",
+                                                          "fastapi", "uvicorn")):
+        return "llama-cpp-python's server extra is not installed (pip install 'llama-cpp-python[server]')"
+    return None
+
+
 def against_llamacpp(args) -> None:
     """offload serve against llama-cpp-python's server on the same GGUF file, alternating rounds (see above)."""
     from offload.weights.default_model import resolve_model
 
+    if missing := llamacpp_server_missing():
+        raise SystemExit(f"--against-llamacpp needs llama-cpp-python's server: {missing}")
     gguf = resolve_model(args.model)
     if not gguf.is_file() or gguf.suffix != ".gguf":
         raise SystemExit(f"--against-llamacpp needs a GGUF file (both servers read it); {gguf} is not one")
@@ -349,16 +363,14 @@ def one_round(base: str, name: str, prompts: list[str], args) -> dict:
 
 def smoke(args) -> None:
     """The load measurement on a tiny random model, 4 clients of 4 tokens; the comparison where llama.cpp is."""
-    import importlib.util
-
     from make_llama import tiny
 
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         args.model, args.clients, args.max_tokens = str(tiny(Path(tmp) / "tiny", tokenizer=True)), 4, 4
         args.serve_args = ["--backend", "cpu", "--max-model-len", "256"]
         load(args)
-    if importlib.util.find_spec("llama_cpp") is None:
-        print("llama-cpp-python is not installed: the comparison with its server is skipped")
+    if missing := llamacpp_server_missing():
+        print(f"{missing}: the comparison with its server is skipped")
         return
     args.model, args.rounds, args.sequential, args.max_tokens = "default", 1, 2, 4
     against_llamacpp(args)
