@@ -21,14 +21,16 @@ N_REQUESTS = 24
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory) -> tuple[Path, Path]:
-    """A job of 24 completions (plus one malformed line) on a tiny model, 4 in flight: a few seconds of work."""
+    """A job of 24 completions of 256 tokens (plus one malformed line) on a tiny model, 4 in flight: seconds of work
+    past its start-up, so that a kill at a random instant of up to 5 s lands inside it on a fast machine too (at 16
+    tokens a Zen 5 finished the job before a kill at 2.9 s)."""
     root = tmp_path_factory.mktemp("killjob")
     model = make_tiny_chat_model(root / "model")
     lines = [completion_line(f"r{i:02d}", f"Story number {i} begins", ignore_eos=True) for i in range(N_REQUESTS)]
     lines.insert(7, "{torn")
     write_batch(root / "in.jsonl", lines)
     config = write_job(root / "job.yaml", model={"path": str(model)}, input={"path": "in.jsonl"},
-                       output={"path": "out.jsonl"}, sampling={"max_tokens": 16, "temperature": 0},
+                       output={"path": "out.jsonl"}, sampling={"max_tokens": 256, "temperature": 0},
                        schedule={"batch_size": 4})
     return config, root / "out.jsonl"
 
