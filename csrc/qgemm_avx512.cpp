@@ -44,7 +44,8 @@ constexpr bool kExactUS = true;  // vpdpbusd sums u8 x s8 products in int32, no 
 // in another order: equal to the scalar reference within float rounding.
 constexpr int WR = 16;           // weight rows per wide tile
 constexpr int WT = 16;           // tokens per wide tile: 16 accumulators + 8 quant registers + scales
-constexpr int64_t kWideMinTokens = 4;    // q4_0: from 4 tokens the unpacking pays (8 measured 1.0-1.8x the 4 x 4 tiles)
+constexpr int64_t kWideMinTokens = 8;    // q4_0: from 8 tokens the unpacking pays (at 4-7 the 4 x 4 tiles ran
+                                         // 1.0-1.6x faster on a Zen 5; an older CPU had the wide ones pay from 4)
 constexpr int64_t kWideMinTokens8 = 12;  // q8_0's unpacking (widening to int16) costs more: at 8 tokens 0.6-1.0x
 constexpr int kWideZmm = 9;      // scratch per block: 8 zmm of quants, 1 of fp32 scales
 struct alignas(64) Zmm { uint8_t bytes[64]; };  // a std::vector of these is 64-byte aligned (__m512i's isn't)
