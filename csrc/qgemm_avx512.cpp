@@ -346,16 +346,17 @@ KFN const uint32_t* sums16(const XQ& x) {
   return out.data();
 }
 
-// kMinOff: per token and block of 32, -kMinOff x the token's sum of the block (int32), each dot product's start.
+// kMinOff: per token and block of 32, -kMinOff x the token's sum of the block (int32 bits, as sums16's), each dot
+// product's start.
 template <class F>
-KFN const int32_t* block_offsets(const XQ& x) {
-  thread_local std::vector<int32_t> out;
+KFN const uint32_t* block_offsets(const XQ& x) {
+  thread_local std::vector<uint32_t> out;
   const int64_t nb = x.K / QK;
   out.resize(size_t(x.N * nb));
   for (int64_t n = 0; n < x.N; ++n)
     for (int64_t b = 0; b < nb; ++b) {
       const int16_t* s = x.s16 + n * (x.K / 16) + 2 * b;
-      out[size_t(n * nb + b)] = -F::kMinOff * (int32_t(s[0]) + int32_t(s[1]));
+      out[size_t(n * nb + b)] = uint32_t(-F::kMinOff * (int32_t(s[0]) + int32_t(s[1])));
     }
   return out.data();
 }
@@ -433,8 +434,7 @@ KFN void gguf_rows(const WView& w, const XQ& x, float* y, const float* bias, int
   thread_local std::vector<Zmm> buffer;
   buffer.resize(size_t(w.K / QK * Z));
   __m512i* scratch = reinterpret_cast<__m512i*>(buffer.data());
-  const uint32_t* s16w = F::kScale16 ? sums16<F>(x)
-                         : F::kMinOff ? reinterpret_cast<const uint32_t*>(block_offsets<F>(x)) : nullptr;
+  const uint32_t* s16w = F::kScale16 ? sums16<F>(x) : F::kMinOff ? block_offsets<F>(x) : nullptr;
   int64_t r = r0;
   for (; r + WR <= r1; r += WR) {
     if constexpr (F::kX16) unpack_q4_1_wide(w, r, scratch);

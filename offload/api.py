@@ -288,8 +288,7 @@ def plan_draft_first(options: SpeculativeOptions,
     speculation (planner/speculation.py), with the price of its best k (1 or more) at the prior acceptance. Where
     the draft's room and steps cost more than its proposals gain, no draft (None) and the request as it was,
     unless the user set k."""
-    from offload.planner.speculation import draft_held, plan_speculation, price_on, without_draft
-    from offload.planner.speculation import PRIOR_ACCEPTANCE
+    from offload.planner.speculation import PRIOR_ACCEPTANCE, draft_held, plan_speculation, price_on, without_draft
 
     path = request.model if options.method == "self" else options.model
     quantization = options.quantization or ("q4_0" if options.method == "self" else "none")

@@ -127,12 +127,7 @@ class UnitSpec:
         most of its linear weights."""
         if fmt != AS_STORED:
             return fmt
-        weight: dict[str, int] = {}
-        for t in self.tensors:
-            if t.role == "linear":
-                held = t.held_format(fmt, compute)
-                weight[held] = weight.get(held, 0) + t.numel
-        return max(weight, key=weight.get) if weight else compute
+        return self.held_formats(fmt, compute)[0] if self.linear_numel else compute
 
     def linear_shares(self, fmt: str, compute: str = "fp32") -> dict[str, list]:
         """Shapes of the unit's linears by the format each is held in (none: its rate format, no shapes)."""

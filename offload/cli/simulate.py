@@ -38,8 +38,7 @@ def speculation_price(request, options, acceptance: float | None):
                           "self, or draft_model (with --set speculative.model=PATH)")
     if acceptance is not None and not 0.0 <= acceptance < 1.0:
         raise ConfigError(f"--speculative-acceptance must be a rate from 0 to below 1, found {acceptance}")
-    from offload.planner.speculation import price_speculation
-    from offload.planner.speculation import PRIOR_ACCEPTANCE
+    from offload.planner.speculation import PRIOR_ACCEPTANCE, price_speculation
     from offload.weights.default_model import resolve_model
     from offload.weights.model_files import model_spec
 
