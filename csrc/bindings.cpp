@@ -80,11 +80,11 @@ struct RowChunks {
 };
 
 struct Scratch {  // per calling thread, grown on demand: quantized activations
-  std::vector<int16_t> qs;  // int16 for takes_x16 formats, int8 (first half of the bytes) for the others
-  std::vector<float> d, s, xf;
-  std::vector<int16_t> s16;
-  std::vector<int32_t> c8;
-  std::vector<uint16_t> xh;
+  LineVector<int16_t> qs;  // int16 for takes_x16 formats, int8 (first half of the bytes) for the others
+  Floats d, s, xf;
+  LineVector<int16_t> s16;
+  LineVector<int32_t> c8;
+  LineVector<uint16_t> xh;
 };
 constexpr int64_t kPadBytes = 64;  // activation rows copied for the wide tiles start a cache line past a power of two
 thread_local Scratch tls;

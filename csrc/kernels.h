@@ -13,8 +13,31 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <new>
+#include <vector>
 
 namespace offload {
+
+// An allocator whose blocks start on a cache line: rows of [N, D] scratch buffers (activations, a layer's hidden
+// states) then take no load or store split across two lines. malloc's 16-byte alignment split every other 256-bit
+// access and every 512-bit one: the attention's output rows, whose stores then failed to forward to the next
+// block's loads, took 11% of a 256-token prefill with it, 7% without (0.8B Llama, IQ4_XS, Zen 5).
+template <class T>
+struct LineAligned {
+  using value_type = T;
+  LineAligned() = default;
+  template <class U>
+  LineAligned(const LineAligned<U>&) {}
+  T* allocate(size_t n) { return static_cast<T*>(::operator new(n * sizeof(T), std::align_val_t(64))); }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t(64)); }
+  template <class U>
+  bool operator==(const LineAligned<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const LineAligned<U>&) const { return false; }
+};
+template <class T>
+using LineVector = std::vector<T, LineAligned<T>>;
+using Floats = LineVector<float>;
 
 constexpr int64_t QK = 32;  // elements per quant block
 

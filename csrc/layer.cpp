@@ -18,12 +18,13 @@ namespace {
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
 
+
 struct LayerScratch {  // per calling thread, grown on demand
-  std::vector<float> h, qkv, att, tmp, gate_up, act, resid;
+  Floats h, qkv, att, tmp, gate_up, act, resid;
 };
 thread_local LayerScratch tls_layer;
 
-float* grow(std::vector<float>& v, int64_t n) {
+float* grow(Floats& v, int64_t n) {
   if (v.size() < size_t(n)) v.resize(size_t(n));
   return v.data();
 }
@@ -221,7 +222,7 @@ void attention_blocked(const LayerArgs& a, const float* qkv, float* att) {
   const int64_t tasks = int64_t(start.size() - 1) * s.n_kv_heads, group = s.n_heads / s.n_kv_heads;
 #pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
   {
-    std::vector<float> qbuf(size_t(kTileTokens * group * s.head_dim));
+    Floats qbuf(size_t(kTileTokens * group * s.head_dim));
     TileQuery qs[kTileTokens * kMaxGroup];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
