@@ -46,7 +46,9 @@ constexpr int WR = 16;           // weight rows per wide tile
 constexpr int WT = 16;           // tokens per wide tile: 16 accumulators + 8 quant registers + scales
 constexpr int64_t kWideMinTokens = 8;    // q4_0: from 8 tokens the unpacking pays (at 4-7 the 4 x 4 tiles ran
                                          // 1.0-1.6x faster on a Zen 5; an older CPU had the wide ones pay from 4)
-constexpr int64_t kWideMinTokens8 = 12;  // q8_0's unpacking (widening to int16) costs more: at 8 tokens 0.6-1.0x
+constexpr int64_t kWideMinTokens8 = 24;  // q8_0's unpacking (widening to int16) costs more: out of cache, at
+                                         // [49152, 576] the 4 x 4 tiles (prefetched) ran 1.4-1.8x faster at 12-16
+                                         // tokens, even at 24, 0.9x at 32 (Zen 5)
 constexpr int kWideZmm = 9;      // scratch per block: 8 zmm of quants, 1 of fp32 scales
 struct alignas(64) Zmm { uint8_t bytes[64]; };  // a std::vector of these is 64-byte aligned (__m512i's isn't)
 
