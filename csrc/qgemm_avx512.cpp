@@ -44,8 +44,9 @@ constexpr bool kExactUS = true;  // vpdpbusd sums u8 x s8 products in int32, no 
 // in another order: equal to the scalar reference within float rounding.
 constexpr int WR = 16;           // weight rows per wide tile
 constexpr int WT = 16;           // tokens per wide tile: 16 accumulators + 8 quant registers + scales
-constexpr int64_t kWideMinTokens = 8;    // q4_0: from 8 tokens the unpacking pays (at 4-7 the 4 x 4 tiles ran
-                                         // 1.0-1.6x faster on a Zen 5; an older CPU had the wide ones pay from 4)
+constexpr int64_t kWideMinTokens = 16;   // q4_0: from 16 tokens the unpacking pays: out of cache the 4 x 4 tiles
+                                         // (prefetched) ran 1.2-1.6x faster at 8-12 tokens, as fast at 16, at
+                                         // [49152, 576] and [14336, 4096] (Zen 5)
 constexpr int64_t kWideMinTokens8 = 24;  // q8_0's unpacking (widening to int16) costs more: out of cache, at
                                          // [49152, 576] the 4 x 4 tiles (prefetched) ran 1.4-1.8x faster at 12-16
                                          // tokens, even at 24, 0.9x at 32 (Zen 5)
