@@ -7,6 +7,10 @@
 #include <immintrin.h>
 #include <omp.h>
 
+// GCC 12's AVX-512 headers build some intrinsics on _mm512_undefined_*(), which -Wmaybe-uninitialized flags
+// (attention's 512-bit shuffles and extracts), as in qgemm_avx512.cpp.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -17,7 +21,6 @@ namespace offload {
 namespace {
 
 #define ALWAYS_INLINE inline __attribute__((always_inline))
-
 
 struct LayerScratch {  // per calling thread, grown on demand
   Floats h, qkv, att, tmp, gate_up, act, resid;

@@ -94,9 +94,10 @@ KFN void widen_pairs(__m512i v, __m512i& a, __m512i& b) {
   b = _mm512_permutex2var_epi32(lo, odd, hi);
 }
 
-// A tile's 16 row streams are read side by side, a block at a time: each is prefetched kWideAhead bytes ahead
-// (every 64 bytes of quants, every 32 scales). The hardware's prefetchers alone left the unpacking waiting on
-// memory; with these, 12-16 tokens of q8_0 at [49152, 576] ran 1.05-1.1x faster out of cache (Zen 5).
+// A 16-row tile's row streams are read side by side, a block or group at a time: each is prefetched kWideAhead
+// bytes ahead (here every 64 bytes of quants, every 32 scales; the GGUF formats' unpackers likewise). The
+// hardware's prefetchers alone left the unpacking waiting on memory; with these, out of cache on a Zen 5, 12-16
+// tokens of q8_0 at [49152, 576] ran 1.05-1.1x faster, and iq4_nl at 8 tokens took 2.2x its 1-token time, not 2.4x.
 constexpr int64_t kWideAhead = 1024;
 KFN void prefetch_tile16(const RowTile (&t)[4], int64_t b) {
   if (b * t[0].bb % 64 == 0)
@@ -274,10 +275,6 @@ template <class F>
 constexpr int gguf_wide_zmm() { return F::kX16 ? 18 : F::kMin16 ? 12 : F::kMinOff ? 9 : 10; }
 constexpr int64_t kWideMinTokensGguf = 8;  // the decoding, once per tile, pays from here (1.0-1.2x at 8)
 
-// The 16 rows' streams prefetched this many groups of 256 weights ahead, as above: iq4_nl at 8 tokens took 2.2x its
-// 1-token time, against 2.4x without (SmolLM2's shapes, out of cache, Zen 5).
-constexpr int kWidePrefetchGroups = 4;
-
 template <class F>
 KFN void unpack_kquant_wide(const WView& w, int64_t r0, __m512i* scratch) {
   constexpr int Z = gguf_wide_zmm<F>();
@@ -292,7 +289,7 @@ KFN void unpack_kquant_wide(const WView& w, int64_t r0, __m512i* scratch) {
       Group G;
       const uint8_t* p = w.qs + (r0 + r) * row_bytes + g * F::kGroupBytes;
       for (int l = 0; l < (F::kGroupBytes + 63) / 64; ++l)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kWidePrefetchGroups * F::kGroupBytes + 64 * l, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kWideAhead + 64 * l, _MM_HINT_T0);
       if constexpr (F::kTail) F::decode(p, G, n);
       else F::decode(p, G);
       for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(q[r][i]), G.q[i]);
@@ -337,7 +334,7 @@ KFN void unpack_q4_1_wide(const WView& w, int64_t r0, __m512i* scratch) {
       d16[r] = load_u16(blk), m16[r] = load_u16(blk + 2), rows[r] = blk + 4;
       if (b % 4 == 0)
         for (int l = 0; l < 2; ++l)
-          _mm_prefetch(reinterpret_cast<const char*>(blk) + kWidePrefetchGroups * 8 * kQ41Bytes + 64 * l, _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(blk) + kWideAhead + 64 * l, _MM_HINT_T0);
     }
     __m512i p[4];
     transpose16x4(rows, 0, p);
