@@ -245,3 +245,65 @@ def test_an_llm_planned_with_a_measured_profile_sets_linears_table(tiny_llama, m
     assert device_quant._CROSSOVER == {"q4_0": 64}
     LLM(str(folder), quantization="q4_0", hardware="cpu-desktop", backend="cpu", cpu_memory="1GiB")
     assert device_quant._CROSSOVER == {}
+
+
+def strict_timer(shape, calls=None, broken=()):
+    """fake_timer, but as the real kernels refuse: the fused kernel of a GGUF type without one raises KernelError
+    (triton_gguf._check), and so does a fused kernel named in broken (a Triton that fails on this GPU)."""
+    from offload.errors import KernelError
+    from offload.formats import GGUF_TYPE
+
+    timed = fake_timer(shape, calls)
+
+    def time_s(fmt, kernel, rows):
+        if kernel == "fused" and (fmt in broken or (fmt in GGUF_TYPE and GGUF_TYPE[fmt].layout == "blocks"
+                                                    and GGUF_TYPE[fmt].triton is None)):
+            raise KernelError(f"GGUF fused dequant takes q4_1/q4_k/q5_k/q6_k weights, got {fmt}")
+        return timed(fmt, kernel, rows)
+
+    return time_s
+
+
+def test_formats_are_timed_in_the_order_plans_need_them():
+    """bf16, q4_0 and q8_0 first (what plans use most), then the GGUF formats with a fused kernel, then the rest,
+    which are timed on their dequantize path only."""
+    from offload.formats import GGUF_BLOCKS, GGUF_TYPE, QUANT_BLOCK_BYTES
+    from offload.runtime.calibrate import gpu_kernels
+
+    formats = gpu_formats()
+    assert formats[:3] == ("bf16", "q4_0", "q8_0")
+    assert sorted(formats) == sorted(["bf16", *QUANT_BLOCK_BYTES, *GGUF_BLOCKS]) and len(set(formats)) == len(formats)
+    has_fused = [fmt in QUANT_BLOCK_BYTES or GGUF_TYPE[fmt].triton is not None for fmt in formats[1:]]
+    assert has_fused == sorted(has_fused, reverse=True) and "q4_k" in formats[:7] and formats[7] == "q5_0"
+    assert gpu_kernels("q5_0") == ("dequant",) and gpu_kernels("q4_k") == ("fused", "dequant")
+    assert gpu_kernels("bf16") == ("cublas",) and gpu_kernels("q8_0") == ("fused", "dequant")
+
+
+def test_a_format_without_a_fused_kernel_is_priced_by_its_dequantize_path():
+    """The defect: calibrate timed the fused kernel of every GGUF format, and q5_0's KernelError ended it with no
+    profile. Now q5_0 is timed on dequantize + cuBLAS only, and a fused kernel that fails anyway (q4_k here) is
+    logged and left out: every format still gets a curve."""
+    calls, logs = [], []
+    curves = gpu_matmul_curves(strict_timer(None, calls, broken=("q4_k",)), gpu_formats(), (4096, 8192),
+                               rows=(1, 64), log=logs.append)
+    assert set(curves) == set(gpu_formats())
+    assert set(curves["q5_0"]) == {"dequant"} and ("q5_0", "fused", 1) not in calls
+    assert set(curves["q4_k"]) == {"dequant"} and set(curves["q4_1"]) == {"fused", "dequant"}
+    assert [line for line in logs if "not measured" in line] == [
+        "gpu matmul q4_k fused: not measured (KernelError: GGUF fused dequant takes q4_1/q4_k/q5_k/q6_k weights, "
+        "got q4_k)"]
+    hw = measured(gpu_flops_by_rows=curves)
+    assert hw.gpu_matmul_rate("q5_0", 1) == pytest.approx(2 * 4096 * 8192 / (1e-4 + 1e-7))  # its dequantize curve
+
+
+def test_calibrate_writes_a_profile_past_formats_without_a_fused_kernel(monkeypatch, tmp_path):
+    monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(calibrate_module, "measure_cpu_mem_bps", lambda: 5e10)
+    monkeypatch.setattr(calibrate_module, "measure_cpu_flops", lambda fmt: (1e11, "torch"))
+    monkeypatch.setattr(calibrate_module, "measure_disk", lambda folder, log: (2e9, 1e10))
+    gpu = {"gpu_name": "stand-in", "vram_bytes": 100 << 30, "h2d_pinned_bps": 5e10, "h2d_pageable_bps": 1.6e10,
+           "gpu_flops": 7e14, "gpu_mem_bps": 4e12}
+    monkeypatch.setattr(cuda_backend, "measure_cuda", lambda log: dict(gpu))
+    monkeypatch.setattr(cuda_backend, "matmul_timer", strict_timer)
+    hw = calibrate_module.calibrate(log=lambda line: None)
+    assert set(hw.gpu_flops_by_rows) == set(gpu_formats()) and set(hw.gpu_flops_by_rows["q5_0"]) == {"dequant"}

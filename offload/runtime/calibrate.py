@@ -13,7 +13,8 @@ from pathlib import Path
 from offload.weights.loader import pread_into
 from offload.hardware import HardwareProfile, cache_path, crossover_rows
 from offload.system import system_cores, system_memory_bytes
-from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, QK, QUANT_BLOCK_BYTES, WEIGHT_FORMATS
+from offload.formats import (FLOAT_FORMATS, GGUF_BLOCKS, GGUF_TYPE, GGUF_TYPES, QK, QUANT_BLOCK_BYTES,
+                             WEIGHT_FORMATS)
 
 GPU_CURVE_ROWS = (1, 4, 16, 64, 256, 1024)  # activation rows the GPU matmul curves are measured at
 GPU_CURVE_SHAPE = (8192, 8192)  # a layer-sized weight [N, K] (a 70B model's attention projections)
@@ -101,9 +102,21 @@ def measure_cpu_flops(fmt: str, m: int = 32, k: int = 2048, n: int = 2048, repea
 
 
 def gpu_formats() -> tuple[str, ...]:
-    """The weight formats a GPU multiplies by: split q8_0/q4_0 and the GGUF block formats (each by the fused Triton
-    kernel and by dequantize + cuBLAS), and bf16 (cuBLAS; it prices fp16 too)."""
-    return tuple(QUANT_BLOCK_BYTES) + tuple(GGUF_BLOCKS) + ("bf16",)
+    """The weight formats a GPU multiplies by, in the order they are timed (the curves stop at a time budget):
+    bf16 (cuBLAS; it prices fp16 too), q4_0 and q8_0 (what plans use most), the GGUF block formats with a fused
+    Triton kernel, then the other GGUF formats (their dequantize path only: gpu_kernels)."""
+    fused = tuple(t.name for t in GGUF_TYPES if t.layout == "blocks" and t.triton)
+    return ("bf16", "q4_0", "q8_0") + fused + tuple(f for f in GGUF_BLOCKS if f not in fused)
+
+
+def gpu_kernels(fmt: str) -> tuple[str, ...]:
+    """The GPU kernels fmt is timed on: cuBLAS for a float format; the fused Triton kernel and dequantize + cuBLAS
+    where a fused kernel takes fmt (offload's q8_0/q4_0, GGUF types with one); else dequantize + cuBLAS."""
+    if fmt in FLOAT_FORMATS:
+        return ("cublas",)
+    if fmt in QUANT_BLOCK_BYTES or GGUF_TYPE[fmt].triton:
+        return ("fused", "dequant")
+    return ("dequant",)
 
 
 def gpu_matmul_curves(time_s, formats: tuple[str, ...], shape: tuple[int, int] = GPU_CURVE_SHAPE,
@@ -111,8 +124,9 @@ def gpu_matmul_curves(time_s, formats: tuple[str, ...], shape: tuple[int, int] =
                       clock=time.perf_counter) -> dict[str, dict[str, tuple[tuple[int, float], ...]]]:
     """{fmt: {kernel: ((rows, FLOP/s), ...)}} (HardwareProfile.gpu_flops_by_rows) from time_s(fmt, kernel, rows):
     seconds of one x [rows, K] @ W.T with W [N, K] = shape in fmt, or None where that kernel does not run here
-    (it is then left out). Quantized formats are timed on the fused and dequant kernels, float ones on cublas;
-    the formats not started within budget_s are left out and named in the log."""
+    (it is then left out). Each format is timed on gpu_kernels(fmt); a kernel that raises is logged and left out
+    (the format is then priced by its other kernel, else as a roofline); the formats not started within budget_s
+    are left out and named in the log."""
     n, k = shape
     start, out = clock(), {}
     for i, fmt in enumerate(formats):
@@ -120,10 +134,14 @@ def gpu_matmul_curves(time_s, formats: tuple[str, ...], shape: tuple[int, int] =
             log(f"gpu matmul curves: {budget_s:.0f} s spent; {', '.join(formats[i:])} not measured (their GPU "
                 "blocks are priced as rooflines)")
             break
-        kernels = ("cublas",) if fmt in FLOAT_FORMATS else ("fused", "dequant")
         curves = {}
-        for kernel in kernels:
-            times = [(r, time_s(fmt, kernel, r)) for r in rows]
+        for kernel in gpu_kernels(fmt):
+            try:
+                times = [(r, time_s(fmt, kernel, r)) for r in rows]
+            except Exception as e:  # noqa: BLE001 - one kernel's failure (KernelError, a Triton compile) must not
+                # lose the minutes measured so far: the profile is written without its curve
+                log(f"gpu matmul {fmt} {kernel}: not measured ({type(e).__name__}: {' '.join(str(e).split())})")
+                continue
             if all(t for _, t in times):
                 curves[kernel] = tuple((r, 2 * r * n * k / t) for r, t in times)
         if curves:
