@@ -82,6 +82,19 @@ def test_numpy_and_torch_dequantizers_are_gguf_py_bit_for_bit(fmt, m, n_blocks):
         assert got.shape == shape and np.array_equal(got.view(np.uint32), want.view(np.uint32))
 
 
+def test_torch_dequantizers_make_their_constants_once_per_device(monkeypatch):
+    """A tensor made from Python data on a GPU is a host-to-device copy the host waits for: the torch dequantizers
+    (run per call on the GPU) make theirs once per device, and none in later calls."""
+    made = []
+    real = torch.tensor
+    monkeypatch.setattr(torch, "tensor", lambda *a, **kw: made.append(a) or real(*a, **kw))
+    for fmt in BLOCK_TYPES:
+        blocks = torch.from_numpy(signed_blocks(fmt, 2, 1, seed=3)).reshape(2, 1, -1)
+        first = GGUF_TYPE[fmt].dequantize_torch(blocks)
+        made.clear()
+        assert torch.equal(GGUF_TYPE[fmt].dequantize_torch(blocks), first) and made == [], fmt
+
+
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_fp4_scales_over_every_byte_are_gguf_pys(fmt):
     """Each of the 256 scale bytes beside each of the 16 levels: MXFP4's e8m0 from 2^-128 (subnormal) to 2^127

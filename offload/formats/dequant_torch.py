@@ -125,6 +125,13 @@ def q6_k(blocks: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
+def _constant(values: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """values as a tensor on device, made once per device: a tensor made from Python data on a GPU is a
+    host-to-device copy the host waits for, which per call would stall every dequantization. Read only."""
+    return torch.tensor(values, dtype=dtype, device=device)
+
+
+@functools.cache
 def _table(kind: str, name: str, device: torch.device) -> torch.Tensor:
     """A lookup table from offload.formats.dequant_np (gguf-py's values) on device: IQ4 levels as fp32, a
     lattice's grid fp32 [entries, width], the sign masks uint8 [128], or an fp4 table (e2m1, e8m0, ue4m3) fp32."""
@@ -165,8 +172,7 @@ def _signs(bits: torch.Tensor) -> torch.Tensor:
 
 def _packed_signs(words: torch.Tensor, device: torch.device) -> torch.Tensor:
     """IQ2_XXS / IQ3_XXS: words int64 [...] of 4 sign indices of 7 bits (into gguf-py's ksigns) -> [..., 4, 8]."""
-    shifts = torch.tensor([0, 7, 14, 21], dtype=torch.int64, device=device)
-    idx = (words[..., None] >> shifts) & 0x7F
+    idx = (words[..., None] >> _constant((0, 7, 14, 21), torch.int64, device)) & 0x7F
     return _signs(_table("signs", "IQ2_XXS", device)[idx])
 
 
@@ -236,7 +242,7 @@ def tq2_0(blocks: torch.Tensor) -> torch.Tensor:
 def _trits(b: torch.Tensor, k: int) -> torch.Tensor:
     """TQ1_0: bytes [M, nb, n] -> [M, nb, k * n] trits 0..2, run j holding trit j of each byte
     ((x * 3^j mod 256) * 3 >> 8)."""
-    pow3 = torch.tensor([1, 3, 9, 27, 81][:k], dtype=torch.int32, device=b.device)[:, None]
+    pow3 = _constant((1, 3, 9, 27, 81)[:k], torch.int32, b.device)[:, None]
     return ((((b[..., None, :].int() * pow3) & 255) * 3) >> 8).flatten(-2)
 
 
@@ -262,7 +268,7 @@ def iq1_s(blocks: torch.Tensor) -> torch.Tensor:
     m, nb, _ = blocks.shape
     qh = _words(blocks[..., 34:50], 2)  # [M, nb, 8]
     dl = _half(blocks, 0) * (2 * ((qh >> 12) & 7) + 1).float()
-    high = (qh[..., None] >> torch.tensor([0, 3, 6, 9], device=blocks.device)) & 7
+    high = (qh[..., None] >> _constant((0, 3, 6, 9), torch.int64, blocks.device)) & 7
     idx = blocks[..., 2:34].long() | (high.reshape(m, nb, 32) << 8)
     return _iq1(dl, idx, (qh >> 15).repeat_interleave(4, dim=-1))
 
@@ -273,7 +279,7 @@ def iq1_m(blocks: torch.Tensor) -> torch.Tensor:
     m, nb, _ = blocks.shape
     top = blocks[..., 49:56:2]  # the uint16 scales' high bytes
     d = ((top[..., 0::2] >> 4) | (top[..., 1::2] & 0xF0)).contiguous().view(torch.float16).float()
-    sc = _words(blocks[..., 48:56], 2)[..., None] >> torch.tensor([0, 3, 6, 9], device=blocks.device)
+    sc = _words(blocks[..., 48:56], 2)[..., None] >> _constant((0, 3, 6, 9), torch.int64, blocks.device)
     dl = d * (2 * (sc.reshape(m, nb, 16) & 7) + 1).float()
     qh = _bits(blocks[..., 32:48], 4).long()
     return _iq1(dl, blocks[..., :32].long() | ((qh & 7) << 8), qh >> 3)
