@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import shutil
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -492,6 +493,21 @@ def estimate_hardware() -> HardwareProfile:
         n_cores=n_cores, h2d_pinned_bps=0.0, h2d_pageable_bps=0.0, gpu_flops=0.0, gpu_mem_bps=0.0,
         cpu_mem_bps=min(10e9 * n_cores, 40e9), cpu_flops={k: v * n_cores for k, v in per_core.items()},
         disk_read_bps=1e9, source="estimated from the OS; run `offload calibrate` to measure")
+
+
+PAGEABLE_ENV = "OFFLOAD_PAGEABLE"  # 1: host memory is not page-locked (cudaHostRegister refused), copies pageable
+
+
+def pageable_copies() -> bool:
+    """Whether OFFLOAD_PAGEABLE=1 asks for host-to-device copies from pageable memory (nothing pinned)."""
+    return os.environ.get(PAGEABLE_ENV) == "1"
+
+
+def as_pageable(profile: HardwareProfile) -> HardwareProfile:
+    """profile with its host-to-device copies at the pageable rate, as they run where nothing is pinned."""
+    if not profile.h2d_pageable_bps:
+        return profile
+    return profile.with_changes(h2d_pinned_bps=profile.h2d_pageable_bps)
 
 
 def default_hardware() -> HardwareProfile:

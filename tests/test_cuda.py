@@ -201,3 +201,35 @@ def test_the_gpu_calibration_times_each_kernel_and_the_hand_over():
     finally:
         device_quant.set_gpu_crossover({})
     torch.testing.assert_close(fused.float(), dequant.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_the_device_peak_sees_memory_the_allocator_gave_back():
+    """The sampler reads the device as it is: 256 MiB held for a few samples and freed (empty_cache: gone from the
+    allocator's reserve too) still shows in the device's peak, and the peak counts the context the allocator's
+    figures miss."""
+    import time
+
+    from offload.runtime.backends.cuda import CUDABackend
+
+    backend = CUDABackend()
+    try:
+        free, total = torch.cuda.mem_get_info()
+        before = total - free
+        held = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+        torch.cuda.synchronize()
+        time.sleep(4 * backend.device_memory.interval_s)
+        del held
+        torch.cuda.empty_cache()
+        peaks = backend.memory_peaks()
+        assert peaks["gpu"] >= before + (256 << 20) and peaks["gpu"] > peaks["gpu_reserved"] >= peaks["gpu_allocated"]
+    finally:
+        backend.close()
+
+
+def test_the_context_reserve_counts_the_libraries_a_step_loads():
+    """Measured after cuBLAS, attention and a Triton kernel have run: at least the two workspaces and a context,
+    less than a few GiB."""
+    from offload.runtime.backends.cuda import CUBLAS_WORKSPACE_BYTES, context_reserve_bytes
+
+    reserve = context_reserve_bytes(torch.device("cuda"))
+    assert 2 * CUBLAS_WORKSPACE_BYTES + (100 << 20) < reserve < 4 << 30

@@ -99,3 +99,48 @@ def test_registered_buffers_stay_alive_until_closed():
     reg.close()
     gc.collect()
     assert ref() is None
+
+
+def test_a_refused_pin_is_an_error_that_names_the_limit_and_the_pageable_switch(monkeypatch):
+    """The defect: a refused cudaHostRegister only warned while the plan priced pinned copies. Now the load stops
+    with one line naming the memlock limit (where it can be the cause) and OFFLOAD_PAGEABLE=1; what was registered
+    before is let go."""
+    import pytest
+
+    from fake_cuda import FakeCuda
+    from offload.errors import ConfigError
+    from offload.runtime.backends.cuda import CUDABackend
+
+    FakeCuda().install(monkeypatch)
+    monkeypatch.delenv("OFFLOAD_PAGEABLE", raising=False)
+    monkeypatch.setattr(resource, "getrlimit", lambda what: (64 * 2**20, 64 * 2**20))
+    backend = CUDABackend()
+    rt = FakeRuntime()
+    backend.pinned = PinnedRegistry(rt)
+    backend.pin(torch.empty(64, dtype=torch.uint8))
+    rt.fail_with = CUDA_ERROR_MEMORY_ALLOCATION
+    with pytest.raises(ConfigError) as caught:
+        backend.alloc("cpu", 4 << 20, pinned=True)
+    message = str(caught.value)
+    assert "\n" not in message and "4.00 MiB" in message and "ulimit -l unlimited" in message
+    assert "OFFLOAD_PAGEABLE=1" in message and rt.registered == {}
+
+
+def test_with_offload_pageable_nothing_is_pinned_and_plans_price_pageable_copies(monkeypatch):
+    from fake_cuda import FakeCuda
+    from offload.hardware import load_hardware
+    from offload.planner.request import PlanRequest
+    from offload.runtime.backends.cuda import CUDABackend
+
+    FakeCuda().install(monkeypatch)
+    monkeypatch.setenv("OFFLOAD_PAGEABLE", "1")
+    backend = CUDABackend()
+    rt = FakeRuntime(fail_with=CUDA_ERROR_MEMORY_ALLOCATION)
+    backend.pinned = PinnedRegistry(rt)
+    backend.alloc("cpu", 4 << 20, pinned=True)
+    assert rt.calls == []  # not even tried
+    preset = load_hardware("rtx4090-ddr5")
+    hw = PlanRequest(hardware="rtx4090-ddr5").profile()
+    assert hw.h2d_pinned_bps == preset.h2d_pageable_bps < preset.h2d_pinned_bps
+    monkeypatch.delenv("OFFLOAD_PAGEABLE")
+    assert PlanRequest(hardware="rtx4090-ddr5").profile().h2d_pinned_bps == preset.h2d_pinned_bps

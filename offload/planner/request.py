@@ -10,7 +10,8 @@ from offload.errors import ConfigError, PlanError
 from offload.formats import AS_STORED, QUANTIZATIONS, compute_format, weight_format
 from offload.options import (BACKENDS, HardwareOptions, MemoryOptions, ModelOptions, ScheduleOptions,
                              default_of)
-from offload.hardware import HardwareProfile, default_hardware, format_bytes, load_hardware, parse_size
+from offload.hardware import (HardwareProfile, as_pageable, default_hardware, format_bytes, load_hardware,
+                             pageable_copies, parse_size)
 from offload.planner.search import plan, plan_best_batch
 from offload.planner.types import Budget, Plan, Workload
 from offload.spec import ModelSpec
@@ -66,12 +67,15 @@ class PlanRequest:
         return recorded_baseline_bytes() if self.host_baseline == "auto" else int(self.host_baseline or 0)
 
     def profile(self) -> HardwareProfile:
-        """The hardware profile: a preset name, a YAML path, a profile, or the calibrated/estimated default."""
+        """The hardware profile: a preset name, a YAML path, a profile, or the calibrated/estimated default; its
+        copies priced pageable where OFFLOAD_PAGEABLE=1 (the CUDA backend then pins nothing)."""
         if self.hardware is None:
-            return default_hardware()
-        if isinstance(self.hardware, HardwareProfile):
-            return self.hardware
-        return load_hardware(self.hardware)
+            hw = default_hardware()
+        elif isinstance(self.hardware, HardwareProfile):
+            hw = self.hardware
+        else:
+            hw = load_hardware(self.hardware)
+        return as_pageable(hw) if pageable_copies() else hw
 
     def budget(self, hw: HardwareProfile) -> Budget:
         """The tiers' budgets on hw: the CPU budget covers the whole process, so the plan places weights and KV in

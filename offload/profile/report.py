@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None
         "tokens": {"prompt": counts.n_prompt_tokens, "generated": counts.n_generated_tokens},
         "generate_s": counts.generate_s,
         "generated_tokens_per_s": _ratio(counts.n_generated_tokens, counts.generate_s),
+        "cpu_kernels": cpu_kernel_path(),
         "timeline_source": timeline_source if timeline is not None else None,
         "phases": {p: _with_bottlenecks(phase_report(timeline, p, plan, (predicted_s or {}).get(p)),
                                         getattr(plan, p, None))
@@ -89,13 +91,23 @@ def _with_bottlenecks(phase: dict, cost=None) -> dict:
             "predicted_bottleneck": predicted}
 
 
+def cpu_kernel_path() -> str | None:
+    """The CPU kernel path this process ran (offload.kernels.ACTIVE_PATH: avx512, avx2, scalar or numba), None
+    where the kernels were never loaded (not imported here for a report: that would import torch)."""
+    return getattr(sys.modules.get("offload.kernels"), "ACTIVE_PATH", None)
+
+
 def memory_report(peaks: dict, budget: dict) -> dict:
-    """Peak bytes per tier against the budget, where either is known."""
+    """Peak bytes per tier against the budget, where either is known. The GPU's peak is the device's (what it
+    had in use: Backend.memory_peaks), its allocator's allocated and reserved peaks beside it where given."""
     out = {}
     for tier in ("gpu", "cpu"):
         peak, limit = peaks.get(tier), budget.get(tier)
         out[tier] = {"peak_bytes": peak, "budget_bytes": limit,
                      "peak_over_budget": _ratio(peak, limit) if peak is not None and limit else None}
+    for kind in ("allocated", "reserved"):
+        if peaks.get(f"gpu_{kind}") is not None:
+            out["gpu"][f"{kind}_peak_bytes"] = peaks[f"gpu_{kind}"]
     return out
 
 
@@ -136,6 +148,9 @@ def format_report(report: dict) -> str:
              f"{' (interrupted)' if req['interrupted'] else ''} of {req['total']}",
              f"tokens: {tok['prompt']} prompt, {tok['generated']} generated in {report['generate_s']:.1f} s "
              f"({_fmt(report['generated_tokens_per_s'], '.1f')} generated tok/s)"]
+    if report.get("cpu_kernels"):  # reports saved before the field lack it
+        path = report["cpu_kernels"]
+        lines.append(f"kernels: CPU {path} ({'numba: the C++ extension is not built' if path == 'numba' else 'C++'})")
     if report["phases"] is None:
         lines.append("phases: nothing was generated in this run" if req["done"] == 0
                      else "phases: per replica, below" if report.get("replicas")
@@ -161,7 +176,7 @@ def format_report(report: dict) -> str:
     for tier, m in report["memory"].items():
         if m["peak_bytes"] is not None or m["budget_bytes"] is not None:
             lines.append(f"{'vram' if tier == 'gpu' else 'ram':>7}: peak {_gib(m['peak_bytes'])} "
-                         f"of budget {_gib(m['budget_bytes'])}")
+                         f"of budget {_gib(m['budget_bytes'])}{_allocator_text(m)}")
     disk = report.get("disk") or {}
     if disk.get("requested_bytes"):
         lines.append(f"{'disk':>7}: {_gib(disk['requested_bytes'])} read by the disk tier, "
@@ -169,6 +184,14 @@ def format_report(report: dict) -> str:
                      f"({_pct(disk['page_cache_share'])} served by the page cache)")
     lines += format_what_ifs(report.get("what_ifs") or [])
     return "\n".join(lines)
+
+
+def _allocator_text(m: dict) -> str:
+    """' (the device's; allocated 9.10 GiB, reserved 9.50 GiB at peak)' where the allocator's peaks are known."""
+    if "allocated_peak_bytes" not in m and "reserved_peak_bytes" not in m:
+        return ""
+    return (f" (the device's; allocated {_gib(m.get('allocated_peak_bytes'))}, reserved "
+            f"{_gib(m.get('reserved_peak_bytes'))} at peak)")
 
 
 def speculation_lines(spec: dict | None) -> list[str]:

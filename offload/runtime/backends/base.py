@@ -222,3 +222,8 @@ class Backend:
     def peak_device_bytes(self) -> int:
         """Peak device memory as the device itself reports it (the tracker's figure on the CPU backend)."""
         return self.memory.peak_bytes["gpu"]
+
+    def memory_peaks(self) -> dict[str, int]:
+        """Peak device bytes for the report: "gpu" (peak_device_bytes, which budgets are held to), and where the
+        device has an allocator, "gpu_allocated" and "gpu_reserved" (its peaks) beside it."""
+        return {"gpu": self.peak_device_bytes()}

@@ -8,11 +8,16 @@ import resource
 import statistics
 import threading
 import time
-import warnings
+import weakref
+from typing import NamedTuple
 
 import torch
 
+from offload.errors import ConfigError
+from offload.hardware import PAGEABLE_ENV, format_bytes, pageable_copies
 from offload.runtime.backends.base import Backend
+from offload.runtime.backends.event_pool import EventPool
+from offload.runtime.backends.memory_sampler import DeviceMemorySampler, device_peak_bytes
 from offload.profile.timeline import Span, Timeline
 
 PAGEABLE_SLOWDOWN = 3  # pageable H2D copies reach about a third of pinned bandwidth
@@ -100,6 +105,20 @@ def cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
+class Timing(NamedTuple):
+    """A span awaiting its events' times; `pooled` are the events to give back to the pool once it is read (not a
+    copy's end: that is also the handle the compute stream waits on)."""
+
+    kind: str
+    phase: str
+    unit: str
+    n_bytes: int
+    start: object
+    end: object
+    n_tokens: int
+    pooled: tuple
+
+
 class CUDABackend(Backend):
     """A compute stream and a copy stream; copies are ordered against compute with events, never host syncs."""
 
@@ -110,22 +129,32 @@ class CUDABackend(Backend):
         self.device = torch.device("cuda", device_index)
         self.compute_stream = torch.cuda.Stream(self.device)
         self.copy_stream = torch.cuda.Stream(self.device)
-        self._pending: list[tuple] = []  # (kind, phase, unit, n_bytes, start, end, n_tokens) awaiting event times
+        self._pending: list[Timing] = []  # spans awaiting their events' times, oldest first
+        self._events = EventPool(lambda: torch.cuda.Event(enable_timing=True))
         self._origin = None  # (event, host time) that maps event times onto the timeline's clock
-        self._pin_warned = False
         self.pinned = PinnedRegistry(CudaRuntime())
         torch.cuda.reset_peak_memory_stats(self.device)
+        device = self.device  # the sampler's thread holds the device, not the backend
+        self.device_memory = DeviceMemorySampler(lambda: torch.cuda.mem_get_info(device))
+        # in use outside the allocator now (the context, other processes): with the reserved peak, a floor of the
+        # device's peak that a spike between two samples cannot pass under
+        self._outside_allocator_bytes = self.device_memory.sample() - torch.cuda.memory_reserved(device)
+        self.device_memory.start()
+        weakref.finalize(self, self.device_memory.stop)  # a backend dropped without close() stops sampling too
 
     def pin(self, buf: torch.Tensor) -> torch.Tensor:
-        """Page-lock buf in place with cudaHostRegister (exact size, no power-of-two rounding)."""
-        if not self.pinned.pin(buf) and not self._pin_warned:
-            warnings.warn(f"offload: could not pin host memory ({self.pinned.why_failed()}); copies from it are "
-                          f"pageable, about {PAGEABLE_SLOWDOWN}x slower", stacklevel=2)
-            self._pin_warned = True
-        return buf
+        """Page-lock buf in place with cudaHostRegister (exact size, no power-of-two rounding); left pageable where
+        OFFLOAD_PAGEABLE=1 made the plan price pageable copies. ConfigError where the runtime refuses."""
+        if pageable_copies() or self.pinned.pin(buf):
+            return buf
+        self.close()  # the load stops here: what was registered is let go
+        raise ConfigError(f"could not pin {format_bytes(buf.numel() * buf.element_size())} of host memory for "
+                          f"offloaded weights ({self.pinned.why_failed()}), and the plan priced pinned copies; set "
+                          f"{PAGEABLE_ENV}=1 to plan and run with pageable copies (about {PAGEABLE_SLOWDOWN}x slower)")
 
     def close(self) -> None:
-        """Unregister the pinned host buffers before their memory can be freed or reused."""
+        """Unregister the pinned host buffers before their memory can be freed or reused; stop sampling."""
+        self.device_memory.stop()
         try:
             torch.cuda.synchronize(self.device)  # no copy may still read them
         except RuntimeError:  # the CUDA runtime is already shutting down (interpreter exit)
@@ -143,19 +172,23 @@ class CUDABackend(Backend):
         """Make the compute stream current: every kernel, allocation and device<->host move is ordered on it."""
         return torch.cuda.stream(self.compute_stream)
 
-    def _event(self, stream) -> torch.cuda.Event:
-        ev = torch.cuda.Event(enable_timing=True)
+    def _event(self, stream, timing: bool = True, pooled: bool = True) -> torch.cuda.Event:
+        """An event recorded on stream: from the pool where only its time is read (pooled), else a new one (a
+        handle some stream or the host will wait on), with timing only where its time is read."""
+        if timing and self._origin is None:
+            origin = torch.cuda.Event(enable_timing=True)  # never pooled: every time is read against it
+            origin.record(stream)
+            self._origin = (origin, Timeline.now())
+        ev = self._events.take() if pooled else torch.cuda.Event(enable_timing=timing)
         ev.record(stream)
-        if self._origin is None:
-            self._origin = (ev, Timeline.now())
         return ev
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str, not_before: float = 0.0):
         with torch.cuda.stream(self.copy_stream):
             start = self._event(self.copy_stream)
             dst[: src.numel()].copy_(src, non_blocking=True)
-            end = self._event(self.copy_stream)
-        self._pending.append(("h2d_copy", phase, unit, src.numel(), start, end, 0))
+            end = self._event(self.copy_stream, pooled=False)  # the handle: the compute stream waits on it
+        self._pending.append(Timing("h2d_copy", phase, unit, src.numel(), start, end, 0, (start,)))
         return end
 
     def to_device(self, x: torch.Tensor):
@@ -174,10 +207,11 @@ class CUDABackend(Backend):
         if handle is not None:
             start = self._event(self.compute_stream)
             self.compute_stream.wait_event(handle)
-            self._pending.append(("wait", phase, unit, 0, start, self._event(self.compute_stream), 0))
+            end = self._event(self.compute_stream)
+            self._pending.append(Timing("wait", phase, unit, 0, start, end, 0, (start, end)))
 
     def mark_done(self):
-        return self._event(self.compute_stream)
+        return self._event(self.compute_stream, timing=False, pooled=False)  # a handle only: never timed
 
     def wait_done_before_copy(self, handle) -> None:
         if handle is not None:
@@ -193,7 +227,7 @@ class CUDABackend(Backend):
             start = self._event(self.compute_stream)
             yield
             end = self._event(self.compute_stream)
-        self._pending.append(("gpu_block", phase, unit, 0, start, end, n_tokens))
+        self._pending.append(Timing("gpu_block", phase, unit, 0, start, end, n_tokens, (start, end)))
 
     def synchronize(self) -> None:
         torch.cuda.synchronize(self.device)
@@ -203,19 +237,21 @@ class CUDABackend(Backend):
         """The timings whose events have completed, oldest first, up to the first still pending: their events
         are released (no host wait)."""
         done = 0
-        while done < len(self._pending) and self._pending[done][5].query():
+        while done < len(self._pending) and self._pending[done].end.query():
             done += 1
         self._resolve(done)
 
     def _resolve(self, n: int) -> None:
-        """The first n pending timings (their events completed) as spans on the timeline."""
+        """The first n pending timings (their events completed) as spans on the timeline; their pooled events go
+        back to the pool."""
         if n == 0:
             return
         origin_ev, origin_s = self._origin
-        for kind, phase, unit, n_bytes, start, end, n_tokens in self._pending[:n]:
-            s = origin_s + origin_ev.elapsed_time(start) / 1e3
-            e = origin_s + origin_ev.elapsed_time(end) / 1e3
-            self.timeline.add(Span(kind, phase, unit, s, e, n_bytes=n_bytes, n_tokens=n_tokens))
+        for t in self._pending[:n]:
+            s = origin_s + origin_ev.elapsed_time(t.start) / 1e3
+            e = origin_s + origin_ev.elapsed_time(t.end) / 1e3
+            self.timeline.add(Span(t.kind, t.phase, t.unit, s, e, n_bytes=t.n_bytes, n_tokens=t.n_tokens))
+            self._events.give_back(t.pooled)
         del self._pending[:n]
 
     def measure_h2d_bps(self, n_bytes: int = 1 << 30, repeats: int = 5) -> tuple[float, float]:
@@ -240,12 +276,21 @@ class CUDABackend(Backend):
     def reset_peak(self) -> None:
         super().reset_peak()
         torch.cuda.reset_peak_memory_stats(self.device)
+        self.device_memory.reset()
 
     def device_memory_bytes(self) -> int:
         return int(torch.cuda.get_device_properties(self.device).total_memory)
 
     def peak_device_bytes(self) -> int:
-        return int(torch.cuda.max_memory_allocated(self.device))
+        """The device's peak in use as it saw it (sampled, not the allocator's figure), which budgets are held to."""
+        self.device_memory.sample()
+        return device_peak_bytes(self.device_memory.peak_used_bytes, int(torch.cuda.max_memory_reserved(self.device)),
+                                 self._outside_allocator_bytes)
+
+    def memory_peaks(self) -> dict[str, int]:
+        """The device's peak beside its allocator's allocated and reserved peaks (the report shows the three)."""
+        return {"gpu": self.peak_device_bytes(), "gpu_allocated": int(torch.cuda.max_memory_allocated(self.device)),
+                "gpu_reserved": int(torch.cuda.max_memory_reserved(self.device))}
 
 
 # calibration: the GPU half of `offload calibrate` ------------------------------------------------------
@@ -267,12 +312,11 @@ def measure_cuda(log=print, copy_bytes: int = 512 * 2**20, repeats: int = 5) -> 
         log("no CUDA GPU: GPU figures left at 0")
         return None
     dev = torch.device("cuda")
-    free, total = torch.cuda.mem_get_info(dev)  # the context exists now; offload has allocated nothing yet
-    out_reserved = total - free - torch.cuda.memory_reserved(dev) + 2 * CUBLAS_WORKSPACE_BYTES
+    reserve = context_reserve_bytes(dev)  # first: offload has allocated nothing yet
     pageable = torch.ones(copy_bytes // 4)
     pinned = pageable.pin_memory()
     target = torch.empty(copy_bytes // 4, device=dev)
-    out = {"gpu_name": torch.cuda.get_device_name(dev), "gpu_reserved_bytes": max(out_reserved, 0)}
+    out = {"gpu_name": torch.cuda.get_device_name(dev), "gpu_reserved_bytes": reserve}
     out["h2d_pinned_bps"] = copy_bytes / _timed(lambda: target.copy_(pinned, non_blocking=True), repeats)
     out["h2d_pageable_bps"] = copy_bytes / _timed(lambda: target.copy_(pageable), repeats)
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=dev)
@@ -295,6 +339,31 @@ def measure_cuda(log=print, copy_bytes: int = 512 * 2**20, repeats: int = 5) -> 
         f"{out['gpu_launch_s'] * 1e6:.1f} us, a hand-over round trip {out['handover_s'] * 1e6:.0f} us idle, "
         f"{out['handover_busy_s'] * 1e6:.0f} us under a weight copy")
     return out
+
+
+def context_reserve_bytes(dev: torch.device, load=None) -> int:
+    """Device bytes the process holds outside offload's buffers once what a step runs has loaded (load: by default
+    load_step_libraries): the CUDA context, the modules of cuBLAS, attention and Triton kernels, and a cuBLAS
+    workspace for each of the backend's two streams."""
+    (load or load_step_libraries)(dev)
+    torch.cuda.synchronize(dev)
+    torch.cuda.empty_cache()  # what the loading allocated and freed is not the context's
+    free, total = torch.cuda.mem_get_info(dev)
+    return max(total - free - torch.cuda.memory_reserved(dev) + 2 * CUBLAS_WORKSPACE_BYTES, 0)
+
+
+def load_step_libraries(dev: torch.device) -> None:
+    """Run once what a step loads lazily (CUDA loads each kernel's module at its first launch): a bf16 matmul
+    (cuBLAS), attention with a mask and causal, grouped-query (the kernels SDPA picks for each), and a fused
+    Triton kernel (Triton's runtime and a module)."""
+    x = torch.ones(16, 256, device=dev, dtype=torch.bfloat16)
+    _ = x @ x.T
+    q = torch.ones(1, 8, 16, 64, device=dev, dtype=torch.bfloat16)
+    kv = torch.ones(1, 2, 16, 64, device=dev, dtype=torch.bfloat16)
+    mask = torch.ones(16, 16, device=dev, dtype=torch.bool).tril()
+    torch.nn.functional.scaled_dot_product_attention(q, kv, kv, attn_mask=mask, enable_gqa=True)
+    torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    _random_device_weight("q4_0", (64, 256)).apply(x, None)  # Triton's kernel, or the torch fallback without it
 
 
 def measure_launch_s(n_launches: int = 200, repeats: int = 5) -> float:
@@ -333,8 +402,10 @@ def measure_handover_s(n_bytes: int = 16 << 10, copy_bytes: int = 256 << 20, rep
 
 def matmul_timer(shape: tuple[int, int], repeats: int = 5, calls: int = 10):
     """time_s(fmt, kernel, rows): best seconds of one x [rows, K] bf16 @ W.T on the GPU for W [N, K] random in
-    fmt, by kernel (calibrate.GPU_KERNELS: fused Triton, dequantize + cuBLAS, cuBLAS on a float W), each timed over
-    `calls` calls; None where the kernel does not run here. One format's weight is held at a time."""
+    fmt, by kernel (hardware.GPU_KERNELS: fused Triton, dequantize + cuBLAS, cuBLAS on a float W), each timed over
+    `calls` calls; None where the kernel does not run here (no Triton, or no fused kernel for fmt). One format's
+    weight is held at a time."""
+    from offload.formats import GGUF_TYPE
     from offload.runtime.device_quant import _fused_kernels
 
     held: dict = {}
@@ -350,7 +421,7 @@ def matmul_timer(shape: tuple[int, int], repeats: int = 5, calls: int = 10):
             fn = lambda: x @ w.T  # noqa: E731
         elif kernel == "dequant":
             fn = lambda: w.apply_torch(x, None)  # noqa: E731
-        elif fused is None:
+        elif fused is None or (w.d is None and GGUF_TYPE[fmt].triton is None):  # no fused kernel takes fmt
             return None
         elif w.d is None:
             fn = lambda: fused.gguf.linear(x, w.qs, fmt, w.shape)  # noqa: E731
