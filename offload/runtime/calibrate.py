@@ -105,8 +105,9 @@ def gpu_formats() -> tuple[str, ...]:
     """The weight formats a GPU multiplies by, in the order they are timed (the curves stop at a time budget):
     bf16 (cuBLAS; it prices fp16 too), q4_0 and q8_0 (what plans use most), the GGUF block formats with a fused
     Triton kernel, then the other GGUF formats (their dequantize path only: gpu_kernels)."""
+    split = tuple(sorted(QUANT_BLOCK_BYTES, key=QUANT_BLOCK_BYTES.get))  # the smaller first: q4_0, q8_0
     fused = tuple(t.name for t in GGUF_TYPES if t.layout == "blocks" and t.triton)
-    return ("bf16", "q4_0", "q8_0") + fused + tuple(f for f in GGUF_BLOCKS if f not in fused)
+    return ("bf16",) + split + fused + tuple(f for f in GGUF_BLOCKS if f not in fused)
 
 
 def gpu_kernels(fmt: str) -> tuple[str, ...]:

@@ -1,6 +1,6 @@
 """EventPool: timing events reused once their timings were read, so that a step records into the same few events
-rather than creating two per copy, wait and block (a 70B batch-1 step times ~250 of them). No torch.cuda here:
-the CUDA backend hands it the constructor, a test a fake."""
+rather than creating two per copy, wait and block (a 70B batch-1 step times ~250 of them). It knows no device:
+the CUDA backend hands it the event constructor, a test a fake."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Device memory as the device sees it: a daemon thread samples the free and total bytes the driver reports
 (cudaMemGetInfo: the CUDA context, library modules, the allocator's cache and other processes all count) and
-keeps the peak in use. No torch.cuda here: the CUDA backend hands it torch.cuda.mem_get_info, a test a fake."""
+keeps the peak in use. It knows no device: the CUDA backend hands it torch's mem_get_info, a test a fake."""
 
 from __future__ import annotations
 
