@@ -125,7 +125,7 @@ class LLM:
         self.speed_probes: list[speedprobe.SpeedProbe] = []  # of the CPU's speed around a job, for its report
         self.path = resolve_model(request.model)
         self.spec = model_spec(self.path)
-        self.backend = make_backend(request.backend)
+        self.backend = make_backend(request.backend, request.profile() if request.backend == "sim" else None)
         self.plan = None
         if placement is None:
             hw = request.profile()

@@ -20,7 +20,7 @@ from offload.hardware import HardwareProfile, parse_size
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # OpenAI's schema takes any 64-bit seed; torch's manual_seed takes these
 DEFAULT_PREFILL_CHUNK_TOKENS = 512  # tokens a layer computes at once in prefill: bounds the working set
-BACKENDS = ("auto", "cpu", "cuda")  # auto: CUDA where a GPU is visible, else the CPU
+BACKENDS = ("auto", "cpu", "cuda", "sim")  # auto: CUDA where a GPU is visible, else the CPU; sim: the simulated GPU
 ENGINES = ("local", "ray")
 INPUT_FORMATS = ("openai", "text")
 
@@ -85,7 +85,9 @@ class HardwareOptions(Section):
     profile: str | InstanceOf[HardwareProfile] | None = option(None, "hardware preset name or profile YAML (default: this machine's calibrated "
                                  "profile, else an estimate)", name="hardware", cli="plan")
     backend: Literal[BACKENDS] = option("auto", "auto: CUDA where a GPU is visible, else the CPU; cpu computes "
-                                        "in fp32 even where a GPU is planned", name="backend", cli="plan")
+                                        "in fp32 even where a GPU is planned; sim runs the plan's GPU units on a "
+                                        "simulated GPU (the CPU computes them, as strict as CUDA about where tensors "
+                                        "live and counting host syncs)", name="backend", cli="plan")
 
 
 class MemoryOptions(Section):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import make_hf_model, save_hf_model
+from conftest import gpu_profile, make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
 from offload.generate import Generator, KVPool, Sequence
 
@@ -31,11 +31,17 @@ def _run(llm, prompts, max_tokens, **kw) -> tuple[list[list[int]], list]:
     return [s.output_ids for s in seqs], list(llm.timeline.steps)
 
 
-@pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_0"])
-def test_mixed_steps_give_the_tokens_of_one_by_one_generation(tiny_dir, quantization):
+GPU_LAYERS = dict(backend="sim", hardware=gpu_profile(), prefill_chunk_tokens=8)  # the simulated GPU, chunks of 8
+
+
+@pytest.mark.parametrize("quantization,where", [("none", "cpu"), ("q8_0", "cpu"), ("q4_0", "cpu"), ("none", "gpu"),
+                                                ("q8_0", "gpu")])
+def test_mixed_steps_give_the_tokens_of_one_by_one_generation(tiny_dir, quantization, where):
     """Prompt chunks of 16 tokens with decode tokens riding along (fused C++ layer for q8_0/q4_0, the reference
-    block math for none) give the greedy tokens each prompt gives alone."""
-    llm = LLM(str(tiny_dir), quantization=quantization, backend="cpu", max_model_len=64)
+    block math for none; on the simulated GPU, each layer in chunks of 8 of the step's flat tokens) give the greedy
+    tokens each prompt gives alone."""
+    device = GPU_LAYERS if where == "gpu" else dict(backend="cpu")
+    llm = LLM(str(tiny_dir), quantization=quantization, max_model_len=64, **device)
     prompts, max_tokens = _prompts(LENGTHS), [6, 3, 9, 12, 4, 7, 5]
     alone = [_run(llm, [p], [m], max_batch_size=1)[0][0] for p, m in zip(prompts, max_tokens)]
     mixed, steps = _run(llm, prompts, max_tokens, max_batch_size=4, step_tokens=16)

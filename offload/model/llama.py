@@ -110,8 +110,9 @@ class Step:
             return self._slice_ragged(start, stop)
         positions, valid = self.positions[:, start:stop], self.valid[:, start:stop]
         n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
+        mask = None if self._mask is None else self._mask[:, :, start:stop, :n_keys]  # where the step's mask is
         return Step(positions, self.write_index[:, start:stop], valid, n_keys, self.cos[:, :, start:stop],
-                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.bases)
+                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.bases, _mask=mask)
 
     def _rows_slice(self, start: int, stop: int) -> "Step":
         """Rows start..stop-1 of a plain step."""
@@ -119,8 +120,9 @@ class Step:
         n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
         rows = self.rows[start:stop] if self.rows is not None else torch.arange(start, stop)
         bases = None if self.bases is None else self.bases[start:stop]
+        mask = None if self._mask is None else self._mask[start:stop, :, :, :n_keys]
         return Step(positions, self.write_index[start:stop], valid, n_keys, self.cos[start:stop],
-                    self.sin[start:stop], rows, self.phase, self.sliding_window, bases)
+                    self.sin[start:stop], rows, self.phase, self.sliding_window, bases, _mask=mask)
 
     def _slice_ragged(self, start: int, stop: int) -> "Step":
         groups, offsets, at = [], [], 0

@@ -8,12 +8,19 @@ from offload.runtime.backends.base import Backend
 from offload.runtime.backends.cpu import CPUBackend
 
 
-def make_backend(name: str = "auto") -> Backend:
-    """'cuda' (a GPU is required), 'cpu', or 'auto' (CUDA when a GPU is present)."""
+def make_backend(name: str = "auto", hardware=None) -> Backend:
+    """'cuda' (a GPU is required), 'cpu', 'auto' (CUDA when a GPU is present) or 'sim' (the simulated GPU of
+    hardware's VRAM and link: offload.runtime.backends.sim)."""
     if name not in BACKENDS:
         raise ConfigError(f"backend {name!r} is not supported; use one of {', '.join(BACKENDS)}")
     if name == "cpu":
         return CPUBackend()
+    if name == "sim":
+        from offload.runtime.backends.sim import SimBackend
+
+        if hardware is None:
+            raise ConfigError("backend 'sim' simulates a GPU of a hardware profile; give one (hardware: NAME)")
+        return SimBackend(hardware)
     from offload.runtime.backends.cuda import CUDABackend, cuda_available
 
     if cuda_available():

@@ -27,31 +27,41 @@ from offload.errors import DeviceMemoryError
 from offload.hardware import HardwareProfile, format_bytes
 from offload.planner.costs import Phase, unit_cost
 from offload.profile.timeline import Span, Timeline
+from offload.runtime.backends import sim_device
 from offload.runtime.backends.base import Backend, Work, host_empty
+from offload.runtime.backends.sim_device import DeviceState, DeviceTensor, host_view
 from offload.spec import ModelSpec
 
 
 class SimEvent:
     """A marker on a stream: done once the stream reaches it, at simulated time t."""
 
-    def __init__(self):
-        self._done = threading.Event()
+    def __init__(self, failed: threading.Event | None = None):
+        self._done, self._failed = threading.Event(), failed  # failed: set when a stream's op raised
         self.t = 0.0
+        self.seq = -1  # the compute stream's op count when it reached the marker (mark_done)
 
-    def set(self, t: float) -> None:
-        self.t = t
+    def set(self, t: float, seq: int = -1) -> None:
+        self.t, self.seq = t, seq
         self._done.set()
 
     def wait(self) -> float:
-        self._done.wait()
+        """The marker's time, once reached; raises StreamFailed if a stream's op raised (the marker never comes)."""
+        while not self._done.wait(0.05):
+            if self._failed is not None and self._failed.is_set():
+                raise StreamFailed("an operation on the simulated device raised; the host sees its error next")
         return self.t
+
+
+class StreamFailed(RuntimeError):
+    """What a wait on the simulated device raises once one of its streams' operations has raised."""
 
 
 class Pending:
     """A block's result on the simulated device: there once the compute stream has run it."""
 
-    def __init__(self):
-        self.event, self.value = SimEvent(), None
+    def __init__(self, failed: threading.Event | None = None):
+        self.event, self.value = SimEvent(failed), None
 
     def resolve(self) -> torch.Tensor:
         self.event.wait()
@@ -71,12 +81,16 @@ class _Stream:
         self._queue.put(op)
 
     def _loop(self) -> None:
+        if self.name == "compute":
+            self.backend.strict.mark_compute_thread()
         while True:
             op = self._queue.get()
             try:
                 op()
             except BaseException as e:  # noqa: BLE001 - surfaced at the host's next sync point
-                self.backend.errors.append(e)
+                if not isinstance(e, StreamFailed):
+                    self.backend.errors.append(e)
+                self.backend.failed.set()
 
 
 class TimedCosts:
@@ -156,8 +170,11 @@ class SimBackend(Backend):
         self.computes = timed is None or wall  # the CPU blocks compute (and the device's too, in compute mode)
         self.capacity_bytes = hardware.vram_bytes if capacity_bytes is None else capacity_bytes
         self.time_scale, self.kernel_delay_s = (1.0 if wall else time_scale), kernel_delay_s
-        self.device = torch.device("cpu") if timed is None else torch.device("meta")
+        self.device = sim_device.sim_device() if timed is None else torch.device("meta")
+        self.strict = DeviceState()  # what the device refuses and counts (compute mode: tensors are DeviceTensors)
+        sim_device.activate(self.strict)
         self.errors: list[BaseException] = []
+        self.failed = threading.Event()  # a stream's op raised: waits on the device give up
         self._lock = threading.Lock()
         self.host_t = self.cpu_t = self.disk_t = 0.0
         self.compute_stream, self.copy_stream = _Stream("compute", self), _Stream("copy", self)
@@ -175,6 +192,14 @@ class SimBackend(Backend):
         if self.errors:
             raise self.errors[0]
 
+    def _host_waits(self, wait):
+        """wait() on the host; a stream's failure surfaces as the error it raised."""
+        try:
+            return wait()
+        except StreamFailed:
+            self._raise_errors()
+            raise
+
     def host_wait_until(self, t: float) -> None:
         self._advance_host(t)
 
@@ -190,8 +215,23 @@ class SimBackend(Backend):
         self.check_capacity(tier, n_bytes)
         real = tier != "gpu" if self.wall else self.computes
         buf = host_empty(n_bytes) if real else torch.empty(n_bytes, dtype=torch.uint8, device="meta")
+        if real and tier == "gpu":
+            buf = DeviceTensor(buf)
+        elif real and pinned:
+            buf = self.pin(buf)
         self.memory.add(tier, n_bytes)
         return buf
+
+    def pin(self, buf: torch.Tensor) -> torch.Tensor:
+        """Page-lock a host buffer (the device remembers it: copies from it may be asynchronous)."""
+        self.strict.pin(buf)
+        return buf
+
+    def _pinned_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """t in a fresh page-locked host buffer (CUDA's t.pin_memory())."""
+        pinned = t.clone()
+        self.strict.pin(pinned)
+        return pinned
 
     def meta_or(self, device) -> torch.device:
         return torch.device(device) if self.computes else torch.device("meta")
@@ -199,16 +239,25 @@ class SimBackend(Backend):
     # copies and ordering --------------------------------------------------------------------------------
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, unit: str, phase: str, not_before: float = 0.0):
         """The copy runs on the copy stream; its bytes land in dst only when it ends."""
-        done, issued, n = SimEvent(), max(self.host_t, not_before), src.numel()
-        stream = self.copy_stream
+        done, issued, n = SimEvent(self.failed), max(self.host_t, not_before), src.numel()
+        done.unit = unit
+        stream, strict = self.copy_stream, self.strict
+        if self.computes and not self.wall:
+            strict.set_unit(unit)
+            if isinstance(dst, DeviceTensor) and strict.slot_of(dst) is None:
+                strict.add_slot(dst, unit)
+            if not strict.is_pinned(src):  # CUDA runs a copy from pageable memory synchronously
+                strict.count_pageable()
 
         def op():
+            if self.computes and not self.wall:
+                strict.copy_starts(dst, done)
             start = max(stream.t, issued)
             seconds = n / self.hw.h2d_pinned_bps
             if self.time_scale:
                 time.sleep(seconds * self.time_scale)
             if self.computes and not self.wall:
-                dst[:n].copy_(src)
+                host_view(dst)[:n].copy_(src)
             stream.t = start + seconds
             self.timeline.add(Span("h2d_copy", phase, unit, start, stream.t, n_bytes=n))
             done.set(stream.t)
@@ -222,6 +271,10 @@ class SimBackend(Backend):
 
         def op():
             ready = handle.wait()
+            if stream is self.compute_stream:
+                self.strict.copy_waited(handle)
+            else:  # the copy stream may refill what the compute stream read before the marker
+                self.strict.copy_stream_waited(handle, handle.seq)
             if unit and ready > stream.t:  # the compute stream stalled for weights
                 self.timeline.add(Span("wait", phase, unit, stream.t, ready))
             stream.t = max(stream.t, ready)
@@ -235,31 +288,35 @@ class SimBackend(Backend):
         self._wait_on(self.copy_stream, handle)
 
     def mark_done(self):
-        done, stream = SimEvent(), self.compute_stream
-        stream.enqueue(lambda: done.set(stream.t))
+        done, stream = SimEvent(self.failed), self.compute_stream
+        stream.enqueue(lambda: done.set(stream.t, self.strict.compute_seq))
         return done
 
     def host_wait(self, handle) -> None:
         if handle is not None:
-            self._advance_host(handle.wait())
+            self._advance_host(self._host_waits(handle.wait))
+            self.strict.copy_waited(handle)
+            self.strict.copy_stream_waited(handle, handle.seq)  # later copies are issued after it
         self._raise_errors()
 
     def synchronize(self) -> None:
         for stream in (self.compute_stream, self.copy_stream):
-            done = SimEvent()
+            done = SimEvent(self.failed)
             stream.enqueue(lambda s=stream, d=done: d.set(s.t))
-            self._advance_host(done.wait())
+            self._advance_host(self._host_waits(done.wait))
+        self.strict.all_waited()
         self._raise_errors()
 
     # compute --------------------------------------------------------------------------------------------
     def launch(self, work: Work, fn, x, *args):
         """Enqueue a device block fn(x, *args); x, if Pending, is resolved on the compute stream."""
         self._raise_errors()
-        result, issued, stream = Pending(), self.host_t, self.compute_stream
+        result, issued, stream = Pending(self.failed), self.host_t, self.compute_stream
 
         def op():
             start = max(stream.t, issued)
             value = x.resolve() if isinstance(x, Pending) else x
+            self.strict.set_unit(work.unit)
             if self.wall:  # the device's time, slept; the hidden state passes through
                 seconds = self.timed.seconds(work, True)
                 time.sleep(seconds)
@@ -295,25 +352,41 @@ class SimBackend(Backend):
         """Hidden states from the host cross PCIe on the compute stream (a hand-over, not a weight copy)."""
         if isinstance(x, Pending):
             return x
-        moved, issued, stream = Pending(), self.host_t, self.compute_stream
+        moved, issued, stream = Pending(self.failed), self.host_t, self.compute_stream
         seconds = self._hop_s(x)
 
         def op():
             if self.wall:
                 time.sleep(seconds)
             stream.t = max(stream.t, issued) + seconds
-            moved.value = x
+            moved.value = self._on_device(x)
             moved.event.set(stream.t)
 
         stream.enqueue(op)
         return moved
 
+    def _on_device(self, x):
+        """Host hidden states as the device receives them from a page-locked copy (compute mode)."""
+        if not self.computes or self.wall or not isinstance(x, torch.Tensor) or isinstance(x, DeviceTensor):
+            return x
+        return DeviceTensor(x.clone())
+
+    def upload(self, t: torch.Tensor) -> torch.Tensor:
+        """As CUDA's: from a page-locked copy, without waiting for the device."""
+        if not self.computes or self.wall:
+            return t
+        return self._pinned_copy(t).to(self.device, non_blocking=True)
+
     def to_host(self, x) -> torch.Tensor:
+        """A device result on the host: the host waits for the device (a sync, counted)."""
         if not isinstance(x, Pending):
             return x
-        value = x.resolve()
+        value = self._host_waits(x.resolve)
         self._raise_errors()
         self._advance_host(x.event.t + self._hop_s(value))
+        if isinstance(value, DeviceTensor):
+            self.strict.set_unit("(hand-over)")
+            return value.to("cpu")
         return value
 
     def _hop_s(self, x) -> float:
