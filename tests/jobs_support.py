@@ -58,7 +58,7 @@ def write_job(path: Path, **sections) -> Path:
 
 
 def read_records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [json.loads(line) for line in path.read_text().split("\n") if line.strip()]
 
 
 def run_cli(*argv) -> tuple[int, str]:

@@ -245,6 +245,13 @@ def test_a_bad_model_folder_is_one_line_and_a_restart_keeps_the_earlier_outputs(
         assert_refused_keeping_outputs(case, env, words, "validate", *args)
 
 
+def _raw(line: dict) -> str:
+    """A request line as JSON.stringify and serde_json write it: characters past ASCII raw, not escaped."""
+    return json.dumps(line, ensure_ascii=False)
+
+
+NOT_JSON = ["is not valid JSON", "expected one JSON object per line"]
+
 # custom_id -> (the request line, words of its error line); each becomes an error line, the job goes on
 LINE_CASES = {
     "not-json": ('{"custom_id": "not-json", "body": ', ["line 2 of in.jsonl is not valid JSON"]),
@@ -272,6 +279,30 @@ LINE_CASES = {
     "too-long": (completion_line("too-long", list(range(80))), ["the prompt has 80 tokens", "max_model_len",
                                                                  "raise max_model_len"]),
     "vocab": (completion_line("vocab", [10**6]), ["prompt token ids must lie in [0, 49152)"]),
+    # issue 44 item 1: characters str.splitlines breaks at, raw where JSON refuses them or beside another mistake;
+    # each is one error line, and the lines after it keep the file's numbers
+    "raw-vt": (_raw(completion_line("raw-vt", "a@b")).replace("@", "\x0b"), NOT_JSON),
+    "raw-ff": (_raw(completion_line("raw-ff", "a@b")).replace("@", "\x0c"), NOT_JSON),
+    "raw-fs": (_raw(completion_line("raw-fs", "a@b")).replace("@", "\x1c"), NOT_JSON),
+    "raw-gs": (_raw(completion_line("raw-gs", "a@b")).replace("@", "\x1d"), NOT_JSON),
+    "raw-rs": (_raw(completion_line("raw-rs", "a@b")).replace("@", "\x1e"), NOT_JSON),
+    "u2028-cut": ('{"custom_id": "u2028-cut", "body": "\u2028', NOT_JSON),
+    "u2029-typo": (_raw(completion_line("u2029-typo", "a\u2029b", temprature=0.5)), ["'temprature' is not supported"]),
+    "u0085-url": (_raw({**completion_line("u0085-url", "a\x85b"), "url": "/v1/completion\x85"}),
+                  ["expected 'url' to be one of"]),
+}
+
+# issue 44 item 1: good requests whose JSON holds what str.splitlines breaks at (raw where JSON allows it, a CR as
+# JSON whitespace, a CRLF line end): each is answered once, under its own custom_id
+SEPARATOR_LINES = {
+    "u2028-prompt": _raw(completion_line("u2028-prompt", "a\u2028b")),
+    "u2029-prompt": _raw(completion_line("u2029-prompt", "a\u2029b")),
+    "u0085-prompt": _raw(completion_line("u0085-prompt", "a\x85b")),
+    "u2028-chat": _raw(chat_line("u2028-chat", "x\u2028y\u2029z")),
+    "id\u2028sep": _raw(completion_line("id\u2028sep", "hi")),
+    "u2028-stop": _raw(completion_line("u2028-stop", "hi", stop=["\u2028"])),
+    "cr-inside": _raw(completion_line("cr-inside", "hi")).replace(", ", ",\r ", 1),
+    "crlf-end": _raw(completion_line("crlf-end", "hi")) + "\r",
 }
 
 
@@ -287,12 +318,14 @@ def line_job(env):
     assert run_cli("run", job)[0] == 0
     before = (folder / "o.jsonl").read_text()
     write_batch(folder / "in.jsonl", [completion_line("answered", "hi"), *[line for line, _ in LINE_CASES.values()],
-                                      completion_line("new", "hello")])
+                                      completion_line("new", "hello"), *SEPARATOR_LINES.values()])
     validate_code, validate_message = run_cli("validate", job)
     assert validate_code == 2 and "Traceback" not in validate_message
     code, message = run_cli("run", job)
     assert code == 3 and "Traceback" not in message and f"{len(LINE_CASES)} request(s) are error lines" in message
-    records = {r["custom_id"] or f"line:{r['error']['line']}": r for r in read_records(folder / "o.jsonl")}
+    lines = read_records(folder / "o.jsonl")
+    records = {r["custom_id"] or f"line:{r['error']['line']}": r for r in lines}
+    assert len(records) == len(lines) == len(LINE_CASES) + 2 + len(SEPARATOR_LINES)  # each request once
     return validate_message, records, before, (folder / "o.jsonl").read_text()
 
 
@@ -308,6 +341,12 @@ def test_a_bad_request_line_is_an_error_line_naming_it_and_the_job_goes_on(line_
     for word in words:
         assert word in message and word in validate_message, (word, message)
     assert after.startswith(before) and records["answered"]["error"] is None and records["new"]["error"] is None
+
+
+@pytest.mark.parametrize("custom_id", list(SEPARATOR_LINES))
+def test_a_line_separator_inside_a_request_keeps_it_one_request(line_job, custom_id):
+    validate_message, records, _, _ = line_job
+    assert records[custom_id]["error"] is None and custom_id not in validate_message
 
 
 @functools.lru_cache(maxsize=1)
@@ -370,4 +409,4 @@ def test_a_bad_api_argument_raises_one_sentence(env, name):
 
 
 def test_the_corpus_holds_at_least_40_bad_inputs():
-    assert sum(map(len, (YAML_CASES, PATH_CASES, MODEL_CASES, LINE_CASES, API_CASES))) >= 40
+    assert sum(map(len, (YAML_CASES, PATH_CASES, MODEL_CASES, LINE_CASES, SEPARATOR_LINES, API_CASES))) >= 40

@@ -286,3 +286,48 @@ def test_validate_counts_each_prompt_as_run_does(tmp_path, tiny_model):
     assert sorted(listed) == sorted(written) and len(written) == 4
     assert {"'text'", "'chat'", "'full'", "'vocab'"} == {m.split("custom_id ")[1].split(")")[0] for m in listed}
     assert any("the prompt has 64 tokens but this run's context (max_model_len) is 64" in m for m in listed)
+
+
+# issue 44 item 1: characters str.splitlines breaks at; JSON allows the first three raw in a string, the others only
+# escaped (a raw one makes its line not JSON, and that one line an error line)
+RAW_IN_JSON = {"U+2028": "\u2028", "U+2029": "\u2029", "U+0085": "\x85"}
+NOT_RAW_IN_JSON = {"vertical tab": "\x0b", "form feed": "\x0c", "file separator": "\x1c",
+                   "group separator": "\x1d", "record separator": "\x1e"}
+
+
+def test_a_line_separator_inside_a_json_string_keeps_the_request_whole(tmp_path, tiny_model):
+    """A JSON string holding a raw U+2028, U+2029 or U+0085 (as JSON.stringify, serde_json and ensure_ascii=False
+    write them) is one request; a raw control character makes only its own line an error line, named by the file's
+    line number; lines may end in CRLF; a resume reads the output back whole."""
+    lines = [json.dumps(completion_line(f"r{name}{sep}", f"a{sep}b"), ensure_ascii=False)
+             for name, sep in RAW_IN_JSON.items()]
+    lines += [json.dumps(chat_line(f"c{sep}", f"x{sep}y"), ensure_ascii=False) for sep in RAW_IN_JSON.values()]
+    bad_at = {}
+    for name, sep in NOT_RAW_IN_JSON.items():
+        bad_at[len(lines) + 1] = name
+        lines.append(json.dumps(completion_line(name, "a")).replace('"a"', f'"a{sep}b"'))
+    lines.append(json.dumps(completion_line("last", "hi")))
+    config = job(tmp_path, tiny_model, [])
+    (tmp_path / "in.jsonl").write_bytes("".join(line + ("\r\n" if n % 2 else "\n")
+                                                for n, line in enumerate(lines)).encode())
+    code, message = cli("validate", config)
+    assert code == 2 and f"has {len(bad_at)} bad line(s)" in message, message
+    assert all(f"line {n} of in.jsonl is not valid JSON" in message for n in bad_at), message
+    report = run_batch(config)
+    assert report["requests"]["total"] == len(lines) and report["requests"]["done"] == len(lines) - len(bad_at)
+    records = read_records(tmp_path / "o.jsonl")
+    answered = sorted(r["custom_id"] for r in records if r["error"] is None)
+    want = sorted(json.loads(line)["custom_id"] for n, line in enumerate(lines, 1) if n not in bad_at)
+    assert answered == want
+    assert sorted(r["error"]["line"] for r in records if r["error"] is not None) == sorted(bad_at)
+    again = run_batch(config)  # a resume reads every answer back (the error lines run again)
+    assert again["requests"]["skipped_already_done"] == len(want) and again["requests"]["failed"] == len(bad_at)
+    assert len(read_records(tmp_path / "o.jsonl")) == len(lines)
+
+
+def test_jsonl_lines_split_at_newlines_only():
+    from offload.jobs.batch import jsonl_lines
+
+    assert jsonl_lines('{"a": "x\u2028y\x85z\u2029"}\r\n{"b": 1}\n\n{"c": "\r"}') == [
+        '{"a": "x\u2028y\x85z\u2029"}', '{"b": 1}', "", '{"c": "\r"}']
+    assert jsonl_lines("") == [] and jsonl_lines("\n") == [""] and jsonl_lines("a\r\r\n") == ["a\r"]

@@ -64,7 +64,7 @@ def batch_lines(n: int, max_tokens: int = 16, bad: bool = True) -> tuple[bytes, 
 
 
 def records(text: str) -> list[dict]:
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def assert_error(response, status: int, param: str | None, kind: str = "invalid_request_error") -> str:
@@ -174,6 +174,30 @@ def test_an_interactive_request_runs_beside_a_batch_and_a_cancel_keeps_its_answe
             time.sleep(0.01)
         listed = client.get("/v1/batches").json()
         assert [b["id"] for b in listed["data"]] == [batch["id"]] and listed["has_more"] is False
+
+
+def test_a_batch_whose_strings_hold_line_separators_counts_and_answers_each_line_once(llm, defaults, tmp_path):
+    """Issue 44 item 1: a 6-line upload with raw U+2028, U+2029 and U+0085 in its strings (JSON allows them) was
+    counted as 8 requests and two were in neither file; lines may end in CRLF."""
+    bodies = [{"prompt": f"a{sep}b", "max_tokens": 2} for sep in ("\u2028", "\u2029", "\x85")]
+    lines = [json.dumps({"custom_id": f"r{i}\u2028", "method": "POST", "url": "/v1/completions", "body": body},
+                        ensure_ascii=False) for i, body in enumerate(bodies)]
+    lines += ['{"custom_id": "broken\u2028", "url": ', json.dumps({"custom_id": "chat\x85", "method": "POST",
+              "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "hi"}]}},
+              ensure_ascii=False), json.dumps({"custom_id": "last", "method": "POST", "url": "/v1/completions",
+                                               "body": {"prompt": "x\u2029y", "max_tokens": 2}}, ensure_ascii=False)]
+    data = "".join(line + ("\r\n" if i % 2 else "\n") for i, line in enumerate(lines)).encode()
+    with serving(llm, defaults, state_dir=tmp_path / "state") as (_, client):
+        file_id = client.post("/v1/files", files={"file": ("b.jsonl", data)}, data={"purpose": "batch"}).json()["id"]
+        batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"}).json()
+        done = wait_for(client, batch["id"])
+        assert done["status"] == "completed" and done["request_counts"] == {"total": 6, "completed": 4, "failed": 2}
+        answers = records(client.get(f"/v1/files/{done['output_file_id']}/content").text)
+        errors = records(client.get(f"/v1/files/{done['error_file_id']}/content").text)
+    assert sorted(r["custom_id"] for r in answers) == ["last", "r0\u2028", "r1\u2028", "r2\u2028"]
+    assert sorted(((r["custom_id"], r["error"]["line"]) for r in errors), key=lambda e: e[1]) == [
+        (None, 4), ("chat\x85", 5)]
 
 
 # --- a real offload serve, driven by the official client ---------------------------------------------------------

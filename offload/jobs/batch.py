@@ -72,7 +72,8 @@ def read_requests(path: Path, fmt: str = "openai", defaults: dict | None = None,
     """Parse a batch file; ConfigError if it holds no requests or custom_ids repeat (the job must not start then)."""
     defaults = defaults or {}
     try:
-        lines = Path(path).read_text(encoding="utf-8-sig").splitlines()  # -sig: a byte-order mark is not data
+        # bytes decoded, not read_text: its universal newlines would turn a lone "\r" into a line break
+        lines = jsonl_lines(Path(path).read_bytes().decode("utf-8-sig"))  # -sig: a byte-order mark is not data
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"cannot read the input file {path} ({e}); give a UTF-8 text file") from None
     if fmt == "text":
@@ -86,6 +87,16 @@ def read_requests(path: Path, fmt: str = "openai", defaults: dict | None = None,
                           f"expected {what}: add requests, or give another input.path")
     _refuse_duplicates(path, items)
     return [i for i in items if isinstance(i, Request)], [i for i in items if isinstance(i, BadLine)]
+
+
+def jsonl_lines(text: str) -> list[str]:
+    """The lines of a JSON Lines (or prompt) file, split at "\\n" only, each without one trailing "\\r": str.splitlines
+    also breaks at U+2028, U+2029, U+0085 and other characters that a JSON string may hold raw, which would cut a
+    request in two and shift every line number after it."""
+    lines = text.split("\n")
+    if lines[-1] == "":
+        lines.pop()  # the newline that ends the last line starts no line
+    return [line[:-1] if line.endswith("\r") else line for line in lines]
 
 
 def _text_request(line: str, n: int, url: str, defaults: dict) -> Request | BadLine:

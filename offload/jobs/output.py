@@ -172,9 +172,10 @@ class OutputLog:
                               if len(changed) > 1 else "") + f"; {AGAIN}")
 
     def _lines(self) -> list[bytes]:
-        """The complete lines of the file (a torn last line, from a killed write, is left out)."""
+        """The complete lines of the file, split at "\\n" only as records are written (a torn last line, from a killed
+        write, is left out)."""
         data = self.path.read_bytes()
-        return data[: data.rfind(b"\n") + 1].splitlines(keepends=True)
+        return [line + b"\n" for line in data[: data.rfind(b"\n")].split(b"\n")] if b"\n" in data else []
 
     def _scan(self) -> list[tuple[str, bool]]:
         """(key, answered without error) for each complete record."""
