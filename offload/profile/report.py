@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,10 +15,10 @@ from offload.planner.types import PHASES
 from offload.planner.whatif import format_what_ifs
 from offload.profile.timeline import KINDS, RESOURCES, disk_reads
 
-TRACK_IDS = {"cpu": 1, "gpu": 2, "pcie": 3, "disk": 4, "wait": 5}  # Chrome trace tid per resource
+TRACK_IDS = {"cpu": 1, "gpu": 2, "pcie": 3, "disk": 4, "wait": 5, "sync": 6}  # Chrome trace tid per resource
 PHASE_COLORS = {"prefill": "tab:orange", "decode": "tab:blue"}
 TRACK_NAMES = {"cpu": "CPU compute", "gpu": "GPU compute", "pcie": "PCIe host-to-device",
-               "disk": "disk reads", "wait": "GPU waiting for weights"}
+               "disk": "disk reads", "wait": "GPU waiting for weights", "sync": "host waiting for the GPU"}
 
 
 @dataclass
@@ -80,7 +81,17 @@ def phase_report(timeline, phase: str, plan=None, predicted_s: float | None = No
         "predicted_s_per_token": predicted, "measured_s_per_token": measured, "plan_s_per_token": plan_figure,
         "predicted_for": "the steps run" if predicted_s is not None else "the plan's workload",
         "predicted_over_measured": _ratio(predicted, measured) if predicted is not None else None,
+        **host_syncs(timeline, phase),
     }
+
+
+def host_syncs(timeline, phase: str) -> dict:
+    """The host's waits for the device in the phase (counted where a device counts them: the simulated GPU): per
+    step, and by the unit and op that made them."""
+    syncs = Counter(s.unit for s in timeline.spans if s.phase == phase and s.kind == "host_sync")
+    n_steps = len(timeline.step_s.get(phase, ()))
+    return {"host_syncs_per_step": _ratio(sum(syncs.values()), n_steps) if syncs else None,
+            "host_syncs_by_unit": dict(syncs.most_common())}
 
 
 def _with_bottlenecks(phase: dict, cost=None) -> dict:
@@ -164,6 +175,9 @@ def format_report(report: dict) -> str:
                      f"predicted {_fmt(p['predicted_s_per_token'], '.4g')} "
                      f"({_ratio_text(p.get('predicted_over_measured'))} of measured, for "
                      f"{p.get('predicted_for', 'the plan' + chr(39) + 's workload')})")
+        if p.get("host_syncs_per_step"):
+            named = ", ".join(f"{u} {n}" for u, n in list(p["host_syncs_by_unit"].items())[:4])
+            lines.append(f"{'':>7}  host syncs {p['host_syncs_per_step']:.1f} per step ({named})")
         if "bottleneck" in p:  # reports saved before bottlenecks were added lack it
             lines.append(f"{'':>7}  bottleneck {bottleneck_name(p['bottleneck'])} "
                          f"(predicted {bottleneck_name(p['predicted_bottleneck'])})")
@@ -251,7 +265,7 @@ def trace_events(timeline) -> list[dict]:
         events.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": TRACK_NAMES[name]}})
         events.append({"name": "thread_sort_index", "ph": "M", "pid": 1, "tid": tid, "args": {"sort_index": tid}})
     for s in timeline.spans:
-        track = KINDS[s.kind] or "wait"
+        track = "sync" if s.kind == "host_sync" else KINDS[s.kind] or "wait"
         events.append({"name": s.unit, "cat": f"{s.kind},{s.phase}", "ph": "X", "pid": 1, "tid": TRACK_IDS[track],
                        "ts": (s.start_s - t0) * 1e6, "dur": s.duration_s * 1e6,
                        "args": {"phase": s.phase, "n_bytes": s.n_bytes, "n_tokens": s.n_tokens}})

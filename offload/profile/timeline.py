@@ -9,12 +9,13 @@ from pathlib import Path
 
 # Resources a span occupies; the report computes each one's busy share per phase.
 RESOURCES = ("cpu", "gpu", "pcie", "disk")
-KINDS = {"cpu_block": "cpu", "gpu_block": "gpu", "h2d_copy": "pcie", "disk_read": "disk", "wait": None}
+KINDS = {"cpu_block": "cpu", "gpu_block": "gpu", "h2d_copy": "pcie", "disk_read": "disk", "wait": None,
+         "host_sync": None}  # host_sync: the host waited for the device (an instant; unit names the op and where)
 
 
 @dataclass(frozen=True)
 class Span:
-    """One timed piece of work: kind (cpu_block, gpu_block, h2d_copy, disk_read, wait), in seconds."""
+    """One timed piece of work: kind (cpu_block, gpu_block, h2d_copy, disk_read, wait, host_sync), in seconds."""
 
     kind: str
     phase: str  # prefill | decode

@@ -139,5 +139,7 @@ class UnitRunner:
         float format: computed in fp32 on the host, the output back where and as qkv was."""
         def attention(qkv: torch.Tensor) -> torch.Tensor:
             att = fused.cached_attention(self.spec, qkv.to("cpu", torch.float32).contiguous(), table, view)
-            return att.to(qkv.device, qkv.dtype)
+            if qkv.device.type == "cpu":
+                return att.to(qkv.dtype)
+            return self.backend.upload(att).to(qkv.dtype)  # up from page-locked memory: the host does not wait
         return attention

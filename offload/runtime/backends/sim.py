@@ -62,6 +62,7 @@ class Pending:
 
     def __init__(self, failed: threading.Event | None = None):
         self.event, self.value = SimEvent(failed), None
+        self.unit, self.phase = "", None  # the block that computes it
 
     def resolve(self) -> torch.Tensor:
         self.event.wait()
@@ -171,7 +172,7 @@ class SimBackend(Backend):
         self.capacity_bytes = hardware.vram_bytes if capacity_bytes is None else capacity_bytes
         self.time_scale, self.kernel_delay_s = (1.0 if wall else time_scale), kernel_delay_s
         self.device = sim_device.sim_device() if timed is None else torch.device("meta")
-        self.strict = DeviceState()  # what the device refuses and counts (compute mode: tensors are DeviceTensors)
+        self.strict = DeviceState(on_sync=self._record_sync)  # what the device refuses and counts (compute mode)
         sim_device.activate(self.strict)
         self.errors: list[BaseException] = []
         self.failed = threading.Event()  # a stream's op raised: waits on the device give up
@@ -179,6 +180,10 @@ class SimBackend(Backend):
         self.host_t = self.cpu_t = self.disk_t = 0.0
         self.compute_stream, self.copy_stream = _Stream("compute", self), _Stream("copy", self)
         self.track("gpu", hardware.gpu_reserved_bytes)  # the CUDA context and cuBLAS workspaces a real GPU holds
+
+    def _record_sync(self, unit: str, phase: str, what: str) -> None:
+        """A host sync on the timeline: an instant at the host's clock, named by its unit and op."""
+        self.timeline.add(Span("host_sync", phase, f"{unit} ({what})", self.host_t, self.host_t))
 
     # clocks ---------------------------------------------------------------------------------------------
     def now(self) -> float:
@@ -243,7 +248,7 @@ class SimBackend(Backend):
         done.unit = unit
         stream, strict = self.copy_stream, self.strict
         if self.computes and not self.wall:
-            strict.set_unit(unit)
+            strict.set_unit(unit, phase)
             if isinstance(dst, DeviceTensor) and strict.slot_of(dst) is None:
                 strict.add_slot(dst, unit)
             if not strict.is_pinned(src):  # CUDA runs a copy from pageable memory synchronously
@@ -312,11 +317,12 @@ class SimBackend(Backend):
         """Enqueue a device block fn(x, *args); x, if Pending, is resolved on the compute stream."""
         self._raise_errors()
         result, issued, stream = Pending(self.failed), self.host_t, self.compute_stream
+        result.unit, result.phase = work.unit, work.phase
 
         def op():
             start = max(stream.t, issued)
             value = x.resolve() if isinstance(x, Pending) else x
-            self.strict.set_unit(work.unit)
+            self.strict.set_unit(work.unit, work.phase)
             if self.wall:  # the device's time, slept; the hidden state passes through
                 seconds = self.timed.seconds(work, True)
                 time.sleep(seconds)
@@ -385,7 +391,7 @@ class SimBackend(Backend):
         self._raise_errors()
         self._advance_host(x.event.t + self._hop_s(value))
         if isinstance(value, DeviceTensor):
-            self.strict.set_unit("(hand-over)")
+            self.strict.set_unit(f"{getattr(x, 'unit', '')} output", getattr(x, "phase", None))
             return value.to("cpu")
         return value
 
@@ -397,6 +403,7 @@ class SimBackend(Backend):
         """CPU blocks start when the CPU and the host are free; timed mode takes the cost model's seconds."""
         with self._lock:
             start = max(self.cpu_t, self.host_t)
+        self.strict.set_unit(works[0].unit, works[0].phase)
         if self.computes:
             ends: list[float] = []
             began = time.perf_counter()

@@ -98,6 +98,7 @@ class DeviceState:
     pinned: set = field(default_factory=set)  # storage data pointers of page-locked host buffers
     slots: dict = field(default_factory=dict)  # storage data pointer -> Slot
     compute_seq: int = 0
+    on_sync: object = None  # callable(unit, phase, what): the backend's record of each sync
     _local: threading.local = field(default_factory=threading.local)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -106,8 +107,14 @@ class DeviceState:
     def unit(self) -> str:
         return getattr(self._local, "unit", "") or "(host)"
 
-    def set_unit(self, unit: str) -> None:
+    def set_unit(self, unit: str, phase: str | None = None) -> None:
         self._local.unit = unit
+        if phase is not None:
+            self._local.phase = phase
+
+    @property
+    def phase(self) -> str:
+        return getattr(self._local, "phase", "decode")
 
     @property
     def on_compute_stream(self) -> bool:
@@ -119,11 +126,13 @@ class DeviceState:
     def count_sync(self, what: str) -> None:
         with self._lock:
             self.syncs[(self.unit, what)] += 1
+        if self.on_sync is not None:
+            self.on_sync(self.unit, self.phase, what)
 
     def count_pageable(self) -> None:
         with self._lock:
             self.pageable_async_copies[self.unit] += 1
-            self.syncs[(self.unit, "pageable copy")] += 1
+        self.count_sync("pageable copy")
 
     def count_launch(self) -> None:
         with self._lock:
@@ -248,6 +257,8 @@ class DeviceTensor(torch.Tensor):
                                    f"refuses)")
         if name in SYNC_OPS and SYNC_OPS[name]:
             st.count_sync(SYNC_OPS[name])
+        elif name == "aten::index" and any(i is not None and i.dtype == torch.bool for i in args[1]):
+            st.count_sync("nonzero")  # a boolean index's output size is known only on the device
         if name not in NO_KERNEL_OPS:
             st.count_launch()
         if st.on_compute_stream and st.slots:

@@ -1,0 +1,126 @@
+"""The simulated GPU as strict as CUDA: host and device tensors told apart, host syncs counted per step and named,
+long prompts mixed with decoding through GPU-resident, streamed and host-KV layers equal to the CPU backend."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from conftest import gpu_profile, make_hf_model, save_hf_model
+from offload.generate import Generator, Sequence
+from offload.planner import Placement
+from offload.planner.placement import UnitPlacement
+from offload.profile.report import format_report, phase_report
+from offload.runtime.backends import sim_device
+from offload.runtime.backends.cpu import CPUBackend
+from offload.runtime.backends.sim import SimBackend
+from offload.runtime.executor import PlacedModel
+from offload.sampling import SamplingParams
+from offload.spec import load_spec
+from offload.weights.loader import Checkpoint
+from offload.weights.sources import CheckpointSource
+
+HW = gpu_profile()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model = make_hf_model("llama", num_hidden_layers=4, max_position_embeddings=4096)
+    folder = save_hf_model(model, tmp_path_factory.mktemp("strict") / "tiny")
+    return folder, load_spec(folder)
+
+
+def test_an_op_mixing_host_and_device_tensors_is_refused():
+    device = sim_device.sim_device()
+    x = torch.ones(4, 3).to(device)
+    with pytest.raises(RuntimeError, match="same device"):
+        x + torch.ones(3)
+    assert torch.equal((x + torch.tensor(2.0)).cpu(), torch.full((4, 3), 3.0))  # a 0-d host tensor is a scalar
+    assert torch.arange(3, device=device).device == device  # made on the device, as CUDA's factories do
+
+
+def test_what_cuda_makes_wait_is_counted():
+    state = sim_device.DeviceState()
+    sim_device.activate(state)
+    device = sim_device.sim_device()
+    x = torch.ones(8, device=device)
+    x.sum().item()
+    x.tolist()
+    x.cpu()
+    _ = x[x > 0]  # boolean indexing: the output's size is known only on the device
+    pageable = torch.ones(8)
+    x.copy_(pageable, non_blocking=True)
+    state.pin(pageable)
+    x.copy_(pageable, non_blocking=True)  # from page-locked memory: no wait
+    whats = Counter(what for (_, what), n in state.syncs.items() for _ in range(n))
+    assert whats == {"item": 1, "tolist": 1, "copy to host": 1, "nonzero": 1, "pageable copy": 1}
+    assert sum(state.pageable_async_copies.values()) == 1
+
+
+def _placement(spec, kind: str, **kwargs) -> Placement:
+    """all-gpu: resident layers, KV on the device; mixed: resident, streamed and host-KV GPU layers beside a CPU
+    layer (the host hands over to it and back)."""
+    units = dict(Placement.uniform(spec, "gpu", "gpu").units)
+    if kind == "mixed":
+        units["layer.1"] = UnitPlacement("cpu", "stream", "stream", "gpu")
+        units["layer.2"] = UnitPlacement("gpu", "gpu", "gpu", "cpu")
+        units["layer.3"] = UnitPlacement("cpu", "cpu", "cpu", "cpu")
+    return Placement(units, **kwargs)
+
+
+def _model(tiny, placement, backend, dtype=torch.float32) -> PlacedModel:
+    folder, spec = tiny
+    return PlacedModel(spec, CheckpointSource(Checkpoint(folder), spec, dtype, "none"), placement, backend, dtype)
+
+
+def _generate(model, prompts, max_tokens) -> list[list[int]]:
+    seqs = [Sequence(i, p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
+            for i, (p, m) in enumerate(zip(prompts, max_tokens))]
+    Generator(model, max_batch_size=len(prompts), max_model_len=2100, step_tokens=768).run(seqs)
+    return [s.output_ids for s in seqs]
+
+
+def _prompts(lengths, vocab=160) -> list[list[int]]:
+    g = torch.Generator().manual_seed(3)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prompts_mixed_with_decoding_equal_the_cpu_backend(tiny, dtype):
+    """Prompts of 600-2000 tokens (past the 512-token prefill chunk) arrive while short ones decode: mixed steps of
+    768 tokens, each layer in chunks of 512, through resident, streamed and host-KV GPU layers and a CPU layer."""
+    placement = _placement(tiny[1], "mixed", prefetch_depth=1)
+    prompts, max_tokens = _prompts([5, 600, 7, 2000]), [12, 4, 10, 3]
+    ours = _generate(_model(tiny, placement, SimBackend(HW), dtype), prompts, max_tokens)
+    ref = _generate(_model(tiny, placement, CPUBackend(), dtype), prompts, max_tokens)
+    n = None if dtype == torch.float32 else 2  # bf16: the device attends in other kernels; a near tie may part later
+    assert [t[:n] for t in ours] == [t[:n] for t in ref]
+
+
+def _decode_syncs(model) -> tuple[float, Counter, dict]:
+    model.timeline.clear()
+    _generate(model, _prompts([6, 9, 4]), [6, 6, 6])
+    timeline = model.timeline
+    syncs = Counter(s.unit for s in timeline.spans if s.kind == "host_sync" and s.phase == "decode")
+    return sum(syncs.values()) / len(timeline.step_s["decode"]), syncs, phase_report(timeline, "decode")
+
+
+def test_a_gpu_plan_syncs_the_host_at_most_twice_a_decode_step(tiny):
+    per_step, syncs, report = _decode_syncs(_model(tiny, _placement(tiny[1], "all-gpu"), SimBackend(HW)))
+    assert per_step <= 2, syncs
+    assert report["host_syncs_per_step"] == per_step and report["host_syncs_by_unit"] == dict(syncs.most_common())
+
+
+def test_host_kv_and_cpu_layers_sync_once_per_hand_over(tiny):
+    """A host-KV GPU layer waits once (its q, k, v come down to the host's attention); the hand-over to the CPU
+    layer once; the hidden state and the logits coming up once each."""
+    per_step, syncs, report = _decode_syncs(_model(tiny, _placement(tiny[1], "mixed", prefetch_depth=1),
+                                                   SimBackend(HW)))
+    assert per_step <= 2 + 1 + 1, syncs
+    assert all(any(name in unit for name in ("layer.2", "layer.3", "norm", "lm_head")) for unit in syncs), syncs
+    text = format_report({"requests": {"done": 1, "failed": 0, "skipped_already_done": 0, "interrupted": False,
+                                       "total": 1}, "tokens": {"prompt": 1, "generated": 1}, "generate_s": 1.0,
+                          "generated_tokens_per_s": 1.0, "phases": {"decode": report}, "memory": {}})
+    assert "host syncs" in text and "per step" in text
