@@ -150,7 +150,7 @@ class Engine:
         """Queue a request; its Sequence fills in as steps run. ConfigError if it cannot run (the prompt, or an id
         in flight); QueueFull if max_waiting requests wait already."""
         seq = Sequence(request_id, [int(t) for t in prompt_ids], params or SamplingParams())
-        self.generator.check_prompt(seq.prompt_ids)
+        self.generator.check_prompt(seq.prompt_ids, seq.params)
         self.submit(seq)
         return seq
 

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from offload.engine import Engine, KVPool, Sequence, kv_extent  # noqa: F401 (KVPool: offload.generate's name too)
-from offload.errors import ConfigError
+from offload.errors import ConfigError, SamplingError
 from offload.model.llama import ragged_step
 from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
@@ -212,13 +212,16 @@ class Generator:
 
     def _check(self, seq: Sequence) -> None:
         try:
-            self.check_prompt(seq.prompt_ids)
+            self.check_prompt(seq.prompt_ids, seq.params)
         except ConfigError as e:
             raise ConfigError(f"prompts[{seq.request_id}]: {e}") from None
+        except SamplingError as e:
+            raise SamplingError(f"prompts[{seq.request_id}]: {e}", e.param) from None
 
-    def check_prompt(self, ids: list[int]) -> None:
-        """ConfigError if token ids cannot run: empty, not shorter than this run's context, or outside the vocab."""
-        check_prompt_ids(ids, self.context_len, self.model.spec)
+    def check_prompt(self, ids: list[int], params: SamplingParams | None = None) -> None:
+        """ConfigError if token ids cannot run: empty, not shorter than this run's context, or outside the vocab;
+        SamplingError if params name a token outside it (stop_token_ids, logit_bias)."""
+        check_prompt_ids(ids, self.context_len, self.model.spec, params)
 
     def _sample_next(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
         for seq, row in zip(seqs, logits):

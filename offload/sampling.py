@@ -92,6 +92,15 @@ class SamplingParams:
             if not ok:  # each message starts with the field's name
                 raise SamplingError(f"invalid sampling parameter: {message}", message.split(" ", 1)[0])
 
+    def check_vocab(self, vocab_size: int) -> None:
+        """SamplingError naming the field where stop_token_ids or logit_bias name a token past the vocabulary (as
+        prompt token ids past it are refused: such an id would be silently ignored)."""
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", list(self.logit_bias))):
+            outside = [t for t in ids if t >= vocab_size]
+            if outside:
+                raise SamplingError(f"invalid sampling parameter: {name} token ids must lie in [0, {vocab_size}), "
+                                    f"found {outside[0]}; use ids of the model's own tokenizer", name)
+
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPS

@@ -279,6 +279,15 @@ LINE_CASES = {
     "too-long": (completion_line("too-long", list(range(80))), ["the prompt has 80 tokens", "max_model_len",
                                                                  "raise max_model_len"]),
     "vocab": (completion_line("vocab", [10**6]), ["prompt token ids must lie in [0, 49152)"]),
+    # issue 44 item 6: ids past the vocabulary in the sampling fields, refused as prompt ids are
+    "stop-vocab": (completion_line("stop-vocab", "hi", stop_token_ids=[49152]),
+                   ["stop_token_ids token ids must lie in [0, 49152), found 49152"]),
+    "stop-huge": (completion_line("stop-huge", "hi", stop_token_ids=[2, 10**12]),
+                  ["stop_token_ids token ids must lie in [0, 49152), found 1000000000000"]),
+    "bias-vocab": (chat_line("bias-vocab", "hi", logit_bias={"49152": 5}),
+                   ["logit_bias token ids must lie in [0, 49152), found 49152"]),
+    "bias-huge": (completion_line("bias-huge", "hi", logit_bias={"0": 1, str(10**18): -100}),
+                  ["logit_bias token ids must lie in [0, 49152)"]),
     # issue 44 item 1: characters str.splitlines breaks at, raw where JSON refuses them or beside another mistake;
     # each is one error line, and the lines after it keep the file's numbers
     "raw-vt": (_raw(completion_line("raw-vt", "a@b")).replace("@", "\x0b"), NOT_JSON),
@@ -375,6 +384,11 @@ API_CASES = {
                           ["got 3 SamplingParams for 2 prompts"]),
     "prompt too long": (lambda e: _llm(e).generate([list(range(70))]), "ConfigError",
                         ["prompts[0]: the prompt has 70 tokens", "raise max_model_len"]),
+    "stop ids past the vocabulary": (lambda e: _llm(e).generate("hi", _sampling(stop_token_ids=[49152])),
+                                     "SamplingError", ["prompts[0]", "stop_token_ids token ids must lie in [0, 49152)"]),
+    "logit_bias past the vocabulary": (lambda e: _llm(e).chat([{"role": "user", "content": "hi"}],
+                                                              _sampling(logit_bias={10**6: 1})), "SamplingError",
+                                       ["logit_bias token ids must lie in [0, 49152), found 1000000"]),
     "job config a dict with a typo": (lambda e: _run_batch({**good_job(e["model"], e["input"]), "sampler": {}}),
                                       "ConfigError", ["unknown key 'sampler'", "did you mean 'sampling'?"]),
 }

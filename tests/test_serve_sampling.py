@@ -255,6 +255,23 @@ def test_logprob_fields_out_of_shape_get_400_naming_them(client):
         assert caught.value.body["param"] == param, caught.value.body
 
 
+def test_token_ids_past_the_vocabulary_are_refused_naming_the_field(llm, client):
+    """Issue 44 item 6: stop_token_ids and logit_bias ids past the vocabulary (259 ids) were accepted and ignored;
+    they are refused as prompt ids past it are, naming the field and the range; the last id is taken."""
+    from offload.errors import SamplingError
+
+    for field, value in (("stop_token_ids", [259]), ("stop_token_ids", [3, 10**12]), ("logit_bias", {259: 1.0}),
+                         ("logit_bias", {"1000000": -100})):
+        with pytest.raises(SamplingError) as caught:
+            llm.generate(PROMPT, greedy(**{field: value}))
+        assert f"prompts[0]: invalid sampling parameter: {field} token ids must lie in [0, 259)" in str(caught.value)
+        body = {"logit_bias": {str(k): v for k, v in value.items()}} if field == "logit_bias" else {field: value}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, extra_body=body)
+        assert refused.value.body["param"] == field and "[0, 259)" in refused.value.body["message"]
+    assert llm.generate(PROMPT, greedy(stop_token_ids=[258], logit_bias={258: 1.0}))[0].text is not None
+
+
 @pytest.mark.parametrize("where,compute", [("disk", "cpu"), ("disk", "stream")])
 def test_n_samples_and_logprobs_on_disk_and_streamed_placements_equal_the_cpu_run(tmp_path, where, compute):
     """The prompt's K and V copied for the other samples wherever the cache lives; streamed: the simulated

@@ -74,7 +74,7 @@ def prompt_ids(req: Request, tokenizer, path: Path) -> tuple[list[int], str | No
 def prepare(llm, req: Request) -> Prepared:
     """Token ids of a request's prompt, checked against the model; OffloadError says what is wrong."""
     ids, text = prompt_ids(req, llm.tokenizer, llm.path)
-    llm.generator.check_prompt(ids)  # the one check, against the context this run's cache holds
+    llm.generator.check_prompt(ids, req.params)  # the one check, against the context this run's cache holds
     return Prepared(req, {"prompt_token_ids": ids, "prompt": text})
 
 
@@ -85,7 +85,7 @@ def check_prompts(requests: list[Request], tokenizer, path: Path, spec: ModelSpe
     problems = []
     for req in requests:
         try:
-            check_prompt_ids(prompt_ids(req, tokenizer, path)[0], context_len, spec)
+            check_prompt_ids(prompt_ids(req, tokenizer, path)[0], context_len, spec, req.params)
         except OffloadError as e:
             problems.append((req.line_no, request_problem(req, e)))
     return problems

@@ -137,7 +137,7 @@ class BatchRunner:
         llm, request_id = self.server.llm, f"{self.batch_id}:{req.custom_id}"  # never an interactive id (cmpl-)
         try:
             ids, _ = prompt_ids(req, llm.tokenizer, llm.path)
-            llm.generator.check_prompt(ids)
+            llm.generator.check_prompt(ids, req.params)
             seq = Sequence(request_id, ids, req.params)
             self._in_flight[request_id] = (req, seq)
             self.server.engine_thread.submit_background(seq, lambda update: self._answers.put((request_id, update)))

@@ -79,9 +79,10 @@ def prepare(url: str, body, llm, model: str, defaults: dict) -> Job:
         where = "messages" if url == CHAT else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         try:
             ids, text = prompt_ids(req, llm.tokenizer, llm.path)
-            llm.generator.check_prompt(ids)  # the one check, against the context the server's cache holds
+            llm.generator.check_prompt(ids, params)  # the one check, against the context the server's cache holds
         except OffloadError as e:
-            raise ApiError(400, str(e) if len(prompts) == 1 else f"{where}: {e}", where) from None
+            field = getattr(e, "param", None) or where  # a sampling field, else the prompt
+            raise ApiError(400, str(e) if len(prompts) == 1 else f"{where}: {e}", field) from None
         seqs.append(Sequence(job_id if len(prompts) == 1 else f"{job_id}-{i}", ids, params))
         texts.append(text)
     return Job(url, job_id, seqs, model, texts, stream, include_usage, echo, llm.tokenizer)

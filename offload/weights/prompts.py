@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from offload.errors import ConfigError
+from offload.sampling import SamplingParams
 from offload.spec import ModelSpec
 from offload.weights.model_files import library_error
 
@@ -34,9 +35,9 @@ def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
-def check_prompt_ids(ids: list[int], context_len: int, spec: ModelSpec) -> None:
+def check_prompt_ids(ids: list[int], context_len: int, spec: ModelSpec, params: SamplingParams | None = None) -> None:
     """ConfigError if token ids cannot run: empty, not shorter than this run's context (the KV cache holds
-    context_len tokens per sequence), or outside the vocabulary."""
+    context_len tokens per sequence), or outside the vocabulary; SamplingError if params name a token outside it."""
     if not ids:
         raise ConfigError("the prompt is empty after tokenization; give at least one token")
     model_len = spec.max_position_embeddings
@@ -48,3 +49,5 @@ def check_prompt_ids(ids: list[int], context_len: int, spec: ModelSpec) -> None:
                           f"{context_len} tokens; {more}")
     if max(ids) >= spec.vocab_size or min(ids) < 0:
         raise ConfigError(f"prompt token ids must lie in [0, {spec.vocab_size}); use the model's own tokenizer")
+    if params is not None:
+        params.check_vocab(spec.vocab_size)
