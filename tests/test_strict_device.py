@@ -124,3 +124,24 @@ def test_host_kv_and_cpu_layers_sync_once_per_hand_over(tiny):
                                        "total": 1}, "tokens": {"prompt": 1, "generated": 1}, "generate_s": 1.0,
                           "generated_tokens_per_s": 1.0, "phases": {"decode": report}, "memory": {}})
     assert "host syncs" in text and "per step" in text
+
+
+def test_decode_reads_the_cache_in_place_without_repeating_keys(tiny):
+    """Decode attention reads each sequence's keys through the step's block table (the paged path); no op on the
+    device makes a tensor the size of a K history repeated for the query heads of a group; prefill chunks take a
+    fused SDPA form."""
+    from offload.kernels.attention import attention_paths, reset_attention_paths
+
+    spec = tiny[1]
+    backend = SimBackend(HW)
+    model = _model(tiny, _placement(spec, "all-gpu"), backend)
+    reset_attention_paths()
+    n = 600
+    seqs = [Sequence(0, _prompts([n])[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))]
+    Generator(model, max_batch_size=1, max_model_len=n + 8).run(seqs)
+    paths = attention_paths()
+    assert paths.pop("torch_grouped") == 3 * spec.n_layers  # the paged path on a device without Triton
+    assert set(paths) <= {"sdpa_causal_lower_right", "sdpa_folded_mask"} and paths
+    made = {op: n for (phase, op), n in backend.strict.largest.items() if phase == "decode"}
+    repeated = (spec.n_heads // spec.n_kv_heads) * n * spec.n_kv_heads * spec.head_dim
+    assert made and max(made.values()) < repeated, sorted(made.items(), key=lambda kv: -kv[1])[:3]

@@ -35,7 +35,7 @@ import torch
 
 from offload.errors import KernelError
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # of q and of the K/V pools
 IMPLS = ("auto", "triton", "torch")
 # calls per path since the last reset: "triton_decode", "torch_grouped", "torch_grouped (<why not Triton>)" where a
 # CUDA call could not take the kernel
@@ -50,6 +50,7 @@ class KVTable:
     slots: torch.Tensor  # [B, M] int32 (int64 accepted), first pool slot of each block of keys
     lengths: torch.Tensor  # [B] int32, keys of each sequence (its new queries' keys included)
     block_size: int
+    host_lengths: tuple[int, ...] | None = None  # lengths as the host knows them: no device read to loop or size
 
 
 def contiguous_table(bases, lengths, block_size: int) -> KVTable:
@@ -117,7 +118,7 @@ def paged_attention_torch(q, k_pool, v_pool, table: KVTable, *, scale: float, wi
     G = H // n_kv_heads
     out = torch.empty(q.shape, dtype=torch.float32 if out_fp32 else q.dtype, device=q.device)
     sink = None if sinks is None else sinks.float().view(n_kv_heads, G, 1, 1)
-    for b, n_keys in enumerate(table.lengths.tolist()):
+    for b, n_keys in enumerate(table.host_lengths or table.lengths.tolist()):
         if n_keys < S:
             raise KernelError(f"sequence {b} has {n_keys} keys in its KVTable, fewer than its {S} new queries; "
                               f"write each query's key into the pool before attention")
@@ -176,7 +177,7 @@ def paged_attention(q, k_pool, v_pool, table: KVTable, *, scale: float, window: 
     from offload.kernels.triton_attention import paged_attention_triton
 
     if max_length is None:
-        max_length = int(table.lengths.max())
+        max_length = max(table.host_lengths) if table.host_lengths else int(table.lengths.max())
     q = q if q.stride(-1) == 1 else q.contiguous()
     return paged_attention_triton(q, k_pool, v_pool, table, max_length=max_length, **kw)
 
@@ -221,7 +222,7 @@ def _check(q, k_pool, v_pool, table: KVTable, sinks, tree_mask, window, softcap)
         raise KernelError(f"paged_attention needs q [B, S, H, Dh] and k_pool, v_pool [N_slots, n_kv_heads, Dh] of "
                           f"one shape, got {list(q.shape)}, {list(k_pool.shape)}, {list(v_pool.shape)}")
     B, S, H, D = q.shape
-    if q.dtype not in DTYPES or k_pool.dtype not in DTYPES or v_pool.dtype != k_pool.dtype:
+    if q.dtype not in CACHE_DTYPES or k_pool.dtype not in CACHE_DTYPES or v_pool.dtype != k_pool.dtype:
         raise KernelError(f"paged_attention takes fp32, bf16 or fp16 q and K/V pools of one dtype, got {q.dtype}, "
                           f"{k_pool.dtype}, {v_pool.dtype}")
     if k_pool.shape[2] != D or H % k_pool.shape[1]:
@@ -246,5 +247,5 @@ def _check(q, k_pool, v_pool, table: KVTable, sinks, tree_mask, window, softcap)
                           f"{[str(t.device) for t in others]}; move the KVTable with the pool")
 
 
-__all__ = ["DTYPES", "KVTable", "PATH_COUNTS", "attention_paths", "attention_ref", "contiguous_table", "key_slots",
+__all__ = ["CACHE_DTYPES", "KVTable", "PATH_COUNTS", "attention_paths", "attention_ref", "contiguous_table", "key_slots",
            "paged_attention", "paged_attention_torch", "reset_attention_paths"]

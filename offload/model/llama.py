@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from offload.model.attention import attend
 from offload.spec import ModelSpec, RopeSpec
 
 Weight = object  # a torch.Tensor [out, in], an offload.kernels.PackedWeight, a DeviceQuantWeight or a StackedWeight
@@ -81,6 +82,8 @@ class Step:
     groups: tuple["Step", ...] | None = None  # a ragged step's grids, each b == 1 or s == 1
     offsets: tuple[int, ...] = ()  # where each group's tokens begin in the flat row
     _mask: torch.Tensor | None = field(default=None, repr=False)
+    _host: "Step | None" = field(default=None, repr=False)  # this step on the host (of a step moved to a device)
+    _tables: dict = field(default_factory=dict, repr=False)  # its KV block tables by cache row length (attention)
 
     @property
     def n_seqs(self) -> int:
@@ -111,18 +114,22 @@ class Step:
         positions, valid = self.positions[:, start:stop], self.valid[:, start:stop]
         n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
         mask = None if self._mask is None else self._mask[:, :, start:stop, :n_keys]  # where the step's mask is
+        host = None if self._host is None else self._host.slice(start, stop)
         return Step(positions, self.write_index[:, start:stop], valid, n_keys, self.cos[:, :, start:stop],
-                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.bases, _mask=mask)
+                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.bases, _mask=mask,
+                    _host=host)
 
     def _rows_slice(self, start: int, stop: int) -> "Step":
         """Rows start..stop-1 of a plain step."""
         positions, valid = self.positions[start:stop], self.valid[start:stop]
         n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
-        rows = self.rows[start:stop] if self.rows is not None else torch.arange(start, stop)
+        rows = self.rows[start:stop] if self.rows is not None else torch.arange(start, stop,
+                                                                                  device=self.write_index.device)
         bases = None if self.bases is None else self.bases[start:stop]
         mask = None if self._mask is None else self._mask[start:stop, :, :, :n_keys]
+        host = None if self._host is None else self._host._rows_slice(start, stop)
         return Step(positions, self.write_index[start:stop], valid, n_keys, self.cos[start:stop],
-                    self.sin[start:stop], rows, self.phase, self.sliding_window, bases, _mask=mask)
+                    self.sin[start:stop], rows, self.phase, self.sliding_window, bases, _mask=mask, _host=host)
 
     def _slice_ragged(self, start: int, stop: int) -> "Step":
         groups, offsets, at = [], [], 0
@@ -151,7 +158,7 @@ class Step:
         rows = None if self.rows is None else move(self.rows)
         bases = None if self.bases is None else move(self.bases)
         return Step(self.positions, move(self.write_index), self.valid, self.n_keys, move(self.cos), move(self.sin),
-                    rows, self.phase, self.sliding_window, bases, _mask=move(self.mask))
+                    rows, self.phase, self.sliding_window, bases, _mask=move(self.mask), _host=self)
 
 
 def _ragged(groups, offsets, positions, write_index, valid, cos, sin, phase, sliding_window) -> Step:
@@ -168,28 +175,15 @@ class LayerKV:
         shape = (batch, max_len + 1, n_kv_heads, head_dim)
         self.k, self.v = (_zeros(shape, dtype, device) for _ in range(2))
 
-    def update(self, step: "Step", k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows; return K, V [b, H, T, Dh]: each
-        sequence's keys from its base slot on, up to the step's keys. The cache may live on another device than
-        the computation (KV lives where a block decodes).
-        """
-        n_keys, dev, (batch, slots, heads, dh) = step.n_keys, self.k.device, self.k.shape
-        row_ids = None if step.rows is None else step.rows.to(dev)  # None: every cache row takes part
-        rows = torch.arange(k.shape[0], device=dev) if row_ids is None else row_ids
+    def write(self, step: "Step", k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows (None: every cache row, in order); the
+        cache may live on another device than k, v (KV lives where a block decodes)."""
+        dev, (batch, slots, heads, dh) = self.k.device, self.k.shape
+        rows = torch.arange(k.shape[0], device=dev) if step.rows is None else step.rows.to(dev)
         flat = (rows[:, None] * slots + step.write_index.to(dev)).reshape(-1)
         for cache, new in ((self.k, k), (self.v, v)):
             new = new.transpose(1, 2).reshape(-1, heads, dh)
             cache.view(batch * slots, heads, dh).index_copy_(0, flat, _to(new, dev, cache.dtype))
-        if step.bases is not None:  # a pooled cache: each sequence's keys begin at its base slot
-            first = rows * slots + step.bases.to(dev)
-            index = (first[:, None] + torch.arange(n_keys, device=dev)[None]).clamp_(max=batch * slots - 1)
-            keys = self.k.view(batch * slots, heads, dh)[index]
-            values = self.v.view(batch * slots, heads, dh)[index]
-        else:
-            keys, values = self.k[:, :n_keys], self.v[:, :n_keys]
-            if row_ids is not None:
-                keys, values = keys.index_select(0, row_ids), values.index_select(0, row_ids)
-        return _to(keys, k.device, k.dtype).transpose(1, 2), _to(values, k.device, k.dtype).transpose(1, 2)
 
     @property
     def nbytes(self) -> int:
@@ -372,30 +366,6 @@ def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Te
     sin = torch.cat([g.sin.permute(1, 0, 2, 3).reshape(1, 1, -1, spec.head_dim) for g in parts], dim=2)
     return _ragged(parts, offsets, flat("positions"), flat("write_index"), flat("valid"), cos, sin, phase,
                    spec.sliding_window)
-
-
-def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, kv: LayerKV):
-    """Append k, v [B, Hkv, S, Dh] to the cache and attend with q [B, H, S, Dh] where the cache lives.
-
-    A KV cache kept in CPU RAM for a block computed on the GPU (FlexGen's choice when the batch's cache does
-    not fit in VRAM) moves q, k, v and the output for one new token per sequence (decode), not the whole cache;
-    for several (prefill) the layer attends on the GPU (the new K, V go down to the cache, its cached prefix comes
-    up). A ragged step attends group by group.
-    """
-    if step.groups is not None:
-        outs = []
-        for g, t0 in zip(step.groups, step.offsets):
-            b, s = g.positions.shape
-            grid = [t[0, :, t0:t0 + b * s].unflatten(1, (b, s)).transpose(0, 1) for t in (q, k, v)]  # [b, H, s, Dh]
-            outs.append(attend(spec, *grid, g, kv).transpose(0, 1).flatten(1, 2))  # [H, b * s, Dh]
-        return torch.cat(outs, dim=1)[None]
-    device, mask = q.device, step.mask
-    if kv.k.device != device and (q.shape[-2] == 1 or device.type == "cpu"):  # one new token: reading the cache
-        # where it is beats moving it
-        q, k, v, mask = (t.to(kv.k.device) for t in (q, k, v, mask))
-    keys, values = kv.update(step, k, v)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=spec.n_kv_heads != spec.n_heads)
-    return o.to(device)
 
 
 def qk_norm(spec: ModelSpec, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:

@@ -95,6 +95,7 @@ class DeviceState:
     syncs: Counter = field(default_factory=Counter)  # (unit, what) -> count
     pageable_async_copies: Counter = field(default_factory=Counter)  # unit -> count
     launches: Counter = field(default_factory=Counter)  # unit -> kernel-launching ops
+    largest: Counter = field(default_factory=Counter)  # (phase, op) -> most elements one call made on the device
     pinned: set = field(default_factory=set)  # storage data pointers of page-locked host buffers
     slots: dict = field(default_factory=dict)  # storage data pointer -> Slot
     compute_seq: int = 0
@@ -266,6 +267,10 @@ class DeviceTensor(torch.Tensor):
         out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
         if name == "aten::_local_scalar_dense":
             return out
+        if name not in NO_KERNEL_OPS:
+            made = max((t.numel() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)), default=0)
+            if made > st.largest[(st.phase, name)]:
+                st.largest[(st.phase, name)] = made
         return tree_map(_wrap, out)
 
 
