@@ -115,3 +115,41 @@ def test_gpu_only_units_are_stored_in_row_order_and_cpu_units_tiled(tmp_path):
     tiled = {name: any(e.tiled for e in layout.entries) for name, layout in model.layouts.items()}
     assert tiled["layer.0"] is False and tiled["layer.1"] is False  # dequantized on the device only
     assert tiled["layer.2"] is K.TILED  # computed by the CPU kernels in decode
+
+
+def test_random_weights_are_untiled_once_for_every_layer(tmp_path, monkeypatch):
+    """RandomSource shares one matrix per shape between layers: GPU-only layers store its row order, made on the
+    first layer's load and reused (a 70B q4_0 layer took 2-5 s to untile), and it is that matrix's true row order."""
+    from conftest import make_hf_model, save_hf_model
+
+    from offload.kernels import packed
+    from offload.planner.placement import Placement, UnitPlacement
+    from offload.runtime.backends.cpu import CPUBackend
+    from offload.runtime.executor import PlacedModel
+    from offload.spec import load_spec
+    from offload.weights.sources import RandomSource
+
+    if not K.TILED:
+        pytest.skip("these kernels take row order: nothing is untiled")
+    spec = load_spec(save_hf_model(make_hf_model("llama", num_hidden_layers=3), tmp_path / "m"))
+    untiled = []
+    monkeypatch.setattr(packed, "untile_blocks", lambda *a: untiled.append(a[2]) or untile_blocks(*a))
+
+    def build(n_gpu_layers: int) -> tuple[PlacedModel, RandomSource]:
+        place = Placement.uniform(spec, "cpu", "cpu")
+        for i in range(n_gpu_layers):
+            place.units[f"layer.{i}"] = UnitPlacement("gpu", "gpu", "gpu", "gpu")
+        source = RandomSource(spec, torch.float32, "q4_0")
+        return PlacedModel(spec, source, place, CPUBackend()), source
+
+    build(1)
+    one_layer = len(untiled)
+    untiled.clear()
+    model, source = build(3)
+    assert one_layer > 0 and len(untiled) == one_layer  # the second and third layers untile nothing
+    layer = source.load(spec.units()[1])
+    for i in range(3):
+        held = model.resident[f"layer.{i}"].o  # stored in row order, as the device kernels take it
+        assert not any(e.tiled for e in model.layouts[f"layer.{i}"].entries)
+        qs, d = untile_blocks(layer.o.qs, layer.o.d, "q4_0")
+        assert torch.equal(held.qs, qs) and torch.equal(held.d.view(torch.int16), d.view(torch.int16))
