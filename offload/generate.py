@@ -21,7 +21,7 @@ import torch
 
 from offload.engine import Engine, KVPool, Sequence, kv_extent  # noqa: F401 (KVPool: offload.generate's name too)
 from offload.errors import ConfigError, SamplingError
-from offload.model.llama import ragged_step
+from offload.model.step import ragged_step
 from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
 from offload.profile.timeline import StepShape

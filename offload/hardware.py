@@ -81,6 +81,10 @@ class HardwareProfile:
     gpu_launch_s: float = 0.0
     handover_s: float = 0.0
     handover_busy_s: float = 0.0
+    # host seconds of one decode step of a GPU layer and of a GPU experts unit (runtime/host_cost.py; 0: priced by
+    # launches)
+    gpu_layer_host_s: float = 0.0
+    gpu_experts_host_s: float = 0.0
     source: str = field(default="", compare=False)
 
     @property
@@ -263,6 +267,8 @@ _YAML_KEYS = {
     ("gpu", "launch"): ("gpu_launch_s", "seconds"),
     ("gpu", "handover"): ("handover_s", "seconds"),
     ("gpu", "handover_under_copy"): ("handover_busy_s", "seconds"),
+    ("gpu", "layer_host"): ("gpu_layer_host_s", "seconds"),
+    ("gpu", "experts_host"): ("gpu_experts_host_s", "seconds"),
     ("pcie", "pinned"): ("h2d_pinned_bps", parse_rate),
     ("pcie", "pageable"): ("h2d_pageable_bps", parse_rate),
     ("cpu", "name"): ("cpu_name", str),
@@ -286,8 +292,10 @@ _OPTIONAL = {"gpu_name": "", "cpu_name": "", "vram_bytes": 0, "gpu_flops": 0.0, 
              "cpu_flops_by_rows": {}, "cpu_flops_one_thread": {}, "cpu_k_factor": {}, "cpu_n_factor": {},
              "cpu_attention": {},
              "overhead_s": {}, "page_cache_bps": 0.0, "cpu_probe": {}, "host_read_bps": 0.0,
-             "gpu_flops_by_rows": {}, "gpu_launch_s": 0.0, "handover_s": 0.0, "handover_busy_s": 0.0}
-_ZERO_UNMEASURED = ("page_cache_bps", "host_read_bps", "gpu_launch_s", "handover_s", "handover_busy_s")  # 0: left out
+             "gpu_flops_by_rows": {}, "gpu_launch_s": 0.0, "handover_s": 0.0, "handover_busy_s": 0.0,
+             "gpu_layer_host_s": 0.0, "gpu_experts_host_s": 0.0}
+_ZERO_UNMEASURED = ("page_cache_bps", "host_read_bps", "gpu_launch_s", "handover_s", "handover_busy_s",
+                    "gpu_layer_host_s", "gpu_experts_host_s")  # 0: left out of the YAML
 PROBE_KEYS = ("memory", "compute", "attention")  # cpu.probe's rates per format, in that order in cpu_probe
 
 

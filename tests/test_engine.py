@@ -197,7 +197,7 @@ def test_a_large_host_pool_holds_memory_as_sequences_write_it():
 
     import torch
 
-    from offload.model.llama import LayerKV
+    from offload.model.step import LayerKV
     from offload.system import held_bytes
 
     gc.collect()

@@ -18,7 +18,8 @@ import offload.kernels.layer as fused
 from conftest import make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
 from offload.kernels import ACTIVE_PATH, pack
-from offload.model.llama import LayerKV, LayerWeights, layer_forward, make_step
+from offload.model.llama import LayerWeights, layer_forward
+from offload.model.step import LayerKV, make_step
 from offload.spec import ModelSpec, RopeSpec
 
 pytestmark = pytest.mark.skipif(not fused.FUSABLE, reason=f"fused layer needs the C++ extension ({ACTIVE_PATH})")
@@ -151,7 +152,7 @@ def test_chunked_prefill_continues_rows_subset(monkeypatch):
 
 
 def test_token_table_matches_attention_mask():
-    """lo/hi per token select exactly the keys of llama.attention_mask (causal, window, padding -> key 0)."""
+    """lo/hi per token select exactly the keys of step.attention_mask (causal, window, padding -> key 0)."""
     spec = _spec(window=3)
     step = _step(spec, [0, 4], [6, 2], 6)
     table = fused.token_table(step, n_rows=2, n_slots=MAX_LEN + 1, sliding_window=3)

@@ -195,7 +195,8 @@ def _layer_weights(spec):
 
 def test_fused_layer_with_k_quant_linears_matches_the_python_layer():
     import offload.kernels.layer as fused
-    from offload.model.llama import LayerKV, layer_forward, make_step
+    from offload.model.llama import layer_forward
+    from offload.model.step import LayerKV, make_step
 
     if not fused.FUSABLE:
         pytest.skip(f"fused layer needs the C++ extension ({K.ACTIVE_PATH})")

@@ -12,7 +12,8 @@ import torch
 
 import offload.kernels.layer as fused
 from offload.kernels import ACTIVE_PATH, pack
-from offload.model.llama import LayerKV, LayerWeights, layer_forward, make_step
+from offload.model.llama import LayerWeights, layer_forward
+from offload.model.step import LayerKV, make_step
 from offload.model.moe import ExpertWeights, experts_forward
 from offload.spec import spec_from_config
 

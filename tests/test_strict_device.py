@@ -145,3 +145,51 @@ def test_decode_reads_the_cache_in_place_without_repeating_keys(tiny):
     made = {op: n for (phase, op), n in backend.strict.largest.items() if phase == "decode"}
     repeated = (spec.n_heads // spec.n_kv_heads) * n * spec.n_kv_heads * spec.head_dim
     assert made and max(made.values()) < repeated, sorted(made.items(), key=lambda kv: -kv[1])[:3]
+
+
+def _launches_per_unit(model, prompts) -> dict[str, int]:
+    """Launches each unit made in the run's last decode step, as the simulated GPU counts them."""
+    backend, snaps = model.backend, []
+    collect = backend.collect
+    backend.collect = lambda: snaps.append(Counter(backend.strict.launches)) or collect()
+    Generator(model, max_batch_size=len(prompts), max_model_len=64).run(
+        [Sequence(i, p, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)])
+    backend.synchronize()
+    return dict(Counter(backend.strict.launches) - snaps[-1])
+
+
+def test_a_gpu_decode_layer_launches_what_the_planner_prices(tiny):
+    """The cost model's launches per dense layer (the host's floor on a GPU unit) are what the layer dispatches:
+    the simulated GPU's count at batch 2, with the paged attention's torch ops (this device has no Triton)
+    replaced by the Triton decode kernel's launches."""
+    from offload.kernels.attention import KVTable, paged_attention
+    from offload.planner.costs import ATTENTION_DECODE_LAUNCHES, DENSE_LAYER_LAUNCHES, unit_launches
+
+    spec = tiny[1]
+    backend = SimBackend(HW)
+    counted = _launches_per_unit(_model(tiny, _placement(spec, "all-gpu"), backend), _prompts([5, 9]))
+    device = sim_device.sim_device()
+    q = torch.zeros(2, 1, spec.n_heads, spec.head_dim, device=device)
+    pool = torch.zeros(32, spec.n_kv_heads, spec.head_dim, device=device)
+    table = KVTable(torch.zeros(2, 1, dtype=torch.int32, device=device), torch.ones(2, dtype=torch.int32,
+                                                                                    device=device), 16, (1, 1))
+    before = sum(backend.strict.launches.values())
+    paged_attention(q, pool, pool, table, scale=1.0)
+    attention = sum(backend.strict.launches.values()) - before
+    layer = counted["layer.2"] - attention + ATTENTION_DECODE_LAUNCHES  # layer.0 also makes the step's table
+    assert layer == DENSE_LAYER_LAUNCHES == unit_launches(spec, spec.units()[3]), counted
+
+
+def test_measured_host_seconds_price_gpu_units(tiny):
+    """offload calibrate's host seconds of a decode layer bound a GPU layer's price; without them, its launches at
+    the measured launch seconds do; a preset prices the roofline alone."""
+    from offload.planner.costs import DENSE_LAYER_LAUNCHES, unit_host_s
+    from offload.runtime.host_cost import measure_host_s
+
+    spec = tiny[1]
+    layer = spec.units()[1]
+    assert unit_host_s(spec, layer, HW) == 0.0
+    assert unit_host_s(spec, layer, HW.with_changes(gpu_launch_s=1e-5)) == pytest.approx(DENSE_LAYER_LAUNCHES * 1e-5)
+    assert unit_host_s(spec, layer, HW.with_changes(gpu_launch_s=1e-5, gpu_layer_host_s=3e-3)) == 3e-3
+    measured = measure_host_s(CPUBackend, log=lambda line: None)
+    assert measured["layer"] > 0 and measured["experts"] > 0 and measured["layer_device_s"] > 0

@@ -249,7 +249,7 @@ def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, pa
 
 def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> torch.Tensor:
     """[B * S, 4] int64 per new token: flat KV slot (-1: padding), flat slot of its sequence's key 0 (its row,
-    plus its base in a pooled cache), first and last key it sees; the same keys as llama.attention_mask (padding
+    plus its base in a pooled cache), first and last key it sees; the same keys as step.attention_mask (padding
     tokens see key 0 only). A ragged step's table is its groups' tables one after another.
 
     Built from Python lists: a decode step has a few tokens, where a dozen tiny tensor ops would cost more

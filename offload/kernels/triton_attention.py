@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from offload.kernels.triton_dequant import _LAUNCH, TRITON_AVAILABLE, _jit, tl
+from offload.kernels.triton_dequant import _LAUNCH, TRITON_AVAILABLE, _jit, tl, triton
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two a [rows, Dh] tile and tl.dot take
 # A program's fp32 accumulator [rows, head_dim] at most 8192 values; rows are the query heads sharing a KV head x
@@ -61,8 +61,9 @@ def padded_rows(rows: int) -> int:
 @functools.lru_cache(maxsize=8)
 def sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device, DEFAULT_SM_COUNT for any other."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
+    if device.type == "cuda":  # Triton's driver knows the device (the CUDA backend is torch's only door to it)
+        props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
+        return int(props["multiprocessor_count"])
     return DEFAULT_SM_COUNT
 
 

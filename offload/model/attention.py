@@ -18,18 +18,13 @@ Each call records its path in offload.kernels.attention.PATH_COUNTS.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from offload.kernels.attention import PATH_COUNTS, KVTable, paged_attention
-
-if TYPE_CHECKING:
-    from offload.model.llama import LayerKV, Step
-    from offload.spec import ModelSpec
-
+from offload.model.step import LayerKV, Step
+from offload.spec import ModelSpec
 IN_PLACE_MAX_QUERIES = 8  # new tokens per sequence up to which a group reads the pool in place (the Triton kernel
 # holds G x S query rows of head_dim fp32 accumulators per program: 8 x 8 x 128 = its 8192 at Llama-70B's shape)
 
@@ -54,19 +49,17 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 def _reads_in_place(step: Step, q: torch.Tensor) -> bool:
     """Whether the step's queries are each sequence's newest few tokens, all real (host tensors only)."""
-    s = q.shape[-2]
-    if s > IN_PLACE_MAX_QUERIES:
+    if q.shape[-2] > IN_PLACE_MAX_QUERIES:
         return False
     positions, valid = step.positions, step.valid
-    return bool(valid.all()) and bool((positions[:, -1] - positions[:, 0] == s - 1).all())
+    return bool(valid.all()) and bool((positions[:, -1] - positions[:, 0] == q.shape[-2] - 1).all())
 
 
 def _paged(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
     """q [B, H, S, Dh] over the pool in place through the step's table of contiguous extents."""
-    b, heads, s, dh = kv.k.shape[0] * kv.k.shape[1], kv.k.shape[2], q.shape[-2], kv.k.shape[3]
-    table = kv_table(step, kv)
-    o = paged_attention(q.transpose(1, 2), kv.k.view(b, heads, dh), kv.v.view(b, heads, dh), table,
-                        scale=1 / math.sqrt(spec.head_dim), window=spec.sliding_window)
+    n_slots, heads, dh = kv.k.shape[0] * kv.k.shape[1], kv.k.shape[2], kv.k.shape[3]
+    o = paged_attention(q.transpose(1, 2), kv.k.view(n_slots, heads, dh), kv.v.view(n_slots, heads, dh),
+                        kv_table(step, kv), scale=1 / math.sqrt(spec.head_dim), window=spec.sliding_window)
     return o.transpose(1, 2)
 
 
@@ -118,8 +111,7 @@ def _causal_only(step: Step) -> bool:
 def cached_keys(step: Step, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [B, Hkv, n_keys, Dh] of the step's sequences from the cache: views of the cache where each sequence's
     keys are one run of its row that the host can name (one sequence, or every row in order), else gathered."""
-    n_keys, (batch, slots, heads, dh) = step.n_keys, kv.k.shape
-    host = step._host if step._host is not None else step
+    n_keys, host = step.n_keys, step._host if step._host is not None else step
     if step.bases is None and step.rows is None:
         return kv.k[:, :n_keys].transpose(1, 2), kv.v[:, :n_keys].transpose(1, 2)
     if step.positions.shape[0] == 1 and (host.rows is None or host.rows.device.type == "cpu"):

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.model.llama import LayerKV, LayerWeights, Step, make_step
+from offload.model.llama import LayerWeights
+from offload.model.step import LayerKV, Step, make_step
 from offload.model.units import unit_forward
 from offload.spec import ModelSpec
 

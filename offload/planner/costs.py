@@ -34,11 +34,13 @@ GPU_LAUNCH_S = 5e-6
 # loop (weights the grouped kernels do not take: GGUF block formats) 12, a host sync, then 8 per picked expert.
 MOE_GROUPED_LAUNCHES = 20
 MOE_LOOP_LAUNCHES = (12, 8)
-# Launches of a dense layer's forward on the GPU: the ops a decode step dispatches, views aside (counted on a tiny
-# Llama, tests/test_gpu_calibration.py counts them again): 2 RMSNorms of 6, 4 matmuls, rope 8, the KV append 2,
-# attention 1, SiLU and its gate 2, 2 residual adds, 3 for the mask. Of those, its MLP's: a norm, 2 matmuls, SiLU,
-# gate, the residual add. The host issues them one by one, so a unit takes at least its launches' seconds.
-DENSE_LAYER_LAUNCHES = 37
+# Launches of a dense layer's decode on the GPU: the ops it dispatches, views aside, as the simulated GPU counts them
+# on a tiny Llama at batch 2 (tests/test_strict_device.py counts them again): 34 outside attention (2 RMSNorms,
+# 4 matmuls, rope, the KV append, SiLU and its gate, 2 residual adds) and the decode attention kernel's 2 (its
+# split and combine launches; paged_attention on CUDA). Of those, its MLP's: a norm, 2 matmuls, SiLU, gate, the
+# residual add. The host issues them one by one, so a unit takes at least its launches' seconds.
+ATTENTION_DECODE_LAUNCHES = 2
+DENSE_LAYER_LAUNCHES = 34 + ATTENTION_DECODE_LAUNCHES
 MLP_LAUNCHES = 11
 
 
@@ -131,6 +133,15 @@ def unit_launches(spec: ModelSpec, unit: UnitSpec) -> int:
     return 0
 
 
+def unit_host_s(spec: ModelSpec, unit: UnitSpec, hw: HardwareProfile) -> float:
+    """Host seconds a layer or split-off MLP takes to dispatch on the GPU, which bound its time there: measured per
+    decode layer by offload calibrate (scaled by the unit's launches), else its launches at the measured launch
+    seconds; 0 for a preset (GPU blocks are then rooflines alone)."""
+    if hw.gpu_layer_host_s:
+        return hw.gpu_layer_host_s * unit_launches(spec, unit) / DENSE_LAYER_LAUNCHES
+    return unit_launches(spec, unit) * hw.gpu_launch_s
+
+
 def moe_launch_s(unit: UnitSpec, fmt: str, compute: str, n_tokens: int,
                  hw: HardwareProfile | None = None) -> float:
     """Seconds of launches (and the loop's host sync) an experts unit adds to a pass on the GPU: a fixed count
@@ -139,7 +150,7 @@ def moe_launch_s(unit: UnitSpec, fmt: str, compute: str, n_tokens: int,
     launch, sync = (launch_s(hw), hop_latency_s(hw)) if hw is not None else (GPU_LAUNCH_S, HOP_LATENCY_S)
     held = {t.held_format(fmt, compute) for t in unit.tensors if t.role == "linear"}
     if all(f in FLOAT_FORMATS or f in QUANT_BLOCK_BYTES for f in held):
-        return MOE_GROUPED_LAUNCHES * launch
+        return hw.gpu_experts_host_s if hw is not None and hw.gpu_experts_host_s else MOE_GROUPED_LAUNCHES * launch
     base, per_expert = MOE_LOOP_LAUNCHES
     return (base + per_expert * unit.moe.expected_experts(n_tokens)) * launch + sync
 
@@ -177,8 +188,7 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
     cpu_s = _cpu_s(spec, unit, fmt, hw, phase, compute, flops, attn_flops, matmul_rows, read_bytes, kv_bytes)
     floor = passes * read_bytes / hw.gpu_mem_bps if hw.gpu_mem_bps > 0 else math.inf
     gpu_s = max(gpu_s, floor)
-    if hw.gpu_launch_s:  # measured: the host's launches bound a short unit (presets keep the roofline alone)
-        gpu_s = max(gpu_s, passes * unit_launches(spec, unit) * hw.gpu_launch_s)
+    gpu_s = max(gpu_s, passes * unit_host_s(spec, unit, hw))
     if unit.moe is not None:
         gpu_s += passes * moe_launch_s(unit, fmt, compute, -(-phase.n_tokens // passes), hw)
     host_kv = (0.0, 0.0, 0.0)

@@ -248,6 +248,7 @@ def calibrate(log=print) -> HardwareProfile:
         cpu_flops=cpu_flops, disk_read_bps=disk_read_bps, page_cache_bps=page_cache_bps, gpu_name=gpu.get("gpu_name", ""),
         gpu_flops_by_rows=gpu.get("gpu_flops_by_rows", {}), gpu_launch_s=gpu.get("gpu_launch_s", 0.0),
         handover_s=gpu.get("handover_s", 0.0), handover_busy_s=gpu.get("handover_busy_s", 0.0),
+        gpu_layer_host_s=gpu.get("gpu_layer_host_s", 0.0), gpu_experts_host_s=gpu.get("gpu_experts_host_s", 0.0),
         cpu_name=_cpu_name(), source=f"measured by offload calibrate ({', '.join(sorted(paths))} matmuls)")
     return profile
 

@@ -26,7 +26,7 @@ import torch
 
 from offload.errors import PlanError
 from offload.kernels import layer as fused
-from offload.model.llama import LayerKV, Step, make_step
+from offload.model.step import LayerKV, Step, make_step
 from offload.planner.placement import Placement
 from offload.planner.types import PHASES
 from offload.profile.timeline import Span, Timeline

@@ -136,7 +136,7 @@ def attention_cache(spec, batch: int, max_len: int, gen):
     """A layer's KV cache for spec, filled with random values (real pages, not the shared zero page)."""
     import torch
 
-    from offload.model.llama import LayerKV
+    from offload.model.step import LayerKV
 
     kv = LayerKV(batch, spec.n_kv_heads, max_len, spec.head_dim, torch.float32)
     kv.k.normal_(generator=gen), kv.v.normal_(generator=gen)
@@ -149,7 +149,7 @@ def attention_run(spec, positions, phase: str, caches: list, gen):
     import torch
 
     from offload.kernels import layer as fused
-    from offload.model.llama import make_step
+    from offload.model.step import make_step
 
     max_len = caches[0].k.shape[1] - 1
     step = make_step(spec, torch.float32, positions, torch.ones_like(positions, dtype=torch.bool), max_len,

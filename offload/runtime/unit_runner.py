@@ -9,7 +9,8 @@ from __future__ import annotations
 import torch
 
 from offload.kernels import layer as fused
-from offload.model.llama import LayerKV, Step, layer_forward
+from offload.model.llama import layer_forward
+from offload.model.step import LayerKV, Step
 from offload.model.units import unit_forward
 from offload.profile.timeline import Timeline
 from offload.runtime.backends.base import Backend

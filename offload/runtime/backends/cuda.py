@@ -330,6 +330,10 @@ def measure_cuda(log=print, copy_bytes: int = 512 * 2**20, repeats: int = 5) -> 
     del pinned, target, src, dst, a, b
     out["gpu_launch_s"] = measure_launch_s()
     out["handover_s"], out["handover_busy_s"] = measure_handover_s()
+    from offload.runtime.host_cost import measure_host_s
+
+    host = measure_host_s(CUDABackend, log)
+    out["gpu_layer_host_s"], out["gpu_experts_host_s"] = host["layer"], host["experts"]
     torch.cuda.empty_cache()
     out["vram_bytes"] = torch.cuda.mem_get_info(dev)[0]
     log(f"gpu {out['gpu_name']}: H2D pinned {out['h2d_pinned_bps'] / 1e9:.1f} GB/s, "
