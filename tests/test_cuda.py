@@ -1,4 +1,6 @@
-"""CUDA backend tests: skipped without a GPU, run by scripts/gpu_check.sh on one."""
+"""GPU backend tests. Those of placements run on the simulated GPU everywhere (as strict as CUDA about where
+tensors live: offload.runtime.backends.sim_device) and on CUDA where there is a GPU; those of CUDA itself (events,
+the allocator, calibration) are skipped without one and run by scripts/gpu_check.sh on one."""
 
 from __future__ import annotations
 
@@ -13,7 +15,20 @@ from offload.planner.placement import Placement
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
 
-pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+CUDA_ONLY = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+DEVICES = [pytest.param("sim"), pytest.param("cuda", marks=CUDA_ONLY)]
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def gpu_backend(device: str):
+    """The simulated GPU or CUDA's backend."""
+    if device == "sim":
+        from offload.runtime.backends.sim import SimBackend
+
+        return SimBackend(gpu_profile())
+    from offload.runtime.backends.cuda import CUDABackend
+
+    return CUDABackend()
 
 
 @pytest.fixture(scope="module")
@@ -22,20 +37,19 @@ def tiny(tmp_path_factory):
     return folder, load_spec(folder)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mix", [("gpu", "gpu"), ("cpu", "stream"), ("disk", "stream"), 0, 1, 2])
 @pytest.mark.parametrize("quantization", ["none", "q8_0", "q4_0"])
-def test_cuda_placements_match_cpu(tiny, mix, quantization):
+def test_cuda_placements_match_cpu(tiny, mix, quantization, device):
     """fp32 on the GPU against the CPU: the float model for none (1e-4 of the logit range); for q8_0/q4_0 the
     model with the same quantized weights dequantized (1e-4 where every block computes on the GPU, 3e-2 where
     CPU blocks quantize their activations), as tests/test_executor.py checks on the CPU backend."""
     from test_executor import dequantized
 
-    from offload.runtime.backends.cuda import CUDABackend
-
     folder, spec = tiny
     placement = Placement.random(spec, mix) if isinstance(mix, int) else Placement.uniform(spec, *mix)
     source = CheckpointSource(Checkpoint(folder), spec, torch.float32, quantization)
-    model = PlacedModel(spec, source, placement, CUDABackend(), torch.float32)
+    model = PlacedModel(spec, source, placement, gpu_backend(device), torch.float32)
     reference = load_model(Checkpoint(folder), spec, quantization=quantization)
     if quantization != "none":
         reference = dequantized(reference)
@@ -60,19 +74,21 @@ def bf16_placement_logits(tiny, mix, quantization, backends) -> list[torch.Tenso
     return out
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mix", [("cpu", "stream"), ("disk", "stream"), ("cpu", "cpu"), 0, 1, 2])
 @pytest.mark.parametrize("quantization", ["none", "q4_0"])
-def test_cuda_bf16_placements_match_the_cpu_backend(tiny, mix, quantization):
+def test_cuda_bf16_placements_match_the_cpu_backend(tiny, mix, quantization, device):
     """bf16, the compute format GPU plans run in: device blocks, copies from pinned host buffers and CPU blocks
     through the fused C++ layer with bf16 hand-overs and caches, against the same placement on the CPU backend in
     bf16, within 3e-2 of the logit range (bf16 sums in another order on each device)."""
     from offload.runtime.backends.cpu import CPUBackend
-    from offload.runtime.backends.cuda import CUDABackend
 
-    ours, ref = bf16_placement_logits(tiny, mix, quantization, [CUDABackend(), CPUBackend()])
+    ours, ref = bf16_placement_logits(tiny, mix, quantization, [gpu_backend(device), CPUBackend()])
     assert_logits_close(ours, ref, rel=3e-2)
 
 
+@pytest.mark.cuda
+@cuda_only
 def test_cuda_timings_are_resolved_as_steps_go_not_held_to_the_end(tiny):
     """Each step's start turns the device work already done into timeline spans and lets its events go: after a
     generate call of many decode steps, no more than about a step's events are still pending."""
@@ -91,6 +107,8 @@ def test_cuda_timings_are_resolved_as_steps_go_not_held_to_the_end(tiny):
     assert not model.backend._pending
 
 
+@pytest.mark.cuda
+@cuda_only
 def test_cuda_peak_memory_within_plan(tiny):
     """What offload allocates on the device stays within the planned GPU tier. The backend's compute stream gets a
     cuBLAS workspace of its own (32 MiB on sm_90, through torch's allocator: seen on an H200, where this test
@@ -115,30 +133,29 @@ def test_cuda_peak_memory_within_plan(tiny):
     assert torch.cuda.max_memory_allocated() - baseline <= tier.total_bytes
 
 
-def test_cuda_blocks_with_kv_cache_in_cpu_ram(tiny):
+@pytest.mark.parametrize("device", DEVICES)
+def test_cuda_blocks_with_kv_cache_in_cpu_ram(tiny, device):
     import dataclasses
-
-    from offload.runtime.backends.cuda import CUDABackend
 
     folder, spec = tiny
     units = {n: dataclasses.replace(p, kv="cpu") for n, p in Placement.uniform(spec, "cpu", "stream").units.items()}
     source = CheckpointSource(Checkpoint(folder), spec, torch.float32)
-    model = PlacedModel(spec, source, Placement(units), CUDABackend(), torch.float32)
+    model = PlacedModel(spec, source, Placement(units), gpu_backend(device), torch.float32)
     ids = [5, 17, 33, 2, 90, 11, 4]
     assert_logits_close(offload_logits(model, ids), offload_logits(load_model(Checkpoint(folder), spec), ids))
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
 @pytest.mark.parametrize("mix", ["all-gpu-side", "experts-cpu-rest-gpu", "experts-streamed-rest-cpu", "random"])
 @pytest.mark.parametrize("quantization", ["none", "q4_0"])
-def test_cuda_moe_placements_match_the_cpu_backend(tmp_path, arch, mix, quantization):
+def test_cuda_moe_placements_match_the_cpu_backend(tmp_path, arch, mix, quantization, device):
     """A MoE model on the CUDA backend computes what the CPU backend computes for the same placement: attention
     parts, shared and routed experts on the GPU (resident or streamed) or the CPU, the hand-over between them
     crossing PCIe (1e-4 of the logit range: fp32 on both; the CPU units are the same kernels on both)."""
     from test_moe import MIXES
 
     from offload.runtime.backends.cpu import CPUBackend
-    from offload.runtime.backends.cuda import CUDABackend
 
     folder = save_hf_model(make_hf_model(arch), tmp_path / arch)
     spec = load_spec(folder)
@@ -148,11 +165,12 @@ def test_cuda_moe_placements_match_the_cpu_backend(tmp_path, arch, mix, quantiza
         source = CheckpointSource(Checkpoint(folder), spec, torch.float32, quantization)
         return offload_logits(PlacedModel(spec, source, placement, backend, torch.float32), [5, 17, 33, 2, 90, 11, 4])
 
-    assert_logits_close(logits(CUDABackend()), logits(CPUBackend()), rel=1e-4)
+    assert_logits_close(logits(gpu_backend(device)), logits(CPUBackend()), rel=1e-4)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_layers_attending_over_a_host_kv_cache_match_the_device_cache(tiny, dtype):
+def test_cuda_layers_attending_over_a_host_kv_cache_match_the_device_cache(tiny, dtype, device):
     """GPU-computed layers whose KV cache is in host RAM (decode attention on the CPU, prefill attention on the GPU
     with the new K/V sent down) give the logits and greedy tokens of the same layers with the cache on the GPU:
     fp32 to 1e-4 of the logit range, bf16 to 2e-2."""
@@ -160,14 +178,12 @@ def test_cuda_layers_attending_over_a_host_kv_cache_match_the_device_cache(tiny,
 
     from test_sim import _greedy
 
-    from offload.runtime.backends.cuda import CUDABackend
-
     folder, spec = tiny
     device_kv = Placement.uniform(spec, "cpu", "stream")
     host_kv = Placement({n: replace(p, kv="cpu") if n.startswith("layer.") else p
                          for n, p in device_kv.units.items()})
-    models = [PlacedModel(spec, CheckpointSource(Checkpoint(folder), spec, dtype, "none"), p, CUDABackend(), dtype)
-              for p in (host_kv, device_kv)]
+    models = [PlacedModel(spec, CheckpointSource(Checkpoint(folder), spec, dtype, "none"), p, gpu_backend(device),
+                          dtype) for p in (host_kv, device_kv)]
     ids = [5, 17, 33, 2, 90, 11, 4]
     rel = 1e-4 if dtype == torch.float32 else 2e-2
     assert_logits_close(offload_logits(models[0], ids), offload_logits(models[1], ids), rel=rel)
@@ -175,6 +191,8 @@ def test_cuda_layers_attending_over_a_host_kv_cache_match_the_device_cache(tiny,
         assert _greedy(models[0]) == _greedy(models[1])
 
 
+@pytest.mark.cuda
+@cuda_only
 def test_the_gpu_calibration_times_each_kernel_and_the_hand_over():
     """The GPU half of calibrate on a small weight: a time for every format's kernels, launches and hand-overs in
     microseconds, not seconds; and linear() run by each kernel as the table picks it gives the same product."""
@@ -203,6 +221,8 @@ def test_the_gpu_calibration_times_each_kernel_and_the_hand_over():
     torch.testing.assert_close(fused.float(), dequant.float(), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.cuda
+@cuda_only
 def test_the_device_peak_sees_memory_the_allocator_gave_back():
     """The sampler reads the device as it is: 256 MiB held for a few samples and freed (empty_cache: gone from the
     allocator's reserve too) still shows in the device's peak, and the peak counts the context the allocator's
@@ -226,6 +246,8 @@ def test_the_device_peak_sees_memory_the_allocator_gave_back():
         backend.close()
 
 
+@pytest.mark.cuda
+@cuda_only
 def test_the_context_reserve_counts_the_libraries_a_step_loads():
     """Measured after cuBLAS, attention and a Triton kernel have run: at least the two workspaces and a context,
     less than a few GiB."""

@@ -81,12 +81,16 @@ def test_trace_has_a_track_per_resource(tmp_path):
     events = json.loads(path.read_text())["traceEvents"]
     names = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     assert names == {1: "CPU compute", 2: "GPU compute", 3: "PCIe host-to-device", 4: "disk reads",
-                     5: "GPU waiting for weights"}
+                     5: "GPU waiting for weights", 6: "host waiting for the GPU"}
     work = [e for e in events if e["ph"] == "X"]
     assert {e["tid"] for e in work} == {TRACK_IDS["cpu"], TRACK_IDS["gpu"], TRACK_IDS["pcie"], TRACK_IDS["wait"]}
     copy = next(e for e in work if e["cat"].startswith("h2d_copy"))
     assert (copy["ts"], copy["dur"], copy["args"]["n_bytes"]) == (pytest.approx(2e6), pytest.approx(1e6), 1 << 20)
     assert trace_events(Timeline())[0]["ph"] == "M"  # an empty timeline still loads
+    synced = make_timeline()
+    synced.add(Span("host_sync", "decode", "lm_head output (copy to host)", 1.5, 1.5))
+    sync = [e for e in trace_events(synced) if e["ph"] == "X" and e["tid"] == TRACK_IDS["sync"]]
+    assert [e["name"] for e in sync] == ["lm_head output (copy to host)"]
 
 
 def test_plot_writes_png(tmp_path):

@@ -239,8 +239,8 @@ def peak_memory(llm) -> dict:
     """Peak bytes per tier: RAM as the OS counts it; device memory as the runtime's backend reports it."""
     peaks = {"cpu": peak_rss_bytes()}
     backend = getattr(llm, "backend", None)
-    if backend is not None and callable(getattr(backend, "peak_device_bytes", None)):
-        peaks["gpu"] = int(backend.peak_device_bytes())
+    if backend is not None and callable(getattr(backend, "memory_peaks", None)):
+        peaks.update({tier: int(n) for tier, n in backend.memory_peaks().items()})
     return peaks
 
 
