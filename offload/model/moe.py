@@ -13,9 +13,16 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from offload.model.llama import Weight, linear
 from offload.spec import MoESpec
+
+
+# Each ExpertWeights' grouped operands for the Triton kernels (experts_grouped), keyed by the object itself and
+# dropped with it: a resident unit's weights live as long as the model, a streamed unit's are views of its staging
+# slot made once per slot and layout (runtime/streamer.py).
+_GROUPED = WeakIdKeyDictionary()
 
 
 @dataclass
@@ -77,7 +84,7 @@ def experts_forward_grouped(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> 
 
     d = x.shape[-1] // 2
     residual, h = x[..., :d], x[..., d:].reshape(-1, d)  # h [T, D]
-    gate_up, down = triton_moe.group_weights(w.gate_up, h), triton_moe.group_weights(w.down, h)
+    gate_up, down = experts_grouped(w, h)
     if gate_up is None or down is None:
         return None
     weights, ids = route(moe, linear(h, w.router, None))  # [T, k]
@@ -86,6 +93,21 @@ def experts_forward_grouped(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> 
     y = triton_moe.grouped_down(act, tiles, down, weights.reshape(-1))  # [T*k, D] by (token, slot)
     out = y.view(-1, moe.top_k, d).sum(dim=1, dtype=torch.float32).to(x.dtype)
     return residual + out.view(residual.shape)
+
+
+def experts_grouped(w: ExpertWeights, h: torch.Tensor) -> tuple:
+    """(gate_up, down) as triton_moe.GroupedWeights for activations like h (None where the kernels do not take
+    them), built on w's first call and reused (a rebuild walks every expert: 0.4 ms for 128). They hold views of
+    the weights and their addresses, never copies, so a staging slot's stay right while the slot is refilled."""
+    from offload.kernels import triton_moe
+
+    like = (h.device, h.dtype)
+    held = _GROUPED.get(w)
+    if held is not None and held[0] == like and held[1] is w.gate_up and held[2] is w.down:
+        return held[3]
+    grouped = triton_moe.group_weights(w.gate_up, h), triton_moe.group_weights(w.down, h)
+    _GROUPED[w] = (like, w.gate_up, w.down, grouped)
+    return grouped
 
 
 def experts_forward_loop(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:

@@ -180,7 +180,7 @@ class PlacedModel:
         if mode == "gpu":
             return self.resident[name], True
         if mode == "stream":
-            return materialize(self.layouts[name], self.streamer.acquire(name, phase), on_device=True), True
+            return self.streamer.acquire(name, phase), True
         if p.weights == "cpu" or name in self._in_place:
             return self.host_weights[name], False
         return materialize(self.layouts[name], self.reader.acquire(name), on_device=False), False

@@ -15,6 +15,7 @@ from offload.planner.types import PHASES
 from offload.runtime.backends.base import Backend
 from offload.runtime.disk import ReadAhead
 from offload.runtime.staging import StagingRing
+from offload.runtime.unit_store import UnitLayout, materialize
 
 
 class Streamer:
@@ -38,6 +39,11 @@ class Streamer:
                 if c.by is not None:
                     after.setdefault(streamed[c.by], []).append((streamed[c.turn], c.issued == AHEAD))
         self._pending: list[tuple[str, bool]] = []  # copies the schedule has issued, waiting for a read (in turn)
+        # a streamed unit's weights are views of its slot, made once per slot and layout (units of one shape share
+        # them); layouts are numbered once here, as hashing a MoE layer's costs more than the views
+        numbers: dict[UnitLayout, int] = {}
+        self._layout_no = {name: numbers.setdefault(layout, len(numbers)) for name, layout in layouts.items()}
+        self._views: dict[tuple[int, int], object] = {}
         self._ahead: list[str] = []  # units copied ahead for the next step
         self._phase = ""
 
@@ -75,16 +81,19 @@ class Streamer:
             return self.host_buffers[name]
         return self.reader.acquire(name) if block else self.reader.try_acquire(name)
 
-    def acquire(self, name: str, phase: str) -> torch.Tensor:
-        """The staging slot holding a streamed unit's weights, once its copy is ordered before the compute (a disk
-        unit's read buffer is free again once its copy has landed)."""
+    def acquire(self, name: str, phase: str):
+        """A streamed unit's weights, views of the staging slot holding them, once its copy is ordered before the
+        compute (a disk unit's read buffer is free again once its copy has landed)."""
         if not self.ring.holds(name):
             self.issue_copies(need=name)
         buf = self.ring.acquire(name, phase)
         if self.placement[name].weights == "disk":
             self.backend.host_wait(next(s.copy_handle for s in self.ring.slots if s.unit == name and s.in_use))
             self.reader.release(name)
-        return buf
+        key = (id(buf), self._layout_no[name])
+        if key not in self._views:
+            self._views[key] = materialize(self.layouts[name], buf, on_device=True)
+        return self._views[key]
 
     def release(self, name: str, phase: str) -> None:
         """A streamed unit's compute is enqueued: its slot takes the copies the schedule issues at its release."""
