@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from offload.config_values import FIX, MAX_EXPERTS_OVER_LAYERS, count, layer_list, real
 from offload.errors import ConfigError
 from offload.paths import describe_path
 from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK,
@@ -380,10 +381,16 @@ def load_spec(path: str | Path) -> ModelSpec:
 
 
 def _rope_from_config(config: dict, source: str) -> RopeSpec:
-    params = dict(config.get("rope_parameters") or {})  # transformers v5 layout
+    v5 = dict(config.get("rope_parameters") or {})  # transformers v5 layout
     scaling = config.get("rope_scaling") or {}  # transformers v4 layout
-    params = {**scaling, **params}
+    params = {**scaling, **v5}
+
+    def named(key: str) -> str:  # the key as the file spells it
+        return f"rope_parameters.{key}" if key in v5 else f"rope_scaling.{key}" if key in scaling else key
+
     theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
+    if config.get("rope_theta") is not None:  # checked where the v5 layout's own theta wins over it too
+        real(config["rope_theta"], "rope_theta", source)
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ROPE_TYPES:
         raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; "
@@ -391,33 +398,16 @@ def _rope_from_config(config: dict, source: str) -> RopeSpec:
     original = params.get("original_max_position_embeddings")
     if rope_type == "llama3" and original is None:
         raise ConfigError(f"{source}: llama3 rope scaling needs original_max_position_embeddings; add it to rope_scaling")
-    return RopeSpec(theta=float(theta), type=rope_type, factor=float(params.get("factor", 1.0)),
-                    original_max_position_embeddings=original,
-                    low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-                    high_freq_factor=float(params.get("high_freq_factor", 4.0)))
-
-
-def _require(config: dict, key: str, source: str):
-    if key not in config or config[key] is None:
-        raise ConfigError(f"{source}: required key {key!r} is missing; a Llama-family config.json must set it")
-    return config[key]
-
-
-def _count(config: dict, key: str, source: str, default: int | None = None) -> int:
-    """A whole number >= 1 from config (required unless a default is given)."""
-    value = _require(config, key, source) if default is None else config.get(key) or default
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{source}: key {key!r} must be a whole number of 1 or more, found {value!r}; "
-                          f"fix config.json (or restore it from the model's source)")
-    return value
-
-
-def _real(config: dict, key: str, source: str, default: float) -> float:
-    value = config.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{source}: key {key!r} must be a number, found {value!r}; "
-                          f"fix config.json (or restore it from the model's source)")
-    return float(value)
+    if original is not None:
+        count(params, "original_max_position_embeddings", source)
+    floats = {key: real(params.get(key, default), key, source, named(key))
+              for key, default in (("factor", 1.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0))}
+    if rope_type == "llama3" and floats["high_freq_factor"] <= floats["low_freq_factor"]:
+        raise ConfigError(f"{source}: key {named('high_freq_factor')!r} must be above {named('low_freq_factor')!r} "
+                          f"(llama3 rope scaling blends the band between them), found {floats['high_freq_factor']} "
+                          f"and {floats['low_freq_factor']}; {FIX}")
+    return RopeSpec(theta=real(theta, "rope_theta", source, named("rope_theta")), type=rope_type,
+                    original_max_position_embeddings=original, **floats)
 
 
 def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
@@ -427,13 +417,16 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
         found = arch or (config.get("architectures") or ["nothing"])[0]
         raise ConfigError(f"{source}: architecture {found!r} is not supported; "
                           f"supported model_type values are {', '.join(SUPPORTED_ARCHITECTURES)}")
-    hidden = _count(config, "hidden_size", source)
-    n_heads = _count(config, "num_attention_heads", source)
-    n_kv_heads = _count(config, "num_key_value_heads", source, default=n_heads)
+    hidden = count(config, "hidden_size", source)
+    n_heads = count(config, "num_attention_heads", source)
+    n_kv_heads = count(config, "num_key_value_heads", source, default=n_heads)
     if not config.get("head_dim") and hidden % n_heads:  # the heads' width would be a fraction
         raise ConfigError(f"{source}: num_attention_heads={n_heads} does not divide hidden_size={hidden} and no "
                           f"head_dim is given; fix config.json (or restore it from the model's source)")
-    head_dim = _count(config, "head_dim", source, default=max(1, hidden // n_heads))
+    head_dim = count(config, "head_dim", source, default=max(1, hidden // n_heads))
+    if head_dim % 2:
+        raise ConfigError(f"{source}: the heads are {head_dim} wide (head_dim, or hidden_size / num_attention_heads), "
+                          f"an odd number, but rotary embeddings turn pairs of dimensions; {FIX}")
     if n_heads % n_kv_heads:
         raise ConfigError(f"{source}: num_attention_heads={n_heads} is not a multiple of "
                           f"num_key_value_heads={n_kv_heads}; fix the config")
@@ -447,21 +440,21 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
     moe = _moe_from_config(config, arch, source)
     return ModelSpec(
         architecture=arch,
-        vocab_size=_count(config, "vocab_size", source),
+        vocab_size=count(config, "vocab_size", source),
         hidden_size=hidden,
-        intermediate_size=_count(config, "intermediate_size", source),
-        n_layers=_count(config, "num_hidden_layers", source),
+        intermediate_size=count(config, "intermediate_size", source),
+        n_layers=count(config, "num_hidden_layers", source),
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=_real(config, "rms_norm_eps", source, 1e-6),
+        rms_norm_eps=real(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
         rope=_rope_from_config(config, source),
-        max_position_embeddings=_count(config, "max_position_embeddings", source, default=2048),
+        max_position_embeddings=count(config, "max_position_embeddings", source, default=2048),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=arch == "qwen2" or (arch == "qwen2_moe" and bool(config.get("qkv_bias", True))) or attention_bias,
         o_bias=arch not in ("qwen2", "qwen2_moe") and attention_bias,
         mlp_bias=arch == "llama" and bool(config.get("mlp_bias", False)),
-        sliding_window=int(window) if window else None,
+        sliding_window=count(config, "sliding_window", source) if window else None,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
         stored_format=DTYPE_ALIASES.get(str(dtype), "fp32"),
@@ -476,23 +469,26 @@ def _moe_from_config(config: dict, arch: str, source: str) -> MoESpec | None:
     if arch not in MOE_ARCHITECTURES:
         return None
     if arch == "mixtral":
-        n_experts = _count(config, "num_local_experts", source)
-        expert_size, shared, norm, dense = _count(config, "intermediate_size", source), 0, True, ()
+        n_experts = count(config, "num_local_experts", source)
+        expert_size, shared, norm, dense = count(config, "intermediate_size", source), 0, True, ()
     else:
         # Qwen's key; transformers 5 writes num_local_experts (and reads either)
         key = "num_experts" if "num_experts" in config else "num_local_experts"
-        n_experts = _count(config, key, source)
-        expert_size = _count(config, "moe_intermediate_size", source)
-        shared = config.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0
-        if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-            raise ConfigError(f"{source}: key 'shared_expert_intermediate_size' must be a whole number of 0 or more, "
-                              f"found {shared!r}; fix config.json (or restore it from the model's source)")
+        n_experts = count(config, key, source)
+        expert_size = count(config, "moe_intermediate_size", source)
+        shared = count(config, "shared_expert_intermediate_size", source, default=0, least=0) \
+            if arch == "qwen2_moe" else 0
         norm = bool(config.get("norm_topk_prob", False))
-        step = _count(config, "decoder_sparse_step", source, default=1)
-        only = config.get("mlp_only_layers") or []
-        n_layers = _count(config, "num_hidden_layers", source)
+        step = count(config, "decoder_sparse_step", source, default=1)
+        n_layers = count(config, "num_hidden_layers", source)
+        only = layer_list(config, "mlp_only_layers", source, n_layers)
         dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
-    top_k = _count(config, "num_experts_per_tok", source)
+    top_k = count(config, "num_experts_per_tok", source)
     if top_k > n_experts:
         raise ConfigError(f"{source}: num_experts_per_tok={top_k} is more than the {n_experts} experts; fix the config")
+    n_moe_layers = count(config, "num_hidden_layers", source) - len(dense)
+    if n_moe_layers * n_experts > MAX_EXPERTS_OVER_LAYERS:
+        raise ConfigError(f"{source}: {n_moe_layers:,} mixture-of-experts layers of {n_experts} experts are "
+                          f"{n_moe_layers * n_experts:,} experts, above the {MAX_EXPERTS_OVER_LAYERS:,} offload plans "
+                          f"for (no released model comes near it); {FIX}")
     return MoESpec(n_experts, top_k, expert_size, shared, norm, dense, "mixtral" if arch == "mixtral" else "qwen")

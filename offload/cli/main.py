@@ -85,12 +85,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"offload: error: {str(e).removeprefix(SYMLINK_LOOP)} is a symlink loop (a link that leads back to "
               f"itself); point it at a file, or give another path", file=sys.stderr)
         return EXIT_ERROR
-    except Terminated:
-        print("offload: terminated (SIGTERM); finished work is kept, rerun to resume", file=sys.stderr)
-        return EXIT_TERMINATED
-    except KeyboardInterrupt:
-        print("offload: interrupted; finished work is kept, rerun to resume", file=sys.stderr)
-        return EXIT_INTERRUPTED
+    except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated)
+        kept = "; finished work is kept, rerun to resume" if getattr(args, "resumes", False) else ""
+        terminated = isinstance(e, Terminated)
+        print(f"offload: {'terminated (SIGTERM)' if terminated else 'interrupted'}{kept}", file=sys.stderr)
+        return EXIT_TERMINATED if terminated else EXIT_INTERRUPTED
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)

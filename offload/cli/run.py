@@ -17,7 +17,7 @@ def add_parser(sub) -> None:
                    help="start over; the old outputs are moved to <output>.bak (then .bak.1, .bak.2, ...: "
                         "none is overwritten) once the new run is ready")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, resumes=True)  # an interrupted run keeps what it finished (main says so)
 
 
 def run(args) -> int:

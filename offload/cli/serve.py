@@ -21,7 +21,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve a model over HTTP, as OpenAI's API (completions, chat, streaming)")
     add_serve_flags(p)
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
-    p.set_defaults(func=run)
+    p.set_defaults(func=run, resumes=True)  # a stopped server's batches resume when it starts again
 
 
 def run(args) -> int:

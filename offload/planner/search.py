@@ -328,7 +328,7 @@ class Search:
         movable = [i for i in reversed(range(self.n)) if cand.weight[i] == "cpu" and i != self.i_norm]
         first = [i for i in movable if i == self.i_embed]
         layers = [i for i in movable if self.kinds[i] in ("layer", "experts", "mlp")]
-        rest = [i for i in movable if i not in first and i not in layers]
+        rest = [i for i in movable if i != self.i_embed and self.kinds[i] not in ("layer", "experts", "mlp")]
         orders = (first + layers + rest, first + rest + layers)
         tried = [self._spill(cand, orders[0])]
         if any(w == "disk" for w in tried[0][0]) or tried[0][1] > self.budget.cpu_bytes:  # the order mattered
