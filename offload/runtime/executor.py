@@ -183,7 +183,7 @@ class PlacedModel:
             return self.streamer.acquire(name, phase), True
         if p.weights == "cpu" or name in self._in_place:
             return self.host_weights[name], False
-        return materialize(self.layouts[name], self.reader.acquire(name), on_device=False), False
+        return materialize(self.layouts[name], self.streamer.read(name), on_device=False), False
 
     def _release(self, name: str, phase: str) -> None:
         p = self.placement[name]
@@ -233,7 +233,9 @@ class PlacedModel:
                     kind == "layer" and self.placement[name].kv == "cpu")
 
     def _on_cpu(self, works: list[Work], fn, x, *args):
-        """CPU blocks through the backend; on a worker thread when copies or reads run alongside."""
+        """CPU blocks through the backend; on a worker thread when copies or reads run alongside. They wait for the
+        device's output, so the streamer's launched disk units give their read buffers back first (at no cost)."""
+        self.streamer.settle()
         if self._overlap:
             return self._cpu_pool.submit(self.backend.run_cpu, works, fn, x, *args).result()
         return self.backend.run_cpu(works, fn, x, *args)

@@ -3,7 +3,13 @@ copies (planner/schedule.copy_plan, the one place its rule is written): at a ste
 schedule issues then (and those it copied ahead in the step before, where that step streamed other units), at each
 streamed unit's release the copies that release issues, this step's or the next step's, so the link works while the
 step's CPU blocks run. Disk units are read ahead in order; a copy whose read has not landed waits, in turn, and is
-issued at the next release, or when its unit is needed."""
+issued at the next release, or when its unit is needed.
+
+A disk unit's read buffer is reused by the reader, so it is given back only once its copy has landed; the host
+does not wait for that copy before launching the unit's compute (the device orders the two). It waits where it
+costs nothing: at the next streamed unit's release (after that unit's launch: its own copy lands after this one),
+before it would block on the reader anyway, before the CPU computes (it needs the device's output then), and as
+the next step begins."""
 
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ class Streamer:
                 if c.by is not None:
                     after.setdefault(streamed[c.by], []).append((streamed[c.turn], c.issued == AHEAD))
         self._pending: list[tuple[str, bool]] = []  # copies the schedule has issued, waiting for a read (in turn)
+        self._landing: list[tuple[str, object]] = []  # disk units launched, their read buffer kept for their copy
         # a streamed unit's weights are views of its slot, made once per slot and layout (units of one shape share
         # them); layouts are numbered once here, as hashing a MoE layer's costs more than the views
         numbers: dict[UnitLayout, int] = {}
@@ -51,6 +58,7 @@ class Streamer:
         """A step of phase begins: keep what was copied ahead for it (else free those slots), schedule the disk
         reads, and issue the step's first copies."""
         self._phase = phase
+        self.settle()
         ahead, self._ahead = self._ahead, []
         expected = [name for name, issued in self.at_start[phase] if issued == AHEAD]
         if ahead and ahead != expected[:len(ahead)]:
@@ -79,24 +87,44 @@ class Streamer:
     def _host_source(self, name: str, block: bool) -> torch.Tensor | None:
         if self.placement[name].weights == "cpu":
             return self.host_buffers[name]
-        return self.reader.acquire(name) if block else self.reader.try_acquire(name)
+        return self.read(name) if block else self.reader.try_acquire(name)
+
+    def read(self, name: str) -> torch.Tensor:
+        """A disk unit's read buffer, waiting for its read; the buffers of launched units go back to the reader
+        first, which may need their room."""
+        buf = self.reader.try_acquire(name)
+        if buf is None:
+            self.settle()
+            buf = self.reader.acquire(name)
+        return buf
 
     def acquire(self, name: str, phase: str):
         """A streamed unit's weights, views of the staging slot holding them, once its copy is ordered before the
-        compute (a disk unit's read buffer is free again once its copy has landed)."""
+        compute."""
         if not self.ring.holds(name):
             self.issue_copies(need=name)
         buf = self.ring.acquire(name, phase)
         if self.placement[name].weights == "disk":
-            self.backend.host_wait(next(s.copy_handle for s in self.ring.slots if s.unit == name and s.in_use))
-            self.reader.release(name)
+            self._landing.append((name, next(s.copy_handle for s in self.ring.slots if s.unit == name and s.in_use)))
         key = (id(buf), self._layout_no[name])
         if key not in self._views:
             self._views[key] = materialize(self.layouts[name], buf, on_device=True)
         return self._views[key]
 
     def release(self, name: str, phase: str) -> None:
-        """A streamed unit's compute is enqueued: its slot takes the copies the schedule issues at its release."""
+        """A streamed unit's compute is enqueued: its slot takes the copies the schedule issues at its release, and
+        the disk units launched before it give their read buffers back."""
         self.ring.release(name)
         self._pending += self.on_release[phase].get(name, [])
         self.issue_copies()
+        self.settle(but=name)
+
+    def settle(self, but: str | None = None) -> None:
+        """Give the read buffers of the launched disk units (but one) back to the reader once their copies have
+        landed: the host waits for those copies here."""
+        keep = [(name, copy) for name, copy in self._landing if name == but]
+        for name, copy in self._landing:
+            if name != but:
+                self.backend.host_wait(copy)
+                self.reader.release(name)
+        self._landing = keep
