@@ -94,7 +94,7 @@ def test_llm_on_this_machines_profile_is_held_to_its_gpus_memory(tiny_model, mon
     import offload.api
 
     save_hardware(load_hardware("rtx4090-ddr5"), cache_path())
-    monkeypatch.setattr(offload.api, "make_backend", lambda name: SmallGPU())
+    monkeypatch.setattr(offload.api, "make_backend", lambda name, hardware=None: SmallGPU())
     with pytest.raises(ConfigError) as refused:
         offload.api.LLM(str(tiny_model), gpu_memory="2GiB", cpu_memory="4GiB")
     message = str(refused.value)

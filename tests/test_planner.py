@@ -23,9 +23,11 @@ NORM = 64 * 2  # 128
 WEIGHTS = EMBED + 2 * LAYER + NORM + LM_HEAD  # 213632
 KV = 2 * 1 * 16 * 32 * 2  # K and V x 1 seq x 16 positions (8 + 8) x kv_size 32 x fp16 = 2048 per layer
 # Workspace: residual of the prompt [8, 64] + one layer's working set for an 8-token chunk over 8 keys
-# (8 tokens x 576 elements + 4 heads x 8 x 8 fp32 scores) + fp32 logits [1, 256].
-WS_GPU = 8 * 64 * 2 + (8 * 576 * 2 + 4 * 8 * 8 * 4) + 256 * 4  # 1024 + 10240 + 1024 = 12288
-WS_CPU = 8 * 64 * 4 + (8 * 576 * 4 + 4 * 8 * 8 * 4) + 256 * 4  # 2048 + 19456 + 1024 = 22528
+# (8 tokens x 576 elements + attention: 8 tokens read the cache in place, the decode kernel's fp32 partials of one
+# split per KV head, 2 x (2 query heads x 8 queries) x (head_dim 16 + max and sum) x 4 = 2304) + fp32 logits [1, 256].
+ATTENTION = 2 * (2 * 8) * (16 + 2) * 4  # 2304
+WS_GPU = 8 * 64 * 2 + (8 * 576 * 2 + ATTENTION) + 256 * 4  # 1024 + 11520 + 1024 = 13568
+WS_CPU = 8 * 64 * 4 + (8 * 576 * 4 + ATTENTION) + 256 * 4  # 2048 + 20736 + 1024 = 23808
 HOP_BUFFERS = 2 * 8 * 64 * 4  # two fp32 [8, 64] hand-over buffers in pinned memory = 4096
 
 
@@ -43,7 +45,7 @@ def test_everything_resident_when_the_gpu_holds_it_byte_exact():
     gpu, cpu = p.tier("gpu"), p.tier("cpu")
     assert (gpu.weights_bytes, gpu.kv_bytes, gpu.workspace_bytes, gpu.staging_bytes) == (WEIGHTS, 2 * KV, WS_GPU, 0)
     assert gpu.margin_bytes == 50_000  # 5% of 10**6
-    assert gpu.total_bytes == 213632 + 4096 + 12288 + 50_000 == 280_016
+    assert gpu.total_bytes == 213632 + 4096 + 13568 + 50_000 == 281_296
     assert (cpu.weights_bytes, cpu.kv_bytes, cpu.workspace_bytes, cpu.pinned_bytes) == (0, 0, 0, HOP_BUFFERS)
     assert all(u.prefill == u.decode == "gpu" for u in p.units)
     assert p.prefetch_depth == 0 and p.staging_slot_bytes == 0
@@ -51,9 +53,9 @@ def test_everything_resident_when_the_gpu_holds_it_byte_exact():
 
 def test_cpu_only_fits_to_the_byte_and_fails_one_byte_below():
     spec = spec_from_config(TINY)
-    need = WEIGHTS + 2 * KV + WS_CPU  # 213632 + 4096 + 22528 = 240256; no GPU, so no pinned buffers
+    need = WEIGHTS + 2 * KV + WS_CPU  # 213632 + 4096 + 23808 = 241536; no GPU, so no pinned buffers
     p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, need, margin_frac=0), WORKLOAD)
-    assert p.tier("cpu").total_bytes == need == 240_256
+    assert p.tier("cpu").total_bytes == need == 241_536
     assert p.tier("gpu").total_bytes == 0 and p.summary_line == ("blocks: 0 of 5 resident on the GPU; decode streams 0 and computes 5 on the CPU; "
                                                             "prefill streams 0 and computes 5 on the CPU; 0 read from disk")
     assert all(u.weight_tier == "cpu" and u.prefill == u.decode == "cpu" for u in p.units)
@@ -71,7 +73,7 @@ def test_disk_spill_moves_the_embedding_first_byte_exact():
     spec = spec_from_config(TINY)
     p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, 240_255, disk_bytes=10**6, margin_frac=0), WORKLOAD)
     assert [u.name for u in p.units if u.weight_tier == "disk"] == ["embed"]
-    assert p.tier("cpu").total_bytes == 240_256 - EMBED and p.tier("cpu").pinned_bytes == 0
+    assert p.tier("cpu").total_bytes == 241_536 - EMBED and p.tier("cpu").pinned_bytes == 0
     assert p.read_ahead_depth == 0 and p.read_buffer_bytes == 0
 
 
@@ -98,9 +100,9 @@ def test_disk_spill_counts_the_read_ahead_arena_and_the_page_cache_in_flight():
 def test_streaming_reserves_staging_slots_byte_exact():
     spec = spec_from_config(TINY)
     # Workspace, two staging slots of a layer (the largest streamed unit) and both layers' KV on the GPU:
-    # 12288 + 2 * 73984 + 2 * 2048 = 164352. Making lm_head resident instead would need
-    # 12288 + 32768 + 128 + 2 * 73984 = 193152 before any KV, so the plan streams everything.
-    budget = Budget(gpu_bytes=164_352, cpu_bytes=10**6, margin_frac=0)
+    # 13568 + 2 * 73984 + 2 * 2048 = 165632. Making lm_head resident instead would need
+    # 13568 + 32768 + 128 + 2 * 73984 = 194432 before any KV, so the plan streams everything.
+    budget = Budget(gpu_bytes=165_632, cpu_bytes=10**6, margin_frac=0)
     hw = tiny_hw(cpu_flops={f: 1e8 for f in FORMATS})  # a slow CPU: streaming wins
     p = plan(spec, hw, budget, WORKLOAD)
     assert [u.decode for u in p.units] == ["cpu", "stream", "stream", "stream", "stream"]
@@ -108,7 +110,7 @@ def test_streaming_reserves_staging_slots_byte_exact():
     assert p.staging_slot_bytes == LAYER and p.prefetch_depth == 2
     gpu = p.tier("gpu")
     assert (gpu.weights_bytes, gpu.kv_bytes, gpu.workspace_bytes, gpu.staging_bytes) == (0, 2 * KV, WS_GPU, 2 * LAYER)
-    assert gpu.total_bytes == budget.gpu_bytes == 164_352
+    assert gpu.total_bytes == budget.gpu_bytes == 165_632
     assert p.decode.pcie_s > 0 and p.decode.cpu_s < 1e-4  # only the embedding gather runs on the CPU
 
 
@@ -152,9 +154,9 @@ def test_the_cuda_context_reserve_counts_against_the_gpu_budget_byte_exact():
     """The profile's gpu_reserved_bytes (CUDA context, cuBLAS workspaces) is inside an explicit GPU budget."""
     spec = spec_from_config(TINY)
     hw = tiny_hw(gpu_reserved_bytes=20_000)
-    need = WEIGHTS + 2 * KV + WS_GPU + 20_000  # 213632 + 4096 + 12288 + 20000 = 250016, no margin
+    need = WEIGHTS + 2 * KV + WS_GPU + 20_000  # 213632 + 4096 + 13568 + 20000 = 251296, no margin
     p = plan(spec, hw, Budget(gpu_bytes=need, cpu_bytes=10**6, margin_frac=0), WORKLOAD)
-    assert p.tier("gpu").reserved_bytes == 20_000 and p.tier("gpu").total_bytes == need == 250_016
+    assert p.tier("gpu").reserved_bytes == 20_000 and p.tier("gpu").total_bytes == need == 251_296
     assert p.n_gpu_units == 5
     assert plan(spec, hw, Budget(gpu_bytes=need - 1, cpu_bytes=10**6, margin_frac=0), WORKLOAD).n_gpu_units < 5
 

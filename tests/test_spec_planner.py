@@ -52,8 +52,19 @@ def test_kv_attention_and_activation_by_hand():
     assert spec.kv_size == 32  # 2 kv heads x head_dim 16
     assert spec.layer_kv_bytes(2, 10, 2) == 2 * 2 * 10 * 32 * 2  # K and V, 2 seqs, 10 positions: 2560
     assert spec.attention_flops(3, 5) == 4 * 3 * 5 * 64  # QK^T and PV: 3840
-    # per token: 3*64 + 64 (q) + 2*32 (k, v) + 2*128 (gate, up) = 576 elements; scores 4 heads x 8 x 8 fp32
-    assert spec.activation_bytes(8, 8, 2) == 8 * 576 * 2 + 4 * 8 * 8 * 4  # 10240
+    # per token: 3*64 + 64 (q) + 2*32 (k, v) + 2*128 (gate, up) = 576 elements. Attention: 8 tokens of one sequence
+    # read the cache in place: one split (8 keys) for each of 2 KV heads, its 2 query heads x 8 queries of
+    # head_dim 16 + max and sum in fp32: 4 * 2 * 16 * 18 = 2304
+    assert spec.activation_bytes(8, 8, 2) == 8 * 576 * 2 + 2304  # 11520
+    # 16 tokens of one sequence, a prefill chunk over 24 keys: the bool mask for the 2 heads of a group and its
+    # own (3 x 16 x 24 = 1152), each query row's fp32 log-sum-exp (4 heads x 16 x 4 = 256); nothing gathered
+    assert spec.activation_bytes(16, 24, 2) == 16 * 576 * 2 + 1152 + 256
+    # 2 sequences' chunks: their K and V gathered too (2 x 2 sequences x 24 keys x 32 x 2 bytes = 6144)
+    assert spec.activation_bytes(32, 24, 2, n_seqs=2) == 32 * 576 * 2 + 3 * 32 * 24 + 4 * 32 * 4 + 6144
+    # decode at batch 32 over 4096 keys, Llama-70B's heads: the kernel's partials (decode_partials_bytes)
+    from offload.spec import decode_partials_bytes
+
+    assert decode_partials_bytes(32, 1, 64, 8, 128, 4096) == 4 * 32 * 8 * 2 * 8 * 130
 
 
 def test_sliding_window_caps_kv():
@@ -99,5 +110,5 @@ def test_a_moe_layers_workspace_holds_the_grouped_paths_buffers():
                              "head_dim": 128, "vocab_size": 1000, "max_position_embeddings": 4096})
     d, f = 2048, 8 * 768
     attention = 3 * d + spec.q_size + 2 * spec.kv_size + 2 * d
-    scores = spec.n_heads * 1 * spec.kv_len(16) * 4
-    assert spec.activation_bytes(1, 16, 2) == (attention + f + 8 * d) * 2 + scores
+    partials = 4 * 1 * 4 * 1 * (8 * 1) * (2 + 128)  # one token over 16 keys: one split per KV head
+    assert spec.activation_bytes(1, 16, 2) == (attention + f + 8 * d) * 2 + partials

@@ -23,11 +23,15 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from offload.api import LLM
+    from offload.errors import ConfigError
     from offload.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
     llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype)
+    if llm.tokenizer is None:  # the library's message offers token ids, which this command does not take
+        raise ConfigError(f"the model in {llm.path} has no tokenizer files, and offload generate reads text prompts; "
+                          f"add the model's tokenizer.json and tokenizer_config.json to {llm.path}")
     if args.raw:
         outputs = llm.generate(args.prompt, params)
     else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import signal
 import sys
 import threading
@@ -20,8 +21,28 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 SYMLINK_LOOP = "Symlink loop from "  # pathlib's RuntimeError for ELOOP: "Symlink loop from '<path>'"
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser (each command's too) with its errors as one line, without the usage block, and a value
+    that starts with "-" and a digit taken as a value (`--cpu-memory -5GiB` reaches the option's own check)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-\d")  # argparse's: which "-..." words are values
+
+    def error(self, message: str, prog: str | None = None):
+        self.exit(2, f"offload: error: {message}; see `{prog or self.prog} --help`\n")
+
+    def parse_args(self, args=None, namespace=None):
+        """As argparse's, but words no command takes are named with the help of the command they followed."""
+        parsed, extra = self.parse_known_args(args, namespace)
+        if extra:
+            command = getattr(parsed, "command", None)
+            self.error(f"unrecognized arguments: {' '.join(extra)}", f"{self.prog} {command}" if command else None)
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="offload", description=__doc__)
+    parser = Parser(prog="offload", description=__doc__)
     parser.add_argument("--version", action="version", version=f"offload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import logging
 import os
+import socket
 from pathlib import Path
 
 from offload.cli.exits import EXIT_OK
@@ -32,15 +34,16 @@ def run(args) -> int:
     check_serve_packages()
     options = config.serve
     api_key = options.api_key or os.environ.get(API_KEY_ENV) or None
-    lock = lock_state_dir(Path(options.state_dir)) if options.state_dir else None
-    try:
-        return _serve(config, api_key)
-    finally:
-        if lock is not None:
-            os.close(lock)
+    with bind_socket(options.host, options.port) as sock:  # before the model loads (minutes)
+        lock = lock_state_dir(Path(options.state_dir)) if options.state_dir else None
+        try:
+            return _serve(config, api_key, sock)
+        finally:
+            if lock is not None:
+                os.close(lock)
 
 
-def _serve(config, api_key: str | None) -> int:
+def _serve(config, api_key: str | None, sock: socket.socket) -> int:
     import uvicorn
 
     from offload.jobs.config import sampling_defaults
@@ -55,9 +58,39 @@ def _serve(config, api_key: str | None) -> int:
     logger.info(f"serving {config.model.path} at http://{options.host}:{options.port}/v1 "
                 f"({'an API key is required' if api_key else 'no API key required'}); Ctrl-C stops it")
     level = logging.getLogger("offload").getEffectiveLevel()
-    uvicorn.run(make_app(server), host=options.host, port=options.port,
-                log_level="info" if level <= logging.INFO else "warning")
+    http = uvicorn.Server(uvicorn.Config(make_app(server), host=options.host, port=options.port,
+                                         log_level="info" if level <= logging.INFO else "warning"))
+    try:
+        http.run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C or SIGTERM stop the server, which is its normal end (as uvicorn.run has it)
+        pass
+    if not http.started:
+        raise ConfigError(f"offload serve stopped before it started answering at {options.host}:{options.port}; the "
+                          f"lines above say why")
     return EXIT_OK
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to host:port for the server to listen on; ConfigError naming --host or --port when the
+    address is not this machine's or the port is taken."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"serve.host {host!r} is not an address this machine can listen on "
+                          f"({getattr(e, 'strerror', None) or e}); give an IP address such as 127.0.0.1 or 0.0.0.0 "
+                          f"(--host)") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart reuses a port in TIME_WAIT
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        fix = (f"another program listens there: stop it, or give another --port" if e.errno == errno.EADDRINUSE
+               else "this user may not listen there: give a --port above 1023" if e.errno == errno.EACCES
+               else "give an address of this machine (--host), such as 127.0.0.1 or 0.0.0.0")
+        raise ConfigError(f"offload serve cannot listen at {host}:{port} ({e.strerror}); {fix}") from None
+    return sock
 
 
 def check_serve_packages() -> None:

@@ -13,9 +13,11 @@ from typing import Any
 
 from offload.errors import ConfigError, OffloadError, SamplingError
 from offload.sampling import MAX_LOGPROBS, SamplingParams
+from offload.weights.prompts import role_problem
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 URLS = (COMPLETIONS, CHAT)
+CONTENT_KEYS = {COMPLETIONS: "prompt", CHAT: "messages"}  # what each endpoint's body asks
 # Request body keys mapped onto SamplingParams (OpenAI names first, then vLLM's extras).
 PARAM_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens", "temperature": "temperature",
               "top_p": "top_p", "top_k": "top_k", "min_p": "min_p", "seed": "seed", "stop": "stop",
@@ -26,7 +28,6 @@ PARAM_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
               "logit_bias": "logit_bias"}
 LOGPROB_KEYS = ("logprobs", "top_logprobs", "echo")  # read by endpoint: see logprob_params
 IGNORED_KEYS = ("model", "user", "stream", "metadata")
-ROLES = ("system", "user", "assistant")  # what chat templates render; OpenAI's tool roles need tool calls
 
 
 @dataclass
@@ -67,25 +68,27 @@ class BadLine:
         return self.custom_id if self.custom_id is not None else f"line:{self.line_no}"
 
 
-def read_requests(path: Path, fmt: str = "openai", defaults: dict | None = None,
-                  chat: bool = True) -> tuple[list[Request], list[BadLine]]:
-    """Parse a batch file; ConfigError if it holds no requests or custom_ids repeat (the job must not start then)."""
-    defaults = defaults or {}
+def read_requests(path: Path, fmt: str = "openai", defaults: dict | None = None, chat: bool = True,
+                  name: str | None = None) -> tuple[list[Request], list[BadLine]]:
+    """Parse a batch file; ConfigError if it holds no requests or custom_ids repeat (the job must not start then).
+    name: what the messages call the file (a server's upload by its own name; default: the path)."""
+    defaults, shown = defaults or {}, name or str(path)
     try:
         # bytes decoded, not read_text: its universal newlines would turn a lone "\r" into a line break
         lines = jsonl_lines(Path(path).read_bytes().decode("utf-8-sig"))  # -sig: a byte-order mark is not data
     except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"cannot read the input file {path} ({e}); give a UTF-8 text file") from None
+        raise ConfigError(f"cannot read the input file {shown} ({e}); give a UTF-8 text file") from None
     if fmt == "text":
         url = CHAT if chat else COMPLETIONS
         items = [_text_request(line, n, url, defaults) for n, line in enumerate(lines, 1) if line.strip()]
     else:
-        items = [_openai_request(line, n, defaults, path.name) for n, line in enumerate(lines, 1) if line.strip()]
+        items = [_openai_request(line, n, defaults, name or Path(path).name) for n, line in enumerate(lines, 1)
+                 if line.strip()]
     if not items:
         what = "one JSON request object per line" if fmt != "text" else "one prompt per line"
-        raise ConfigError(f"the input file {path} has no requests ({'only blank lines' if lines else 'it is empty'}); "
-                          f"expected {what}: add requests, or give another input.path")
-    _refuse_duplicates(path, items)
+        raise ConfigError(f"the input file {shown} has no requests ({'only blank lines' if lines else 'it is empty'}); "
+                          f"expected {what}: add requests, or give another input file")
+    _refuse_duplicates(shown, items)
     return [i for i in items if isinstance(i, Request)], [i for i in items if isinstance(i, BadLine)]
 
 
@@ -115,6 +118,9 @@ def _openai_request(line: str, n: int, defaults: dict, name: str) -> Request | B
     except json.JSONDecodeError as e:
         return BadLine(n, f"line {n} of {name} is not valid JSON ({e.msg} at column {e.colno}); "
                           f"expected one JSON object per line")
+    except RecursionError:  # Python's parser follows a few hundred levels of nesting
+        return BadLine(n, f"line {n} of {name} is not valid JSON as offload reads it (its arrays and objects nest "
+                          f"too deep to parse); expected one JSON object per line, nested a few levels deep")
     if not isinstance(obj, dict):
         return BadLine(n, f"line {n} of {name}: expected a JSON object, found {type(obj).__name__}")
     custom_id = obj.get("custom_id")
@@ -199,6 +205,9 @@ def logprob_params(url: str, body: dict) -> dict:
 
 def sampling_params(defaults: dict, body: dict, url: str = COMPLETIONS) -> SamplingParams:
     """defaults (a job's sampling section) overridden by the body's parameters; BodyError names a bad one."""
+    if body.get("max_tokens") is not None and body.get("max_completion_tokens") is not None:
+        raise BodyError("give one of 'max_tokens' and 'max_completion_tokens' (the same limit under two names), not "
+                        "both", "max_completion_tokens")
     values = dict(defaults)
     cap = values.pop("max_tokens_cap", None)  # sampling.max_tokens_cap: no body passes it
     values.update({PARAM_KEYS[k]: v for k, v in body.items() if k in PARAM_KEYS and v is not None})
@@ -216,6 +225,7 @@ def sampling_params(defaults: dict, body: dict, url: str = COMPLETIONS) -> Sampl
 
 def _content(url: str, body: dict, many: bool = False) -> Any:
     """The prompt as text or token ids (many: a list of them), or the messages; BodyError says what is wrong."""
+    _refuse_other_endpoints(url, body)
     if url == COMPLETIONS:
         prompt = body.get("prompt")
         if _one_prompt(prompt):
@@ -235,18 +245,39 @@ def _content(url: str, body: dict, many: bool = False) -> Any:
     out = []
     for i, m in enumerate(messages):
         content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list):  # OpenAI content parts: keep the text ones
-            content = "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
+        if isinstance(content, list):  # OpenAI content parts: text only
+            content = _text_of_parts(i, content)
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
             raise BodyError(f"expected messages[{i}] to have a string 'role' and text 'content', found {m!r}",
                             f"messages[{i}]")
-        if m["role"] not in ROLES:
-            close = difflib.get_close_matches(m["role"], ROLES, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
-            raise BodyError(f"expected messages[{i}].role to be one of {', '.join(ROLES)}, found {m['role']!r}{hint}",
-                            f"messages[{i}].role")
+        problem = role_problem(i, m["role"])
+        if problem:
+            raise BodyError(problem, f"messages[{i}].role")
         out.append({"role": m["role"], "content": content})
     return out
+
+
+def _refuse_other_endpoints(url: str, body: dict) -> None:
+    """BodyError naming the endpoint a body is for where it holds the other endpoint's content only (messages sent
+    to /v1/completions): its own content key is not what is wrong."""
+    other = CHAT if url == COMPLETIONS else COMPLETIONS
+    key, theirs = CONTENT_KEYS[url], CONTENT_KEYS[other]
+    if theirs in body and key not in body:
+        raise BodyError(f"'{theirs}' is for {other}, but this request went to {url}, which takes '{key}'; send it "
+                        f"to {other}, or give '{key}'", theirs)
+
+
+def _text_of_parts(i: int, parts: list) -> str:
+    """The text of a message's OpenAI content parts; BodyError for a part that is not text (an image, audio): the
+    model reads text only, and dropping the part would answer another question."""
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            found = f"a part of type {kind!r}" if isinstance(kind, str) else _short(part)
+            raise BodyError(f"expected messages[{i}].content[{j}] to be a text part {{'type': 'text', 'text': ...}}, "
+                            f"found {found}; offload's models read text only: send the content as text",
+                            f"messages[{i}].content")
+    return "".join(part["text"] for part in parts)
 
 
 def _one_prompt(prompt) -> bool:
@@ -259,7 +290,7 @@ def _short(value) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def _refuse_duplicates(path: Path, items: list) -> None:
+def _refuse_duplicates(shown: str, items: list) -> None:
     first: dict[str, int] = {}
     repeats = []
     for item in items:
@@ -272,7 +303,7 @@ def _refuse_duplicates(path: Path, items: list) -> None:
             first[cid] = item.line_no
     if repeats:
         more = f" (and {len(repeats) - 3} more)" if len(repeats) > 3 else ""
-        raise ConfigError(f"{path}: custom_id must be unique, found {'; '.join(repeats[:3])}{more}; "
+        raise ConfigError(f"{shown}: custom_id must be unique, found {'; '.join(repeats[:3])}{more}; "
                           f"give each request its own custom_id")
 
 

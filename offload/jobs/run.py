@@ -13,6 +13,7 @@ from pathlib import Path
 from offload.errors import BudgetError
 from offload.jobs.batch import BadLine, Request, error_record, file_digest, read_requests, success_record
 from offload.jobs.config import JobConfig, load_config, sampling_defaults, validate_config
+from offload.jobs.device import check_gpu_is_here, simulated_gpu_note
 from offload.jobs.output import OutputLog
 from offload.jobs.ray import Replicas, format_replicas, start_replicas
 from offload.jobs.worker import Answer, budget_of, generate_answers, job_timeline, llm_report, load_llm
@@ -142,6 +143,7 @@ def load_engine(config: JobConfig):
     for its own node; a plan that cannot work raises here, before anything is written."""
     if config.engine == "ray":
         return start_replicas(config)
+    check_gpu_is_here(config)
     return load_llm(config)
 
 
@@ -190,6 +192,10 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
     if isinstance(llm, Replicas):
         report["replicas"] = llm.reports()
     report["outputs"] = output_counts(log)
+    note = simulated_gpu_note(llm)
+    if note is not None:  # the GPU figures are this CPU's work; no device memory was used
+        report["device"] = {"gpu": note}
+        report["memory"]["gpu"].update(peak_bytes=None, peak_over_budget=None)
     _write(config.report_path, lambda path: write_report(report, path))
     if tl is not None and config.report.trace:
         _write(Path(config.report.trace), lambda path: write_trace(tl, path))
@@ -197,6 +203,8 @@ def finish(config: JobConfig, counts: JobCounts, llm, timeline: tuple[Timeline, 
         _write(Path(config.report.plot), lambda path: write_plot(tl, report, path))
     if config.report.print:
         print(format_report(report), flush=True)
+        if note is not None:
+            print(f"{'device':>7}: {note}", flush=True)
         if report.get("replicas"):
             print(format_replicas(report["replicas"]), flush=True)
         print(f"outputs: {config.output_path}\nreport: {config.report_path}", flush=True)

@@ -23,6 +23,10 @@ import functools
 
 import torch
 
+from offload.spec import DECODE_SPLIT_MIN_KEYS as MIN_SPLIT_KEYS
+from offload.spec import SIZING_SMS as DEFAULT_SM_COUNT
+from offload.spec import decode_partials_bytes as partials_bytes
+from offload.spec import decode_splits as split_count
 from offload.kernels.triton_dequant import _LAUNCH, TRITON_AVAILABLE, _jit, tl, triton
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two a [rows, Dh] tile and tl.dot take
@@ -30,10 +34,6 @@ HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two a [rows, Dh] tile and tl.dot
 # the queries of a sequence, padded to a power of two from 16. Compiled for sm_90 at 8 warps with window, softcap
 # and tree (bf16): [32, 256] and [128, 64] stayed in registers, [64, 128] spilled 240 bytes a thread, [128, 128] 488
 MAX_ACC_VALUES = 8192
-DEFAULT_SM_COUNT = 132  # an H100 SXM's, where the device cannot be asked (CPU tensors under the interpreter)
-# Fewest keys a split walks: below, a program's fixed cost (its q tile, its partial's store) outweighs its keys'.
-# Chosen, not measured: 4 tiles of 64 keys (vLLM's flash-decoding partitions hold 512).
-MIN_SPLIT_KEYS = 256
 LOG2E = 1.4426950408889634
 # The split kernel at 8 warps: compiled for sm_90 (cuobjdump), its bf16/fp16 variants with window, softcap and tree
 # spilled 48-152 bytes a thread at 4 warps and nothing at 8 (107-228 registers); speed not yet measured on a GPU
@@ -65,19 +65,6 @@ def sm_count(device: torch.device) -> int:
         props = triton.runtime.driver.active.utils.get_device_properties(device.index or 0)
         return int(props["multiprocessor_count"])
     return DEFAULT_SM_COUNT
-
-
-def split_count(n_programs: int, max_keys: int, n_sms: int) -> int:
-    """Key splits per (sequence, KV head): about two programs per SM in all, each walking >= MIN_SPLIT_KEYS keys."""
-    wanted = -(-2 * n_sms // max(n_programs, 1))
-    return max(1, min(wanted, -(-max_keys // MIN_SPLIT_KEYS)))
-
-
-def partials_bytes(batch: int, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int, max_keys: int,
-                   n_sms: int = DEFAULT_SM_COUNT) -> int:
-    """Bytes of the fp32 partials (max, sum, p.V of each split) one call allocates beside its output."""
-    splits = split_count(batch * n_kv_heads, max_keys, n_sms)
-    return 4 * batch * n_kv_heads * splits * (n_heads // n_kv_heads * n_queries) * (2 + head_dim)
 
 
 @_jit

@@ -24,9 +24,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from offload.kernels.attention import PATH_COUNTS, KVTable, paged_attention
 from offload.model.step import LayerKV, Step
-from offload.spec import ModelSpec
-IN_PLACE_MAX_QUERIES = 8  # new tokens per sequence up to which a group reads the pool in place (the Triton kernel
-# holds G x S query rows of head_dim fp32 accumulators per program: 8 x 8 x 128 = its 8192 at Llama-70B's shape)
+from offload.spec import IN_PLACE_MAX_QUERIES, ModelSpec
 
 
 def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, kv: LayerKV):

@@ -419,7 +419,7 @@ def workspace_bytes(spec: ModelSpec, workload, act_bytes: int, dequant_scratch: 
     chunk = min(b * p, workload.prefill_chunk_tokens)
     hidden = max(min(b * p, workload.prefill_pass_tokens), b) * spec.hidden_size * act_bytes  # one pass's residual
     working = max(spec.activation_bytes(chunk, p, act_bytes),
-                  spec.activation_bytes(b, workload.seq_len, act_bytes))
+                  spec.activation_bytes(b, workload.seq_len, act_bytes, n_seqs=b))
     logits = b * spec.vocab_size * LOGIT_BYTES
     largest = max(t.numel for t in spec.layer_tensors(0) if t.role == "linear")
     if spec.moe is not None:  # a MoE layer's largest tensor may be an expert's (layer_tensors holds attention only)

@@ -98,8 +98,8 @@ def _host_hint(search, spill: bool = True) -> str:
     """What to raise so that the CPU-only placement fits: RAM for every weight, or RAM and disk with the
     weights that do not fit spilled. Budgets are sized for the margin taken from them."""
     ram_only = search._all_in_ram()
-    hint = (f"raise --cpu-memory by {_up(_budget_for(search, ram_only) - search.budget.cpu_bytes)} to hold "
-            f"every weight in RAM")
+    held = "every weight" if sum(search.kv) < sum(search.w) else "this KV cache and every weight"  # the larger first
+    hint = f"raise --cpu-memory by {_up(_budget_for(search, ram_only) - search.budget.cpu_bytes)} to hold {held} in RAM"
     if not spill:
         return hint
     spilled = search._build(0, use_gpu=False)

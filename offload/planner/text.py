@@ -90,10 +90,9 @@ def moe_split(plan) -> str | None:
 
 
 def _decision(plan, phase: str) -> str:
-    modes = [getattr(u, phase) for u in plan.units
-             if u.kind in ("layer", "experts", "mlp", "lm_head") and u.weight_tier != "gpu"]
+    modes = [getattr(u, phase) for u in plan.units if u.weight_tier != "gpu"]  # the units the table counts
     if not modes:
-        return f"{phase}: every layer and the lm_head are resident on the GPU."
+        return f"{phase}: every unit is resident on the GPU."
     n_stream, n_cpu = modes.count("stream"), modes.count("cpu")
     cost = getattr(plan, phase)
     why = {"compute": "the compute chain", "pcie": "the PCIe link", "disk": "disk reads",

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
@@ -100,8 +101,9 @@ def _key_check(server: Server):
     async def check(request: Request) -> None:
         if server.api_key is None:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {server.api_key}".encode()):
+        scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 9110: `bearer` is `Bearer`); the key is compared as sent
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), server.api_key.encode()):
             raise ApiError(401, "missing or wrong API key; send the header `Authorization: Bearer <key>` with the "
                                 "key the server was started with (--api-key)", code="invalid_api_key")
     return check
@@ -111,6 +113,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_parameter(request, e: RequestValidationError):
+        return JSONResponse(_validation_error(e).body(), status_code=400)
 
     @app.exception_handler(HTTPException)
     async def http_error(request, e: HTTPException):
@@ -123,16 +129,24 @@ def _add_error_handlers(app: FastAPI) -> None:
                             status_code=500)
 
 
+def _validation_error(e: RequestValidationError) -> ApiError:
+    """FastAPI's check of a route's parameters (a query's limit=abc) in OpenAI's shape, naming the parameter."""
+    first = (e.errors() or [{}])[0]
+    loc = [str(part) for part in first.get("loc", ())]  # ("query", "limit")
+    where, name = (loc[0], loc[-1]) if len(loc) > 1 else ("request", loc[0] if loc else "body")
+    found = f", found {str(first['input'])[:80]!r}" if "input" in first else ""
+    return ApiError(400, f"the {where} parameter {name!r} is not valid ({first.get('msg', 'invalid')}{found}); "
+                         f"fix it and send the request again", str(name))
+
+
 async def _answer(server: Server, request: Request, url: str):
-    try:
-        body = await request.json()
-    except ValueError as e:
-        raise ApiError(400, f"the request body is not valid JSON ({e}); send one JSON object") from None
+    body = await protocol.read_json(request)
     server.check_model(body)
     job = protocol.prepare(url, body, server.llm, server.model_name, server.defaults)
     if server.engine_thread.died:
         raise ApiError(503, "the server's engine thread has stopped (its log says why); restart offload serve",
                        kind="server_error")
+    _check_queue_bound(server, job)
     queue, first = asyncio.Queue(), 0
     try:
         for seq in job.seqs:  # a request of several prompts: one sequence each, one queue
@@ -148,6 +162,15 @@ async def _answer(server: Server, request: Request, url: str):
     if job.stream:
         return StreamingResponse(_events(server, job, queue), media_type="text/event-stream")
     return await _whole(server, request, job, queue)
+
+
+def _check_queue_bound(server: Server, job: Job) -> None:
+    """A request of more prompts than may ever wait at once could only get 503s: 400, before any is queued."""
+    bound = server.engine_thread.engine.max_waiting
+    if bound is not None and len(job.seqs) > bound:
+        raise ApiError(400, f"the request has {len(job.seqs)} prompts but at most {bound} requests may wait at once "
+                            f"on this server (serve.max_waiting); send at most {bound} prompts per request, or start "
+                            f"the server with --max-waiting {len(job.seqs)} or more", "prompt")
 
 
 def _abort(server: Server, job: Job) -> None:

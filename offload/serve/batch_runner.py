@@ -19,6 +19,7 @@ from offload.jobs.batch import BadLine, Request, error_record, read_requests, su
 from offload.jobs.output import OutputLog
 from offload.jobs.worker import prompt_ids, request_problem
 from offload.serve.engine_thread import Update
+from offload.serve.protocol import ApiError
 
 logger = logging.getLogger("offload")
 
@@ -36,6 +37,7 @@ class BatchRunner:
         """batch: its object (id, endpoint); server: what the routes share (llm, engine_thread, model_name,
         defaults); batches: the registry this runner reports to (update, finalize)."""
         self.batch_id, self.endpoint, self.folder = batch["id"], batch["endpoint"], folder
+        self.input_file_id = batch["input_file_id"]
         self.server, self.batches = server, batches
         self.n_total = self.n_completed = self.n_failed = 0
         self._started = False  # counts are the job's once its log is read
@@ -97,11 +99,19 @@ class BatchRunner:
 
     def _read(self) -> tuple[list[Request], list[BadLine]]:
         """The batch's requests; a line for another endpoint than the batch's is a failed line."""
-        requests, bad = read_requests(self.input_path, "openai", self.server.defaults)
+        requests, bad = read_requests(self.input_path, "openai", self.server.defaults, name=self._input_name())
         wrong = [r for r in requests if r.url != self.endpoint]
         bad += [BadLine(r.line_no, f"line {r.line_no} (custom_id {r.custom_id!r}): expected 'url' to be the "
                                    f"batch's endpoint {self.endpoint}, found {r.url}", r.custom_id) for r in wrong]
         return [r for r in requests if r.url == self.endpoint], sorted(bad, key=lambda b: b.line_no)
+
+    def _input_name(self) -> str:
+        """What the batch's messages call its input: the name it was uploaded under (the client's, not the server's
+        copy in the state folder), else its file id."""
+        try:
+            return self.batches.files.info(self.input_file_id)["filename"]
+        except (ApiError, KeyError):
+            return self.input_file_id
 
     def _fingerprint(self) -> dict:
         """What decides the answers: a restart under another model or other defaults refuses to resume."""

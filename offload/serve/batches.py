@@ -29,7 +29,7 @@ from offload.jobs.batch import URLS
 from offload.serve import files
 from offload.serve.batch_runner import LOG_NAME, BatchRunner
 from offload.serve.files import FileStore, derived_file_id, write_json_atomic
-from offload.serve.protocol import ApiError
+from offload.serve.protocol import ApiError, read_json
 
 logger = logging.getLogger("offload")
 
@@ -257,11 +257,7 @@ def add_batch_routes(app: FastAPI, server, auth: list) -> None:
     @app.post("/v1/batches", dependencies=auth)
     async def create_batch(request: Request):
         store = batches()
-        try:
-            body = await request.json()
-        except ValueError as e:
-            raise ApiError(400, f"the request body is not valid JSON ({e}); send one JSON object") from None
-        return store.create(body)
+        return store.create(await read_json(request))
 
     @app.get("/v1/batches", dependencies=auth)
     async def list_batches(after: str | None = None, limit: int = LIST_LIMIT_DEFAULT):

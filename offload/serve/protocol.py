@@ -34,6 +34,18 @@ def error_body(message: str, kind: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
+async def read_json(request):
+    """A request's body as JSON; ApiError 400 if it is not JSON, or nests deeper than Python's parser follows (its
+    RecursionError is not the server's failure)."""
+    try:
+        return await request.json()
+    except ValueError as e:
+        raise ApiError(400, f"the request body is not valid JSON ({e}); send one JSON object") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON as this server reads it: its arrays and objects "
+                            "nest too deep to parse; send one JSON object nested a few levels deep") from None
+
+
 @dataclass
 class Job:
     """One checked request: a sequence per prompt for the engine (n samples each), and how to answer it."""

@@ -79,6 +79,20 @@ def pread_into(fd: int, view: memoryview, offset: int, drop: bool = False, trail
     return done
 
 
+def _shard_names(index: Path, weight_map) -> list[str]:
+    """The shard files a sharded index names, sorted; WeightsError unless each is a plain file name, so that an
+    index can open nothing outside its model folder (`../../etc/passwd`, `/abs/path`, `sub/x.safetensors`)."""
+    if not isinstance(weight_map, dict) or not all(isinstance(s, str) for s in weight_map.values()):
+        raise WeightsError(f"{index} is not a valid sharded index ('weight_map' must map tensor names to shard "
+                           f"file names); download it again")
+    for shard in sorted(set(weight_map.values())):
+        if shard in ("", ".", "..") or Path(shard).name != shard or "\\" in shard or "\0" in shard:
+            raise WeightsError(f"{index} names shard {shard[:120]!r}, which is not a file name beside the index "
+                               f"(it has path parts); a shard must sit in {index.parent}: fix the index's "
+                               f"weight_map, or download the model again")
+    return sorted(set(weight_map.values()))
+
+
 class Checkpoint:
     """The tensors of one model folder, opened lazily; `get` reads one tensor through the file's mmap."""
 
@@ -107,7 +121,7 @@ class Checkpoint:
             except (json.JSONDecodeError, KeyError, TypeError) as e:
                 raise WeightsError(f"{index} is not a valid sharded index (needs a 'weight_map'); "
                                    f"download it again") from e
-            shards = sorted(set(weight_map.values()))
+            shards = _shard_names(index, weight_map)
             for shard in shards:
                 if not (self.folder / shard).is_file():
                     raise WeightsError(f"{index} names shard {shard}, which is missing from {self.folder}; "

@@ -4,6 +4,7 @@ these, so validate refuses what run would (no torch: the tokenizer is transforme
 
 from __future__ import annotations
 
+import difflib
 from pathlib import Path
 
 from offload.errors import ConfigError
@@ -11,28 +12,69 @@ from offload.sampling import SamplingParams
 from offload.spec import ModelSpec
 from offload.weights.model_files import library_error
 
+ROLES = ("system", "user", "assistant")  # what chat templates render; OpenAI's tool roles need tool calls
+
 
 def encode_text(tokenizer, path: Path, text: str) -> list[int]:
-    """Token ids of a text prompt; ConfigError for a model without a tokenizer."""
+    """Token ids of a text prompt; ConfigError for a model without a tokenizer, or text no tokenizer encodes."""
     if tokenizer is None:
-        raise ConfigError(f"the model in {path} has no tokenizer files; send the prompt as a list of token ids")
+        raise ConfigError(f"the model in {path} has no tokenizer files, so it cannot read text; give the prompt as "
+                          f"token ids, or add the model's tokenizer.json and tokenizer_config.json to {path}")
+    check_text(text, "the prompt")
     return list(tokenizer.encode(text))
 
 
 def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template; ConfigError without one, or where
-    the template refuses the conversation (its own checks raise, such as roles that must alternate)."""
+    """Token ids of a conversation rendered with the model's chat template; ConfigError without one, for a role
+    no template renders, or where the template refuses the conversation (its own checks raise, such as roles that
+    must alternate)."""
     if tokenizer is None:
-        raise ConfigError(f"the model in {path} has no tokenizer files, so no chat template; send 'prompt' as a "
-                          f"list of token ids to /v1/completions")
+        raise ConfigError(f"the model in {path} has no tokenizer files, so no chat template; give the prompt as "
+                          f"token ids without chat, or add the model's tokenizer.json and tokenizer_config.json to "
+                          f"{path}")
     if not tokenizer.chat_template:
-        raise ConfigError(f"the tokenizer in {path} has no chat template; send plain prompts to /v1/completions")
+        raise ConfigError(f"the tokenizer in {path} has no chat template; send plain prompts (a completion, not a "
+                          f"chat)")
+    check_messages(conversation)
     try:
         ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
     except Exception as e:  # jinja2 and the template's own raise_exception(): many kinds
         raise ConfigError(f"the chat template in {path} refused the conversation ({library_error(e)}); "
                           f"change the messages") from e
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+def check_messages(conversation: list[dict]) -> None:
+    """ConfigError for a message that is not a dict, a role no template renders, or text no tokenizer encodes."""
+    for i, message in enumerate(conversation):
+        if not isinstance(message, dict):
+            raise ConfigError(f"expected messages[{i}] to be a {{'role', 'content'}} dict, found "
+                              f"{type(message).__name__}")
+        problem = role_problem(i, message.get("role"))
+        if problem:
+            raise ConfigError(problem)
+        if isinstance(message.get("content"), str):
+            check_text(message["content"], f"messages[{i}].content")
+
+
+def role_problem(i: int, role) -> str | None:
+    """What is wrong with message i's role (None: one of ROLES), with the closest role where one is close."""
+    if role in ROLES:
+        return None
+    close = difflib.get_close_matches(role, ROLES, n=1) if isinstance(role, str) else []
+    hint = f"; did you mean {close[0]!r}?" if close else ""
+    return f"expected messages[{i}].role to be one of {', '.join(ROLES)}, found {role!r}{hint}"
+
+
+def check_text(text: str, where: str) -> None:
+    """ConfigError if text holds a lone surrogate (U+D800-U+DFFF, as JSON's "\\ud800" decodes): no tokenizer
+    encodes it, and it is half of a character, not text."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ConfigError(f"{where} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), half "
+                          f"of a character that no tokenizer encodes; send valid Unicode (both halves of a surrogate "
+                          f"pair, or the character itself)") from None
 
 
 def check_prompt_ids(ids: list[int], context_len: int, spec: ModelSpec, params: SamplingParams | None = None) -> None:
