@@ -190,6 +190,30 @@ def test_a_bad_path_is_one_line_and_keeps_the_earlier_outputs(env, case, name):
         assert_refused_keeping_outputs(case, env, words, command, *args)
 
 
+# issue 44 item 5: a hardware profile with a GPU, run on a machine without one (as this test makes every machine)
+DEVICE_CASES = {
+    "rtx4090 preset": (["--hardware", "rtx4090-ddr5"], ["'rtx4090-ddr5' plans on a GPU", "backend 'auto'"]),
+    "rtx4090 preset, backend auto": (["--hardware", "rtx4090-ddr5", "--backend", "auto"], ["backend 'auto'"]),
+    "rtx4090 preset, backend cuda": (["--hardware", "rtx4090-ddr5", "--backend", "cuda"], ["backend 'cuda'"]),
+    "h200 preset": (["--hardware", "h200-server"], ["'h200-server' plans on a GPU"]),
+    "t4 preset with a GPU budget": (["--hardware", "t4-server", "--gpu-memory", "4GiB", "--backend", "cuda"],
+                                    ["'t4-server' plans on a GPU"]),
+    "rtx3090 preset": (["--hardware", "rtx3090-ddr4"], ["'rtx3090-ddr4' plans on a GPU"]),
+}
+
+
+@pytest.mark.parametrize("name", list(DEVICE_CASES))
+def test_a_gpu_profile_on_a_machine_without_a_gpu_is_one_line_and_keeps_the_earlier_outputs(env, case, name,
+                                                                                               monkeypatch):
+    import offload.jobs.device
+
+    monkeypatch.setattr(offload.jobs.device, "_cuda_visible", lambda: False)
+    flags, words = DEVICE_CASES[name]
+    args = ["--model", env["model"], "--input", env["input"], "--output", case / "o.jsonl", "--max-tokens", 2,
+            "--temperature", 0, *flags, "--restart"]  # a restart: the earlier run answered every request
+    assert_refused_keeping_outputs(case, env, ["no CUDA GPU is visible", "--backend cpu", *words], "run", *args)
+
+
 def _link_model(env: dict, folder: Path, **config) -> Path:
     """A copy of the tiny model (files linked, config.json copied) with config.json changed."""
     model = folder / "model"
@@ -457,4 +481,5 @@ def test_a_bad_api_argument_raises_one_sentence(env, name):
 
 
 def test_the_corpus_holds_at_least_40_bad_inputs():
-    assert sum(map(len, (YAML_CASES, PATH_CASES, MODEL_CASES, LINE_CASES, SEPARATOR_LINES, API_CASES))) >= 40
+    assert sum(map(len, (YAML_CASES, PATH_CASES, DEVICE_CASES, MODEL_CASES, LINE_CASES, SEPARATOR_LINES,
+                         API_CASES))) >= 40

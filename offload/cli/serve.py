@@ -47,10 +47,12 @@ def _serve(config, api_key: str | None, sock: socket.socket) -> int:
     import uvicorn
 
     from offload.jobs.config import sampling_defaults
+    from offload.jobs.device import check_gpu_is_here
     from offload.jobs.worker import load_llm
     from offload.serve.app import Server, make_app
 
     options = config.serve
+    check_gpu_is_here(config)
     llm = load_llm(config)
     server = Server(llm, config.model.path, defaults=sampling_defaults(config), api_key=api_key,
                     max_waiting=options.max_waiting, state_dir=options.state_dir,
