@@ -93,10 +93,16 @@ def test_long_prompts_mixed_with_decoding_equal_the_cpu_backend(tiny, dtype):
     768 tokens, each layer in chunks of 512, through resident, streamed and host-KV GPU layers and a CPU layer."""
     placement = _placement(tiny[1], "mixed", prefetch_depth=1)
     prompts, max_tokens = _prompts([5, 600, 7, 2000]), [12, 4, 10, 3]
-    ours = _generate(_model(tiny, placement, SimBackend(HW), dtype), prompts, max_tokens)
+    model = _model(tiny, placement, SimBackend(HW), dtype)
+    model.timeline.clear()
+    ours = _generate(model, prompts, max_tokens)
     ref = _generate(_model(tiny, placement, CPUBackend(), dtype), prompts, max_tokens)
     n = None if dtype == torch.float32 else 2  # bf16: the device attends in other kernels; a near tie may part later
     assert [t[:n] for t in ours] == [t[:n] for t in ref]
+    # the host-KV GPU layer's crossings in mixed steps are page-locked downloads only: no blocking copy of rows,
+    # indices or keys to the device, no pageable copy
+    host_kv = Counter(s.unit for s in model.timeline.spans if s.kind == "host_sync" and s.unit.startswith("layer.2"))
+    assert set(host_kv) == {"layer.2 (copy to host)", "layer.2 output (copy to host)"}, host_kv
 
 
 def _decode_syncs(model) -> tuple[float, Counter, dict]:

@@ -88,7 +88,7 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.bind(address)
     except OSError as e:
         sock.close()
-        fix = (f"another program listens there: stop it, or give another --port" if e.errno == errno.EADDRINUSE
+        fix = ("another program listens there: stop it, or give another --port" if e.errno == errno.EADDRINUSE
                else "this user may not listen there: give a --port above 1023" if e.errno == errno.EACCES
                else "give an address of this machine (--host), such as 127.0.0.1 or 0.0.0.0")
         raise ConfigError(f"offload serve cannot listen at {host}:{port} ({e.strerror}); {fix}") from None

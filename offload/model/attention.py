@@ -79,8 +79,14 @@ def kv_table(step: Step, kv: LayerKV) -> KVTable:
 
 
 def _prefill(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
-    """A prefill chunk: q [B, H, S, Dh] over its sequences' cached keys in a form a fused SDPA kernel takes."""
-    keys, values = cached_keys(step, kv)  # [B, Hkv, T, Dh]
+    """A prefill chunk: q [B, H, S, Dh] over its sequences' cached keys."""
+    return sdpa_over_keys(q, *cached_keys(step, kv), step)
+
+
+def sdpa_over_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step) -> torch.Tensor:
+    """q [B, H, S, Dh] over K, V [B, Hkv, T, Dh] as the step's mask allows, in a form a fused SDPA kernel takes:
+    bottom-right causal where that is the whole mask, else the query-head group folded into the query length
+    with the bool mask repeated (no GQA: the memory-efficient kernel takes a mask; K/V never repeated)."""
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     b, heads, s, dh = q.shape
     group = heads // keys.shape[1]

@@ -96,9 +96,11 @@ class Step:
             groups.append(part)
             offsets.append(at)
             at += z - a
-        return _ragged(groups, offsets, self.positions[:, start:stop], self.write_index[:, start:stop],
+        part = _ragged(groups, offsets, self.positions[:, start:stop], self.write_index[:, start:stop],
                        self.valid[:, start:stop], self.cos[:, :, start:stop], self.sin[:, :, start:stop], self.phase,
                        self.sliding_window)
+        part._host = None if self._host is None else self._host._slice_ragged(start, stop)
+        return part
 
     def to(self, device, move=None) -> "Step":
         """This step with its tensors on device (positions stay where they are), moved once for every layer; move
@@ -106,9 +108,11 @@ class Step:
         without waiting for the device)."""
         move = move or (lambda t: t.to(device, non_blocking=True))
         if self.groups is not None:
-            return _ragged([g.to(device, move) for g in self.groups], list(self.offsets), self.positions,
-                           move(self.write_index), self.valid, move(self.cos), move(self.sin), self.phase,
-                           self.sliding_window)
+            moved = _ragged([g.to(device, move) for g in self.groups], list(self.offsets), self.positions,
+                            move(self.write_index), self.valid, move(self.cos), move(self.sin), self.phase,
+                            self.sliding_window)
+            moved._host = self
+            return moved
         rows = None if self.rows is None else move(self.rows)
         bases = None if self.bases is None else move(self.bases)
         return Step(self.positions, move(self.write_index), self.valid, self.n_keys, move(self.cos), move(self.sin),

@@ -14,6 +14,7 @@ from offload.model.step import LayerKV, Step
 from offload.model.units import unit_forward
 from offload.profile.timeline import Timeline
 from offload.runtime.backends.base import Backend
+from offload.runtime.host_kv import HostKVAttention
 from offload.runtime.weight_store import WeightStore
 from offload.spec import ModelSpec
 
@@ -99,7 +100,7 @@ class UnitRunner:
         """One layer over a pass, chunk by chunk (each chunk's keys include the chunks before it)."""
         chunks = self._chunks(x, step)
         if len(chunks) == 1:
-            return self._layer_chunk(x, name, w, self._step_on(step, on_device, steps), kv, steps, on_device, step)
+            return self._layer_chunk(x, name, w, self._step_on(step, on_device, steps), kv, steps, on_device)
         parts = []
         for a, b in chunks:
             key = ("slice", a, b, on_device)
@@ -114,12 +115,11 @@ class UnitRunner:
             steps[key] = step.to(self.backend.device, self.backend.upload) if on_device else step
         return steps[key]
 
-    def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool,
-                     host_step: Step | None = None):
+    def _layer_chunk(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
         """The fused C++ layer for a CPU layer where it can run; else the reference block math, with the fused
         layer's attention where the cache is in host RAM: a CPU layer's (weights the fused layer cannot take: float
-        ones through torch), and a device layer's in decode (one new token per sequence: q, k, v come down, the
-        output goes up; host_step: the step on the host)."""
+        ones through torch), and a device layer's (runtime/host_kv.py: decode-like groups attend on the host, prompt
+        chunks on the device)."""
         attention, moe = None, self.spec.hands_over(self.store.kind_index[name][1])
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
             handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)
@@ -128,19 +128,17 @@ class UnitRunner:
                 return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
             if views is not None and fused.HAS_CACHED_ATTENTION:
                 attention = self._attention(self._step_table(step, views[0], steps), views[0])
-        elif on_device and self.fuse and fused.HAS_CACHED_ATTENTION and host_step is not None and \
-                kv.k.device.type == "cpu" and host_step.n_tokens == host_step.n_seqs:
+        elif on_device and self.fuse and fused.HAS_CACHED_ATTENTION and step._host is not None and \
+                kv.k.device.type == "cpu":
             views = self._fused_views([kv], x)
             if views is not None:
-                attention = self._attention(self._step_table(host_step, views[0], steps), views[0])
+                attention = HostKVAttention(self.spec, self.backend, step, kv, views[0],
+                                            lambda s, view: self._step_table(s, view, steps))
         return layer_forward(self.spec, w, x, step, kv, attention, moe)
 
     def _attention(self, table, view):
-        """The fused layer's attention over a host cache for qkv [N, q | k | v] wherever it is and in whatever
-        float format: computed in fp32 on the host, the output back where and as qkv was."""
+        """The fused layer's attention over a host cache for a CPU layer's qkv [N, q | k | v] in whatever float
+        format: computed in fp32, the output as qkv was."""
         def attention(qkv: torch.Tensor) -> torch.Tensor:
-            att = fused.cached_attention(self.spec, qkv.to("cpu", torch.float32).contiguous(), table, view)
-            if qkv.device.type == "cpu":
-                return att.to(qkv.dtype)
-            return self.backend.upload(att).to(qkv.dtype)  # up from page-locked memory: the host does not wait
+            return fused.cached_attention(self.spec, qkv.to(torch.float32).contiguous(), table, view).to(qkv.dtype)
         return attention

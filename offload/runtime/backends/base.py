@@ -189,6 +189,11 @@ class Backend:
         """A device result on the host, once the device has computed it."""
         return x.to("cpu")
 
+    def download(self, t: torch.Tensor) -> torch.Tensor:
+        """A device tensor copied to the host within a step (through page-locked memory where the device has it):
+        the host waits for the device once."""
+        return t.to("cpu")
+
     def read_disk(self, store, unit: str, buffer: torch.Tensor, phase: str, not_before: float = 0.0) -> float:
         """Read unit's bytes from store into buffer (a read-ahead thread calls this); returns when they are there."""
         start = self.now()
