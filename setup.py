@@ -31,10 +31,13 @@ def kernel_extensions():
     if not sources or os.environ.get("OFFLOAD_NO_EXT") == "1":
         return []
     try:
-        from pybind11.setup_helpers import Pybind11Extension
+        from pybind11.setup_helpers import ParallelCompile, Pybind11Extension
     except ImportError:
         print("offload: pybind11 missing, kernel extension not built", file=sys.stderr)
         return []
+    # The extension's files compile side by side (MAX_JOBS at once, else every core): build_ext -j runs only
+    # extensions in parallel, and this is one extension of nine files.
+    ParallelCompile("MAX_JOBS").install()
     # Per-function target attributes select AVX2/AVX-512 code; the baseline stays generic x86-64.
     args = ["-O3", "-std=c++17", "-fopenmp"] if sys.platform != "win32" else ["/O2"]
     # GCC stops inlining once a translation unit has grown by --param inline-unit-growth (40%); the kernel files

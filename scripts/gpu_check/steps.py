@@ -35,9 +35,9 @@ class Step:
 
 STEPS = (
     # 9 C++ files at -O3 (the AVX-512 tiles and the two pybind11 files the slowest, ~25 s each on one core):
-    # ~30 s with the files compiled side by side (gpu_check.build), ~90 s one after another; 150 s lets a serial
-    # build end
-    Step("build", None, 30, 150, command=("{py}", "-m", "gpu_check.build"), modes=("cuda",)),
+    # ~30 s with the files compiled side by side (setup.py's ParallelCompile), ~90 s one after another; 150 s lets
+    # a serial build end
+    Step("build", None, 30, 150, command=("{py}", "setup.py", "-q", "build_ext", "--inplace"), modes=("cuda",)),
     # the first import of torch on a cold machine (~1 GB of libraries read from disk) and offload.kernels: 5 s
     Step("kernel_check", None, 5, 15, command=("{py}", "-m", "offload.kernels.check"),
          needs="offload/kernels/check.py"),
