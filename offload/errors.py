@@ -34,7 +34,12 @@ class DeviceMemoryError(OffloadError):
 
 
 class OutputError(OffloadError):
-    """A job's outputs cannot be written (disk full, permissions); what was written before is kept."""
+    """A job's outputs cannot be written (disk full, permissions); what was written before is kept. reason: the
+    system's word for it (strerror), for a caller that words its own message."""
+
+    def __init__(self, message: str, reason: str | None = None):
+        super().__init__(message)
+        self.reason = reason
 
 
 class BudgetError(OffloadError):

@@ -6,6 +6,7 @@ once; an interactive request is answered while a batch runs; cancel keeps what w
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -198,6 +199,88 @@ def test_a_batch_whose_strings_hold_line_separators_counts_and_answers_each_line
     assert sorted(r["custom_id"] for r in answers) == ["last", "r0\u2028", "r1\u2028", "r2\u2028"]
     assert sorted(((r["custom_id"], r["error"]["line"]) for r in errors), key=lambda e: e[1]) == [
         (None, 4), ("chat\x85", 5)]
+
+
+class FullDisk:
+    """An open file on a disk that has just filled up: every write fails as the OS says it then."""
+
+    def write(self, data):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def flush(self):
+        pass
+
+    def close(self):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+def fill_the_disk_after(monkeypatch, n_records: int) -> None:
+    """The batch's log takes n_records, then the disk is full."""
+    from offload.jobs.output import OutputLog
+
+    append, written = OutputLog.append, []
+
+    def filling(self, record):
+        if len(written) >= n_records:
+            self._file = FullDisk()
+        written.append(record)
+        append(self, record)
+
+    monkeypatch.setattr(OutputLog, "append", filling)
+
+
+def test_a_batch_whose_log_fills_the_disk_ends_failed_with_its_answers_and_each_request_once(llm, defaults,
+                                                                                            tmp_path, monkeypatch):
+    """Issue 44 item 2: it ended `failed` with no output file, no error file, completed 0, and a message that the
+    answers were "kept in its output file ... rerun to resume". Now, as OpenAI ends a batch that cannot finish: the
+    answers in the output file, the failed lines and every request not run (code batch_failed) in the error file,
+    and a message that says so."""
+    data, n_bad = batch_lines(14, max_tokens=2)
+    fill_the_disk_after(monkeypatch, n_bad + 3)  # the two failed lines, then three answers
+    with serving(llm, defaults, state_dir=tmp_path / "state") as (_, client):
+        file_id = client.post("/v1/files", files={"file": ("b.jsonl", data)}, data={"purpose": "batch"}).json()["id"]
+        batch = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"}).json()
+        done = wait_for(client, batch["id"])
+        answers = records(client.get(f"/v1/files/{done['output_file_id']}/content").text)
+        errors = records(client.get(f"/v1/files/{done['error_file_id']}/content").text)
+    assert done["status"] == "failed" and done["request_counts"] == {"total": 14, "completed": 3, "failed": 11}
+    message = done["errors"]["data"][0]["message"]
+    assert "No space left on device" in message and "its 3 answers are in its output file" in message, message
+    assert "2 failed lines and the 9 requests it did not run" in message and "rerun" not in message, message
+    assert len(answers) == 3 and all(r["error"] is None for r in answers)
+    not_run = [r for r in errors if r["error"]["code"] == "batch_failed"]
+    assert len(not_run) == 9 and all("not run: the batch stopped" in r["error"]["message"] for r in not_run)
+    ids = [r["custom_id"] or f"line:{r['error']['line']}" for r in answers + errors]
+    assert len(ids) == len(set(ids)) == 14  # each request once, in one of the two files
+
+
+def test_a_batch_whose_outputs_cannot_be_written_either_resumes_at_the_next_start(llm, defaults, tmp_path,
+                                                                                 monkeypatch):
+    """Where even the output files cannot be written, the batch is left in progress; the next server on the state
+    folder resumes it and answers every request once."""
+    from offload.serve.batches import Batches
+
+    data, _ = batch_lines(6, max_tokens=2, bad=False)
+    state = tmp_path / "state"
+    with monkeypatch.context() as full:
+        fill_the_disk_after(full, 2)
+        full.setattr(Batches, "_adopt_outputs", lambda self, batch_id: FullDisk().write(b""))
+        with serving(llm, defaults, state_dir=state) as (server, client):
+            file_id = client.post("/v1/files", files={"file": ("b.jsonl", data)},
+                                  data={"purpose": "batch"}).json()["id"]
+            batch_id = client.post("/v1/batches", json={"input_file_id": file_id, "endpoint": "/v1/completions",
+                                                         "completion_window": "24h"}).json()["id"]
+            deadline = time.monotonic() + 60
+            while server.batches._runners[batch_id].alive:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert client.get(f"/v1/batches/{batch_id}").json()["status"] == "in_progress"
+    with serving(llm, defaults, state_dir=state) as (_, client):
+        done = wait_for(client, batch_id)
+        answers = records(client.get(f"/v1/files/{done['output_file_id']}/content").text)
+    assert done["status"] == "completed" and done["request_counts"] == {"total": 6, "completed": 6, "failed": 0}
+    assert sorted(r["custom_id"] for r in answers) == [f"r{i}" for i in range(6)]
 
 
 # --- a real offload serve, driven by the official client ---------------------------------------------------------

@@ -217,7 +217,8 @@ class OutputLog:
             self._file.flush()
         except OSError as e:
             raise OutputError(f"cannot write to {self.path} ({e.strerror}); the {len(self.done)} answers "
-                              f"written before are kept: fix that (free space?) and rerun to resume") from None
+                              f"written before are kept: fix that (free space?) and rerun to resume",
+                              e.strerror or str(e)) from None
         (self.done if record.get("error") is None else self.failed).add(key)
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from collections import deque
 from pathlib import Path
 
 from offload.engine import Sequence
-from offload.errors import ConfigError, OffloadError
+from offload.errors import ConfigError, OffloadError, OutputError
 from offload.jobs import responses
 from offload.jobs.batch import BadLine, Request, error_record, read_requests, success_record
 from offload.jobs.output import OutputLog
@@ -87,11 +87,14 @@ class BatchRunner:
         try:
             self._answer(log, done, requests, bad)
         except Exception as e:  # noqa: BLE001 (a runner that fails must say so, not leave the batch in progress)
-            logger.error(f"batch {self.batch_id} failed ({type(e).__name__}: {e})")
+            # as OpenAI ends a batch that cannot finish (expired): what was answered in the output file, each
+            # request not run an error line; not `failed` with the answers out of reach
+            why = (f"the server could not write its log: {e.reason}" if isinstance(e, OutputError) and e.reason
+                   else f"{type(e).__name__}: {e}")
+            logger.error(f"batch {self.batch_id} stopped partway ({why})")
             self._abort_in_flight()
             log.close()
-            self.batches.fail(self.batch_id, f"the batch stopped ({type(e).__name__}: {e}); the answers written "
-                                             f"are kept in its output file")
+            self.batches.finalize(self.batch_id, cancelled=False, failure=why, items=[*bad, *requests])
             return
         log.close()
         if not self._stop.is_set():

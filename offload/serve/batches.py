@@ -25,7 +25,8 @@ from pathlib import Path
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
 
-from offload.jobs.batch import URLS
+from offload.jobs.batch import URLS, error_record
+from offload.jobs.output import record_key
 from offload.serve import files
 from offload.serve.batch_runner import LOG_NAME, BatchRunner
 from offload.serve.files import FileStore, derived_file_id, write_json_atomic
@@ -38,6 +39,7 @@ COMPLETION_WINDOWS = ("24h",)  # OpenAI's only one; the server answers as fast a
 FINAL = ("completed", "failed", "cancelled", "expired")
 LIST_LIMIT_MAX, LIST_LIMIT_DEFAULT = 100, 20  # GET /v1/batches?limit= (OpenAI's bounds)
 METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's
+NOT_RUN = "batch_failed"  # the error code of a request a failed batch did not run (OpenAI's expired: batch_expired)
 
 
 class Batches:
@@ -155,26 +157,29 @@ class Batches:
                      errors={"object": "list", "data": [{"code": "invalid_batch", "message": message,
                                                          "param": None, "line": None}]})
 
-    def finalize(self, batch_id: str, cancelled: bool) -> None:
+    def finalize(self, batch_id: str, cancelled: bool, failure: str | None = None, items: list = ()) -> None:
         """Split the output log into the output file (answers) and the error file (failed lines), count them,
-        and end the batch: completed, or cancelled with what was answered before."""
+        and end the batch: completed, cancelled with what was answered before, or failed (failure: why it stopped
+        partway) with what was answered and, in the error file, each of items (its requests) not answered. Where
+        those files cannot be written (a full disk), the batch is left as it stands, to resume at the next start."""
         with self._ending:
             if self._objects[batch_id]["status"] in FINAL:
                 return
-            if not cancelled:
+            if not cancelled and failure is None:
                 self._update(batch_id, status="finalizing", finalizing_at=int(time.time()))
-            counts = self._split(batch_id)
-            ids = {}
-            for kind in ("output", "error"):
-                path, ids[f"{kind}_file_id"] = self.folder / batch_id / f"{kind}.jsonl", None
-                if path.stat().st_size:
-                    ids[f"{kind}_file_id"] = self.files.adopt(path, f"{batch_id}_{kind}.jsonl", "batch_output",
-                                                              derived_file_id(f"{batch_id}:{kind}"))["id"]
-                path.unlink(missing_ok=True)
-            counts["total"] = max(self._objects[batch_id]["request_counts"]["total"], sum(counts.values()))
-            end = {"status": "cancelled", "cancelled_at": int(time.time())} if cancelled else \
-                {"status": "completed", "completed_at": int(time.time())}
-            self._update(batch_id, **ids, **end, request_counts=counts)
+            try:
+                counts = self._split(batch_id, items, failure)
+                ids = self._adopt_outputs(batch_id)
+                not_run = counts.pop("not_run")
+                counts["failed"] += not_run
+                counts["total"] = max(self._objects[batch_id]["request_counts"]["total"], sum(counts.values()))
+                self._update(batch_id, **ids, **_ending_fields(cancelled, failure, counts, not_run),
+                             request_counts=counts)
+            except OSError as e:
+                self._remove_outputs(batch_id)
+                logger.error(f"batch {batch_id} {'stopped (' + failure + ') and ' if failure else ''}cannot write "
+                             f"its output files ({e.strerror or e}); it is left {self._objects[batch_id]['status']} "
+                             f"and resumes when the server next starts, skipping what its log answers")
 
     # --- inside ------------------------------------------------------------------------------------------------
 
@@ -183,10 +188,11 @@ class Batches:
         self._runners[obj["id"]] = runner
         runner.start()
 
-    def _split(self, batch_id: str) -> dict:
+    def _split(self, batch_id: str, items: list = (), failure: str | None = None) -> dict:
         """The output log's whole records into output.jsonl (answers) and error.jsonl (failed lines) beside it,
-        line by line; how many went to each."""
-        folder, counts = self.folder / batch_id, {"completed": 0, "failed": 0}
+        line by line, then an error line for each of items the log does not hold (a batch that failed partway);
+        how many went to each."""
+        folder, counts, seen = self.folder / batch_id, {"completed": 0, "failed": 0, "not_run": 0}, set()
         log = folder / LOG_NAME
         if not log.exists():
             log.touch()  # a batch cancelled before its runner wrote anything
@@ -195,10 +201,31 @@ class Batches:
             for line in records:
                 if not line.endswith(b"\n") or not line.strip():  # a torn last line: its request was never answered
                     continue
-                answered = json.loads(line).get("error") is None
+                record = json.loads(line)
+                seen.add(record_key(record))
+                answered = record.get("error") is None
                 (ok if answered else failed).write(line)
                 counts["completed" if answered else "failed"] += 1
+            for item in (i for i in items if i.key not in seen):
+                message = f"not run: the batch stopped ({failure}); send this request again"
+                failed.write((json.dumps(error_record(item, message, NOT_RUN), ensure_ascii=False) + "\n").encode())
+                counts["not_run"] += 1
         return counts
+
+    def _adopt_outputs(self, batch_id: str) -> dict:
+        """Move output.jsonl and error.jsonl into the file store (an empty one is none); their file ids."""
+        ids = {}
+        for kind in ("output", "error"):
+            path, ids[f"{kind}_file_id"] = self.folder / batch_id / f"{kind}.jsonl", None
+            if path.stat().st_size:
+                ids[f"{kind}_file_id"] = self.files.adopt(path, f"{batch_id}_{kind}.jsonl", "batch_output",
+                                                          derived_file_id(f"{batch_id}:{kind}"))["id"]
+            path.unlink(missing_ok=True)
+        return ids
+
+    def _remove_outputs(self, batch_id: str) -> None:
+        for kind in ("output", "error"):
+            (self.folder / batch_id / f"{kind}.jsonl").unlink(missing_ok=True)
 
     def _update(self, batch_id: str, **fields) -> None:
         with self._lock:
@@ -210,6 +237,18 @@ class Batches:
         with self._lock:
             write_json_atomic(self.folder / obj["id"] / "batch.json", obj)
             self._objects[obj["id"]] = obj
+
+
+def _ending_fields(cancelled: bool, failure: str | None, counts: dict, not_run: int) -> dict:
+    """The fields a batch ends with: completed, cancelled, or failed partway, saying where its requests are."""
+    now = int(time.time())
+    if failure is None:
+        return {"status": "cancelled", "cancelled_at": now} if cancelled else {"status": "completed", "completed_at": now}
+    message = (f"the batch stopped partway ({failure}): its {counts['completed']} answers are in its output file, "
+               f"and its error file holds its {counts['failed'] - not_run} failed lines and the {not_run} requests "
+               f"it did not run (code {NOT_RUN!r}): send those again")
+    return {"status": "failed", "failed_at": now, "errors": {"object": "list", "data": [
+        {"code": NOT_RUN, "message": message, "param": None, "line": None}]}}
 
 
 def _copy(source: Path, target: Path) -> None:
