@@ -126,6 +126,15 @@ class SyncGuard(TorchFunctionMode):
             self.calls.append(name)
         return func(*args, **kwargs)
 from offload.model import moe
+# the router's linear() as it runs on the GPU: F.linear at any rows. On the CPU tensors the interpreter runs on,
+# linear() checks a bf16 weight for offload's C++ kernels, which take one or two rows (more only where the CPU has
+# AVX-512 BF16), so the calls of 1 token and of 24 would differ by the host's kernel choice, not the grouped path's
+host_linear = moe.linear
+def device_linear(x, w, bias):
+    if isinstance(w, torch.Tensor) and w.dtype == x.dtype:
+        return torch.nn.functional.linear(x, w, bias)
+    return host_linear(x, w, bias)
+moe.linear = device_linear
 group_weights, builds = triton_moe.group_weights, []
 triton_moe.group_weights = lambda leaves, x: builds.append(len(leaves)) or group_weights(leaves, x)
 cases = torch.load(sys.argv[1], weights_only=False)
