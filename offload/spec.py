@@ -9,6 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from offload.config_values import FIX, MAX_EXPERTS_OVER_LAYERS, count, layer_list, real
+from offload.attention_sizes import attention_bytes
 from offload.errors import ConfigError
 from offload.paths import describe_path
 from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK,
@@ -355,46 +356,9 @@ class ModelSpec:
         # and their down outputs [T, top_k, d] before they are summed); attention's transients (attention_bytes).
         mlp = 2 * f if self.moe is None else max(2 * f, f + self.moe.top_k * d)
         per_token = 3 * d + self.q_size + 2 * self.kv_size + mlp + (2 * d if self.moe else 0)
-        return n_tokens * per_token * elem_bytes + self.attention_bytes(n_tokens, ctx_len, n_seqs, elem_bytes)
-
-    def attention_bytes(self, n_tokens: int, ctx_len: int, n_seqs: int = 1, elem_bytes: int = 2) -> int:
-        """Bytes attention allocates for n_tokens queries of n_seqs sequences over ctx_len keys on the GPU path
-        (offload.model.attention): a few tokens per sequence read the cache in place, holding the Triton kernel's
-        fp32 partials (decode_partials_bytes); a
-        prefill chunk holds its bool mask, repeated for the query heads of a KV head, and its sequences' K and V
-        where they are gathered (bounded by n_seqs whole histories), and SDPA's fp32 log-sum-exp per query row."""
-        keys, group = self.kv_len(ctx_len), self.n_heads // self.n_kv_heads
-        per_seq = -(-n_tokens // max(n_seqs, 1))
-        if per_seq <= IN_PLACE_MAX_QUERIES:
-            return decode_partials_bytes(n_seqs, per_seq, self.n_heads, self.n_kv_heads, self.head_dim, keys)
-        mask = (group + 1) * n_tokens * keys
-        gathered = 2 * n_seqs * keys * self.kv_size * elem_bytes if n_seqs > 1 else 0
-        return mask + gathered + self.n_heads * n_tokens * 4
-
-
-IN_PLACE_MAX_QUERIES = 8  # new tokens per sequence up to which a step's attention reads the KV cache in place
-# (offload.model.attention; the Triton kernel holds group x queries rows of head_dim fp32 accumulators per program:
-# 8 x 8 x 128 = its 8192 at Llama-70B's shape)
-# The Triton decode attention's split-K schedule (offload.kernels.triton_attention runs it, the planner sizes it):
-# about two programs per SM in all, each split walking at least DECODE_SPLIT_MIN_KEYS keys (below, a program's fixed
-# cost, its q tile and its partial's store, outweighs its keys'; chosen, not measured: 4 tiles of 64 keys, where
-# vLLM's flash-decoding partitions hold 512)
-SIZING_SMS = 132  # an H100 SXM's (and H200's) streaming multiprocessors, where the device cannot be asked
-DECODE_SPLIT_MIN_KEYS = 256
-
-
-def decode_splits(n_programs: int, max_keys: int, n_sms: int = SIZING_SMS) -> int:
-    """Key splits per (sequence, KV head) of the decode attention kernel."""
-    wanted = -(-2 * n_sms // max(n_programs, 1))
-    return max(1, min(wanted, -(-max_keys // DECODE_SPLIT_MIN_KEYS)))
-
-
-def decode_partials_bytes(batch: int, n_queries: int, n_heads: int, n_kv_heads: int, head_dim: int, max_keys: int,
-                          n_sms: int = SIZING_SMS) -> int:
-    """Bytes of the fp32 partials (max, sum, p.V of each split) one decode attention call allocates beside its
-    output."""
-    splits = decode_splits(batch * n_kv_heads, max_keys, n_sms)
-    return 4 * batch * n_kv_heads * splits * (n_heads // n_kv_heads * n_queries) * (2 + head_dim)
+        attention = attention_bytes(n_tokens, self.kv_len(ctx_len), n_seqs, self.n_heads, self.n_kv_heads,
+                                    self.head_dim, elem_bytes)
+        return n_tokens * per_token * elem_bytes + attention
 
 
 def load_spec(path: str | Path) -> ModelSpec:

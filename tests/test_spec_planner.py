@@ -62,7 +62,7 @@ def test_kv_attention_and_activation_by_hand():
     # 2 sequences' chunks: their K and V gathered too (2 x 2 sequences x 24 keys x 32 x 2 bytes = 6144)
     assert spec.activation_bytes(32, 24, 2, n_seqs=2) == 32 * 576 * 2 + 3 * 32 * 24 + 4 * 32 * 4 + 6144
     # decode at batch 32 over 4096 keys, Llama-70B's heads: the kernel's partials (decode_partials_bytes)
-    from offload.spec import decode_partials_bytes
+    from offload.attention_sizes import decode_partials_bytes
 
     assert decode_partials_bytes(32, 1, 64, 8, 128, 4096) == 4 * 32 * 8 * 2 * 8 * 130
 

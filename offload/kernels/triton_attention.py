@@ -23,10 +23,10 @@ import functools
 
 import torch
 
-from offload.spec import DECODE_SPLIT_MIN_KEYS as MIN_SPLIT_KEYS
-from offload.spec import SIZING_SMS as DEFAULT_SM_COUNT
-from offload.spec import decode_partials_bytes as partials_bytes
-from offload.spec import decode_splits as split_count
+from offload.attention_sizes import DECODE_SPLIT_MIN_KEYS as MIN_SPLIT_KEYS
+from offload.attention_sizes import SIZING_SMS as DEFAULT_SM_COUNT
+from offload.attention_sizes import decode_partials_bytes as partials_bytes
+from offload.attention_sizes import decode_splits as split_count
 from offload.kernels.triton_dequant import _LAUNCH, TRITON_AVAILABLE, _jit, tl, triton
 
 HEAD_DIMS = (16, 32, 64, 128, 256)  # powers of two a [rows, Dh] tile and tl.dot take

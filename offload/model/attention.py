@@ -24,7 +24,8 @@ from torch.nn.attention.bias import causal_lower_right
 
 from offload.kernels.attention import PATH_COUNTS, KVTable, paged_attention
 from offload.model.step import LayerKV, Step
-from offload.spec import IN_PLACE_MAX_QUERIES, ModelSpec
+from offload.attention_sizes import IN_PLACE_MAX_QUERIES
+from offload.spec import ModelSpec
 
 
 def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, kv: LayerKV):

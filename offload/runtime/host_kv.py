@@ -16,7 +16,8 @@ from offload.kernels import layer as fused
 from offload.model.attention import cached_keys, sdpa_over_keys
 from offload.model.rope import apply_rope
 from offload.model.step import LayerKV, Step
-from offload.spec import IN_PLACE_MAX_QUERIES, ModelSpec
+from offload.attention_sizes import IN_PLACE_MAX_QUERIES
+from offload.spec import ModelSpec
 
 
 def decode_like(step: Step) -> bool:
