@@ -483,3 +483,380 @@ def test_a_bad_api_argument_raises_one_sentence(env, name):
 def test_the_corpus_holds_at_least_40_bad_inputs():
     assert sum(map(len, (YAML_CASES, PATH_CASES, DEVICE_CASES, MODEL_CASES, LINE_CASES, SEPARATOR_LINES,
                          API_CASES))) >= 40
+
+
+# =====================================================================================================================
+# Issue 44, items 7-15 ("clear errors"): flags argparse reads, `offload serve`'s address, the server's bodies, query
+# parameters and headers, request lines and API calls whose messages named the wrong culprit, and sharded indexes
+# that name files outside their model folder. Each is one line (exit 2), one 4xx in OpenAI's shape, one error line
+# or one OffloadError; the server queues nothing for a refused request.
+# =====================================================================================================================
+
+
+def _cli(*argv) -> tuple[int, str]:
+    """The CLI in-process, argparse's exits (SystemExit) returned as exit codes; (code, stderr + stdout)."""
+    import contextlib
+    import io
+
+    from offload.cli.main import main
+
+    err, out = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(out):
+        try:
+            code = main([str(a) for a in argv])
+        except SystemExit as e:
+            code = e.code
+    return code, err.getvalue() + out.getvalue()
+
+
+def assert_one_error_line(words: list[str], *argv) -> str:
+    """Exit 2 with one `offload: error:` line holding words; no usage block, no traceback."""
+    code, message = _cli(*argv)
+    errors = [line for line in message.splitlines() if line.startswith("offload: error:")]
+    assert code == 2 and len(errors) == 1 and "usage:" not in message and "Traceback" not in message, message
+    for word in words:
+        assert word in errors[0], (word, errors[0])
+    return errors[0]
+
+
+def _without_tokenizer(env: dict, folder: Path) -> Path:
+    model = _link_model(env, folder)
+    for path in model.iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens", "chat_template")):
+            path.unlink()
+    return model
+
+
+# name -> (argv, with "{model}" for the tiny model and "{bare}" for it without tokenizer files; words of the line)
+FLAG_CASES = {
+    "unknown flag": (["plan", "--model", "{model}", "--bogus"],
+                     ["unrecognized arguments: --bogus", "see `offload plan --help`"]),
+    "misspelt flag with a value": (["validate", "--model", "{model}", "--max-tokns", "3"],
+                                   ["unrecognized arguments: --max-tokns", "`offload validate --help`"]),
+    "flag without its value": (["plan", "--model", "{model}", "--cpu-memory"],
+                               ["argument --cpu-memory: expected one argument"]),
+    "negative size": (["plan", "--model", "{model}", "--cpu-memory", "-5GiB"],
+                      ["key 'memory.cpu'", "a size of 0 or more", "found '-5GiB'"]),
+    "negative size after =": (["plan", "--model", "{model}", "--gpu-memory=-1GiB"], ["key 'memory.gpu'", "'-1GiB'"]),
+    "negative batch": (["plan", "--model", "{model}", "--batch-size", "-3"], ["key 'schedule.batch_size'", ">= 1"]),
+    "unknown command": (["plann"], ["invalid choice: 'plann'", "see `offload --help`"]),
+    "no command": ([], ["the following arguments are required: command"]),
+    "not a whole number": (["generate", "--max-tokens", "x", "--prompt", "a"],
+                           ["argument --max-tokens: invalid int value: 'x'", "`offload generate --help`"]),
+    # item 10: the KV cache is what does not fit, and the advice says so
+    "a batch of 10^8": (["plan", "--model", "{model}", "--batch-size", "100000000"],
+                        ["is the largest batch that fits", "to hold this KV cache and every weight in RAM"]),
+    # item 10: no HTTP route for a command line
+    "generate without a tokenizer": (["generate", "--model", "{bare}", "--prompt", "hi"],
+                                     ["has no tokenizer files, and offload generate reads text prompts",
+                                      "tokenizer.json"]),
+}
+
+
+@pytest.mark.parametrize("name", list(FLAG_CASES))
+def test_a_bad_flag_is_one_line_without_the_usage_block(env, tmp_path, name):
+    argv, words = FLAG_CASES[name]
+    values = {"{model}": str(env["model"]), "{bare}": str(_without_tokenizer(env, tmp_path))
+              if "{bare}" in argv else ""}
+    line = assert_one_error_line(words, *[values.get(a, a) for a in argv])
+    assert "/v1/" not in line
+
+
+@pytest.fixture
+def busy_port():
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+# name -> (--host, --port ("busy": one this test listens on), words of the line)
+SERVE_ADDRESS_CASES = {
+    "port in use": ("127.0.0.1", "busy", ["cannot listen at 127.0.0.1:", "Address already in use",
+                                          "give another --port"]),
+    "host not a name": ("no.such.host.invalid", "8000", ["serve.host 'no.such.host.invalid' is not an address",
+                                                      "(--host)"]),
+    "host not this machine's": ("192.0.2.1", "8000", ["cannot listen at 192.0.2.1:8000",
+                                                      "address of this machine (--host)"]),
+}
+
+
+@pytest.mark.parametrize("name", list(SERVE_ADDRESS_CASES))
+def test_serve_checks_its_address_before_it_loads_the_model(env, busy_port, monkeypatch, name):
+    pytest.importorskip("uvicorn", reason="offload[serve] is not installed")
+    import offload.jobs.worker
+
+    def never(*args, **kwargs):
+        raise AssertionError("the model was loaded before the address was checked")
+
+    monkeypatch.setattr(offload.jobs.worker, "load_llm", never)
+    host, port, words = SERVE_ADDRESS_CASES[name]
+    assert_one_error_line(words, "serve", "--model", env["model"], "--host", host,
+                          "--port", busy_port if port == "busy" else port)
+
+
+def _index(env: dict, folder: Path, weight_map) -> Path:
+    """A copy of the tiny model whose sharded index maps every tensor by weight_map (a shard name, or the whole
+    map when it is not a string)."""
+    from safetensors import safe_open
+
+    model = _link_model(env, folder)
+    with safe_open(str(env["model"] / "model.safetensors"), "pt") as f:
+        names = list(f.keys())
+    mapping = {n: weight_map for n in names} if isinstance(weight_map, str) else weight_map
+    (model / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": mapping}))
+    return model
+
+
+# name -> (weight_map: a shard name for every tensor, or the whole map; words of the line)
+INDEX_CASES = {
+    "shard up two folders": ("../../etc/passwd", ["names shard '../../etc/passwd'", "has path parts",
+                                                   "fix the index's weight_map"]),
+    "shard an absolute path": ("/etc/passwd", ["names shard '/etc/passwd'", "has path parts"]),
+    "shard in a subfolder": ("sub/model.safetensors", ["names shard 'sub/model.safetensors'", "has path parts"]),
+    "shard the parent": ("..", ["names shard '..'", "not a file name beside the index"]),
+    "weight_map a list": (["model.safetensors"], ["is not a valid sharded index", "download it again"]),
+    "shard name a number": ({"model.embed_tokens.weight": 3}, ["is not a valid sharded index"]),
+}
+
+
+@pytest.mark.parametrize("name", list(INDEX_CASES))
+def test_a_sharded_index_opens_nothing_outside_its_folder(env, case, name):
+    weight_map, words = INDEX_CASES[name]
+    model = _index(env, case, weight_map)
+    args = ["--model", model, "--input", env["input"], "--output", case / "o.jsonl", "--max-tokens", 2]
+    assert_refused_keeping_outputs(case, env, words, "run", *args, "--restart")
+
+
+KEY = "sk-corpus"
+MAX_WAITING = 4
+DEEP = 100_000  # levels of nesting: past Python's parser (it stops near 1,000)
+
+
+def _raw_json(text: str) -> bytes:
+    """A body as written, escapes kept: a lone surrogate as JSON's \\ud800 (no encoder writes one raw)."""
+    return text.encode()
+
+
+@pytest.fixture(scope="module")
+def served(env, tmp_path_factory):
+    """A server on its own copy of the tiny model (the API cases hold the other), a TestClient on it, and what its
+    engine thread was handed (submitted and aborted request ids)."""
+    pytest.importorskip("fastapi", reason="offload[serve] is not installed")
+    from fastapi.testclient import TestClient
+
+    from offload import LLM
+    from offload.serve.app import Server, make_app
+
+    llm = LLM(str(env["model"]), max_model_len=64)
+    server = Server(llm, "tiny", defaults={"max_tokens": 1, "temperature": 0}, api_key=KEY,
+                    max_waiting=MAX_WAITING, state_dir=tmp_path_factory.mktemp("served") / "state")
+    handed = {"submit": [], "abort": []}
+    thread = server.engine_thread
+    submit, abort = thread.submit, thread.abort
+    thread.submit = lambda seq, *a, **k: (handed["submit"].append(seq.request_id), submit(seq, *a, **k))[1]
+    thread.abort = lambda request_id: (handed["abort"].append(request_id), abort(request_id))[1]
+    with TestClient(make_app(server)) as client:
+        yield client, handed
+
+
+AUTH = {"Authorization": f"Bearer {KEY}"}
+USER = [{"role": "user", "content": "hi"}]
+
+# name -> (method, route, body: a dict sent as JSON or bytes as they are, headers, status, param, words)
+SERVE_CASES = {
+    # item 7: nesting past the parser is a body the server cannot read, not the server's failure
+    "deep arrays": ("POST", "/v1/completions", _raw_json('{"prompt": ' + "[" * DEEP + "]" * DEEP + "}"), AUTH, 400,
+                    None, ["not valid JSON", "nest too deep"]),
+    "deep objects": ("POST", "/v1/chat/completions", _raw_json('{"a": ' * DEEP + "1" + "}" * DEEP), AUTH, 400, None,
+                     ["not valid JSON", "nest too deep"]),
+    "deep batch body": ("POST", "/v1/batches", _raw_json("[" * DEEP + "]" * DEEP), AUTH, 400, None,
+                        ["not valid JSON"]),
+    "cut JSON": ("POST", "/v1/completions", _raw_json('{"prompt": '), AUTH, 400, None, ["not valid JSON"]),
+    # item 8: more prompts than may ever wait at once: 400 before any is queued, not a 503 to retry forever
+    "more prompts than may wait": ("POST", "/v1/completions", {"prompt": ["a"] * (MAX_WAITING + 1)}, AUTH, 400,
+                                   "prompt", [f"has {MAX_WAITING + 1} prompts", f"at most {MAX_WAITING} requests",
+                                              "serve.max_waiting", f"--max-waiting {MAX_WAITING + 1}"]),
+    "many token-id prompts": ("POST", "/v1/completions", {"prompt": [[1], [2], [3], [4], [5], [6], [7]]}, AUTH, 400,
+                              "prompt", ["has 7 prompts"]),
+    # item 10: FastAPI's own checks answer in OpenAI's shape
+    "limit not a number": ("GET", "/v1/batches?limit=abc", None, AUTH, 400, "limit",
+                           ["the query parameter 'limit' is not valid", "found 'abc'"]),
+    "limit a fraction": ("GET", "/v1/batches?limit=1.5", None, AUTH, 400, "limit", ["'limit'", "'1.5'"]),
+    # item 10: the scheme is case-insensitive; the key is not
+    "lowercase bearer": ("GET", "/v1/models", None, {"Authorization": f"bearer {KEY}"}, 200, None, []),
+    "uppercase bearer": ("GET", "/v1/models", None, {"Authorization": f"BEARER  {KEY}"}, 200, None, []),
+    "bearer with the key in capitals": ("GET", "/v1/models", None, {"Authorization": f"bearer {KEY.upper()}"}, 401,
+                                        None, ["missing or wrong API key"]),
+    "basic scheme": ("GET", "/v1/models", None, {"Authorization": f"Basic {KEY}"}, 401, None, ["wrong API key"]),
+    # item 10: the endpoint is what is wrong, not the prompt
+    "chat body to completions": ("POST", "/v1/completions", {"messages": USER}, AUTH, 400, "messages",
+                                 ["'messages' is for /v1/chat/completions", "went to /v1/completions"]),
+    "completion body to chat": ("POST", "/v1/chat/completions", {"prompt": "hi"}, AUTH, 400, "prompt",
+                                ["'prompt' is for /v1/completions", "send it to /v1/completions"]),
+    # item 10: a lone surrogate is the text's fault, named where it is (was the chat template's, or a 500)
+    "lone surrogate in chat": ("POST", "/v1/chat/completions",
+                               _raw_json('{"messages": [{"role": "user", "content": "a\\ud800b"}]}'), AUTH, 400,
+                               "messages", ["messages[0].content holds a lone surrogate (U+D800 at character 1)"]),
+    "lone surrogate in a prompt": ("POST", "/v1/completions", _raw_json('{"prompt": "ab\\udc00"}'), AUTH, 400,
+                                   "prompt", ["the prompt holds a lone surrogate (U+DC00 at character 2)"]),
+    "lone surrogate in one of two prompts": ("POST", "/v1/completions", _raw_json('{"prompt": ["ok", "\\udfff"]}'),
+                                             AUTH, 400, "prompt[1]", ["prompt[1]: the prompt holds a lone"]),
+    # item 11: what the server refuses, stated (no image input, one name for the token limit, text roles only)
+    "image only": ("POST", "/v1/chat/completions",
+                   {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                               "image_url": {"url": "http://x/y.png"}}]}]},
+                   AUTH, 400, "messages[0].content", ["messages[0].content[0]", "type 'image_url'", "text only"]),
+    "text and an image": ("POST", "/v1/chat/completions",
+                          {"messages": [{"role": "user", "content": [{"type": "text", "text": "what is this?"},
+                                                                     {"type": "image_url", "image_url": {}}]}]},
+                          AUTH, 400, "messages[0].content", ["messages[0].content[1]", "type 'image_url'"]),
+    "a text part without text": ("POST", "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": [{"type": "text"}]}]}, AUTH, 400,
+                                 "messages[0].content", ["messages[0].content[0] to be a text part"]),
+    "both token limits": ("POST", "/v1/chat/completions", {"messages": USER, "max_tokens": 3,
+                                                           "max_completion_tokens": 5}, AUTH, 400,
+                          "max_completion_tokens", ["give one of 'max_tokens' and 'max_completion_tokens'"]),
+    "tool role": ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, AUTH, 400,
+                  "messages[0].role", ["expected messages[0].role to be one of system, user, assistant"]),
+}
+
+
+@pytest.mark.parametrize("name", list(SERVE_CASES))
+def test_a_bad_request_to_the_server_is_answered_in_openais_shape(served, name):
+    client, handed = served
+    method, route, body, headers, status, param, words = SERVE_CASES[name]
+    before = {k: len(v) for k, v in handed.items()}
+    sent = {"content": body, "headers": {**headers, "content-type": "application/json"}} if isinstance(body, bytes) \
+        else {"json": body, "headers": headers} if body is not None else {"headers": headers}
+    response = client.request(method, route, **sent)
+    assert response.status_code == status, response.text
+    if status == 200:
+        return
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+    assert "\n" not in error["message"] and "Traceback" not in error["message"]
+    for word in words:
+        assert word in error["message"], (word, error["message"])
+    assert {k: len(v) for k, v in handed.items()} == before  # nothing queued, nothing aborted
+
+
+def test_a_batchs_errors_name_the_uploaded_file_not_the_servers_copy(served):
+    """item 10: line errors and a batch's failure name the file as uploaded, never the state folder's copy."""
+    import time
+
+    client, _ = served
+
+    def run_batch(name: str, data: bytes) -> dict:
+        upload = client.post("/v1/files", files={"file": (name, data)}, data={"purpose": "batch"}, headers=AUTH)
+        batch = client.post("/v1/batches", json={"input_file_id": upload.json()["id"], "endpoint": "/v1/completions",
+                                                 "completion_window": "24h"}, headers=AUTH).json()
+        for _ in range(600):
+            batch = client.get(f"/v1/batches/{batch['id']}", headers=AUTH).json()
+            if batch["status"] in ("completed", "failed"):
+                return batch
+            time.sleep(0.05)
+        raise AssertionError(batch)
+
+    good = json.dumps(completion_line("a", "hi")) + "\n"
+    batch = run_batch("my requests.jsonl", (good + '{"custom_id": "b", "body": \n').encode())
+    errors = client.get(f"/v1/files/{batch['error_file_id']}/content", headers=AUTH).text
+    assert "line 2 of my requests.jsonl is not valid JSON" in errors and "input.jsonl" not in errors
+    failed = run_batch("twice.jsonl", (good * 2).encode())
+    message = failed["errors"]["data"][0]["message"]
+    assert failed["status"] == "failed" and message.startswith("twice.jsonl: custom_id must be unique"), message
+
+
+def _lone(line: dict, text: str, escaped: str) -> str:
+    """A request line with text replaced by an escaped lone surrogate, as a client's JSON encoder may write one."""
+    return json.dumps(line).replace(text, escaped)
+
+
+# custom_id -> (the request line, words of its error line)
+LINE_CASES_44 = {
+    "deep-array": ('{"custom_id": "deep-array", "body": ' + "[" * DEEP + "]" * DEEP + "}",
+                   ["is not valid JSON as offload reads it", "nest too deep"]),
+    "deep-object": ('{"custom_id": "deep-object", "body": ' + '{"a": ' * DEEP + "1" + "}" * DEEP + "}",
+                    ["is not valid JSON as offload reads it"]),
+    "messages-to-completions": ({**chat_line("messages-to-completions", "hi"), "url": "/v1/completions"},
+                                ["'messages' is for /v1/chat/completions", "went to /v1/completions"]),
+    "prompt-to-chat": ({**completion_line("prompt-to-chat", "hi"), "url": "/v1/chat/completions"},
+                       ["'prompt' is for /v1/completions"]),
+    "image-only": ({**chat_line("image-only", "hi"),
+                    "body": {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}},
+                   ["messages[0].content[0] to be a text part", "type 'image_url'"]),
+    "audio-part": ({**chat_line("audio-part", "hi"),
+                    "body": {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"},
+                                                                       {"type": "input_audio"}]}]}},
+                   ["messages[0].content[1]", "type 'input_audio'"]),
+    "both-limits": (completion_line("both-limits", "hi", max_tokens=2, max_completion_tokens=2),
+                    ["give one of 'max_tokens' and 'max_completion_tokens'"]),
+    "surrogate-prompt": (_lone(completion_line("surrogate-prompt", "a@b"), "@", "\\ud800"),
+                         ["the prompt holds a lone surrogate (U+D800 at character 1)"]),
+    "surrogate-chat": (_lone(chat_line("surrogate-chat", "a@b"), "@", "\\udbff"),
+                       ["messages[0].content holds a lone surrogate (U+DBFF"]),
+    "surrogate-id": (_lone(completion_line("id@", "hi"), "@", "\\ud800"),
+                     ["'custom_id' holds a lone surrogate (U+D800 at character 2)"]),
+    "tool-role": ({**chat_line("tool-role", "hi"), "body": {"messages": [{"role": "tool", "content": "42"}]}},
+                  ["expected messages[0].role to be one of system, user, assistant, found 'tool'"]),
+}
+
+
+@pytest.fixture(scope="module")
+def line_job_44(env):
+    """One job of every line above between two good ones: (validate's message, the output's records by key)."""
+    folder = env["base"] / "lines-44"
+    folder.mkdir()
+    job = write_yaml(folder / "job.yaml", {**good_job(env["model"], folder / "in.jsonl"),
+                                           "model": {"path": str(env["model"]), "max_model_len": 64}})
+    write_batch(folder / "in.jsonl", [completion_line("first", "hi"), *[line for line, _ in LINE_CASES_44.values()],
+                                      completion_line("last", "hello")])
+    validate_code, validate_message = run_cli("validate", job)
+    assert validate_code == 2 and "Traceback" not in validate_message
+    code, message = run_cli("run", job)
+    assert code == 3 and "Traceback" not in message and f"{len(LINE_CASES_44)} request(s) are error lines" in message
+    lines = read_records(folder / "o.jsonl")
+    records = {r["custom_id"] or f"line:{r['error']['line']}": r for r in lines}
+    assert len(records) == len(lines) == len(LINE_CASES_44) + 2
+    assert records["first"]["error"] is None and records["last"]["error"] is None
+    return validate_message, records
+
+
+@pytest.mark.parametrize("custom_id", list(LINE_CASES_44))
+def test_a_request_line_names_its_true_culprit(line_job_44, custom_id):
+    validate_message, records = line_job_44
+    _, words = LINE_CASES_44[custom_id]
+    record = records.get(custom_id) or records[f"line:{list(LINE_CASES_44).index(custom_id) + 2}"]
+    assert record["response"] is None
+    for word in words:
+        assert word in record["error"]["message"] and word in validate_message, (word, record["error"]["message"])
+
+
+# name -> (a call that must raise, the error type's name, words of its message)
+API_CASES_44 = {
+    "LLM.chat with a tool role": (lambda e: _llm(e).chat([{"role": "tool", "content": "42"}]), "ConfigError",
+                                  ["expected messages[0].role to be one of system, user, assistant, found 'tool'"]),
+    "LLM.chat with a misspelt role": (lambda e: _llm(e).chat([{"role": "usr", "content": "hi"}]), "ConfigError",
+                                      ["found 'usr'; did you mean 'user'?"]),
+    "LLM.chat with a lone surrogate": (lambda e: _llm(e).chat([{"role": "user", "content": "x\ud800"}]),
+                                       "ConfigError", ["messages[0].content holds a lone surrogate"]),
+    "LLM.generate with a lone surrogate": (lambda e: _llm(e).generate("\udc80"), "ConfigError",
+                                           ["the prompt holds a lone surrogate (U+DC80 at character 0)"]),
+}
+
+
+@pytest.mark.parametrize("name", list(API_CASES_44))
+def test_a_bad_api_call_names_its_true_culprit(env, name):
+    call, kind, words = API_CASES_44[name]
+    with pytest.raises(OffloadError) as raised:
+        call(env)
+    assert type(raised.value).__name__ == kind and "\n" not in str(raised.value)
+    for word in words:
+        assert word in str(raised.value), (word, str(raised.value))
+
+
+def test_items_7_to_15_add_at_least_40_bad_inputs():
+    assert sum(map(len, (FLAG_CASES, SERVE_ADDRESS_CASES, INDEX_CASES, SERVE_CASES, LINE_CASES_44,
+                         API_CASES_44))) >= 40

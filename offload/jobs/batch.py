@@ -13,7 +13,7 @@ from typing import Any
 
 from offload.errors import ConfigError, OffloadError, SamplingError
 from offload.sampling import MAX_LOGPROBS, SamplingParams
-from offload.weights.prompts import role_problem
+from offload.weights.prompts import check_text, role_problem
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 URLS = (COMPLETIONS, CHAT)
@@ -126,6 +126,10 @@ def _openai_request(line: str, n: int, defaults: dict, name: str) -> Request | B
     custom_id = obj.get("custom_id")
     if not isinstance(custom_id, str) or not custom_id:
         return BadLine(n, f"line {n} of {name}: expected a non-empty string 'custom_id', found {custom_id!r}")
+    try:
+        check_text(custom_id, "'custom_id'")  # the output repeats it, and no UTF-8 file holds half a character
+    except ConfigError as e:
+        return BadLine(n, f"line {n} of {name}: {e}")
     problem = _check_envelope(obj)
     if problem:
         return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {problem}", custom_id)

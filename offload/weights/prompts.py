@@ -67,14 +67,14 @@ def role_problem(i: int, role) -> str | None:
 
 
 def check_text(text: str, where: str) -> None:
-    """ConfigError if text holds a lone surrogate (U+D800-U+DFFF, as JSON's "\\ud800" decodes): no tokenizer
-    encodes it, and it is half of a character, not text."""
+    """ConfigError if text holds a lone surrogate (U+D800-U+DFFF, as JSON's "\\ud800" decodes): half of a
+    character, not text."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ConfigError(f"{where} holds a lone surrogate (U+{ord(text[e.start]):04X} at character {e.start}), half "
-                          f"of a character that no tokenizer encodes; send valid Unicode (both halves of a surrogate "
-                          f"pair, or the character itself)") from None
+                          f"of a character, which no tokenizer encodes and no UTF-8 file holds; send valid Unicode "
+                          f"(both halves of a surrogate pair, or the character itself)") from None
 
 
 def check_prompt_ids(ids: list[int], context_len: int, spec: ModelSpec, params: SamplingParams | None = None) -> None:
