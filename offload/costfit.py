@@ -17,7 +17,8 @@ import time
 from dataclasses import replace
 
 from offload.formats import GGUF_BLOCKS, GGUF_TYPES, QUANTIZATIONS, compute_format, format_nbytes, weight_format
-from offload.hardware import COMPUTE_BOUND_ROWS, OVERHEAD_TERMS, HardwareProfile, scale_curve
+from offload.hardware import OVERHEAD_TERMS, HardwareProfile
+from offload.rate_curves import COMPUTE_BOUND_ROWS, scale_curve
 from offload.runtime.speedprobe import (attention_cache, attention_prefill, attention_run, linear_for, machine_speed,
                                         median_time, probe, random_weight, reference_probe)
 from offload.runtime.speedprobe import calibration_spec as _calibration_spec

@@ -11,7 +11,8 @@ import offload.runtime.calibrate as calibrate_module
 import offload.runtime.device_quant as device_quant
 from offload.api import LLM
 from offload.errors import ConfigError
-from offload.hardware import (crossover_rows, gpu_calibration_summary, gpu_kernel, load_hardware, profile_from_dict,
+from offload.rate_curves import crossover_rows, gpu_kernel
+from offload.hardware import (gpu_calibration_summary, load_hardware, profile_from_dict,
                               profile_to_dict)
 from offload.planner.costs import (DENSE_LAYER_LAUNCHES, GPU_LAUNCH_S, HOP_LATENCY_S, MLP_LAUNCHES,
                                    MOE_GROUPED_LAUNCHES, Phase, hop_s, moe_launch_s, unit_cost)

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from offload.errors import ConfigError
-from offload.hardware import load_hardware, profile_from_dict, profile_to_dict, save_hardware, speed_factor
+from offload.hardware import load_hardware, profile_from_dict, profile_to_dict, save_hardware
+from offload.rate_curves import speed_factor
 from offload.runtime import speedprobe
 from offload.runtime.speedprobe import MachineSpeed, SpeedProbe, machine_speed, probe_format
 

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 
 from offload.weights.loader import pread_into
-from offload.hardware import HardwareProfile, cache_path, crossover_rows
+from offload.hardware import HardwareProfile, cache_path
+from offload.rate_curves import crossover_rows
 from offload.system import system_cores, system_memory_bytes
 from offload.formats import (FLOAT_FORMATS, GGUF_BLOCKS, GGUF_TYPE, GGUF_TYPES, QK, QUANT_BLOCK_BYTES,
                              WEIGHT_FORMATS)

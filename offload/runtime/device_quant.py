@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from offload.errors import KernelError
 from offload.formats import GGUF_TYPE, QK
-from offload.hardware import gpu_kernel
+from offload.rate_curves import gpu_kernel
 
 DEQUANT_CHUNK_ELEMENTS = 1 << 26  # dequantize big matrices (a 70B lm_head) in row slices of at most this many
 # {fmt: rows}: from how many activation rows dequantize + cuBLAS beat the fused kernel on this process's GPU, as

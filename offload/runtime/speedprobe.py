@@ -21,7 +21,8 @@ import time
 from dataclasses import dataclass
 
 from offload.formats import GGUF_BLOCKS, format_nbytes
-from offload.hardware import COMPUTE_BOUND_ROWS, HardwareProfile
+from offload.hardware import HardwareProfile
+from offload.rate_curves import COMPUTE_BOUND_ROWS
 
 PROBE_BYTES = 48 * 2**20  # weights the memory-bound rate streams: past this machine's 32 MiB L3, and no more, as
 # a job holds them while it probes (it probes only where its plan leaves room for them: probe_bytes)

@@ -413,7 +413,7 @@ def measure_handover_s(n_bytes: int = 16 << 10, copy_bytes: int = 256 << 20, rep
 
 def matmul_timer(shape: tuple[int, int], repeats: int = 5, calls: int = 10):
     """time_s(fmt, kernel, rows): best seconds of one x [rows, K] bf16 @ W.T on the GPU for W [N, K] random in
-    fmt, by kernel (hardware.GPU_KERNELS: fused Triton, dequantize + cuBLAS, cuBLAS on a float W), each timed over
+    fmt, by kernel (rate_curves.GPU_KERNELS: fused Triton, dequantize + cuBLAS, cuBLAS on a float W), each timed over
     `calls` calls; None where the kernel does not run here (no Triton, or no fused kernel for fmt). One format's
     weight is held at a time."""
     from offload.formats import GGUF_TYPE
