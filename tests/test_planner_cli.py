@@ -45,6 +45,27 @@ def test_plan_explain_names_placements_one_way_and_summarises_once(capsys):
     assert "units not resident on the GPU" in out and "Weights: " in out
 
 
+def test_plan_explain_counts_the_units_its_table_counts(capsys):
+    """Issue 44 item 10: --explain said "of 41 units not resident on the GPU" where the table and the summary line
+    counted 42 (the embedding, on the CPU, left out of the sentence); each phase's stream and CPU counts are the
+    table's rows'."""
+    assert main(PLAN_70B + ["--explain"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.startswith("unit "))
+    rows = [line.split() for line in lines[head + 1: lines.index("", head)]]  # unit n stored size unit tier ...
+    away = {phase: [(int(r[1]), r[column]) for r in rows if r[5] != "gpu"] for phase, column in (("prefill", 6),
+                                                                                              ("decode", 7))}
+    n_away = sum(n for n, _ in away["decode"])
+    assert n_away > sum(n for r in rows if r[0].startswith("layer") for n in [int(r[1])] if r[5] != "gpu")  # embed
+    summary = next(line for line in lines if line.startswith("blocks: "))
+    n_units = sum(int(r[1]) for r in rows)
+    assert summary.startswith(f"blocks: {n_units - n_away} of {n_units} resident on the GPU")
+    for phase, modes in away.items():
+        n_stream, n_cpu = (sum(n for n, mode in modes if mode == want) for want in ("stream", "cpu"))
+        sentence = f"{phase}: of {n_away} units not resident on the GPU, {n_stream} stream to it and {n_cpu} compute"
+        assert any(line.startswith(sentence) for line in lines), (sentence, [x for x in lines if "resident" in x])
+
+
 def test_plan_json(capsys):
     assert main(PLAN_70B + ["--json", "--batch-size", "4", "--max-tokens", "64"]) == 0
     data = json.loads(capsys.readouterr().out)
