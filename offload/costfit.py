@@ -17,8 +17,9 @@ import time
 from dataclasses import replace
 
 from offload.formats import GGUF_BLOCKS, GGUF_TYPES, QUANTIZATIONS, compute_format, format_nbytes, weight_format
+from offload.errors import CalibrationError
 from offload.hardware import OVERHEAD_TERMS, HardwareProfile
-from offload.rate_curves import COMPUTE_BOUND_ROWS, scale_curve
+from offload.rate_curves import COMPUTE_BOUND_ROWS, curve_problems, scale_curve
 from offload.runtime.speedprobe import (attention_cache, attention_prefill, attention_run, linear_for, machine_speed,
                                         median_time, probe, random_weight, reference_probe)
 from offload.runtime.speedprobe import calibration_spec as _calibration_spec
@@ -316,7 +317,7 @@ def _nnls(a, b, iterations: int = 50):
     return np.clip(coef, 0, None)
 
 
-def _curve_text(measured, kept) -> str:
+def curve_text(measured, kept) -> str:
     """rows: GFLOP/s of each point, with the measured figure beside a point the monotone fit moved by over 2%."""
     return ", ".join(f"{m}: {k / 1e9:.0f}" + (f" (measured {r / 1e9:.0f})" if abs(k / r - 1) > 0.02 else "")
                      for (m, r), (_, k) in zip(measured, kept))
@@ -343,6 +344,7 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
         curves[fmt] = measured[0]
         if len(measured) > 1:
             one_thread[fmt] = measured[1]
+    refuse_contradictions(curve_problems(curves))  # before minutes more of measuring on them
     k_factor, n_factor = {}, {}
     for fmt in formats:
         k_factor[fmt], n_factor[fmt] = measure_shape_factors(fmt)
@@ -366,25 +368,13 @@ def calibrate_cpu_costs(hw: HardwareProfile, log=print) -> HardwareProfile:
     return fit_overheads(hw, runs, log, attention)
 
 
-QUICK_ROWS = (1, 4, 16, 64)  # calibrate --quick: decode-sized products (bound by the weights' read) up to compute-bound
-
-
-def quick_cpu_curves(hw: HardwareProfile, log=print) -> HardwareProfile:
-    """hw with a short matmul curve for each format the fused layer runs (CURVE_FORMATS and the default model's
-    GGUF formats), on weights cycled past the last-level cache at QUICK_ROWS rows, each moved to the speed of the
-    reference probes taken as it starts: what `offload calibrate --quick` adds, in seconds, so that CPU units are
-    priced from products shaped like the ones that run (not from a cache-resident weight). The overhead terms stay
-    unmeasured (zero): the full calibration fits them."""
-    formats = CURVE_FORMATS + GGUF_CURVE_FORMATS
-    references = reference_probes(formats, rounds=1)
-    curves = dict(hw.cpu_flops_by_rows)
-    for fmt in formats:
-        before = probe(fmt)
-        curve = measure_cpu_curve(fmt, QUICK_ROWS, repeats=2)
-        speed = machine_speed([before, probe(fmt)], references[fmt])
-        curves[fmt] = monotone_curve(scale_curve(curve, 1 / speed.memory, 1 / speed.compute))
-        log(f"cpu matmul curve {fmt:5s} (quick): " + _curve_text(curve, curves[fmt]) + " GFLOP/s")
-    return replace(hw, cpu_flops_by_rows=curves, cpu_probe=references)
+def refuse_contradictions(problems: list[tuple[str, str]], again: bool = False) -> None:
+    """CalibrationError naming what contradicts what, where anything does: no profile is saved from such curves."""
+    if problems:
+        more = f" (and {len(problems) - 2} more)" if len(problems) > 2 else ""
+        raise CalibrationError(f"the CPU matmul curves contradict each other{' after measuring again' * again}: "
+                               f"{'; '.join(p for _, p in problems[:2])}{more}; the machine's speed moved while they "
+                               f"were measured, so no profile was saved: run offload calibrate again when it is idle")
 
 
 def reference_probes(formats: tuple[str, ...], rounds: int = REFERENCE_ROUNDS) -> dict[str, tuple]:
@@ -421,29 +411,37 @@ STEADY = 1.2  # a curve is steady where its probes before and after agree within
 def measure_format_curves(fmt: str, reference, log=print) -> list:
     """fmt's matmul curve on torch's threads (and on one thread, where torch runs more), each moved to the
     reference speed (reference_probes) by the probes taken before and after it, so that a curve measured in a
-    slow moment is not taken for the machine's speed. A curve measured while the speed moved (its probes disagree,
-    or its rate falls as rows grow: a slowdown of seconds, by 2-5x on shared VMs, that bent whole stretches of a
-    curve beyond what monotone_curve mends) is measured again, up to CURVE_TRIES times, and the steadiest kept."""
+    slow moment is not taken for the machine's speed; each the steadiest of up to CURVE_TRIES (steadiest_curve)."""
     import torch
 
     curves = []
     for threads in (0, 1) if torch.get_num_threads() > 1 else (0,):  # the thread governor may run steps on one
-        tries = []
-        for _ in range(CURVE_TRIES):
-            probes = [probe(fmt)]
-            curve = measure_cpu_curve(fmt, CURVE_ROWS, threads=threads)
-            probes.append(probe(fmt))
-            tries.append((unsteadiness(curve, probes), curve, machine_speed(probes, reference)))
-            if tries[-1][0] <= STEADY:
-                break
-        unsteady, curve, speed = min(tries, key=lambda t: t[0])
+        unsteady, curve, speed, n_tries = steadiest_curve(fmt, CURVE_ROWS, reference, threads=threads)
         curves.append(monotone_curve(scale_curve(curve, 1 / speed.memory, 1 / speed.compute)))
-        log(("  on one thread: " if threads else f"cpu matmul curve {fmt:5s}: ") + _curve_text(curve, curves[-1])
+        log(("  on one thread: " if threads else f"cpu matmul curve {fmt:5s}: ") + curve_text(curve, curves[-1])
             + f" GFLOP/s (scaled {1 / speed.memory:.2f}x at 1 row, {1 / speed.compute:.2f}x from "
             f"{COMPUTE_BOUND_ROWS} rows to the reference speed"
-            + (f"; measured {len(tries)} times, the machine's speed moving by up to {unsteady:.2f}x" if len(tries) > 1
+            + (f"; measured {n_tries} times, the machine's speed moving by up to {unsteady:.2f}x" if n_tries > 1
                else "") + ")")
     return curves
+
+
+def steadiest_curve(fmt: str, rows: tuple[int, ...], reference, threads: int = 0, repeats: int = 3):
+    """fmt's curve at rows with the probes before and after it: (how far the machine's speed moved, the curve as
+    measured, its MachineSpeed against reference, tries). A curve measured while the speed moved (its probes
+    disagree, or its rate falls as rows grow: a slowdown of seconds, by 2-5x on shared VMs, that bent whole
+    stretches of a curve beyond what monotone_curve mends) is measured again, up to CURVE_TRIES times, and the
+    steadiest kept."""
+    tries = []
+    for _ in range(CURVE_TRIES):
+        probes = [probe(fmt)]
+        curve = measure_cpu_curve(fmt, rows, repeats=repeats, threads=threads)
+        probes.append(probe(fmt))
+        tries.append((unsteadiness(curve, probes), curve, machine_speed(probes, reference)))
+        if tries[-1][0] <= STEADY:
+            break
+    unsteady, curve, speed = min(tries, key=lambda t: t[0])
+    return unsteady, curve, speed, len(tries)
 
 
 def unsteadiness(curve, probes) -> float:

@@ -46,5 +46,9 @@ class BudgetError(OffloadError):
     """Memory measured while running passed the budget, and the job asked to stop then."""
 
 
+class CalibrationError(OffloadError):
+    """Measurements of this machine contradict each other (its speed moved while they ran); nothing was saved."""
+
+
 class QueueFull(OffloadError):
     """The engine's waiting queue is at its bound; the request may be sent again later (a server answers 503)."""

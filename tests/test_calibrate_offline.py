@@ -11,12 +11,15 @@ import pytest
 
 import offload.costfit as costfit
 import offload.kernels.check as check
+import offload.quick_calibration as quick_calibration
 import offload.runtime.calibrate as calibrate_module
 import offload.runtime.host_memory as host_memory
 import offload.weights.default_model as default_model
 from offload.baseline import BASELINE_ROUNDING_BYTES
 from offload.cli.main import main
 from offload.hardware import estimate_hardware, load_hardware
+
+REAL_QUICK_CPU_CURVES = quick_calibration.quick_cpu_curves  # the fixture stands in for it
 
 
 @pytest.fixture
@@ -33,7 +36,7 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setattr(socket.socket, "connect", no_network)
     monkeypatch.setattr(default_model, "_download_gguf", lambda target: pytest.fail("calibrate downloaded a model"))
     monkeypatch.setattr(calibrate_module, "calibrate", lambda log: estimate_hardware())
-    monkeypatch.setattr(costfit, "quick_cpu_curves", lambda profile, log: profile)
+    monkeypatch.setattr(quick_calibration, "quick_cpu_curves", lambda profile, log: profile)
     monkeypatch.setattr(check, "ACTIVE_PATH", "avx2")
     return cache
 
@@ -106,3 +109,23 @@ def test_the_check_exits_non_zero_with_one_line(monkeypatch, capsys):
     assert captured.out == "" and len(captured.err.strip().splitlines()) == 1 and "_C" in captured.err
     monkeypatch.setattr(check, "ACTIVE_PATH", "avx512")
     assert check.main() == 0 and capsys.readouterr().out == "offload CPU kernels: avx512 (C++ extension, x86_64)\n"
+
+
+def test_calibrate_quick_refuses_curves_that_contradict_each_other_and_keeps_the_old_profile(offline, monkeypatch,
+                                                                                             capsys):
+    """Issue 44 item 14: on a busy machine --quick wrote q4_0 flat at 2 GFLOP/s beside the other formats at 36-110,
+    and every later plan was priced by it. Measured again and still contradicting, it is refused in one line, and
+    the profile written before is left as it was."""
+    from offload.runtime.speedprobe import SpeedProbe
+
+    monkeypatch.setattr(quick_calibration, "quick_cpu_curves", REAL_QUICK_CPU_CURVES)
+    monkeypatch.setattr(costfit, "probe", lambda fmt: SpeedProbe(fmt, 10e9, 100e9))
+    flat, healthy = ((1, 2e9), (4, 2e9), (16, 2e9), (64, 2e9)), ((1, 36e9), (4, 60e9), (16, 90e9), (64, 110e9))
+    monkeypatch.setattr(costfit, "measure_cpu_curve", lambda fmt, rows, **kw: flat if fmt == "q4_0" else healthy)
+    out = offline.parent / "hw.yaml"
+    out.write_text("name: calibrated before\n")
+    assert main(["calibrate", "--quick", "--output", str(out)]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("offload: error:")]
+    assert len(errors) == 1 and "q4_0's rate does not rise with rows" in errors[0], errors
+    assert "no profile was saved: run offload calibrate again when it is idle" in errors[0]
+    assert out.read_text() == "name: calibrated before\n"

@@ -20,7 +20,7 @@ LAYERS = [
     {"weights"},
     {"runtime"},
     {"generate", "engine", "speculative", "quality"},
-    {"api", "simulate", "costfit"},
+    {"api", "simulate", "costfit", "quick_calibration"},
     {"jobs"},
     {"serve"},
     {"cli", "__main__"},

@@ -22,8 +22,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     """Measure, log and cache the profile; print the path of the written profile."""
-    from offload.costfit import calibrate_cpu_costs, quick_cpu_curves
+    from offload.costfit import calibrate_cpu_costs
     from offload.kernels.check import require_cpp_kernels
+    from offload.quick_calibration import quick_cpu_curves
     from offload.runtime.calibrate import calibrate
 
     target = Path(args.output) if args.output else cache_path()
