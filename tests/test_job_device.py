@@ -54,6 +54,14 @@ def test_on_backend_cpu_it_runs_warns_and_labels_the_gpu_figures_simulated(model
     assert report["requests"]["done"] == 2
 
 
+def test_on_backend_sim_it_runs_on_the_simulated_gpu_and_counts_its_host_syncs(model, tmp_path, no_gpu):
+    code, message = run_cli("run", *_args(model, tmp_path, "--backend", "sim"))
+    assert code == 0, message
+    assert "ran on the simulated GPU" in message and "host syncs" in message
+    report = json.loads((tmp_path / "o.report.json").read_text())
+    assert report["phases"]["decode"]["host_syncs_per_step"] <= 2 and report["requests"]["done"] == 2
+
+
 def test_without_a_gpu_budget_it_runs_on_auto_and_warns(model, tmp_path, no_gpu):
     code, message = run_cli("run", *_args(model, tmp_path, "--gpu-memory", "0"))
     assert code == 0 and "is not this machine" in message, message

@@ -1,7 +1,8 @@
 """Whether a job's GPU is there: a hardware profile with a GPU (a preset such as rtx4090-ddr5) planned for a
 machine without one. Planning for it stays allowed (`offload plan`); running its plan here on `--backend auto` or
 `cuda` is refused, since its GPU units would run on the CPU while the report showed a GPU's busy time and VRAM. On
-`--backend cpu` it runs, with a warning, and the report says its GPU figures are simulated."""
+`--backend cpu` it runs, with a warning, and the report says its GPU figures are simulated; on `--backend sim` it
+runs on the simulated GPU (which computes on the CPU and says so)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ def check_gpu_is_here(config: JobConfig) -> None:
     hw = request.profile()
     if not hw.has_gpu or _cuda_visible():
         return
-    if request.backend != "cpu" and config.memory.gpu != 0:
+    if request.backend not in ("cpu", "sim") and config.memory.gpu != 0:
         raise ConfigError(f"the hardware profile {hw.name!r} plans on a GPU ({format_bytes(hw.vram_bytes)} of VRAM) "
                           f"but no CUDA GPU is visible on this machine, so backend {request.backend!r} cannot run "
                           f"that plan here; run it on this CPU with --backend cpu (its GPU figures are then "
@@ -38,11 +39,12 @@ def simulated_gpu_note(llm) -> str | None:
     """The report's note where the plan placed units on a GPU that the backend does not have (backend cpu): its GPU
     busy times are this CPU's work on those units, and no device memory was used."""
     plan, backend = getattr(llm, "plan", None), getattr(llm, "backend", None)
-    if plan is None or getattr(backend, "name", None) != "cpu":
+    if plan is None or getattr(backend, "name", None) not in ("cpu", "sim"):
         return None
     if not any(u.weight_tier == "gpu" or "cpu" != u.prefill or "cpu" != u.decode for u in plan.units):
         return None
-    return (f"simulated: no GPU ran this job; the plan's GPU units (for {plan.hardware}) ran on this CPU, so the GPU "
+    where = "on the simulated GPU (computing on this CPU)" if backend.name == "sim" else "on this CPU"
+    return (f"simulated: no GPU ran this job; the plan's GPU units (for {plan.hardware}) ran {where}, so the GPU "
             f"busy times are that CPU work, and no device memory was used (the VRAM budget is the profile's)")
 
 
