@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parent.parent / "offload"
 
 # Each module may import from its own layer and the layers below (a top-level module or a package).
@@ -132,3 +134,36 @@ def test_the_spec_names_the_stored_format_apart_from_the_compute_one():
 
     fields = ModelSpec.__dataclass_fields__
     assert "stored_format" in fields and "dtype" not in fields
+
+
+def test_python_in_the_folder_holding_a_clone_named_offload_imports_the_package(tmp_path):
+    """Issue 44 item 15: `from offload import LLM` run in the folder that holds the clone failed with "cannot import
+    name 'LLM' from 'offload' (unknown location)": Python's path search, before setuptools' editable finder, took the
+    clone's folder for a namespace package. The editable install this pyproject makes is a path entry (the clone's
+    root), whose regular package wins. Built here from a copy of the clone named offload, installed into a site
+    folder, imported from the folder that holds it."""
+    import os
+    import shutil
+    import zipfile
+
+    pytest.importorskip("setuptools", minversion="77", reason="the build requirement of pyproject.toml")
+    root = Path(__file__).resolve().parent.parent
+    clone = tmp_path / "parent" / "offload"
+    clone.mkdir(parents=True)
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(root / name, clone / name)
+    shutil.copytree(root / "offload", clone / "offload", ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    build = ("import sys, setuptools.build_meta as b; sys.path.insert(0, '.'); "
+             f"print(b.build_editable({str(tmp_path / 'wheel')!r}))")
+    (tmp_path / "wheel").mkdir()
+    made = subprocess.run([sys.executable, "-c", build], cwd=clone, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OFFLOAD_NO_EXT": "1"})
+    assert made.returncode == 0, made.stderr[-3000:]
+    zipfile.ZipFile(tmp_path / "wheel" / made.stdout.split()[-1]).extractall(tmp_path / "site")
+    check = (f"import site; site.addsitedir({str(tmp_path / 'site')!r}); from offload import LLM; import offload; "
+             f"print(offload.__file__)")
+    shell = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a user's, whose path names no clone
+    ran = subprocess.run([sys.executable, "-c", check], cwd=clone.parent, capture_output=True, text=True, timeout=300,
+                         env=shell)
+    assert ran.returncode == 0, ran.stderr[-3000:]
+    assert Path(ran.stdout.split()[-1]) == clone / "offload" / "__init__.py"
