@@ -4,8 +4,9 @@ the CLI's flags and their help are made from the fields (cli/job_flags.py); the 
 from the same sections. Later sections (speculative decoding, the server) are added here the same way.
 
 A field's `name` is what it is called outside the YAML: the keyword of LLM(...) and the flag (`cpu_memory`,
-`--cpu-memory` for memory.cpu). `cli` says which commands take it as a flag: "plan" (plan, validate, run, serve),
-"job" (validate, run), "serve" (serve), or none (YAML and --set only). Pure data: no torch, no transformers."""
+`--cpu-memory` for memory.cpu). `cli` says which commands take it as a flag: "plan" (plan, validate, run, serve,
+generate), "sampling" (validate, run, serve, generate: a request's defaults), "job" (validate, run), "serve" (serve),
+or none (YAML and --set only). Pure data: no torch, no transformers."""
 
 from __future__ import annotations
 
@@ -126,13 +127,17 @@ class SamplingOptions(Section):
     max_tokens_cap: Whole | None = option(None, "at most this many tokens per request, whatever its body asks "
                                           "(default: up to the context)", name="max_tokens_cap", cli="job",
                                           unit="tokens", ge=1)
-    temperature: Number = option(0.0, "0 is greedy", name="temperature", cli="job", ge=0)
-    top_p: Number = option(1.0, gt=0, le=1)
-    top_k: Whole = option(0, "0 or -1: all tokens", ge=-1)
-    min_p: Number = option(0.0, ge=0, le=1)
-    seed: Whole | None = option(None, "per-request seed base (any 64-bit value)", name="seed", cli="job",
+    temperature: Number = option(0.0, "0 is greedy", name="temperature", cli="sampling", ge=0)
+    top_p: Number = option(1.0, "sample from the most likely tokens whose probabilities add up to top_p (1: all)",
+                           name="top_p", cli="sampling", gt=0, le=1)
+    top_k: Whole = option(0, "sample from the top_k most likely tokens (0 or -1: all)", name="top_k",
+                          cli="sampling", ge=-1)
+    min_p: Number = option(0.0, "drop tokens less likely than min_p times the most likely one (0: none)",
+                           name="min_p", cli="sampling", ge=0, le=1)
+    seed: Whole | None = option(None, "per-request seed base (any 64-bit value)", name="seed", cli="sampling",
                                 ge=SEED_MIN, le=SEED_MAX)
-    stop: list[str] = option(help="strings that end a completion", default_factory=list)
+    stop: list[str] = option(help="a string that ends a completion (repeatable)", name="stop", cli="sampling",
+                             default_factory=list)
     ignore_eos: bool = option(False, "keep generating past the end-of-sequence token")
     presence_penalty: Number = option(0.0, "subtracted once from each token already generated (OpenAI's)",
                                       ge=-2, le=2)

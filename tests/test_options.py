@@ -3,6 +3,7 @@ the same names, types and defaults; what one of them lacks is on an allow-list b
 
 from __future__ import annotations
 
+import argparse
 import ast
 import dataclasses
 import inspect
@@ -21,7 +22,7 @@ from offload.options import Section
 from offload.planner.request import PlanRequest
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ("plan", "validate", "run", "serve")
+COMMANDS = ("plan", "validate", "run", "serve", "generate")
 
 # What one or two of LLM / YAML / CLI lack, and why. Keys: an outside name (LLM keyword, flag dest), or the dotted
 # YAML key of a field without one.
@@ -40,12 +41,10 @@ NOT_EVERYWHERE = {
     "explain": "what `offload plan` prints besides the plan",
     "help": "argparse's own", "debug": "logging, not the job", "quiet": "logging, not the job",
     "log_level": "logging, not the job",
+    "prompt": "offload generate's prompts (a job reads them from its input file)",
+    "raw": "offload generate's prompts without the chat template (a job: input.chat)",
     # YAML (and --set) only: no outside name
     "memory.on_exceed": "what the job's memory watch does; LLM has no watch",
-    "sampling.top_p": "a job's sampling defaults: set per request in the body, or by --set",
-    "sampling.top_k": "a job's sampling defaults: set per request in the body, or by --set",
-    "sampling.min_p": "a job's sampling defaults: set per request in the body, or by --set",
-    "sampling.stop": "a list: set per request in the body, or by --set",
     "sampling.ignore_eos": "a job's sampling defaults: set per request in the body, or by --set",
     "sampling.presence_penalty": "a job's sampling defaults: set per request in the body, or by --set",
     "sampling.frequency_penalty": "a job's sampling defaults: set per request in the body, or by --set",
@@ -74,6 +73,10 @@ NOT_EVERYWHERE = {
     "max_tokens_cap": "a job's cap on request bodies; LLM's caller sets SamplingParams.max_tokens itself",
     "temperature": "a job's sampling default; LLM.generate takes SamplingParams",
     "seed": "a job's sampling default; LLM.generate takes SamplingParams",
+    "top_p": "a job's sampling default; LLM.generate takes SamplingParams",
+    "top_k": "a job's sampling default; LLM.generate takes SamplingParams",
+    "min_p": "a job's sampling default; LLM.generate takes SamplingParams",
+    "stop": "a job's sampling default; LLM.generate takes SamplingParams",
     "input": "a job's input file", "input_format": "a job's input file",
     "output": "a job's output file", "report": "a job's report file", "trace": "a job's trace file",
     "plot": "a job's plot file", "progress": "a job's progress bar", "echo": "a job's console output",
@@ -88,6 +91,7 @@ NO_DEFAULT_IN_HELP = {  # flags whose option is unset by default and whose help 
     "report.trace": "unset: no trace is written",
     "report.plot": "unset: no plot is written",
     "sampling.seed": "unset: each request draws its own seed",
+    "sampling.stop": "none: a completion ends at its end-of-sequence token or max_tokens",
 }
 UNITS = {"bytes", "tokens"}  # a new unit needs its check in test_flag_help_names_the_unit
 
@@ -122,7 +126,7 @@ def yaml_by_name() -> dict[str, tuple[str, object]]:
 
 
 def cli_actions() -> dict[str, dict[str, object]]:
-    """command -> dest -> its argparse action, for plan, validate and run."""
+    """command -> dest -> its argparse action, for each command of COMMANDS."""
     sub = next(a for a in build_parser()._actions if a.dest == "command")
     return {cmd: {a.dest: a for a in sub.choices[cmd]._actions} for cmd in COMMANDS}
 
@@ -279,28 +283,32 @@ def test_cli_flags_have_the_options_type_default_and_help():
             assert action.default is None, f"{cmd} --{dest}: None means the option's default"
             if kind is bool:
                 assert action.const == (not default) and action.nargs == 0, f"{cmd} {dest}: a switch to not default"
+            elif kind is list:
+                assert isinstance(action, argparse._AppendAction) and action.type is None, f"{cmd} {dest}: repeatable"
             else:
                 assert action.type is {int: int, float: float}.get(kind), f"{cmd} {dest}: type {action.type}"
             if isinstance(kind, tuple):
                 assert text.startswith(f"one of {', '.join(map(str, kind))}"), f"{cmd} {dest}: {text}"
             assert f"({key}" in text, f"{cmd} {dest}: help names the YAML key {key}: {text}"
-            if default is not None and not isinstance(default, bool):
+            if default not in (None, []) and not isinstance(default, bool):
                 assert re.search(rf"default '?{re.escape(str(default))}'?\)", text), f"{cmd} {dest}: {text}"
-            elif default is None and key not in NO_DEFAULT_IN_HELP:
+            elif default in (None, []) and key not in NO_DEFAULT_IN_HELP:
                 assert "default" in text, f"{cmd} {dest}: help says what unset means: {text}"
             checked.add(dest)
     assert {"cpu_memory", "max_tokens", "temperature", "seed", "batch_size", "progress"} <= checked
 
 
 def test_each_command_takes_the_flags_of_its_options():
-    """plan takes the plan's options; validate and run also the job's; serve the plan's and its own."""
+    """plan takes the plan's options; validate and run also the sampling defaults and the job's; serve the plan's,
+    the sampling defaults and its own; generate the plan's and the sampling's."""
     actions = cli_actions()
     for key, info in yaml_options().items():
         cli = (info.json_schema_extra or {}).get("cli")
         name = outside_name(key, info)
         assert (name in actions["plan"]) == (cli == "plan"), name
-        assert (name in actions["run"]) == (name in actions["validate"]) == (cli in ("plan", "job")), name
-        assert (name in actions["serve"]) == (cli in ("plan", "serve")), name
+        assert (name in actions["run"]) == (name in actions["validate"]) == (cli in ("plan", "sampling", "job")), name
+        assert (name in actions["serve"]) == (cli in ("plan", "sampling", "serve")), name
+        assert (name in actions["generate"]) == (cli in ("plan", "sampling")), name
 
 
 def test_flags_set_the_yaml_key_their_help_names(tmp_path):
@@ -316,7 +324,8 @@ def test_flags_set_the_yaml_key_their_help_names(tmp_path):
             continue
         key, info = yaml_by_name()[dest]
         value = given.get(key) or sample(key, info, tmp_path)
-        argv += action.option_strings[:1] + ([] if kind_of(info) is bool else [str(value)])
+        values = [] if kind_of(info) is bool else value if kind_of(info) is list else [value]
+        argv += [word for v in values for word in (action.option_strings[0], str(v))] or action.option_strings[:1]
         expected[key] = section_value(key, value)
     args = build_parser().parse_args(argv)
     from offload.cli.job_flags import effective_config

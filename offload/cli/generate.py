@@ -1,34 +1,30 @@
-"""`offload generate`: completions for one or more prompts, printed one per line."""
+"""`offload generate`: completions for one or more prompts, printed one per line; planned from the same flags (or job
+YAML) as `offload plan`, sampled by the sampling section's flags."""
 
 from __future__ import annotations
+
+from offload.cli.job_flags import add_generate_flags, effective_config
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for one or more prompts")
-    p.add_argument("--model", default="default",
-                   help="model folder, .gguf file, Hugging Face Hub id (org/name, from the local HF cache), or 'default'")
     p.add_argument("--prompt", action="append", required=True, help="prompt text (repeat for a batch)")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
-    p.add_argument("--quantization", default="none", help="none, q8_0 or q4_0")
-    p.add_argument("--dtype", default="auto", help="compute format: auto, fp32, bf16 or fp16")
+    add_generate_flags(p)
     p.set_defaults(func=run)
 
 
 def run(args) -> int:
-    from offload.api import LLM
     from offload.errors import ConfigError
-    from offload.sampling import SamplingParams
+    from offload.jobs.batch import sampling_params
+    from offload.jobs.config import sampling_defaults
+    from offload.jobs.device import check_gpu_is_here
+    from offload.jobs.worker import load_llm
 
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, min_p=args.min_p, seed=args.seed, stop=args.stop)
-    llm = LLM(args.model, quantization=args.quantization, dtype=args.dtype)
+    config = effective_config(args, need_input=False)
+    params = sampling_params(sampling_defaults(config), {})  # no body: the section's values, within its cap
+    check_gpu_is_here(config)
+    llm = load_llm(config)
     if llm.tokenizer is None:  # the library's message offers token ids, which this command does not take
         raise ConfigError(f"the model in {llm.path} has no tokenizer files, and offload generate reads text prompts; "
                           f"add the model's tokenizer.json and tokenizer_config.json to {llm.path}")

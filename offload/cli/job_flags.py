@@ -1,5 +1,5 @@
-"""The flags of `offload run`, `offload validate`, `offload plan` and `offload serve`: each overrides one job config
-key."""
+"""The flags of `offload run`, `offload validate`, `offload plan`, `offload serve` and `offload generate`, made from
+the options' fields (offload/options.py): each overrides one job config key."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ def job_sections() -> dict:
 
 
 def flag_options(commands: tuple[str, ...]) -> dict[str, tuple[str, object]]:
-    """argparse dest -> (the config key it overrides, its field) for the flags of these commands ("plan", "job")."""
+    """argparse dest -> (the config key it overrides, its field) for the flags of these groups of commands ("plan",
+    "sampling", "job", "serve": an option's `cli`)."""
     from offload.options import extra, named_options
 
     return {name: (key, info) for name, (key, info) in named_options(job_sections()).items()
@@ -26,6 +27,8 @@ def flag_options(commands: tuple[str, ...]) -> dict[str, tuple[str, object]]:
 
 def _add_flags(p, commands: tuple[str, ...]) -> None:
     """One flag per option the commands take, with its type, choices and help from the option's field."""
+    import typing
+
     from offload.options import extra
 
     for dest, (key, info) in flag_options(commands).items():
@@ -37,6 +40,9 @@ def _add_flags(p, commands: tuple[str, ...]) -> None:
         if info.annotation is bool:  # a switch to the other value
             p.add_argument(flag, dest=dest, action="store_const", const=not default, default=None,
                            help=help_text.replace("%", "%%"))
+            continue
+        if typing.get_origin(info.annotation) is list:  # one value per use of the flag
+            p.add_argument(flag, dest=dest, action="append", help=help_text.replace("%", "%%"))
             continue
         kind = _arg_type(info)
         if isinstance(kind, tuple):  # checked by the option itself, which names the field and suggests a value
@@ -73,27 +79,34 @@ def add_plan_flags(p) -> None:
                    help="override any config key, e.g. --set sampling.top_p=0.9 (repeatable)")
 
 
-def add_job_flags(p) -> None:
-    """add_plan_flags plus what a job reads and writes."""
+def add_generate_flags(p) -> None:
+    """add_plan_flags plus the sampling of the prompts."""
     add_plan_flags(p)
-    _add_flags(p, ("job",))
+    _add_flags(p, ("sampling",))
+
+
+def add_job_flags(p) -> None:
+    """add_plan_flags plus the requests' sampling defaults and what a job reads and writes."""
+    add_plan_flags(p)
+    _add_flags(p, ("sampling", "job"))
     p.add_argument("--ray", nargs="?", const=RAY_CONFIG_ADDRESS, metavar="ADDRESS",
                    help="run on a Ray cluster (engine: ray): at ADDRESS (auto, local or HOST:PORT), or at "
                         "distributed.address when none is given; put it after the config file")
 
 
 def add_serve_flags(p) -> None:
-    """add_plan_flags plus where the server listens, who may call it and how many requests may wait."""
+    """add_plan_flags plus the requests' sampling defaults, where the server listens, who may call it and how many
+    requests may wait."""
     add_plan_flags(p)
-    _add_flags(p, ("serve",))
+    _add_flags(p, ("sampling", "serve"))
 
 
 def effective_config(args, need_input: bool = True):
     """The config from args.config plus every flag that was given."""
     from offload.jobs.config import load_config, parse_set_option
 
-    overrides = {key: getattr(args, dest) for dest, (key, _) in flag_options(("plan", "job", "serve")).items()
-                 if getattr(args, dest, None) is not None}
+    flags = flag_options(("plan", "sampling", "job", "serve"))
+    overrides = {key: getattr(args, dest) for dest, (key, _) in flags.items() if getattr(args, dest, None) is not None}
     if getattr(args, "ray", None) is not None:
         overrides |= ray_overrides(args)
     overrides.update(dict(parse_set_option(s) for s in args.set))
