@@ -106,29 +106,16 @@ class Generator:
         plain = [s for s in decode if id(s) not in drafts]
         verified = [(s, drafts[id(s)]) for s in decode if id(s) in drafts]
         groups, tokens = self._inputs(plain, verified, chunks)
+        rows, sampled, verify_rows, scored = self._rows(plain, verified, chunks)
+        n_logits = len(rows) + sum(map(len, verify_rows)) + sum(len(m) for _, m, _ in scored)
         phase = "prefill" if chunks else "decode"
         start = self.now()
         step = ragged_step(self.model.spec, self.model.dtype, groups, trash_slot, phase)
-        with torch.inference_mode():
-            hidden = self.model.forward(torch.tensor([tokens]), step, cache)[0]
+        with torch.inference_mode():  # a step that samples no row (prompt chunks that end no prompt): no lm_head
+            hidden = self.model.forward(torch.tensor([tokens]), step, cache, logits=n_logits > 0)[0]
         threads = torch.get_num_threads()  # as the executor set it for this step
-        # rows to sample: every plain decode token, every row of a verified sequence, and the last token of each
-        # prompt finished in this step
-        rows, sampled, at = list(range(len(plain))), list(plain), len(plain)
-        verify_rows = []
-        for seq, draft in verified:
-            verify_rows.append(list(range(at, at + len(draft) + 1)))
-            at += len(draft) + 1
-        scored = []  # (sequence, rows, prompt token ids they predict): prompt logprobs asked for (echo)
         for seq, n in chunks:
-            if seq.params.prompt_logprobs is not None:  # row i predicts the prompt's token after it
-                first, last = seq.n_cached, min(seq.n_cached + n, len(seq.prompt_ids) - 1)
-                scored.append((seq, list(range(at, at + max(last - first, 0))), seq.prompt_ids[first + 1: last + 1]))
-            at += n
             seq.n_cached += n
-            if seq.prefilled:
-                rows.append(at - 1)
-                sampled.append(seq)
         flat_verify = [r for more in verify_rows for r in more]
         logits = self._logits(hidden, rows + flat_verify + [r for _, more, _ in scored for r in more])  # one pass
         logits, checked, extra = (logits[: len(rows)], logits[len(rows): len(rows) + len(flat_verify)],
@@ -142,13 +129,34 @@ class Generator:
                 share_prefill(cache, seq, other)
                 sampled.append(other)
                 logits.append(row)
-        n_logits = len(rows) + len(flat_verify) + sum(len(m) for _, m, _ in scored)
         shape = self._shape(phase, len(tokens), plain, verified, chunks, n_logits, threads)
         elapsed = self._count(phase, start, len(tokens), shape)
         self._sample_next(sampled, logits)
         gained = self._verify(verified, verify_rows, checked)
         if self.speculator is not None and phase == "decode":
             self.speculator.observe_step(shape, elapsed, len(plain) + gained)
+
+    @staticmethod
+    def _rows(plain: list[Sequence], verified: list[tuple[Sequence, list[int]]],
+              chunks: list[tuple[Sequence, int]]) -> tuple[list[int], list[Sequence], list[list[int]], list]:
+        """The step's rows of logits, before it runs: (rows sampled: every plain decode token and the last token of
+        each prompt this step ends, the sequences they sample, each verified sequence's rows, and (sequence, rows,
+        prompt token ids they predict) where prompt logprobs are asked for (echo))."""
+        rows, sampled, at = list(range(len(plain))), list(plain), len(plain)
+        verify_rows = []
+        for seq, draft in verified:
+            verify_rows.append(list(range(at, at + len(draft) + 1)))
+            at += len(draft) + 1
+        scored = []
+        for seq, n in chunks:
+            if seq.params.prompt_logprobs is not None:  # row i predicts the prompt's token after it
+                first, last = seq.n_cached, min(seq.n_cached + n, len(seq.prompt_ids) - 1)
+                scored.append((seq, list(range(at, at + max(last - first, 0))), seq.prompt_ids[first + 1: last + 1]))
+            at += n
+            if seq.n_cached + n >= len(seq.prompt_ids):
+                rows.append(at - 1)
+                sampled.append(seq)
+        return rows, sampled, verify_rows, scored
 
     def _verify(self, verified: list[tuple[Sequence, list[int]]], verify_rows: list[list[int]],
                 checked: list[torch.Tensor]) -> int:

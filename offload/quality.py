@@ -63,8 +63,8 @@ def chunk_logits(model, ids: list[int], rows: range, pass_tokens: int, logits_ro
             end = min(start + pass_tokens, n)
             positions = torch.arange(start, end)[None]
             step = model.make_step(positions, torch.ones_like(positions, dtype=torch.bool), trash_slot=n)
-            hidden = model.forward(torch.tensor([ids[start:end]]), step, cache)[0]  # [S, D]
             wanted = [j - start for j in rows if start <= j < end]
+            hidden = model.forward(torch.tensor([ids[start:end]]), step, cache, logits=bool(wanted))[0]  # [S, D]
             for i in range(0, len(wanted), logits_rows):
                 more = i + logits_rows < len(wanted)
                 out.append(model.logits(hidden[wanted[i: i + logits_rows]], more=more))

@@ -1,6 +1,7 @@
 """The streamer as the host sees it (offload/runtime/streamer.py): a disk unit's compute is launched before the host
 waits for its copy (its read buffer still goes back only once the copy has landed: tests/test_sim.py removes that
-wait and gets a wrong answer), and a streamed unit's weights are views of its slot made once per slot and layout."""
+wait and gets a wrong answer), a streamed unit's weights are views of its slot made once per slot and layout, and a
+prefill pass that samples nothing runs (and the pricer prices) no lm_head."""
 
 from __future__ import annotations
 
@@ -10,12 +11,15 @@ import pytest
 import torch
 
 from conftest import gpu_profile, make_hf_model, offload_logits, save_hf_model
+from offload.generate import Generator, Sequence
 from offload.planner import Placement
+from offload.planner.costs import Phase, unit_cost
 from offload.planner.placement import UnitPlacement
 from offload.runtime import streamer
 from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.backends.sim import SimBackend
 from offload.runtime.executor import PlacedModel
+from offload.sampling import SamplingParams
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
 from offload.weights.sources import CheckpointSource
@@ -90,3 +94,66 @@ def test_a_streamed_unit_s_weights_are_made_once_per_slot_and_layout(tiny, monke
         offload_logits(model, PROMPT)
     n_layouts = len(set(model.layouts.values()))  # the layers share one; embed, norm and lm_head one each
     assert n_layouts < len(model.layouts) and len(made) <= model.ring.n_slots * n_layouts < 18
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    hf = make_hf_model("llama", num_hidden_layers=3, max_position_embeddings=1024)
+    folder = save_hf_model(hf, tmp_path_factory.mktemp("streamer") / "long")
+    return folder, load_spec(folder)
+
+
+def _generate(model, prompt: list[int], step_tokens: int, mixed: bool) -> list[int]:
+    """Greedy tokens of one prompt, in steps of step_tokens; a failure, not a hang, if a read buffer never comes."""
+    seq = Sequence(0, prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    gen = Generator(model, max_batch_size=1, max_model_len=700, step_tokens=step_tokens, mixed=mixed)
+    errors: list[BaseException] = []
+    run = threading.Thread(target=lambda: _catch(errors, gen.run, [seq]), daemon=True)
+    run.start()
+    run.join(timeout=60)
+    assert not run.is_alive(), "the generator blocked for 60 s (waiting on a read no unit releases?)"
+    if errors:
+        raise errors[0]
+    return seq.output_ids
+
+
+def _catch(errors: list[BaseException], fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as e:  # noqa: BLE001 - raised again on the test's thread
+        errors.append(e)
+
+
+@pytest.mark.parametrize("mixed", [True, False])
+@pytest.mark.parametrize("weights, compute", [("cpu", "stream"), ("disk", "stream"), ("disk", "cpu")])
+def test_a_prompt_longer_than_a_pass_runs_no_lm_head_before_its_last_pass(long_context, weights, compute, mixed):
+    """A 600-token prompt in passes of 384: the first pass ends no prompt and samples nothing, so it runs every unit
+    but the lm_head (planner/schedule.step_units), which is neither copied nor read then (its copy filled the slot
+    the next pass's layer.0 needed: 'layer.0 was not prefetched'; its unread disk read held a read buffer). The
+    tokens are those of one pass over the whole prompt, on the CPU backend and on the strict simulated GPU."""
+    spec = long_context[1]
+    prompt = torch.randint(1, spec.vocab_size, (600,), generator=torch.Generator().manual_seed(0)).tolist()
+    kwargs = dict(prefetch_depth=2, read_ahead=2, page_cache=frozenset())
+    passes = Placement.uniform(spec, weights, compute, prefill_pass_tokens=384, **kwargs)
+    cpu = _model(long_context, passes, CPUBackend())
+    ours = _generate(cpu, prompt, 384, mixed)
+    whole = _generate(_model(long_context, Placement.uniform(spec, weights, compute, **kwargs), CPUBackend()), prompt,
+                      700, mixed)
+    assert ours == whole
+    assert _generate(_model(long_context, passes, SimBackend(gpu_profile())), prompt, 384, mixed) == ours
+    # the lm_head ran in the 3 steps that sampled (the prompt's last pass and 2 decode steps), and only there
+    runs = [e for e in cpu.backend.log if e[1] == "lm_head" and e[0] in ("copy", "compute")]
+    assert [e[0] for e in runs] == (["copy", "compute"] * 3 if compute == "stream" else [])
+    assert sum(s.unit == "lm_head" and s.kind == "disk_read" for s in cpu.timeline.spans) == 3 * (weights == "disk")
+
+
+def test_the_pricer_copies_the_lm_head_in_the_passes_that_sample_only(long_context):
+    """The cost model prices what that run does: a layer is copied once per pass, the lm_head once per pass that
+    samples (one 600-token prompt in 2 passes: once; 2 short prompts packed into 2 passes: twice)."""
+    spec, hw = long_context[1], gpu_profile()
+    units = {u.kind: u for u in spec.units()}
+    for n_seqs, n_passes, head_copies in [(1, 2, 1), (2, 2, 2), (1, 1, 1)]:
+        phase = Phase("prefill", n_seqs, 600, 300, 0, n_passes)
+        for kind, copies in [("layer", n_passes), ("lm_head", head_copies)]:
+            cost = unit_cost(spec, units[kind], "fp32", hw, phase, "fp32")
+            assert cost.pcie_s == pytest.approx(copies * units[kind].nbytes("fp32") / hw.h2d_pinned_bps), kind

@@ -34,8 +34,9 @@ class Model:
         """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens."""
         return make_step(self.spec, self.dtype, positions, valid, trash_slot, rows, phase)
 
-    def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV]) -> torch.Tensor:
-        """Hidden states [B, S, D] after the final norm, for tokens [B, S]."""
+    def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV], logits: bool = True) -> torch.Tensor:
+        """Hidden states [B, S, D] after the final norm, for tokens [B, S] (logits: whether logits() follows, as
+        PlacedModel.forward takes it; nothing to skip here)."""
         x = unit_forward(self.spec, "embed", self.embed_tokens, tokens, step, None, self.dtype)
         for i, (w, kv) in enumerate(zip(self.layers, cache)):
             x = unit_forward(self.spec, "layer", w, x, step, kv, self.dtype, i)

@@ -61,6 +61,12 @@ class Phase:
     def logit_rows(self) -> int:
         return self.n_seqs if self.n_logits is None else self.n_logits
 
+    @property
+    def logit_passes(self) -> int:
+        """Passes that sample a row: one per pass up to one per sequence (a long prompt's passes before its last
+        end no prompt and run no lm_head: planner/schedule.step_units)."""
+        return min(self.n_passes, self.n_seqs)
+
 
 def phases_for(batch_size: int, prompt_len: int, gen_len: int,
                pass_tokens: int | None = None) -> tuple[Phase, Phase]:
@@ -163,6 +169,8 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
     experts its tokens are routed to; a copy to the GPU or a disk read moves all of them (the routing is not known
     when the copy is issued ahead)."""
     kv_elem_bytes = FLOAT_FORMATS[compute]
+    if unit.kind == "lm_head":  # copied and read in the passes that sample only
+        phase = replace(phase, n_passes=phase.logit_passes)
     w_bytes = unit.nbytes(fmt, compute)
     link = hw.h2d_pinned_bps if hw.has_gpu else 0.0
     if unit.kind == "embed":  # a row gather: only the looked-up rows are touched

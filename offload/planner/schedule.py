@@ -7,6 +7,8 @@ pricer times it (planner/costs.py) and phase_schedule writes it out with the run
 depth); the copy of streamed unit j + depth is issued as soon as unit j is released (its compute enqueued), into
 the slot it leaves; past the step's last streamed unit, the next step's first units are copied ahead while they
 are in host RAM (a disk unit waits for its read, at its step). A CPU unit's copies in flight run under its compute.
+A step that samples no row (a prefill pass that ends no prompt) runs every unit but the lm_head (step_units): its
+copies are those of the units it runs, so the lm_head is neither copied nor read then.
 """
 
 from __future__ import annotations
@@ -83,9 +85,18 @@ def copy_plan(on_disk: tuple[bool, ...], depth: int, steady: bool) -> tuple[Copy
     return tuple(copies + [Copy(j, "release", j - depth) for j in range(depth, n)])
 
 
-def phase_schedule(phase: str, units: list[tuple[str, str, str]], depth: int, steady: bool) -> PhaseSchedule:
+def step_units(units: list, samples: bool = True) -> list:
+    """The units a step runs, of all units in order (the lm_head last): all of them where the step samples a row
+    of logits, else all but the lm_head (a prefill pass that ends no prompt computes no logits)."""
+    return list(units) if samples else list(units[:-1])
+
+
+def phase_schedule(phase: str, units: list[tuple[str, str, str]], depth: int, steady: bool,
+                   samples: bool = True) -> PhaseSchedule:
     """The schedule of one step of phase for units in order as (name, mode in this phase, weight tier); steady: a
-    step after one like it (decode), whose first host-RAM units were copied ahead by the step before."""
+    step after one like it (decode), whose first host-RAM units were copied ahead by the step before; samples:
+    whether the step samples a row (else it runs no lm_head)."""
+    units = step_units(units, samples)
     streamed = [name for name, mode, _ in units if mode == "stream"]
     turn = {name: j for j, name in enumerate(streamed)}  # each streamed unit's place in the step's streamed ones
     tier = {name: weights for name, _, weights in units}

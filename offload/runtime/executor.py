@@ -73,6 +73,7 @@ class PlacedModel:
         self._step_began = 0.0
         self._held = None  # the lm_head's weights kept for more rows of the step (logits(more=True))
         self._logit_rows = 0  # rows of the step's logits so far
+        self._samples = True  # whether the step computes logits (runs the lm_head)
         self.backend.order_after_allocations()
         self._closer = weakref.finalize(self, backend.close)  # pinned registrations end before buffers are freed
 
@@ -139,13 +140,14 @@ class PlacedModel:
     def make_step(self, positions, valid, trash_slot: int, rows=None, phase: str = "prefill") -> Step:
         return make_step(self.spec, self.dtype, positions, valid, trash_slot, rows, phase)
 
-    def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV]) -> torch.Tensor:
-        """Hidden states [B, S, D] after the final norm (on the host)."""
+    def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV], logits: bool = True) -> torch.Tensor:
+        """Hidden states [B, S, D] after the final norm (on the host). logits: whether logits() follows for this step
+        (False: a prefill pass that ends no prompt; the lm_head is then neither copied nor read)."""
         n_threads = self.threads.threads_for(step.phase)
         if n_threads != torch.get_num_threads():
             torch.set_num_threads(n_threads)
         self._step_began = time.perf_counter()
-        self._begin_step(step.phase)
+        self._begin_step(step.phase, logits)
         steps: dict = {}  # the step on each device, and the fused layer's table of it
         x = tokens
         with self.backend.compute_context():
@@ -159,6 +161,9 @@ class PlacedModel:
     def logits(self, hidden: torch.Tensor, more: bool = False) -> torch.Tensor:
         """fp32 logits [..., V] on the host; ends the step begun by forward(), unless more rows of the step
         follow (more=True: the lm_head, read or copied once per step, is kept for them)."""
+        if not self._samples:
+            raise RuntimeError("logits() after forward(..., logits=False): that step's lm_head is neither copied nor "
+                               "read; pass logits=True to forward() for a step whose logits are wanted")
         with self.backend.compute_context():
             out = self.backend.to_host(self._run("lm_head", hidden, self._phase, None, None, {}, keep=more)).float()
         self._logit_rows += hidden.numel() // hidden.shape[-1]
@@ -168,10 +173,10 @@ class PlacedModel:
         return out
 
     # the schedule -------------------------------------------------------------------------------------
-    def _begin_step(self, phase: str) -> None:
-        self._phase = phase
+    def _begin_step(self, phase: str, samples: bool) -> None:
+        self._phase, self._samples = phase, samples
         self.backend.collect()  # the finished work's timings: a job's events do not pile up until its end
-        self.streamer.begin_step(phase)
+        self.streamer.begin_step(phase, samples)
 
     def _acquire(self, name: str, phase: str):
         """(weights, on_device) for unit name in this phase."""

@@ -1,9 +1,10 @@
 """Streamer: drives the staging ring and the disk read-ahead through each step by replaying the plan's schedule of
-copies (planner/schedule.copy_plan, the one place its rule is written): at a step's start it issues the copies the
-schedule issues then (and those it copied ahead in the step before, where that step streamed other units), at each
-streamed unit's release the copies that release issues, this step's or the next step's, so the link works while the
-step's CPU blocks run. Disk units are read ahead in order; a copy whose read has not landed waits, in turn, and is
-issued at the next release, or when its unit is needed.
+copies (planner/schedule.copy_plan, the one place its rule is written) over the units the step runs (step_units: a
+step that samples no row, a prefill pass that ends no prompt, runs no lm_head): at a step's start it issues the
+copies the schedule issues then (and those it copied ahead in the step before, where that step streamed other
+units), at each streamed unit's release the copies that release issues, this step's or the next step's, so the link
+works while the step's CPU blocks run. Disk units are read ahead in order; a copy whose read has not landed waits,
+in turn, and is issued at the next release, or when its unit is needed.
 
 A disk unit's read buffer is reused by the reader, so it is given back only once its copy has landed; the host
 does not wait for that copy before launching the unit's compute (the device orders the two). It waits where it
@@ -16,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from offload.planner.placement import Placement
-from offload.planner.schedule import AHEAD, START, copy_plan
+from offload.planner.schedule import AHEAD, START, copy_plan, step_units
 from offload.planner.types import PHASES
 from offload.runtime.backends.base import Backend
 from offload.runtime.disk import ReadAhead
@@ -30,20 +31,19 @@ class Streamer:
     def __init__(self, backend: Backend, placement: Placement, order: list[str], layouts: dict, host_buffers: dict,
                  ring: StagingRing | None, reader: ReadAhead | None, on_disk: list[str]):
         self.backend, self.placement, self.layouts, self.host_buffers = backend, placement, layouts, host_buffers
-        self.ring, self.reader, self.on_disk = ring, reader, on_disk
+        self.ring, self.reader = ring, reader
         slots = ring.n_slots if ring is not None else 0
-        # each phase's schedule of copies, made once from the placement: (unit, issued) at the step's start, and
-        # the copies each streamed unit's release issues as (unit, for the next step)
-        self.at_start: dict[str, list[tuple[str, str]]] = {}
-        self.on_release: dict[str, dict[str, list[tuple[str, bool]]]] = {}
-        for phase in PHASES:
-            streamed = [n for n in order if placement[n].mode(phase) == "stream"]
-            copies = copy_plan(tuple(placement[n].weights == "disk" for n in streamed), slots, steady=True)
-            self.at_start[phase] = [(streamed[c.turn], c.issued) for c in copies if c.issued != "release"]
-            after = self.on_release[phase] = {}
-            for c in copies:
-                if c.by is not None:
-                    after.setdefault(streamed[c.by], []).append((streamed[c.turn], c.issued == AHEAD))
+        # each kind of step's schedule of copies, made once from the placement, by (phase, whether it samples: a
+        # prefill pass that ends no prompt runs no lm_head): (unit, issued) at the step's start, the copies each
+        # streamed unit's release issues as (unit, for the next step), and the disk units it reads, in order
+        self.at_start: dict[tuple[str, bool], list[tuple[str, str]]] = {}
+        self.on_release: dict[tuple[str, bool], dict[str, list[tuple[str, bool]]]] = {}
+        self.reads: dict[bool, list[str]] = {}
+        for samples in (True, False):
+            units = step_units(order, samples)
+            self.reads[samples] = [n for n in on_disk if n in units]
+            for phase in PHASES:
+                self._plan((phase, samples), [n for n in units if placement[n].mode(phase) == "stream"], slots)
         self._pending: list[tuple[str, bool]] = []  # copies the schedule has issued, waiting for a read (in turn)
         self._landing: list[tuple[str, object]] = []  # disk units launched, their read buffer kept for their copy
         # a streamed unit's weights are views of its slot, made once per slot and layout (units of one shape share
@@ -52,22 +52,31 @@ class Streamer:
         self._layout_no = {name: numbers.setdefault(layout, len(numbers)) for name, layout in layouts.items()}
         self._views: dict[tuple[int, int], object] = {}
         self._ahead: list[str] = []  # units copied ahead for the next step
-        self._phase = ""
+        self._phase, self._step = "", ("", True)
 
-    def begin_step(self, phase: str) -> None:
-        """A step of phase begins: keep what was copied ahead for it (else free those slots), schedule the disk
-        reads, and issue the step's first copies."""
-        self._phase = phase
+    def _plan(self, step: tuple[str, bool], streamed: list[str], slots: int) -> None:
+        """The copies of a step that streams these units, from the schedule's rule (copy_plan)."""
+        copies = copy_plan(tuple(self.placement[n].weights == "disk" for n in streamed), slots, steady=True)
+        self.at_start[step] = [(streamed[c.turn], c.issued) for c in copies if c.issued != "release"]
+        after = self.on_release[step] = {}
+        for c in copies:
+            if c.by is not None:
+                after.setdefault(streamed[c.by], []).append((streamed[c.turn], c.issued == AHEAD))
+
+    def begin_step(self, phase: str, samples: bool = True) -> None:
+        """A step of phase begins, sampling a row of logits or not (then it runs no lm_head): keep what was copied
+        ahead for it (else free those slots), schedule the disk reads, and issue the step's first copies."""
+        self._phase, self._step = phase, (phase, samples)
         self.settle()
         ahead, self._ahead = self._ahead, []
-        expected = [name for name, issued in self.at_start[phase] if issued == AHEAD]
+        expected = [name for name, issued in self.at_start[self._step] if issued == AHEAD]
         if ahead and ahead != expected[:len(ahead)]:
             self.ring.discard(ahead)  # copied ahead for a step that streams other units: not used
             ahead = []
-        self._pending = [(name, False) for name, issued in self.at_start[phase]
+        self._pending = [(name, False) for name, issued in self.at_start[self._step]
                          if issued == START or name not in ahead]  # the first step has nothing copied ahead
         if self.reader is not None:
-            self.reader.schedule(self.on_disk, phase)
+            self.reader.schedule(self.reads[samples], phase)
         self.issue_copies()
 
     def issue_copies(self, need: str | None = None) -> None:
@@ -115,7 +124,7 @@ class Streamer:
         """A streamed unit's compute is enqueued: its slot takes the copies the schedule issues at its release, and
         the disk units launched before it give their read buffers back."""
         self.ring.release(name)
-        self._pending += self.on_release[phase].get(name, [])
+        self._pending += self.on_release[self._step].get(name, [])
         self.issue_copies()
         self.settle(but=name)
 
