@@ -20,6 +20,8 @@ from offload.formats import DTYPES, QUANTIZATIONS
 from offload.hardware import HardwareProfile, parse_size
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # OpenAI's schema takes any 64-bit seed; torch's manual_seed takes these
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's max_logprobs; OpenAI chat's top_logprobs)
+MAX_N = 64  # samples per prompt at most
 DEFAULT_PREFILL_CHUNK_TOKENS = 512  # tokens a layer computes at once in prefill: bounds the working set
 BACKENDS = ("auto", "cpu", "cuda", "sim")  # auto: CUDA where a GPU is visible, else the CPU; sim: the simulated GPU
 ENGINES = ("local", "ray")
@@ -61,6 +63,8 @@ Number = Annotated[float, BeforeValidator(_no_bool)]
 Size = Annotated[int | None, BeforeValidator(_size)]
 Bytes = Annotated[int, BeforeValidator(_size)]  # a size that must be given (no tier default to fall back on)
 Baseline = Annotated[int | Literal["auto"], BeforeValidator(lambda v: v if v == "auto" else _size(v) or 0)]
+TokenId = Annotated[Whole, Field(ge=0)]
+Text = Annotated[str, Field(min_length=1)]
 
 
 class Section(BaseModel):
@@ -119,7 +123,8 @@ class ScheduleOptions(Section):
 
 
 class SamplingOptions(Section):
-    """Defaults for every request (a request's own body overrides them), and a cap no body passes."""
+    """Defaults for every request (a request's own body overrides them), and a cap no body passes. With
+    RequestOptions, these fields (but the cap) are SamplingParams': its names, types and bounds (sampling.py)."""
 
     max_tokens: Whole = option(16, "tokens generated per request that does not set max_tokens itself (vLLM's "
                                "and OpenAI completions' default is 16); the plan is sized for it",
@@ -136,16 +141,31 @@ class SamplingOptions(Section):
                            name="min_p", cli="sampling", ge=0, le=1)
     seed: Whole | None = option(None, "per-request seed base (any 64-bit value)", name="seed", cli="sampling",
                                 ge=SEED_MIN, le=SEED_MAX)
-    stop: list[str] = option(help="a string that ends a completion (repeatable)", name="stop", cli="sampling",
-                             default_factory=list)
+    stop: list[Text] = option(help="a string that ends a completion (repeatable)", name="stop", cli="sampling",
+                              default_factory=list)
     ignore_eos: bool = option(False, "keep generating past the end-of-sequence token")
     presence_penalty: Number = option(0.0, "subtracted once from each token already generated (OpenAI's)",
                                       ge=-2, le=2)
     frequency_penalty: Number = option(0.0, "subtracted per time a token was generated (OpenAI's)", ge=-2, le=2)
     repetition_penalty: Number = option(1.0, "a prompt or output token's logit divided by it where positive, "
                                         "multiplied where negative (vLLM's; 1 changes nothing)", gt=0)
-    logit_bias: dict[int, Number] = option(help="token id: bias in [-100, 100] added to its logit (OpenAI's)",
-                                           default_factory=dict)
+    logit_bias: dict[TokenId, Annotated[Number, Field(ge=-100, le=100)]] = option(
+        help="token id: bias in [-100, 100] added to its logit (OpenAI's)", default_factory=dict)
+
+
+class RequestOptions(Section):
+    """What one request sets besides the sampling section's fields, as a request body or LLM.generate's
+    SamplingParams gives it (vLLM's names); a job does not default these."""
+
+    stop_token_ids: list[TokenId] = option(help="token ids that end a completion", default_factory=list)
+    skip_special_tokens: bool = option(True, "leave special tokens out of the text")
+    include_stop_str_in_output: bool = option(False, "keep the stop string that ended a completion in its text")
+    n: Whole = option(1, "samples of the prompt; they share its prefill (the KV of the prompt is copied)", ge=1,
+                      le=MAX_N)
+    logprobs: Whole | None = option(None, "the sampled token's logprob and this many top ones, per output token "
+                                    "(vLLM's)", ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Whole | None = option(None, "the same for each prompt token after the first (OpenAI's echo)",
+                                           ge=0, le=MAX_LOGPROBS)
 
 
 class InputOptions(Section):

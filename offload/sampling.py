@@ -3,44 +3,44 @@ top-p, min-p, seed."""
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, make_dataclass
 
 from typing import TYPE_CHECKING
 
 from offload.errors import SamplingError, WeightsError
-from offload.options import SEED_MAX, SEED_MIN
+from offload.option_values import bare_type, value_problem
+from offload.options import MAX_LOGPROBS, MAX_N, RequestOptions, SamplingOptions  # noqa: F401 (MAX_*: re-exported)
 
 if TYPE_CHECKING:  # torch is imported where a sampler runs, not where parameters are checked (offload validate)
     import torch
 
 GREEDY_EPS = 1e-5  # temperatures below this mean greedy, as in vLLM
-MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's max_logprobs; OpenAI chat's top_logprobs)
-MAX_N = 64  # samples per prompt at most
+JOB_ONLY = ("max_tokens_cap",)  # the job's cap on request bodies: no request's field
+# SamplingParams' fields: the job's sampling section's and RequestOptions' (offload/options.py), in that order
+FIELDS = {name: info for name, info in (SamplingOptions.model_fields | RequestOptions.model_fields).items()
+          if name not in JOB_ONLY}
+VLLM_DEFAULTS = {"temperature": 1.0}  # vLLM's and OpenAI's; a job's sampling section is greedy unless it says so
 
 
-@dataclass
-class SamplingParams:
-    """How to sample one request; defaults follow vLLM (temperature 1.0, max_tokens 16)."""
+def _field(name: str):
+    info = FIELDS[name]
+    if name in VLLM_DEFAULTS:
+        return field(default=VLLM_DEFAULTS[name])
+    if info.default_factory is not None:
+        return field(default_factory=info.default_factory)
+    return field(default=info.default)
 
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1: all tokens
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
-    n: int = field(default=1)  # samples of the prompt; they share its prefill (the KV of the prompt is copied)
-    presence_penalty: float = 0.0  # OpenAI's: subtracted once from each token already generated
-    frequency_penalty: float = 0.0  # OpenAI's: subtracted per time a token was generated
-    repetition_penalty: float = 1.0  # vLLM's (CTRL's): a prompt or output token's logit divided by it (> 0) or times
-    logit_bias: dict | None = None  # OpenAI's: {token id: bias in [-100, 100]} added to the logits
-    logprobs: int | None = None  # vLLM's: the sampled token's logprob and this many top ones, per output token
-    prompt_logprobs: int | None = None  # the same for each prompt token after the first (OpenAI's echo)
+
+_SamplingFields = make_dataclass("_SamplingFields", [(n, bare_type(FIELDS[n].annotation), _field(n)) for n in FIELDS],
+                                 kw_only=True)
+_SamplingFields.__module__ = __name__  # pickle and repr find it here (make_dataclass takes no module before 3.12)
+
+
+@dataclass(kw_only=True)  # no fields of its own: the decorator makes __init__ call __post_init__
+class SamplingParams(_SamplingFields):
+    """How to sample one request, by keyword: vLLM's names and defaults (temperature 1.0, max_tokens 16); the fields,
+    their types and bounds are offload/options.py's SamplingOptions' (the job's `sampling` section, but its cap) and
+    RequestOptions'. stop may be one string; logit_bias keys may be strings of digits (as JSON gives them)."""
 
     def __post_init__(self):
         for name, kinds, what in (("stop", (str, list, tuple), "strings (or one string)"),
@@ -58,39 +58,11 @@ class SamplingParams:
         self.validate()
 
     def validate(self) -> None:
-        """Raise SamplingError naming the first parameter out of range."""
-        checks = [
-            (_is_int(self.max_tokens) and self.max_tokens >= 1,
-             f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"),
-            (_is_number(self.temperature) and self.temperature >= 0,
-             f"temperature must be a finite number >= 0 (0 means greedy), got {self.temperature!r}"),
-            (_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}"),
-            (_is_int(self.top_k) and (self.top_k >= 0 or self.top_k == -1),
-             f"top_k must be -1, 0 (all tokens) or a positive integer, got {self.top_k!r}"),
-            (_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}"),
-            (self.seed is None or _is_int(self.seed) and SEED_MIN <= self.seed <= SEED_MAX,
-             f"seed must be a whole number from -2**63 to 2**64-1, got {self.seed!r}"),
-            (all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}"),
-            (all(_is_int(t) and t >= 0 for t in self.stop_token_ids),
-             f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}"),
-            (_is_int(self.n) and 1 <= self.n <= MAX_N, f"n must be an integer from 1 to {MAX_N}, got {self.n!r}"),
-            (_is_number(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty!r}"),
-            (_is_number(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty!r}"),
-            (_is_number(self.repetition_penalty) and self.repetition_penalty > 0,
-             f"repetition_penalty must be a number > 0 (1 changes nothing), got {self.repetition_penalty!r}"),
-            (all(_is_int(k) and k >= 0 and _is_number(v) and -100 <= v <= 100 for k, v in self.logit_bias.items()),
-             f"logit_bias must map token ids to biases in [-100, 100], got {self.logit_bias!r}"),
-            (self.logprobs is None or _is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
-             f"logprobs must be an integer from 0 to {MAX_LOGPROBS} (top logprobs per token), got {self.logprobs!r}"),
-            (self.prompt_logprobs is None or _is_int(self.prompt_logprobs) and
-             0 <= self.prompt_logprobs <= MAX_LOGPROBS,
-             f"prompt_logprobs must be an integer from 0 to {MAX_LOGPROBS}, got {self.prompt_logprobs!r}"),
-        ]
-        for ok, message in checks:
-            if not ok:  # each message starts with the field's name
-                raise SamplingError(f"invalid sampling parameter: {message}", message.split(" ", 1)[0])
+        """Raise SamplingError naming the first parameter outside its option's type or bounds."""
+        for name, info in FIELDS.items():
+            problem = value_problem(name, info, getattr(self, name))
+            if problem is not None:
+                raise SamplingError(f"invalid sampling parameter: {problem}", name)
 
     def check_vocab(self, vocab_size: int) -> None:
         """SamplingError naming the field where stop_token_ids or logit_bias name a token past the vocabulary (as
@@ -125,11 +97,6 @@ class SamplingParams:
         return g
 
 
-def _is_number(x) -> bool:
-    """A finite int or float (not a bool, NaN or infinity)."""
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
 def _token_id(key):
     """logit_bias keys: token ids, as JSON gives them (strings of digits) or as ints; anything else is kept to be
     refused by validate."""
@@ -156,10 +123,6 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids, ou
         if token < vocab:
             logits[token] += bias
     return logits
-
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -52,7 +52,7 @@ def test_seed_out_of_range_is_an_error_line_and_validate_says_so(tmp_path, tiny_
     config = job(tmp_path, tiny_model, [completion_line("big", "hi", seed=2**64, temperature=0.5),
                                         completion_line("ok", "hi", seed=2**64 - 1, temperature=0.5)])
     code, message = cli("validate", config)
-    assert code == 2 and "custom_id 'big'" in message and "seed must be a whole number" in message
+    assert code == 2 and "custom_id 'big'" in message and "seed must be an integer from -2**63" in message
     assert "'ok'" not in message
     report = run_batch(config)
     records = by_id(tmp_path / "o.jsonl")

@@ -15,7 +15,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "offload"
 
 # Each module may import from its own layer and the layers below (a top-level module or a package).
 LAYERS = [
-    {"__init__", "errors", "paths", "formats", "system", "units", "attention_sizes", "config_values", "rate_curves"},
+    {"__init__", "errors", "paths", "formats", "system", "units", "attention_sizes", "config_values", "rate_curves",
+     "option_values"},
     {"spec", "hardware", "sampling", "options", "baseline"},
     {"planner", "kernels"},
     {"profile", "model"},

@@ -187,6 +187,8 @@ def _expected(err: dict) -> str:
               "less_than": "< {lt}"}
     if kind in bounds:
         return "a value " + bounds[kind].format(**ctx)
+    if kind == "string_too_short":
+        return "a non-empty string" if ctx["min_length"] == 1 else f"a string of {ctx['min_length']} characters or more"
     names = {"int": "a whole number", "float": "a number", "bool": "true or false", "string": "a string",
              "list": "a list"}
     for prefix, name in names.items():
