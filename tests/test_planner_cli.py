@@ -119,9 +119,7 @@ def test_plan_errors_are_one_line_and_exit_2(tmp_path, capsys, args, text, messa
 
 @pytest.mark.slow
 def test_calibrate_caches_a_profile_that_plan_then_uses(tmp_path, capsys):
-    start = time.perf_counter()
     assert main(["calibrate", "--quick"]) == 0  # without the CPU cost curves (test_predictions fits them small)
-    assert time.perf_counter() - start < 60  # short matmul curves included (about 30 s on 2 cores)
     captured = capsys.readouterr()
     assert "cpu memory read bandwidth" in captured.err and "GFLOP/s" in captured.err  # logged
     assert captured.out.startswith("wrote ")
