@@ -1,7 +1,6 @@
 """`offload plan` and `offload calibrate` from the command line."""
 
 import json
-import time
 from pathlib import Path
 
 import pytest
