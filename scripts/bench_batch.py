@@ -97,7 +97,7 @@ def scaling(args, many: int = 32, new_tokens: int = 64) -> None:
     from offload.weights.model_files import model_spec
 
     placement = Placement.uniform(model_spec(resolve_model(args.model)), "cpu", "cpu")
-    llm = LLM(args.model, quantization=args.quantization, backend="cpu", max_batch_size=many, placement=placement)
+    llm = LLM(args.model, quantization=args.quantization, backend="cpu", batch_size=many, placement=placement)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     spread = min(900, llm.spec.vocab_size - 100)  # ids 100-999 (fewer in a tiny vocabulary)
     prompts = [{"prompt_token_ids": [100 + (7 * i + j) % spread for j in range(16)]} for i in range(many)]
@@ -263,7 +263,7 @@ def mixed_against_before(args) -> None:
         from offload.weights.model_files import model_spec
 
         placement = Placement.uniform(model_spec(resolve_model(args.model)), "disk", "cpu", page_cache=frozenset())
-    llm = LLM(args.model, quantization=args.quantization, max_batch_size=args.batch, placement=placement,
+    llm = LLM(args.model, quantization=args.quantization, batch_size=args.batch, placement=placement,
               backend="cpu" if placement else "auto")
     prompts, max_tokens = prompt_ids(llm.tokenizer, args.n_prompts)
     threads = torch.get_num_threads()  # each run starts on these (offload's governor may lower its own count)

@@ -40,7 +40,7 @@ class Variant:
     def __init__(self, model: str, quantization: str, dtype: str, fuse: bool, prompt: list[int], n_decode: int):
         spec = model_spec(resolve_model(model))
         placement = Placement.uniform(spec, "cpu", "cpu")
-        self.llm = LLM(model, quantization=quantization, dtype=dtype, backend="cpu", max_batch_size=1,
+        self.llm = LLM(model, quantization=quantization, dtype=dtype, backend="cpu", batch_size=1,
                        placement=placement, max_model_len=len(prompt) + n_decode + 8, host_baseline=0)
         self.llm.model.fuse = fuse
         self.prompt, self.params = prompt, SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)

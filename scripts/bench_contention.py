@@ -81,8 +81,8 @@ def run(args) -> None:
     from offload import LLM
     from offload.runtime.threads import ThreadGovernor
 
-    llm_adaptive = LLM(args.model, quantization=args.quantization, max_batch_size=16)
-    llm_fixed = LLM(args.model, quantization=args.quantization, max_batch_size=16)
+    llm_adaptive = LLM(args.model, quantization=args.quantization, batch_size=16)
+    llm_fixed = LLM(args.model, quantization=args.quantization, batch_size=16)
     llm_fixed.model.threads = ThreadGovernor(args.threads, enabled=False)
     prompts = demo_prompts()
     prompt_ids = llm_adaptive.apply_chat_template(prompts[0])

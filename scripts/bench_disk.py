@@ -9,7 +9,7 @@ process (`bench_disk.py --child SPEC`), so page cache, RSS and memory accounting
               max_memory={"cpu": budget}, offload_folder=<fresh temp dir>), then model.generate(ids,
               max_new_tokens=n, min_new_tokens=n, do_sample=False) (min_new_tokens: EOS does not end it early).
   offload     LLM(model, dtype="bf16", cpu_memory=budget, disk_memory=--disk-memory, gpu_memory=0,
-              backend="cpu", max_batch_size=1, max_model_len=prompt+tokens, max_tokens=tokens), then
+              backend="cpu", batch_size=1, max_model_len=prompt+tokens, max_tokens=tokens), then
               llm.generate([ids], SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)). offload counts
               its own process (Python, torch: host_baseline "auto", its default) against cpu_memory, so its plan
               holds fewer weights in RAM than accelerate's max_memory, which counts weights only;
@@ -284,7 +284,7 @@ def child_offload(spec: dict) -> dict:
     host_baseline = spec["offload_host_baseline"]
     phase("load")
     t0 = time.perf_counter()
-    llm = LLM(spec["model"], dtype="bf16", max_batch_size=1, cpu_memory=spec["budget_bytes"],
+    llm = LLM(spec["model"], dtype="bf16", batch_size=1, cpu_memory=spec["budget_bytes"],
               disk_memory=spec["disk_memory"], gpu_memory=0, backend="cpu",
               max_model_len=len(spec["prompt_ids"]) + spec["tokens"], max_tokens=spec["tokens"],
               host_baseline=host_baseline if host_baseline == "auto" else int(host_baseline))

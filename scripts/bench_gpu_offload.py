@@ -12,7 +12,7 @@ so one never holds GPU memory while the other runs; a child loads once and measu
               stay in CPU RAM and are copied to the GPU at each forward (accelerate's hooks). max_memory counts
               weights only.
   offload     LLM(model, dtype="bf16", gpu_memory=budget, backend="cuda", hardware=--hardware,
-              max_batch_size=max(batches), max_model_len=prompt+tokens, max_tokens=tokens), then
+              batch_size=max(batches), max_model_len=prompt+tokens, max_tokens=tokens), then
               llm.generate(prompts, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)). gpu_memory
               counts everything offload puts on the GPU (weights, KV, staging slots, workspace, the CUDA context
               the hardware profile reserves, a margin), so its plan holds fewer weights there than accelerate's.
@@ -176,7 +176,7 @@ def child_offload(spec: dict) -> dict:
     on_gpu = spec["device"] == "cuda"
     t0 = time.perf_counter()
     llm = LLM(spec["model"], dtype="bf16", gpu_memory=spec["gpu_bytes"],
-              backend=spec["device"], hardware=spec["hardware"], max_batch_size=max(spec["batches"]),
+              backend=spec["device"], hardware=spec["hardware"], batch_size=max(spec["batches"]),
               max_model_len=spec["prompt_len"] + spec["tokens"], max_tokens=spec["tokens"])
     if on_gpu:
         torch.cuda.synchronize()

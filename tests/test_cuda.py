@@ -126,7 +126,7 @@ def test_cuda_peak_memory_within_plan(tiny):
     torch.cuda.reset_peak_memory_stats()
     hardware = gpu_profile().with_changes(gpu_reserved_bytes=CUBLAS_WORKSPACE_BYTES)
     llm = LLM(str(folder), hardware=hardware, gpu_memory=8 * 2**20 + CUBLAS_WORKSPACE_BYTES, cpu_memory="1GiB",
-              backend="cuda", host_baseline=0, max_batch_size=4, max_model_len=64, dtype="fp32")
+              backend="cuda", host_baseline=0, batch_size=4, max_model_len=64, dtype="fp32")
     llm.generate([[1, 2, 3, 4, 5]] * 4, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     tier = llm.plan.tier("gpu")
     assert tier.reserved_bytes == CUBLAS_WORKSPACE_BYTES and tier.weights_bytes > 0

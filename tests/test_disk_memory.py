@@ -38,7 +38,7 @@ budget = baseline + 192 * 2**20
 limit = budget + 128 * 2**20 if rule == "bounded" else 2 * budget
 Path(limit_file).write_text(str(limit))
 llm = LLM(model, dtype="bf16", cpu_memory=budget, disk_memory="1GiB", max_model_len=48, max_tokens=TOKENS,
-          max_batch_size=1, backend="cpu", host_baseline=baseline)
+          batch_size=1, backend="cpu", host_baseline=baseline)
 read = lambda: int(next(ln for ln in open("/proc/self/io") if ln.startswith("read_bytes")).split()[1])
 before = read()
 out = llm.generate([list(range(1, 17))], SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True))

@@ -108,7 +108,7 @@ def test_a_planned_disk_tier_the_page_cache_keeps_loads_and_runs_in_place(tmp_pa
     model = make_hf_model("llama", vocab_size=300, hidden_size=256, intermediate_size=512, num_hidden_layers=4)
     path = write_gguf(model, tmp_path / f"small-{qtype}.gguf", qtype)
     monkeypatch.setattr(planner_request, "page_cache_room_bytes", lambda cpu_bytes: 2**30)
-    kw = dict(quantization=quantization, backend="cpu", host_baseline=0, max_model_len=64, max_batch_size=2)
+    kw = dict(quantization=quantization, backend="cpu", host_baseline=0, max_model_len=64, batch_size=2)
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     ram = LLM(str(path), **kw)
     cpu = ram.plan.tier("cpu")

@@ -58,10 +58,10 @@ def test_decode_with_cache_equals_recompute(tiny_llm):
         assert_logits_close(logits, offload_logits(model, tokens)[-1])
 
 
-@pytest.mark.parametrize("max_batch_size", [8, 2])
-def test_batch_of_different_lengths_equals_one_by_one(tmp_path, max_batch_size):
+@pytest.mark.parametrize("batch_size", [8, 2])
+def test_batch_of_different_lengths_equals_one_by_one(tmp_path, batch_size):
     folder = save_hf_model(make_hf_model("llama", num_hidden_layers=3), tmp_path / "tiny")
-    llm = LLM(str(folder), max_batch_size=max_batch_size)
+    llm = LLM(str(folder), batch_size=batch_size)
     prompts = _prompts([3, 11, 1, 7, 20])
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 12, 4, 9, 5)]
     batched = llm.generate(prompts, params)

@@ -154,7 +154,7 @@ RSS_SCRIPT = textwrap.dedent("""
     quantization, budget = sys.argv[1], int(sys.argv[2])
     out = []
     for batch in (1, 8, 32):
-        llm = LLM("default", quantization=quantization, cpu_memory=budget, disk_memory="4GiB", max_batch_size=batch,
+        llm = LLM("default", quantization=quantization, cpu_memory=budget, disk_memory="4GiB", batch_size=batch,
                   max_model_len=256)
         llm.generate(["Once upon a time"] * batch, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
         llm.model.close()

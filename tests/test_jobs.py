@@ -21,7 +21,7 @@ def tiny_model(tmp_path_factory):
 def tiny_llm(tiny_model):
     from offload import LLM
 
-    return LLM(str(tiny_model), max_batch_size=4)
+    return LLM(str(tiny_model), batch_size=4)
 
 
 def tiny_job(tmp_path, model, n: int = 6, **sections) -> tuple:

@@ -89,7 +89,7 @@ def test_executor_allocates_the_read_ahead_the_plan_budgeted(tiny_dir):
     """prefetch_depth 1 plans one unit of read-ahead; the executor allocates the arena the plan sized, and its
     host memory never passes the plan's."""
     llm = LLM(str(tiny_dir), quantization="q8_0", hardware="cpu-desktop", gpu_memory=0, cpu_memory="950KiB", host_baseline=0,
-              disk_memory="1GiB", max_batch_size=2, max_model_len=40, prefetch_depth=1, backend="cpu")
+              disk_memory="1GiB", batch_size=2, max_model_len=40, prefetch_depth=1, backend="cpu")
     plan = llm.plan
     assert plan.tier("disk").weights_bytes > 0 and plan.read_ahead_depth == 1
     reader = llm.model.reader

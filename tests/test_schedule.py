@@ -127,7 +127,7 @@ def _kv_bytes(model, tier: str) -> int:
 def test_peak_memory_stays_within_the_plan(model_dir):
     """A planned mix of resident, streamed and CPU blocks on a simulated 24 GB-class profile."""
     llm = LLM(str(model_dir), hardware=gpu_profile(), gpu_memory="6000KiB", cpu_memory="1GiB", backend="cpu", host_baseline=0,
-              max_batch_size=8, max_model_len=64)
+              batch_size=8, max_model_len=64)
     modes = {(u.weight_tier, u.prefill, u.decode) for u in llm.plan.units}
     assert ("gpu", "gpu", "gpu") in modes and any("stream" in m for m in modes) and ("cpu", "cpu", "cpu") in modes
     prompts = [[(7 * i + j) % 160 for j in range(40 + i)] for i in range(8)]

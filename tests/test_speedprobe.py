@@ -170,7 +170,7 @@ def _tiny_job(tmp_path):
     from offload import LLM
 
     folder = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
-    llm = LLM(str(folder), quantization="q8_0", hardware=CALIBRATED, max_batch_size=2, host_baseline=0)
+    llm = LLM(str(folder), quantization="q8_0", hardware=CALIBRATED, batch_size=2, host_baseline=0)
     lines = [{"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
               "body": {"prompt": list(range(1, 4 + 3 * i)), "max_tokens": 4 + i}} for i in range(3)]
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
