@@ -291,7 +291,7 @@ def plan_draft_first(options: SpeculativeOptions,
     from offload.planner.speculation import PRIOR_ACCEPTANCE, draft_held, plan_speculation, price_on, without_draft
 
     path = request.model if options.method == "self" else options.model
-    quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
+    quantization = options.draft_quantization
     spec = model_spec(resolve_model(request.model))
     plans = plan_speculation(spec, request.profile(), request, options, model_spec(resolve_model(path)))
     price = price_on(plans, options, PRIOR_ACCEPTANCE, options.max_speculative_tokens, min_k=1)
@@ -312,12 +312,11 @@ def check_draft_vocab(draft: LLM, llm: LLM) -> None:
 
 
 def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
-    """The draft LLM of speculative decoding: the model's own weights in options.quantization (self; q4_0 by
-    default), or options.model (draft_model) as stored or in options.quantization; llm's context, batch, backend
-    and compute format; its vocabulary must be llm's."""
+    """The draft LLM of speculative decoding: the model's own weights (self) or options.model (draft_model) in
+    options.draft_quantization; llm's context, batch, backend and compute format; its vocabulary must be llm's."""
     request = llm.request
     path = str(llm.path) if options.method == "self" else options.model
-    quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
+    quantization = options.draft_quantization
     # its own plan, not yet priced with the model's: on this machine, within what the process may use
     room = {"cpu_memory": memory_limit_bytes()} if request.hardware is None else {"hardware": request.hardware}
     return LLM(path, quantization=quantization, max_model_len=llm.max_model_len, batch_size=llm.max_batch_size,

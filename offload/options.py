@@ -241,6 +241,9 @@ class ServeOptions(Section):
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self")  # prompt lookup, a smaller model, the model's own weights
+# the draft's weight format unless speculative.quantization says: the model's own weights made smaller (self), a
+# draft model read as stored (draft_model)
+DRAFT_QUANTIZATION = {"self": "q4_0", "draft_model": "none"}
 
 
 class SpeculativeOptions(Section):
@@ -254,14 +257,19 @@ class SpeculativeOptions(Section):
                                                          "format (quantization); none: no speculation")
     model: str | None = option(None, "draft_model: the draft model (a folder, a GGUF file or a Hub id in the local "
                                "cache), with the model's tokenizer")
-    quantization: Literal[QUANTIZATIONS] | None = option(None, "the draft's weight format (self: default q4_0; "
-                                                         "draft_model: default none, as stored)")
+    quantization: Literal[QUANTIZATIONS] | None = option(None, "the draft's weight format (default: " + "; ".join(
+        f"{method} {q}" for method, q in DRAFT_QUANTIZATION.items()) + ")")
     num_speculative_tokens: Whole | None = option(None, "tokens proposed per step (default: chosen from the "
                                                   "acceptance rate measured as the run goes, at most "
                                                   "max_speculative_tokens)", ge=1, le=32)
     max_speculative_tokens: Whole = option(8, "the most tokens the adaptive choice proposes per step", ge=1, le=32)
     prompt_lookup_max: Whole = option(4, "ngram: the longest n-gram looked up", ge=1)
     prompt_lookup_min: Whole = option(1, "ngram: the shortest n-gram looked up", ge=1)
+
+    @property
+    def draft_quantization(self) -> str:
+        """The draft's weight format: quantization where set, else its method's (DRAFT_QUANTIZATION)."""
+        return self.quantization or DRAFT_QUANTIZATION[self.method]
 
     @model_validator(mode="after")
     def _consistent(self):

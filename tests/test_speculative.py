@@ -96,6 +96,26 @@ def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(mo
     assert small.speculative_stats["proposed"] > 0 and small.speculative_stats["draft_s"] > 0
 
 
+def test_the_drafts_default_format_is_written_once(model_dir, monkeypatch):
+    """options.DRAFT_QUANTIZATION decides the draft's format where speculative.quantization is unset: changed there,
+    the planned draft (plan_draft_first, plan_speculation) and a draft loaded beside a given placement follow."""
+    from offload import options
+    from offload.planner import Placement
+
+    assert options.SpeculativeOptions(method="self").draft_quantization == "q4_0"
+    assert options.SpeculativeOptions(method="draft_model", model="m").draft_quantization == "none"
+    assert options.SpeculativeOptions(method="self", quantization="q8_0").draft_quantization == "q8_0"
+    assert "self q4_0; draft_model none" in options.SpeculativeOptions.model_fields["quantization"].description
+    monkeypatch.setitem(options.DRAFT_QUANTIZATION, "self", "q8_0")
+    planned = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
+                  speculative_config={"method": "self", "num_speculative_tokens": 2})
+    assert planned.generator.speculator.drafter.draft.request.quantization == "q8_0"
+    given = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
+                placement=Placement.uniform(planned.spec, "cpu", "cpu"),
+                speculative_config={"method": "self", "num_speculative_tokens": 2})
+    assert given.generator.speculator.drafter.draft.request.quantization == "q8_0"
+
+
 def test_a_draft_is_planned_first_and_its_bytes_come_out_of_the_models_budget(model_dir):
     """memory.cpu is the whole process: the draft (planned first) holds part of it, the model's plan the rest,
     and a job's memory watch and report hold the process to the sum."""

@@ -133,7 +133,7 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
     if options.method not in ("draft_model", "self"):
         return SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
     path = request.model if options.method == "self" else options.model
-    quantization = options.quantization or ("q4_0" if options.method == "self" else "none")
+    quantization = options.draft_quantization
     draft_spec = draft_spec or spec
     if draft_spec.vocab_size != spec.vocab_size:
         from offload.errors import ConfigError
