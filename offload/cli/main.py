@@ -13,6 +13,7 @@ import threading
 from offload import __version__
 from offload.cli import cache, calibrate, eval_kl, generate, plan, run, serve, simulate, validate
 from offload.cli.exits import EXIT_ERROR, EXIT_INTERRUPTED, EXIT_TERMINATED
+from offload.environment import environment_help
 from offload.errors import OffloadError
 
 # each adds its parser: add_parser(sub)
@@ -42,7 +43,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(prog="offload", description=__doc__)
+    parser = Parser(prog="offload", description=__doc__, epilog=environment_help(),
+                    formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"offload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     for command in COMMANDS:
