@@ -145,6 +145,7 @@ def test_python_in_the_folder_holding_a_clone_named_offload_imports_the_package(
     folder, imported from the folder that holds it."""
     import os
     import shutil
+    import sysconfig
     import zipfile
 
     pytest.importorskip("setuptools", minversion="77", reason="the build requirement of pyproject.toml")
@@ -161,10 +162,13 @@ def test_python_in_the_folder_holding_a_clone_named_offload_imports_the_package(
                           env={**os.environ, "OFFLOAD_NO_EXT": "1"})
     assert made.returncode == 0, made.stderr[-3000:]
     zipfile.ZipFile(tmp_path / "wheel" / made.stdout.split()[-1]).extractall(tmp_path / "site")
-    check = (f"import site; site.addsitedir({str(tmp_path / 'site')!r}); from offload import LLM; import offload; "
-             f"print(offload.__file__)")
+    # the copy's install first, then this environment's packages (torch...) without its own install of offload
+    # winning: python -S, the two site folders added in that order
+    packages = sysconfig.get_paths()["purelib"]  # this environment's (under -S the child knows no venv)
+    check = (f"import site; site.addsitedir({str(tmp_path / 'site')!r}); site.addsitedir({packages!r}); "
+             f"from offload import LLM; import offload; print(offload.__file__)")
     shell = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a user's, whose path names no clone
-    ran = subprocess.run([sys.executable, "-c", check], cwd=clone.parent, capture_output=True, text=True, timeout=300,
-                         env=shell)
+    ran = subprocess.run([sys.executable, "-S", "-c", check], cwd=clone.parent, capture_output=True, text=True,
+                         timeout=300, env=shell)
     assert ran.returncode == 0, ran.stderr[-3000:]
     assert Path(ran.stdout.split()[-1]) == clone / "offload" / "__init__.py"
