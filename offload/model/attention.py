@@ -47,11 +47,15 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 
 
 def _reads_in_place(step: Step, q: torch.Tensor) -> bool:
-    """Whether the step's queries are each sequence's newest few tokens, all real (host tensors only)."""
+    """Whether the step's queries are each sequence's newest few tokens, all real (host tensors only; worked out
+    once per step, not per layer)."""
     if q.shape[-2] > IN_PLACE_MAX_QUERIES:
         return False
-    positions, valid = step.positions, step.valid
-    return bool(valid.all()) and bool((positions[:, -1] - positions[:, 0] == q.shape[-2] - 1).all())
+    if "in_place" not in step._derived:
+        positions, valid = step.positions, step.valid
+        step._derived["in_place"] = bool(valid.all()) and bool(
+            (positions[:, -1] - positions[:, 0] == positions.shape[1] - 1).all())
+    return step._derived["in_place"]
 
 
 def _paged(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
@@ -66,7 +70,7 @@ def kv_table(step: Step, kv: LayerKV) -> KVTable:
     """Each sequence's keys as one run of its cache row (made once per step and cache shape, on the device from
     the step's uploaded tensors: no host sync)."""
     stride = kv.k.shape[1]
-    table = step._tables.get(stride)
+    table = step._derived.get(("table", stride))
     if table is None:
         n, dev = step.positions.shape[0], step.write_index.device
         rows = step.rows if step.rows is not None else torch.arange(n, device=dev)
@@ -75,7 +79,7 @@ def kv_table(step: Step, kv: LayerKV) -> KVTable:
             first, newest = first + step.bases, newest - step.bases
         lengths = newest + 1
         host = tuple(int(p) + 1 for p in step.positions[:, -1])
-        table = step._tables[stride] = KVTable(first[:, None].int(), lengths.int(), stride, host)
+        table = step._derived[("table", stride)] = KVTable(first[:, None].int(), lengths.int(), stride, host)
     return table
 
 
@@ -105,12 +109,14 @@ def sdpa_over_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
 
 def _causal_only(step: Step) -> bool:
     """One sequence whose new tokens are all real and consecutive, with no window cutting its keys: the mask is
-    bottom-right causal (host tensors only)."""
-    positions, valid = step.positions, step.valid
-    window = step.sliding_window
-    return (positions.shape[0] == 1 and bool(valid.all())
+    bottom-right causal (host tensors only; worked out once per step)."""
+    if "causal_only" not in step._derived:
+        positions, valid, window = step.positions, step.valid, step.sliding_window
+        step._derived["causal_only"] = (
+            positions.shape[0] == 1 and bool(valid.all())
             and int(positions[0, -1]) - int(positions[0, 0]) == positions.shape[1] - 1
             and int(positions[0, -1]) + 1 == step.n_keys and (window is None or step.n_keys <= window))
+    return step._derived["causal_only"]
 
 
 def cached_keys(step: Step, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:

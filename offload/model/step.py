@@ -37,7 +37,7 @@ class Step:
     offsets: tuple[int, ...] = ()  # where each group's tokens begin in the flat row
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _host: "Step | None" = field(default=None, repr=False)  # this step on the host (of a step moved to a device)
-    _tables: dict = field(default_factory=dict, repr=False)  # its KV block tables by cache row length (attention)
+    _derived: dict = field(default_factory=dict, repr=False)  # what attention derives from it, made once per step
 
     @property
     def n_seqs(self) -> int:
