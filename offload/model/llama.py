@@ -118,6 +118,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
+def roped_heads(spec: ModelSpec, qkv: torch.Tensor, step: Step):
+    """qkv [B, S, q | k | v] as q [B, H, S, Dh] and k, v [B, Hkv, S, Dh], rope applied to q and k."""
+    b, s, _ = qkv.shape
+    q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    q = q.view(b, s, spec.n_heads, spec.head_dim).transpose(1, 2)
+    k = k.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+    v = v.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+    return apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin), v
+
+
 def qk_norm(spec: ModelSpec, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
     """qkv [..., q | k | v] with each head of q and k RMS-normed (Qwen3), v as it was."""
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
@@ -149,11 +159,7 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     if attention is not None:
         o = attention(qkv.reshape(b * s, -1).contiguous()).view(b, s, spec.q_size)
     else:
-        q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        q = q.view(b, s, spec.n_heads, spec.head_dim).transpose(1, 2)  # [B, H, S, Dh]
-        k = k.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-        v = v.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin)
+        q, k, v = roped_heads(spec, qkv.view(b, s, -1), step)
         o = attend(spec, q, k, v, step, kv).transpose(1, 2).reshape(b, s, spec.q_size)
     x = x + linear(o, w.o, w.o_bias)
     h = rms_norm(x, w.mlp_norm, spec.rms_norm_eps)

@@ -14,7 +14,7 @@ import torch
 
 from offload.kernels import layer as fused
 from offload.model.attention import cached_keys, sdpa_over_keys
-from offload.model.rope import apply_rope
+from offload.model.llama import roped_heads
 from offload.model.step import LayerKV, Step
 from offload.attention_sizes import IN_PLACE_MAX_QUERIES
 from offload.spec import ModelSpec
@@ -57,14 +57,10 @@ class HostKVAttention:
     def _on_device(self, qkv: torch.Tensor, step: Step, host: Step) -> torch.Tensor:
         """A prompt chunk of one plain step: K, V roped on the device come down into the cache (one wait), its
         sequences' keys go up, attention runs on the device."""
-        spec = self.spec
         b, s = host.positions.shape
-        q, k, v = qkv.view(b, s, -1).split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
-        q = apply_rope(q.unflatten(-1, (spec.n_heads, spec.head_dim)).transpose(1, 2), step.cos, step.sin)
-        k = apply_rope(k.unflatten(-1, (spec.n_kv_heads, spec.head_dim)).transpose(1, 2), step.cos, step.sin)
-        v = v.unflatten(-1, (spec.n_kv_heads, spec.head_dim)).transpose(1, 2)
+        q, k, v = roped_heads(self.spec, qkv.view(b, s, -1), step)
         new = self.backend.download(torch.stack((k, v)))  # [2, b, Hkv, s, Dh]
         self.kv.write(host, new[0], new[1])
         keys, values = (self.backend.upload(t.contiguous()) for t in cached_keys(host, self.kv))
         o = sdpa_over_keys(q, keys, values, step)  # [b, H, s, Dh]
-        return o.transpose(1, 2).reshape(b * s, spec.q_size)
+        return o.transpose(1, 2).reshape(b * s, self.spec.q_size)
