@@ -8,7 +8,14 @@ import math
 
 from offload.errors import ConfigError
 
-FIX = "fix config.json (or restore it from the model's source)"
+
+def fix(source: str) -> str:
+    """What to do about a bad value: a config.json is fixed by hand; a GGUF file's metadata (read as a config.json's
+    keys) is not, so the file is fetched or converted again."""
+    if str(source).lower().endswith(".gguf"):
+        return "the GGUF file's metadata holds it: download the file again or convert it again from the model's source"
+    return "fix config.json (or restore it from the model's source)"
+
 
 # The largest sizes offload plans for. The planner walks every layer and expert (10,000 layers plan in about 4 s on
 # one core), and no released model comes near: Llama 3.1 405B has 126 layers 16,384 wide with 128 heads of 128 and
@@ -54,7 +61,7 @@ def count(config: dict, key: str, source: str, default: int | None = None, least
     """A whole number from least to its cap (CAPS) from config; required unless a default is given."""
     value = require(config, key, source) if default is None else config.get(key) or default
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise ConfigError(f"{source}: key {key!r} must be a whole number of {least} or more, found {value!r}; {FIX}")
+        raise ConfigError(f"{source}: key {key!r} must be a whole number of {least} or more, found {value!r}; {fix(source)}")
     return capped(value, key, source)
 
 
@@ -62,7 +69,7 @@ def capped(value: int, key: str, source: str) -> int:
     cap = CAPS.get(key)
     if cap is not None and value > cap:
         raise ConfigError(f"{source}: key {key!r} is {value:,}, above the {cap:,} offload plans for (no released "
-                          f"model comes near it); {FIX}")
+                          f"model comes near it); {fix(source)}")
     return value
 
 
@@ -70,11 +77,11 @@ def real(value, key: str, source: str, name: str | None = None) -> float:
     """A float of the math, finite and within RANGES[key]; name: the key as the file spells it (a nested one)."""
     name = name or key
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ConfigError(f"{source}: key {name!r} must be a number, found {value!r}; {FIX}")
+        raise ConfigError(f"{source}: key {name!r} must be a number, found {value!r}; {fix(source)}")
     low, high, low_ok = RANGES[key]
     if not math.isfinite(value) or not (low <= value <= high if low_ok else low < value <= high):
         bound = f"from {low:g} to {high:g}" if low_ok else f"greater than {low:g} and at most {high:g}"
-        raise ConfigError(f"{source}: key {name!r} must be a finite number {bound}, found {value!r}; {FIX}")
+        raise ConfigError(f"{source}: key {name!r} must be a finite number {bound}, found {value!r}; {fix(source)}")
     return float(value)
 
 
@@ -82,5 +89,5 @@ def layer_list(config: dict, key: str, source: str, n_layers: int) -> frozenset[
     """A list of layer indices (mlp_only_layers), as a set."""
     value = config.get(key) or []
     if not isinstance(value, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        raise ConfigError(f"{source}: key {key!r} must be a list of layer numbers, found {value!r}; {FIX}")
+        raise ConfigError(f"{source}: key {key!r} must be a list of layer numbers, found {value!r}; {fix(source)}")
     return frozenset(i for i in value if 0 <= i < n_layers)

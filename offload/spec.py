@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from offload.config_values import FIX, MAX_EXPERTS_OVER_LAYERS, count, layer_list, real
+from offload.config_values import MAX_EXPERTS_OVER_LAYERS, count, fix, layer_list, real
 from offload.attention_sizes import attention_bytes
 from offload.errors import ConfigError
 from offload.paths import describe_path
@@ -408,7 +408,7 @@ def _rope_from_config(config: dict, source: str) -> RopeSpec:
     if rope_type == "llama3" and floats["high_freq_factor"] <= floats["low_freq_factor"]:
         raise ConfigError(f"{source}: key {named('high_freq_factor')!r} must be above {named('low_freq_factor')!r} "
                           f"(llama3 rope scaling blends the band between them), found {floats['high_freq_factor']} "
-                          f"and {floats['low_freq_factor']}; {FIX}")
+                          f"and {floats['low_freq_factor']}; {fix(source)}")
     return RopeSpec(theta=real(theta, "rope_theta", source, named("rope_theta")), type=rope_type,
                     original_max_position_embeddings=original, **floats)
 
@@ -425,11 +425,11 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
     n_kv_heads = count(config, "num_key_value_heads", source, default=n_heads)
     if not config.get("head_dim") and hidden % n_heads:  # the heads' width would be a fraction
         raise ConfigError(f"{source}: num_attention_heads={n_heads} does not divide hidden_size={hidden} and no "
-                          f"head_dim is given; fix config.json (or restore it from the model's source)")
+                          f"head_dim is given; {fix(source)}")
     head_dim = count(config, "head_dim", source, default=max(1, hidden // n_heads))
     if head_dim % 2:
         raise ConfigError(f"{source}: the heads are {head_dim} wide (head_dim, or hidden_size / num_attention_heads), "
-                          f"an odd number, but rotary embeddings turn pairs of dimensions; {FIX}")
+                          f"an odd number, but rotary embeddings turn pairs of dimensions; {fix(source)}")
     if n_heads % n_kv_heads:
         raise ConfigError(f"{source}: num_attention_heads={n_heads} is not a multiple of "
                           f"num_key_value_heads={n_kv_heads}; fix the config")
@@ -493,5 +493,5 @@ def _moe_from_config(config: dict, arch: str, source: str) -> MoESpec | None:
     if n_moe_layers * n_experts > MAX_EXPERTS_OVER_LAYERS:
         raise ConfigError(f"{source}: {n_moe_layers:,} mixture-of-experts layers of {n_experts} experts are "
                           f"{n_moe_layers * n_experts:,} experts, above the {MAX_EXPERTS_OVER_LAYERS:,} offload plans "
-                          f"for (no released model comes near it); {FIX}")
+                          f"for (no released model comes near it); {fix(source)}")
     return MoESpec(n_experts, top_k, expert_size, shared, norm, dense, "mixtral" if arch == "mixtral" else "qwen")

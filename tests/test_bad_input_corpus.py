@@ -205,9 +205,9 @@ DEVICE_CASES = {
 @pytest.mark.parametrize("name", list(DEVICE_CASES))
 def test_a_gpu_profile_on_a_machine_without_a_gpu_is_one_line_and_keeps_the_earlier_outputs(env, case, name,
                                                                                                monkeypatch):
-    import offload.jobs.device
+    import offload.runtime.backends.cuda as cuda
 
-    monkeypatch.setattr(offload.jobs.device, "_cuda_visible", lambda: False)
+    monkeypatch.setattr(cuda, "cuda_available", lambda: False)
     flags, words = DEVICE_CASES[name]
     args = ["--model", env["model"], "--input", env["input"], "--output", case / "o.jsonl", "--max-tokens", 2,
             "--temperature", 0, *flags, "--restart"]  # a restart: the earlier run answered every request
