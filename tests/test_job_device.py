@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from jobs_support import chat_line, completion_line, make_tiny_chat_model, run_cli, write_batch
-import offload.jobs.device as device
+import offload.runtime.backends.cuda as cuda
 
 GPU_PRESET = "rtx4090-ddr5"
 
@@ -23,7 +23,7 @@ def model(tmp_path_factory):
 
 @pytest.fixture
 def no_gpu(monkeypatch):
-    monkeypatch.setattr(device, "_cuda_visible", lambda: False)
+    monkeypatch.setattr(cuda, "cuda_available", lambda: False)
 
 
 def _args(model, folder, *flags):
@@ -78,6 +78,18 @@ def test_a_cpu_profile_or_this_machines_runs_without_a_warning(model, tmp_path, 
 def test_planning_for_the_preset_stays_allowed(model, no_gpu):
     code, message = run_cli("plan", "--model", model, "--hardware", GPU_PRESET)
     assert code == 0 and "resident on the GPU" in message, message
+
+
+def test_the_python_api_refuses_it_too_and_runs_it_on_backend_cpu(model, no_gpu, caplog):
+    """LLM(hardware=preset) planned the preset's GPU and ran its units on the CPU without a word."""
+    from offload import LLM
+    from offload.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"'{GPU_PRESET}' plans on a GPU .* no CUDA GPU is visible"):
+        LLM(str(model), hardware=GPU_PRESET, max_model_len=64)
+    llm = LLM(str(model), hardware=GPU_PRESET, backend="cpu", max_model_len=64)
+    assert f"the hardware profile '{GPU_PRESET}' is not this machine" in caplog.text
+    assert llm.generate("hi", max_tokens=2)[0].outputs[0].token_ids
 
 
 def test_serve_refuses_it_before_loading_the_model(model, no_gpu, monkeypatch):
