@@ -18,7 +18,7 @@ from offload.formats import compute_format, torch_dtype
 from offload.generate import Generator, Sequence
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.speculation import SpeculationPrice
-from offload.options import SpeculativeOptions, default_of, request_sections
+from offload.options import SpeculativeOptions, default_of
 from offload.profile.timeline import Timeline
 from offload.runtime.backends import make_backend
 from offload.runtime.device_quant import set_gpu_crossover
@@ -97,7 +97,7 @@ class LLM:
                 raise ConfigError("LLM got both batch_size and max_batch_size (its old name); pass batch_size only")
             warnings.warn("LLM(max_batch_size=...) is now LLM(batch_size=...)", DeprecationWarning, stacklevel=2)
             options["batch_size"] = max_batch_size
-        self._load(request_of(str(model), options), placement, disk_dir, speculative)
+        self._load(PlanRequest.of(model=str(model), **options), placement, disk_dir, speculative)
 
     @classmethod
     def from_request(cls, request: PlanRequest, *, placement: Placement | None = None,
@@ -123,15 +123,16 @@ class LLM:
         self.request = request
         self._in_use, self._user = threading.Lock(), None  # one generation loop at a time (acquire)
         self.speed_probes: list[speedprobe.SpeedProbe] = []  # of the CPU's speed around a job, for its report
-        self.path = resolve_model(request.model)
+        self.path = resolve_model(request.model.path)
         self.spec = model_spec(self.path)
-        self.backend = make_backend(request.backend, request.profile() if request.backend == "sim" else None)
+        backend = request.hardware.backend
+        self.backend = make_backend(backend, request.profile() if backend == "sim" else None)
         self.plan = None
         if placement is None:
             hw = request.profile()
             set_gpu_crossover(hw.gpu_crossover())  # linear()'s kernel by rows, as this profile measured it
             self.plan = plan_for(self.spec, hw, request)
-            if request.hardware is None:  # this machine's profile: the budgets must fit what it has now
+            if request.hardware.profile is None:  # this machine's profile: the budgets must fit what it has now
                 check_budget_fits_machine(self.plan.budget, self.backend)
             self.spec = plan_spec(self.spec, self.plan)  # its units: with the dense MLPs split off if it chose so
             placement = Placement.from_plan(self.plan)
@@ -140,13 +141,14 @@ class LLM:
             # the plan budgets KV for its batch at the whole context; the pool hands slots out by need, so more
             # short sequences run at once (up to vLLM's default of 256 and the step's tokens) unless the batch
             # size was given
-            max_seqs = request.batch_size or min(max(MAX_SEQS, self.max_batch_size), placement.prefill_pass_tokens)
+            max_seqs = request.schedule.batch_size or min(max(MAX_SEQS, self.max_batch_size),
+                                                          placement.prefill_pass_tokens)
         else:
             set_gpu_crossover({})  # no profile: the fused kernel at every row count
-            compute = compute_format(request.dtype, self.backend.device.type != "cpu")
-            self.max_batch_size = max_seqs = request.batch_size or DEFAULT_MAX_BATCH_SIZE
+            compute = compute_format(request.model.dtype, self.backend.device.type != "cpu")
+            self.max_batch_size = max_seqs = request.schedule.batch_size or DEFAULT_MAX_BATCH_SIZE
         dtype = torch_dtype(compute)
-        source = weight_source(self.path, self.spec, dtype, request.quantization)
+        source = weight_source(self.path, self.spec, dtype, request.model.quantization)
         self.model = PlacedModel(self.spec, source, placement, self.backend, dtype, disk_dir)
         self.tokenizer = load_tokenizer(self.path)
         self.max_model_len = request.context_len(self.spec)
@@ -290,17 +292,18 @@ def plan_draft_first(options: SpeculativeOptions,
     unless the user set k."""
     from offload.planner.speculation import PRIOR_ACCEPTANCE, draft_held, plan_speculation, price_on, without_draft
 
-    path = request.model if options.method == "self" else options.model
+    path = request.model.path if options.method == "self" else options.model
     quantization = options.draft_quantization
-    spec = model_spec(resolve_model(request.model))
+    spec = model_spec(resolve_model(request.model.path))
     plans = plan_speculation(spec, request.profile(), request, options, model_spec(resolve_model(path)))
     price = price_on(plans, options, PRIOR_ACCEPTANCE, options.max_speculative_tokens, min_k=1)
     if not price.pays:
         log.warning(price.verdict(kept=options.num_speculative_tokens is not None))
         if options.num_speculative_tokens is None:
             return None, request, price
-    draft = LLM.from_request(replace(request, model=path, quantization=quantization,
-                                     max_model_len=request.context_len(spec), batch_size=request.batch_size or 1))
+    draft = LLM.from_request(request.with_options(model=path, quantization=quantization,
+                                                  max_model_len=request.context_len(spec),
+                                                  batch_size=request.schedule.batch_size or 1))
     draft.plan_held = draft_held(draft.plan)
     return draft, without_draft(request, request.profile(), *draft.plan_held), price
 
@@ -318,15 +321,10 @@ def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
     path = str(llm.path) if options.method == "self" else options.model
     quantization = options.draft_quantization
     # its own plan, not yet priced with the model's: on this machine, within what the process may use
-    room = {"cpu_memory": memory_limit_bytes()} if request.hardware is None else {"hardware": request.hardware}
+    given = request.hardware.profile
+    room = {"cpu_memory": memory_limit_bytes()} if given is None else {"hardware": given}
     return LLM(path, quantization=quantization, max_model_len=llm.max_model_len, batch_size=llm.max_batch_size,
-               backend=request.backend, dtype=request.dtype, **room)
-
-
-def request_of(model: str, options: dict) -> PlanRequest:
-    """The PlanRequest of LLM(model, **options), checked by the same option sections as a job's YAML."""
-    model_options, hardware, memory, schedule, max_tokens = request_sections({"model": model, **options})
-    return PlanRequest.of(model_options, hardware, memory, schedule, max_tokens)
+               backend=request.hardware.backend, dtype=request.model.dtype, **room)
 
 
 def _is_token_list(x) -> bool:

@@ -314,23 +314,27 @@ def default_of(key: str) -> Any:
     return info.get_default(call_default_factory=True)
 
 
-def request_sections(named: dict[str, Any]) -> tuple[ModelOptions, HardwareOptions, MemoryOptions, ScheduleOptions,
-                                                      int]:
-    """The plan's sections from options by their outside names (LLM's keywords), each checked as the job YAML's
-    is: a ConfigError names the first keyword that is unknown or wrong, and what it takes."""
+def request_sections(named: dict[str, Any], base: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The plan's sections from options by their outside names (LLM's keywords), over base's values where given
+    (a PlanRequest's), each checked as the job YAML's is: {'model': ModelOptions, 'hardware': HardwareOptions,
+    'memory': MemoryOptions, 'schedule': ScheduleOptions, 'max_tokens': int}. None is the option's default; a
+    ConfigError names the first keyword that is unknown or wrong, and what it takes."""
     import difflib
 
     known = named_options(PLAN_SECTIONS) | {"max_tokens": ("sampling.max_tokens",
                                                           SamplingOptions.model_fields["max_tokens"])}
-    raw: dict[str, dict] = {name: {} for name in (*PLAN_SECTIONS, "sampling")}
+    raw: dict[str, dict] = {name: dict(base[name]) if base else {} for name in PLAN_SECTIONS}
+    raw["sampling"] = {"max_tokens": base["max_tokens"]} if base else {}
     for name, value in named.items():
         if name not in known:
             close = difflib.get_close_matches(name, known, n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"the options are {', '.join(sorted(known))}"
             raise ConfigError(f"unknown option {name!r}; {hint}")
+        section, key = known[name][0].split(".")
         if value is not None or name == "hardware":
-            section, key = known[name][0].split(".")
             raw[section][key] = value
+        else:
+            raw[section].pop(key, None)
     sections = {}
     for section, cls in {**PLAN_SECTIONS, "sampling": SamplingOptions}.items():
         try:
@@ -341,5 +345,4 @@ def request_sections(named: dict[str, Any]) -> tuple[ModelOptions, HardwareOptio
             msg = err["msg"].removeprefix("Value error, ")
             msg = msg[:1].lower() + msg[1:] + ("" if "found" in msg else f", found {err.get('input')!r}")
             raise ConfigError(f"option {name}: {msg}") from None
-    return (sections["model"], sections["hardware"], sections["memory"], sections["schedule"],
-            sections["sampling"].max_tokens)
+    return {**{name: sections[name] for name in PLAN_SECTIONS}, "max_tokens": sections["sampling"].max_tokens}

@@ -121,7 +121,7 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     """Plan request (or take plan), then run one prefill of the plan's batch (prompts of prompt_len tokens, else
     the plan's) and decode_steps decode steps on a timed simulated device of the planned GPU budget; write a Chrome
     trace to trace if given; requests: estimate a job of that many such prompts (Simulation.job)."""
-    spec = model_spec(resolve_model(request.model))
+    spec = model_spec(resolve_model(request.model.path))
     hw = request.profile()
     plan = plan or plan_for(spec, hw, request)
     spec = plan_spec(spec, plan)
@@ -130,7 +130,7 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     backend = SimBackend(hw, capacity_bytes=max(plan.budget.gpu_bytes, 0),
                          timed=TimedCosts(spec, hw, plan.weight_format, wl.compute_format))
     placement = Placement.from_plan(plan)
-    model = PlacedModel(spec, MetaSource(spec, dtype, request.quantization), placement, backend, dtype)
+    model = PlacedModel(spec, MetaSource(spec, dtype, request.model.quantization), placement, backend, dtype)
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
     prompt_len = prompt_len or wl.prompt_len
     if prompt_len > wl.seq_len:

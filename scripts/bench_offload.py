@@ -129,11 +129,11 @@ def bench(args) -> None:
     for batch in args.batches.split(","):
         auto = batch.strip() == "auto"
         max_len = args.offline_len if auto else args.prompt_len + args.decode_tokens + 1
-        request = PlanRequest(model=str(args.model), quantization=args.quantization, dtype="auto",
-                              hardware=args.hardware, gpu_memory=args.gpu_memory, cpu_memory=args.cpu_memory,
-                              batch_size=None if auto else int(batch), max_model_len=max_len,
-                              max_tokens=max_len - args.prompt_len if auto else args.decode_tokens + 1,
-                              backend="cuda" if args.backend == "cuda" else "auto")
+        request = PlanRequest.of(model=str(args.model), quantization=args.quantization, dtype="auto",
+                                 hardware=args.hardware, gpu_memory=args.gpu_memory, cpu_memory=args.cpu_memory,
+                                 batch_size=None if auto else int(batch), max_model_len=max_len,
+                                 max_tokens=max_len - args.prompt_len if auto else args.decode_tokens + 1,
+                                 backend="cuda" if args.backend == "cuda" else "auto")
         r, plan = run_batch(request, args)
         results["batches"][str(plan.workload.batch_size) + (" (auto)" if auto else "")] = r
         results.setdefault("backend", r["backend"])
@@ -163,7 +163,7 @@ def run_batch(request: PlanRequest, args) -> tuple[dict, object]:
     build_s = time.perf_counter() - start
     print(f"built and placed random {args.quantization} weights in {build_s:.1f} s; backend {backend.name}")
     budget = plan.tier("gpu").budget_bytes
-    prompt_len = args.prompt_len if batch == 1 or request.batch_size is None else 16
+    prompt_len = args.prompt_len if batch == 1 or request.schedule.batch_size is None else 16
     r = run_phase(model, batch, prompt_len, args.decode_tokens, spec.vocab_size, pinned_bps,
                   None if backend.name == "sim" else lambda shapes: recost_steps(spec, hardware, plan, shapes))
     r.update(backend=backend.name, plan=plan.summary_line, build_s=build_s, measured_pinned_bps=pinned_bps,

@@ -22,8 +22,8 @@ BATCHES = (1, 32)
 def cases():
     for (model, budgets), hw, batch in itertools.product(MODELS.items(), HARDWARE, BATCHES):
         for gpu in budgets:
-            yield PlanRequest(model=model, quantization="q4_0", dtype="auto", hardware=hw, gpu_memory=gpu,
-                              batch_size=batch, max_model_len=1024, max_tokens=128)
+            yield PlanRequest.of(model=model, quantization="q4_0", dtype="auto", hardware=hw, gpu_memory=gpu,
+                                 batch_size=batch, max_model_len=1024, max_tokens=128)
 
 
 def main() -> None:
@@ -33,7 +33,7 @@ def main() -> None:
     args = ap.parse_args()
     requests = list(cases())
     if args.smoke:
-        requests = [next(r for r in requests if r.model == m) for m in MODELS]
+        requests = [next(r for r in requests if r.model.path == m) for m in MODELS]
         args.decode_steps = 1
     print(f"{'model':14s} {'hardware':13s} {'gpu':>6s} {'batch':>5s}  {'prefill pred/sim':>16s}  "
           f"{'decode pred/sim':>15s}  {'peak gpu / plan':>15s}  wall")
@@ -44,7 +44,8 @@ def main() -> None:
         ratios = [sim.phases[p].predicted_over_simulated for p in ("prefill", "decode")]
         worst = max(worst, *(abs(r - 1) for r in ratios))
         gpu_share = sim.peak_bytes["gpu"] / max(sim.plan.tier("gpu").total_bytes, 1)
-        print(f"{request.model:14s} {request.hardware:13s} {request.gpu_memory:>6s} {request.batch_size:5d}  "
+        gpu = f"{request.memory.gpu // 2**30}GiB"
+        print(f"{request.model.path:14s} {request.hardware.profile:13s} {gpu:>6s} {request.schedule.batch_size:5d}  "
               f"{ratios[0]:16.3f}  {ratios[1]:15.3f}  {gpu_share:15.2f}  {time.perf_counter() - start:.1f} s")
     print(f"largest |predicted / simulated - 1|: {worst:.3f}")
 

@@ -57,8 +57,8 @@ def test_generate_plans_with_the_flags_and_set_reaches_the_sampling(tiny_model, 
                  "--top-k", "5", "--stop", "</s>", "--stop", "\n\n", "--max-tokens", "3", "--prompt", "hi"])
     assert code == 0, capsys.readouterr().err
     [(request, params)] = caught
-    assert (request.cpu_memory, request.max_model_len, request.batch_size, request.backend) == (2 * 2**30, 256, 2,
-                                                                                                "cpu")
+    assert (request.memory.cpu, request.model.max_model_len, request.schedule.batch_size,
+            request.hardware.backend) == (2 * 2**30, 256, 2, "cpu")
     assert (params.seed, params.temperature, params.top_k, params.max_tokens) == (3, 0.5, 5, 3)
     assert params.stop == ["</s>", "\n\n"]
     assert len(capsys.readouterr().out.splitlines()) >= 1
@@ -70,7 +70,7 @@ def test_generate_reads_a_job_yaml_as_plan_does(tiny_model, tmp_path, monkeypatc
     caught = caught_chats(monkeypatch)
     assert main(["generate", str(tmp_path / "job.yaml"), "--prompt", "hi", "--max-tokens", "4"]) == 0
     [(request, params)] = caught
-    assert request.cpu_memory == 3 * 2**30 and params.max_tokens == 4 and params.repetition_penalty == 1.5
+    assert request.memory.cpu == 3 * 2**30 and params.max_tokens == 4 and params.repetition_penalty == 1.5
 
 
 @pytest.mark.parametrize("command", ["plan", "validate", "run", "serve", "generate"])
@@ -97,5 +97,5 @@ def test_the_issues_command_works_on_the_default_model(monkeypatch, capsys):
     code = main(["generate", "--model", "default", "--cpu-memory", "2GiB", "--max-model-len", "1024", "--set",
                  "sampling.seed=3", "--prompt", "hi"])
     assert code == 0, capsys.readouterr().err
-    assert caught[0][1].seed == 3 and caught[0][0].max_model_len == 1024
+    assert caught[0][1].seed == 3 and caught[0][0].model.max_model_len == 1024
     assert capsys.readouterr().out.strip()

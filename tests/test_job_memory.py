@@ -45,7 +45,7 @@ def test_a_jobs_cpu_budget_counts_the_process_baseline(tmp_path, tiny_model, mon
     monkeypatch.setenv("OFFLOAD_CACHE", str(tmp_path / "cache"))  # what it records stays in this test
     config = load_config(job(tmp_path, tiny_model, cpu="4GiB"))
     request = plan_request(config)
-    assert request.host_baseline == "auto" and request.baseline_bytes() == DEFAULT_BASELINE_BYTES
+    assert request.memory.baseline == "auto" and request.baseline_bytes() == DEFAULT_BASELINE_BYTES
     plan = plan_for(load_spec(tiny_model), request.profile(), request)
     assert plan.budget.cpu_bytes == 4 * 2**30 - DEFAULT_BASELINE_BYTES
     assert plan.budget.process_cpu_bytes == 4 * 2**30  # what the memory watch and the report hold it to

@@ -18,7 +18,7 @@ from offload.api import LLM
 from offload.cli.main import build_parser
 from offload.errors import ConfigError
 from offload.jobs.config import JobConfig, load_config
-from offload.options import Section
+from offload.options import PLAN_SECTIONS, MemoryOptions, SamplingOptions, Section, named_options
 from offload.planner.request import PlanRequest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -142,6 +142,15 @@ def llm_requests(monkeypatch) -> list:
     return caught
 
 
+def request_options(request: PlanRequest) -> dict[str, object]:
+    """A PlanRequest's options by their outside names (LLM's keywords)."""
+    out = {"max_tokens": request.max_tokens}
+    for name, (key, _) in named_options(PLAN_SECTIONS).items():
+        section, field = key.split(".")
+        out[name] = getattr(getattr(request, section), field)
+    return out
+
+
 def llm_names(monkeypatch) -> set[str]:
     """LLM's options: its signature's keywords and every outside name it accepts as **options."""
     llm_requests(monkeypatch)
@@ -230,18 +239,17 @@ def test_llm_keywords_set_the_yaml_key_of_their_name_with_its_default(monkeypatc
     shared = llm_names(monkeypatch) & set(by_name)
     caught = llm_requests(monkeypatch)
     LLM()
-    defaults = caught.pop()
+    defaults = request_options(caught.pop())
     assert inspect.signature(LLM.__init__).parameters["model"].default == section_value("model.path", "default")
     assert shared >= {"model", "cpu_memory", "max_tokens", "batch_size", "host_baseline"}
     for name in sorted(shared):
         key, info = by_name[name]
-        assert getattr(defaults, name) == default_of(info), name
+        assert defaults[name] == default_of(info), name
         value = sample(key, info, Path("/tmp"))
         LLM(**{name: value})
-        request = caught.pop()
-        assert getattr(request, name) == section_value(key, value), name
-        assert [f.name for f in dataclasses.fields(request) if getattr(request, f.name) != getattr(defaults, f.name)
-                and f.compare] == ([name] if name != "hardware" else []), f"{name} set more than its own field"
+        request = request_options(caught.pop())
+        assert request[name] == section_value(key, value), name
+        assert [n for n, v in request.items() if v != defaults[n]] == [name], f"{name} set more than its own field"
     undocumented = [n for n in shared - {"model"} if not re.search(rf"\b{n}\b", LLM.__init__.__doc__ or "")]
     assert not undocumented, f"LLM.__init__'s docstring lists its options; it lacks {undocumented}"
 
@@ -250,7 +258,7 @@ def test_llm_deprecated_max_batch_size_is_batch_size(monkeypatch):
     caught = llm_requests(monkeypatch)
     with pytest.warns(DeprecationWarning, match="batch_size"):
         LLM(max_batch_size=3)
-    assert caught.pop().batch_size == 3
+    assert caught.pop().schedule.batch_size == 3
     with pytest.raises(ConfigError, match="batch_size"):
         LLM(max_batch_size=3, batch_size=4)
 
@@ -261,13 +269,45 @@ def test_llm_refuses_an_unknown_keyword_naming_the_close_one(monkeypatch):
         LLM(cpu_memroy="4GiB")
 
 
-def test_plan_request_fields_are_the_options_with_their_one_default(monkeypatch):
-    by_name = yaml_by_name()
-    fields = {f.name: f for f in dataclasses.fields(PlanRequest)}
-    assert set(fields) == llm_names(monkeypatch) & set(by_name), "PlanRequest's fields are LLM's plan options"
-    for name, f in fields.items():
-        key, info = by_name[name]
-        assert f.default == default_of(info), f"{name} ({key})"
+def test_plan_request_holds_the_plan_sections_and_max_tokens(monkeypatch):
+    """PlanRequest's fields are the job YAML's plan sections (the same classes) and max_tokens, each at its one
+    default; PlanRequest.of takes the options of those sections by their outside names, as LLM does."""
+    assert [f.name for f in dataclasses.fields(PlanRequest)] == [*PLAN_SECTIONS, "max_tokens"]
+    request = PlanRequest()
+    for name, section in PLAN_SECTIONS.items():
+        assert JobConfig.model_fields[name].annotation is section, name
+        assert getattr(request, name) == section(), name
+    assert request.max_tokens == SamplingOptions().max_tokens
+    assert set(request_options(request)) == llm_names(monkeypatch) & set(yaml_by_name())
+
+
+def test_plan_request_sizes_are_bytes_once_made():
+    request = PlanRequest.of(gpu_memory="22GiB", cpu_memory="64GB", disk_memory=0, host_baseline="512MiB")
+    assert (request.memory.gpu, request.memory.cpu, request.memory.disk, request.memory.baseline) == (
+        22 * 2**30, 64 * 10**9, 0, 512 * 2**20)
+    assert request.baseline_bytes() == 512 * 2**20
+    with pytest.raises(ConfigError, match="option cpu_memory: expected a size such as 22GiB, 64GB or 512MiB, "
+                                          "found '64 gigs'"):
+        PlanRequest.of(cpu_memory="64 gigs")
+    with pytest.raises(ConfigError, match="unknown option 'cpu_memroy'; did you mean 'cpu_memory'"):
+        PlanRequest.of(cpu_memroy="4GiB")
+
+
+def test_plan_request_with_options_changes_those_and_keeps_the_rest():
+    on_exceed = MemoryOptions(cpu="8GiB", on_exceed="stop")  # a section field with no outside name is kept too
+    request = PlanRequest(memory=on_exceed, max_tokens=7).with_options(batch_size=4, quantization="q4_0")
+    assert (request.schedule.batch_size, request.model.quantization) == (4, "q4_0")
+    assert (request.memory.cpu, request.memory.on_exceed, request.max_tokens) == (8 * 2**30, "stop", 7)
+    assert request.with_options(cpu_memory=None).memory.cpu is None, "None is the option's default"
+    with pytest.raises(ConfigError, match="option batch_size: input should be greater than or equal to 1"):
+        request.with_options(batch_size=0)
+
+
+def test_plan_request_refuses_an_option_where_a_section_goes():
+    with pytest.raises(TypeError, match=r"PlanRequest\(model=...\) takes a ModelOptions.*PlanRequest.of"):
+        PlanRequest(model="llama-3.1-8b")
+    with pytest.raises(ConfigError, match="max_tokens must be a whole number of 1 or more, found 0"):
+        PlanRequest(max_tokens=0)
 
 
 def test_cli_flags_have_the_options_type_default_and_help():

@@ -34,8 +34,8 @@ GiB = 2**30
 
 
 def _request(batch: int, max_tokens: int, hardware: str = "rtx4090-ddr5") -> PlanRequest:
-    return PlanRequest(model=MODEL_70B, quantization="q4_0", hardware=hardware, gpu_memory="22GiB", cpu_memory="64GiB",
-                       batch_size=batch, max_model_len=2048, max_tokens=max_tokens)
+    return PlanRequest.of(model=MODEL_70B, quantization="q4_0", hardware=hardware, gpu_memory="22GiB", cpu_memory="64GiB",
+                          batch_size=batch, max_model_len=2048, max_tokens=max_tokens)
 
 
 def _runs_of_cpu_layers(plan_) -> list[int]:
@@ -141,9 +141,9 @@ def _cpu_only_decode_s(hw) -> float:
 def test_moe_plans_are_no_slower_than_whole_runs_of_cpu_units(batch):
     """Mixtral-8x7B q4_0 at 22 GiB: the searched plan's job is never predicted slower than the plan at the old
     fixed depth."""
-    request = PlanRequest(model=str(ROOT / "configs" / "models" / "mixtral-8x7b"), quantization="q4_0", hardware="rtx4090-ddr5",
-                          gpu_memory="22GiB", batch_size=batch)
-    spec, hw = load_spec(request.model), request.profile()
+    request = PlanRequest.of(model=str(ROOT / "configs" / "models" / "mixtral-8x7b"), quantization="q4_0", hardware="rtx4090-ddr5",
+                             gpu_memory="22GiB", batch_size=batch)
+    spec, hw = load_spec(request.model.path), request.profile()
     budget, workload = request.budget(hw), request.workload(spec, hw)
     assert plan(spec, hw, budget, workload, "q4_0", None).job_s <= plan(spec, hw, budget, workload, "q4_0", 2).job_s
 
@@ -153,8 +153,8 @@ def test_the_offline_job_keeps_kv_in_host_ram_and_grows_the_batch():
     the planner keeps the GPU layers' KV caches in host RAM, where their decode attention runs on the CPU, and picks
     a batch VRAM could not hold the cache of; the whole job, simulated, generates 58 tokens/s or more (31.8 with
     every GPU layer's cache in VRAM at batch 64)."""
-    request = PlanRequest(model=MODEL_70B, quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="22GiB", cpu_memory="64GiB",
-                          max_model_len=640, max_tokens=128)
+    request = PlanRequest.of(model=MODEL_70B, quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="22GiB", cpu_memory="64GiB",
+                             max_model_len=640, max_tokens=128)
     sim = simulate(request, decode_steps=3, prompt_len=500, requests=256)
     host_kv = [u for u in sim.plan.units if u.kind == "layer" and u.decode != "cpu" and u.kv_tier == "cpu"]
     assert host_kv and sim.plan.tier("gpu").kv_bytes == 0

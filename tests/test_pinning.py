@@ -140,7 +140,7 @@ def test_with_offload_pageable_nothing_is_pinned_and_plans_price_pageable_copies
     backend.alloc("cpu", 4 << 20, pinned=True)
     assert rt.calls == []  # not even tried
     preset = load_hardware("rtx4090-ddr5")
-    hw = PlanRequest(hardware="rtx4090-ddr5").profile()
+    hw = PlanRequest.of(hardware="rtx4090-ddr5").profile()
     assert hw.h2d_pinned_bps == preset.h2d_pageable_bps < preset.h2d_pinned_bps
     monkeypatch.delenv("OFFLOAD_PAGEABLE")
-    assert PlanRequest(hardware="rtx4090-ddr5").profile().h2d_pinned_bps == preset.h2d_pinned_bps
+    assert PlanRequest.of(hardware="rtx4090-ddr5").profile().h2d_pinned_bps == preset.h2d_pinned_bps

@@ -210,7 +210,7 @@ def test_mixtral_on_a_24gb_gpu_keeps_attention_there_and_splits_the_experts(mixt
     """Mixtral-8x7B q4_0 (24.6 GiB) at batch 1 on the rtx4090-ddr5 preset with 22 GiB of it: every attention part
     and its KV cache on the GPU, as many experts layers as fit beside them and two staging slots, the others
     computed on the CPU in decode (a token reads 2 of their 8 experts) and streamed in prefill."""
-    request = PlanRequest(quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="22GiB", batch_size=1)
+    request = PlanRequest.of(quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="22GiB", batch_size=1)
     p = plan_for(mixtral, request.profile(), request)
     print("\n" + p.table())
     assert all(u.weight_tier == "gpu" and u.kv_tier == "gpu" for u in p.units if u.kind == "layer")

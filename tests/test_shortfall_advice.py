@@ -4,7 +4,6 @@ around the model's size (issue 12, item 10: the advice near the model's size use
 from __future__ import annotations
 
 import re
-from dataclasses import replace
 
 import pytest
 
@@ -24,8 +23,8 @@ MIB = 2**20
 
 
 def _plan(cpu: int, disk: int = 0):
-    request = PlanRequest(hardware="cpu-desktop", cpu_memory=cpu, disk_memory=disk, dtype="fp32", batch_size=1,
-                          host_baseline=0, max_tokens=128)  # the arithmetic of the docstrings below
+    request = PlanRequest.of(hardware="cpu-desktop", cpu_memory=cpu, disk_memory=disk, dtype="fp32", batch_size=1,
+                             host_baseline=0, max_tokens=128)  # the arithmetic of the docstrings below
     return plan_for(spec_from_config(SMOL), load_hardware("cpu-desktop"), request)
 
 
@@ -55,8 +54,8 @@ def test_an_impossible_batch_is_told_the_largest_batch_that_fits():
     """batch 100000 of SmolLM2's shape in 2 GiB: the KV cache is what does not fit, so the advice is the largest
     batch that fits (placed: that batch fits and one more does not); no --max-tokens (the cache is sized by
     max_model_len), no quantization saving a few MiB against TiB, no spilling weights to disk for it."""
-    request = PlanRequest(hardware="cpu-desktop", cpu_memory=2 * 2**30, dtype="fp32", batch_size=100_000,
-                          host_baseline=0)
+    request = PlanRequest.of(hardware="cpu-desktop", cpu_memory=2 * 2**30, dtype="fp32", batch_size=100_000,
+                             host_baseline=0)
     with pytest.raises(PlanError) as e:
         plan_for(spec_from_config(SMOL), load_hardware("cpu-desktop"), request)
     message = str(e.value)
@@ -65,7 +64,7 @@ def test_an_impossible_batch_is_told_the_largest_batch_that_fits():
 
     def fits(batch: int) -> bool:
         try:
-            plan_for(spec_from_config(SMOL), load_hardware("cpu-desktop"), replace(request, batch_size=batch))
+            plan_for(spec_from_config(SMOL), load_hardware("cpu-desktop"), request.with_options(batch_size=batch))
         except PlanError:
             return False
         return True
@@ -74,9 +73,9 @@ def test_an_impossible_batch_is_told_the_largest_batch_that_fits():
 
 
 def test_a_context_too_long_for_one_sequence_is_told_the_longest_that_fits():
-    request = PlanRequest(hardware="cpu-desktop", cpu_memory=800 * MIB, dtype="fp32", batch_size=1,
-                          max_model_len=8192, host_baseline=0)
+    request = PlanRequest.of(hardware="cpu-desktop", cpu_memory=800 * MIB, dtype="fp32", batch_size=1,
+                             max_model_len=8192, host_baseline=0)
     with pytest.raises(PlanError, match=r"--max-model-len (\d+) is the longest context that fits") as e:
         plan_for(spec_from_config(SMOL), load_hardware("cpu-desktop"), request)
     tokens = int(re.search(r"--max-model-len (\d+)", str(e.value)).group(1))
-    plan_for(spec_from_config(SMOL), load_hardware("cpu-desktop"), replace(request, max_model_len=tokens))
+    plan_for(spec_from_config(SMOL), load_hardware("cpu-desktop"), request.with_options(max_model_len=tokens))

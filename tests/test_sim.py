@@ -137,8 +137,8 @@ def test_a_planned_run_stays_within_the_simulated_device(tmp_path):
     folder = save_hf_model(make_hf_model("llama", num_hidden_layers=8, hidden_size=128, intermediate_size=256),
                            tmp_path / "tiny8")
     spec = load_spec(folder)
-    request = PlanRequest(model=str(folder), dtype="fp32", hardware=HW, gpu_memory="7000KiB", cpu_memory="1GiB", batch_size=8,
-                          max_model_len=64)
+    request = PlanRequest.of(model=str(folder), dtype="fp32", hardware=HW, gpu_memory="7000KiB", cpu_memory="1GiB", batch_size=8,
+                             max_model_len=64)
     plan = plan_for(spec, HW, request)
     spec = plan_spec(spec, plan)
     modes = {(u.weight_tier, u.prefill, u.decode) for u in plan.units}

@@ -29,8 +29,8 @@ def _check(request: PlanRequest) -> None:
         assert sim.peak_bytes[tier] <= sim.plan.tier(tier).total_bytes, (request, tier)
 
 
-@pytest.mark.parametrize("request_", list(itertools.islice(cases(), 0, None, 6)), ids=lambda r: f"{r.model}-"
-                         f"{r.hardware}-{r.gpu_memory}-b{r.batch_size}")
+@pytest.mark.parametrize("request_", list(itertools.islice(cases(), 0, None, 6)), ids=lambda r: f"{r.model.path}-"
+                         f"{r.hardware.profile}-{r.memory.gpu // 2**30}GiB-b{r.schedule.batch_size}")
 def test_prediction_holds_on_the_simulated_device(request_):
     _check(request_)
 

@@ -92,7 +92,7 @@ def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(mo
     small = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
                 speculative_config={"method": "self", "num_speculative_tokens": 2})
     assert [o.token_ids for o in small.generate(prompts, params)] == want
-    assert small.generator.speculator.drafter.draft.request.quantization == "q4_0"
+    assert small.generator.speculator.drafter.draft.request.model.quantization == "q4_0"
     assert small.speculative_stats["proposed"] > 0 and small.speculative_stats["draft_s"] > 0
 
 
@@ -109,11 +109,11 @@ def test_the_drafts_default_format_is_written_once(model_dir, monkeypatch):
     monkeypatch.setitem(options.DRAFT_QUANTIZATION, "self", "q8_0")
     planned = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
                   speculative_config={"method": "self", "num_speculative_tokens": 2})
-    assert planned.generator.speculator.drafter.draft.request.quantization == "q8_0"
+    assert planned.generator.speculator.drafter.draft.request.model.quantization == "q8_0"
     given = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
                 placement=Placement.uniform(planned.spec, "cpu", "cpu"),
                 speculative_config={"method": "self", "num_speculative_tokens": 2})
-    assert given.generator.speculator.drafter.draft.request.quantization == "q8_0"
+    assert given.generator.speculator.drafter.draft.request.model.quantization == "q8_0"
 
 
 def test_a_draft_is_planned_first_and_its_bytes_come_out_of_the_models_budget(model_dir):
@@ -295,7 +295,7 @@ def test_a_job_reports_what_speculation_did_and_its_predicted_speed_against_the_
     assert spec["decode_tokens"] == verified_tokens + spec["decode_steps"] - spec["verified_passes"]
     measured = spec["decode_tokens"] / (spec["decode_s"] + spec["draft_s"])
     assert spec["measured_tokens_per_s"] == pytest.approx(measured, rel=1e-12)
-    request, speed = PlanRequest(model=str(model_dir), max_model_len=256), report["machine_speed"]
+    request, speed = PlanRequest.of(model=str(model_dir), max_model_len=256), report["machine_speed"]
     hw = request.profile() if speed is None else request.profile().at_speed(speed["memory"], speed["compute"],
                                                                             speed.get("attention"))
     plans = plan_speculation(model_spec(model_dir), hw, request,
@@ -320,8 +320,8 @@ def _llama_8b_with_1b_draft(gpu_memory: str):
     spec, draft = (model_spec(ROOT / "configs" / "models" / name) for name in ("llama-3.1-8b", "llama-3.2-1b"))
     options = SpeculativeOptions(method="draft_model", model=str(ROOT / "configs/models/llama-3.2-1b"),
                                  quantization="q4_0")
-    request = PlanRequest(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
-                          hardware="rtx4090-ddr5", gpu_memory=gpu_memory, max_model_len=4096)
+    request = PlanRequest.of(model=str(ROOT / "configs/models/llama-3.1-8b"), quantization="q4_0",
+                             hardware="rtx4090-ddr5", gpu_memory=gpu_memory, max_model_len=4096)
     return spec, draft, options, request
 
 
@@ -348,8 +348,6 @@ def test_a_draft_that_pushes_the_models_layers_off_the_gpu_is_weighed(caplog):
     """llama-3.1-8b at q4_0 on an rtx4090 with the 1B draft: at 6 GiB the model alone keeps 3.8 GiB of its weights
     in VRAM, and the draft's 1.3 GiB push some of them to the CPU (3.4 GiB left), which costs more than the
     proposals gain: plan_draft_first drops the draft (loading nothing) and says why; at 8 GiB the draft pays."""
-    from dataclasses import replace
-
     from offload.api import plan_draft_first
     from offload.planner import plan_for
     from offload.planner.speculation import plan_speculation, price_on
@@ -358,13 +356,13 @@ def test_a_draft_that_pushes_the_models_layers_off_the_gpu_is_weighed(caplog):
     hw = request.profile()
     on_gpu = lambda plan: plan.tier("gpu").weights_bytes  # noqa: E731
     plans = plan_speculation(spec, hw, request, options, draft)
-    assert on_gpu(plan_for(spec, hw, replace(request, batch_size=1))) - on_gpu(plans.target) >= 2**28
+    assert on_gpu(plan_for(spec, hw, request.with_options(batch_size=1))) - on_gpu(plans.target) >= 2**28
     with caplog.at_level(logging.WARNING, logger="offload"):
         none, same, price = plan_draft_first(options, request)
     assert none is None and same == request and not price.pays and price.k >= 1 and price.draft_gpu_bytes > 0
     assert price == price_on(plans, options, 0.7, options.max_speculative_tokens, min_k=1)
     assert "speculative decoding (draft_model) dropped" in caplog.text
-    assert price_on(plan_speculation(spec, hw, replace(request, gpu_memory="8GiB"), options, draft), options,
+    assert price_on(plan_speculation(spec, hw, request.with_options(gpu_memory="8GiB"), options, draft), options,
                     0.7, min_k=1).pays
 
 

@@ -93,8 +93,8 @@ def test_the_planner_splits_only_where_it_predicts_a_gain():
     for model, gpu, batch, split in (("llama-3.1-70b", "22GiB", 1, False), ("llama-3.1-70b", "22GiB", 16, False),
                                      ("llama-3.1-8b", "8GiB", 64, True)):
         spec = model_spec(resolve_model(model))
-        request = PlanRequest(model=model, quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory=gpu,
-                              cpu_memory="64GiB", batch_size=batch, max_tokens=128)
+        request = PlanRequest.of(model=model, quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory=gpu,
+                                 cpu_memory="64GiB", batch_size=batch, max_tokens=128)
         hw = request.profile()
         chosen = plan_for(spec, hw, request)
         assert chosen.split_mlp is split
@@ -105,8 +105,8 @@ def test_the_planner_splits_only_where_it_predicts_a_gain():
         assert [u.name for u in chosen.units] == [u.name for u in plan_spec(spec, chosen).units()]
         if split:
             assert "MLP" in chosen.moe_summary and chosen.to_dict()["split_mlp"]
-    cpu_only = PlanRequest(model="llama-3.1-70b", quantization="q4_0", hardware="cpu-desktop", cpu_memory="30GiB", batch_size=16,
-                           disk_memory="100GiB")
+    cpu_only = PlanRequest.of(model="llama-3.1-70b", quantization="q4_0", hardware="cpu-desktop", cpu_memory="30GiB", batch_size=16,
+                              disk_memory="100GiB")
     assert not plan_for(spec, cpu_only.profile(), cpu_only).split_mlp
 
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,34 +22,34 @@ ROOT = Path(__file__).resolve().parent.parent
 MODEL_8B = str(ROOT / "configs/models/llama-3.1-8b")
 MODEL_70B = str(ROOT / "configs/models/llama-3.1-70b")
 # 8B in q8_0 on a T4 with a 6 GiB GPU budget at batch 4: every what-if fits (checked below).
-REQUEST_8B = PlanRequest(model=MODEL_8B, quantization="q8_0", hardware="t4-server", gpu_memory="6GiB", batch_size=4,
-                         host_baseline=0)
+REQUEST_8B = PlanRequest.of(model=MODEL_8B, quantization="q8_0", hardware="t4-server", gpu_memory="6GiB", batch_size=4,
+                            host_baseline=0)
 # 70B in q4_0 on a 4090 with 22 GiB and no disk: unquantized or q8_0 weights overflow the 64 GiB of RAM.
-REQUEST_70B = PlanRequest(model=MODEL_70B, quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="22GiB",
-                          host_baseline=0)
+REQUEST_70B = PlanRequest.of(model=MODEL_70B, quantization="q4_0", hardware="rtx4090-ddr5", gpu_memory="22GiB",
+                             host_baseline=0)
 
 
 def _what_ifs(request: PlanRequest):
-    spec, hw = load_spec(Path(request.model)), request.profile()
+    spec, hw = load_spec(Path(request.model.path)), request.profile()
     plan = plan_for(spec, hw, request)
     return plan, {w.label: w for w in what_ifs(spec, hw, request, plan)}
 
 
 def _independent(request: PlanRequest):
-    return plan_for(load_spec(Path(request.model)), request.profile(), request)
+    return plan_for(load_spec(Path(request.model.path)), request.profile(), request)
 
 
 def test_every_what_if_is_the_plan_of_the_changed_request():
     plan, found = _what_ifs(REQUEST_8B)
     t4 = load_hardware("t4-server")
     expected = {  # each request built here by hand, as a user would ask for it
-        "none": replace(REQUEST_8B, quantization="none"),
-        "q4_0": replace(REQUEST_8B, quantization="q4_0"),
-        "+8 GiB VRAM": replace(REQUEST_8B, hardware=t4.with_changes(vram_bytes=t4.vram_bytes + 8 * 2**30),
+        "none": REQUEST_8B.with_options(quantization="none"),
+        "q4_0": REQUEST_8B.with_options(quantization="q4_0"),
+        "+8 GiB VRAM": REQUEST_8B.with_options(hardware=t4.with_changes(vram_bytes=t4.vram_bytes + 8 * 2**30),
                                gpu_memory="14GiB"),
-        "batch 2": replace(REQUEST_8B, batch_size=2),
-        "batch 8": replace(REQUEST_8B, batch_size=8),
-        "hardware rtx3090-ddr4": replace(REQUEST_8B, hardware="rtx3090-ddr4", gpu_memory=None),
+        "batch 2": REQUEST_8B.with_options(batch_size=2),
+        "batch 8": REQUEST_8B.with_options(batch_size=8),
+        "hardware rtx3090-ddr4": REQUEST_8B.with_options(hardware="rtx3090-ddr4", gpu_memory=None),
     }
     assert list(found) == list(expected)
     for label, request in expected.items():
@@ -89,10 +88,10 @@ def test_a_runs_what_ifs_are_priced_for_the_steps_it_took():
 
     current = per_token(REQUEST_8B, plan)
     t4 = load_hardware("t4-server")
-    changed = {"none": replace(REQUEST_8B, quantization="none"), "q4_0": replace(REQUEST_8B, quantization="q4_0"),
-               "+8 GiB VRAM": replace(REQUEST_8B, hardware=t4.with_changes(vram_bytes=t4.vram_bytes + 8 * 2**30),
+    changed = {"none": REQUEST_8B.with_options(quantization="none"), "q4_0": REQUEST_8B.with_options(quantization="q4_0"),
+               "+8 GiB VRAM": REQUEST_8B.with_options(hardware=t4.with_changes(vram_bytes=t4.vram_bytes + 8 * 2**30),
                                       gpu_memory="14GiB"),
-               "hardware rtx3090-ddr4": replace(REQUEST_8B, hardware="rtx3090-ddr4", gpu_memory=None)}
+               "hardware rtx3090-ddr4": REQUEST_8B.with_options(hardware="rtx3090-ddr4", gpu_memory=None)}
     for label, request in changed.items():
         w, new = found[label], per_token(request, _independent(request))
         assert w.predicted_for == STEPS_RUN, label
@@ -110,11 +109,11 @@ def test_a_runs_what_ifs_are_priced_for_the_steps_it_took():
 
 def test_what_ifs_keep_the_batch_the_planner_chose():
     # 8B unquantized on a 4090, batch left open: the planner picks 16; in q8_0 alone it would pick 32
-    request = PlanRequest(model=MODEL_8B, hardware="rtx4090-ddr5")
+    request = PlanRequest.of(model=MODEL_8B, hardware="rtx4090-ddr5")
     plan, found = _what_ifs(request)
     assert plan.workload.batch_size == 16
-    assert _independent(replace(request, quantization="q8_0")).workload.batch_size == 32
-    same_batch = _independent(replace(request, quantization="q8_0", batch_size=16))
+    assert _independent(request.with_options(quantization="q8_0")).workload.batch_size == 32
+    same_batch = _independent(request.with_options(quantization="q8_0", batch_size=16))
     assert found["q8_0"].decode_s_per_token == same_batch.decode.s_per_token
     assert list(found)[3:5] == ["batch 8", "batch 32"]
 
@@ -135,7 +134,7 @@ def test_what_ifs_that_do_not_fit_say_why():
 
 def test_a_doubled_batch_that_does_not_fit_is_listed():
     # 8B at batch 32 on a 32 GiB desktop: 16 GiB of KV cache fits in 25.6 GiB of RAM, 32 GiB at batch 64 does not
-    request = PlanRequest(model=MODEL_8B, quantization="q4_0", hardware="cpu-desktop", batch_size=32, host_baseline=0)
+    request = PlanRequest.of(model=MODEL_8B, quantization="q4_0", hardware="cpu-desktop", batch_size=32, host_baseline=0)
     _, found = _what_ifs(request)
     assert found["batch 16"].fits and not found["batch 64"].fits
     assert "of cpu memory but the budget allows 25.60 GiB" in found["batch 64"].reason
@@ -152,9 +151,9 @@ def test_next_preset_up_is_the_next_by_vram_then_gpu_rate(preset, up):
 
 def test_which_what_ifs_are_asked():
     # CPU-only: no VRAM what-if; batch 1: no half; at the top preset: no hardware what-if
-    _, found = _what_ifs(PlanRequest(model=MODEL_8B, quantization="q4_0", hardware="cpu-desktop", batch_size=1))
+    _, found = _what_ifs(PlanRequest.of(model=MODEL_8B, quantization="q4_0", hardware="cpu-desktop", batch_size=1))
     assert list(found) == ["none", "q8_0", "batch 2", "hardware t4-server"]
-    _, found = _what_ifs(PlanRequest(model=MODEL_8B, hardware="h200-server", batch_size=3))
+    _, found = _what_ifs(PlanRequest.of(model=MODEL_8B, hardware="h200-server", batch_size=3))
     assert list(found) == ["q8_0", "q4_0", "+8 GiB VRAM", "batch 1", "batch 6"]
 
 

@@ -29,9 +29,9 @@ def run(args) -> int:
     from offload.weights.default_model import resolve_model
 
     request = plan_request(effective_config(args, need_input=False))
-    if request.hardware is None:
+    if request.hardware.profile is None:
         log.info("planning for the calibrated profile (or an estimate; run `offload calibrate`)")
-    spec, hw = model_spec(resolve_model(request.model)), request.profile()
+    spec, hw = model_spec(resolve_model(request.model.path)), request.profile()
     plan = plan_for(spec, hw, request)
     changes = [w.to_dict() for w in what_ifs(spec, hw, request, plan)] if args.explain else []
     if args.json:

@@ -42,7 +42,7 @@ def speculation_price(request, options, acceptance: float | None):
     from offload.weights.default_model import resolve_model
     from offload.weights.model_files import model_spec
 
-    spec = model_spec(resolve_model(request.model))
+    spec = model_spec(resolve_model(request.model.path))
     draft = model_spec(resolve_model(options.model)) if options.method == "draft_model" else None
     return price_speculation(spec, request.profile(), request, options,
                              PRIOR_ACCEPTANCE if acceptance is None else acceptance, draft,

@@ -46,7 +46,7 @@ def check_plan(config):
     from offload.weights.default_model import resolve_model
 
     request = plan_request(config)
-    spec, hw = model_spec(resolve_model(request.model)), request.profile()
+    spec, hw = model_spec(resolve_model(request.model.path)), request.profile()
     if config.engine == "local":  # on Ray each replica plans for the node it lands on, when the job starts
         plan_for(spec, hw, request)
     return spec, request.workload(spec, hw).seq_len

@@ -376,4 +376,5 @@ def sampling_defaults(config: JobConfig) -> dict:
 
 def plan_request(config: JobConfig) -> PlanRequest:
     """What a job asks of the planner: the one request both `offload plan JOB` and `offload run JOB` plan from."""
-    return PlanRequest.of(config.model, config.hardware, config.memory, config.schedule, config.sampling.max_tokens)
+    return PlanRequest(model=config.model, hardware=config.hardware, memory=config.memory, schedule=config.schedule,
+                       max_tokens=config.sampling.max_tokens)

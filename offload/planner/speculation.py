@@ -14,7 +14,7 @@ Pure arithmetic: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from offload.planner.recost import recost_steps
 from offload.units import format_bytes
@@ -125,14 +125,14 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
     plan's workload's, halfway through its answer)."""
     from offload.planner.request import plan_for, plan_spec
 
-    one = replace(request, batch_size=1)
+    one = request.with_options(batch_size=1)
     plain = plan_for(spec, hw, one)
     if context is None:
         context = plain.workload.prompt_len + plain.workload.gen_len // 2
     plain_s = decode_pass_s(plan_spec(spec, plain), hw, plain, 1, context)
     if options.method not in ("draft_model", "self"):
         return SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
-    path = request.model if options.method == "self" else options.model
+    path = request.model.path if options.method == "self" else options.model
     quantization = options.draft_quantization
     draft_spec = draft_spec or spec
     if draft_spec.vocab_size != spec.vocab_size:
@@ -140,7 +140,7 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
 
         raise ConfigError(f"the draft model {path} has a vocabulary of {draft_spec.vocab_size} tokens and the "
                           f"model {spec.vocab_size}; a draft model must share the model's tokenizer")
-    draft_plan = plan_for(draft_spec, hw, replace(one, model=path, quantization=quantization))
+    draft_plan = plan_for(draft_spec, hw, one.with_options(model=path, quantization=quantization))
     draft_step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
     gpu_bytes, cpu_bytes = draft_held(draft_plan)
     target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
@@ -213,8 +213,8 @@ def without_draft(request, hw, gpu_bytes: int, cpu_bytes: int):
     """request with its GPU and CPU budgets less what a draft holds (the CPU's: the whole process, as memory.cpu
     means it; the process's baseline is counted once, in the model's plan)."""
     budget = request.budget(hw)
-    return replace(request, gpu_memory=max(budget.gpu_bytes - gpu_bytes, 0),
-                   cpu_memory=max(budget.process_cpu_bytes - cpu_bytes, 0))
+    return request.with_options(gpu_memory=max(budget.gpu_bytes - gpu_bytes, 0),
+                                cpu_memory=max(budget.process_cpu_bytes - cpu_bytes, 0))
 
 
 def _held(plan, tier: str) -> int:

@@ -66,7 +66,7 @@ def what_ifs(spec: ModelSpec, hw: HardwareProfile, request: PlanRequest, current
              steps=None) -> list[WhatIf]:
     """current's job (spec on hw, as request asked) re-planned with one change each, in the order above; priced for
     steps (profile.timeline.StepShape, a run's) where given, except the batch what-ifs."""
-    base = replace(request, hardware=hw, batch_size=current.workload.batch_size)
+    base = request.with_options(hardware=hw, batch_size=current.workload.batch_size)
     run = _StepsRun(spec, hw, current, steps) if steps else None
     out = [_replan(spec, current, label, change, value, req, None if change == "batch_size" else run)
            for label, change, value, req in _changes(base, hw, current)]
@@ -89,20 +89,21 @@ class _StepsRun:
 
 
 def _changes(base: PlanRequest, hw: HardwareProfile, current: Plan) -> list[tuple[str, str, object, PlanRequest]]:
-    out = [(q, "quantization", q, replace(base, quantization=q)) for q in QUANTIZATIONS if q != base.quantization]
+    out = [(q, "quantization", q, base.with_options(quantization=q)) for q in QUANTIZATIONS
+           if q != base.model.quantization]
     if hw.has_gpu:
         gpu_bytes = current.budget.gpu_bytes + MORE_VRAM_BYTES
         bigger = hw.with_changes(vram_bytes=hw.vram_bytes + MORE_VRAM_BYTES)
         out.append((f"+{MORE_VRAM_BYTES // 2**30} GiB VRAM", "gpu_memory", gpu_bytes,
-                    replace(base, hardware=bigger, gpu_memory=gpu_bytes)))
+                    base.with_options(hardware=bigger, gpu_memory=gpu_bytes)))
     batch = current.workload.batch_size
     for n in (batch // 2, 2 * batch):
         if n >= 1:
-            out.append((f"batch {n}", "batch_size", n, replace(base, batch_size=n)))
+            out.append((f"batch {n}", "batch_size", n, base.with_options(batch_size=n)))
     up = next_preset(hw)
     if up is not None:
         out.append((f"hardware {up.name}", "hardware", up.name,
-                    replace(base, hardware=up, gpu_memory=None, cpu_memory=None)))
+                    base.with_options(hardware=up, gpu_memory=None, cpu_memory=None)))
     return out
 
 

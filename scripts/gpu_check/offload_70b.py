@@ -112,11 +112,11 @@ def make_plan(ctx, folder: Path, hw, batch: int, prompt_len: int, decode: int):
     from offload.planner import PlanRequest, plan_for, plan_spec
     from offload.weights.model_files import model_spec
 
-    request = PlanRequest(model=str(folder), quantization="q4_0", dtype="auto", hardware=hw,
-                          gpu_memory=SMOKE_GPU_MEMORY if ctx.smoke else GPU_MEMORY,
-                          cpu_memory=None if ctx.smoke else CPU_MEMORY, batch_size=batch,
-                          max_model_len=prompt_len + decode + 1, max_tokens=decode + 1,
-                          backend="auto" if ctx.smoke else "cuda")
+    request = PlanRequest.of(model=str(folder), quantization="q4_0", dtype="auto", hardware=hw,
+                             gpu_memory=SMOKE_GPU_MEMORY if ctx.smoke else GPU_MEMORY,
+                             cpu_memory=None if ctx.smoke else CPU_MEMORY, batch_size=batch,
+                             max_model_len=prompt_len + decode + 1, max_tokens=decode + 1,
+                             backend="auto" if ctx.smoke else "cuda")
     spec = model_spec(folder)
     plan = plan_for(spec, hw, request)
     ctx.put("plan", plan_figures(plan))
