@@ -48,6 +48,10 @@ RANGES = {
     "factor": (1.0, 1e6, True),  # rope scaling stretches positions; transformers refuses a factor below 1 too
     "low_freq_factor": (0.0, 1e6, False),
     "high_freq_factor": (0.0, 1e6, False),
+    "query_pre_attn_scalar": (0.0, 1e9, False),  # Gemma's attention scale is its inverse square root
+    "attn_logit_softcapping": (0.0, 1e6, False),  # cap * tanh(x / cap): 0 divides by zero
+    "final_logit_softcapping": (0.0, 1e6, False),
+    "partial_rotary_factor": (0.0, 1.0, False),  # the share of each head rope turns
 }
 
 

@@ -11,25 +11,12 @@ from pathlib import Path
 from offload.config_values import MAX_EXPERTS_OVER_LAYERS, count, fix, layer_list, real
 from offload.attention_sizes import attention_bytes
 from offload.errors import ConfigError
+from offload.families import BY_MODEL_TYPE, Family, FamilyMath, family_math, family_of, text_config
 from offload.paths import describe_path
+from offload.rope_spec import RopeSpec, rope_from_config
 from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK,
                              QUANT_BLOCK_BYTES, QUANT_QS_BYTES, format_nbytes)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "mixtral", "qwen2_moe", "qwen3_moe")
-MOE_ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe")
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3")
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """Rotary embedding parameters, normalised from the v4 and v5 config layouts."""
-
-    theta: float = 10000.0
-    type: str = "default"
-    factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
 
 
 @dataclass(frozen=True)
@@ -195,6 +182,32 @@ class ModelSpec:
     qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3)
     moe: MoESpec | None = None
     split_mlp: bool = False  # every dense layer's MLP a unit of its own (mlp.i after layer.i): a plan's choice
+    family: Family = BY_MODEL_TYPE["llama"]  # how its math and tensor names differ from Llama's (families.py)
+    variant: FamilyMath = FamilyMath()  # the numbers of that math its config sets
+
+    def window(self, i: int | None) -> int | None:
+        """The sliding window of layer i (None: it attends to the whole context)."""
+        if self.variant.layer_windows and i is not None:
+            return self.variant.layer_windows[i]
+        return self.sliding_window
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """The distinct windows of the layers (None: full attention)."""
+        return tuple(sorted(set(self.variant.layer_windows), key=lambda w: w or 0)) or (self.sliding_window,)
+
+    def rope_of(self, window: int | None) -> RopeSpec:
+        """The rope of layers with this window (Gemma 3's sliding layers turn at a base of their own)."""
+        local = self.variant.local_rope
+        return local if local is not None and window is not None else self.rope
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.variant.rotary_dim or self.head_dim
+
+    @property
+    def attn_scale(self) -> float:
+        return self.variant.attn_scale or self.head_dim ** -0.5
 
     def is_moe_layer(self, i: int) -> bool:
         """Whether layer i's MLP is a mixture of experts (a unit experts.i follows layer.i)."""
@@ -235,19 +248,21 @@ class ModelSpec:
         return self.n_kv_heads * self.head_dim
 
     def layer_tensors(self, i: int) -> tuple[TensorSpec, ...]:
-        """The tensors of decoder layer i, with Hugging Face names and [out, in] shapes."""
-        p, d = f"model.layers.{i}.", self.hidden_size
-        ts = [self._tensor(p + "input_layernorm.weight", (d,), "norm")]
-        for proj, out in (("q", self.q_size), ("k", self.kv_size), ("v", self.kv_size)):
-            ts.append(self._tensor(f"{p}self_attn.{proj}_proj.weight", (out, d), "linear"))
+        """The tensors of decoder layer i, with Hugging Face names (the family's) and [out, in] shapes."""
+        p, d, fam = f"model.layers.{i}.", self.hidden_size, self.family
+        ts = [self._tensor(f"{p}{fam.attn_norm}.weight", (d,), "norm")]
+        outs = (self.q_size, self.kv_size, self.kv_size)
+        parts = zip(fam.qkv, outs) if len(fam.qkv) == 3 else ((fam.qkv[0], sum(outs)),)
+        for module, out in parts:
+            ts.append(self._tensor(f"{p}{module}.weight", (out, d), "linear"))
             if self.qkv_bias:
-                ts.append(self._tensor(f"{p}self_attn.{proj}_proj.bias", (out,), "bias"))
+                ts.append(self._tensor(f"{p}{module}.bias", (out,), "bias"))
         if self.qk_norm:
             ts += [self._tensor(f"{p}self_attn.{x}_norm.weight", (self.head_dim,), "norm") for x in "qk"]
-        ts.append(self._tensor(p + "self_attn.o_proj.weight", (d, self.q_size), "linear"))
+        ts.append(self._tensor(f"{p}{fam.o}.weight", (d, self.q_size), "linear"))
         if self.o_bias:
-            ts.append(self._tensor(p + "self_attn.o_proj.bias", (d,), "bias"))
-        ts.append(self._tensor(p + "post_attention_layernorm.weight", (d,), "norm"))
+            ts.append(self._tensor(f"{p}{fam.o}.bias", (d,), "bias"))
+        ts += [self._tensor(f"{p}{n}.weight", (d,), "norm") for n in (fam.post_attn_norm, fam.mlp_norm) if n]
         if self.is_moe_layer(i):  # the shared expert stays with attention; the routed experts are a unit apart
             if self.moe.shared_size:
                 ts += self._mlp_tensors(p + "mlp.shared_expert.", self.moe.shared_size, False)
@@ -256,16 +271,22 @@ class ModelSpec:
         return tuple(ts) if self.split_mlp else tuple(ts + self.mlp_tensors(i))
 
     def mlp_tensors(self, i: int) -> list[TensorSpec]:
-        """The dense MLP of layer i: gate, up and down (with biases where the model has them)."""
-        return self._mlp_tensors(f"model.layers.{i}.mlp.", self.intermediate_size, self.mlp_bias)
+        """The dense MLP of layer i: gate, up and down (with biases where the model has them), as the family
+        names them (Phi-3's gate and up are one tensor), and the norm after it where the family has one."""
+        fam, p = self.family, f"model.layers.{i}."
+        ts = self._mlp_tensors(p, self.intermediate_size, self.mlp_bias, fam.gate_up, fam.down)
+        return ts + ([self._tensor(f"{p}{fam.post_mlp_norm}.weight", (self.hidden_size,), "norm")]
+                     if fam.post_mlp_norm else [])
 
-    def _mlp_tensors(self, prefix: str, width: int, bias: bool) -> list[TensorSpec]:
-        """gate, up and down of an MLP of this width, named prefix + {gate,up,down}_proj."""
+    def _mlp_tensors(self, prefix: str, width: int, bias: bool, gate_up=("gate_proj", "up_proj"),
+                     down="down_proj") -> list[TensorSpec]:
+        """gate and up (or the two fused), then down, of an MLP of this width, named prefix + module."""
         d, ts = self.hidden_size, []
-        for proj, shape in (("gate", (width, d)), ("up", (width, d)), ("down", (d, width))):
-            ts.append(self._tensor(f"{prefix}{proj}_proj.weight", shape, "linear"))
+        parts = [(m, (width, d)) for m in gate_up] if len(gate_up) == 2 else [(gate_up[0], (2 * width, d))]
+        for module, shape in parts + [(down, (d, width))]:
+            ts.append(self._tensor(f"{prefix}{module}.weight", shape, "linear"))
             if bias:
-                ts.append(self._tensor(f"{prefix}{proj}_proj.bias", (shape[0],), "bias"))
+                ts.append(self._tensor(f"{prefix}{module}.bias", (shape[0],), "bias"))
         return ts
 
     def expert_names(self, i: int, e: int) -> tuple[str, str, str]:
@@ -318,7 +339,8 @@ class ModelSpec:
         return tuple(seen.values())
 
     def kv_bytes_per_token(self, elem_bytes: int = 2) -> int:
-        """KV cache bytes per token over all layers: K and V, n_kv_heads x head_dim each."""
+        """KV cache bytes per token over all layers (a sliding layer's too, before its window fills): K and V,
+        n_kv_heads x head_dim each."""
         return 2 * self.n_layers * self.kv_size * elem_bytes
 
     @property
@@ -326,17 +348,20 @@ class ModelSpec:
         """Parameters in a checkpoint (a tied lm_head is counted once)."""
         return sum(t.numel for t in self.tensors())
 
-    def kv_len(self, seq_len: int) -> int:
-        """Positions a layer's KV cache holds for seq_len tokens (capped by a sliding window)."""
-        return min(seq_len, self.sliding_window) if self.sliding_window else seq_len
+    def kv_len(self, seq_len: int, i: int | None = None) -> int:
+        """Positions layer i's KV cache holds for seq_len tokens (capped by its sliding window; without i, by the
+        widest window of the model: what one layer of the largest needs)."""
+        windows = (self.window(i),) if i is not None else self.windows
+        return seq_len if None in windows else min(seq_len, max(windows))
 
-    def layer_kv_bytes(self, n_seqs: int, seq_len: int, elem_bytes: int = 2) -> int:
-        """KV cache bytes of one layer for n_seqs sequences of seq_len tokens: K and V."""
-        return 2 * n_seqs * self.kv_len(seq_len) * self.kv_size * elem_bytes
+    def layer_kv_bytes(self, n_seqs: int, seq_len: int, elem_bytes: int = 2, i: int | None = None) -> int:
+        """KV cache bytes of layer i (without i: of the layer that holds the most) for n_seqs sequences of seq_len
+        tokens: K and V, a sliding layer's up to its window."""
+        return 2 * n_seqs * self.kv_len(seq_len, i) * self.kv_size * elem_bytes
 
-    def attention_flops(self, n_tokens: int, ctx_len: int) -> int:
-        """FLOPs of one layer's QK^T and PV for n_tokens queries over ctx_len keys each."""
-        return 4 * n_tokens * self.kv_len(ctx_len) * self.q_size
+    def attention_flops(self, n_tokens: int, ctx_len: int, i: int | None = None) -> int:
+        """FLOPs of layer i's QK^T and PV for n_tokens queries over ctx_len keys each (a sliding layer's window)."""
+        return 4 * n_tokens * self.kv_len(ctx_len, i) * self.q_size
 
     @property
     def mlp_width(self) -> int:
@@ -383,43 +408,10 @@ def load_spec(path: str | Path) -> ModelSpec:
     return spec_from_config(config, source=str(config_path))
 
 
-def _rope_from_config(config: dict, source: str) -> RopeSpec:
-    v5 = dict(config.get("rope_parameters") or {})  # transformers v5 layout
-    scaling = config.get("rope_scaling") or {}  # transformers v4 layout
-    params = {**scaling, **v5}
-
-    def named(key: str) -> str:  # the key as the file spells it
-        return f"rope_parameters.{key}" if key in v5 else f"rope_scaling.{key}" if key in scaling else key
-
-    theta = params.get("rope_theta", config.get("rope_theta", 10000.0))
-    if config.get("rope_theta") is not None:  # checked where the v5 layout's own theta wins over it too
-        real(config["rope_theta"], "rope_theta", source)
-    rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in ROPE_TYPES:
-        raise ConfigError(f"{source}: rope scaling type {rope_type!r} is not supported; "
-                          f"supported types are {', '.join(ROPE_TYPES)}")
-    original = params.get("original_max_position_embeddings")
-    if rope_type == "llama3" and original is None:
-        raise ConfigError(f"{source}: llama3 rope scaling needs original_max_position_embeddings; add it to rope_scaling")
-    if original is not None:
-        count(params, "original_max_position_embeddings", source)
-    floats = {key: real(params.get(key, default), key, source, named(key))
-              for key, default in (("factor", 1.0), ("low_freq_factor", 1.0), ("high_freq_factor", 4.0))}
-    if rope_type == "llama3" and floats["high_freq_factor"] <= floats["low_freq_factor"]:
-        raise ConfigError(f"{source}: key {named('high_freq_factor')!r} must be above {named('low_freq_factor')!r} "
-                          f"(llama3 rope scaling blends the band between them), found {floats['high_freq_factor']} "
-                          f"and {floats['low_freq_factor']}; {fix(source)}")
-    return RopeSpec(theta=real(theta, "rope_theta", source, named("rope_theta")), type=rope_type,
-                    original_max_position_embeddings=original, **floats)
-
-
 def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
-    """Build a ModelSpec from a parsed config.json dict."""
-    arch = config.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        found = arch or (config.get("architectures") or ["nothing"])[0]
-        raise ConfigError(f"{source}: architecture {found!r} is not supported; "
-                          f"supported model_type values are {', '.join(SUPPORTED_ARCHITECTURES)}")
+    """Build a ModelSpec from a parsed config.json dict (a multimodal folder's text model from its text_config)."""
+    config = text_config(config)
+    family = family_of(config, source)
     hidden = count(config, "hidden_size", source)
     n_heads = count(config, "num_attention_heads", source)
     n_kv_heads = count(config, "num_key_value_heads", source, default=n_heads)
@@ -435,43 +427,43 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
                           f"num_key_value_heads={n_kv_heads}; fix the config")
     eos = config.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    window = config.get("sliding_window")
-    if arch in ("qwen2", "qwen2_moe", "qwen3_moe") and not config.get("use_sliding_window", False):
-        window = None
     dtype = config.get("dtype", config.get("torch_dtype")) or "float32"
-    attention_bias = bool(config.get("attention_bias", False))
-    moe = _moe_from_config(config, arch, source)
+    n_layers = count(config, "num_hidden_layers", source)
+    variant = family_math(family, config, source, n_layers, head_dim)
     return ModelSpec(
-        architecture=arch,
+        architecture=config["model_type"],
         vocab_size=count(config, "vocab_size", source),
         hidden_size=hidden,
         intermediate_size=count(config, "intermediate_size", source),
-        n_layers=count(config, "num_hidden_layers", source),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=real(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", source),
-        rope=_rope_from_config(config, source),
+        rope=rope_from_config(config, source, variant.rotary_dim or head_dim),
         max_position_embeddings=count(config, "max_position_embeddings", source, default=2048),
-        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        qkv_bias=arch == "qwen2" or (arch == "qwen2_moe" and bool(config.get("qkv_bias", True))) or attention_bias,
-        o_bias=arch not in ("qwen2", "qwen2_moe") and attention_bias,
-        mlp_bias=arch == "llama" and bool(config.get("mlp_bias", False)),
-        sliding_window=count(config, "sliding_window", source) if window else None,
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", family.tied)),
+        qkv_bias=family.qkv_bias(config),
+        o_bias=family.o_bias(config),
+        mlp_bias=family.mlp_bias(config),
+        sliding_window=variant.sliding_window,
         bos_token_id=config.get("bos_token_id"),
         eos_token_ids=eos_ids,
         stored_format=DTYPE_ALIASES.get(str(dtype), "fp32"),
         source=source,
-        qk_norm=arch == "qwen3_moe",
-        moe=moe,
+        qk_norm=family.qk_norm,
+        moe=_moe_from_config(config, family, source),
+        family=family,
+        variant=variant,
     )
 
 
-def _moe_from_config(config: dict, arch: str, source: str) -> MoESpec | None:
-    """The MoESpec of a Mixtral, Qwen2-MoE or Qwen3-MoE config (None for a dense architecture)."""
-    if arch not in MOE_ARCHITECTURES:
+def _moe_from_config(config: dict, family: Family, source: str) -> MoESpec | None:
+    """The MoESpec of a Mixtral, Qwen2-MoE or Qwen3-MoE config (None for a dense family)."""
+    if family.moe is None:
         return None
-    if arch == "mixtral":
+    arch = family.name
+    if family.moe == "mixtral":
         n_experts = count(config, "num_local_experts", source)
         expert_size, shared, norm, dense = count(config, "intermediate_size", source), 0, True, ()
     else:
@@ -494,4 +486,4 @@ def _moe_from_config(config: dict, arch: str, source: str) -> MoESpec | None:
         raise ConfigError(f"{source}: {n_moe_layers:,} mixture-of-experts layers of {n_experts} experts are "
                           f"{n_moe_layers * n_experts:,} experts, above the {MAX_EXPERTS_OVER_LAYERS:,} offload plans "
                           f"for (no released model comes near it); {fix(source)}")
-    return MoESpec(n_experts, top_k, expert_size, shared, norm, dense, "mixtral" if arch == "mixtral" else "qwen")
+    return MoESpec(n_experts, top_k, expert_size, shared, norm, dense, family.moe)

@@ -28,18 +28,25 @@ TINY_MOE = {"mixtral": dict(num_local_experts=6, num_experts_per_tok=2, intermed
                               norm_topk_prob=True)}
 
 
+# the dense families' tiny shapes beyond TINY: Gemma's heads are wider than hidden / heads and its scale differs
+TINY_DENSE = {"gemma2": dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=6),
+              "gemma3_text": dict(head_dim=32, query_pre_attn_scalar=24, sliding_window=6, sliding_window_pattern=3,
+                                  layer_types=None, num_hidden_layers=3),
+              "qwen3": dict(head_dim=32), "phi3": dict(pad_token_id=0)}
+FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral",
+                  "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "qwen3": "Qwen3", "gemma2": "Gemma2",
+                  "gemma3_text": "Gemma3Text", "phi3": "Phi3"}
+
+
 def make_hf_model(arch: str = "llama", **overrides):
     """A tiny randomly initialised transformers model in fp32 (weights scaled up so logits spread)."""
     import transformers
 
-    config_cls = {"llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
-                  "qwen2": transformers.Qwen2Config, "mixtral": transformers.MixtralConfig,
-                  "qwen2_moe": transformers.Qwen2MoeConfig, "qwen3_moe": transformers.Qwen3MoeConfig}[arch]
-    model_cls = {"llama": transformers.LlamaForCausalLM, "mistral": transformers.MistralForCausalLM,
-                 "qwen2": transformers.Qwen2ForCausalLM, "mixtral": transformers.MixtralForCausalLM,
-                 "qwen2_moe": transformers.Qwen2MoeForCausalLM, "qwen3_moe": transformers.Qwen3MoeForCausalLM}[arch]
+    name = FAMILY_CLASSES[arch]
+    config_cls = getattr(transformers, f"{name}Config")
+    model_cls = getattr(transformers, "Gemma3ForCausalLM" if arch == "gemma3_text" else f"{name}ForCausalLM")
     torch.manual_seed(overrides.pop("seed", 0))
-    config = config_cls(**{**TINY, **TINY_MOE.get(arch, {}), **overrides})
+    config = config_cls(**{**TINY, **TINY_MOE.get(arch, {}), **TINY_DENSE.get(arch, {}), **overrides})
     config._attn_implementation = "eager"
     model = model_cls(config).float().eval()
     with torch.no_grad():

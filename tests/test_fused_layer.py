@@ -20,7 +20,8 @@ from offload import LLM, SamplingParams
 from offload.kernels import ACTIVE_PATH, pack
 from offload.model.llama import LayerWeights, layer_forward
 from offload.model.step import LayerKV, make_step
-from offload.spec import ModelSpec, RopeSpec
+from offload.rope_spec import RopeSpec
+from offload.spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not fused.FUSABLE, reason=f"fused layer needs the C++ extension ({ACTIVE_PATH})")
 

@@ -61,7 +61,8 @@ def test_plan_of_a_job_is_the_plan_its_run_uses(tmp_path, capsys, tiny_dir, name
     if sections.get("hardware") == "rtx4090-ddr5":  # a KiB-sized GPU budget: the preset without its reserve
         from offload.hardware import save_hardware
 
-        sections["hardware"] = str(save_hardware(gpu_profile(), tmp_path / "gpu.yaml"))
+        # on the simulated GPU: a GPU profile's plan is refused on backend auto where no GPU is visible
+        sections["hardware"] = {"profile": str(save_hardware(gpu_profile(), tmp_path / "gpu.yaml")), "backend": "sim"}
     config = _job(tmp_path, **sections)
     assert _plan_json(capsys, str(config)) == _run_plan(config)
 

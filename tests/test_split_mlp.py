@@ -120,10 +120,10 @@ def test_an_llm_runs_the_split_plan(tiny, monkeypatch):
     folder, _, _ = tiny
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     whole = LLM(folder, hardware=gpu_profile(), gpu_memory="300KiB", cpu_memory="2GiB", host_baseline=0,
-                batch_size=2)
+                batch_size=2, backend="sim")
     monkeypatch.setattr(planner_request, "SPLIT_GAIN", 0.0)
     split = LLM(folder, hardware=gpu_profile(), gpu_memory="300KiB", cpu_memory="2GiB", host_baseline=0,
-                batch_size=2)
+                batch_size=2, backend="sim")
     assert split.plan.split_mlp and not whole.plan.split_mlp and "mlp.0" in split.model.order
     outs = [llm.generate(PROMPTS, params) for llm in (whole, split)]
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]

@@ -27,6 +27,18 @@ FUSABLE = _C is not None and hasattr(_C, "layer_forward")  # the extension has t
 HAS_CACHED_ATTENTION = _C is not None and hasattr(_C, "cached_attention")  # ... and its attention alone
 
 
+def runs_math_of(spec) -> bool:
+    """Whether the fused layer computes this model's block math: Llama's (RMSNorm before attention and the MLP,
+    SiLU, rope over whole heads at one base, scores scaled by head_dim ** -0.5, one window for every layer), with
+    q/k norms and biases. A family that differs (Gemma's norms after attention and the MLP, GELU, soft-caps,
+    per-layer windows; partial rotary) runs the reference block math."""
+    v = spec.variant
+    return (spec.family.activation == "silu" and spec.family.post_attn_norm is None
+            and spec.family.post_mlp_norm is None and v.attn_scale is None and v.attn_softcap is None
+            and not v.layer_windows and v.local_rope is None and v.rotary_dim is None
+            and spec.rope.attention_factor == 1.0)
+
+
 def _is_f32_cpu(t) -> bool:
     return isinstance(t, torch.Tensor) and t.dtype is _F32 and t.device.type == "cpu" and t.is_contiguous()
 

@@ -12,12 +12,15 @@ of the history to decode).
   one new token per sequence attends where the cache is (q, k, v move, not the cache); several take the cache's
   prefix up to the block.
 
+A layer attends with the model's scale (Gemma's query_pre_attn_scalar), its own sliding window (Gemma 2/3 mix
+sliding and full layers: the step holds a mask per window) and the model's soft-cap of the scores (Gemma 2:
+scaled dot products then go through the math below, as no fused SDPA kernel caps them).
+
 Each call records its path in offload.kernels.attention.PATH_COUNTS.
 """
 
 from __future__ import annotations
 
-import math
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
@@ -28,22 +31,23 @@ from offload.attention_sizes import IN_PLACE_MAX_QUERIES
 from offload.spec import ModelSpec
 
 
-def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, kv: LayerKV):
-    """Append k, v [B, Hkv, S, Dh] to the cache and attend with q [B, H, S, Dh]; [B, H, S, Dh] where q is. A
-    ragged step attends group by group."""
+def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, kv: LayerKV,
+           window: int | None = None):
+    """Append k, v [B, Hkv, S, Dh] to the cache and attend with q [B, H, S, Dh] over the keys a layer of this
+    sliding window sees; [B, H, S, Dh] where q is. A ragged step attends group by group."""
     if step.groups is not None:
         outs = []
         for g, t0 in zip(step.groups, step.offsets):
             b, s = g.positions.shape
             grid = [t[0, :, t0:t0 + b * s].unflatten(1, (b, s)).transpose(0, 1) for t in (q, k, v)]  # [b, H, s, Dh]
-            outs.append(attend(spec, *grid, g, kv).transpose(0, 1).flatten(1, 2))  # [H, b * s, Dh]
+            outs.append(attend(spec, *grid, g, kv, window).transpose(0, 1).flatten(1, 2))  # [H, b * s, Dh]
         return torch.cat(outs, dim=1)[None]
     if kv.k.device != q.device:
-        return _attend_host_cache(spec, q, k, v, step, kv)
+        return _attend_host_cache(spec, q, k, v, step, kv, window)
     kv.write(step, k, v)
     if _reads_in_place(step, q):
-        return _paged(spec, q, step, kv)
-    return _prefill(spec, q, step, kv)
+        return _paged(spec, q, step, kv, window)
+    return sdpa_over_keys(q, *cached_keys(step, kv), step, window, spec)
 
 
 def _reads_in_place(step: Step, q: torch.Tensor) -> bool:
@@ -58,11 +62,11 @@ def _reads_in_place(step: Step, q: torch.Tensor) -> bool:
     return step._derived["in_place"]
 
 
-def _paged(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
+def _paged(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV, window: int | None) -> torch.Tensor:
     """q [B, H, S, Dh] over the pool in place through the step's table of contiguous extents."""
     n_slots, heads, dh = kv.k.shape[0] * kv.k.shape[1], kv.k.shape[2], kv.k.shape[3]
     o = paged_attention(q.transpose(1, 2), kv.k.view(n_slots, heads, dh), kv.v.view(n_slots, heads, dh),
-                        kv_table(step, kv), scale=1 / math.sqrt(spec.head_dim), window=spec.sliding_window)
+                        kv_table(step, kv), scale=spec.attn_scale, window=window, softcap=spec.variant.attn_softcap)
     return o.transpose(1, 2)
 
 
@@ -83,40 +87,55 @@ def kv_table(step: Step, kv: LayerKV) -> KVTable:
     return table
 
 
-def _prefill(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV) -> torch.Tensor:
-    """A prefill chunk: q [B, H, S, Dh] over its sequences' cached keys."""
-    return sdpa_over_keys(q, *cached_keys(step, kv), step)
-
-
-def sdpa_over_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step) -> torch.Tensor:
-    """q [B, H, S, Dh] over K, V [B, Hkv, T, Dh] as the step's mask allows, in a form a fused SDPA kernel takes:
-    bottom-right causal where that is the whole mask, else the query-head group folded into the query length
-    with the bool mask repeated (no GQA: the memory-efficient kernel takes a mask; K/V never repeated)."""
+def sdpa_over_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step,
+                   window: int | None = None, spec: ModelSpec | None = None) -> torch.Tensor:
+    """q [B, H, S, Dh] over K, V [B, Hkv, T, Dh] as the step's mask for this window allows, in a form a fused
+    SDPA kernel takes: bottom-right causal where that is the whole mask, else the query-head group folded into the
+    query length with the bool mask repeated (no GQA: the memory-efficient kernel takes a mask; K/V never
+    repeated). Soft-capped scores (spec's attn_softcap) take the math of capped_attention."""
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     b, heads, s, dh = q.shape
     group = heads // keys.shape[1]
-    if _causal_only(step):
+    scale = None if spec is None else spec.attn_scale
+    if spec is not None and spec.variant.attn_softcap is not None:
+        PATH_COUNTS["softcapped_math"] += 1
+        return capped_attention(q, keys, values, step.mask_for(window), scale, spec.variant.attn_softcap)
+    if _causal_only(step, window):
         PATH_COUNTS["sdpa_causal_lower_right"] += 1
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(s, keys.shape[2]),
-                                              enable_gqa=group > 1)
+                                              enable_gqa=group > 1, scale=scale)
     PATH_COUNTS["sdpa_folded_mask"] += 1
-    mask = step.mask  # [B, 1, S, T]
+    mask = step.mask_for(window)  # [B, 1, S, T]
     folded = q.reshape(b, keys.shape[1], group * s, dh)  # head h = kv_head * group + g: the group's rows in a run
     mask = mask[:, :, None].expand(b, 1, group, s, mask.shape[-1]).reshape(b, 1, group * s, mask.shape[-1])
-    o = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask)
+    o = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
     return o.view(b, heads, s, dh)
 
 
-def _causal_only(step: Step) -> bool:
+def capped_attention(q, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
+    """softmax(softcap * tanh(q k^T * scale / softcap), masked) v, in fp32, for q [B, H, S, Dh] over K, V
+    [B, Hkv, T, Dh] (query-head groups folded, K/V never repeated); mask [B, 1, S, T]."""
+    b, heads, s, dh = q.shape
+    n_kv, t = keys.shape[1], keys.shape[2]
+    group = heads // n_kv
+    scores = q.float().reshape(b, n_kv, group * s, dh) @ keys.float().transpose(-1, -2) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    seen = mask[:, :, None].expand(b, 1, group, s, t).reshape(b, 1, group * s, t)
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    return (probs @ values.float()).to(q.dtype).view(b, heads, s, dh)
+
+
+def _causal_only(step: Step, window: int | None) -> bool:
     """One sequence whose new tokens are all real and consecutive, with no window cutting its keys: the mask is
-    bottom-right causal (host tensors only; worked out once per step)."""
-    if "causal_only" not in step._derived:
-        positions, valid, window = step.positions, step.valid, step.sliding_window
-        step._derived["causal_only"] = (
+    bottom-right causal (host tensors only; worked out once per step and window)."""
+    key = ("causal_only", window)
+    if key not in step._derived:
+        positions, valid = step.positions, step.valid
+        step._derived[key] = (
             positions.shape[0] == 1 and bool(valid.all())
             and int(positions[0, -1]) - int(positions[0, 0]) == positions.shape[1] - 1
             and int(positions[0, -1]) + 1 == step.n_keys and (window is None or step.n_keys <= window))
-    return step._derived["causal_only"]
+    return step._derived[key]
 
 
 def cached_keys(step: Step, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
@@ -143,7 +162,7 @@ def gathered_keys(step: Step, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, kv.v.view(batch * slots, heads, dh)[index].transpose(1, 2)
 
 
-def _attend_host_cache(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV) -> torch.Tensor:
+def _attend_host_cache(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV, window: int | None) -> torch.Tensor:
     """The cache in host RAM, the block elsewhere: one new token per sequence attends on the host (q, k, v move
     down, the output up); several bring the cache's prefix up to the block."""
     device = q.device
@@ -152,9 +171,12 @@ def _attend_host_cache(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV) -> tor
         q, k, v = (t.to(kv.k.device) for t in (q, k, v))
         kv.write(host, k, v)
         keys, values = gathered_keys(host, kv)
-        o = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype),
-                                           attn_mask=host.mask.to(kv.k.device),
-                                           enable_gqa=spec.n_kv_heads != spec.n_heads)
+        mask = host.mask_for(window).to(kv.k.device)
+        if spec.variant.attn_softcap is not None:
+            o = capped_attention(q, keys, values, mask, spec.attn_scale, spec.variant.attn_softcap)
+        else:
+            o = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+                                               enable_gqa=spec.n_kv_heads != spec.n_heads, scale=spec.attn_scale)
         PATH_COUNTS["host_cache_sdpa"] += 1
         return o.to(device)
     kv.write(step, k, v)
@@ -162,7 +184,11 @@ def _attend_host_cache(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV) -> tor
     PATH_COUNTS["host_cache_prefix_up"] += 1
     group = spec.n_heads // spec.n_kv_heads
     keys, values = keys.to(device, q.dtype), values.to(device, q.dtype)
+    if spec.variant.attn_softcap is not None:
+        return capped_attention(q, keys, values, step.mask_for(window), spec.attn_scale, spec.variant.attn_softcap)
     b, heads, s, dh = q.shape
-    mask = step.mask[:, :, None].expand(b, 1, group, s, step.n_keys).reshape(b, 1, group * s, step.n_keys)
-    o = F.scaled_dot_product_attention(q.reshape(b, keys.shape[1], group * s, dh), keys, values, attn_mask=mask)
+    mask = step.mask_for(window)[:, :, None].expand(b, 1, group, s, step.n_keys).reshape(b, 1, group * s,
+                                                                                           step.n_keys)
+    o = F.scaled_dot_product_attention(q.reshape(b, keys.shape[1], group * s, dh), keys, values, attn_mask=mask,
+                                       scale=spec.attn_scale)
     return o.view(b, heads, s, dh)

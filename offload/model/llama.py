@@ -1,5 +1,7 @@
-"""Llama-family block math (llama, mistral, qwen2, and the attention part of Mixtral / Qwen-MoE layers):
-device-agnostic, weights passed in, gpt-fast style. The routed experts are offload.model.moe's."""
+"""Decoder block math for every family (offload/families.py: Llama's, and where a family differs: Gemma's norms
+after attention and the MLP, GELU-tanh, q/k norms, per-layer windows and ropes, soft-caps), and the attention
+part of MoE layers: device-agnostic, weights passed in, gpt-fast style. The routed experts are
+offload.model.moe's."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from offload.model.attention import attend
-from offload.model.rope import apply_rope
+from offload.model.rope import apply_rope, rope_table
 from offload.model.step import LayerKV, Step
 from offload.spec import ModelSpec
 
@@ -47,6 +49,8 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [head_dim], Qwen3's per-head RMSNorm of q and k
     k_norm: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden], a MoE layer's shared-expert gate
+    post_attn_norm: torch.Tensor | None = None  # Gemma 2/3: the attention's output normed before the residual add
+    post_mlp_norm: torch.Tensor | None = None  # and the MLP's
 
 
 @dataclass
@@ -57,6 +61,7 @@ class MLPWeights:
     gate_up_bias: torch.Tensor | None
     down: Weight
     down_bias: torch.Tensor | None
+    post_mlp_norm: torch.Tensor | None = None  # Gemma 2/3: the MLP's output normed before the residual add
 
 
 HALF_KERNEL_ROWS = 2  # up to this many rows, offload's kernel beats torch's bf16 matmul on the CPU (~1.5x at 1)
@@ -118,14 +123,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def roped_heads(spec: ModelSpec, qkv: torch.Tensor, step: Step):
-    """qkv [B, S, q | k | v] as q [B, H, S, Dh] and k, v [B, Hkv, S, Dh], rope applied to q and k."""
+def roped_heads(spec: ModelSpec, qkv: torch.Tensor, step: Step, window: int | None = None):
+    """qkv [B, S, q | k | v] as q [B, H, S, Dh] and k, v [B, Hkv, S, Dh], rope applied to q and k (the rope of
+    layers with this sliding window)."""
     b, s, _ = qkv.shape
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
     q = q.view(b, s, spec.n_heads, spec.head_dim).transpose(1, 2)
     k = k.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
     v = v.view(b, s, spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-    return apply_rope(q, step.cos, step.sin), apply_rope(k, step.cos, step.sin), v
+    cos, sin = rope_table(spec, step.cos, window), rope_table(spec, step.sin, window)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
 
 def qk_norm(spec: ModelSpec, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
@@ -136,35 +143,43 @@ def qk_norm(spec: ModelSpec, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor
     return torch.cat([q, k, v], dim=-1)
 
 
-def mlp(width: int, w: LayerWeights | MLPWeights, h: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate(h)) * up(h)) with gate and up (each width rows) fused in w.gate_up."""
+GATE_ACTIVATIONS = {"silu": F.silu, "gelu_tanh": functools.partial(F.gelu, approximate="tanh")}
+
+
+def mlp(width: int, w: LayerWeights | MLPWeights, h: torch.Tensor, activation: str = "silu") -> torch.Tensor:
+    """down(act(gate(h)) * up(h)) with gate and up (each width rows) fused in w.gate_up."""
     gate, up = linear(h, w.gate_up, w.gate_up_bias).split(width, dim=-1)
-    return linear(F.silu(gate) * up, w.down, w.down_bias)
+    return linear(GATE_ACTIVATIONS[activation](gate) * up, w.down, w.down_bias)
 
 
 def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step, kv: LayerKV,
-                  attention=None, moe: bool = False) -> torch.Tensor:
+                  attention=None, moe: bool = False, index: int | None = None) -> torch.Tensor:
     """One decoder layer on hidden states x [B, S, D]; appends this step's K, V to kv. attention, if given,
     replaces rope, the KV append and attention: qkv [B * S, q | k | v] -> [B * S, n_heads * head_dim] (the
     executor passes the fused layer's attention for CPU layers whose linears run through torch).
 
     moe: a layer whose MLP is a unit of its own (a MoE layer's routed experts, offload.model.moe, or a dense MLP
     split off); it returns [B, S, 2D]: the residual stream (with a MoE layer's shared expert's output added) and
-    the normed hidden state that unit takes."""
+    the normed hidden state that unit takes. index: the layer's number (its sliding window and rope, where the
+    model's layers differ)."""
     b, s, _ = x.shape
-    h = rms_norm(x, w.attn_norm, spec.rms_norm_eps)
+    eps = spec.rms_norm_eps
+    h = rms_norm(x, w.attn_norm, eps)
     qkv = linear(h, w.qkv, w.qkv_bias)
     if w.q_norm is not None:
         qkv = qk_norm(spec, w, qkv)
     if attention is not None:
         o = attention(qkv.reshape(b * s, -1).contiguous()).view(b, s, spec.q_size)
     else:
-        q, k, v = roped_heads(spec, qkv.view(b, s, -1), step)
-        o = attend(spec, q, k, v, step, kv).transpose(1, 2).reshape(b, s, spec.q_size)
-    x = x + linear(o, w.o, w.o_bias)
-    h = rms_norm(x, w.mlp_norm, spec.rms_norm_eps)
+        window = spec.window(index)
+        q, k, v = roped_heads(spec, qkv.view(b, s, -1), step, window)
+        o = attend(spec, q, k, v, step, kv, window).transpose(1, 2).reshape(b, s, spec.q_size)
+    o = linear(o, w.o, w.o_bias)
+    x = x + (o if w.post_attn_norm is None else rms_norm(o, w.post_attn_norm, eps))
+    h = rms_norm(x, w.mlp_norm, eps)
     if not moe:
-        return x + mlp(spec.intermediate_size, w, h)
+        out = mlp(spec.intermediate_size, w, h, spec.family.activation)
+        return x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, eps))
     if w.gate_up is not None:  # the shared expert, scaled by its sigmoid gate
         x = x + torch.sigmoid(linear(h, w.shared_gate, None)) * mlp(spec.moe.shared_size, w, h)
     return torch.cat([x, h], dim=-1)
@@ -173,4 +188,5 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
 def mlp_forward(spec: ModelSpec, w: MLPWeights, x: torch.Tensor) -> torch.Tensor:
     """A split-off dense MLP: x [..., 2D] = [residual | normed h] -> residual + mlp(h)."""
     d = x.shape[-1] // 2
-    return x[..., :d] + mlp(spec.intermediate_size, w, x[..., d:])
+    out = mlp(spec.intermediate_size, w, x[..., d:], spec.family.activation)
+    return x[..., :d] + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, spec.rms_norm_eps))

@@ -1,5 +1,9 @@
-"""Rotary position embeddings: inverse frequencies by rope type (linear, dynamic NTK, Llama 3), cos/sin tables for
-a step's positions, and their application to q and k."""
+"""Rotary position embeddings: inverse frequencies by rope type (linear, dynamic NTK, Llama 3, LongRoPE), cos/sin
+tables for a step's positions, and their application to q and k (to the first rotary_dim dimensions of each head,
+where a family turns only part of it).
+
+A model whose sliding layers turn by a rope of their own (Gemma 3) has both tables side by side in a step's cos
+and sin: [..., rotary_dim] of the model's rope, then [..., rotary_dim] of the sliding layers' (rope_table)."""
 
 from __future__ import annotations
 
@@ -8,7 +12,8 @@ import math
 
 import torch
 
-from offload.spec import ModelSpec, RopeSpec
+from offload.rope_spec import RopeSpec
+from offload.spec import ModelSpec
 
 
 def rope_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: int) -> torch.Tensor:
@@ -17,9 +22,11 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: in
 
 
 def _shared_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: int) -> torch.Tensor:
-    """rope_inv_freq's tensor, made once per model (and per length past max_positions for dynamic NTK):
-    read only."""
-    if rope.type != "dynamic" or seq_len <= max_positions:
+    """rope_inv_freq's tensor, made once per model (and per length past max_positions for dynamic NTK, or past
+    original_max_position_embeddings for LongRoPE): read only."""
+    if rope.type == "longrope":
+        seq_len = int(seq_len > rope.original_max_position_embeddings)  # 1: the long factors
+    elif rope.type != "dynamic" or seq_len <= max_positions:
         seq_len = 0  # the frequencies do not depend on it
     return _make_inv_freq(rope, head_dim, seq_len, max_positions)
 
@@ -33,6 +40,8 @@ def _make_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: i
     inv_freq = 1.0 / (base ** exponents)
     if rope.type == "linear":
         inv_freq = inv_freq / rope.factor
+    elif rope.type == "longrope":  # LongRoPE: each frequency divided by its factor, long ones past the original
+        inv_freq = inv_freq / torch.tensor(rope.long_factor if seq_len else rope.short_factor, dtype=torch.float32)
     elif rope.type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope)
     return inv_freq
@@ -51,16 +60,41 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
 
 
 def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype):
-    """cos and signed sin [B, 1, S, head_dim] for positions [B, S]."""
-    seq_len = int(positions.max()) + 1 if spec.rope.type == "dynamic" and positions.numel() else 1
-    inv_freq = _shared_inv_freq(spec.rope, spec.head_dim, seq_len, spec.max_position_embeddings)
-    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [B, S, Dh/2]
+    """cos and signed sin [B, 1, S, rotary_dim] for positions [B, S] (twice as wide where the sliding layers turn
+    by a rope of their own: rope_table picks a layer's)."""
+    ropes = [spec.rope] + ([spec.variant.local_rope] if spec.variant.local_rope is not None else [])
+    tables = [_cos_sin(rope, spec.rotary_dim, positions, spec.max_position_embeddings) for rope in ropes]
+    cos = torch.cat([c for c, _ in tables], dim=-1) if len(tables) > 1 else tables[0][0]
+    sin = torch.cat([s for _, s in tables], dim=-1) if len(tables) > 1 else tables[0][1]
+    return cos.to(dtype), sin.to(dtype)
+
+
+def _cos_sin(rope: RopeSpec, dim: int, positions: torch.Tensor, max_positions: int):
+    dynamic = rope.type in ("dynamic", "longrope")
+    seq_len = int(positions.max()) + 1 if dynamic and positions.numel() else 1
+    inv_freq = _shared_inv_freq(rope, dim, seq_len, max_positions)
+    freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [B, S, dim/2]
     sin = freqs.sin()
     cos = torch.cat((freqs.cos(),) * 2, dim=-1)[:, None]
     signed_sin = torch.cat((-sin, sin), dim=-1)[:, None]  # rotate_half's sign folded in
-    return cos.to(dtype), signed_sin.to(dtype)
+    if rope.attention_factor != 1.0:  # LongRoPE scales both
+        cos, signed_sin = cos * rope.attention_factor, signed_sin * rope.attention_factor
+    return cos, signed_sin
+
+
+def rope_table(spec: ModelSpec, table: torch.Tensor, window: int | None) -> torch.Tensor:
+    """The part of a step's cos (or sin) that layers with this window turn by."""
+    if spec.variant.local_rope is None:
+        return table
+    d = spec.rotary_dim
+    return table[..., d:] if window is not None else table[..., :d]
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, Dh/2) * signed_sin."""
+    """x * cos + rotate_half(x) * sin, with rotate_half(x) * sin = roll(x, Dh/2) * signed_sin; where cos is
+    narrower than x's heads (partial rotary), its first dimensions turn and the rest pass."""
+    d = cos.shape[-1]
+    if d != x.shape[-1]:
+        turned = x[..., :d]
+        return torch.cat((turned * cos + turned.roll(d // 2, dims=-1) * signed_sin, x[..., d:]), dim=-1)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin

@@ -31,7 +31,7 @@ class Step:
     sin: torch.Tensor  # [B, 1, S, head_dim], first half negated (see apply_rope)
     rows: torch.Tensor | None = None  # [B] cache rows these sequences use; None: all rows, in order
     phase: str = "prefill"  # prefill | decode: the plan may compute a block differently in each
-    sliding_window: int | None = None
+    sliding_window: int | None | tuple = None  # of every layer, or (a model whose layers differ) each distinct one
     bases: torch.Tensor | None = None  # [B] first KV slot of each sequence in its row (a pooled cache); None: 0
     groups: tuple["Step", ...] | None = None  # a ragged step's grids, each b == 1 or s == 1
     offsets: tuple[int, ...] = ()  # where each group's tokens begin in the flat row
@@ -59,6 +59,13 @@ class Step:
         if self._mask is None:
             self._mask = attention_mask(self.positions, self.valid, self.n_keys, self.sliding_window)
         return self._mask
+
+    def mask_for(self, window: int | None) -> torch.Tensor:
+        """[B, 1, S, n_keys] bool, the mask of layers with this sliding window (None: full attention)."""
+        if not isinstance(self.sliding_window, tuple):
+            return self.mask
+        i = self.sliding_window.index(window)
+        return self.mask[:, i:i + 1]
 
     def slice(self, start: int, stop: int) -> "Step":
         """The part of this step for new tokens start..stop-1 of every row (one chunk of a long prefill); of a
@@ -167,8 +174,11 @@ def _to(t: torch.Tensor, device, dtype) -> torch.Tensor:
 
 
 def attention_mask(positions: torch.Tensor, valid: torch.Tensor, n_keys: int,
-                   sliding_window: int | None) -> torch.Tensor:
-    """[B, 1, S, n_keys] bool: causal over each row's own cache; padding queries see key 0 only."""
+                   sliding_window: int | None | tuple) -> torch.Tensor:
+    """[B, 1, S, n_keys] bool: causal over each row's own cache; padding queries see key 0 only. A tuple of
+    windows gives [B, n_windows, S, n_keys], one mask per window (Step.mask_for picks one)."""
+    if isinstance(sliding_window, tuple):
+        return torch.cat([attention_mask(positions, valid, n_keys, w) for w in sliding_window], dim=1)
     keys = torch.arange(n_keys, device=positions.device)[None, None, :]  # [1, 1, T]
     q = positions[:, :, None]  # [B, S, 1]
     mask = keys <= q
@@ -188,7 +198,12 @@ def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, vali
     write_index = torch.where(valid, slots, trash_slot)
     cos, sin = rope_cos_sin(spec, positions, dtype)
     return Step(positions=positions, write_index=write_index, valid=valid, n_keys=n_keys, cos=cos, sin=sin, rows=rows,
-                phase=phase, sliding_window=spec.sliding_window, bases=bases)
+                phase=phase, sliding_window=step_windows(spec), bases=bases)
+
+
+def step_windows(spec: ModelSpec) -> int | None | tuple:
+    """A step's sliding_window: the model's, or each distinct window where its layers differ (Gemma 2/3)."""
+    return spec.windows if spec.variant.layer_windows else spec.sliding_window
 
 
 def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Tensor, torch.Tensor]],
@@ -206,7 +221,7 @@ def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Te
         offsets.append(at)
         at += b * s
     flat = lambda name: torch.cat([getattr(g, name).reshape(1, -1) for g in parts], dim=1)  # noqa: E731
-    cos = torch.cat([g.cos.permute(1, 0, 2, 3).reshape(1, 1, -1, spec.head_dim) for g in parts], dim=2)
-    sin = torch.cat([g.sin.permute(1, 0, 2, 3).reshape(1, 1, -1, spec.head_dim) for g in parts], dim=2)
+    cos = torch.cat([g.cos.permute(1, 0, 2, 3).reshape(1, 1, -1, g.cos.shape[-1]) for g in parts], dim=2)
+    sin = torch.cat([g.sin.permute(1, 0, 2, 3).reshape(1, 1, -1, g.sin.shape[-1]) for g in parts], dim=2)
     return _ragged(parts, offsets, flat("positions"), flat("write_index"), flat("valid"), cos, sin, phase,
-                   spec.sliding_window)
+                   step_windows(spec))

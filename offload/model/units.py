@@ -22,9 +22,23 @@ def unit_forward(spec: ModelSpec, kind: str, w, x: torch.Tensor, step: Step | No
     if kind == "mlp":
         return mlp_forward(spec, w, x)
     if kind == "embed":
-        return F.embedding(x, w).to(dtype)
+        return embed(spec, w, x, dtype)
     if kind == "norm":
         return rms_norm(x, w, spec.rms_norm_eps)
     if kind == "lm_head":
-        return linear(x, w, None)
-    return layer_forward(spec, w, x, step, kv, moe=index is not None and spec.hands_over(index))
+        return final_logits(spec, linear(x, w, None))
+    return layer_forward(spec, w, x, step, kv, moe=index is not None and spec.hands_over(index), index=index)
+
+
+def embed(spec: ModelSpec, w: torch.Tensor, tokens: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The embeddings of tokens [B, S] in dtype, times the family's scale (Gemma's sqrt(hidden), rounded to dtype
+    first as transformers does)."""
+    x = F.embedding(tokens, w).to(dtype)
+    scale = spec.variant.embed_scale
+    return x if scale is None else x * torch.tensor(scale, dtype=dtype)
+
+
+def final_logits(spec: ModelSpec, logits: torch.Tensor) -> torch.Tensor:
+    """The lm_head's output, soft-capped where the family caps it (Gemma 2: cap * tanh(logits / cap))."""
+    cap = spec.variant.final_softcap
+    return logits if cap is None else torch.tanh(logits / cap) * cap

@@ -47,6 +47,7 @@ class PlacedModel:
         """fuse: run host-RAM layers through the fused C++ layer (None: wherever the kernels and dtype allow)."""
         self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
         fuse = backend.computes and fused.FUSABLE and dtype in fused.ACTIVATIONS if fuse is None else fuse
+        fuse = fuse and fused.runs_math_of(spec)  # a family whose math the C++ layer lacks: the reference math
         self.units = spec.units()
         self.order = [u.name for u in self.units]
         if set(self.order) != set(placement.units):
@@ -85,7 +86,7 @@ class PlacedModel:
 
     @fuse.setter
     def fuse(self, value: bool) -> None:
-        self.runner.fuse = value
+        self.runner.fuse = value and fused.runs_math_of(self.spec)
 
     @property
     def timeline(self) -> Timeline:

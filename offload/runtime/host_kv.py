@@ -62,5 +62,5 @@ class HostKVAttention:
         new = self.backend.download(torch.stack((k, v)))  # [2, b, Hkv, s, Dh]
         self.kv.write(host, new[0], new[1])
         keys, values = (self.backend.upload(t.contiguous()) for t in cached_keys(host, self.kv))
-        o = sdpa_over_keys(q, keys, values, step)  # [b, H, s, Dh]
+        o = sdpa_over_keys(q, keys, values, step, self.spec.sliding_window, self.spec)  # [b, H, s, Dh]
         return o.transpose(1, 2).reshape(b * s, self.spec.q_size)

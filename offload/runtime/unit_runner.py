@@ -120,7 +120,8 @@ class UnitRunner:
         layer's attention where the cache is in host RAM: a CPU layer's (weights the fused layer cannot take: float
         ones through torch), and a device layer's (runtime/host_kv.py: decode-like groups attend on the host, prompt
         chunks on the device)."""
-        attention, moe = None, self.spec.hands_over(self.store.kind_index[name][1])
+        index = self.store.kind_index[name][1]
+        attention, moe = None, self.spec.hands_over(index)
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
             handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)
             views = self._fused_views([kv], x)
@@ -134,7 +135,7 @@ class UnitRunner:
             if views is not None:
                 attention = HostKVAttention(self.spec, self.backend, step, kv, views[0],
                                             lambda s, view: self._step_table(s, view, steps))
-        return layer_forward(self.spec, w, x, step, kv, attention, moe)
+        return layer_forward(self.spec, w, x, step, kv, attention, moe, index)
 
     def _attention(self, table, view):
         """The fused layer's attention over a host cache for a CPU layer's qkv [N, q | k | v] in whatever float

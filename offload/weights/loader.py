@@ -19,6 +19,10 @@ from offload.errors import WeightsError
 from offload.spec import ModelSpec
 
 INDEX_NAME = "model.safetensors.index.json"
+# a multimodal checkpoint's text model (Gemma 3's Gemma3ForConditionalGeneration): its tensors' prefixes as
+# transformers 5 and 4 write them -> the text-only names; the vision tower's tensors are left unread
+TEXT_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."),
+                 ("language_model.lm_head.", "lm_head."))
 LFS_MAGIC = b"version https://git-lfs.github.com/spec"
 _HEADER_LIMIT_BYTES = 100 * 1024 * 1024
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -112,6 +116,19 @@ class Checkpoint:
                     self._shapes[name] = tuple(info["shape"])
                     begin, end = info["data_offsets"]
                     self._where[name] = (data_start + begin, end - begin, info["dtype"])
+        self._text_model_names()
+
+    def _text_model_names(self) -> None:
+        """A multimodal checkpoint's text model under the text-only names (TEXT_PREFIXES), where it has no
+        text-only embedding of its own."""
+        if "model.embed_tokens.weight" in self._file_of:
+            return
+        for name in list(self._file_of):
+            for prefix, plain in TEXT_PREFIXES:
+                if name.startswith(prefix):
+                    text = plain + name[len(prefix):]
+                    for table in (self._file_of, self._shapes, self._where):
+                        table[text] = table[name]
 
     def _weight_files(self) -> list[Path]:
         index = self.folder / INDEX_NAME

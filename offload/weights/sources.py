@@ -32,7 +32,7 @@ def load_model(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.flo
     experts = {i: load_experts(ckpt, spec, i, dtype, pack) for i in range(spec.n_layers) if spec.is_moe_layer(i)}
     embed = ckpt.get("model.embed_tokens.weight", dtype)
     head = embed if spec.tie_word_embeddings else ckpt.get("lm_head.weight", dtype)
-    return Model(spec=spec, embed_tokens=embed, layers=layers, norm=ckpt.get("model.norm.weight", dtype),
+    return Model(spec=spec, embed_tokens=embed, layers=layers, norm=read_norm(ckpt, spec, "model.norm.weight", dtype),
                  lm_head=pack(head), dtype=dtype, experts=experts or None)
 
 
@@ -49,31 +49,41 @@ def packer(quantization: str, dtype: torch.dtype):
 
 
 def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...] | None]:
-    """Each LayerWeights field's checkpoint tensors, in the order they are fused (None: the model has none)."""
-    p = f"model.layers.{i}."
-    qkv = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+    """Each LayerWeights field's checkpoint tensors, in the order they are fused (None: the model has none), as
+    the model's family names them."""
+    p, fam = f"model.layers.{i}.", spec.family
     moe = spec.is_moe_layer(i)
-    mlp = f"{p}mlp.shared_expert." if moe else f"{p}mlp."
     # a MoE layer's only dense MLP is its shared expert; a split-off dense MLP is a unit of its own
     has_mlp = spec.moe.shared_size > 0 if moe else not spec.split_mlp
-    gate_up = [f"{mlp}gate_proj", f"{mlp}up_proj"]
+    if moe:
+        gate_up, down = (f"{p}mlp.shared_expert.gate_proj", f"{p}mlp.shared_expert.up_proj"), \
+            f"{p}mlp.shared_expert.down_proj"
+    else:
+        gate_up, down = tuple(p + m for m in fam.gate_up), p + fam.down
+    qkv = [p + m for m in fam.qkv]
 
-    def names(modules: list[str], suffix: str, present: bool = True) -> tuple[str, ...] | None:
+    def names(modules, suffix: str, present: bool = True) -> tuple[str, ...] | None:
         return tuple(m + suffix for m in modules) if present else None
 
-    return {"attn_norm": (p + "input_layernorm.weight",), "qkv": names(qkv, ".weight"),
-            "qkv_bias": names(qkv, ".bias", spec.qkv_bias), "o": (p + "self_attn.o_proj.weight",),
-            "o_bias": names([p + "self_attn.o_proj"], ".bias", spec.o_bias),
-            "mlp_norm": (p + "post_attention_layernorm.weight",), "gate_up": names(gate_up, ".weight", has_mlp),
+    def norm(module: str | None) -> tuple[str, ...] | None:
+        return None if module is None else (f"{p}{module}.weight",)
+
+    return {"attn_norm": norm(fam.attn_norm), "qkv": names(qkv, ".weight"),
+            "qkv_bias": names(qkv, ".bias", spec.qkv_bias), "o": (f"{p}{fam.o}.weight",),
+            "o_bias": names([p + fam.o], ".bias", spec.o_bias),
+            "mlp_norm": norm(fam.mlp_norm), "gate_up": names(gate_up, ".weight", has_mlp),
             "gate_up_bias": names(gate_up, ".bias", spec.mlp_bias and not moe and has_mlp),
-            "down": names([mlp + "down_proj"], ".weight", has_mlp),
-            "down_bias": names([mlp + "down_proj"], ".bias", spec.mlp_bias and not moe and has_mlp),
+            "down": names([down], ".weight", has_mlp),
+            "down_bias": names([down], ".bias", spec.mlp_bias and not moe and has_mlp),
             "q_norm": names([p + "self_attn.q_norm"], ".weight", spec.qk_norm),
             "k_norm": names([p + "self_attn.k_norm"], ".weight", spec.qk_norm),
-            "shared_gate": names([p + "mlp.shared_expert_gate"], ".weight", moe and has_mlp)}
+            "shared_gate": names([p + "mlp.shared_expert_gate"], ".weight", moe and has_mlp),
+            "post_attn_norm": norm(fam.post_attn_norm),
+            "post_mlp_norm": norm(fam.post_mlp_norm) if has_mlp and not moe else None}
 
 
 LINEAR_FIELDS = ("qkv", "o", "gate_up", "down")  # the LayerWeights fields that are matrices the linears multiply
+NORM_FIELDS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "post_mlp_norm")
 
 
 def expert_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...]]:
@@ -88,11 +98,8 @@ def expert_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...]]:
 
 def mlp_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...] | None]:
     """Each MLPWeights field of layer i's split-off MLP with its checkpoint tensors."""
-    p = f"model.layers.{i}.mlp."
-    bias = spec.mlp_bias
-    return {"gate_up": (p + "gate_proj.weight", p + "up_proj.weight"),
-            "gate_up_bias": (p + "gate_proj.bias", p + "up_proj.bias") if bias else None,
-            "down": (p + "down_proj.weight",), "down_bias": (p + "down_proj.bias",) if bias else None}
+    names = layer_tensor_names(dataclasses.replace(spec, split_mlp=False), i)
+    return {field: names[field] for field in ("gate_up", "gate_up_bias", "down", "down_bias", "post_mlp_norm")}
 
 
 def unit_tensor_names(spec: ModelSpec, unit: UnitSpec) -> dict[str, tuple[str, ...] | None]:
@@ -105,23 +112,37 @@ def unit_tensor_names(spec: ModelSpec, unit: UnitSpec) -> dict[str, tuple[str, .
     return layer_tensor_names(spec, unit.index) if unit.kind == "layer" else {"weight": (unit.tensors[0].name,)}
 
 
-def _read_fused(ckpt: Checkpoint, names: tuple[str, ...] | None, dtype: torch.dtype, pack, linear: bool):
-    """The checkpoint tensors names, concatenated along the output dimension (packed if linear); None for none."""
+def _read_fused(ckpt: Checkpoint, names: tuple[str, ...] | None, dtype: torch.dtype, pack, linear: bool,
+                offset: float = 0.0):
+    """The checkpoint tensors names, concatenated along the output dimension (packed if linear); None for none.
+    offset: added to a norm's weights (Gemma's 1 + weight), in fp32 before the cast to dtype."""
     if names is None:
         return None
+    if offset:
+        return (ckpt.get(names[0], torch.float32) + offset).to(dtype)
     t = torch.cat([ckpt.get(n, dtype) for n in names]) if len(names) > 1 else ckpt.get(names[0], dtype)
     return pack(t) if linear else t
 
 
+def read_norm(ckpt: Checkpoint, spec: ModelSpec, name: str, dtype: torch.dtype) -> torch.Tensor:
+    """A norm's weights as the block math takes them: with the family's offset added (Gemma's checkpoints store
+    weight where the norm multiplies by 1 + weight; llama.cpp's GGUF converter adds the 1 itself)."""
+    return _read_fused(ckpt, (name,), dtype, None, False, spec.family.norm_offset)
+
+
 def load_layer(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> LayerWeights:
     """Read layer i's tensors, fusing q/k/v and gate/up."""
-    return LayerWeights(**{field: _read_fused(ckpt, group, dtype, pack, field in LINEAR_FIELDS)
+    offset = spec.family.norm_offset
+    return LayerWeights(**{field: _read_fused(ckpt, group, dtype, pack, field in LINEAR_FIELDS,
+                                              offset if field in NORM_FIELDS else 0.0)
                            for field, group in layer_tensor_names(spec, i).items()})
 
 
 def load_mlp(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> MLPWeights:
     """Read layer i's split-off MLP, fusing gate and up."""
-    return MLPWeights(**{field: _read_fused(ckpt, group, dtype, pack, field in LINEAR_FIELDS)
+    offset = spec.family.norm_offset
+    return MLPWeights(**{field: _read_fused(ckpt, group, dtype, pack, field in LINEAR_FIELDS,
+                                            offset if field in NORM_FIELDS else 0.0)
                          for field, group in mlp_tensor_names(spec, i).items()})
 
 
@@ -154,6 +175,8 @@ class CheckpointSource:
         compute dtype and not quantized, else the packed-weight cache once it is complete; None otherwise."""
         if self.cache is not None and unit.kind in CACHED_KINDS:
             return self.cache.extents(unit, layout)
+        if self.spec.family.norm_offset and unit.kind in ("layer", "norm"):
+            return None  # its norms are not as stored (read_norm adds the family's offset)
 
         def locate(name: str, entry):
             path, offset, n_bytes, dtype = self.ckpt.where(name)
@@ -175,6 +198,8 @@ class CheckpointSource:
             return load_experts(self.ckpt, self.spec, unit.index, self.dtype, self.pack)
         if unit.kind == "mlp":
             return load_mlp(self.ckpt, self.spec, unit.index, self.dtype, self.pack)
+        if unit.kind == "norm":
+            return read_norm(self.ckpt, self.spec, unit.tensors[0].name, self.dtype).contiguous()
         tensor = self.ckpt.get(unit.tensors[0].name, self.dtype)
         return self.pack(tensor) if unit.kind == "lm_head" else tensor.contiguous()
 
@@ -222,11 +247,16 @@ class RandomSource:
                                  tuple(self._linear(s.hidden_size, f, e) for e in range(n)))
         if unit.kind == "mlp":
             f = s.intermediate_size
-            return MLPWeights(self._linear(2 * f, s.hidden_size), None, self._linear(s.hidden_size, f), None)
+            return MLPWeights(self._linear(2 * f, s.hidden_size), None, self._linear(s.hidden_size, f), None,
+                              torch.ones(s.hidden_size, dtype=self.dtype) if s.family.post_mlp_norm else None)
         qkv_out = s.q_size + 2 * s.kv_size
         moe = s.is_moe_layer(unit.index)
         f = (s.moe.shared_size if moe else 0 if s.split_mlp else s.intermediate_size) or None
         norm = (lambda: torch.ones(s.head_dim, dtype=self.dtype)) if s.qk_norm else (lambda: None)
+
+        def ones():
+            return torch.ones(s.hidden_size, dtype=self.dtype)
+
         return LayerWeights(
             attn_norm=torch.ones(s.hidden_size, dtype=self.dtype), qkv=self._linear(qkv_out, s.hidden_size),
             qkv_bias=torch.zeros(qkv_out, dtype=self.dtype) if s.qkv_bias else None,
@@ -234,7 +264,9 @@ class RandomSource:
             mlp_norm=torch.ones(s.hidden_size, dtype=self.dtype),
             gate_up=self._linear(2 * f, s.hidden_size) if f else None, gate_up_bias=None,
             down=self._linear(s.hidden_size, f) if f else None, down_bias=None, q_norm=norm(), k_norm=norm(),
-            shared_gate=torch.zeros(1, s.hidden_size, dtype=self.dtype) if moe and f else None)
+            shared_gate=torch.zeros(1, s.hidden_size, dtype=self.dtype) if moe and f else None,
+            post_attn_norm=ones() if s.family.post_attn_norm else None,
+            post_mlp_norm=ones() if s.family.post_mlp_norm and f and not moe else None)
 
 
 class SharedRandomWeight(PackedWeight):
@@ -305,24 +337,15 @@ class MetaSource:
             return ExpertWeights(self._tensor(*unit.tensors[0].shape),
                                  tuple(self._fused(linears[j:j + 2]) for j in range(0, len(linears), 3)),
                                  tuple(self._linear(t) for t in linears[2::3]))
-        by_name = {t.name.rsplit(".", 2)[-2]: t for t in unit.tensors if t.role == "linear"}
-        if unit.kind == "mlp":
-            bias = s.mlp_bias
-            return MLPWeights(self._fused([by_name["gate_proj"], by_name["up_proj"]]),
-                              self._tensor(2 * s.intermediate_size) if bias else None,
-                              self._linear(by_name["down_proj"]),
-                              self._tensor(s.hidden_size) if bias else None)
-        moe = s.is_moe_layer(unit.index)
-        f = s.moe.shared_size if moe else s.intermediate_size
-        qkv_out = s.q_size + 2 * s.kv_size
-        has_mlp, bias = "gate_proj" in by_name, s.mlp_bias and not moe
-        norm = (lambda: self._tensor(s.head_dim)) if s.qk_norm else (lambda: None)
-        return LayerWeights(
-            attn_norm=self._tensor(s.hidden_size), qkv=self._fused([by_name[n] for n in ("q_proj", "k_proj", "v_proj")]),
-            qkv_bias=self._tensor(qkv_out) if s.qkv_bias else None, o=self._linear(by_name["o_proj"]),
-            o_bias=self._tensor(s.hidden_size) if s.o_bias else None, mlp_norm=self._tensor(s.hidden_size),
-            gate_up=self._fused([by_name["gate_proj"], by_name["up_proj"]]) if has_mlp else None,
-            gate_up_bias=self._tensor(2 * f) if bias else None,
-            down=self._linear(by_name["down_proj"]) if has_mlp else None,
-            down_bias=self._tensor(s.hidden_size) if bias else None, q_norm=norm(), k_norm=norm(),
-            shared_gate=self._tensor(1, s.hidden_size) if moe and has_mlp else None)
+        by_name = {t.name: t for t in unit.tensors}
+
+        def field(names: tuple[str, ...] | None, linear: bool):
+            if names is None:
+                return None
+            if linear:
+                return self._fused([by_name[n] for n in names]) if len(names) > 1 else self._linear(by_name[names[0]])
+            return self._tensor(sum(by_name[n].shape[0] for n in names), *by_name[names[0]].shape[1:])
+
+        fields = unit_tensor_names(s, unit)
+        weights = {name: field(names, name in LINEAR_FIELDS) for name, names in fields.items()}
+        return (MLPWeights if unit.kind == "mlp" else LayerWeights)(**weights)

@@ -1,0 +1,176 @@
+"""The model families offload runs, one entry each, stating only how a family differs from Llama: its norms (and
+Gemma's `1 + weight`), activation, q/k norms, attention scale and soft-capping, which layers slide and by how much,
+rope variants, embedding scale, biases, fused tensors, and its tensor names in Hugging Face checkpoints and GGUF
+files. The spec (offload/spec.py), the loaders, the planner's unit sizes and the block math read the entry; nothing
+else names a family.
+
+Adding a family: an entry in FAMILIES (and, for GGUF files, its architecture in GGUF_ARCHITECTURES and any tensor
+names that differ in GGUF_LAYER_NAMES), a tiny random model of it in the tests' make_hf_model, and its tests."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from offload.config_values import count, fix, real
+from offload.errors import ConfigError
+from offload.rope_spec import RopeSpec, rope_from_config
+
+
+def _never(config: dict) -> bool:
+    return False
+
+
+def _attention_bias(config: dict) -> bool:
+    return bool(config.get("attention_bias", False))
+
+
+@dataclass(frozen=True)
+class Family:
+    """One model family: Llama's defaults, and where it differs. Names are a layer's modules (under
+    model.layers.N.) in Hugging Face checkpoints; a module of None is one the family does not have."""
+
+    name: str
+    model_types: tuple[str, ...]  # config.json model_type values
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"  # the norm before the MLP (Gemma's pre_feedforward_layernorm)
+    post_attn_norm: str | None = None  # Gemma 2/3: the attention's output is normed before the residual add
+    post_mlp_norm: str | None = None  # Gemma 2/3: and the MLP's
+    qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # Phi-3: one fused tensor
+    o: str = "self_attn.o_proj"
+    gate_up: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")  # Phi-3: one fused tensor
+    down: str = "mlp.down_proj"
+    norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by 1 + weight (added to the weights as they load)
+    activation: str = "silu"  # of the gate: silu, gelu_tanh
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3, Gemma 3)
+    tied: bool = False  # whether lm_head is the embedding where the config does not say (Gemma's default)
+    embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden), rounded to the compute dtype
+    query_pre_attn_scalar: bool = False  # Gemma: scores scaled by query_pre_attn_scalar ** -0.5, not head_dim's
+    softcaps: bool = False  # Gemma 2: attention logits and final logits soft-capped (cap * tanh(x / cap))
+    windows: str = "all"  # which layers slide: all (sliding_window, if set), qwen (only with use_sliding_window),
+    # alternate (Gemma 2: even layers), pattern (Gemma 3: all but every sliding_window_pattern-th)
+    local_rope: bool = False  # Gemma 3: sliding layers turn at rope_local_base_freq, unscaled
+    partial_rotary: bool = False  # Phi-3 family: rope turns the first partial_rotary_factor of each head
+    qkv_bias: object = field(default=_attention_bias)  # config -> bool
+    o_bias: object = field(default=_attention_bias)
+    mlp_bias: object = field(default=_never)
+    moe: str | None = None  # mixtral or qwen: the experts' naming (MoESpec.naming); None: dense
+    gguf_permuted: bool = False  # llama.cpp's converter permutes q and k rows for its rope (llama-type files)
+
+
+FAMILIES = (
+    Family("llama", ("llama",), mlp_bias=lambda c: bool(c.get("mlp_bias", False)), gguf_permuted=True),
+    Family("mistral", ("mistral",), gguf_permuted=True),
+    Family("qwen2", ("qwen2",), qkv_bias=lambda c: True, o_bias=_never, windows="qwen"),
+    Family("qwen3", ("qwen3",), qk_norm=True, windows="qwen"),
+    Family("gemma2", ("gemma2",), mlp_norm="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
+           post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0, activation="gelu_tanh", tied=True,
+           embed_scale=True, query_pre_attn_scalar=True, softcaps=True, windows="alternate"),
+    Family("gemma3", ("gemma3_text", "gemma3"), mlp_norm="pre_feedforward_layernorm",
+           post_attn_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0,
+           activation="gelu_tanh", qk_norm=True, tied=True, embed_scale=True, query_pre_attn_scalar=True, softcaps=True,
+           windows="pattern", local_rope=True),
+    Family("phi3", ("phi3",), qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), partial_rotary=True),
+    Family("mixtral", ("mixtral",), moe="mixtral", gguf_permuted=True),
+    Family("qwen2_moe", ("qwen2_moe",), qkv_bias=lambda c: bool(c.get("qkv_bias", True)), o_bias=_never,
+           windows="qwen", moe="qwen"),
+    Family("qwen3_moe", ("qwen3_moe",), qk_norm=True, windows="qwen", moe="qwen"),
+)
+BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
+SUPPORTED_ARCHITECTURES = tuple(BY_MODEL_TYPE)
+MOE_ARCHITECTURES = tuple(t for f in FAMILIES if f.moe for t in f.model_types)
+
+
+def family_of(config: dict, source: str) -> Family:
+    """The family of a config.json (a multimodal Gemma 3 folder's text_config is read by text_config)."""
+    arch = config.get("model_type")
+    if arch not in BY_MODEL_TYPE:
+        found = arch or (config.get("architectures") or ["nothing"])[0]
+        raise ConfigError(f"{source}: architecture {found!r} is not supported; "
+                          f"supported model_type values are {', '.join(SUPPORTED_ARCHITECTURES)}")
+    return BY_MODEL_TYPE[arch]
+
+
+def text_config(config: dict) -> dict:
+    """The text model's config of a multimodal folder (Gemma 3's Gemma3ForConditionalGeneration holds it under
+    text_config; its tensors under language_model.), else the config itself."""
+    inner = config.get("text_config")
+    if config.get("model_type") == "gemma3" and isinstance(inner, dict):
+        return {"model_type": "gemma3_text", **{k: v for k, v in config.items() if k in ("eos_token_id",
+                                                                                             "bos_token_id")},
+                **inner}
+    return config
+
+
+@dataclass(frozen=True)
+class FamilyMath:
+    """The numbers of a family's math that its config sets (ModelSpec holds them)."""
+
+    attn_scale: float | None = None  # None: head_dim ** -0.5
+    attn_softcap: float | None = None
+    final_softcap: float | None = None
+    layer_windows: tuple[int | None, ...] = ()  # per layer; () when every layer has the model's sliding_window
+    sliding_window: int | None = None
+    local_rope: RopeSpec | None = None  # the rope of sliding layers, where it differs
+    rotary_dim: int | None = None  # None: the whole head
+    embed_scale: float | None = None
+
+
+def family_math(family: Family, config: dict, source: str, n_layers: int, head_dim: int) -> FamilyMath:
+    """The FamilyMath of a config of this family: its window per layer, scale, caps and rope variants."""
+    window = count(config, "sliding_window", source) if config.get("sliding_window") else None
+    if family.windows == "qwen" and not config.get("use_sliding_window", False):
+        window = None
+    layer_windows = _layer_windows(family, config, source, n_layers, window)
+    scale = None
+    if family.query_pre_attn_scalar and config.get("query_pre_attn_scalar") is not None:
+        scale = real(config["query_pre_attn_scalar"], "query_pre_attn_scalar", source) ** -0.5
+    caps = {}
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = config.get(key) if family.softcaps else None
+        caps[key] = None if value is None else real(value, key, source)
+    rotary = None
+    if family.partial_rotary:
+        v5 = config.get("rope_parameters") or {}
+        factor = v5.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+        factor = real(factor, "partial_rotary_factor", source)
+        rotary = int(head_dim * factor)
+        if rotary % 2 or rotary < 2:
+            raise ConfigError(f"{source}: partial_rotary_factor {factor} turns {rotary} of the heads' {head_dim} "
+                              f"dimensions, which must be an even number of 2 or more; {fix(source)}")
+        rotary = None if rotary == head_dim else rotary
+    local = _local_rope(config, source) if family.local_rope else None
+    embed = math.sqrt(count(config, "hidden_size", source)) if family.embed_scale else None
+    return FamilyMath(scale, caps["attn_logit_softcapping"], caps["final_logit_softcapping"], layer_windows,
+                      window if not layer_windows else None, local, rotary, embed)
+
+
+def _layer_windows(family: Family, config: dict, source: str, n_layers: int,
+                   window: int | None) -> tuple[int | None, ...]:
+    """Each layer's window where they differ: from layer_types (transformers 5 writes it), else the family's
+    pattern; () where every layer has the same."""
+    if family.windows not in ("alternate", "pattern") or window is None:
+        return ()
+    kinds = config.get("layer_types")
+    if isinstance(kinds, list) and len(kinds) == n_layers:
+        unknown = set(kinds) - {"sliding_attention", "full_attention"}
+        if unknown:
+            raise ConfigError(f"{source}: key 'layer_types' holds {sorted(unknown)}; each layer's type must be "
+                              f"'sliding_attention' or 'full_attention'; {fix(source)}")
+        sliding = [k == "sliding_attention" for k in kinds]
+    elif family.windows == "alternate":
+        sliding = [i % 2 == 0 for i in range(n_layers)]
+    else:
+        pattern = count(config, "sliding_window_pattern", source,
+                        default=config.get("_sliding_window_pattern") or 6)
+        sliding = [(i + 1) % pattern != 0 for i in range(n_layers)]
+    return tuple(window if s else None for s in sliding)
+
+
+def _local_rope(config: dict, source: str) -> RopeSpec:
+    """Gemma 3's sliding layers' rope: rope_parameters.sliding_attention (transformers 5), else
+    rope_local_base_freq with no scaling."""
+    if "sliding_attention" in (config.get("rope_parameters") or {}):
+        return rope_from_config(config, source, kind="sliding_attention")
+    base = real(config.get("rope_local_base_freq", 10000.0), "rope_theta", source, "rope_local_base_freq")
+    return RopeSpec(theta=base)
