@@ -1,12 +1,14 @@
 """Every option a user can set, defined once: one typed section per concern, each field with its type, default,
 unit and help. The job YAML is these sections; `LLM(...)` takes the plan's options as keywords of the same names;
-the CLI's flags and their help are made from the fields (cli/job_flags.py); the planner reads PlanRequest, made
-from the same sections. Later sections (speculative decoding, the server) are added here the same way.
+the CLI's flags and their help are made from the fields (cli/job_flags.py); the planner reads PlanRequest, which holds
+the same sections. Later sections (speculative decoding, the server) are added here the same way; docs/options.md
+lists them all (`python -m offload.cli.options_doc` writes it).
 
 A field's `name` is what it is called outside the YAML: the keyword of LLM(...) and the flag (`cpu_memory`,
 `--cpu-memory` for memory.cpu). `cli` says which commands take it as a flag: "plan" (plan, validate, run, serve,
-generate), "sampling" (validate, run, serve, generate: a request's defaults), "job" (validate, run), "serve" (serve),
-or none (YAML and --set only). Pure data: no torch, no transformers."""
+generate, simulate), "sampling" (validate, run, serve, generate: a request's defaults), "job" (validate, run), "serve"
+(serve), or none (YAML and --set only); a command may also take a few options by key (cli/job_flags.add_option_flags:
+eval-kl's dtype, simulate's trace). Pure data: no torch, no transformers."""
 
 from __future__ import annotations
 
@@ -213,8 +215,8 @@ class DistributedOptions(Section):
 
     address: Annotated[str, AfterValidator(_ray_address)] = option("auto", "auto: the cluster this machine is in")
     replicas: Whole | None = option(None, "default: as many as the cluster's CPUs (and GPUs) hold", ge=1)
-    cpus_per_replica: Number = option(1.0, gt=0)
-    gpus_per_replica: Number = option(0.0, ge=0)
+    cpus_per_replica: Number = option(1.0, "CPUs Ray reserves for each replica", gt=0)
+    gpus_per_replica: Number = option(0.0, "GPUs Ray reserves for each replica (0: none)", ge=0)
     shard_size: Whole | None = option(None, "requests handed to a replica at once (default: its planned batch)",
                                       ge=1)
     max_restarts: Whole = option(3, "per replica, after its process or node is lost", ge=0)

@@ -445,16 +445,61 @@ def test_the_projects_code_uses_batch_size_not_its_deprecated_name():
     assert not found, f"max_batch_size= passed at {found}; pass batch_size"
 
 
-def test_the_readme_table_lists_every_section_and_key():
-    """README's "Options" table: a row per section, naming each of its keys."""
-    text = (ROOT / "README.md").read_text()
-    sections = {}
+def test_the_options_reference_is_current():
+    """docs/options.md is made from the options and the command line; it must be what the code makes now."""
+    from offload.cli.options_doc import options_markdown
+
+    assert (ROOT / "docs" / "options.md").read_text() == options_markdown(), \
+        "docs/options.md is not current; run `python -m offload.cli.options_doc > docs/options.md`"
+
+
+def test_the_options_reference_lists_every_section_and_key():
+    """Each section of the job YAML (and every other section of offload/options.py) has its heading in
+    docs/options.md, and under it a row per key; a top-level key has its row too."""
+    from offload import options
+    from offload.cli.options_doc import documented_sections
+
+    text = (ROOT / "docs" / "options.md").read_text()
+    headed = dict(re.findall(r"^## `(\w+)`[^\n]*\n(.*?)(?=^## |\Z)", text, re.M | re.S))
     for key in yaml_options():
-        if "." in key:
-            section, field = key.split(".")
-            sections.setdefault(section, []).append(field)
-    for section, fields in sections.items():
-        row = next((line for line in text.splitlines() if line.startswith(f"| `{section}` |")), None)
-        assert row is not None, f"README's options table has no row for {section}"
-        missing = [f for f in fields if f"`{f}`" not in row]
-        assert not missing, f"README's row for {section} lacks {missing}"
+        section, field = key.split(".") if "." in key else ("", key)
+        body = headed.get(section) if section else text[text.index("## Top-level keys"):]
+        assert body is not None, f"docs/options.md has no heading for the section {section}"
+        assert f"| `{field}` |" in body, f"docs/options.md lacks a row for {key}"
+    sections = {c for c in vars(options).values()
+                if isinstance(c, type) and issubclass(c, Section) and c is not Section}
+    assert sections == set(documented_sections().values()), "a section of offload/options.py is not documented"
+    for name, section in documented_sections().items():
+        assert all(f"| `{field}` |" in headed[name] for field in section.model_fields), name
+
+
+HAND_WRITTEN = {  # flags whose dest is an option's outside name but that set no option, and why
+    ("eval-kl", "--model"): "the model measured, beside --reference: required, no default model",
+    ("cache clear", "--model"): "which model's cache entries to remove",
+    ("calibrate", "--output"): "where the measured hardware profile goes, not a job's output",
+}
+
+
+def test_no_command_writes_an_options_flag_by_hand():
+    """A flag that sets an option is made from its field (cli/job_flags.py): its key in its help, its type, default
+    and choices the option's; every other flag of every command says what it does."""
+    from offload.options import named_options
+    from offload.cli.options_doc import command_parsers, option_of, yaml_sections
+
+    names = named_options(yaml_sections())
+    flags = {"--" + name.replace("_", "-") for name in names}
+    by_hand = {}
+    for command, parser in command_parsers().items():
+        for action in parser._actions:
+            if not isinstance(action, argparse._SubParsersAction):  # a command's own commands have theirs
+                assert action.help, f"{command} {action.option_strings or action.dest} has no help"
+            if option_of(action) is None and (action.dest in names or flags & set(action.option_strings)):
+                by_hand[(command, action.option_strings[0])] = action.help
+    assert set(by_hand) == set(HAND_WRITTEN), f"flags of an option written by hand: {set(by_hand) - set(HAND_WRITTEN)}"
+
+
+def test_eval_kl_takes_the_options_flags():
+    args = build_parser().parse_args(["eval-kl", "--model", "m.gguf", "--reference", "r.gguf", "--text", "t.txt",
+                                      "--dtype", "fp32", "--backend", "cpu", "--batch", "64"])
+    assert (args.dtype, args.backend, args.prefill_chunk_tokens) == ("fp32", "cpu", 64)
+    assert build_parser().parse_args(["eval-kl", "--model", "m", "--reference", "r", "--text", "t"]).dtype is None

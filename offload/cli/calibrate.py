@@ -13,7 +13,8 @@ log = logging.getLogger("offload")
 
 def add_parser(sub) -> None:
     p = sub.add_parser("calibrate", help="measure this machine and cache its hardware profile")
-    p.add_argument("--output", default=None, help=f"where to write the profile (default {cache_path()})")
+    p.add_argument("--output", default=None, help="where to write the profile (default: hardware.yaml in offload's "
+                                                  "cache folder, see OFFLOAD_CACHE)")
     p.add_argument("--quick", action="store_true",
                    help="short CPU matmul curves (rows 1-64, weights out of cache) and no overhead fit: under a "
                         "minute; predictions are rougher for small models, whose steps the overheads weigh on")

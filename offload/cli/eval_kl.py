@@ -7,8 +7,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from offload.cli.job_flags import add_option_flags
 from offload.errors import ConfigError
-from offload.options import HardwareOptions, ModelOptions
 
 log = logging.getLogger("offload")
 DEFAULT_CTX = 512  # llama-perplexity's default context
@@ -22,13 +22,11 @@ def add_parser(sub) -> None:
                    help="the reference: the same model's F32/F16/BF16 .gguf file or folder")
     p.add_argument("--text", required=True, help="a UTF-8 text file of at least 2 x --ctx tokens")
     p.add_argument("--ctx", type=int, default=DEFAULT_CTX,
-                   help=f"tokens per chunk; the second half of each is scored (default {DEFAULT_CTX})")
+                   help=f"tokens per chunk, and the context the models are planned for (their max_model_len); the "
+                        f"second half of each chunk is scored (default {DEFAULT_CTX}, llama-perplexity's -c)")
     p.add_argument("--chunks", type=int, default=None, help="score at most this many chunks (default: all)")
-    p.add_argument("--batch", type=int, default=None,
-                   help="tokens per forward pass (default: the plan's prefill pass)")
-    for name, info in (("dtype", ModelOptions.model_fields["dtype"]),
-                       ("backend", HardwareOptions.model_fields["backend"])):
-        p.add_argument(f"--{name}", default=info.default, help=info.description)
+    # tokens per forward pass: --batch is llama-perplexity's name (-b)
+    add_option_flags(p, {"model.dtype": (), "hardware.backend": (), "schedule.prefill_chunk_tokens": ("--batch",)})
     p.set_defaults(func=run)
 
 
@@ -38,8 +36,9 @@ def run(args) -> int:
     text = read_text(Path(args.text))
     if args.chunks is not None and args.chunks < 1:
         raise ConfigError(f"--chunks {args.chunks}: give 1 or more, or leave it out for every chunk")
-    if args.batch is not None and args.batch < 1:
-        raise ConfigError(f"--batch {args.batch}: give 1 or more tokens per forward pass")
+    if args.prefill_chunk_tokens is not None and args.prefill_chunk_tokens < 1:
+        raise ConfigError(f"--prefill-chunk-tokens (--batch) {args.prefill_chunk_tokens}: give 1 or more tokens per "
+                          f"forward pass")
     for flag, path in (("--model", args.model), ("--reference", args.reference)):
         if not Path(path).exists():
             raise ConfigError(f"{flag} {path} does not exist; give a .gguf file or a model folder")
@@ -72,10 +71,8 @@ def load(path: str, args):
     """An LLM for one chunk at a time: a batch of 1 and a context of --ctx."""
     from offload.api import LLM
 
-    options = dict(dtype=args.dtype, backend=args.backend, batch_size=1, max_model_len=args.ctx)
-    if args.batch is not None:
-        options["prefill_chunk_tokens"] = args.batch
-    llm = LLM(path, **options)
+    llm = LLM(path, dtype=args.dtype, backend=args.backend, prefill_chunk_tokens=args.prefill_chunk_tokens,
+              batch_size=1, max_model_len=args.ctx)
     if llm.tokenizer is None:
         raise ConfigError(f"{path} has no tokenizer; eval-kl tokenizes the text with the model's own")
     return llm

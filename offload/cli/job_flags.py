@@ -1,5 +1,6 @@
-"""The flags of `offload run`, `offload validate`, `offload plan`, `offload serve` and `offload generate`, made from
-the options' fields (offload/options.py): each overrides one job config key."""
+"""The flags of `offload run`, `offload validate`, `offload plan`, `offload serve`, `offload generate` and
+`offload simulate`, and the option flags of `offload eval-kl`, made from the options' fields (offload/options.py):
+each overrides one job config key."""
 
 from __future__ import annotations
 
@@ -27,28 +28,45 @@ def flag_options(commands: tuple[str, ...]) -> dict[str, tuple[str, object]]:
 
 def _add_flags(p, commands: tuple[str, ...]) -> None:
     """One flag per option the commands take, with its type, choices and help from the option's field."""
+    for dest, (key, info) in flag_options(commands).items():
+        _add_flag(p, dest, key, info)
+
+
+def add_option_flags(p, keys: dict[str, tuple[str, ...]]) -> None:
+    """A flag for each of these options (dotted key -> other names of its flag), made as _add_flags makes them: for
+    a command that takes a few options of a section, such as eval-kl's dtype and backend."""
+    from offload.options import named_options
+
+    by_key = {key: (dest, info) for dest, (key, info) in named_options(job_sections()).items()}
+    for key, aliases in keys.items():
+        dest, info = by_key[key]
+        _add_flag(p, dest, key, info, aliases)
+
+
+def _add_flag(p, dest: str, key: str, info, aliases: tuple[str, ...] = ()) -> None:
+    """The flag of one option: its type, choices and help from the option's field; unset, it leaves the option to
+    the config file or its default (None)."""
     import typing
 
     from offload.options import extra
 
-    for dest, (key, info) in flag_options(commands).items():
-        flag = extra(info).get("flag") or "--" + dest.replace("_", "-")
-        default = None if info.is_required() else info.get_default(call_default_factory=True)
-        shown = "" if default in (None, "", []) else f"; default {default!r}" if isinstance(default, str) \
-            else f"; default {default}"
-        help_text = f"{info.description} ({key}{shown})"
-        if info.annotation is bool:  # a switch to the other value
-            p.add_argument(flag, dest=dest, action="store_const", const=not default, default=None,
-                           help=help_text.replace("%", "%%"))
-            continue
-        if typing.get_origin(info.annotation) is list:  # one value per use of the flag
-            p.add_argument(flag, dest=dest, action="append", help=help_text.replace("%", "%%"))
-            continue
-        kind = _arg_type(info)
-        if isinstance(kind, tuple):  # checked by the option itself, which names the field and suggests a value
-            help_text = f"one of {', '.join(map(str, kind))}: {help_text}"
-        kwargs = {"type": kind} if kind in (int, float) else {}
-        p.add_argument(flag, dest=dest, help=help_text.replace("%", "%%"), **kwargs)
+    flags = (extra(info).get("flag") or "--" + dest.replace("_", "-"), *aliases)
+    default = None if info.is_required() else info.get_default(call_default_factory=True)
+    shown = "" if default in (None, "", []) else f"; default {default!r}" if isinstance(default, str) \
+        else f"; default {default}"
+    help_text = f"{info.description} ({key}{shown})"
+    if info.annotation is bool:  # a switch to the other value
+        p.add_argument(*flags, dest=dest, action="store_const", const=not default, default=None,
+                       help=help_text.replace("%", "%%"))
+        return
+    if typing.get_origin(info.annotation) is list:  # one value per use of the flag
+        p.add_argument(*flags, dest=dest, action="append", help=help_text.replace("%", "%%"))
+        return
+    kind = _arg_type(info)
+    if isinstance(kind, tuple):  # checked by the option itself, which names the field and suggests a value
+        help_text = f"one of {', '.join(map(str, kind))}: {help_text}"
+    kwargs = {"type": kind} if kind in (int, float) else {}
+    p.add_argument(*flags, dest=dest, help=help_text.replace("%", "%%"), **kwargs)
 
 
 def _arg_type(info):

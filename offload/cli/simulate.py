@@ -6,7 +6,7 @@ import dataclasses
 import json
 import logging
 
-from offload.cli.job_flags import add_plan_flags, effective_config
+from offload.cli.job_flags import add_option_flags, add_plan_flags, effective_config
 
 log = logging.getLogger("offload")
 
@@ -18,7 +18,7 @@ def add_parser(sub) -> None:
     p.add_argument("--requests", type=int, help="estimate a job of this many requests: prompt tokens at the "
                    "simulated prefill speed plus max_tokens each at the simulated decode speed")
     p.add_argument("--prompt-len", type=int, help="tokens per simulated prompt (default: max_model_len - max_tokens)")
-    p.add_argument("--trace", help="write a Chrome/Perfetto trace JSON of the simulated run here")
+    add_option_flags(p, {"report.trace": ()})  # the simulated run's trace
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--speculative-acceptance", type=float, metavar="RATE",
                    help="price speculative decoding (the config's speculative section, e.g. --set "
@@ -61,7 +61,8 @@ def run(args) -> int:
     config = effective_config(args, need_input=False)
     request = plan_request(config)
     speculation = speculation_price(request, config.speculative, args.speculative_acceptance)
-    result = simulate(request, args.decode_steps, args.trace, prompt_len=args.prompt_len, requests=args.requests)
+    trace = config.report.trace
+    result = simulate(request, args.decode_steps, trace, prompt_len=args.prompt_len, requests=args.requests)
     if args.json:
         out = result.to_dict()
         if speculation is not None:
@@ -71,6 +72,6 @@ def run(args) -> int:
         print(result.table())
         if speculation is not None:
             print(speculation.line())
-    if args.trace:
-        log.info(f"trace written to {args.trace} (open it in ui.perfetto.dev or chrome://tracing)")
+    if trace:
+        log.info(f"trace written to {trace} (open it in ui.perfetto.dev or chrome://tracing)")
     return 0

@@ -36,7 +36,8 @@ class JobConfig(Section):
     sampling: SamplingOptions = Field(default_factory=SamplingOptions)
     schedule: ScheduleOptions = Field(default_factory=ScheduleOptions)
     report: ReportOptions = Field(default_factory=ReportOptions)
-    engine: Literal[ENGINES] = "local"  # ray: replicas on a Ray cluster (see distributed)
+    engine: Literal[ENGINES] = Field("local", description="local: one process on this machine; ray: replicas on a "
+                                     "Ray cluster (see distributed; --ray sets it)")
     distributed: DistributedOptions = Field(default_factory=DistributedOptions)
     serve: ServeOptions = Field(default_factory=ServeOptions)  # offload serve only
     speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions)  # LLM's speculative_config
