@@ -172,7 +172,7 @@ def test_bad_inputs_raise_kernel_error(make, match):
 
 def _spec():
     from offload.rope_spec import RopeSpec
-from offload.spec import ModelSpec
+    from offload.spec import ModelSpec
 
     return ModelSpec(architecture="llama", vocab_size=64, hidden_size=256, intermediate_size=512, n_layers=1,
                      n_heads=4, n_kv_heads=2, head_dim=64, rms_norm_eps=1e-5, rope=RopeSpec(),
