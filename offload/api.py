@@ -20,7 +20,7 @@ from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.speculation import SpeculationPrice
 from offload.options import SpeculativeOptions, default_of
 from offload.profile.timeline import Timeline
-from offload.runtime.backends import make_backend
+from offload.runtime.backends import make_backend, missing_gpu, simulated_gpu_warning
 from offload.runtime.device_quant import set_gpu_crossover
 from offload.runtime.executor import PlacedModel
 from offload.runtime import speedprobe
@@ -125,9 +125,17 @@ class LLM:
         self.speed_probes: list[speedprobe.SpeedProbe] = []  # of the CPU's speed around a job, for its report
         self.path = resolve_model(request.model.path)
         self.spec = model_spec(self.path)
+        self.plan = None
+        if placement is None and request.hardware.profile is not None:  # a profile, not this machine: is its GPU here?
+            hw = request.profile()
+            problem = missing_gpu(hw, request.hardware.backend, request.budget(hw).gpu_bytes)
+            if problem:
+                raise ConfigError(problem)
+            warning = simulated_gpu_warning(hw)
+            if warning:
+                log.warning(warning)
         backend = request.hardware.backend
         self.backend = make_backend(backend, request.profile() if backend == "sim" else None)
-        self.plan = None
         if placement is None:
             hw = request.profile()
             set_gpu_crossover(hw.gpu_crossover())  # linear()'s kernel by rows, as this profile measured it
