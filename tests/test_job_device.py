@@ -89,7 +89,9 @@ def test_the_python_api_refuses_it_too_and_runs_it_on_backend_cpu(model, no_gpu,
         LLM(str(model), hardware=GPU_PRESET, max_model_len=64)
     llm = LLM(str(model), hardware=GPU_PRESET, backend="cpu", max_model_len=64)
     assert f"the hardware profile '{GPU_PRESET}' is not this machine" in caplog.text
-    assert llm.generate("hi", max_tokens=2)[0].outputs[0].token_ids
+    from offload import SamplingParams
+
+    assert llm.generate("hi", SamplingParams(max_tokens=2))[0].outputs[0].token_ids
 
 
 def test_serve_refuses_it_before_loading_the_model(model, no_gpu, monkeypatch):
