@@ -52,6 +52,8 @@ RANGES = {
     "attn_logit_softcapping": (0.0, 1e6, False),  # cap * tanh(x / cap): 0 divides by zero
     "final_logit_softcapping": (0.0, 1e6, False),
     "partial_rotary_factor": (0.0, 1.0, False),  # the share of each head rope turns
+    "swiglu_alpha": (0.0, 1e3, False),  # gpt-oss's gate: gate * sigmoid(alpha * gate)
+    "swiglu_limit": (0.0, 1e6, False),  # and its clamp of gate and up
 }
 
 

@@ -4,8 +4,9 @@ rope variants, embedding scale, biases, fused tensors, and its tensor names in H
 files. The spec (offload/spec.py), the loaders, the planner's unit sizes and the block math read the entry; nothing
 else names a family.
 
-Adding a family: an entry in FAMILIES (and, for GGUF files, its architecture in GGUF_ARCHITECTURES and any tensor
-names that differ in GGUF_LAYER_NAMES), a tiny random model of it in the tests' make_hf_model, and its tests."""
+Adding a family: an entry in FAMILIES (for GGUF files: the general.architecture llama.cpp's converter writes for it
+in gguf_archs, and its tensor names where they differ from GGUF_LAYER_NAMES in gguf_names), a tiny random model of it
+in the tests' make_hf_model, and its tests (tests/test_families.py; tests/test_gguf_families.py for GGUF files)."""
 
 from __future__ import annotations
 
@@ -51,34 +52,66 @@ class Family:
     # alternate (Gemma 2: even layers), pattern (Gemma 3: all but every sliding_window_pattern-th)
     local_rope: bool = False  # Gemma 3: sliding layers turn at rope_local_base_freq, unscaled
     partial_rotary: bool = False  # Phi-3 family: rope turns the first partial_rotary_factor of each head
+    sinks: bool = False  # gpt-oss: each head's softmax has one more logit (self_attn.sinks), with no value
     qkv_bias: object = field(default=_attention_bias)  # config -> bool
     o_bias: object = field(default=_attention_bias)
     mlp_bias: object = field(default=_never)
     moe: str | None = None  # mixtral or qwen: the experts' naming (MoESpec.naming); None: dense
     gguf_permuted: bool = False  # llama.cpp's converter permutes q and k rows for its rope (llama-type files)
+    gguf_archs: tuple[str, ...] = ()  # the general.architecture of its GGUF files (Mixtral's: llama, with experts)
+    gguf_names: tuple[tuple[str, str], ...] = ()  # (module, GGUF name) where it differs from GGUF_LAYER_NAMES
+    # layer counts at which llama.cpp scales attention scores by (hidden / heads) ** -0.5 rather than head_dim's: its
+    # stand-in for query_pre_attn_scalar, which GGUF files do not hold (the 27B Gemmas)
+    gguf_width_scaled: tuple[int, ...] = ()
 
+
+# a layer's Hugging Face modules -> their GGUF tensors (blk.N.<name>), as gguf-py's TensorNameMap names Llama's and the
+# MoE families'; a MoE layer's routed experts are not here (each is a slice of the layer's stacked ffn_*_exps tensors)
+GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+                    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+                    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
+                    "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+                    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+                    "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                    "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+# Gemma's four norms: llama.cpp's ffn_norm is the norm before the MLP (pre_feedforward_layernorm); the converter adds
+# Gemma's 1 to every norm's weights, so a GGUF file's norms are used as stored
+_GEMMA_GGUF_NAMES = (("post_attention_layernorm", "post_attention_norm"), ("pre_feedforward_layernorm", "ffn_norm"),
+                     ("post_feedforward_layernorm", "post_ffw_norm"))
 
 FAMILIES = (
-    Family("llama", ("llama",), mlp_bias=lambda c: bool(c.get("mlp_bias", False)), gguf_permuted=True),
-    Family("mistral", ("mistral",), gguf_permuted=True),
-    Family("qwen2", ("qwen2",), qkv_bias=lambda c: True, o_bias=_never, windows="qwen"),
-    Family("qwen3", ("qwen3",), qk_norm=True, windows="qwen"),
+    Family("llama", ("llama",), mlp_bias=lambda c: bool(c.get("mlp_bias", False)), gguf_permuted=True,
+           gguf_archs=("llama",)),
+    Family("mistral", ("mistral",), gguf_permuted=True, gguf_archs=("mistral",)),
+    Family("qwen2", ("qwen2",), qkv_bias=lambda c: True, o_bias=_never, windows="qwen", gguf_archs=("qwen2",)),
+    Family("qwen3", ("qwen3",), qk_norm=True, windows="qwen", gguf_archs=("qwen3",)),
     Family("gemma2", ("gemma2",), mlp_norm="pre_feedforward_layernorm", post_attn_norm="post_attention_layernorm",
            post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0, activation="gelu_tanh", tied=True,
-           embed_scale=True, query_pre_attn_scalar=True, softcaps=True, windows="alternate"),
+           embed_scale=True, query_pre_attn_scalar=True, softcaps=True, windows="alternate",
+           gguf_archs=("gemma2",), gguf_names=_GEMMA_GGUF_NAMES, gguf_width_scaled=(46,)),
     Family("gemma3", ("gemma3_text", "gemma3"), mlp_norm="pre_feedforward_layernorm",
            post_attn_norm="post_attention_layernorm", post_mlp_norm="post_feedforward_layernorm", norm_offset=1.0,
            activation="gelu_tanh", qk_norm=True, tied=True, embed_scale=True, query_pre_attn_scalar=True, softcaps=True,
-           windows="pattern", local_rope=True),
-    Family("phi3", ("phi3",), qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), partial_rotary=True),
+           windows="pattern", local_rope=True, gguf_archs=("gemma3",), gguf_names=_GEMMA_GGUF_NAMES,
+           gguf_width_scaled=(62,)),
+    Family("phi3", ("phi3",), qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), partial_rotary=True,
+           gguf_archs=("phi3",), gguf_names=(("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up"))),
     Family("mixtral", ("mixtral",), moe="mixtral", gguf_permuted=True),
+    Family("gpt_oss", ("gpt_oss",), sinks=True, windows="alternate", moe="gpt_oss"),
     Family("qwen2_moe", ("qwen2_moe",), qkv_bias=lambda c: bool(c.get("qkv_bias", True)), o_bias=_never,
-           windows="qwen", moe="qwen"),
-    Family("qwen3_moe", ("qwen3_moe",), qk_norm=True, windows="qwen", moe="qwen"),
+           windows="qwen", moe="qwen", gguf_archs=("qwen2moe",)),
+    Family("qwen3_moe", ("qwen3_moe",), qk_norm=True, windows="qwen", moe="qwen", gguf_archs=("qwen3moe",)),
 )
 BY_MODEL_TYPE = {t: f for f in FAMILIES for t in f.model_types}
 SUPPORTED_ARCHITECTURES = tuple(BY_MODEL_TYPE)
 MOE_ARCHITECTURES = tuple(t for f in FAMILIES if f.moe for t in f.model_types)
+# GGUF general.architecture -> the model_type it is read as (a llama file with experts is Mixtral: gguf_config)
+GGUF_ARCHITECTURES = {a: f.model_types[0] for f in FAMILIES for a in f.gguf_archs}
+
+
+def gguf_layer_names(family: Family) -> dict[str, str]:
+    """A layer's Hugging Face modules -> their GGUF tensor names in this family's files."""
+    return {**GGUF_LAYER_NAMES, **dict(family.gguf_names)}
 
 
 def family_of(config: dict, source: str) -> Family:

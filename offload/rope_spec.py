@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from offload.config_values import count, fix, real
 from offload.errors import ConfigError
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "longrope", "yarn")
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,9 @@ class RopeSpec:
     short_factor: tuple[float, ...] = ()
     long_factor: tuple[float, ...] = ()
     attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
 
 
 def rope_sections(config: dict) -> tuple[dict, dict, dict]:
@@ -60,7 +63,9 @@ def rope_from_config(config: dict, source: str, rotary_dim: int | None = None, k
                           f"supported types are {', '.join(ROPE_TYPES)}")
     original = params.get("original_max_position_embeddings", config.get("original_max_position_embeddings")
                           if rope_type == "longrope" else None)
-    if rope_type in ("llama3", "longrope") and original is None:
+    if rope_type == "yarn" and original is None:
+        original = config.get("max_position_embeddings")
+    if rope_type in ("llama3", "longrope", "yarn") and original is None:
         raise ConfigError(f"{source}: {rope_type} rope scaling needs original_max_position_embeddings; add it to "
                           f"rope_scaling")
     if original is not None:
@@ -71,7 +76,8 @@ def rope_from_config(config: dict, source: str, rotary_dim: int | None = None, k
         raise ConfigError(f"{source}: key {named('high_freq_factor')!r} must be above {named('low_freq_factor')!r} "
                           f"(llama3 rope scaling blends the band between them), found {floats['high_freq_factor']} "
                           f"and {floats['low_freq_factor']}; {fix(source)}")
-    extra = _longrope(config, params, source, original, rotary_dim, named) if rope_type == "longrope" else {}
+    extra = _longrope(config, params, source, original, rotary_dim, named) if rope_type == "longrope" else \
+        _yarn(params, source, floats["factor"], named) if rope_type == "yarn" else {}
     return RopeSpec(theta=real(theta, "rope_theta", source, named("rope_theta")), type=rope_type,
                     original_max_position_embeddings=original, **floats, **extra)
 
@@ -94,6 +100,20 @@ def _longrope(config: dict, params: dict, source: str, original: int, rotary_dim
     if attention is None:
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return {**factors, "attention_factor": float(attention)}
+
+
+def _yarn(params: dict, source: str, factor: float, named) -> dict:
+    """YaRN's band and attention factor, as transformers computes them (mscale and mscale_all_dim as DeepSeek
+    writes them)."""
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention, m, m_all = (params.get(k) for k in ("attention_factor", "mscale", "mscale_all_dim"))
+    if attention is None:
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    bands = {k: _positive(params.get(k) or d, named(k), source) for k, d in (("beta_fast", 32.0), ("beta_slow", 1.0))}
+    return {"attention_factor": _positive(attention, named("attention_factor"), source), **bands,
+            "truncate": bool(params.get("truncate", True))}
 
 
 def _positive(value, name: str, source: str) -> float:

@@ -8,35 +8,16 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from offload.config_values import MAX_EXPERTS_OVER_LAYERS, count, fix, layer_list, real
+from offload.config_values import count, fix, real
 from offload.attention_sizes import attention_bytes
 from offload.errors import ConfigError
 from offload.families import BY_MODEL_TYPE, Family, FamilyMath, family_math, family_of, text_config
 from offload.paths import describe_path
+from offload.moe_spec import MoESpec, moe_from_config
 from offload.rope_spec import RopeSpec, rope_from_config
 from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK,
                              QUANT_BLOCK_BYTES, QUANT_QS_BYTES, format_nbytes)
 
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    """The mixture-of-experts part of a model: each MoE layer's MLP is n_experts experts of width expert_size, of
-    which top_k run per token (picked by a router, their weights renormalised when norm_topk), plus a shared expert
-    of width shared_size (0: none) scaled by its own sigmoid gate; dense_layers keep an ordinary MLP."""
-
-    n_experts: int
-    top_k: int
-    expert_size: int
-    shared_size: int = 0
-    norm_topk: bool = True
-    dense_layers: tuple[int, ...] = ()
-    naming: str = "qwen"  # checkpoint tensor names: mixtral (block_sparse_moe.experts.e.w1/w2/w3) | qwen (mlp.*)
-
-    def expected_experts(self, n_tokens: int) -> float:
-        """Distinct experts a layer runs for n_tokens tokens routed independently and uniformly: what a step reads
-        of its expert weights (k for one token, nearly all of them in a long prefill)."""
-        return self.n_experts * (1.0 - (1.0 - self.top_k / self.n_experts) ** max(n_tokens, 0))
 
 
 @dataclass(frozen=True)
@@ -259,6 +240,8 @@ class ModelSpec:
                 ts.append(self._tensor(f"{p}{module}.bias", (out,), "bias"))
         if self.qk_norm:
             ts += [self._tensor(f"{p}self_attn.{x}_norm.weight", (self.head_dim,), "norm") for x in "qk"]
+        if fam.sinks:
+            ts.append(self._tensor(f"{p}self_attn.sinks", (self.n_heads,), "bias"))
         ts.append(self._tensor(f"{p}{fam.o}.weight", (d, self.q_size), "linear"))
         if self.o_bias:
             ts.append(self._tensor(f"{p}{fam.o}.bias", (d,), "bias"))
@@ -290,25 +273,41 @@ class ModelSpec:
         return ts
 
     def expert_names(self, i: int, e: int) -> tuple[str, str, str]:
-        """The checkpoint names of expert e of layer i: gate, up and down."""
+        """The checkpoint names of expert e of layer i: gate, up and down (gpt-oss's are views of its stacked
+        tensors: name#e, with :gate or :up for a half of the interleaved gate_up; offload.weights.stacked)."""
         if self.moe.naming == "mixtral":
             p = f"model.layers.{i}.block_sparse_moe.experts.{e}."
             return p + "w1.weight", p + "w3.weight", p + "w2.weight"
+        if self.moe.naming == "gpt_oss":
+            p = f"model.layers.{i}.mlp.experts."
+            return f"{p}gate_up_proj#{e}:gate", f"{p}gate_up_proj#{e}:up", f"{p}down_proj#{e}"
         p = f"model.layers.{i}.mlp.experts.{e}."
         return p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"
 
-    def router_name(self, i: int) -> str:
-        block = "block_sparse_moe" if self.moe.naming == "mixtral" else "mlp"
-        return f"model.layers.{i}.{block}.gate.weight"
+    def expert_bias_names(self, i: int, e: int) -> tuple[str, str, str]:
+        """The biases of expert e of layer i (gpt-oss): gate, up and down, views of the stacked bias tensors."""
+        p = f"model.layers.{i}.mlp.experts."
+        return f"{p}gate_up_proj_bias#{e}:gate", f"{p}gate_up_proj_bias#{e}:up", f"{p}down_proj_bias#{e}"
+
+    def router_name(self, i: int, what: str = "weight") -> str:
+        block = {"mixtral": "block_sparse_moe.gate", "gpt_oss": "mlp.router"}.get(self.moe.naming, "mlp.gate")
+        return f"model.layers.{i}.{block}.{what}"
 
     def expert_tensors(self, i: int) -> tuple[TensorSpec, ...]:
-        """The tensors of unit experts.i: the router [n_experts, hidden], then each expert's gate, up and down."""
-        d, f = self.hidden_size, self.moe.expert_size
-        ts = [self._tensor(self.router_name(i), (self.moe.n_experts, d), "router")]
-        for e in range(self.moe.n_experts):
+        """The tensors of unit experts.i: the router [n_experts, hidden] (and its bias), then each expert's gate,
+        up and down (and their biases)."""
+        d, f, moe = self.hidden_size, self.moe.expert_size, self.moe
+        ts = [self._tensor(self.router_name(i), (moe.n_experts, d), "router")]
+        if moe.biases:
+            ts.append(self._tensor(self.router_name(i, "bias"), (moe.n_experts,), "bias"))
+        for e in range(moe.n_experts):
             gate, up, down = self.expert_names(i, e)
             ts += [self._tensor(gate, (f, d), "linear"), self._tensor(up, (f, d), "linear"),
                    self._tensor(down, (d, f), "linear")]
+            if moe.biases:
+                gate, up, down = self.expert_bias_names(i, e)
+                ts += [self._tensor(gate, (f,), "bias"), self._tensor(up, (f,), "bias"),
+                       self._tensor(down, (d,), "bias")]
         return tuple(ts)
 
     def _tensor(self, name: str, shape: tuple[int, ...], role: str) -> TensorSpec:
@@ -452,38 +451,7 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
         stored_format=DTYPE_ALIASES.get(str(dtype), "fp32"),
         source=source,
         qk_norm=family.qk_norm,
-        moe=_moe_from_config(config, family, source),
+        moe=moe_from_config(config, family, source),
         family=family,
         variant=variant,
     )
-
-
-def _moe_from_config(config: dict, family: Family, source: str) -> MoESpec | None:
-    """The MoESpec of a Mixtral, Qwen2-MoE or Qwen3-MoE config (None for a dense family)."""
-    if family.moe is None:
-        return None
-    arch = family.name
-    if family.moe == "mixtral":
-        n_experts = count(config, "num_local_experts", source)
-        expert_size, shared, norm, dense = count(config, "intermediate_size", source), 0, True, ()
-    else:
-        # Qwen's key; transformers 5 writes num_local_experts (and reads either)
-        key = "num_experts" if "num_experts" in config else "num_local_experts"
-        n_experts = count(config, key, source)
-        expert_size = count(config, "moe_intermediate_size", source)
-        shared = count(config, "shared_expert_intermediate_size", source, default=0, least=0) \
-            if arch == "qwen2_moe" else 0
-        norm = bool(config.get("norm_topk_prob", False))
-        step = count(config, "decoder_sparse_step", source, default=1)
-        n_layers = count(config, "num_hidden_layers", source)
-        only = layer_list(config, "mlp_only_layers", source, n_layers)
-        dense = tuple(i for i in range(n_layers) if i in only or (i + 1) % step)
-    top_k = count(config, "num_experts_per_tok", source)
-    if top_k > n_experts:
-        raise ConfigError(f"{source}: num_experts_per_tok={top_k} is more than the {n_experts} experts; fix the config")
-    n_moe_layers = count(config, "num_hidden_layers", source) - len(dense)
-    if n_moe_layers * n_experts > MAX_EXPERTS_OVER_LAYERS:
-        raise ConfigError(f"{source}: {n_moe_layers:,} mixture-of-experts layers of {n_experts} experts are "
-                          f"{n_moe_layers * n_experts:,} experts, above the {MAX_EXPERTS_OVER_LAYERS:,} offload plans "
-                          f"for (no released model comes near it); {fix(source)}")
-    return MoESpec(n_experts, top_k, expert_size, shared, norm, dense, family.moe)

@@ -25,7 +25,9 @@ TINY_MOE = {"mixtral": dict(num_local_experts=6, num_experts_per_tok=2, intermed
             "qwen2_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64,
                               shared_expert_intermediate_size=96, decoder_sparse_step=1, mlp_only_layers=[1]),
             "qwen3_moe": dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=32,
-                              norm_topk_prob=True)}
+                              norm_topk_prob=True),
+            "gpt_oss": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=64, head_dim=16,
+                            sliding_window=6, layer_types=None)}
 
 
 # the dense families' tiny shapes beyond TINY: Gemma's heads are wider than hidden / heads and its scale differs
@@ -35,7 +37,7 @@ TINY_DENSE = {"gemma2": dict(head_dim=32, query_pre_attn_scalar=24, sliding_wind
               "qwen3": dict(head_dim=32), "phi3": dict(pad_token_id=0)}
 FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral",
                   "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "qwen3": "Qwen3", "gemma2": "Gemma2",
-                  "gemma3_text": "Gemma3Text", "phi3": "Phi3"}
+                  "gemma3_text": "Gemma3Text", "phi3": "Phi3", "gpt_oss": "GptOss"}
 
 
 def make_hf_model(arch: str = "llama", **overrides):

@@ -29,7 +29,7 @@ from offload.kernels.packed import pack
 from offload.model.llama import StackedWeight, linear
 from offload.model.moe import ExpertWeights, experts_forward_loop, route
 from offload.runtime.device_quant import DeviceQuantWeight
-from offload.spec import MoESpec
+from offload.moe_spec import MoESpec
 from triton_support import INTERPRETER_PRELUDE
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

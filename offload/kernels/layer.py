@@ -31,9 +31,11 @@ def runs_math_of(spec) -> bool:
     """Whether the fused layer computes this model's block math: Llama's (RMSNorm before attention and the MLP,
     SiLU, rope over whole heads at one base, scores scaled by head_dim ** -0.5, one window for every layer), with
     q/k norms and biases. A family that differs (Gemma's norms after attention and the MLP, GELU, soft-caps,
-    per-layer windows; partial rotary) runs the reference block math."""
+    per-layer windows; partial rotary; gpt-oss's sinks and biased, clamped experts) runs the reference block
+    math."""
     v = spec.variant
-    return (spec.family.activation == "silu" and spec.family.post_attn_norm is None
+    return (spec.family.activation == "silu" and spec.family.post_attn_norm is None and not spec.family.sinks
+            and (spec.moe is None or (spec.moe.activation == "silu" and not spec.moe.biases))
             and spec.family.post_mlp_norm is None and v.attn_scale is None and v.attn_softcap is None
             and not v.layer_windows and v.local_rope is None and v.rotary_dim is None
             and spec.rope.attention_factor == 1.0)

@@ -32,22 +32,23 @@ from offload.spec import ModelSpec
 
 
 def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, step: Step, kv: LayerKV,
-           window: int | None = None):
+           window: int | None = None, sinks: torch.Tensor | None = None):
     """Append k, v [B, Hkv, S, Dh] to the cache and attend with q [B, H, S, Dh] over the keys a layer of this
-    sliding window sees; [B, H, S, Dh] where q is. A ragged step attends group by group."""
+    sliding window sees (with gpt-oss's sinks [H], a logit per head with no value); [B, H, S, Dh] where q is. A
+    ragged step attends group by group."""
     if step.groups is not None:
         outs = []
         for g, t0 in zip(step.groups, step.offsets):
             b, s = g.positions.shape
             grid = [t[0, :, t0:t0 + b * s].unflatten(1, (b, s)).transpose(0, 1) for t in (q, k, v)]  # [b, H, s, Dh]
-            outs.append(attend(spec, *grid, g, kv, window).transpose(0, 1).flatten(1, 2))  # [H, b * s, Dh]
+            outs.append(attend(spec, *grid, g, kv, window, sinks).transpose(0, 1).flatten(1, 2))  # [H, b * s, Dh]
         return torch.cat(outs, dim=1)[None]
     if kv.k.device != q.device:
-        return _attend_host_cache(spec, q, k, v, step, kv, window)
+        return _attend_host_cache(spec, q, k, v, step, kv, window, sinks)
     kv.write(step, k, v)
     if _reads_in_place(step, q):
-        return _paged(spec, q, step, kv, window)
-    return sdpa_over_keys(q, *cached_keys(step, kv), step, window, spec)
+        return _paged(spec, q, step, kv, window, sinks)
+    return sdpa_over_keys(q, *cached_keys(step, kv), step, window, spec, sinks)
 
 
 def _reads_in_place(step: Step, q: torch.Tensor) -> bool:
@@ -62,11 +63,13 @@ def _reads_in_place(step: Step, q: torch.Tensor) -> bool:
     return step._derived["in_place"]
 
 
-def _paged(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV, window: int | None) -> torch.Tensor:
+def _paged(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV, window: int | None,
+           sinks: torch.Tensor | None) -> torch.Tensor:
     """q [B, H, S, Dh] over the pool in place through the step's table of contiguous extents."""
     n_slots, heads, dh = kv.k.shape[0] * kv.k.shape[1], kv.k.shape[2], kv.k.shape[3]
     o = paged_attention(q.transpose(1, 2), kv.k.view(n_slots, heads, dh), kv.v.view(n_slots, heads, dh),
-                        kv_table(step, kv), scale=spec.attn_scale, window=window, softcap=spec.variant.attn_softcap)
+                        kv_table(step, kv), scale=spec.attn_scale, window=window, softcap=spec.variant.attn_softcap,
+                        sinks=sinks)
     return o.transpose(1, 2)
 
 
@@ -88,18 +91,19 @@ def kv_table(step: Step, kv: LayerKV) -> KVTable:
 
 
 def sdpa_over_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step,
-                   window: int | None = None, spec: ModelSpec | None = None) -> torch.Tensor:
+                   window: int | None = None, spec: ModelSpec | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, H, S, Dh] over K, V [B, Hkv, T, Dh] as the step's mask for this window allows, in a form a fused
     SDPA kernel takes: bottom-right causal where that is the whole mask, else the query-head group folded into the
     query length with the bool mask repeated (no GQA: the memory-efficient kernel takes a mask; K/V never
-    repeated). Soft-capped scores (spec's attn_softcap) take the math of capped_attention."""
+    repeated). Soft-capped scores (spec's attn_softcap) and sinks take the math of math_attention."""
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     b, heads, s, dh = q.shape
     group = heads // keys.shape[1]
     scale = None if spec is None else spec.attn_scale
-    if spec is not None and spec.variant.attn_softcap is not None:
-        PATH_COUNTS["softcapped_math"] += 1
-        return capped_attention(q, keys, values, step.mask_for(window), scale, spec.variant.attn_softcap)
+    if spec is not None and (spec.variant.attn_softcap is not None or sinks is not None):
+        PATH_COUNTS["attention_math"] += 1
+        return math_attention(q, keys, values, step.mask_for(window), scale, spec.variant.attn_softcap, sinks)
     if _causal_only(step, window):
         PATH_COUNTS["sdpa_causal_lower_right"] += 1
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(s, keys.shape[2]),
@@ -112,16 +116,24 @@ def sdpa_over_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, st
     return o.view(b, heads, s, dh)
 
 
-def capped_attention(q, keys, values, mask, scale: float, softcap: float) -> torch.Tensor:
+def math_attention(q, keys, values, mask, scale: float, softcap: float | None = None,
+                   sinks: torch.Tensor | None = None) -> torch.Tensor:
     """softmax(softcap * tanh(q k^T * scale / softcap), masked) v, in fp32, for q [B, H, S, Dh] over K, V
-    [B, Hkv, T, Dh] (query-head groups folded, K/V never repeated); mask [B, 1, S, T]."""
+    [B, Hkv, T, Dh] (query-head groups folded, K/V never repeated); mask [B, 1, S, T]; sinks [H]: one more logit
+    per head in the softmax's denominator (gpt-oss), with no value."""
     b, heads, s, dh = q.shape
     n_kv, t = keys.shape[1], keys.shape[2]
     group = heads // n_kv
     scores = q.float().reshape(b, n_kv, group * s, dh) @ keys.float().transpose(-1, -2) * scale
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     seen = mask[:, :, None].expand(b, 1, group, s, t).reshape(b, 1, group * s, t)
-    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1)
+    scores = scores.masked_fill(~seen, float("-inf"))
+    if sinks is not None:  # head h = kv_head * group + g: each row's own head's sink
+        sink = sinks.float().view(1, n_kv, group, 1, 1).expand(b, n_kv, group, s, 1).reshape(b, n_kv, group * s, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     return (probs @ values.float()).to(q.dtype).view(b, heads, s, dh)
 
 
@@ -162,7 +174,8 @@ def gathered_keys(step: Step, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
     return keys, kv.v.view(batch * slots, heads, dh)[index].transpose(1, 2)
 
 
-def _attend_host_cache(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV, window: int | None) -> torch.Tensor:
+def _attend_host_cache(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV, window: int | None,
+                       sinks: torch.Tensor | None) -> torch.Tensor:
     """The cache in host RAM, the block elsewhere: one new token per sequence attends on the host (q, k, v move
     down, the output up); several bring the cache's prefix up to the block."""
     device = q.device
@@ -172,8 +185,9 @@ def _attend_host_cache(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV, window
         kv.write(host, k, v)
         keys, values = gathered_keys(host, kv)
         mask = host.mask_for(window).to(kv.k.device)
-        if spec.variant.attn_softcap is not None:
-            o = capped_attention(q, keys, values, mask, spec.attn_scale, spec.variant.attn_softcap)
+        if spec.variant.attn_softcap is not None or sinks is not None:
+            o = math_attention(q, keys, values, mask, spec.attn_scale, spec.variant.attn_softcap,
+                               None if sinks is None else sinks.to(kv.k.device))
         else:
             o = F.scaled_dot_product_attention(q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
                                                enable_gqa=spec.n_kv_heads != spec.n_heads, scale=spec.attn_scale)
@@ -184,8 +198,9 @@ def _attend_host_cache(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV, window
     PATH_COUNTS["host_cache_prefix_up"] += 1
     group = spec.n_heads // spec.n_kv_heads
     keys, values = keys.to(device, q.dtype), values.to(device, q.dtype)
-    if spec.variant.attn_softcap is not None:
-        return capped_attention(q, keys, values, step.mask_for(window), spec.attn_scale, spec.variant.attn_softcap)
+    if spec.variant.attn_softcap is not None or sinks is not None:
+        return math_attention(q, keys, values, step.mask_for(window), spec.attn_scale, spec.variant.attn_softcap,
+                              sinks)
     b, heads, s, dh = q.shape
     mask = step.mask_for(window)[:, :, None].expand(b, 1, group, s, step.n_keys).reshape(b, 1, group * s,
                                                                                            step.n_keys)

@@ -50,6 +50,7 @@ class LayerWeights:
     k_norm: torch.Tensor | None = None
     shared_gate: torch.Tensor | None = None  # [1, hidden], a MoE layer's shared-expert gate
     post_attn_norm: torch.Tensor | None = None  # Gemma 2/3: the attention's output normed before the residual add
+    sinks: torch.Tensor | None = None  # [n_heads] gpt-oss: one more logit in each head's softmax, with no value
     post_mlp_norm: torch.Tensor | None = None  # and the MLP's
 
 
@@ -173,7 +174,7 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     else:
         window = spec.window(index)
         q, k, v = roped_heads(spec, qkv.view(b, s, -1), step, window)
-        o = attend(spec, q, k, v, step, kv, window).transpose(1, 2).reshape(b, s, spec.q_size)
+        o = attend(spec, q, k, v, step, kv, window, w.sinks).transpose(1, 2).reshape(b, s, spec.q_size)
     o = linear(o, w.o, w.o_bias)
     x = x + (o if w.post_attn_norm is None else rms_norm(o, w.post_attn_norm, eps))
     h = rms_norm(x, w.mlp_norm, eps)

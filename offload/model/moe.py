@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
 from offload.model.llama import Weight, linear
-from offload.spec import MoESpec
+from offload.moe_spec import MoESpec
 
 
 # Each ExpertWeights' grouped operands for the Triton kernels (experts_grouped), keyed by the object itself and
@@ -28,11 +28,15 @@ _GROUPED = WeakIdKeyDictionary()
 @dataclass
 class ExpertWeights:
     """The routed experts of one MoE layer: the router [n_experts, D] and each expert's fused gate|up [2F, D] and
-    down [D, F]."""
+    down [D, F]; with biases where the family has them (gpt-oss: the router's [n_experts], each expert's gate|up
+    [2F] and down [D])."""
 
     router: torch.Tensor
     gate_up: tuple[Weight, ...]
     down: tuple[Weight, ...]
+    router_bias: torch.Tensor | None = None
+    gate_up_bias: tuple[torch.Tensor, ...] | None = None
+    down_bias: tuple[torch.Tensor, ...] | None = None
 
 
 def route(moe: MoESpec, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -57,7 +61,7 @@ def expert_groups(ids: torch.Tensor, n_experts: int) -> tuple[torch.Tensor, list
 def experts_forward(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
     """x [..., 2D] = [residual | normed h] -> residual + sum over each token's top-k experts of weight * expert(h):
     the grouped kernels where they run (_grouped_kernels), else the loop over the picked experts."""
-    if _grouped_kernels(x) is not None:
+    if _grouped_kernels(x) is not None and moe.activation == "silu" and not moe.biases:
         out = experts_forward_grouped(moe, w, x)
         if out is not None:
             return out
@@ -118,7 +122,7 @@ def experts_forward_loop(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> tor
     product), and only the experts picked at all are read."""
     d = x.shape[-1] // 2
     residual, h = x[..., :d], x[..., d:].reshape(-1, d)
-    weights, ids = route(moe, linear(h, w.router, None))
+    weights, ids = route(moe, linear(h, w.router, w.router_bias))
     order, counts = expert_groups(ids, moe.n_experts)
     tokens = order // moe.top_k
     scale = weights.reshape(-1)[order]
@@ -128,8 +132,19 @@ def experts_forward_loop(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> tor
         if n == 0:
             continue
         rows = tokens[start:start + n]
-        gate, up = linear(h.index_select(0, rows), w.gate_up[e], None).chunk(2, dim=-1)
-        y = linear(F.silu(gate) * up, w.down[e], None)
+        bias = (None, None) if w.gate_up_bias is None else (w.gate_up_bias[e], w.down_bias[e])
+        gate, up = linear(h.index_select(0, rows), w.gate_up[e], bias[0]).chunk(2, dim=-1)
+        y = linear(gated(moe, gate, up), w.down[e], bias[1])
         out.index_add_(0, rows, (y * scale[start:start + n, None]).to(out.dtype))
         start += n
     return residual + out.view(residual.shape)
+
+
+def gated(moe: MoESpec, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """An expert's activation of gate times up: SiLU's, or gpt-oss's clamped SwiGLU (gate clamped above and up on
+    both sides at the limit, gate * sigmoid(alpha * gate) * (up + 1))."""
+    if moe.activation == "silu":
+        return F.silu(gate) * up
+    gate = gate.clamp(max=moe.swiglu_limit)
+    up = up.clamp(min=-moe.swiglu_limit, max=moe.swiglu_limit)
+    return gate * torch.sigmoid(gate * moe.swiglu_alpha) * (up + 1)

@@ -40,11 +40,29 @@ def _make_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: i
     inv_freq = 1.0 / (base ** exponents)
     if rope.type == "linear":
         inv_freq = inv_freq / rope.factor
+    elif rope.type == "yarn":
+        inv_freq = _yarn_blend(inv_freq, rope, head_dim)
     elif rope.type == "longrope":  # LongRoPE: each frequency divided by its factor, long ones past the original
         inv_freq = inv_freq / torch.tensor(rope.long_factor if seq_len else rope.short_factor, dtype=torch.float32)
     elif rope.type == "llama3":
         inv_freq = _llama3_scale(inv_freq, rope)
     return inv_freq
+
+
+def _yarn_blend(inv_freq: torch.Tensor, rope: RopeSpec, dim: int) -> torch.Tensor:
+    """YaRN: frequencies that turn fewer than beta_slow times over the original context are interpolated (divided
+    by factor), more than beta_fast times kept, a linear ramp between (as transformers computes it)."""
+    def correction(rotations: float) -> float:
+        old = rope.original_max_position_embeddings
+        return dim * math.log(old / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = correction(rope.beta_fast), correction(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+    kept = 1 - ramp
+    return inv_freq / rope.factor * (1 - kept) + inv_freq * kept
 
 
 def _llama3_scale(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:

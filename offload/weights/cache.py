@@ -170,10 +170,12 @@ class PackedCache:
                 d = self.reader.get(name + ".d") if name + ".d" in self.reader else None
                 parts[field] = PackedWeight(desc["fmt"], tuple(desc["shape"]), self.reader.get(name + ".qs"), d,
                                             tiled=desc["tiled"])
-        if unit.kind == "experts":
-            n = unit.moe.n_experts
-            return ExpertWeights(parts["router"], tuple(parts[f"gate_up#{e}"] for e in range(n)),
-                                 tuple(parts[f"down#{e}"] for e in range(n)))
+        if unit.kind == "experts":  # each expert's fields (gate_up#e, down#e, their biases) as tuples
+            grouped: dict[str, list] = {}
+            for name in sorted((k for k in parts if "#" in k), key=lambda k: int(k.rsplit("#", 1)[1])):
+                grouped.setdefault(name.split("#")[0], []).append(parts[name])
+            return ExpertWeights(**{k: v for k, v in parts.items() if "#" not in k},
+                                 **{k: tuple(v) for k, v in grouped.items()})
         if unit.kind == "mlp":
             return MLPWeights(**parts)
         return LayerWeights(**parts) if unit.kind == "layer" else parts["weight"]
@@ -230,9 +232,12 @@ def _flatten(name: str, weights) -> tuple[dict[str, torch.Tensor], dict]:
 
     if isinstance(weights, (LayerWeights, MLPWeights)):
         parts = {f.name: getattr(weights, f.name) for f in fields(weights)}
-    elif isinstance(weights, ExpertWeights):  # each expert's linears by the names unit_store lays them out under
-        parts = {"router": weights.router, **{f"gate_up#{e}": w for e, w in enumerate(weights.gate_up)},
-                 **{f"down#{e}": w for e, w in enumerate(weights.down)}}
+    elif isinstance(weights, ExpertWeights):  # each expert's by the names unit_store lays them out under
+        parts = {}
+        for f in fields(weights):
+            value = getattr(weights, f.name)
+            parts.update({f"{f.name}#{e}": w for e, w in enumerate(value)} if isinstance(value, tuple)
+                         else {f.name: value})
     else:
         parts = {"weight": weights}
     tensors, described = {}, {}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from pathlib import Path
 
@@ -97,6 +98,17 @@ def _shard_names(index: Path, weight_map) -> list[str]:
     return sorted(set(weight_map.values()))
 
 
+_VIEW = re.compile(r"^(?P<stored>[^#]+)#(?P<e>\d+)(?::(?P<half>gate|up))?$")
+
+
+def stacked_view(name: str) -> tuple[str, int, str | None] | None:
+    """(stored tensor, e, half) of a view name stored#e[:gate|:up], or None for a plain name. gpt-oss's float
+    checkpoints stack a layer's experts in one tensor, its matrices [n_experts, in, out] with gate and up
+    interleaved along out: view e is expert e's [out, in] (its bias [out]), :gate its even rows, :up its odd."""
+    m = _VIEW.match(name)
+    return None if m is None else (m["stored"], int(m["e"]), m["half"])
+
+
 class Checkpoint:
     """The tensors of one model folder, opened lazily; `get` reads one tensor through the file's mmap."""
 
@@ -107,6 +119,7 @@ class Checkpoint:
         self._file_of: dict[str, Path] = {}
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._where: dict[str, tuple[int, int, str]] = {}  # name -> (file offset, bytes, safetensors dtype)
+        self._stacked: tuple[str, torch.Tensor] | None = None  # the stacked tensor its views were last cut from
         self.files = self._weight_files()  # the safetensors files, in order
         for path in self.files:
             header, data_start = read_safetensors_header(path)
@@ -155,11 +168,23 @@ class Checkpoint:
     def names(self) -> list[str]:
         return list(self._file_of)
 
+    def _view(self, name: str) -> tuple[str, int, str | None] | None:
+        """The stacked view a name is, unless a tensor of that name is stored (the packed cache's files name
+        experts' fields gate_up#e)."""
+        return None if name in self._file_of else stacked_view(name)
+
     def shape(self, name: str) -> tuple[int, ...]:
-        return self._shapes[name]
+        view = self._view(name)
+        if view is None:
+            return self._shapes[name]
+        stored, _, half = view
+        shape = self._shapes[stored][1:]
+        shape = shape[::-1] if len(shape) == 2 else shape  # stored [in, out]: the view is [out, in]
+        return (shape[0] // 2, *shape[1:]) if half else tuple(shape)
 
     def __contains__(self, name: str) -> bool:
-        return name in self._file_of
+        view = self._view(name)
+        return (name if view is None else view[0]) in self._file_of
 
     def where(self, name: str) -> tuple[Path, int, int, torch.dtype | None]:
         """(file, offset, bytes, torch dtype or None if offload does not read it) of a tensor in the checkpoint."""
@@ -167,7 +192,18 @@ class Checkpoint:
         return self._file_of[name], offset, n_bytes, _DTYPES.get(st_dtype)
 
     def get(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Read one tensor (optionally converted to dtype)."""
+        """Read one tensor (optionally converted to dtype); a view of a stacked tensor (stacked_view) is cut from
+        it, the stacked tensor read once for all its views in a row."""
+        view = self._view(name)
+        if view is not None:
+            stored, e, half = view
+            if self._stacked is None or self._stacked[0] != stored:
+                self._stacked = (stored, self.get(stored))
+            t = self._stacked[1][e]
+            t = t.T if t.dim() == 2 else t
+            t = t[0::2] if half == "gate" else t[1::2] if half == "up" else t
+            t = t.contiguous()
+            return t.to(dtype) if dtype is not None and t.dtype != dtype else t
         path = self._file_of.get(name)
         if path is None:
             raise WeightsError(f"tensor {name} is missing from the checkpoint in {self.folder}; "
@@ -191,10 +227,10 @@ class Checkpoint:
     def check_against(self, spec: ModelSpec) -> None:
         """Every tensor the spec needs is present with the shape config.json implies."""
         for t in spec.tensors():
-            if t.name not in self._shapes:
+            if t.name not in self:
                 raise WeightsError(f"tensor {t.name} is missing from the checkpoint in {self.folder}; "
                                    f"the weights do not match config.json — download the full checkpoint")
-            found = self._shapes[t.name]
+            found = self.shape(t.name)
             if found != t.shape:
                 raise WeightsError(f"tensor {t.name} has shape {list(found)} in the checkpoint but config.json "
                                    f"implies {list(t.shape)}; use the config.json that came with these weights")

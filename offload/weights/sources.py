@@ -78,7 +78,7 @@ def layer_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...] | N
             "q_norm": names([p + "self_attn.q_norm"], ".weight", spec.qk_norm),
             "k_norm": names([p + "self_attn.k_norm"], ".weight", spec.qk_norm),
             "shared_gate": names([p + "mlp.shared_expert_gate"], ".weight", moe and has_mlp),
-            "post_attn_norm": norm(fam.post_attn_norm),
+            "sinks": (f"{p}self_attn.sinks",) if fam.sinks else None, "post_attn_norm": norm(fam.post_attn_norm),
             "post_mlp_norm": norm(fam.post_mlp_norm) if has_mlp and not moe else None}
 
 
@@ -87,12 +87,18 @@ NORM_FIELDS = ("attn_norm", "mlp_norm", "q_norm", "k_norm", "post_attn_norm", "p
 
 
 def expert_tensor_names(spec: ModelSpec, i: int) -> dict[str, tuple[str, ...]]:
-    """Each field of layer i's ExpertWeights as unit_store lays it out (router, gate_up#e, down#e) with its checkpoint
-    tensors, in the order they are fused."""
+    """Each field of layer i's ExpertWeights as unit_store lays it out (router, gate_up#e, down#e, and where the
+    family has them router_bias, gate_up_bias#e, down_bias#e) with its checkpoint tensors, in the order they are
+    fused."""
     names = {"router": (spec.router_name(i),)}
+    if spec.moe.biases:
+        names["router_bias"] = (spec.router_name(i, "bias"),)
     for e in range(spec.moe.n_experts):
         gate, up, down = spec.expert_names(i, e)
         names[f"gate_up#{e}"], names[f"down#{e}"] = (gate, up), (down,)
+        if spec.moe.biases:
+            gate, up, down = spec.expert_bias_names(i, e)
+            names[f"gate_up_bias#{e}"], names[f"down_bias#{e}"] = (gate, up), (down,)
     return names
 
 
@@ -148,12 +154,26 @@ def load_mlp(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack
 
 def load_experts(ckpt: Checkpoint, spec: ModelSpec, i: int, dtype: torch.dtype, pack) -> ExpertWeights:
     """Read layer i's router and experts, fusing each expert's gate and up; the router stays in dtype."""
-    n = spec.moe.n_experts
-    names = expert_tensor_names(spec, i)
-    gate_up = [_read_fused(ckpt, names[f"gate_up#{e}"], dtype, pack, True) for e in range(n)]
-    down = [_read_fused(ckpt, names[f"down#{e}"], dtype, pack, True) for e in range(n)]
-    return ExpertWeights(_read_fused(ckpt, names["router"], dtype, pack, False).contiguous(), tuple(gate_up),
-                         tuple(down))
+    n, names = spec.moe.n_experts, expert_tensor_names(spec, i)
+    fields = {"router": _read_fused(ckpt, names["router"], dtype, pack, False).contiguous(),
+              "gate_up": tuple(_read_fused(ckpt, names[f"gate_up#{e}"], dtype, pack, True) for e in range(n)),
+              "down": tuple(_read_fused(ckpt, names[f"down#{e}"], dtype, pack, True) for e in range(n))}
+    if spec.moe.biases:  # in fp32, as the kernels add them
+        fields["router_bias"] = _read_fused(ckpt, names["router_bias"], dtype, pack, False)
+        for kind in ("gate_up_bias", "down_bias"):
+            fields[kind] = tuple(_read_fused(ckpt, names[f"{kind}#{e}"], torch.float32, pack, False).contiguous()
+                                 for e in range(n))
+    return ExpertWeights(**fields)
+
+
+def expert_biases(spec: ModelSpec, make) -> dict:
+    """ExpertWeights' bias fields made by make(*shape, dtype=...) where the family has them (gpt-oss), else none:
+    the router's in the compute format, the experts' in fp32."""
+    if not spec.moe.biases:
+        return {}
+    f, d, n = spec.moe.expert_size, spec.hidden_size, spec.moe.n_experts
+    return {"router_bias": make(n), "gate_up_bias": tuple(make(2 * f, dtype=torch.float32) for _ in range(n)),
+            "down_bias": tuple(make(d, dtype=torch.float32) for _ in range(n))}
 
 
 class CheckpointSource:
@@ -177,6 +197,8 @@ class CheckpointSource:
             return self.cache.extents(unit, layout)
         if self.spec.family.norm_offset and unit.kind in ("layer", "norm"):
             return None  # its norms are not as stored (read_norm adds the family's offset)
+        if unit.kind == "experts" and self.spec.moe.naming == "gpt_oss":
+            return None  # each expert is a transposed slice of a stacked tensor, not bytes as stored
 
         def locate(name: str, entry):
             path, offset, n_bytes, dtype = self.ckpt.where(name)
@@ -244,7 +266,8 @@ class RandomSource:
             f, n = s.moe.expert_size, s.moe.n_experts
             router = torch.randn(n, s.hidden_size, generator=self.gen, dtype=self.dtype)
             return ExpertWeights(router, tuple(self._linear(2 * f, s.hidden_size, e) for e in range(n)),
-                                 tuple(self._linear(s.hidden_size, f, e) for e in range(n)))
+                                 tuple(self._linear(s.hidden_size, f, e) for e in range(n)),
+                                 **expert_biases(s, lambda *shape, dtype=None: torch.zeros(*shape, dtype=dtype or self.dtype)))
         if unit.kind == "mlp":
             f = s.intermediate_size
             return MLPWeights(self._linear(2 * f, s.hidden_size), None, self._linear(s.hidden_size, f), None,
@@ -266,6 +289,7 @@ class RandomSource:
             down=self._linear(s.hidden_size, f) if f else None, down_bias=None, q_norm=norm(), k_norm=norm(),
             shared_gate=torch.zeros(1, s.hidden_size, dtype=self.dtype) if moe and f else None,
             post_attn_norm=ones() if s.family.post_attn_norm else None,
+            sinks=torch.zeros(s.n_heads, dtype=self.dtype) if s.family.sinks else None,
             post_mlp_norm=ones() if s.family.post_mlp_norm and f and not moe else None)
 
 
@@ -336,7 +360,7 @@ class MetaSource:
             linears = [t for t in unit.tensors if t.role == "linear"]  # gate, up, down of each expert in turn
             return ExpertWeights(self._tensor(*unit.tensors[0].shape),
                                  tuple(self._fused(linears[j:j + 2]) for j in range(0, len(linears), 3)),
-                                 tuple(self._linear(t) for t in linears[2::3]))
+                                 tuple(self._linear(t) for t in linears[2::3]), **expert_biases(s, self._tensor))
         by_name = {t.name: t for t in unit.tensors}
 
         def field(names: tuple[str, ...] | None, linear: bool):
