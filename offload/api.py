@@ -18,8 +18,9 @@ from offload.formats import compute_format, torch_dtype
 from offload.generate import Generator, Sequence
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.speculation import SpeculationPrice
-from offload.options import SpeculativeOptions, default_of
+from offload.options import DEFAULT_REASONING_PARSER, SpeculativeOptions, default_of
 from offload.profile.timeline import Timeline
+from offload.reasoning import reasoning_start, split_reasoning
 from offload.runtime.backends import make_backend, missing_gpu, simulated_gpu_warning
 from offload.runtime.device_quant import set_gpu_crossover
 from offload.runtime.executor import PlacedModel
@@ -41,13 +42,16 @@ log = logging.getLogger("offload")
 @dataclass
 class CompletionOutput:
     """One completion (sample `index` of the request's n): text, generated token ids, why it ended ('stop' or
-    'length'), and each token's logprob with the top ones when SamplingParams.logprobs asked for them."""
+    'length'), and each token's logprob with the top ones when SamplingParams.logprobs asked for them. LLM.chat's
+    answer from a model that thinks (its chat template mentions <think>) has its <think> block's text in
+    reasoning_content and the rest in text (the token ids hold both)."""
 
     index: int
     text: str
     token_ids: list[int]
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
+    reasoning_content: str | None = None
 
 
 @dataclass
@@ -246,15 +250,23 @@ class LLM:
         self._in_use.release()
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             add_generation_prompt: bool = True) -> list[RequestOutput]:
-        """Generate replies to conversations (one list of {'role', 'content'} dicts, or a list of them)."""
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generate replies to conversations (one list of {'role', 'content'} dicts, or a list of them);
+        chat_template_kwargs go to the chat template (such as {'enable_thinking': False} for Qwen3)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        prompts = [{"prompt_token_ids": self.apply_chat_template(c, add_generation_prompt)} for c in conversations]
-        return self.generate(prompts, sampling_params)
+        ids = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
+        outputs = self.generate([{"prompt_token_ids": i} for i in ids], sampling_params)
+        for prompt, output in zip(ids, outputs):
+            start = reasoning_start(self.tokenizer, prompt, DEFAULT_REASONING_PARSER)
+            if start is not None:
+                output.outputs = [_split_thought(sample, start) for sample in output.outputs]
+        return outputs
 
-    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """Token ids of a conversation rendered with the model's chat template."""
-        return encode_chat(self.tokenizer, self.path, conversation, add_generation_prompt)
+    def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
+                            chat_template_kwargs: dict | None = None) -> list[int]:
+        """Token ids of a conversation rendered with the model's chat template (a system message folded into the
+        first user turn where the template refuses one, as Gemma 2's does)."""
+        return encode_chat(self.tokenizer, self.path, conversation, add_generation_prompt, chat_template_kwargs)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -333,6 +345,12 @@ def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
     room = {"cpu_memory": memory_limit_bytes()} if given is None else {"hardware": given}
     return LLM(path, quantization=quantization, max_model_len=llm.max_model_len, batch_size=llm.max_batch_size,
                backend=request.hardware.backend, dtype=request.model.dtype, **room)
+
+
+def _split_thought(sample: CompletionOutput, start: bool) -> CompletionOutput:
+    """A chat answer with its <think> block's text in reasoning_content, out of text."""
+    reasoning, content = split_reasoning(sample.text, start)
+    return replace(sample, text=content or "", reasoning_content=reasoning)
 
 
 def _is_token_list(x) -> bool:

@@ -28,6 +28,10 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 512  # tokens a layer computes at once in prefill
 BACKENDS = ("auto", "cpu", "cuda", "sim")  # auto: CUDA where a GPU is visible, else the CPU; sim: the simulated GPU
 ENGINES = ("local", "ray")
 INPUT_FORMATS = ("openai", "text")
+# a chat answer's <think>...</think> block split off into reasoning_content (offload/reasoning.py): auto where the
+# chat template mentions <think>; qwen3 and deepseek_r1, vLLM's --reasoning-parser names, whatever it says; none: never
+REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
+DEFAULT_REASONING_PARSER = "auto"  # offload run's batch jobs and LLM.chat split this way too
 
 
 def option(default: Any = ..., help: str = "", *, name: str | None = None, cli: str | None = None,
@@ -224,7 +228,7 @@ class DistributedOptions(Section):
 
 class ServeOptions(Section):
     """`offload serve`: where it listens, who may call it, how many requests may wait for a slot, where its batches
-    live and the largest upload."""
+    live, the largest upload, and whether a chat answer's reasoning is split off its content."""
 
     host: str = option("127.0.0.1", "address to listen on: 127.0.0.1 is this machine only, 0.0.0.0 every "
                        "interface", name="host", cli="serve")
@@ -240,6 +244,12 @@ class ServeOptions(Section):
     max_upload_bytes: Bytes = option(200_000_000, "largest file POST /v1/files takes, such as 200MB (OpenAI's "
                                     "Batch API limit); past it 413", name="max_upload", cli="serve", unit="bytes",
                                     gt=0)
+    reasoning_parser: Literal[REASONING_PARSERS] = option(
+        DEFAULT_REASONING_PARSER, "a chat answer's <think>...</think> block goes to its message's reasoning_content "
+        "(a stream's delta.reasoning_content), out of its content, as vLLM's --reasoning-parser does: auto where the "
+        "model's chat template mentions <think> (Qwen3, QwQ, DeepSeek-R1); qwen3 or deepseek_r1 (vLLM's names, one "
+        "parser here) whatever the template says; none: the block stays in content", name="reasoning_parser",
+        cli="serve")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self")  # prompt lookup, a smaller model, the model's own weights

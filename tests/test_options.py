@@ -85,6 +85,8 @@ NOT_EVERYWHERE = {
     "api_key": "who may call offload serve", "state_dir": "offload serve's state folder",
     "max_waiting": "offload serve's bound on waiting requests (the Engine's max_waiting)",
     "max_upload": "offload serve's largest upload (POST /v1/files)",
+    "reasoning_parser": "offload serve's split of a chat answer's <think> block (LLM.chat splits as its default, "
+                        "auto, does)",
 }
 NO_DEFAULT_IN_HELP = {  # flags whose option is unset by default and whose help need not say so
     "input.path": "required: a job has no default input",

@@ -33,5 +33,6 @@ def run(args) -> int:
     else:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     for out in outputs:
-        print(out.text)
+        thought = out.outputs[0].reasoning_content  # a thinking model's, split off by LLM.chat: shown as it was said
+        print(out.text if thought is None else f"<think>{thought}</think>{out.text}")
     return 0

@@ -13,7 +13,7 @@ from typing import Any
 
 from offload.errors import ConfigError, OffloadError, SamplingError
 from offload.sampling import MAX_LOGPROBS, SamplingParams
-from offload.weights.prompts import check_text, role_problem
+from offload.weights.prompts import check_template_kwargs, check_text, role_problem
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 URLS = (COMPLETIONS, CHAT)
@@ -28,6 +28,7 @@ PARAM_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
               "logit_bias": "logit_bias"}
 LOGPROB_KEYS = ("logprobs", "top_logprobs", "echo")  # read by endpoint: see logprob_params
 IGNORED_KEYS = ("model", "user", "stream", "metadata")
+TEMPLATE_KWARGS = "chat_template_kwargs"  # chat: the chat template's variables (vLLM's), such as enable_thinking
 
 
 @dataclass
@@ -41,6 +42,7 @@ class Request:
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     echo: bool = False  # completions: the answer's text (and logprobs) begin with the prompt's
+    chat_template_kwargs: dict | None = None  # chat: passed to the chat template (enable_thinking, ...)
 
     @property
     def key(self) -> str:
@@ -138,7 +140,8 @@ def _openai_request(line: str, n: int, defaults: dict, name: str) -> Request | B
     except BodyError as e:
         return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {e}", custom_id)
     if obj["url"] == CHAT:
-        return Request(custom_id, n, CHAT, params, messages=content)
+        return Request(custom_id, n, CHAT, params, messages=content,
+                       chat_template_kwargs=obj["body"].get(TEMPLATE_KWARGS))
     return Request(custom_id, n, COMPLETIONS, params, prompt=content, echo=obj["body"].get("echo") is True)
 
 
@@ -156,7 +159,7 @@ def _check_envelope(obj: dict) -> str | None:
 
 
 def _unsupported(key: str, url: str) -> str:
-    known = sorted([*PARAM_KEYS, *_logprob_keys(url), *IGNORED_KEYS, "messages" if url == CHAT else "prompt"])
+    known = sorted([*PARAM_KEYS, *_logprob_keys(url), *IGNORED_KEYS, *_content_keys(url)])
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"supported: {', '.join(known)}"
     return f"body parameter {key!r} is not supported; {hint}"
@@ -170,11 +173,21 @@ def check_body(url: str, body: dict, defaults: dict, many: bool = False) -> tupl
     """The SamplingParams and the prompt (text or token ids; for chat, the messages) of an OpenAI request body to
     url, its unset parameters taken from defaults; BodyError names the first field that cannot run. many: a
     completions prompt may be a list of prompts (a server's request), and the prompt returned is always a list."""
-    known = (*PARAM_KEYS, *IGNORED_KEYS, *_logprob_keys(url), "prompt", "messages")
+    # both endpoints' content keys: the other one's is refused naming its endpoint (_refuse_other_endpoints)
+    known = (*PARAM_KEYS, *IGNORED_KEYS, *_logprob_keys(url), *CONTENT_KEYS.values(), *_content_keys(url))
     unknown = [k for k in body if k not in known]
     if unknown:
         raise BodyError(_unsupported(unknown[0], url), unknown[0])
+    if url == CHAT:
+        try:
+            check_template_kwargs(body.get(TEMPLATE_KWARGS))
+        except ConfigError as e:
+            raise BodyError(str(e), TEMPLATE_KWARGS) from None
     return sampling_params(defaults, body, url), _content(url, body, many)
+
+
+def _content_keys(url: str) -> tuple[str, ...]:
+    return ("messages", TEMPLATE_KWARGS) if url == CHAT else ("prompt",)
 
 
 def _logprob_keys(url: str) -> tuple[str, ...]:

@@ -13,11 +13,13 @@ from offload.errors import OffloadError
 from offload.jobs import responses
 from offload.jobs.batch import CHAT, Request
 from offload.jobs.config import JobConfig, plan_request
+from offload.options import DEFAULT_REASONING_PARSER
 from offload.planner.recost import recost_steps, recost_steps_at
 from offload.planner.speculation import PRIOR_ACCEPTANCE, against_measured
 from offload.planner.whatif import what_ifs
 from offload.profile.report import JobCounts, build_report
 from offload.profile.timeline import Timeline
+from offload.reasoning import reasoning_start
 from offload.runtime.host_memory import peak_rss_bytes
 from offload.runtime.speedprobe import MachineSpeed, machine_speed, speed_at
 from offload.spec import ModelSpec
@@ -32,6 +34,7 @@ class Prepared:
 
     request: Request
     prompt: dict = field(default_factory=dict)  # {"prompt_token_ids": [...], "prompt": text or None}
+    thought_start: bool | None = None  # a chat answer split into reasoning and content: whether it starts thinking
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class Answer:
     def text(self) -> str:
         """The first choice's text."""
         first = self.choices[0]
-        return first["message"]["content"] if "message" in first else first["text"]
+        return (first["message"]["content"] or "") if "message" in first else first["text"]
 
 
 OnAnswer = Callable[[Request, Answer], None]
@@ -65,17 +68,23 @@ def prompt_ids(req: Request, tokenizer, path: Path) -> tuple[list[int], str | No
     """A request's prompt as token ids (and its text, for a text prompt), by the model's tokenizer and chat
     template; OffloadError says what is wrong."""
     if req.url == CHAT:
-        return encode_chat(tokenizer, path, req.messages), None
+        return encode_chat(tokenizer, path, req.messages, template_kwargs=req.chat_template_kwargs), None
     if isinstance(req.prompt, str):
         return encode_text(tokenizer, path, req.prompt), req.prompt
     return list(req.prompt), None
+
+
+def thought_start(req: Request, tokenizer, ids: list[int], parser: str = DEFAULT_REASONING_PARSER) -> bool | None:
+    """For a chat request whose answer parser (serve.reasoning_parser's value) splits into reasoning_content and
+    content, whether the answer starts inside its <think> block; None for an answer not split."""
+    return reasoning_start(tokenizer, ids, parser) if req.url == CHAT else None
 
 
 def prepare(llm, req: Request) -> Prepared:
     """Token ids of a request's prompt, checked against the model; OffloadError says what is wrong."""
     ids, text = prompt_ids(req, llm.tokenizer, llm.path)
     llm.generator.check_prompt(ids, req.params)  # the one check, against the context this run's cache holds
-    return Prepared(req, {"prompt_token_ids": ids, "prompt": text})
+    return Prepared(req, {"prompt_token_ids": ids, "prompt": text}, thought_start(req, llm.tokenizer, ids))
 
 
 def check_prompts(requests: list[Request], tokenizer, path: Path, spec: ModelSpec,
@@ -108,9 +117,10 @@ def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error
         return
 
     def on_finish(out) -> None:
-        req = ready[int(out.request_id)].request
-        counts = responses.usage_of([out])
-        answer = Answer(responses.choices(req.url, out, llm.tokenizer, echo=req.echo), counts["prompt_tokens"],
+        prepared = ready[int(out.request_id)]
+        req, counts = prepared.request, responses.usage_of([out])
+        answer = Answer(responses.choices(req.url, out, llm.tokenizer, echo=req.echo,
+                                          thought_start=prepared.thought_start), counts["prompt_tokens"],
                         counts["completion_tokens"])
         on_answer(req, answer)
 

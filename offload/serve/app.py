@@ -27,13 +27,15 @@ RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait: slots 
 
 
 class Server:
-    """What the routes share: the model and its name, the request defaults, the key, the engine thread, and the
-    batches of the state folder (None without one)."""
+    """What the routes share: the model and its name, the request defaults, the key, how chat answers split off
+    their reasoning, the engine thread, and the batches of the state folder (None without one)."""
 
     def __init__(self, llm, model_name: str, *, defaults: dict | None = None, api_key: str | None = None,
                  max_waiting: int = ServeOptions.model_fields["max_waiting"].default, state_dir: Path | None = None,
-                 max_upload_bytes: int = ServeOptions.model_fields["max_upload_bytes"].default):
+                 max_upload_bytes: int = ServeOptions.model_fields["max_upload_bytes"].default,
+                 reasoning_parser: str = ServeOptions.model_fields["reasoning_parser"].default):
         self.llm, self.model_name, self.defaults, self.api_key = llm, model_name, defaults or {}, api_key
+        self.reasoning_parser = reasoning_parser
         self.created = int(time.time())
         self.engine_thread = EngineThread(llm, max_waiting=max_waiting)
         self.metrics = self.engine_thread.metrics
@@ -142,7 +144,7 @@ def _validation_error(e: RequestValidationError) -> ApiError:
 async def _answer(server: Server, request: Request, url: str):
     body = await protocol.read_json(request)
     server.check_model(body)
-    job = protocol.prepare(url, body, server.llm, server.model_name, server.defaults)
+    job = protocol.prepare(url, body, server.llm, server.model_name, server.defaults, server.reasoning_parser)
     if server.engine_thread.died:
         raise ApiError(503, "the server's engine thread has stopped (its log says why); restart offload serve",
                        kind="server_error")
@@ -233,9 +235,10 @@ async def _events(server: Server, job: Job, queue: asyncio.Queue):
                 left -= 1
                 n_prompt, n_completion = n_prompt + update.n_prompt, n_completion + update.n_completion
                 continue
-            if update.text or update.logprobs:
-                yield sse(protocol.chunk(job, update.index, update.text, logprobs=update.logprobs,
-                                         token_ids=list(update.token_ids)))
+            piece = protocol.text_chunk(job, update.index, update.text, update.logprobs, list(update.token_ids),
+                                        final=update.finish_reason is not None)
+            if piece is not None:
+                yield sse(piece)
             if update.finish_reason:
                 yield sse(protocol.chunk(job, update.index, finish_reason=update.finish_reason))
         finished = not left

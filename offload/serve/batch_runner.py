@@ -17,7 +17,7 @@ from offload.errors import ConfigError, OffloadError, OutputError
 from offload.jobs import responses
 from offload.jobs.batch import BadLine, Request, error_record, read_requests, success_record
 from offload.jobs.output import OutputLog
-from offload.jobs.worker import prompt_ids, request_problem
+from offload.jobs.worker import prompt_ids, request_problem, thought_start
 from offload.serve.engine_thread import Update
 from offload.serve.protocol import ApiError
 
@@ -42,7 +42,7 @@ class BatchRunner:
         self.n_total = self.n_completed = self.n_failed = 0
         self._started = False  # counts are the job's once its log is read
         self._answers: queue.Queue[tuple[str, Update]] = queue.Queue()
-        self._in_flight: dict[str, tuple[Request, Sequence]] = {}
+        self._in_flight: dict[str, tuple[Request, Sequence, bool | None]] = {}  # with its thought_start
         self._cancel, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"offload-{self.batch_id}", daemon=True)
 
@@ -152,19 +152,20 @@ class BatchRunner:
             ids, _ = prompt_ids(req, llm.tokenizer, llm.path)
             llm.generator.check_prompt(ids, req.params)
             seq = Sequence(request_id, ids, req.params)
-            self._in_flight[request_id] = (req, seq)
+            self._in_flight[request_id] = (req, seq, thought_start(req, llm.tokenizer, ids,
+                                                                   self.server.reasoning_parser))
             self.server.engine_thread.submit_background(seq, lambda update: self._answers.put((request_id, update)))
         except OffloadError as e:
             self._in_flight.pop(request_id, None)
             self._write(log, error_record(req, request_problem(req, e)))
 
-    def _write_answer(self, log: OutputLog, req: Request, seq: Sequence, update: Update) -> None:
+    def _write_answer(self, log: OutputLog, req: Request, seq: Sequence, start: bool | None, update: Update) -> None:
         if update.error:
             self._write(log, error_record(req, request_problem(req, update.error), "server_error"))
             return
         llm = self.server.llm
         output = llm.output_of(seq, req.prompt if isinstance(req.prompt, str) else None)
-        choices = responses.choices(req.url, output, llm.tokenizer, echo=req.echo)
+        choices = responses.choices(req.url, output, llm.tokenizer, echo=req.echo, thought_start=start)
         self._write(log, success_record(req, choices, update.n_prompt, update.n_completion, self.server.model_name))
 
     def _write(self, log: OutputLog, record: dict) -> None:

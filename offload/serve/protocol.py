@@ -11,8 +11,10 @@ from dataclasses import dataclass, field
 from offload.engine import Sequence
 from offload.errors import OffloadError
 from offload.jobs import responses
-from offload.jobs.batch import CHAT, BodyError, Request, check_body
-from offload.jobs.worker import prompt_ids
+from offload.jobs.batch import CHAT, TEMPLATE_KWARGS, BodyError, Request, check_body
+from offload.jobs.worker import prompt_ids, thought_start
+from offload.options import DEFAULT_REASONING_PARSER
+from offload.reasoning import ThoughtSplitter
 
 SERVE_KEYS = ("stream_options",)  # body keys only a server reads (a batch job ignores 'stream')
 
@@ -59,15 +61,18 @@ class Job:
     include_usage: bool = False
     echo: bool = False
     tokenizer: object = field(default=None, repr=False)  # the model's: logprobs name their tokens by it
+    thought_start: bool | None = None  # chat: whether the answer starts inside its <think> block; None: not split
     created: int = field(default_factory=lambda: int(time.time()))
+    splitters: dict[int, ThoughtSplitter] = field(default_factory=dict, repr=False)  # a stream's, by choice
 
     @property
     def n_choices(self) -> int:
         return sum(s.params.n for s in self.seqs)
 
 
-def prepare(url: str, body, llm, model: str, defaults: dict) -> Job:
-    """The Job of a request body to url, answered as model; ApiError (400) names the field that cannot run."""
+def prepare(url: str, body, llm, model: str, defaults: dict, reasoning_parser: str = DEFAULT_REASONING_PARSER) -> Job:
+    """The Job of a request body to url, answered as model, a chat answer split by reasoning_parser
+    (serve.reasoning_parser); ApiError (400) names the field that cannot run."""
     if not isinstance(body, dict):
         raise ApiError(400, f"expected the request body to be a JSON object, found {type(body).__name__}")
     stream = False if body.get("stream") is None else body["stream"]
@@ -85,9 +90,11 @@ def prepare(url: str, body, llm, model: str, defaults: dict) -> Job:
                             "one of them", "echo")
     job_id = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
     prompts = [content] if url == CHAT else content
-    seqs, texts = [], []
+    seqs, texts, start = [], [], None
     for i, prompt in enumerate(prompts):
-        req = Request(job_id, 0, url, params, **({"messages": prompt} if url == CHAT else {"prompt": prompt}))
+        given = {"messages": prompt, "chat_template_kwargs": body.get(TEMPLATE_KWARGS)} if url == CHAT else \
+            {"prompt": prompt}
+        req = Request(job_id, 0, url, params, **given)
         where = "messages" if url == CHAT else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         try:
             ids, text = prompt_ids(req, llm.tokenizer, llm.path)
@@ -97,7 +104,11 @@ def prepare(url: str, body, llm, model: str, defaults: dict) -> Job:
             raise ApiError(400, str(e) if len(prompts) == 1 else f"{where}: {e}", field) from None
         seqs.append(Sequence(job_id if len(prompts) == 1 else f"{job_id}-{i}", ids, params))
         texts.append(text)
-    return Job(url, job_id, seqs, model, texts, stream, include_usage, echo, llm.tokenizer)
+        start = thought_start(req, llm.tokenizer, ids, reasoning_parser)  # chat: one prompt
+    return Job(url, job_id, seqs, model, texts, stream=stream, include_usage=include_usage, echo=echo,
+               tokenizer=llm.tokenizer, thought_start=start)
+
+
 def _include_usage(options, stream: bool) -> bool:
     if options is None:
         return False
@@ -116,17 +127,35 @@ def completion(job: Job, outputs: list) -> dict:
     out_choices, first = [], 0
     for output, text in zip(outputs, job.prompt_texts):
         out_choices += responses.choices(job.url, output, job.tokenizer, echo=job.echo, prompt_text=text,
-                                         first_index=first)
+                                         first_index=first, thought_start=job.thought_start)
         first += len(output.outputs)
     return responses.response_body(job.url, job.id, job.created, job.model, out_choices, responses.usage_of(outputs))
 
 
+def text_chunk(job: Job, index: int, text: str, logprobs: list | None, token_ids: list[int],
+               final: bool) -> dict | None:
+    """The chunk of choice `index`'s new text, for chat split into delta.reasoning_content and delta.content where
+    the job splits its answer (a tail that may begin a tag waits for the next piece); None where nothing is to be
+    sent yet. final: the choice ends with this piece."""
+    reasoning = None
+    if job.url == CHAT and job.thought_start is not None:
+        splitter = job.splitters.setdefault(index, ThoughtSplitter(job.thought_start))
+        reasoning, text = splitter.feed(text, final)
+    if not (text or reasoning or logprobs):
+        return None
+    return chunk(job, index, text if text or not reasoning else None, logprobs=logprobs, token_ids=token_ids,
+                 reasoning=reasoning or None)
+
+
 def chunk(job: Job, index: int = 0, text: str | None = None, finish_reason: str | None = None,
-          role: bool = False, logprobs: list | None = None, token_ids: list[int] | None = None) -> dict:
-    """One streamed piece of choice `index`: new text (and its tokens' logprobs), or its end (finish_reason); for
-    chat, the first one carries the role."""
+          role: bool = False, logprobs: list | None = None, token_ids: list[int] | None = None,
+          reasoning: str | None = None) -> dict:
+    """One streamed piece of choice `index`: new text (and its tokens' logprobs; for chat, reasoning_content
+    beside or instead of content), or its end (finish_reason); for chat, the first one carries the role."""
     if job.url == CHAT:
         delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+        if reasoning is not None:
+            delta = {"reasoning_content": reasoning, **delta}
         lp = None if logprobs is None else responses.chat_logprobs(job.tokenizer, logprobs)
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
     else:

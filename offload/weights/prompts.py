@@ -24,10 +24,12 @@ def encode_text(tokenizer, path: Path, text: str) -> list[int]:
     return list(tokenizer.encode(text))
 
 
-def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of a conversation rendered with the model's chat template; ConfigError without one, for a role
-    no template renders, or where the template refuses the conversation (its own checks raise, such as roles that
-    must alternate)."""
+def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_prompt: bool = True,
+                template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of a conversation rendered with the model's chat template, template_kwargs (a request's
+    chat_template_kwargs, such as enable_thinking) passed to it; ConfigError without one, for a role no template
+    renders, or where the template refuses the conversation (its own checks raise, such as roles that must
+    alternate). A template that refuses a system message (Gemma 2's) gets it folded into the first user turn."""
     if tokenizer is None:
         raise ConfigError(f"the model in {path} has no tokenizer files, so no chat template; give the prompt as "
                           f"token ids without chat, or add the model's tokenizer.json and tokenizer_config.json to "
@@ -36,12 +38,71 @@ def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_
         raise ConfigError(f"the tokenizer in {path} has no chat template; send plain prompts (a completion, not a "
                           f"chat)")
     check_messages(conversation)
+    kwargs = check_template_kwargs(template_kwargs)
+    if conversation and conversation[0].get("role") == "system" and refuses_system(tokenizer, kwargs):
+        conversation = fold_system(conversation)
     try:
-        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        ids = tokenizer.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True,
+                                            **kwargs)
     except Exception as e:  # jinja2 and the template's own raise_exception(): many kinds
         raise ConfigError(f"the chat template in {path} refused the conversation ({library_error(e)}); "
                           f"change the messages") from e
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+
+# apply_chat_template's own parameters and the template's messages: set by offload, not by a request
+RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+                            "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+                            "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                            "tokenizer_kwargs")
+
+
+def check_template_kwargs(kwargs) -> dict:
+    """A request's chat_template_kwargs (None: none): ConfigError for anything but a mapping of names to values, or a
+    name offload sets itself."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict):
+        raise ConfigError(f"expected chat_template_kwargs to be an object of the chat template's variables, such as "
+                          f"{{\"enable_thinking\": false}}, found {_short(kwargs)}")
+    for key in kwargs:
+        if not isinstance(key, str) or not key:
+            raise ConfigError(f"expected chat_template_kwargs's keys to be the chat template's variable names, found "
+                              f"{key!r}")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ConfigError(f"chat_template_kwargs cannot set {key!r}: offload sets it when it renders the messages; "
+                              f"drop it (chat_template_kwargs is for the template's own variables, such as "
+                              f"enable_thinking)")
+    return dict(kwargs)
+
+
+def refuses_system(tokenizer, kwargs: dict) -> bool:
+    """Whether the chat template raises on a system message where it renders the same user turn alone (Gemma 2's
+    "System role not supported")."""
+    def renders(conversation: list[dict]) -> bool:
+        try:
+            tokenizer.apply_chat_template(conversation, tokenize=False, **kwargs)
+        except Exception:  # noqa: BLE001 (the template's raise_exception() and jinja2's errors: many kinds)
+            return False
+        return True
+
+    user = {"role": "user", "content": "x"}
+    return not renders([{"role": "system", "content": "s"}, user]) and renders([user])
+
+
+def fold_system(conversation: list[dict]) -> list[dict]:
+    """The leading system message folded into the first user turn, as Gemma 3's template does itself: its text, a
+    blank line, the user's text (a system message followed by no user turn becomes one)."""
+    system, rest = conversation[0], conversation[1:]
+    if rest and rest[0].get("role") == "user" and isinstance(rest[0].get("content"), str) \
+            and isinstance(system.get("content"), str):
+        return [{**rest[0], "content": f"{system['content']}\n\n{rest[0]['content']}"}, *rest[1:]]
+    return [{**system, "role": "user"}, *rest]
+
+
+def _short(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def check_messages(conversation: list[dict]) -> None:
