@@ -86,9 +86,9 @@ def test_unsupported_architecture(capsys, folder):
 
 
 def test_unsupported_rope_type(capsys, folder):
-    write_config(folder, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0})
+    write_config(folder, rope_parameters={"rope_type": "mrope", "factor": 4.0, "rope_theta": 10000.0})
     msg = run_cli(capsys, folder)
-    assert "yarn" in msg and "dynamic" in msg
+    assert "mrope" in msg and "dynamic" in msg
 
 
 @pytest.mark.parametrize("flags, word", [

@@ -246,8 +246,8 @@ MODEL_CASES = {
                       ["required key 'hidden_size' is missing", "must set it"], True),
     "no layers": (lambda e, f: _link_model(e, f, num_hidden_layers=0),
                   ["'num_hidden_layers' must be a whole number of 1 or more, found 0", "fix config.json"], True),
-    "unsupported rope": (lambda e, f: _link_model(e, f, rope_parameters={"rope_type": "yarn", "factor": 4.0}),
-                         ["rope scaling type 'yarn' is not supported", "dynamic"], True),
+    "unsupported rope": (lambda e, f: _link_model(e, f, rope_parameters={"rope_type": "mrope", "factor": 4.0}),
+                         ["rope scaling type 'mrope' is not supported", "yarn"], True),
     # issue 44 item 3: sizes past the caps the planner loops to (it ran for minutes on 10^6 and 10^12 layers)
     "a million layers": (lambda e, f: _link_model(e, f, num_hidden_layers=10**6),
                          ["'num_hidden_layers' is 1,000,000, above the 10,000 offload plans for", "fix config.json"],

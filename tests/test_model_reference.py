@@ -87,7 +87,7 @@ def test_default_model_logits_match(default_llm, default_hf):
 def test_bf16_linear_with_bias_through_the_cpu_kernel():
     """A row or two of bf16 activations go through offload's kernel (linear()'s half path): a bf16 bias (Qwen2's
     q/k/v) is added in fp32 there, as F.linear adds it; the result matches F.linear to bf16 rounding."""
-    from offload.model.llama import linear
+    from offload.kernels.ops import linear
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 64, generator=g).to(torch.bfloat16)

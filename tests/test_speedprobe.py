@@ -203,7 +203,7 @@ def test_a_job_at_half_the_calibrated_speed_is_predicted_twice_as_long(tmp_path,
     assert speed["predicted_s_at_calibration"] == pytest.approx(calibrated, rel=1e-9)  # reported beside
     for phase, p in report["phases"].items():
         assert p["predicted_s_per_token"] * p["tokens"] == pytest.approx(2 * calibrated[phase], rel=1e-9), phase
-    llm.request = replace(llm.request, hardware=replace(CALIBRATED, cpu_probe={}))  # no reference: no probe
+    llm.request = llm.request.with_options(hardware=replace(CALIBRATED, cpu_probe={}))  # no reference: no probe
     calls.clear()
     assert run_batch(config, llm=llm, restart=True)["machine_speed"] is None and not calls
 

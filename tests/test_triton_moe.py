@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from conftest import run_interpreted
 
 from offload.kernels.packed import pack
-from offload.model.llama import StackedWeight, linear
+from offload.kernels.ops import StackedWeight, linear
 from offload.model.moe import ExpertWeights, experts_forward_loop, route
 from offload.runtime.device_quant import DeviceQuantWeight
 from offload.moe_spec import MoESpec
@@ -106,7 +106,8 @@ def tolerance(moe: MoESpec, w: ExpertWeights, x: torch.Tensor) -> torch.Tensor:
 WORKER = INTERPRETER_PRELUDE + """
 from torch.overrides import TorchFunctionMode
 from offload.kernels import triton_moe
-from offload.model.moe import experts_forward_grouped, experts_forward_loop
+from offload.kernels import ops
+from offload.model.moe import experts_forward_loop, route
 SYNCING = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
            "argwhere", "bincount", "unique", "unique_consecutive", "masked_select", "repeat_interleave", "equal",
            "allclose", "is_nonzero"}
@@ -135,6 +136,12 @@ def device_linear(x, w, bias):
         return torch.nn.functional.linear(x, w, bias)
     return host_linear(x, w, bias)
 moe.linear = device_linear
+def experts_forward_grouped(m, w, x):
+    d = x.shape[-1] // 2
+    residual, h = x[..., :d], x[..., d:].reshape(-1, d)
+    weights, ids = route(m, moe.linear(h, w.router, None))
+    out = ops.run_grouped(m, w, h, weights, ids)
+    return None if out is None else residual + out.to(x.dtype).view(residual.shape)
 group_weights, builds = triton_moe.group_weights, []
 triton_moe.group_weights = lambda leaves, x: builds.append(len(leaves)) or group_weights(leaves, x)
 cases = torch.load(sys.argv[1], weights_only=False)
@@ -142,7 +149,7 @@ out = {}
 for name, c in cases.items():
     run = experts_forward_loop if name.startswith("loop") else experts_forward_grouped
     triton_moe._offset_table.cache_clear()  # each case builds its weights' offset table, as a first call does
-    moe._GROUPED.clear()  # and its grouped operands
+    ops._GROUPED.clear()  # and its grouped operands
     if "refill" in c:  # a staging slot: grouped once, then refilled in place with another layer's weights
         run(c["moe"], c["w"], c["x"])
         for slot, new in c["refill"]:
@@ -225,20 +232,19 @@ def test_a_slot_s_grouped_operands_are_built_once_and_follow_its_contents(interp
 
 @needs_triton
 def test_grouped_operands_are_rebuilt_for_other_weights_or_activations(monkeypatch):
-    from offload.kernels import triton_moe
-    from offload.model import moe
+    from offload.kernels import ops, triton_moe
 
     builds = []
     group_weights = triton_moe.group_weights
     monkeypatch.setattr(triton_moe, "group_weights", lambda leaves, x: builds.append(1) or group_weights(leaves, x))
     c = make_inputs(CASES[4], seed=4)
     h = c["x"][:, D:]
-    first = moe.experts_grouped(c["w"], h)
+    first = ops.grouped_weights(c["w"], h)
     assert first[0] is not None and len(builds) == 2
-    assert moe.experts_grouped(c["w"], h) is first and len(builds) == 2  # the same weights: nothing rebuilt
-    moe.experts_grouped(c["w"], h.bfloat16())  # other activations: the dense/quant checks differ
+    assert ops.grouped_weights(c["w"], h) is first and len(builds) == 2  # the same weights: nothing rebuilt
+    ops.grouped_weights(c["w"], h.bfloat16())  # other activations: the dense/quant checks differ
     copy = ExpertWeights(c["w"].router, c["w"].gate_up, c["w"].down)
-    moe.experts_grouped(copy, h)
+    ops.grouped_weights(copy, h)
     assert len(builds) == 6
 
 
@@ -351,7 +357,9 @@ def test_cuda_experts_forward_takes_the_grouped_kernels(case):
                                                                                v.d.cuda(), v.tiled)
     w = c["w"]
     wc = ExpertWeights(w.router.cuda(), tuple(map(to_cuda, w.gate_up)), tuple(map(to_cuda, w.down)))
-    assert moe._grouped_kernels(c["x"].cuda()) is not None
+    from offload.kernels import ops
+
+    assert ops._triton_moe() is not None
     y = moe.experts_forward(c["moe"], wc, c["x"].cuda()).cpu()
     ref = experts_forward_loop(c["moe"], w, c["x"])
     assert bool(((y.float() - ref.float()).abs() <= tolerance(c["moe"], w, c["x"])).all())

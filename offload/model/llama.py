@@ -11,25 +11,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from offload.kernels.ops import Weight, linear
 from offload.model.attention import attend
 from offload.model.rope import apply_rope, rope_table
 from offload.model.step import LayerKV, Step
 from offload.spec import ModelSpec
-
-Weight = object  # a torch.Tensor [out, in], an offload.kernels.PackedWeight, a DeviceQuantWeight or a StackedWeight
-
-
-@dataclass(frozen=True)
-class StackedWeight:
-    """Weights of different formats stacked along the output dimension, as one [sum(out), in] weight: a GGUF
-    layer whose q, k and v (or gate and up) are stored in different types. Each part computes its own slice."""
-
-    parts: tuple
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
-
 
 @dataclass
 class LayerWeights:
@@ -63,60 +49,6 @@ class MLPWeights:
     down: Weight
     down_bias: torch.Tensor | None
     post_mlp_norm: torch.Tensor | None = None  # Gemma 2/3: the MLP's output normed before the residual add
-
-
-HALF_KERNEL_ROWS = 2  # up to this many rows, offload's kernel beats torch's bf16 matmul on the CPU (~1.5x at 1)
-HALF_ACTIVATIONS = (torch.float32, torch.bfloat16)  # what offload's CPU kernels take
-HALF_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # dense weights they take as a PackedWeight view
-
-
-def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
-    """x [..., in] @ w.T + bias, for dense tensors or packed (quantized) weights. Half-precision weights on the
-    CPU, for a row or two (a decode step), go through offload's kernel, which streams them faster than torch; bf16
-    weights against bf16 activations at any rows too, where the CPU has AVX-512 BF16 (offload's tiles), and against
-    activations of another dtype at any rows (a GGUF file's bf16 weights kept as stored)."""
-    if isinstance(w, torch.Tensor):
-        few_rows = x.numel() <= HALF_KERNEL_ROWS * x.shape[-1]
-        if ((few_rows or _bf16_tiles(x, w) or x.dtype != w.dtype) and w.dtype in HALF_WEIGHTS
-                and w.device.type == "cpu" and x.dtype in HALF_ACTIVATIONS and w.dim() == 2 and w.is_contiguous()):
-            as_packed = _half_kernel()
-            if as_packed is not None:  # its bias in fp32, as the kernel adds it
-                return linear(x, as_packed(w), None if bias is None else bias.float())
-        if w.dtype != x.dtype:  # a weight kept in its stored format (a GGUF file's bf16) under another compute dtype
-            return F.linear(x, w.to(x.dtype), None if bias is None else bias.to(x.dtype))
-        return F.linear(x, w, bias)
-    if isinstance(w, StackedWeight):
-        biases = bias.split([p.shape[0] for p in w.parts]) if bias is not None else [None] * len(w.parts)
-        return torch.cat([linear(x, p, b).to(x.dtype) for p, b in zip(w.parts, biases)], dim=-1)
-    if hasattr(w, "apply"):  # weights that compute on their own device (dequantized there)
-        return w.apply(x, bias)
-    from offload.kernels import linear as packed_linear
-
-    out = packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), w, bias)
-    return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-
-
-def _bf16_tiles(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether offload's AVX-512 BF16 tiles take x @ w.T (bf16 both, whole 32-element blocks)."""
-    return x.dtype is torch.bfloat16 and w.dtype is torch.bfloat16 and x.shape[-1] % 32 == 0 and _bf16_available()
-
-
-@functools.lru_cache(maxsize=None)
-def _bf16_available() -> bool:
-    from offload.kernels import BF16_TILES
-
-    return BF16_TILES
-
-
-@functools.lru_cache(maxsize=None)
-def _half_kernel():
-    """A function making a dense half-precision weight a PackedWeight view for offload's C++ kernels (None
-    without them)."""
-    from offload.kernels import ACTIVE_PATH, PackedWeight
-
-    if ACTIVE_PATH == "numba":  # no C++ extension: torch's matmul is the faster one
-        return None
-    return lambda w: PackedWeight(HALF_WEIGHTS[w.dtype], tuple(w.shape), w, None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from offload.model.llama import layer_forward, linear, mlp_forward, rms_norm
+from offload.kernels.ops import linear
+from offload.model.llama import layer_forward, mlp_forward, rms_norm
 from offload.model.step import LayerKV, Step
 from offload.model.moe import experts_forward
 from offload.spec import ModelSpec

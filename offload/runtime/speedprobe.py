@@ -225,7 +225,7 @@ def linear_for(fmt: str):
     from offload import kernels
 
     if fmt in _TORCH_DTYPES:  # the block math's own dispatch: torch's matmul, or offload's kernel for a row or two
-        from offload.model.llama import linear
+        from offload.kernels.ops import linear
 
         return (lambda x, w: linear(x, w, None)), getattr(torch, _TORCH_DTYPES[fmt])
     return kernels.linear, torch.float32

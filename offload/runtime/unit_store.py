@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from offload.formats import ALIGN_BYTES, GGUF_BLOCKS
-from offload.model.llama import LayerWeights, MLPWeights, StackedWeight
+from offload.kernels.ops import StackedWeight
+from offload.model.llama import LayerWeights, MLPWeights
 from offload.model.moe import ExpertWeights
 from offload.runtime.device_quant import DeviceQuantWeight
 

@@ -15,7 +15,8 @@ import numpy as np
 import torch
 
 from offload.formats import FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK, is_quantized
-from offload.model.llama import LayerWeights, StackedWeight
+from offload.kernels.ops import StackedWeight
+from offload.model.llama import LayerWeights
 from offload.model.moe import ExpertWeights
 from offload.spec import ModelSpec, UnitSpec
 from offload.weights.extents import Extent, unit_extents
@@ -33,8 +34,9 @@ class GGUFSource:
         check_tensors(gf, spec, requantize=quantization != "none")
         self.gf, self.spec, self.dtype, self.quantization = gf, spec, dtype, quantization
         self.by_name: dict[str, GGUFTensor] = tensor_map(gf, spec)  # an expert's entry: its slice of the stack
-        # llama.cpp permutes the q and k rows of the models it stores as llama (Mixtral too)
-        self.unpermute = spec.architecture in ("llama", "mistral", "mixtral")
+        # llama.cpp permutes the q and k rows of the models it stores as llama (Mixtral too); norms are as stored
+        # (Gemma's converter adds the 1 that read_norm adds to a Hugging Face checkpoint's)
+        self.unpermute = spec.family.gguf_permuted
         if quantization != "none":
             other = sorted({t.fmt for t in self.by_name.values() if t.fmt and t.fmt != quantization
                             and t.fmt not in FLOAT_FORMATS})

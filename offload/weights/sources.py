@@ -10,7 +10,8 @@ import torch
 from offload.errors import ConfigError
 from offload.formats import AS_STORED, FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK, QUANTIZATIONS, torch_dtype
 from offload.kernels import TILED, PackedWeight
-from offload.model.llama import LayerWeights, MLPWeights, StackedWeight
+from offload.kernels.ops import StackedWeight
+from offload.model.llama import LayerWeights, MLPWeights
 from offload.model.model import Model
 from offload.model.moe import ExpertWeights
 from offload.spec import ModelSpec, TensorSpec, UnitSpec
