@@ -16,7 +16,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "offload"
 # Each module may import from its own layer and the layers below (a top-level module or a package).
 LAYERS = [
     {"__init__", "errors", "paths", "formats", "system", "units", "attention_sizes", "config_values", "rate_curves",
-     "option_values", "environment", "rope_spec", "families", "moe_spec"},
+     "option_values", "environment", "rope_spec", "families", "moe_spec",
+     "reasoning"},
     {"spec", "hardware", "sampling", "options", "baseline"},
     {"planner", "kernels"},
     {"profile", "model"},
