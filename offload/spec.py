@@ -429,7 +429,7 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
     dtype = config.get("dtype", config.get("torch_dtype")) or "float32"
     n_layers = count(config, "num_hidden_layers", source)
     variant = family_math(family, config, source, n_layers, head_dim)
-    return ModelSpec(
+    spec = ModelSpec(
         architecture=config["model_type"],
         vocab_size=count(config, "vocab_size", source),
         hidden_size=hidden,
@@ -455,3 +455,8 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
         family=family,
         variant=variant,
     )
+    quantized = (config.get("quantization_config") or {}).get("quant_method")
+    if quantized == "mxfp4" and spec.moe is not None and spec.moe.naming == "gpt_oss":  # its experts as released
+        spec = spec.with_stored_formats({t.name: "mxfp4" for i in range(n_layers) if spec.is_moe_layer(i)
+                                         for t in spec.expert_tensors(i) if t.role == "linear"})
+    return spec

@@ -18,6 +18,7 @@ import torch
 from offload.planner.costs import DROP_PIECE_BYTES, READ_AHEAD_TRAIL_BYTES
 from offload.errors import WeightsError
 from offload.spec import ModelSpec
+from offload.weights import mxfp4
 
 INDEX_NAME = "model.safetensors.index.json"
 # a multimodal checkpoint's text model (Gemma 3's Gemma3ForConditionalGeneration): its tensors' prefixes as
@@ -120,6 +121,7 @@ class Checkpoint:
         self._shapes: dict[str, tuple[int, ...]] = {}
         self._where: dict[str, tuple[int, int, str]] = {}  # name -> (file offset, bytes, safetensors dtype)
         self._stacked: tuple[str, torch.Tensor] | None = None  # the stacked tensor its views were last cut from
+        self._stacked_parts: dict[str, torch.Tensor] = {}  # MXFP4 blocks and scales its views were last cut from
         self.files = self._weight_files()  # the safetensors files, in order
         for path in self.files:
             header, data_start = read_safetensors_header(path)
@@ -173,18 +175,43 @@ class Checkpoint:
         experts' fields gate_up#e)."""
         return None if name in self._file_of else stacked_view(name)
 
+    def is_mxfp4(self, name: str) -> bool:
+        """Whether a view's stacked tensor is stored as MXFP4 blocks and scales (gpt-oss's release)."""
+        view = self._view(name)
+        return view is not None and view[0] not in self._file_of and f"{view[0]}_blocks" in self._file_of
+
     def shape(self, name: str) -> tuple[int, ...]:
         view = self._view(name)
         if view is None:
             return self._shapes[name]
         stored, _, half = view
+        if self.is_mxfp4(name):  # [E, out, G, 16]: the view is [out, G * 32]
+            _, out, groups, _ = self._shapes[f"{stored}_blocks"]
+            return (out // 2 if half else out, groups * 32)
         shape = self._shapes[stored][1:]
         shape = shape[::-1] if len(shape) == 2 else shape  # stored [in, out]: the view is [out, in]
         return (shape[0] // 2, *shape[1:]) if half else tuple(shape)
 
     def __contains__(self, name: str) -> bool:
         view = self._view(name)
-        return (name if view is None else view[0]) in self._file_of
+        return (name if view is None else view[0]) in self._file_of or self.is_mxfp4(name)
+
+    def mxfp4_blocks(self, name: str) -> torch.Tensor:
+        """An MXFP4 view's GGUF block bytes [out, G * 17] (offload.weights.mxfp4), cut from the stacked blocks and
+        scales (each read once for all its views in a row)."""
+        stored, e, half = self._view(name)
+        blocks, scales = (self._stacked_part(f"{stored}_{part}")[e] for part in ("blocks", "scales"))
+        if half:  # gate and up interleaved along the rows
+            blocks, scales = (t[0::2] if half == "gate" else t[1::2] for t in (blocks, scales))
+        return mxfp4.gguf_blocks(blocks, scales)
+
+    def _stacked_part(self, stored: str) -> torch.Tensor:
+        cached = self._stacked_parts.get(stored)
+        if cached is None:
+            if len(self._stacked_parts) > 4:
+                self._stacked_parts.clear()
+            cached = self._stacked_parts[stored] = self.get(stored)
+        return cached
 
     def where(self, name: str) -> tuple[Path, int, int, torch.dtype | None]:
         """(file, offset, bytes, torch dtype or None if offload does not read it) of a tensor in the checkpoint."""
@@ -195,6 +222,9 @@ class Checkpoint:
         """Read one tensor (optionally converted to dtype); a view of a stacked tensor (stacked_view) is cut from
         it, the stacked tensor read once for all its views in a row."""
         view = self._view(name)
+        if view is not None and self.is_mxfp4(name):
+            t = mxfp4.dequantize(self.mxfp4_blocks(name))
+            return t.to(dtype) if dtype is not None else t
         if view is not None:
             stored, e, half = view
             if self._stacked is None or self._stacked[0] != stored:

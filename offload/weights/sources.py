@@ -17,6 +17,7 @@ from offload.model.moe import ExpertWeights
 from offload.spec import ModelSpec, TensorSpec, UnitSpec
 from offload.weights.cache import CACHED_KINDS, open_packed_cache
 from offload.weights.extents import Extent, unit_extents
+from offload.weights import mxfp4
 from offload.weights.loader import Checkpoint
 
 
@@ -40,7 +41,11 @@ def load_model(ckpt: Checkpoint, spec: ModelSpec, dtype: torch.dtype = torch.flo
 def packer(quantization: str, dtype: torch.dtype):
     """A function that turns a dense [out, in] weight into the form the linear layers will use."""
     if quantization == "none":
-        return lambda w: w.contiguous()
+        def keep(w):
+            return w.contiguous()
+
+        keep.as_stored = True  # linears a checkpoint stores quantized (gpt-oss's MXFP4 experts) stay so
+        return keep
     from offload.kernels import pack
 
     def pack_or_keep(w: torch.Tensor):
@@ -125,6 +130,9 @@ def _read_fused(ckpt: Checkpoint, names: tuple[str, ...] | None, dtype: torch.dt
     offset: added to a norm's weights (Gemma's 1 + weight), in fp32 before the cast to dtype."""
     if names is None:
         return None
+    if linear and getattr(pack, "as_stored", False) and ckpt.is_mxfp4(names[0]):
+        raw = torch.cat([ckpt.mxfp4_blocks(n) for n in names])  # GGUF's MXFP4 blocks, rows of the parts in turn
+        return PackedWeight.from_gguf(raw, "mxfp4", (raw.shape[0], raw.shape[1] // mxfp4.BLOCK_BYTES * QK))
     if offset:
         return (ckpt.get(names[0], torch.float32) + offset).to(dtype)
     t = torch.cat([ckpt.get(n, dtype) for n in names]) if len(names) > 1 else ckpt.get(names[0], dtype)
