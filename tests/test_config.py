@@ -235,3 +235,10 @@ def test_engine_ray_without_ray_names_the_extra(job, monkeypatch):
         load_config(job(engine="ray"))
     code, message = validate(job(), "--ray")
     assert code == 2 and "offload[ray]" in message and "Traceback" not in message
+
+
+def test_serve_prints_its_config_without_an_input(capsys):
+    """A server's config has no input to name outputs after: --print-config printed an AttributeError traceback."""
+    assert main(["serve", "--model", "default", "--port", "0", "--print-config"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)
+    assert shown["model"]["path"] == "default" and shown["input"] is None and shown["output"]["path"] is None

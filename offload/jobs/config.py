@@ -59,8 +59,9 @@ class JobConfig(Section):
     def to_yaml(self) -> str:
         """The effective configuration as YAML, defaults filled in."""
         data = self.model_dump(mode="json")
-        data["output"]["path"] = str(self.output_path)
-        data["report"]["path"] = str(self.report_path)
+        if self.input is not None or self.output.path:  # a server's config has no input to name its outputs after
+            data["output"]["path"] = str(self.output_path)
+            data["report"]["path"] = str(self.report_path)
         return yaml.safe_dump(data, sort_keys=False)
 
 
