@@ -33,8 +33,8 @@ class Family:
 
     name: str
     model_types: tuple[str, ...]  # config.json model_type values
-    attn_norm: str = "input_layernorm"
-    mlp_norm: str = "post_attention_layernorm"  # the norm before the MLP (Gemma's pre_feedforward_layernorm)
+    attn_norm: str | None = "input_layernorm"  # the norm before attention (OLMo 2 has none)
+    mlp_norm: str | None = "post_attention_layernorm"  # the norm before the MLP (Gemma's pre_feedforward_layernorm)
     post_attn_norm: str | None = None  # Gemma 2/3: the attention's output is normed before the residual add
     post_mlp_norm: str | None = None  # Gemma 2/3: and the MLP's
     qkv: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")  # Phi-3: one fused tensor
@@ -44,6 +44,7 @@ class Family:
     norm_offset: float = 0.0  # Gemma's RMSNorm multiplies by 1 + weight (added to the weights as they load)
     activation: str = "silu"  # of the gate: silu, gelu_tanh
     qk_norm: bool = False  # RMSNorm over each head of q and k before rope (Qwen3, Gemma 3)
+    qk_norm_over: str = "head"  # or "all": over the whole q and k projections (OLMo 2)
     tied: bool = False  # whether lm_head is the embedding where the config does not say (Gemma's default)
     embed_scale: bool = False  # Gemma: embeddings times sqrt(hidden), rounded to the compute dtype
     query_pre_attn_scalar: bool = False  # Gemma: scores scaled by query_pre_attn_scalar ** -0.5, not head_dim's
@@ -96,6 +97,8 @@ FAMILIES = (
            gguf_width_scaled=(62,)),
     Family("phi3", ("phi3",), qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), partial_rotary=True,
            gguf_archs=("phi3",), gguf_names=(("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up"))),
+    Family("olmo2", ("olmo2",), attn_norm=None, mlp_norm=None, post_attn_norm="post_attention_layernorm",
+           post_mlp_norm="post_feedforward_layernorm", qk_norm=True, qk_norm_over="all"),
     Family("mixtral", ("mixtral",), moe="mixtral", gguf_permuted=True),
     Family("gpt_oss", ("gpt_oss",), sinks=True, windows="alternate", moe="gpt_oss"),
     Family("qwen2_moe", ("qwen2_moe",), qkv_bias=lambda c: bool(c.get("qkv_bias", True)), o_bias=_never,

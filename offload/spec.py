@@ -231,7 +231,7 @@ class ModelSpec:
     def layer_tensors(self, i: int) -> tuple[TensorSpec, ...]:
         """The tensors of decoder layer i, with Hugging Face names (the family's) and [out, in] shapes."""
         p, d, fam = f"model.layers.{i}.", self.hidden_size, self.family
-        ts = [self._tensor(f"{p}{fam.attn_norm}.weight", (d,), "norm")]
+        ts = [self._tensor(f"{p}{fam.attn_norm}.weight", (d,), "norm")] if fam.attn_norm else []
         outs = (self.q_size, self.kv_size, self.kv_size)
         parts = zip(fam.qkv, outs) if len(fam.qkv) == 3 else ((fam.qkv[0], sum(outs)),)
         for module, out in parts:
@@ -239,7 +239,9 @@ class ModelSpec:
             if self.qkv_bias:
                 ts.append(self._tensor(f"{p}{module}.bias", (out,), "bias"))
         if self.qk_norm:
-            ts += [self._tensor(f"{p}self_attn.{x}_norm.weight", (self.head_dim,), "norm") for x in "qk"]
+            whole = fam.qk_norm_over == "all"
+            ts += [self._tensor(f"{p}self_attn.{x}_norm.weight", (n if whole else self.head_dim,), "norm")
+                   for x, n in (("q", self.q_size), ("k", self.kv_size))]
         if fam.sinks:
             ts.append(self._tensor(f"{p}self_attn.sinks", (self.n_heads,), "bias"))
         ts.append(self._tensor(f"{p}{fam.o}.weight", (d, self.q_size), "linear"))

@@ -37,7 +37,7 @@ TINY_DENSE = {"gemma2": dict(head_dim=32, query_pre_attn_scalar=24, sliding_wind
               "qwen3": dict(head_dim=32), "phi3": dict(pad_token_id=0)}
 FAMILY_CLASSES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "mixtral": "Mixtral",
                   "qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "qwen3": "Qwen3", "gemma2": "Gemma2",
-                  "gemma3_text": "Gemma3Text", "phi3": "Phi3", "gpt_oss": "GptOss"}
+                  "gemma3_text": "Gemma3Text", "phi3": "Phi3", "gpt_oss": "GptOss", "olmo2": "Olmo2"}
 
 
 def make_hf_model(arch: str = "llama", **overrides):

@@ -29,6 +29,7 @@ CASES = {
     "phi3-longrope": ("phi3", dict(max_position_embeddings=64, original_max_position_embeddings=16,
                                    rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
                                                  "long_factor": [2.0 + i / 4 for i in range(8)]})),
+    "olmo2-gqa4": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2)),
     "gpt-oss-gqa4": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=2)),
     "gpt-oss-yarn-gqa8": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=1, rope_parameters={
         "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
@@ -69,7 +70,7 @@ def test_greedy_tokens_match_transformers_on_the_placed_executor(family):
     assert out.token_ids == ref.tolist()
 
 
-PLACED = ["qwen3-gqa4", "gemma2-gqa8", "gemma3-gqa4", "phi3-partial-rotary", "gpt-oss-gqa4"]
+PLACED = ["qwen3-gqa4", "gemma2-gqa8", "gemma3-gqa4", "phi3-partial-rotary", "gpt-oss-gqa4", "olmo2-gqa4"]
 MIXES = {"streamed-on-the-simulated-gpu": ("cpu", "stream", "sim"), "resident-on-the-simulated-gpu":
          ("gpu", "gpu", "sim"), "from-disk-on-the-cpu": ("disk", "cpu", "cpu"), "random": (None, None, "sim"),
          "mlps-split-off": ("split", "stream", "sim")}

@@ -34,7 +34,9 @@ def runs_math_of(spec) -> bool:
     per-layer windows; partial rotary; gpt-oss's sinks and biased, clamped experts) runs the reference block
     math."""
     v = spec.variant
-    return (spec.family.activation == "silu" and spec.family.post_attn_norm is None and not spec.family.sinks
+    fam = spec.family
+    return (fam.activation == "silu" and fam.post_attn_norm is None and not fam.sinks and fam.attn_norm is not None
+            and fam.mlp_norm is not None and fam.qk_norm_over == "head"
             and (spec.moe is None or (spec.moe.activation == "silu" and not spec.moe.biases))
             and spec.family.post_mlp_norm is None and v.attn_scale is None and v.attn_softcap is None
             and not v.layer_windows and v.local_rope is None and v.rotary_dim is None

@@ -69,8 +69,12 @@ def roped_heads(spec: ModelSpec, qkv: torch.Tensor, step: Step, window: int | No
 
 
 def qk_norm(spec: ModelSpec, w: LayerWeights, qkv: torch.Tensor) -> torch.Tensor:
-    """qkv [..., q | k | v] with each head of q and k RMS-normed (Qwen3), v as it was."""
+    """qkv [..., q | k | v] with each head of q and k RMS-normed (Qwen3; OLMo 2: the whole of q and of k), v as
+    it was."""
     q, k, v = qkv.split([spec.q_size, spec.kv_size, spec.kv_size], dim=-1)
+    if spec.family.qk_norm_over == "all":
+        eps = spec.rms_norm_eps
+        return torch.cat([rms_norm(q, w.q_norm, eps), rms_norm(k, w.k_norm, eps), v], dim=-1)
     q = rms_norm(q.unflatten(-1, (spec.n_heads, spec.head_dim)), w.q_norm, spec.rms_norm_eps).flatten(-2)
     k = rms_norm(k.unflatten(-1, (spec.n_kv_heads, spec.head_dim)), w.k_norm, spec.rms_norm_eps).flatten(-2)
     return torch.cat([q, k, v], dim=-1)
@@ -97,7 +101,7 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
     model's layers differ)."""
     b, s, _ = x.shape
     eps = spec.rms_norm_eps
-    h = rms_norm(x, w.attn_norm, eps)
+    h = x if w.attn_norm is None else rms_norm(x, w.attn_norm, eps)
     qkv = linear(h, w.qkv, w.qkv_bias)
     if w.q_norm is not None:
         qkv = qk_norm(spec, w, qkv)
@@ -109,7 +113,7 @@ def layer_forward(spec: ModelSpec, w: LayerWeights, x: torch.Tensor, step: Step,
         o = attend(spec, q, k, v, step, kv, window, w.sinks).transpose(1, 2).reshape(b, s, spec.q_size)
     o = linear(o, w.o, w.o_bias)
     x = x + (o if w.post_attn_norm is None else rms_norm(o, w.post_attn_norm, eps))
-    h = rms_norm(x, w.mlp_norm, eps)
+    h = x if w.mlp_norm is None else rms_norm(x, w.mlp_norm, eps)
     if not moe:
         out = mlp(spec.intermediate_size, w, h, spec.family.activation)
         return x + (out if w.post_mlp_norm is None else rms_norm(out, w.post_mlp_norm, eps))

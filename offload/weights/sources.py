@@ -284,18 +284,20 @@ class RandomSource:
         qkv_out = s.q_size + 2 * s.kv_size
         moe = s.is_moe_layer(unit.index)
         f = (s.moe.shared_size if moe else 0 if s.split_mlp else s.intermediate_size) or None
-        norm = (lambda: torch.ones(s.head_dim, dtype=self.dtype)) if s.qk_norm else (lambda: None)
+        whole = s.family.qk_norm_over == "all"
 
-        def ones():
-            return torch.ones(s.hidden_size, dtype=self.dtype)
+        def ones(n: int = s.hidden_size):
+            return torch.ones(n, dtype=self.dtype)
 
         return LayerWeights(
-            attn_norm=torch.ones(s.hidden_size, dtype=self.dtype), qkv=self._linear(qkv_out, s.hidden_size),
+            attn_norm=ones() if s.family.attn_norm else None, qkv=self._linear(qkv_out, s.hidden_size),
             qkv_bias=torch.zeros(qkv_out, dtype=self.dtype) if s.qkv_bias else None,
             o=self._linear(s.hidden_size, s.q_size), o_bias=None,
-            mlp_norm=torch.ones(s.hidden_size, dtype=self.dtype),
+            mlp_norm=ones() if s.family.mlp_norm else None,
             gate_up=self._linear(2 * f, s.hidden_size) if f else None, gate_up_bias=None,
-            down=self._linear(s.hidden_size, f) if f else None, down_bias=None, q_norm=norm(), k_norm=norm(),
+            down=self._linear(s.hidden_size, f) if f else None, down_bias=None,
+            q_norm=ones(s.q_size if whole else s.head_dim) if s.qk_norm else None,
+            k_norm=ones(s.kv_size if whole else s.head_dim) if s.qk_norm else None,
             shared_gate=torch.zeros(1, s.hidden_size, dtype=self.dtype) if moe and f else None,
             post_attn_norm=ones() if s.family.post_attn_norm else None,
             sinks=torch.zeros(s.n_heads, dtype=self.dtype) if s.family.sinks else None,
