@@ -1,7 +1,12 @@
-"""Tiny GGUF models written with gguf-py's writer, as llama.cpp's converter lays them out (for the tests)."""
+"""Tiny GGUF models written with gguf-py's writer, as llama.cpp's converter lays them out (for the tests): tensors
+named by gguf-py's own TensorNameMap (not offload's table), with the converter's changes per architecture (llama's
+q/k rows permuted, Gemma's 1 added to every norm, Phi-3's LongRoPE factors as tensors) and the metadata keys its
+converter writes (convert_hf_to_gguf.py: Gemma2Model, Gemma3Model, Phi3MiniModel, TextModel)."""
 
 from __future__ import annotations
 
+import functools
+import math
 import zlib
 from pathlib import Path
 
@@ -12,25 +17,28 @@ from offload.kernels.quant import put_scales
 
 K_TINY = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
-ARCH_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+# transformers' model_type -> the general.architecture llama.cpp's converter writes for it
+ARCH_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+              "gemma3_text": "gemma3", "phi3": "phi3"}
 # types gguf.quants.quantize writes (0.19)
 GGPY_QUANTIZES = {"BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4"}
-_LAYER = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
-          "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-          # mixtures of experts, as transformers 5 names them in memory (the routed experts: see hf_from_gguf)
-          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm", "mlp.gate": "ffn_gate_inp",
-          "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-          "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+GEMMA3_PATTERN = 6  # llama.cpp's period of Gemma 3's global layers where a file states none (llama-model.cpp)
 
 
-def gguf_name(hf: str) -> str:
-    if hf.startswith("model.layers."):
-        _, _, i, rest = hf.split(".", 3)
-        module, suffix = rest.rsplit(".", 1)
-        return f"blk.{i}.{_LAYER[module]}.{suffix}"
-    return {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
-            "lm_head.weight": "output.weight"}[hf]
+@functools.cache
+def _name_map(arch: str):
+    import gguf
+
+    kind = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
+    return gguf.get_tensor_name_map(kind, 64)
+
+
+def gguf_name(hf: str, arch: str = "llama") -> str:
+    """The GGUF name gguf-py's TensorNameMap gives a Hugging Face tensor in a file of GGUF architecture arch."""
+    module, _, suffix = hf.rpartition(".")
+    name = _name_map(arch).get_name(module)
+    assert name, f"gguf-py's {arch} architecture has no tensor for {hf}"
+    return f"{name}.{suffix}"
 
 
 def permute(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -45,15 +53,17 @@ def unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def hf_from_gguf(model, path: Path):
     """A copy of a transformers model holding the weights of the GGUF file at path, dequantized by gguf-py and put
-    back in transformers' layout: llama's q/k rows unpermuted, each layer's stacked experts as transformers 5's
-    fused [E, 2F, D] gate_up_proj and [E, D, F] down_proj. The reference for a file offload reads as stored."""
+    back in transformers' layout: llama's q/k rows unpermuted, Gemma's norms less the converter's 1, each layer's
+    stacked experts as transformers 5's fused [E, 2F, D] gate_up_proj and [E, D, F] down_proj. The reference for a
+    file offload reads as stored."""
     import copy
 
     import gguf
     import torch
 
     reader = gguf.GGUFReader(path)
-    llama = reader.fields["general.architecture"].contents() == "llama"
+    arch = reader.fields["general.architecture"].contents()
+    llama = arch == "llama"
     values = {t.name: np.array(gguf.quants.dequantize(t.data, t.tensor_type), np.float32)
               for t in reader.tensors}
     cfg, ref = model.config, copy.deepcopy(model)
@@ -68,9 +78,11 @@ def hf_from_gguf(model, path: Path):
         elif name.endswith("mlp.experts.down_proj"):
             v = values[f"blk.{layer}.ffn_down_exps.weight"]
         else:
-            v = values[gguf_name(name)]
+            v = values[gguf_name(name, arch)]
             if llama and (".q_proj." in name or ".k_proj." in name):
                 v = unpermute(v, cfg.num_attention_heads if ".q_proj." in name else cfg.num_key_value_heads)
+            if arch.startswith("gemma") and name.endswith("norm.weight"):
+                v = v - np.float32(1)  # transformers' Gemma adds the 1 the converter stored
         state[name] = torch.from_numpy(np.ascontiguousarray(v)).reshape(p.shape)
     result = ref.load_state_dict(state, strict=False)  # a tied lm_head is the embedding
     assert set(result.missing_keys) <= {"lm_head.weight"} and not result.unexpected_keys, result
@@ -137,18 +149,13 @@ def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, ar
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
-    w.add_rope_freq_base(getattr(cfg, "rope_theta", None) or cfg.rope_parameters["rope_theta"])
+    theta = getattr(cfg, "rope_theta", None)  # set on a config by a test that writes a bad value
+    w.add_rope_freq_base(_rope(cfg)["rope_theta"] if theta is None else theta)
     w.add_vocab_size(cfg.vocab_size)
+    _add_family_keys(w, cfg, arch)
     if tokenizer:
         add_byte_tokenizer(w, cfg.vocab_size)
-    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
-    for hf, p in model.state_dict().items():
-        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        t = p.detach().float().numpy()
-        if name == "llama" and (".q_proj." in hf or ".k_proj." in hf):
-            t = permute(t, n_heads if ".q_proj." in hf else n_kv)
-        g = gguf_name(hf)
+    for g, t in _converted_tensors(model, arch):
         kind = (types or {}).get(g, qtype) if t.ndim == 2 else "F32"
         qt = T[kind]
         if qt == T.F32:
@@ -165,6 +172,77 @@ def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, ar
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def _rope(cfg, kind: str = "full_attention") -> dict:
+    """The rope parameters of a transformers config (Gemma 3's of one attention kind)."""
+    params = getattr(cfg, "rope_parameters", None) or {"rope_theta": getattr(cfg, "rope_theta", 10000.0)}
+    return params.get(kind, params)
+
+
+def _converted_tensors(model, arch: str):
+    """(GGUF name, fp32 array) of each tensor, changed as the converter changes it: llama's q/k rows permuted,
+    Gemma's norms plus 1, Gemma 2's lm_head dropped (its files always tie), Phi-3's LongRoPE factors added."""
+    cfg, name = model.config, ARCH_NAMES[arch]
+    n_heads, n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+    assert not (arch == "gemma2" and not cfg.tie_word_embeddings), "llama.cpp's gemma2 has no output tensor"
+    for hf, p in model.state_dict().items():
+        if hf == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue
+        t = p.detach().float().numpy()
+        if name == "llama" and (".q_proj." in hf or ".k_proj." in hf):
+            t = permute(t, n_heads if ".q_proj." in hf else n_kv)
+        if name.startswith("gemma") and hf.endswith("norm.weight"):
+            t = t + np.float32(1)
+        yield gguf_name(hf, name), t
+    rope = _rope(cfg)
+    if name == "phi3" and rope.get("long_factor"):
+        yield "rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32)
+        yield "rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32)
+
+
+def _add_family_keys(w, cfg, arch: str) -> None:
+    """The metadata keys llama.cpp's converter writes for the architecture beyond Llama's."""
+    import gguf
+
+    if arch in ("qwen3", "gemma2", "gemma3_text"):  # TextModel's and the Gemmas' own: where config.json has head_dim
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    if arch in ("gemma2", "gemma3_text"):
+        # the converter writes no query_pre_attn_scalar: llama.cpp scales by head_dim (but for the 27B models)
+        assert cfg.query_pre_attn_scalar == cfg.head_dim, "a GGUF file cannot state query_pre_attn_scalar"
+        w.add_sliding_window(cfg.sliding_window)
+        if cfg.final_logit_softcapping:
+            w.add_final_logit_softcapping(cfg.final_logit_softcapping)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
+    if arch == "gemma3_text":
+        full, local = _rope(cfg), _rope(cfg, "sliding_attention")
+        if full.get("rope_type") == "linear":
+            w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+            w.add_rope_scaling_factor(full["factor"])
+        w.add_rope_freq_base_swa(local["rope_theta"])
+        pattern = getattr(cfg, "sliding_window_pattern", GEMMA3_PATTERN)
+        if pattern != GEMMA3_PATTERN:  # a newer file's key; llama.cpp's converter leaves it at 6
+            w.add_sliding_window_pattern(pattern)
+    if arch == "phi3":
+        _add_phi3_keys(w, cfg)
+
+
+def _add_phi3_keys(w, cfg) -> None:
+    """Phi3MiniModel's keys: the rotated dimensions, the trained context, the window (0: none), LongRoPE's."""
+    import gguf
+
+    rope = _rope(cfg)
+    partial = rope.get("partial_rotary_factor", getattr(cfg, "partial_rotary_factor", 1.0))
+    original = rope.get("original_max_position_embeddings", cfg.original_max_position_embeddings)
+    w.add_rope_dimension_count(int(partial * cfg.hidden_size) // cfg.num_attention_heads)
+    w.add_rope_scaling_orig_ctx_len(original)
+    w.add_sliding_window(cfg.sliding_window or 0)
+    if rope.get("long_factor"):
+        scale = cfg.max_position_embeddings / original
+        w.add_rope_scaling_type(gguf.RopeScalingType.LONGROPE)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
 
 
 def add_byte_tokenizer(w, vocab_size: int) -> None:

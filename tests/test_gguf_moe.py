@@ -32,7 +32,8 @@ from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
 from offload.spec import load_spec
-from offload.weights.gguf import GGUFFile, gguf_spec
+from offload.weights.gguf import GGUFFile
+from offload.weights.gguf_config import gguf_spec
 from offload.weights.gguf_source import GGUFSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))

@@ -1,11 +1,13 @@
-"""GGUF model files: the architecture from the file's metadata, tensors used as they are stored, the tokenizer.
+"""GGUF model files: the metadata and tensor table, where each tensor of the spec is, tensors used as stored.
 
 A GGUF file (or a split set `name-00001-of-0000N.gguf`) is parsed with gguf-py's reader for its metadata and
 tensor table; tensor bytes are then read with pread into memory of their own (as the safetensors reader does:
-the pages of a mapped file would stay in the resident set). Quantized tensors keep their bytes: q8_0 and q4_0
+the pages of a mapped file would stay in the resident set). gguf_config.py makes the ModelSpec of its metadata; a
+tensor's GGUF name is its family's (offload/families.py). Quantized tensors keep their bytes: q8_0 and q4_0
 go into offload's split layout (the same blocks), q4_1 and the K-quants stay GGUF blocks; float tensors are
-converted to the compute format. llama.cpp's converter permutes the rows of llama's q and k weights for its
-rope; the rows are put back (a row permutation moves whole rows of blocks, so it is exact for every format).
+converted to the compute format. llama.cpp's converter permutes the rows of llama-type q and k weights for its
+rope (Family.gguf_permuted); the rows are put back (a row permutation moves whole rows of blocks, so it is exact
+for every format). Gemma's norms are stored with the 1 its converter adds, so they are used as stored.
 """
 
 from __future__ import annotations
@@ -21,30 +23,17 @@ from pathlib import Path
 import numpy as np
 
 from offload.errors import WeightsError
+from offload.families import Family, gguf_layer_names
 from offload.formats import GGUF_NAMES
 from offload.paths import cache_dir
-from offload.spec import ModelSpec, spec_from_config
+from offload.spec import ModelSpec
 
 SPLIT_NAME = re.compile(r"^(?P<stem>.+)-(?P<index>\d{5})-of-(?P<count>\d{5})\.gguf$")
-# GGUF general.architecture -> ours (a llama file with experts is Mixtral, as llama.cpp's converter writes it)
-ARCHITECTURES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen2moe": "qwen2_moe",
-                 "qwen3moe": "qwen3_moe"}
-
-# Hugging Face module of a layer -> its GGUF tensor (blk.N.<name>); a MoE layer's routed experts are not here: each
-# expert is a slice of the layer's stacked ffn_{gate,up,down}_exps tensors (see tensor_map)
-_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
-                "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
-                "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm",
-                "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
-                "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
-                "mlp.shared_expert_gate": "ffn_gate_inp_shexp", "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
-                "mlp.shared_expert.up_proj": "ffn_up_shexp", "mlp.shared_expert.down_proj": "ffn_down_shexp"}
 _TOP_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 _EXPERT_PROJS = ("gate", "up", "down")  # the order of ModelSpec.expert_names
 TABLE_VERSION = 1  # of the cached metadata/tensor tables (cache_dir()/gguf)
 _TABLES: dict[Path, dict] = {}  # tables read in this process, by their cache path (which names size and mtime)
 LONG_ARRAY = 1024  # metadata arrays longer than this (vocabulary, merges, scores) keep only their length
-_LLAMA3_FACTORS = (8.0, 16.0, 32.0)  # rope factors of the Llama 3.1 / 3.2 / 3.3 releases, tried against rope_freqs
 
 
 def is_gguf(path: str | os.PathLike) -> bool:
@@ -201,13 +190,14 @@ def _field_value(field):
     return json.loads(json.dumps(value, default=lambda o: o.item() if hasattr(o, "item") else str(o)))
 
 
-def gguf_name(hf: str) -> str | None:
-    """The GGUF name of a Hugging Face tensor name (model.layers.3.self_attn.q_proj.weight -> blk.3.attn_q.weight);
-    None for a routed expert's (a slice of a stacked tensor: see tensor_map) or an unknown name."""
+def gguf_name(hf: str, family: Family) -> str | None:
+    """The GGUF name of a Hugging Face tensor name in a file of this family (model.layers.3.self_attn.q_proj.weight
+    -> blk.3.attn_q.weight); None for a routed expert's (a slice of a stacked tensor: see tensor_map) or an unknown
+    name."""
     module, _, suffix = hf.rpartition(".")
     m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
     if m:
-        short = _LAYER_NAMES.get(m[2])
+        short = gguf_layer_names(family).get(m[2])
         return f"blk.{m[1]}.{short}.{suffix}" if short else None
     return f"{_TOP_NAMES[module]}.{suffix}" if module in _TOP_NAMES else None
 
@@ -215,7 +205,8 @@ def gguf_name(hf: str) -> str | None:
 def gguf_locations(spec: ModelSpec) -> dict[str, tuple[str | None, int | None]]:
     """Each tensor of spec by Hugging Face name: the GGUF tensor that holds it, and for a routed expert its index in
     that layer's stacked [n_experts, out, in] tensor (None: the whole tensor)."""
-    where: dict[str, tuple[str | None, int | None]] = {ts.name: (gguf_name(ts.name), None) for ts in spec.tensors()}
+    where: dict[str, tuple[str | None, int | None]] = {ts.name: (gguf_name(ts.name, spec.family), None)
+                                                       for ts in spec.tensors()}
     for i in range(spec.n_layers):
         if spec.is_moe_layer(i):
             for e in range(spec.moe.n_experts):
@@ -250,119 +241,6 @@ def _expert_slice(t: GGUFTensor, e: int, n_experts: int) -> GGUFTensor:
         return replace(t, name=name)
     n_bytes = t.n_bytes // n_experts
     return replace(t, name=name, offset=t.offset + e * n_bytes, n_bytes=n_bytes, shape=t.shape[1:])
-
-
-def gguf_config(gf: GGUFFile) -> dict:
-    """A config.json-style dict for the model in gf (what spec_from_config reads)."""
-    arch = gf.architecture
-    if arch not in ARCHITECTURES:
-        raise WeightsError(f"{gf.path}: GGUF architecture {arch or 'missing'!r} is not supported; offload runs "
-                           f"{', '.join(ARCHITECTURES)} models")
-    model_type = ARCHITECTURES[arch]
-    if model_type == "llama" and gf.arch_key("expert_count"):
-        model_type = "mixtral"  # llama.cpp stores Mixtral as llama with experts
-    elif model_type == "llama" and "mistral" in str(gf.get("general.name", "")).lower():
-        model_type = "mistral"  # llama.cpp stores mistral models as llama
-    n_heads = gf.arch_key("attention.head_count")
-    hidden = gf.arch_key("embedding_length")
-    embed = gf.tensors.get("token_embd.weight")
-    vocab = (gf.arch_key("vocab_size") or gf.array_lengths.get("tokenizer.ggml.tokens")
-             or len(gf.get("tokenizer.ggml.tokens") or ()) or (embed.shape[0] if embed else None))
-    config = {
-        "model_type": model_type,
-        "hidden_size": hidden,
-        "intermediate_size": gf.arch_key("feed_forward_length"),
-        "num_hidden_layers": gf.arch_key("block_count"),
-        "num_attention_heads": n_heads,
-        "num_key_value_heads": gf.arch_key("attention.head_count_kv") or n_heads,
-        "rms_norm_eps": gf.arch_key("attention.layer_norm_rms_epsilon", 1e-6),
-        "rope_theta": gf.arch_key("rope.freq_base", 10000.0),
-        "max_position_embeddings": gf.arch_key("context_length"),
-        "vocab_size": vocab,
-        "tie_word_embeddings": "output.weight" not in gf.tensors,
-        "bos_token_id": gf.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": gf.get("tokenizer.ggml.eos_token_id"),
-        "attention_bias": model_type not in ("qwen2", "qwen2_moe") and "blk.0.attn_q.bias" in gf.tensors,
-        "qkv_bias": "blk.0.attn_q.bias" in gf.tensors,  # read for qwen2_moe
-        "mlp_bias": "blk.0.ffn_up.bias" in gf.tensors,
-        "torch_dtype": "float32",
-        **_moe_config(gf, model_type),
-    }
-    key_length = gf.arch_key("attention.key_length")
-    if key_length:
-        config["head_dim"] = key_length
-    rope = _rope_scaling(gf, config)
-    if rope:
-        config["rope_scaling"] = rope
-    window = gf.arch_key("attention.sliding_window")
-    if window and model_type == "mistral":
-        config["sliding_window"] = window
-    return config
-
-
-def _moe_config(gf: GGUFFile, model_type: str) -> dict:
-    """The config.json keys of a Mixtral, Qwen2-MoE or Qwen3-MoE file's experts, as llama.cpp reads its metadata."""
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
-        return {}
-    n_experts, top_k = gf.arch_key("expert_count"), gf.arch_key("expert_used_count")
-    for key, value in (("expert_count", n_experts), ("expert_used_count", top_k)):
-        if not value:
-            raise WeightsError(f"{gf.path}: metadata key {gf.architecture}.{key} is missing or 0, which a "
-                               f"{gf.architecture} mixture of experts needs; convert the model again with llama.cpp")
-    if model_type == "mixtral":  # its feed_forward_length is the expert width; every layer is MoE
-        return {"num_local_experts": n_experts, "num_experts_per_tok": top_k}
-    ff = gf.arch_key("feed_forward_length") or 0
-    config = {"num_experts": n_experts, "num_experts_per_tok": top_k, "decoder_sparse_step": 1, "mlp_only_layers": [],
-              # llama.cpp's defaults where a width is absent (src/models/qwen2moe.cpp, qwen3moe.cpp)
-              "moe_intermediate_size": gf.arch_key("expert_feed_forward_length") or ff // top_k,
-              # llama.cpp's qwen3moe graph always renormalises each token's top-k weights and its qwen2moe graph
-              # never does; neither reads expert_weights_norm, so neither does offload
-              "norm_topk_prob": model_type == "qwen3_moe"}
-    if model_type == "qwen2_moe":
-        config["shared_expert_intermediate_size"] = gf.arch_key("expert_shared_feed_forward_length") or ff
-    config["intermediate_size"] = ff or config["moe_intermediate_size"]  # a dense MLP's width: no layer has one
-    return config
-
-
-def _rope_scaling(gf: GGUFFile, config: dict) -> dict | None:
-    """rope_scaling from GGUF metadata: linear scaling by key; Llama 3's by matching the rope_freqs tensor."""
-    kind = gf.arch_key("rope.scaling.type")
-    if kind == "linear":
-        return {"rope_type": "linear", "factor": float(gf.arch_key("rope.scaling.factor", 1.0))}
-    if kind not in (None, "none"):
-        raise WeightsError(f"{gf.path}: rope scaling {kind!r} is not supported; offload supports linear scaling "
-                           f"and Llama 3's")
-    freqs = gf.tensors.get("rope_freqs.weight")
-    if freqs is None:
-        return None
-    factors = gf.read(freqs).view(np.float32) if freqs.ggml_type == "F32" else None
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    for factor in _LLAMA3_FACTORS:
-        rope = {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192}
-        if factors is not None and np.allclose(factors, _llama3_factors(rope, config["rope_theta"], head_dim),
-                                               rtol=1e-3):
-            return rope
-    raise WeightsError(f"{gf.path}: its rope_freqs tensor matches no Llama 3 rope scaling offload knows "
-                       f"(factors {', '.join(str(f) for f in _LLAMA3_FACTORS)}); use the model's safetensors release")
-
-
-def _llama3_factors(rope: dict, theta: float, head_dim: int) -> np.ndarray:
-    """The per-frequency divisors llama.cpp stores as rope_freqs for Llama 3 rope scaling."""
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * np.pi / inv_freq
-    old = rope["original_max_position_embeddings"]
-    low, high = old / rope["low_freq_factor"], old / rope["high_freq_factor"]
-    smooth = (old / wavelen - rope["low_freq_factor"]) / (rope["high_freq_factor"] - rope["low_freq_factor"])
-    out = np.where(wavelen < high, 1.0, np.where(wavelen > low, rope["factor"],
-                                                 1.0 / ((1 - smooth) / rope["factor"] + smooth)))
-    return out.astype(np.float32)
-
-
-def gguf_spec(gf: GGUFFile) -> ModelSpec:
-    """The ModelSpec of a GGUF model, with each tensor's stored format."""
-    spec = spec_from_config(gguf_config(gf), source=str(gf.path))
-    return spec.with_stored_formats({hf: t.fmt or t.ggml_type for hf, t in tensor_map(gf, spec).items()})
 
 
 def check_tensors(gf: GGUFFile, spec: ModelSpec, requantize: bool) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from offload.errors import WeightsError
 from offload.spec import ModelSpec, load_spec
-from offload.weights.gguf import GGUFFile, gguf_spec, is_gguf, shard_paths, table_cache_path
+from offload.weights.gguf import GGUFFile, is_gguf, shard_paths, table_cache_path
+from offload.weights.gguf_config import gguf_spec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
