@@ -152,7 +152,7 @@ def test_types_without_kernels_multiply_dequantized(fmt, dtype, monkeypatch):
 
 def test_the_fused_layer_leaves_types_without_kernels_to_the_unfused_path():
     from offload.kernels.layer import _packed
-    from offload.model.llama import StackedWeight
+    from offload.kernels.ops import StackedWeight
 
     kernel, none = (K.PackedWeight.from_gguf(random_gguf_blocks(f, 4, 256), f, (4, 256)) for f in ("q3_k", "iq3_xxs"))
     assert _packed(kernel) and not _packed(none) and not _packed(StackedWeight((kernel, none)))
@@ -188,7 +188,7 @@ def test_mixed_new_types_in_one_layer(tmp_path):
     """Q5_0 rows beside Q8_0 and Q3_K ones in one layer (as llama.cpp's Q4_K_M fallback writes them): the fused
     q|k|v is a stack of the three types, and logits match transformers'."""
     from offload import LLM
-    from offload.model.llama import StackedWeight
+    from offload.kernels.ops import StackedWeight
     from offload.weights.gguf import GGUFFile
     from offload.weights.gguf_source import GGUFSource
 

@@ -117,7 +117,7 @@ def test_tensors_are_used_as_stored(tmp_path):
 def test_mixed_type_layer_logits(tmp_path):
     """A layer whose v (and up) are stored in other types than q and k, as in Q4_K_M files."""
     from offload import LLM
-    from offload.model.llama import StackedWeight
+    from offload.kernels.ops import StackedWeight
 
     types = {"blk.0.attn_v.weight": "Q8_0", "blk.1.ffn_up.weight": "F32", "blk.1.attn_k.weight": "F16"}
     path = write_gguf(make_hf_model("llama", vocab_size=300), tmp_path / "mixed.gguf", "Q4_0", types=types)
