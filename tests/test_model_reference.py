@@ -73,8 +73,9 @@ def test_bf16_checkpoint_loads(tmp_path):
     from transformers import LlamaForCausalLM
 
     folder = save_hf_model(make_hf_model("llama").to(torch.bfloat16), tmp_path / "bf16")
-    assert json.loads((folder / "config.json").read_text())["dtype"] == "bfloat16"
-    reference = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = json.loads((folder / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"  # transformers 4 writes torch_dtype
+    reference = LlamaForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
     ids = _prompt(10)
     assert_logits_close(offload_logits(_ours(folder), ids), hf_logits(reference, ids))
 
