@@ -15,7 +15,8 @@ from pydantic import ValidationError
 
 from offload.errors import ConfigError
 from offload.formats import compute_format, torch_dtype
-from offload.generate import Generator, Sequence
+from offload.engine import run_to_end
+from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.speculation import SpeculationPrice
 from offload.options import DEFAULT_REASONING_PARSER, SpeculativeOptions, default_of
@@ -27,6 +28,7 @@ from offload.runtime.executor import PlacedModel
 from offload.runtime import speedprobe
 from offload.runtime.host_memory import check_budget_fits_machine
 from offload.sampling import SamplingParams, TokenLogprob
+from offload.sequence import Sequence
 from offload.speculative import make_speculator
 from offload.system import memory_limit_bytes
 from offload.weights.default_model import resolve_model
@@ -231,7 +233,7 @@ class LLM:
         callback = None if on_finish is None else (lambda s: on_finish(self.output_of(s, texts[s.request_id])))
         self.acquire("another LLM.generate call")
         try:
-            self.generator.run(seqs, callback)
+            run_to_end(self.generator, seqs, callback)
             self.model.flush()  # device timings resolved once per call, not per step
         finally:
             self.release()

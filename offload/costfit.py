@@ -217,12 +217,14 @@ def measure_steps(spec, fmt: str) -> list:
     """Run FIT_RUNS through the real executor and scheduler on random weights: the steps' shapes and times."""
     import torch
 
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
     from offload.planner.placement import Placement
     from offload.runtime.backends.cpu import CPUBackend
     from offload.runtime.executor import PlacedModel
     from offload.runtime.threads import ThreadGovernor
     from offload.sampling import SamplingParams
+    from offload.sequence import Sequence
 
     quant = QUANTIZATIONS[CURVE_FORMATS.index(fmt)]
     model = PlacedModel(spec, _DistinctRandomSource(spec, torch.float32, quant), Placement.uniform(spec, "cpu", "cpu"),
@@ -236,7 +238,7 @@ def measure_steps(spec, fmt: str) -> list:
             seqs = [Sequence(i, p, SamplingParams(max_tokens=new, temperature=0, ignore_eos=True))
                     for i, p in enumerate(prompts)]
             model.timeline.clear()
-            Generator(model, max_batch_size=n_seqs, max_model_len=prompt_len + new + 1).run(seqs)
+            run_to_end(Generator(model, max_batch_size=n_seqs, max_model_len=prompt_len + new + 1), seqs)
         steps += model.timeline.steps
     model.close()
     return steps

@@ -5,7 +5,8 @@ background ones (a server's batches) admitted only while no interactive one wait
 requests aborted since the last one, admits waiting ones first come first served while their extents fit, and
 runs one mixed step of the generator (offload/generate.py) over every request in flight: one pass over the
 weights serves them all. `add` and `abort` may be called from other threads while a step runs (a server's
-event loop); the steps themselves run in one thread at a time. `Generator.run` is this loop over a fixed list.
+event loop); the steps themselves run in one thread at a time. `run_to_end` is this loop over a fixed list.
+The engine calls the generator; the generator knows nothing of engines.
 
 A request with n > 1 samples is a group of n sequences admitted together: the first prefills the prompt, the
 others wait, and in the step where the prompt is in the cache they copy its K and V into their own extents and
@@ -20,97 +21,18 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-import torch
-
-from offload.errors import ConfigError, QueueFull
-from offload.sampling import SamplingParams, TokenLogprob
+from offload.errors import ConfigError, QueueFull, SamplingError
+from offload.generate import Generator
+from offload.kv_pool import KVPool
+from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 
 ABORT = "abort"  # the finish_reason of a request aborted before it finished (vLLM's)
-
-
-@dataclass
-class Sequence:
-    """One request in flight: its prompt, what it has generated and why it stopped."""
-
-    request_id: int | str
-    prompt_ids: list[int]
-    params: SamplingParams
-    output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    stop_text_end: int | None = None  # where a stop string cut the text
-    base: int = -1  # first KV slot of its extent in the pool
-    extent: int = 0  # KV slots it holds
-    n_cached: int = 0  # prompt tokens whose K and V are in the cache
-    generator: torch.Generator | None = None
-    index: int = 0  # which of the request's n samples
-    parent: Sequence | None = None  # the sample whose prefill this one shares (None: it prefills itself)
-    samples: list[Sequence] = field(default_factory=list)  # the request's samples, on its first one ([] for n=1)
-    logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first one)
-    _text: str = ""  # decoded so far (stop strings only): extended token by token
-    _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
-
-    @property
-    def n_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
-
-    @property
-    def prefilled(self) -> bool:
-        return self.n_cached >= len(self.prompt_ids)
-
-    @property
-    def group(self) -> list[Sequence]:
-        """The request's samples: this one alone unless n > 1."""
-        return self.samples or [self]
-
-    @property
-    def done(self) -> bool:
-        return all(s.finish_reason for s in self.group)
-
-    def fork(self) -> None:
-        """Make the n - 1 further samples of this request (n > 1); they share its prompt and its prefill."""
-        if self.params.n > 1 and not self.samples:
-            self.samples = [self] + [Sequence(self.request_id, self.prompt_ids, self.params, index=i, parent=self)
-                                     for i in range(1, self.params.n)]
 
 
 def kv_extent(seq: Sequence, context_len: int) -> int:
     """KV slots a sequence needs at most: every token but the last one sampled is written to the cache."""
     return min(len(seq.prompt_ids) + seq.params.max_tokens, context_len) - 1
-
-
-class KVPool:
-    """Contiguous extents of one cache row of `capacity` slots, handed out first fit and merged when returned."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.free = [(0, capacity)]  # (start, length), by start
-
-    def alloc(self, n: int) -> int | None:
-        """The first slot of n free slots in a row, or None when no free extent is that long."""
-        for i, (start, length) in enumerate(self.free):
-            if length >= n:
-                self.free[i] = (start + n, length - n)
-                if self.free[i][1] == 0:
-                    del self.free[i]
-                return start
-        return None
-
-    def release(self, start: int, n: int) -> None:
-        self.free.append((start, n))
-        self.free.sort()
-        merged = [self.free[0]]
-        for s, n_ in self.free[1:]:
-            last_s, last_n = merged[-1]
-            if last_s + last_n == s:
-                merged[-1] = (last_s, last_n + n_)
-            else:
-                merged.append((s, n_))
-        self.free = merged
-
-    @property
-    def n_free(self) -> int:
-        return sum(n for _, n in self.free)
 
 
 @dataclass
@@ -122,11 +44,40 @@ class StepOutput:
     finished: list[Sequence] = field(default_factory=list)
 
 
+def run_to_end(generator: Generator, seqs: list[Sequence],
+               on_finish: Callable[[Sequence], None] | None = None) -> None:
+    """Generate until every sequence has finished, in an engine whose pool is what they need at most (within the
+    generator's kv_tokens); on_finish is called as each one does."""
+    for seq in seqs:
+        _check_named(generator, seq)
+    if not seqs:
+        return
+    # the pool, with its trash slot within kv_tokens; the longest request always fits
+    extents = [(kv_extent(s, generator.context_len), s.params.n) for s in seqs]  # n samples: n extents
+    largest = sorted((e for e, n in extents for _ in range(n)), reverse=True)
+    whole = max(e * n for e, n in extents)  # one request's samples are admitted together
+    engine = Engine(generator, kv_slots=max(min(generator.kv_tokens - 1, sum(largest[: generator.max_batch_size])),
+                                            whole))
+    for seq in seqs:
+        engine.submit(seq)
+    engine.run_until_done(on_finish)
+
+
+def _check_named(generator: Generator, seq: Sequence) -> None:
+    """The generator's check of seq's prompt, its error naming the prompt by its request id."""
+    try:
+        generator.check_prompt(seq.prompt_ids, seq.params)
+    except ConfigError as e:
+        raise ConfigError(f"prompts[{seq.request_id}]: {e}") from None
+    except SamplingError as e:
+        raise SamplingError(f"prompts[{seq.request_id}]: {e}", e.param) from None
+
+
 class Engine:
     """Steps a Generator over the requests in flight, admitting new ones as slots free (continuous batching)."""
 
-    def __init__(self, generator, *, max_waiting: int | None = None, kv_slots: int | None = None):
-        """generator: an offload.generate.Generator; max_waiting: requests that may wait for a slot at once (None:
+    def __init__(self, generator: Generator, *, max_waiting: int | None = None, kv_slots: int | None = None):
+        """max_waiting: requests that may wait for a slot at once (None:
         no bound); kv_slots: the pool's slots (None: the generator's kv_tokens, its plan's batch at the whole
         context, less the trash slot; never fewer than one sequence of the whole context needs)."""
         if max_waiting is not None and max_waiting < 1:
@@ -155,7 +106,7 @@ class Engine:
         return seq
 
     def submit(self, seq: Sequence, background: bool = False) -> None:
-        """Queue a Sequence whose prompt was checked (Generator.run checks a list first, naming each prompt).
+        """Queue a Sequence whose prompt was checked (run_to_end checks a list first, naming each prompt).
         background: it waits behind every interactive request, and max_waiting does not count it (its feeder
         bounds how many it queues); a running sequence is never preempted either way."""
         seq.fork()

@@ -12,9 +12,10 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from offload.engine import run_to_end
 from offload.errors import ConfigError
 from offload.formats import torch_dtype
-from offload.generate import Generator, Sequence
+from offload.generate import Generator
 from offload.hardware import format_bytes
 from offload.planner import Placement, Plan, PlanRequest, plan_for, plan_spec
 from offload.planner.bottleneck import bottleneck_name, predicted_bottleneck
@@ -24,6 +25,7 @@ from offload.profile.timeline import RESOURCES, Timeline
 from offload.runtime.backends.sim import SimBackend, TimedCosts
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 from offload.weights.model_files import model_spec
 from offload.weights.default_model import resolve_model
 from offload.weights.sources import MetaSource
@@ -137,9 +139,10 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
         raise ConfigError(f"a prompt of {prompt_len} tokens does not fit the plan's {wl.seq_len}-token sequences "
                           f"(max_model_len); give a shorter --prompt-len or a larger --max-model-len")
     seqs = [Sequence(i, [1] * prompt_len, params) for i in range(wl.batch_size)]
-    Generator(model, max_batch_size=wl.batch_size, max_model_len=max(prompt_len, wl.prompt_len) + decode_steps + 1,
-              step_tokens=placement.prefill_pass_tokens, mixed=False).run(seqs)  # the plan's shape: prompts, then
-    # decode steps of the whole batch (mixed steps would start some sequences' decode inside the prefill)
+    generator = Generator(model, max_batch_size=wl.batch_size, step_tokens=placement.prefill_pass_tokens,
+                          max_model_len=max(prompt_len, wl.prompt_len) + decode_steps + 1, mixed=False)
+    run_to_end(generator, seqs)  # the plan's shape: prompts, then decode steps of the whole batch (mixed steps
+    # would start some sequences' decode inside the prefill)
     model.flush()
     timeline = backend.timeline
     if trace is not None:

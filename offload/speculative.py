@@ -218,7 +218,7 @@ class ModelDrafter:
 
     def __init__(self, draft):
         """draft: an offload LLM (its generator and model run the proposals)."""
-        from offload.engine import KVPool
+        from offload.kv_pool import KVPool
 
         self.draft, self.generator = draft, draft.generator
         self.capacity = max(self.generator.kv_tokens - 1, self.generator.context_len - 1)
@@ -257,7 +257,7 @@ class ModelDrafter:
     def _run(self, tokens: list[int], k: int, seq):
         """A greedy draft sequence of k tokens after tokens, in seq's extent of the draft's pool (its cached
         prefix reused); None where it gets no proposals."""
-        from offload.engine import Sequence
+        from offload.sequence import Sequence
 
         if k <= 0 or seq is None or len(tokens) + k > self.generator.context_len:
             return None

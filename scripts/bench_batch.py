@@ -58,7 +58,9 @@ def prompt_ids(tokenizer, n: int, seed: int = 0) -> tuple[list[list[int]], list[
 
 def run(llm, prompts, max_tokens, batch: int, mixed: bool) -> dict:
     from offload import SamplingParams
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
+    from offload.sequence import Sequence
 
     seqs = [Sequence(i, p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
@@ -78,7 +80,7 @@ def run(llm, prompts, max_tokens, batch: int, mixed: bool) -> dict:
     llm.timeline.clear()
     try:
         start = time.perf_counter()
-        gen.run(seqs)
+        run_to_end(gen, seqs)
         seconds = time.perf_counter() - start
     finally:
         del llm.model.new_cache
@@ -293,7 +295,9 @@ def mixed_against_before(args) -> None:
 def top2_gap(llm, ids: list[int]) -> float:
     """The gap between the two highest logits of the next token after ids, run alone."""
     from offload import SamplingParams
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
+    from offload.sequence import Sequence
 
     class Recording(Generator):
         def _sample_next(self, seqs, logits):
@@ -302,7 +306,7 @@ def top2_gap(llm, ids: list[int]) -> float:
             return super()._sample_next(seqs, logits)
 
     gen = Recording(llm.model, max_batch_size=1, max_model_len=llm.max_model_len)
-    gen.run([Sequence(0, ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))])
+    run_to_end(gen, [Sequence(0, ids, SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))])
     return gen.gap
 
 

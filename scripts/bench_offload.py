@@ -26,7 +26,8 @@ from pathlib import Path
 import torch
 
 from offload.formats import torch_dtype
-from offload.generate import Generator, Sequence
+from offload.engine import run_to_end
+from offload.generate import Generator
 from offload.hardware import format_bytes
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.recost import recost_steps
@@ -34,6 +35,7 @@ from offload.runtime.backends import make_backend
 from offload.runtime.backends.sim import SimBackend
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 from offload.weights.model_files import model_spec
 from offload.weights.sources import RandomSource
 
@@ -48,14 +50,14 @@ def run_phase(model, batch: int, prompt_len: int, new_tokens: int, vocab: int, p
     prompts = [torch.randint(0, vocab, (prompt_len,), generator=gen).tolist() for _ in range(batch)]
     # an untimed run of the same shapes first: the GPU kernels (Triton's among them) compile at their first call
     warm = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
-    Generator(model, max_batch_size=batch).run([Sequence(i, p, warm) for i, p in enumerate(prompts)])
+    run_to_end(Generator(model, max_batch_size=batch), [Sequence(i, p, warm) for i, p in enumerate(prompts)])
     model.flush()
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     seqs = [Sequence(i, p, params) for i, p in enumerate(prompts)]
     tl = model.timeline
     tl.clear()
     model.backend.reset_peak()
-    Generator(model, max_batch_size=batch).run(seqs)
+    run_to_end(Generator(model, max_batch_size=batch), seqs)
     model.flush()
     out = {"peak_device_bytes": model.backend.peak_device_bytes()}
     predicted = predict(tl.steps) if predict else {}

@@ -27,13 +27,15 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from offload.generate import Generator, Sequence  # noqa: E402
+from offload.engine import run_to_end  # noqa: E402
+from offload.generate import Generator  # noqa: E402
 from offload.hardware import load_hardware  # noqa: E402
 from offload.planner.placement import Placement, UnitPlacement  # noqa: E402
 from offload.runtime.backends.cpu import CPUBackend  # noqa: E402
 from offload.runtime.backends.sim import SimBackend, TimedCosts  # noqa: E402
 from offload.runtime.executor import PlacedModel  # noqa: E402
 from offload.sampling import SamplingParams  # noqa: E402
+from offload.sequence import Sequence  # noqa: E402
 from offload.spec import load_spec  # noqa: E402
 from offload.weights.loader import Checkpoint  # noqa: E402
 from offload.weights.sources import CheckpointSource  # noqa: E402
@@ -58,7 +60,7 @@ def decode(model, prompt_len: int, steps: int, batch: int) -> float:
         seqs = [Sequence(i, [1 + i] * prompt_len, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
                 for i in range(batch)]
         start = time.perf_counter()
-        Generator(model, max_batch_size=batch, max_model_len=prompt_len + n + 1, mixed=False).run(seqs)
+        run_to_end(Generator(model, max_batch_size=batch, max_model_len=prompt_len + n + 1, mixed=False), seqs)
         return time.perf_counter() - start
 
     short = run(2)

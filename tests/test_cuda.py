@@ -92,7 +92,9 @@ def test_cuda_bf16_placements_match_the_cpu_backend(tiny, mix, quantization, dev
 def test_cuda_timings_are_resolved_as_steps_go_not_held_to_the_end(tiny):
     """Each step's start turns the device work already done into timeline spans and lets its events go: after a
     generate call of many decode steps, no more than about a step's events are still pending."""
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
+    from offload.sequence import Sequence
     from offload import SamplingParams
     from offload.runtime.backends.cuda import CUDABackend
 
@@ -100,7 +102,7 @@ def test_cuda_timings_are_resolved_as_steps_go_not_held_to_the_end(tiny):
     model = PlacedModel(spec, CheckpointSource(Checkpoint(folder), spec, torch.bfloat16), Placement.uniform(spec, "cpu",
                         "stream"), CUDABackend(), torch.bfloat16)
     seqs = [Sequence(0, [5, 17, 33], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))]
-    Generator(model, max_batch_size=1).run(seqs)
+    run_to_end(Generator(model, max_batch_size=1), seqs)
     per_step = 3 * len(model.order)  # a copy, a wait and a block per streamed unit
     assert 0 < len(model.backend._pending) <= 2 * per_step and len(model.timeline.spans) > 8 * per_step
     model.flush()

@@ -140,10 +140,12 @@ def test_logits_in_pieces_read_the_lm_head_once_per_step(tmp_path, compute):
     import threading
 
     from conftest import gpu_profile
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
     from offload.runtime.backends.cpu import CPUBackend
     from offload.runtime.backends.sim import SimBackend
     from offload.runtime.executor import PlacedModel
+    from offload.sequence import Sequence
     from offload.weights.loader import Checkpoint
     from offload.weights.sources import CheckpointSource
 
@@ -159,8 +161,8 @@ def test_logits_in_pieces_read_the_lm_head_once_per_step(tmp_path, compute):
                 for i, p in enumerate(prompts)]
         observed = []  # the thread governor hears of each step once, with all the rows it sampled
         model.threads.observe = lambda phase, seconds, n_tokens: observed.append(n_tokens)
-        run = threading.Thread(target=Generator(model, max_batch_size=6, max_model_len=64, logits_rows=2).run,
-                               args=(seqs,), daemon=True)
+        generator = Generator(model, max_batch_size=6, max_model_len=64, logits_rows=2)
+        run = threading.Thread(target=run_to_end, args=(generator, seqs), daemon=True)
         run.start()
         run.join(timeout=120)
         assert not run.is_alive(), f"generation with the weights on {where} did not finish"

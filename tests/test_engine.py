@@ -11,9 +11,10 @@ import torch
 
 from conftest import make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
-from offload.engine import Engine, StepOutput
+from offload.engine import Engine, StepOutput, run_to_end
 from offload.errors import ConfigError, OffloadError, QueueFull
-from offload.generate import Generator, Sequence
+from offload.generate import Generator
+from offload.sequence import Sequence
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def _alone(llm, prompt, max_tokens) -> tuple[list[int], int]:
     """The greedy tokens of a prompt run by itself, and the passes over the weights it took."""
     llm.timeline.clear()
     seq = Sequence(0, prompt, _greedy(max_tokens))
-    _generator(llm).run([seq])
+    run_to_end(_generator(llm), [seq])
     return seq.output_ids, _weight_passes(llm)
 
 

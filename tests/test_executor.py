@@ -13,7 +13,9 @@ import pytest
 import torch
 
 from conftest import assert_logits_close, make_hf_model, offload_logits, save_hf_model
-from offload.generate import Generator, Sequence
+from offload.engine import run_to_end
+from offload.generate import Generator
+from offload.sequence import Sequence
 from offload.model.llama import LayerWeights
 from offload.weights.sources import load_model
 from offload.weights.sources import CheckpointSource
@@ -57,7 +59,7 @@ def dequantized(model):
 
 def greedy(model, prompts, n=8) -> list[list[int]]:
     seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)]
-    Generator(model, max_batch_size=2).run(seqs)
+    run_to_end(Generator(model, max_batch_size=2), seqs)
     return [s.output_ids for s in seqs]
 
 

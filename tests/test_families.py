@@ -21,9 +21,9 @@ CASES = {
     "gemma2-gqa8": ("gemma2", dict(num_attention_heads=8, num_key_value_heads=1)),
     "gemma2-gqa1": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=4)),
     "gemma3-gqa4": ("gemma3_text", dict(num_attention_heads=8, num_key_value_heads=2)),
-    "gemma3-rope-linear": ("gemma3_text", dict(rope_parameters={
-        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    # transformers 4's keys, which 5 reads into rope_parameters' sections (one per attention kind)
+    "gemma3-rope-linear": ("gemma3_text", dict(rope_theta=100000.0, rope_local_base_freq=1000.0,
+                                               rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "phi3-gqa4": ("phi3", dict(num_attention_heads=8, num_key_value_heads=2)),
     "phi3-partial-rotary": ("phi3", dict(partial_rotary_factor=0.75, num_attention_heads=4, num_key_value_heads=1)),
     "phi3-longrope": ("phi3", dict(max_position_embeddings=64, original_max_position_embeddings=16,
@@ -31,9 +31,10 @@ CASES = {
                                                  "long_factor": [2.0 + i / 4 for i in range(8)]})),
     "olmo2-gqa4": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2)),
     "gpt-oss-gqa4": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=2)),
-    "gpt-oss-yarn-gqa8": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=1, rope_parameters={
+    "gpt-oss-yarn-gqa8": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=1, rope_theta=150000.0,
+                                          max_position_embeddings=64, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-        "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
+        "original_max_position_embeddings": 16})),
 }
 
 
@@ -83,12 +84,14 @@ def test_every_placement_gives_the_resident_models_tokens(case, mix, tmp_path):
     refuses host tensors in device ops), read from disk, and a random mix; greedy tokens as the resident model's,
     logits within 1e-5 of its range."""
     from conftest import gpu_profile
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
     from offload.planner.placement import Placement
     from offload.runtime.backends.cpu import CPUBackend
     from offload.runtime.backends.sim import SimBackend
     from offload.runtime.executor import PlacedModel
     from offload.sampling import SamplingParams
+    from offload.sequence import Sequence
     from offload.weights.sources import CheckpointSource
 
     arch, overrides = CASES[case]
@@ -107,7 +110,7 @@ def test_every_placement_gives_the_resident_models_tokens(case, mix, tmp_path):
     def greedy(m):
         seqs = [Sequence(i, p, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
                 for i, p in enumerate([ids, _prompt(9, seed=2)])]
-        Generator(m, max_batch_size=2).run(seqs)
+        run_to_end(Generator(m, max_batch_size=2), seqs)
         return [s.output_ids for s in seqs]
 
     assert greedy(model) == greedy(resident)

@@ -24,13 +24,15 @@ import torch
 
 from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits, save_hf_model
 from gguf_support import hf_from_gguf
+from offload.engine import run_to_end
 from offload.errors import WeightsError
-from offload.generate import Generator, Sequence
+from offload.generate import Generator
 from offload.kernels import PackedWeight
 from offload.planner.placement import Placement
 from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 from offload.spec import load_spec
 from offload.weights.gguf import GGUFFile
 from offload.weights.gguf_config import gguf_spec
@@ -73,7 +75,7 @@ def placed(path: Path) -> PlacedModel:
 
 def greedy(model, prompt: list[int], n: int = 8) -> list[int]:
     seq = Sequence(0, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
-    Generator(model, max_batch_size=1).run([seq])
+    run_to_end(Generator(model, max_batch_size=1), [seq])
     return seq.output_ids
 
 

@@ -23,6 +23,7 @@ LAYERS = [
     {"profile", "model"},
     {"weights"},
     {"runtime"},
+    {"sequence", "kv_pool", "schedule_step"},
     {"generate", "engine", "speculative", "quality"},
     {"api", "simulate", "costfit", "quick_calibration"},
     {"jobs"},

@@ -18,12 +18,14 @@ import torch
 
 from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits, save_hf_model
 from test_executor import dequantized
-from offload.generate import Generator, Sequence
+from offload.engine import run_to_end
+from offload.generate import Generator
 from offload.kernels import pack
 from offload.planner.placement import Placement, UnitPlacement
 from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 from offload.spec import load_spec, spec_from_config
 from offload.weights.loader import Checkpoint
 from offload.weights.sources import CheckpointSource, load_model
@@ -52,7 +54,7 @@ def hf_greedy(hf, prompt: list[int], n: int = 8) -> list[int]:
 
 def greedy(model, prompts, n: int = 8) -> list[list[int]]:
     seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)]
-    Generator(model, max_batch_size=2).run(seqs)
+    run_to_end(Generator(model, max_batch_size=2), seqs)
     return [s.output_ids for s in seqs]
 
 

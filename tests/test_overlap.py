@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import make_hf_model, save_hf_model
-from offload.generate import Generator, Sequence
+from offload.engine import run_to_end
+from offload.generate import Generator
 from offload.hardware import load_hardware
 from offload.planner import Budget, Placement, PlanRequest, Workload, plan
 from offload.planner.search import DEPTHS
@@ -22,6 +23,7 @@ from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.backends.sim import SimBackend, TimedCosts
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 from offload.simulate import simulate
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
@@ -183,7 +185,7 @@ def test_wall_mode_computes_cpu_blocks_and_sleeps_the_device():
 
     def greedy(model):
         seqs = [Sequence(0, [5, 17, 33], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))]
-        Generator(model, max_batch_size=1).run(seqs)
+        run_to_end(Generator(model, max_batch_size=1), seqs)
         return seqs[0].output_ids
 
     wall = SimBackend(hw, capacity_bytes=1 << 30, timed=TimedCosts(spec, hw, "none", "fp32"), wall=True)

@@ -131,14 +131,16 @@ def test_prefill_layers_compute_in_chunks_of_the_planned_size(tiny_dir, monkeypa
 
 
 def test_a_prompt_longer_than_a_pass_is_prefilled_in_several(tiny_dir):
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
+    from offload.sequence import Sequence
 
     llm = LLM(str(tiny_dir), quantization="q8_0", backend="cpu", max_model_len=64)
     ids = [(7 * j) % 150 + 1 for j in range(40)]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     seq = Sequence(0, ids, params)
     llm.timeline.clear()
-    Generator(llm.model, max_batch_size=1, max_model_len=64, step_tokens=16).run([seq])
+    run_to_end(Generator(llm.model, max_batch_size=1, max_model_len=64, step_tokens=16), [seq])
     passes = [s for s in llm.timeline.spans if s.unit == "layer.0" and s.phase == "prefill"]
     assert [s.n_tokens for s in passes] == [16, 16, 8]
     assert seq.output_ids == llm.generate([ids], params)[0].token_ids

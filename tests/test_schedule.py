@@ -41,11 +41,12 @@ class LLMOver:
         self.model, self.gen = model, Generator(model, max_batch_size=4)
 
     def generate(self, n_prompts: int, max_tokens: int):
-        from offload.generate import Sequence
+        from offload.engine import run_to_end
+        from offload.sequence import Sequence
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
         seqs = [Sequence(i, [3 + i, 9, 27, 81, 5][: 2 + i], params) for i in range(n_prompts)]
-        self.gen.run(seqs)
+        run_to_end(self.gen, seqs)
         return seqs
 
 

@@ -8,7 +8,10 @@ import torch
 
 from conftest import gpu_profile, make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
-from offload.generate import Generator, KVPool, Sequence
+from offload.engine import run_to_end
+from offload.generate import Generator
+from offload.kv_pool import KVPool
+from offload.sequence import Sequence
 
 LENGTHS = [3, 17, 40, 5, 33, 9, 21]
 
@@ -27,7 +30,7 @@ def _run(llm, prompts, max_tokens, **kw) -> tuple[list[list[int]], list]:
     seqs = [Sequence(i, ids, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
             for i, (ids, m) in enumerate(zip(prompts, max_tokens))]
     llm.timeline.clear()
-    Generator(llm.model, max_model_len=64, **kw).run(seqs)
+    run_to_end(Generator(llm.model, max_model_len=64, **kw), seqs)
     return [s.output_ids for s in seqs], list(llm.timeline.steps)
 
 
@@ -126,12 +129,12 @@ def test_stop_strings_are_checked_incrementally(tiny_dir):
     gen = Generator(llm.model, tok)
     seq = Sequence(0, _prompts([2])[0], SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True,
                                                        stop=["never-there"]))
-    gen.run([seq])
+    run_to_end(gen, [seq])
     n = len(seq.output_ids)
     assert n == gen.context_len - 2 and seq.finish_reason == "length"
     assert tok.decoded < 5 * n  # re-decoding the whole output each token: n * n / 2
     text = gen.text_of(seq)
     stop = text[n // 2: n // 2 + 3]  # a string that occurs: the run ends at its first occurrence
     seq2 = Sequence(1, seq.prompt_ids, SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True, stop=[stop]))
-    gen.run([seq2])
+    run_to_end(gen, [seq2])
     assert seq2.finish_reason == "stop" and gen.text_of(seq2) == text[: text.find(stop)]

@@ -129,7 +129,8 @@ def test_logprobs_and_prompt_logprobs_equal_transformers_fp32(llm, reference):
 
 
 def test_a_group_too_big_for_the_batch_is_refused_and_an_aborted_group_frees_its_slots(llm):
-    from offload.engine import Engine, Sequence
+    from offload.engine import Engine
+    from offload.sequence import Sequence
 
     engine = Engine(llm.generator, kv_slots=200)
     with pytest.raises(ConfigError, match="n=3 samples .* lower n"):
@@ -277,11 +278,13 @@ def test_n_samples_and_logprobs_on_disk_and_streamed_placements_equal_the_cpu_ru
     """The prompt's K and V copied for the other samples wherever the cache lives; streamed: the simulated
     asynchronous device."""
     from conftest import gpu_profile, make_hf_model, save_hf_model
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
     from offload.planner import Placement
     from offload.runtime.backends.cpu import CPUBackend
     from offload.runtime.backends.sim import SimBackend
     from offload.runtime.executor import PlacedModel
+    from offload.sequence import Sequence
     from offload.weights.loader import Checkpoint
     from offload.weights.model_files import model_spec
     from offload.weights.sources import CheckpointSource
@@ -292,7 +295,7 @@ def test_n_samples_and_logprobs_on_disk_and_streamed_placements_equal_the_cpu_ru
     def run(placement, backend, n):
         model = PlacedModel(spec, CheckpointSource(Checkpoint(path), spec, torch.float32, "none"), placement, backend)
         seqs = [Sequence(i, [1 + i, 2, 3 + i], greedy(max_tokens=5, n=n, logprobs=2)) for i in range(3)]
-        Generator(model, max_batch_size=8, max_model_len=64).run(seqs)
+        run_to_end(Generator(model, max_batch_size=8, max_model_len=64), seqs)
         model.flush()
         return [[s.output_ids for s in seq.group] for seq in seqs], [t.logprob for seq in seqs for s in seq.group
                                                                     for t in s.logprobs]

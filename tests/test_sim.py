@@ -13,8 +13,9 @@ import torch
 from offload.kernels import layer as fused
 
 from conftest import assert_logits_close, gpu_profile, make_hf_model, offload_logits, save_hf_model
+from offload.engine import run_to_end
 from offload.errors import DeviceMemoryError
-from offload.generate import Generator, Sequence
+from offload.generate import Generator
 from offload.hardware import load_hardware
 from offload.planner import Placement
 from offload.runtime.backends.cpu import CPUBackend
@@ -22,6 +23,7 @@ from offload.runtime.backends.sim import SimBackend
 from offload.runtime.backends.sim_device import SlotOrderError
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
 from offload.weights.sources import CheckpointSource
@@ -54,7 +56,7 @@ def _model(tiny, placement, backend, quantization="none") -> PlacedModel:
 def _greedy(model, n=5) -> list[list[int]]:
     seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
             for i, p in enumerate([PROMPT, [7, 1, 150]])]
-    Generator(model, max_batch_size=2).run(seqs)
+    run_to_end(Generator(model, max_batch_size=2), seqs)
     return [s.output_ids for s in seqs]
 
 

@@ -175,11 +175,13 @@ def test_proposals_the_model_rejects_are_rolled_back(model_dir):
 @pytest.mark.parametrize("where,compute", [("disk", "cpu"), ("disk", "stream")])
 def test_greedy_answers_equal_plain_decoding_on_disk_and_streamed_placements(tmp_path, where, compute):
     from conftest import gpu_profile, make_hf_model, save_hf_model
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
     from offload.planner import Placement
     from offload.runtime.backends.cpu import CPUBackend
     from offload.runtime.backends.sim import SimBackend
     from offload.runtime.executor import PlacedModel
+    from offload.sequence import Sequence
     from offload.weights.loader import Checkpoint
     from offload.weights.model_files import model_spec
     from offload.weights.sources import CheckpointSource
@@ -195,7 +197,7 @@ def test_greedy_answers_equal_plain_decoding_on_disk_and_streamed_placements(tmp
         generator = Generator(model, max_batch_size=4, max_model_len=64)
         generator.speculator = speculator
         seqs = [Sequence(i, p, greedy(10)) for i, p in enumerate(prompts)]
-        generator.run(seqs)
+        run_to_end(generator, seqs)
         return [s.output_ids for s in seqs]
 
     speculator = Speculator(NgramDrafter(3, 1), num_tokens=3)

@@ -13,12 +13,14 @@ import pytest
 import torch
 
 from conftest import assert_logits_close, make_hf_model, offload_logits, save_hf_model
-from offload.generate import Generator, Sequence
+from offload.engine import run_to_end
+from offload.generate import Generator
 from offload.model.llama import LayerWeights
 from offload.planner.placement import Placement, UnitPlacement
 from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
 from offload.weights.sources import CheckpointSource, load_model
@@ -36,7 +38,7 @@ def tiny(tmp_path_factory):
 
 def greedy(model, n=6):
     seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)) for i, p in enumerate(PROMPTS)]
-    Generator(model, max_batch_size=2).run(seqs)
+    run_to_end(Generator(model, max_batch_size=2), seqs)
     return [s.output_ids for s in seqs]
 
 

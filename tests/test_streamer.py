@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from conftest import gpu_profile, make_hf_model, offload_logits, save_hf_model
-from offload.generate import Generator, Sequence
+from offload.engine import run_to_end
+from offload.generate import Generator
 from offload.planner import Placement
 from offload.planner.costs import Phase, unit_cost
 from offload.planner.placement import UnitPlacement
@@ -20,6 +21,7 @@ from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.backends.sim import SimBackend
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
 from offload.weights.sources import CheckpointSource
@@ -108,7 +110,7 @@ def _generate(model, prompt: list[int], step_tokens: int, mixed: bool) -> list[i
     seq = Sequence(0, prompt, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     gen = Generator(model, max_batch_size=1, max_model_len=700, step_tokens=step_tokens, mixed=mixed)
     errors: list[BaseException] = []
-    run = threading.Thread(target=lambda: _catch(errors, gen.run, [seq]), daemon=True)
+    run = threading.Thread(target=lambda: _catch(errors, run_to_end, gen, [seq]), daemon=True)
     run.start()
     run.join(timeout=60)
     assert not run.is_alive(), "the generator blocked for 60 s (waiting on a read no unit releases?)"

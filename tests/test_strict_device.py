@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import gpu_profile, make_hf_model, save_hf_model
-from offload.generate import Generator, Sequence
+from offload.engine import run_to_end
+from offload.generate import Generator
 from offload.planner import Placement
 from offload.planner.placement import UnitPlacement
 from offload.profile.report import format_report, phase_report
@@ -18,6 +19,7 @@ from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.backends.sim import SimBackend
 from offload.runtime.executor import PlacedModel
 from offload.sampling import SamplingParams
+from offload.sequence import Sequence
 from offload.spec import load_spec
 from offload.weights.loader import Checkpoint
 from offload.weights.sources import CheckpointSource
@@ -78,7 +80,7 @@ def _model(tiny, placement, backend, dtype=torch.float32) -> PlacedModel:
 def _generate(model, prompts, max_tokens) -> list[list[int]]:
     seqs = [Sequence(i, p, SamplingParams(max_tokens=m, temperature=0, ignore_eos=True))
             for i, (p, m) in enumerate(zip(prompts, max_tokens))]
-    Generator(model, max_batch_size=len(prompts), max_model_len=2100, step_tokens=768).run(seqs)
+    run_to_end(Generator(model, max_batch_size=len(prompts), max_model_len=2100, step_tokens=768), seqs)
     return [s.output_ids for s in seqs]
 
 
@@ -144,7 +146,7 @@ def test_decode_reads_the_cache_in_place_without_repeating_keys(tiny):
     reset_attention_paths()
     n = 600
     seqs = [Sequence(0, _prompts([n])[0], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))]
-    Generator(model, max_batch_size=1, max_model_len=n + 8).run(seqs)
+    run_to_end(Generator(model, max_batch_size=1, max_model_len=n + 8), seqs)
     paths = attention_paths()
     assert paths.pop("torch_grouped") == 3 * spec.n_layers  # the paged path on a device without Triton
     assert set(paths) <= {"sdpa_causal_lower_right", "sdpa_folded_mask"} and paths
@@ -158,8 +160,8 @@ def _launches_per_unit(model, prompts) -> dict[str, int]:
     backend, snaps = model.backend, []
     collect = backend.collect
     backend.collect = lambda: snaps.append(Counter(backend.strict.launches)) or collect()
-    Generator(model, max_batch_size=len(prompts), max_model_len=64).run(
-        [Sequence(i, p, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)])
+    run_to_end(Generator(model, max_batch_size=len(prompts), max_model_len=64),
+               [Sequence(i, p, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)) for i, p in enumerate(prompts)])
     backend.synchronize()
     return dict(Counter(backend.strict.launches) - snaps[-1])
 

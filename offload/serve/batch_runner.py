@@ -12,7 +12,7 @@ import threading
 from collections import deque
 from pathlib import Path
 
-from offload.engine import Sequence
+from offload.sequence import Sequence
 from offload.errors import ConfigError, OffloadError, OutputError
 from offload.jobs import responses
 from offload.jobs.batch import BadLine, Request, error_record, read_requests, success_record

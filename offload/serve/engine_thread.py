@@ -11,8 +11,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from offload.engine import ABORT, Engine, Sequence, StepOutput
+from offload.engine import ABORT, Engine, StepOutput
 from offload.generate import next_text
+from offload.sequence import Sequence
 from offload.serve.metrics import ServeMetrics
 
 logger = logging.getLogger("offload")

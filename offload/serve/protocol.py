@@ -8,7 +8,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from offload.engine import Sequence
+from offload.sequence import Sequence
 from offload.errors import OffloadError
 from offload.jobs import responses
 from offload.jobs.batch import CHAT, TEMPLATE_KWARGS, BodyError, Request, check_body

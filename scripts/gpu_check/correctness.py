@@ -61,12 +61,14 @@ def prompt_logits(model, ids: list[int]):
 
 def greedy(model, prompts: list[list[int]], new_tokens: list[int], batch: int) -> list[list[int]]:
     """Greedy tokens of each prompt, at most batch sequences at a time."""
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
     from offload.sampling import SamplingParams
+    from offload.sequence import Sequence
 
     seqs = [Sequence(i, p, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
             for i, (p, n) in enumerate(zip(prompts, new_tokens))]
-    Generator(model, max_batch_size=batch).run(seqs)
+    run_to_end(Generator(model, max_batch_size=batch), seqs)
     return [s.output_ids for s in seqs]
 
 

@@ -67,13 +67,15 @@ def model_folder(tmp: Path, name: str, smoke: bool) -> Path:
 
 
 def generate(model, batch: int, new_tokens: int) -> None:
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
     from offload.sampling import SamplingParams
+    from offload.sequence import Sequence
 
     vocab = model.spec.vocab_size
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     seqs = [Sequence(i, [(7 * i + j) % (vocab - 1) + 1 for j in range(PROMPT_LEN)], params) for i in range(batch)]
-    Generator(model, max_batch_size=batch).run(seqs)
+    run_to_end(Generator(model, max_batch_size=batch), seqs)
 
 
 def unit_times(backend, timeline) -> dict:

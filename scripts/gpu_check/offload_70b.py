@@ -41,15 +41,18 @@ def generate(model, batch: int, prompt_len: int, new_tokens: int, vocab: int, pa
     """Random prompts (seeded by batch), the plan's shape: prompts first, then decode steps of the whole batch."""
     import torch
 
-    from offload.generate import Generator, Sequence
+    from offload.engine import run_to_end
+    from offload.generate import Generator
     from offload.sampling import SamplingParams
+    from offload.sequence import Sequence
 
     gen = torch.Generator().manual_seed(batch)
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
     seqs = [Sequence(i, torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params)
             for i in range(batch)]
-    Generator(model, max_batch_size=batch, max_model_len=prompt_len + new_tokens + 1, step_tokens=pass_tokens,
-              mixed=False).run(seqs)
+    generator = Generator(model, max_batch_size=batch, max_model_len=prompt_len + new_tokens + 1,
+                          step_tokens=pass_tokens, mixed=False)
+    run_to_end(generator, seqs)
 
 
 def phase_figures(tl, phase: str, pinned_bps: float, predicted_s: float) -> dict:

@@ -1,0 +1,59 @@
+"""A Sequence: one request in flight, as the scheduler, the generator and the engine all see it.
+
+It lives apart from the engine and the generator so that both can name it while the imports run one way: the
+engine steps a generator, the generator schedules and runs sequences, and neither builds the other's objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from offload.sampling import SamplingParams, TokenLogprob
+
+
+@dataclass
+class Sequence:
+    """One request in flight: its prompt, what it has generated and why it stopped."""
+
+    request_id: int | str
+    prompt_ids: list[int]
+    params: SamplingParams
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_end: int | None = None  # where a stop string cut the text
+    base: int = -1  # first KV slot of its extent in the pool
+    extent: int = 0  # KV slots it holds
+    n_cached: int = 0  # prompt tokens whose K and V are in the cache
+    generator: torch.Generator | None = None
+    index: int = 0  # which of the request's n samples
+    parent: Sequence | None = None  # the sample whose prefill this one shares (None: it prefills itself)
+    samples: list[Sequence] = field(default_factory=list)  # the request's samples, on its first one ([] for n=1)
+    logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first one)
+    _text: str = ""  # decoded so far (stop strings only): extended token by token
+    _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def prefilled(self) -> bool:
+        return self.n_cached >= len(self.prompt_ids)
+
+    @property
+    def group(self) -> list[Sequence]:
+        """The request's samples: this one alone unless n > 1."""
+        return self.samples or [self]
+
+    @property
+    def done(self) -> bool:
+        return all(s.finish_reason for s in self.group)
+
+    def fork(self) -> None:
+        """Make the n - 1 further samples of this request (n > 1); they share its prompt and its prefill."""
+        if self.params.n > 1 and not self.samples:
+            self.samples = [self] + [Sequence(self.request_id, self.prompt_ids, self.params, index=i, parent=self)
+                                     for i in range(1, self.params.n)]
