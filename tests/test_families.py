@@ -21,9 +21,9 @@ CASES = {
     "gemma2-gqa8": ("gemma2", dict(num_attention_heads=8, num_key_value_heads=1)),
     "gemma2-gqa1": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=4)),
     "gemma3-gqa4": ("gemma3_text", dict(num_attention_heads=8, num_key_value_heads=2)),
-    "gemma3-rope-linear": ("gemma3_text", dict(rope_parameters={
-        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 100000.0},
-        "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}})),
+    # transformers 4's keys, which 5 reads into rope_parameters' sections (one per attention kind)
+    "gemma3-rope-linear": ("gemma3_text", dict(rope_theta=100000.0, rope_local_base_freq=1000.0,
+                                               rope_scaling={"rope_type": "linear", "factor": 4.0})),
     "phi3-gqa4": ("phi3", dict(num_attention_heads=8, num_key_value_heads=2)),
     "phi3-partial-rotary": ("phi3", dict(partial_rotary_factor=0.75, num_attention_heads=4, num_key_value_heads=1)),
     "phi3-longrope": ("phi3", dict(max_position_embeddings=64, original_max_position_embeddings=16,
@@ -31,9 +31,10 @@ CASES = {
                                                  "long_factor": [2.0 + i / 4 for i in range(8)]})),
     "olmo2-gqa4": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2)),
     "gpt-oss-gqa4": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=2)),
-    "gpt-oss-yarn-gqa8": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=1, rope_parameters={
+    "gpt-oss-yarn-gqa8": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=1, rope_theta=150000.0,
+                                          max_position_embeddings=64, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
-        "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
+        "original_max_position_embeddings": 16})),
 }
 
 
