@@ -206,5 +206,5 @@ def test_a_large_host_pool_holds_memory_as_sequences_write_it():
     kv = LayerKV(1, 4, 1 << 16, 256, torch.float32)  # 2 x 256 MiB
     largest = float(kv.k.abs().max())  # reading the zero page holds nothing either
     assert held_bytes() - before < 64 << 20 and largest == 0.0
-    kv.k[0, :1024] = 1.0  # 4 MiB written
-    assert 4 << 20 <= held_bytes() - before < 96 << 20 and float(kv.k.sum()) == 1024 * 4 * 256
+    kv.k[0, :1024] = 1.0  # 4 MiB written (the process may free a few pages of its own meanwhile: 3 MiB at least)
+    assert 3 << 20 <= held_bytes() - before < 96 << 20 and float(kv.k.sum()) == 1024 * 4 * 256
