@@ -8,8 +8,8 @@
 //    in row order); within a tile, block pairs (b, b+1) one after another, each pair holding the 4 rows'
 //    two blocks side by side (row 0's b and b+1, then row 1's...), then an odd last block of the 4 rows.
 //    The scales follow the same order. A matrix-vector product then reads one sequential stream.
-// GGUF block formats (q4_1, q5_0, q5_1, iq4_nl, and the super-blocks q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs) are kept
-// as GGUF's own block bytes in row order, in qs alone (d is null): see kquant.h for their layouts.
+// GGUF block formats (q4_1, q5_0, q5_1, iq4_nl, mxfp4, and the super-blocks q2_k, q3_k, q4_k, q5_k, q6_k, iq4_xs) are
+// kept as GGUF's own block bytes in row order, in qs alone (d is null): see kquant.h for their layouts.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -50,7 +50,8 @@ constexpr int64_t QK = 32;  // elements per quant block
   X(q5_k, Q5_K, 10, 256, 176, Q5K, row_qk<true>) X(q6_k, Q6_K, 11, 256, 210, Q6K, row_q6_k)                   \
   X(q5_0, Q5_0, 12, 32, 22, Q50, row_b32<W_Q5_0>) X(q5_1, Q5_1, 13, 32, 24, Q51, row_b32<W_Q5_1>)             \
   X(q3_k, Q3_K, 14, 256, 110, Q3K, row_q23_k<true>) X(q2_k, Q2_K, 15, 256, 84, Q2K, row_q23_k<false>)         \
-  X(iq4_nl, IQ4_NL, 16, 32, 18, IQ4NL, row_b32<W_IQ4_NL>) X(iq4_xs, IQ4_XS, 17, 256, 136, IQ4XS, row_iq4_xs)
+  X(iq4_nl, IQ4_NL, 16, 32, 18, IQ4NL, row_b32<W_IQ4_NL>) X(iq4_xs, IQ4_XS, 17, 256, 136, IQ4XS, row_iq4_xs)    \
+  X(mxfp4, MXFP4, 18, 32, 17, MXFP4, row_b32<W_MXFP4>)
 
 #define OFFLOAD_ENUM(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) W_##NAME_ = id_,
 enum WFmt : int { W_Q8_0 = 0, W_Q4_0 = 1, W_BF16 = 2, W_F16 = 3, OFFLOAD_GGUF_FORMATS(OFFLOAD_ENUM) };

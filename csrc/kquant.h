@@ -13,6 +13,8 @@
 //                     (low nibbles weights 0-15, high 16-31): w = d * (q - 16)
 //   q5_1 (32, 24):    fp16 d, fp16 m, qh[4], qs[16]; q as q5_0: w = d * q + m
 //   iq4_nl (32, 18):  fp16 d, qs[16]; nibbles as q4_1's, each an index into kIQ4Values: w = d * kIQ4Values[nibble]
+//   mxfp4 (32, 17):   e8m0 e, qs[16]; nibbles as q4_1's, each an index into kMXFP4Values (e2m1's levels doubled):
+//                     w = 2^(e - 128) * kMXFP4Values[nibble] (e8m0_half_to_f32)
 //   iq4_xs (256, 136): fp16 d, scales_h (uint16), scales_l[4], qs[128]. Sub-block i (32 weights): 6-bit scale
 //                     ls = (nibble i of scales_l) | (bits 2i of scales_h) << 4, nibbles of qs[16 i + l] as iq4_nl:
 //                     w = d * (ls - 32) * kIQ4Values[nibble]
@@ -37,11 +39,26 @@ constexpr int64_t kQ41Bytes = gguf_block_bytes(W_Q4_1), kQ4KBytes = gguf_block_b
                   kQ5KBytes = gguf_block_bytes(W_Q5_K), kQ6KBytes = gguf_block_bytes(W_Q6_K),
                   kQ50Bytes = gguf_block_bytes(W_Q5_0), kQ51Bytes = gguf_block_bytes(W_Q5_1),
                   kIQ4NLBytes = gguf_block_bytes(W_IQ4_NL), kIQ4XSBytes = gguf_block_bytes(W_IQ4_XS),
-                  kQ3KBytes = gguf_block_bytes(W_Q3_K), kQ2KBytes = gguf_block_bytes(W_Q2_K);
+                  kQ3KBytes = gguf_block_bytes(W_Q3_K), kQ2KBytes = gguf_block_bytes(W_Q2_K),
+                  kMXFP4Bytes = gguf_block_bytes(W_MXFP4);
 
 // The 16 non-uniform levels of iq4_nl and iq4_xs (ggml-common.h kvalues_iq4nl).
 alignas(16) constexpr int8_t kIQ4Values[16] = {-127, -104, -83, -65, -49, -35, -22, -10,
                                                 1,    13,   25,  38,  53,  69,  89,  113};
+
+// The 16 levels of mxfp4 (e2m1: 0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives), doubled to integers (ggml-common.h
+// kvalues_mxfp4); the block's scale is halved to match (e8m0_half_to_f32).
+alignas(16) constexpr int8_t kMXFP4Values[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// An e8m0 scale byte halved, 2^(e - 128), as fp32 bits: the exponent field e - 1, or for e < 2 the subnormals
+// 2^-128 and 2^-127 (ggml's GGML_E8M0_TO_FP32_HALF, gguf-py's e8m0_to_fp32_half). Exact for every byte.
+constexpr uint32_t e8m0_half_bits(uint8_t e) { return e < 2 ? 0x00200000u << e : uint32_t(e - 1) << 23; }
+inline float e8m0_half_to_f32(uint8_t e) {
+  const uint32_t bits = e8m0_half_bits(e);
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
 
 // The 16 6-bit scales of a q3_k super-block (before their -32) from its 12 packed bytes, one per byte of out:
 // scale k has its low 4 bits in byte k % 8 (low nibble for k < 8, high for the rest) and its top 2 bits in bits

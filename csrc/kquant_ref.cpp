@@ -6,7 +6,7 @@
 // (fp32 products of the fp16 and 6-bit fields, as gguf-py dequantizes), dx_b, xs_b the activations' scale and
 // scale * sum (the sum of the quants, an exact integer). q6_k's and q3_k's quants carry an offset (32, 4) and a
 // scale per 16 instead, folded into dot_b exactly; q2_k's minimum per 16 comes from the token's sums per 16. The
-// iq4 types' quants are signed levels (no minimum).
+// iq4 types' and mxfp4's quants are signed levels (no minimum).
 //
 // Activations: int16 against q4_1 (quantize_x16), int8 against the others (as llama.cpp's q8_K and q8_0). With int8
 // activations (llama.cpp's q8_1) the default model's Q4_1 file answered "What is the capital of France?" with
@@ -117,7 +117,7 @@ int dot32s(const int8_t* wq, const int8_t* xq) {
   return t;
 }
 
-// The 32 quants of a q5_0 / q5_1 block (unsigned, 0-31) and of an iq4_nl-style nibble block (signed levels).
+// The 32 quants of a q5_0 / q5_1 block (unsigned, 0-31).
 void q5_quants(const uint8_t* qh4, const uint8_t* qs, uint8_t (&q)[32]) {
   uint32_t qh;
   std::memcpy(&qh, qh4, 4);
@@ -127,21 +127,29 @@ void q5_quants(const uint8_t* qh4, const uint8_t* qs, uint8_t (&q)[32]) {
   }
 }
 
-void iq4_quants(const uint8_t* qs, int8_t (&q)[32]) {
-  for (int j = 0; j < 16; ++j) q[j] = kIQ4Values[qs[j] & 15], q[j + 16] = kIQ4Values[qs[j] >> 4];
+// The 32 levels of a nibble block (iq4_nl's, iq4_xs's or mxfp4's table).
+void level_quants(const int8_t (&levels)[16], const uint8_t* qs, int8_t (&q)[32]) {
+  for (int j = 0; j < 16; ++j) q[j] = levels[qs[j] & 15], q[j + 16] = levels[qs[j] >> 4];
 }
 
-// q5_0, q5_1, iq4_nl: blocks of 32 with one scale (and q5_1's minimum; q5_0's -16 offset as a minimum of 16 d).
+// q5_0, q5_1, iq4_nl, mxfp4: blocks of 32 with one scale (and q5_1's minimum; q5_0's -16 offset as a minimum of
+// 16 d). mxfp4's scale is its e8m0 byte halved, its levels e2m1's doubled: as llama.cpp's mxfp4 x q8_0 dot product.
 template <int FMT>
 float row_b32(const uint8_t* row, const XRow& x, int64_t K) {
   const int64_t bytes = gguf_block_bytes(FMT);
   float acc = 0.f;
   for (int64_t b = 0; b < K / 32; ++b) {
     const uint8_t* blk = row + b * bytes;
+    if (FMT == W_MXFP4) {
+      int8_t q[32];
+      level_quants(kMXFP4Values, blk + 1, q);
+      add_block(acc, e8m0_half_to_f32(blk[0]), 0.f, x, b, dot32s(q, x.q + b * 32));
+      continue;
+    }
     const float d = fp16_to_f32(load_u16(blk));
     if (FMT == W_IQ4_NL) {
       int8_t q[32];
-      iq4_quants(blk + 2, q);
+      level_quants(kIQ4Values, blk + 2, q);
       add_block(acc, d, 0.f, x, b, dot32s(q, x.q + b * 32));
       continue;
     }
@@ -162,7 +170,7 @@ float row_iq4_xs(const uint8_t* row, const XRow& x, int64_t K) {
     for (int i = 0; i < 8; ++i) {
       const int ls = ((blk[4 + i / 2] >> (4 * (i % 2))) & 15) | ((sh >> (2 * i)) & 3) << 4;
       int8_t q[32];
-      iq4_quants(blk + 8 + 16 * i, q);
+      level_quants(kIQ4Values, blk + 8 + 16 * i, q);
       const int64_t b = g * 8 + i;
       add_block(acc, d * float(ls - 32), 0.f, x, b, dot32s(q, x.q + b * 32));
     }

@@ -1,14 +1,14 @@
 """GGUF block formats read as stored with fused CPU kernels (q4_1, q5_0, q5_1, iq4_nl, q2_k, q3_k, q4_k, q5_k, q6_k,
-iq4_xs): dequantize against gguf-py bit for bit, every
+iq4_xs, mxfp4): dequantize against gguf-py bit for bit, every
 kernel path against the scalar reference and the dequantized fp32 matmul, the fused layer, the numba fallback,
-bad inputs.
+bad inputs; mxfp4's every e8m0 scale byte on every path.
 
 Tolerances, as normalized error ||y - y_ref|| / ||y_ref||:
   SIMD paths vs the scalar reference (same integer dot products, other fp32 summation order): 1e-5
   (measured <= 2.7e-7 over these shapes);
   scalar reference vs x @ dequantize(w).T in fp32: q4_1 (int16 activations, as q8_0's 1e-4): 1e-4 (measured
   <= 5.3e-5 over these shapes, ~2e-5 typical, fp32 and bf16 inputs); the others (int8 activations, as q4_0's
-  2e-2): 3e-2 (measured <= 2.2e-2, ~5e-3 typical; one output alone, M = N = 1, swings most).
+  2e-2): 3e-2 (measured <= 2.3e-2, mxfp4's, ~5e-3 typical; one output alone, M = N = 1, swings most).
 The default model's Q4_1 file read as stored, against transformers' dequantized fp32 model: see
 test_default_q4_1_model_answers_paris_and_matches_transformers.
 """
@@ -48,13 +48,13 @@ def nerr(y: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def gguf_blocks(fmt: str, m: int, k: int, seed: int = 0) -> np.ndarray:
-    """Realistic GGUF bytes uint8 [m, row_bytes]: gguf-py's quantizer where it has one (q4_1), else random
+    """Realistic GGUF bytes uint8 [m, row_bytes]: gguf-py's quantizer where it has one (q4_1, mxfp4), else random
     bytes with small finite fp16 fields (the scale d, and a minimum m / dmin where the format has one)."""
     rng = np.random.default_rng(seed)
     per_block, block_bytes = GGUF_BLOCKS[fmt]
-    if fmt == "q4_1":
+    if fmt in ("q4_1", "mxfp4"):
         w = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 1.0, (m, 1)).astype(np.float32)
-        return gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1)
+        return gguf.quants.quantize(w, getattr(gguf.GGMLQuantizationType, fmt.upper())).reshape(m, -1)
     blocks = rng.integers(0, 256, (m * k // per_block, block_bytes), dtype=np.uint8)
 
     def fp16(lo, hi):
@@ -136,6 +136,21 @@ def test_numba_fallback_dequantizes_and_multiplies(fmt):
     got = K._linear_numba(x, w, bias, torch.empty(3, 13))
     assert torch.allclose(got, x @ w.dequantize().T + bias, rtol=1e-5, atol=1e-5)
     assert nerr(got, K.linear_ref(x, w, bias)) < TOL_FLOAT.get(fmt, 3e-2)
+
+
+@pytest.mark.parametrize("path", ["scalar"] + SIMD)
+def test_mxfp4_every_scale_byte_on_every_path(path):
+    """Row e holds one block whose only nonzero weight is level 1 times e8m0 byte e's scale, 2^(e - 128), from the
+    subnormal 2^-128 to 2^127: with activations all ones, y[e] is that weight. Within 1e-4 (the subnormal scales'
+    products keep 14 bits; a wrong exponent is off by 2x)."""
+    raw = np.zeros((256, 17), dtype=np.uint8)
+    raw[:, 0], raw[:, 1] = np.arange(256), 0x01  # weight 0 = level 1 (low nibble 1), the other 31 level 0
+    w = K.PackedWeight.from_gguf(raw, "mxfp4", (256, 32))
+    want = w.dequantize()[:, 0]
+    assert want[0] == 2.0 ** -128 and want[255] == 2.0 ** 127
+    for n in (1, 9):  # one token; the 16-row tiles from 8 tokens
+        got = K.linear_path(torch.ones(n, 32), w, None, path)
+        assert torch.allclose(got, want.expand(n, -1), rtol=1e-4, atol=0)
 
 
 @pytest.mark.slow

@@ -1,6 +1,8 @@
 """gpt-oss's Hugging Face release stores its experts as MXFP4 blocks and scales (issue 45): offload reads them as
 stored, as GGUF's MXFP4 blocks, and computes with them. The dequantized values are bit for bit transformers' and
-gguf-py's; the model's logits are transformers' in fp32 on the same dequantized weights (within 1e-4 of the range)."""
+gguf-py's. On the CPU the experts run in the fused MXFP4 kernels with int8 activations (as llama.cpp's mxfp4 x q8_0
+dot products): the model's logits within KERNEL_TOLERANCE of transformers' in fp32 on the same dequantized weights;
+streamed to a GPU they are dequantized there, transformers' math (within 1e-4 of the range)."""
 
 from __future__ import annotations
 
@@ -16,6 +18,11 @@ from offload.spec import load_spec
 from offload.weights import mxfp4
 from offload.weights.loader import Checkpoint
 from offload.weights.sources import load_model
+
+# The fused kernels' int8 activations against transformers' fp32, of the logit range: as test_formats.py's
+# KERNEL_TOLERANCE for the other fused GGUF types (measured 1.2e-2 here; the kernels alone are held to the dequantized
+# fp32 matmul in test_kernels_gguf.py, and to int8 activations dequantized and multiplied in fp32 within 2e-7).
+KERNEL_TOLERANCE = 5e-2
 
 
 def _random_mxfp4(shape: tuple[int, ...], seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -54,9 +61,10 @@ def released(tmp_path_factory):
     e, d, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     state = hf.state_dict()
     for i in range(cfg.num_hidden_layers):
-        for name, (out, inp) in (("gate_up_proj", (2 * f, d)), ("down_proj", (d, f))):
+        for j, (name, (out, inp)) in enumerate((("gate_up_proj", (2 * f, d)), ("down_proj", (d, f)))):
             key = f"model.layers.{i}.mlp.experts.{name}"
-            blocks, scales = _random_mxfp4((e, out, inp // 32), seed=hash((i, name)) % 1000)
+            # a seed of its own per tensor, the same in every process (hash() of a str is salted per process)
+            blocks, scales = _random_mxfp4((e, out, inp // 32), seed=2 * i + j)
             del tensors[key]
             tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
             state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
@@ -79,7 +87,7 @@ def test_the_released_layout_is_read_as_stored_and_matches_transformers(released
     unit = next(u for u in spec.units() if u.kind == "experts")
     assert unit.held_formats(AS_STORED, "fp32") == ("mxfp4",)  # the planner sizes them at 4.25 bits a weight
     ids = torch.randint(0, 160, (20,), generator=torch.Generator().manual_seed(3)).tolist()
-    assert_logits_close(offload_logits(model, ids), hf_logits(hf, ids))
+    assert_logits_close(offload_logits(model, ids), hf_logits(hf, ids), rel=KERNEL_TOLERANCE)
 
 
 def test_a_quantization_asked_for_requantizes_the_experts(released):
@@ -92,8 +100,10 @@ def test_a_quantization_asked_for_requantizes_the_experts(released):
 
 @pytest.mark.parametrize("weights,compute", [("cpu", "cpu"), ("cpu", "stream"), ("disk", "cpu")])
 def test_every_placement_computes_the_stored_experts_as_the_resident_model(released, weights, compute):
-    """As stored on the CPU (dequantized slices into fp32 matmuls), streamed to the simulated GPU (dequantized
-    there) and read from disk: the resident model's logits within 1e-5 of their range."""
+    """As stored on the CPU (the fused MXFP4 kernels) and read from disk: the resident model's logits within 1e-5 of
+    their range; streamed to the simulated GPU (dequantized there, fp32 matmuls): transformers' within 1e-4. Each way
+    is held to its own reference: the CPU kernels' int8 activations can flip a near-tied routing of a random model
+    (one draw of these experts moved a logit by 0.19 of the range so), which no tolerance of the kernels covers."""
     from conftest import gpu_profile
     from offload.planner.placement import Placement
     from offload.runtime.backends.cpu import CPUBackend
@@ -101,11 +111,14 @@ def test_every_placement_computes_the_stored_experts_as_the_resident_model(relea
     from offload.runtime.executor import PlacedModel
     from offload.weights.sources import CheckpointSource
 
-    _, folder = released
+    hf, folder = released
     spec = load_spec(folder)
     backend = SimBackend(gpu_profile()) if compute == "stream" else CPUBackend()
     model = PlacedModel(spec, CheckpointSource(Checkpoint(folder), spec, torch.float32),
                         Placement.uniform(spec, weights, compute), backend)
     ids = torch.randint(0, 160, (20,), generator=torch.Generator().manual_seed(5)).tolist()
-    resident = load_model(Checkpoint(folder), spec)
-    assert_logits_close(offload_logits(model, ids), offload_logits(resident, ids), rel=1e-5)
+    if compute == "stream":
+        assert_logits_close(offload_logits(model, ids), hf_logits(hf, ids), rel=1e-4)
+    else:
+        resident = load_model(Checkpoint(folder), spec)
+        assert_logits_close(offload_logits(model, ids), offload_logits(resident, ids), rel=1e-5)

@@ -130,7 +130,7 @@ GGUF_TYPES = tuple(GGUFType(**t) for t in (
          fields=(("qs", 32, "bits"), ("qh", 16, "bits"), ("scales", 8, "bits+f16")), layout="blocks",
          kin=_DEQUANTIZED),
     dict(name="mxfp4", ggml_name="MXFP4", ggml_type=39, block_weights=32, block_bytes=17,
-         fields=(("e", 1, "e8m0"), ("qs", 16, "bits")), layout="blocks", kin=_DEQUANTIZED),
+         fields=(("e", 1, "e8m0"), ("qs", 16, "bits")), layout="blocks", cpu_kernel=18, kin=("iq4_nl", "q4_0")),
     dict(name="nvfp4", ggml_name="NVFP4", ggml_type=40, block_weights=64, block_bytes=36,
          fields=(("d", 4, "ue4m3"), ("qs", 32, "bits")), layout="blocks", kin=_DEQUANTIZED),
 ))

@@ -1,7 +1,8 @@
 """CPU matmul kernels over packed weights (q8_0, q4_0, bf16, fp16, GGUF's block types), dispatched at import.
 
-GGUF types with fused kernels (formats.CPU_KERNELS: q4_1 and the K-quants q4_k, q5_k, q6_k) run in csrc/; the others
-(q5_0, q5_1, q2_k, q3_k, the IQ types) are dequantized a slice of rows at a time and multiplied in fp32.
+GGUF types with fused kernels (formats.CPU_KERNELS: q4_1, q5_0, q5_1, iq4_nl, iq4_xs, mxfp4 and the K-quants) run in
+csrc/; the others (the IQ1-IQ3 and ternary types, nvfp4) are dequantized a slice of rows at a time and multiplied in
+fp32.
 
 ACTIVE_PATH is "avx512", "avx2", "scalar" (extension built, no SIMD) or "numba" (no extension).
 OFFLOAD_KERNELS=numba|scalar|avx2|avx512 forces a path (one this CPU can run).
