@@ -64,6 +64,9 @@ class Family:
     # layer counts at which llama.cpp scales attention scores by (hidden / heads) ** -0.5 rather than head_dim's: its
     # stand-in for query_pre_attn_scalar, which GGUF files do not hold (the 27B Gemmas)
     gguf_width_scaled: tuple[int, ...] = ()
+    # whether YaRN rounds its band's edges to whole dimensions in this family's GGUF files, which cannot say so:
+    # llama.cpp always rounds them; gpt-oss's releases (rope_scaling.truncate false) and OpenAI's own code do not
+    gguf_yarn_truncate: bool = True
 
 
 # a layer's Hugging Face modules -> their GGUF tensors (blk.N.<name>), as gguf-py's TensorNameMap names Llama's and the
@@ -100,7 +103,10 @@ FAMILIES = (
     Family("olmo2", ("olmo2",), attn_norm=None, mlp_norm=None, post_attn_norm="post_attention_layernorm",
            post_mlp_norm="post_feedforward_layernorm", qk_norm=True, qk_norm_over="all"),
     Family("mixtral", ("mixtral",), moe="mixtral", gguf_permuted=True),
-    Family("gpt_oss", ("gpt_oss",), sinks=True, windows="alternate", moe="gpt_oss"),
+    # its GGUF files: the experts' gate and up de-interleaved into ffn_gate_exps and ffn_up_exps (gguf_locations)
+    Family("gpt_oss", ("gpt_oss",), sinks=True, windows="alternate", moe="gpt_oss", gguf_archs=("gpt-oss",),
+           gguf_names=(("post_attention_layernorm", "post_attention_norm"), ("self_attn.sinks", "attn_sinks"),
+                       ("mlp.router", "ffn_gate_inp")), gguf_yarn_truncate=False),
     Family("qwen2_moe", ("qwen2_moe",), qkv_bias=lambda c: bool(c.get("qkv_bias", True)), o_bias=_never,
            windows="qwen", moe="qwen", gguf_archs=("qwen2moe",)),
     Family("qwen3_moe", ("qwen3_moe",), qk_norm=True, windows="qwen", moe="qwen", gguf_archs=("qwen3moe",)),

@@ -1,7 +1,8 @@
 """Tiny GGUF models written with gguf-py's writer, as llama.cpp's converter lays them out (for the tests): tensors
 named by gguf-py's own TensorNameMap (not offload's table), with the converter's changes per architecture (llama's
-q/k rows permuted, Gemma's 1 added to every norm, Phi-3's LongRoPE factors as tensors) and the metadata keys its
-converter writes (convert_hf_to_gguf.py: Gemma2Model, Gemma3Model, Phi3MiniModel, TextModel)."""
+q/k rows permuted, Gemma's 1 added to every norm, Phi-3's LongRoPE factors as tensors, gpt-oss's stacked experts
+transposed and their gate|up de-interleaved) and the metadata keys its converter writes (convert_hf_to_gguf.py:
+Gemma2Model, Gemma3Model, Phi3MiniModel, GptOssModel, TextModel: YaRN's too)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ K_TINY = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
 # transformers' model_type -> the general.architecture llama.cpp's converter writes for it
 ARCH_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-              "gemma3_text": "gemma3", "phi3": "phi3"}
+              "gemma3_text": "gemma3", "phi3": "phi3", "gpt_oss": "gpt-oss"}
 # types gguf.quants.quantize writes (0.19)
 GGPY_QUANTIZES = {"BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4"}
 GEMMA3_PATTERN = 6  # llama.cpp's period of Gemma 3's global layers where a file states none (llama-model.cpp)
@@ -128,8 +129,10 @@ def random_blocks(qtype, shape: tuple[int, int], seed: int = 0) -> np.ndarray:
 
 def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, arch: str = "llama",
                types: dict[str, str] | None = None, random_quants: bool = False, mkdir: bool = False,
-               split_max_tensors: int = 0) -> Path:
-    """Write a transformers model as a GGUF file: linear weights in qtype (or types[gguf name]), norms F32.
+               split_max_tensors: int = 0, raw: dict[str, tuple[np.ndarray, str]] | None = None) -> Path:
+    """Write a transformers model as a GGUF file: linear weights in qtype (or types[gguf name]), norms, biases and
+    routers F32; raw[gguf name]: (bytes, GGUF type) written in a tensor's place (gpt-oss's MXFP4 experts as the
+    converter repacks a release's blocks).
 
     Types gguf-py cannot quantize to (the K-quants, the IQ types) get random blocks (random_quants must be set): the model is
     then the one those blocks encode, which transformers reads back the same way."""
@@ -156,9 +159,11 @@ def write_gguf(model, path: Path, qtype: str = "F32", tokenizer: bool = True, ar
     if tokenizer:
         add_byte_tokenizer(w, cfg.vocab_size)
     for g, t in _converted_tensors(model, arch):
-        kind = (types or {}).get(g, qtype) if t.ndim == 2 else "F32"
+        kind = (types or {}).get(g, qtype) if t.ndim >= 2 and g.endswith(".weight") and "_inp." not in g else "F32"
         qt = T[kind]
-        if qt == T.F32:
+        if g in (raw or {}):
+            w.add_tensor(g, raw[g][0], raw_dtype=T[raw[g][1]])
+        elif qt == T.F32:
             w.add_tensor(g, np.ascontiguousarray(t))
         elif qt in (T.F16,):
             w.add_tensor(g, t.astype(np.float16))
@@ -190,21 +195,46 @@ def _converted_tensors(model, arch: str):
         if hf == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         t = p.detach().float().numpy()
+        if name == "gpt-oss" and ".mlp.experts." in hf:
+            yield from _gpt_oss_experts(hf, t)
+            continue
         if name == "llama" and (".q_proj." in hf or ".k_proj." in hf):
             t = permute(t, n_heads if ".q_proj." in hf else n_kv)
         if name.startswith("gemma") and hf.endswith("norm.weight"):
             t = t + np.float32(1)
-        yield gguf_name(hf, name), t
+        yield gguf_name(hf + ".weight" if hf.endswith(".sinks") else hf, name), t
     rope = _rope(cfg)
     if name == "phi3" and rope.get("long_factor"):
         yield "rope_factors_long.weight", np.asarray(rope["long_factor"], np.float32)
         yield "rope_factors_short.weight", np.asarray(rope["short_factor"], np.float32)
 
 
+def _gpt_oss_experts(hf: str, t: np.ndarray):
+    """GptOssModel.modify_tensors on float experts: transformers' stacked [E, in, out] weights transposed to
+    GGUF's [E, out, in], the interleaved gate|up (its even outputs gate, odd up) split into gate and up."""
+    stem, what = hf.rsplit(".", 1)  # model.layers.N.mlp.experts, gate_up_proj[_bias] or down_proj[_bias]
+    bias = what.endswith("_bias")
+    if not bias:
+        t = t.swapaxes(1, 2)  # [E, out, in]
+    if what.startswith("down_proj"):
+        yield gguf_name(f"{stem}.down_proj.{'bias' if bias else 'weight'}", "gpt-oss"), np.ascontiguousarray(t)
+        return
+    for proj, rows in (("gate_proj", slice(0, None, 2)), ("up_proj", slice(1, None, 2))):
+        yield gguf_name(f"{stem}.{proj}.{'bias' if bias else 'weight'}", "gpt-oss"), np.ascontiguousarray(t[:, rows])
+
+
 def _add_family_keys(w, cfg, arch: str) -> None:
     """The metadata keys llama.cpp's converter writes for the architecture beyond Llama's."""
     import gguf
 
+    _add_yarn_keys(w, _rope(cfg))
+    if arch == "gpt_oss":  # GptOssModel's and TextModel's keys of a mixture of experts
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_expert_count(cfg.num_local_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_expert_feed_forward_length(cfg.intermediate_size)
     if arch in ("qwen3", "gemma2", "gemma3_text"):  # TextModel's and the Gemmas' own: where config.json has head_dim
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
@@ -227,6 +257,23 @@ def _add_family_keys(w, cfg, arch: str) -> None:
             w.add_sliding_window_pattern(pattern)
     if arch == "phi3":
         _add_phi3_keys(w, cfg)
+
+
+def _add_yarn_keys(w, rope: dict) -> None:
+    """TextModel's keys of YaRN rope scaling: the factor, the trained context, and the band and attention factor
+    where the config states them (not truncate: GGUF has no key for it)."""
+    import gguf
+
+    if rope.get("rope_type", rope.get("type")) != "yarn":
+        return
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(rope["factor"])
+    w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
+    for key, add in (("attention_factor", w.add_rope_scaling_yarn_attn_factor),
+                     ("beta_fast", w.add_rope_scaling_yarn_beta_fast),
+                     ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        if rope.get(key) is not None:
+            add(rope[key])
 
 
 def _add_phi3_keys(w, cfg) -> None:

@@ -1,6 +1,7 @@
-"""GGUF files of the families of offload/families.py beyond Llama's (issue 45): Qwen3, Gemma 2, Gemma 3 and Phi-3 as
-llama.cpp's converter writes them (tests/gguf_support.write_gguf: gguf-py's own tensor names, Gemma's norms plus 1,
-Phi-3's fused qkv and gate|up and its LongRoPE factor tensors) give the Hugging Face folder's model.
+"""GGUF files of the families of offload/families.py beyond Llama's (issue 45): Qwen3 (with YaRN too), Gemma 2, Gemma 3
+and Phi-3 as llama.cpp's converter writes them (tests/gguf_support.write_gguf: gguf-py's own tensor names, Gemma's
+norms plus 1, Phi-3's fused qkv and gate|up and its LongRoPE factor tensors) give the Hugging Face folder's model
+(gpt-oss's files: tests/test_gguf_gpt_oss.py).
 
 F32 files: logits within 1e-4 of transformers' logit range (as tests/test_families.py holds the folder) and the
 greedy tokens of LLM(folder). Q8_0 files as the converter's --outtype q8_0 writes them (gguf-py's quantizer, the
@@ -10,8 +11,8 @@ then hold what offload's q8_0 of the folder holds (its embedding stays float for
 LLM(folder, quantization='q8_0'), logits within 1e-6 of its range (measured: equal; gguf-py's Q8_0 blocks are
 offload's) and the same greedy tokens. Against the folder's q8_0, a file with a Q8_0 embedding moves the tiny random
 models' logits by 2-7% of their range (the embedding's own rounding, which Gemma scales by sqrt(hidden)) and flips
-greedy tokens, too loose to tell a misread tensor. Prompts reach past the sliding windows (6) and LongRoPE's original
-context (16). The metadata llama.cpp leaves to its loader (Gemma 3's pattern and local rope base, the 27B Gemmas'
+greedy tokens, too loose to tell a misread tensor. Prompts reach past the sliding windows (6) and LongRoPE's and
+YaRN's original context (16). The metadata llama.cpp leaves to its loader (Gemma 3's pattern and local rope base, the 27B Gemmas'
 attention scale) is checked on files of metadata alone."""
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ GGUF_CASES = {
     "gemma3-rope-linear": ("gemma3_text", {**CASES["gemma3-rope-linear"][1], **GEMMA}),
     "phi3-partial-rotary": ("phi3", CASES["phi3-partial-rotary"][1]),
     "phi3-longrope": ("phi3", CASES["phi3-longrope"][1]),
+    # YaRN past a trained context of 16 (the converter writes rope.scaling.type yarn, its factor and that context)
+    "qwen3-yarn": ("qwen3", {**CASES["qwen3-gqa4"][1], "max_position_embeddings": 64, "rope_scaling": {
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}}),
 }
 VOCAB = 300
 
@@ -194,6 +198,19 @@ def test_an_unsupported_architecture_names_the_new_ones(tmp_path):
     gf = _metadata_file(tmp_path / "m.gguf", "gpt2")
     with pytest.raises(WeightsError, match="GGUF architecture 'gpt2' is not supported") as e:
         gguf_config(gf)
-    for arch in ("qwen3", "gemma2", "gemma3", "phi3"):
+    for arch in ("qwen3", "gemma2", "gemma3", "phi3", "gpt-oss"):
         assert arch in str(e.value)
+
+
+@pytest.mark.parametrize("keys, needle", [
+    ({}, r"needs metadata key qwen3\.rope\.scaling\.original_context_length"),
+    ({"rope.scaling.original_context_length": 16, "rope.scaling.yarn_log_multiplier": 0.1},
+     r"yarn_log_multiplier 0\.1.* is not supported")])
+def test_yarn_that_is_not_transformers_is_refused(tmp_path, keys, needle):
+    """A file of YaRN without its trained context, or with llama.cpp's knobs that transformers' YaRN lacks
+    (DeepSeek's log multiplier), is one error naming the key, not a model computed another way."""
+    gf = _metadata_file(tmp_path / "m.gguf", "qwen3", **{"rope.scaling.type": "yarn", "rope.scaling.factor": 4.0,
+                                                         **keys})
+    with pytest.raises(WeightsError, match=needle):
+        gguf_config(gf)
 

@@ -195,16 +195,22 @@ def gguf_name(hf: str, family: Family) -> str | None:
     -> blk.3.attn_q.weight); None for a routed expert's (a slice of a stacked tensor: see tensor_map) or an unknown
     name."""
     module, _, suffix = hf.rpartition(".")
-    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", module)
+    m = re.fullmatch(r"model\.layers\.(\d+)\.(.+)", hf)
     if m:
-        short = gguf_layer_names(family).get(m[2])
+        names = gguf_layer_names(family)
+        if m[2] in names:  # a tensor with no suffix (gpt-oss's self_attn.sinks): the converter names it .weight
+            return f"blk.{m[1]}.{names[m[2]]}.weight"
+        module, _, suffix = m[2].rpartition(".")
+        short = names.get(module)
         return f"blk.{m[1]}.{short}.{suffix}" if short else None
     return f"{_TOP_NAMES[module]}.{suffix}" if module in _TOP_NAMES else None
 
 
 def gguf_locations(spec: ModelSpec) -> dict[str, tuple[str | None, int | None]]:
     """Each tensor of spec by Hugging Face name: the GGUF tensor that holds it, and for a routed expert its index in
-    that layer's stacked [n_experts, out, in] tensor (None: the whole tensor)."""
+    that layer's stacked [n_experts, out, in] tensor (None: the whole tensor). gpt-oss's experts' biases are stacked
+    the same way ([n_experts, out]); its interleaved gate|up is stored as separate gate and up stacks, as any
+    family's."""
     where: dict[str, tuple[str | None, int | None]] = {ts.name: (gguf_name(ts.name, spec.family), None)
                                                        for ts in spec.tensors()}
     for i in range(spec.n_layers):
@@ -212,6 +218,8 @@ def gguf_locations(spec: ModelSpec) -> dict[str, tuple[str | None, int | None]]:
             for e in range(spec.moe.n_experts):
                 for proj, name in zip(_EXPERT_PROJS, spec.expert_names(i, e)):
                     where[name] = (f"blk.{i}.ffn_{proj}_exps.weight", e)
+                for proj, name in zip(_EXPERT_PROJS, spec.expert_bias_names(i, e) if spec.moe.biases else ()):
+                    where[name] = (f"blk.{i}.ffn_{proj}_exps.bias", e)
     return where
 
 
@@ -234,10 +242,11 @@ def tensor_map(gf: GGUFFile, spec: ModelSpec) -> dict[str, GGUFTensor]:
 
 
 def _expert_slice(t: GGUFTensor, e: int, n_experts: int) -> GGUFTensor:
-    """Expert e's [out, in] of a stacked experts tensor; a tensor not shaped [n_experts, out, in] is returned whole
-    under the slice's name, so check_tensors reports its shape."""
+    """Expert e's [out, in] of a stacked experts tensor (its [out] of stacked biases); a tensor not shaped
+    [n_experts, out, in] or [n_experts, out] is returned whole under the slice's name, so check_tensors reports its
+    shape."""
     name = f"{t.name}[{e}]"
-    if len(t.shape) != 3 or t.shape[0] != n_experts or t.n_bytes % n_experts:
+    if len(t.shape) not in (2, 3) or t.shape[0] != n_experts or t.n_bytes % n_experts:
         return replace(t, name=name)
     n_bytes = t.n_bytes // n_experts
     return replace(t, name=name, offset=t.offset + e * n_bytes, n_bytes=n_bytes, shape=t.shape[1:])

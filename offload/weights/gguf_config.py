@@ -5,7 +5,7 @@ llama.cpp's converter (convert_hf_to_gguf.py) writes a model's hyperparameters u
 (gemma2.attention.sliding_window, ...); where it leaves one out, llama.cpp's loader (llama-model.cpp) hard-codes
 it per architecture, and so does this reader: Gemma 3's every-sixth global layer and local rope base of 10000,
 the Gemmas' attention scale (GGUF files hold no query_pre_attn_scalar). Which keys a family reads follows its
-entry in offload/families.py (soft-caps, windows, local rope, partial rotary), not its name.
+entry in offload/families.py (soft-caps, windows, local rope, partial rotary, YaRN's rounding), not its name.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def gguf_config(gf: GGUFFile) -> dict:
         config["head_dim"] = key_length
     family = BY_MODEL_TYPE[model_type]
     config.update(_family_config(gf, family, config))
-    rope = _rope_scaling(gf, config)
+    rope = _rope_scaling(gf, family, config)
     if rope:
         config["rope_scaling"] = rope
     return config
@@ -112,8 +112,10 @@ def _head_dim(config: dict) -> int | None:
 
 
 def _moe_config(gf: GGUFFile, model_type: str) -> dict:
-    """The config.json keys of a Mixtral, Qwen2-MoE or Qwen3-MoE file's experts, as llama.cpp reads its metadata."""
-    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    """The config.json keys of a Mixtral, Qwen2-MoE, Qwen3-MoE or gpt-oss file's experts, as llama.cpp reads its
+    metadata. gpt-oss's clamped SwiGLU (alpha 1.702, limit 7) is not in its files: llama.cpp's graph holds the
+    release's numbers, as MoESpec's defaults do."""
+    if model_type not in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss"):
         return {}
     n_experts, top_k = gf.arch_key("expert_count"), gf.arch_key("expert_used_count")
     for key, value in (("expert_count", n_experts), ("expert_used_count", top_k)):
@@ -122,6 +124,9 @@ def _moe_config(gf: GGUFFile, model_type: str) -> dict:
                                f"{gf.architecture} mixture of experts needs; convert the model again with llama.cpp")
     if model_type == "mixtral":  # its feed_forward_length is the expert width; every layer is MoE
         return {"num_local_experts": n_experts, "num_experts_per_tok": top_k}
+    if model_type == "gpt_oss":  # every layer is MoE; the converter writes the width as both keys
+        width = gf.arch_key("expert_feed_forward_length") or gf.arch_key("feed_forward_length")
+        return {"num_local_experts": n_experts, "num_experts_per_tok": top_k, "intermediate_size": width}
     ff = gf.arch_key("feed_forward_length") or 0
     config = {"num_experts": n_experts, "num_experts_per_tok": top_k, "decoder_sparse_step": 1, "mlp_only_layers": [],
               # llama.cpp's defaults where a width is absent (src/models/qwen2moe.cpp, qwen3moe.cpp)
@@ -135,17 +140,19 @@ def _moe_config(gf: GGUFFile, model_type: str) -> dict:
     return config
 
 
-def _rope_scaling(gf: GGUFFile, config: dict) -> dict | None:
-    """rope_scaling from GGUF metadata: linear scaling by key; LongRoPE by its factor tensors; Llama 3's by
+def _rope_scaling(gf: GGUFFile, family: Family, config: dict) -> dict | None:
+    """rope_scaling from GGUF metadata: linear scaling and YaRN by key; LongRoPE by its factor tensors; Llama 3's by
     matching the rope_freqs tensor."""
     kind = gf.arch_key("rope.scaling.type")
     if kind == "linear":
         return {"rope_type": "linear", "factor": float(gf.arch_key("rope.scaling.factor", 1.0))}
+    if kind == "yarn":
+        return _yarn(gf, family)
     if kind == "longrope" or (kind is None and "rope_factors_long.weight" in gf.tensors):
         return _longrope(gf, config)
     if kind not in (None, "none"):
         raise WeightsError(f"{gf.path}: rope scaling {kind!r} is not supported; offload supports linear scaling, "
-                           f"LongRoPE and Llama 3's")
+                           f"YaRN, LongRoPE and Llama 3's")
     freqs = gf.tensors.get("rope_freqs.weight")
     if freqs is None:
         return None
@@ -159,6 +166,31 @@ def _rope_scaling(gf: GGUFFile, config: dict) -> dict | None:
             return rope
     raise WeightsError(f"{gf.path}: its rope_freqs tensor matches no Llama 3 rope scaling offload knows "
                        f"(factors {', '.join(str(f) for f in _LLAMA3_FACTORS)}); use the model's safetensors release")
+
+
+def _yarn(gf: GGUFFile, family: Family) -> dict:
+    """YaRN as the converter writes config.json's rope_scaling: the factor, the context the model was trained at,
+    and the band (beta_fast, beta_slow) and attention factor where the config stated them (else transformers'
+    defaults, as the spec's). Whether the band's edges are rounded is the family's (Family.gguf_yarn_truncate)."""
+    def key(name: str):
+        return gf.arch_key(f"rope.scaling.{name}")
+
+    original = key("original_context_length")
+    if not original:
+        raise WeightsError(f"{gf.path}: YaRN rope scaling needs metadata key {gf.architecture}.rope.scaling."
+                           f"original_context_length; convert the model again with llama.cpp")
+    # llama.cpp's other YaRN knobs (DeepSeek's log multiplier, a partial extrapolation mix) are not transformers'
+    if key("yarn_log_multiplier") or key("yarn_ext_factor") not in (None, 1.0):
+        raise WeightsError(f"{gf.path}: YaRN with rope.scaling.yarn_log_multiplier {key('yarn_log_multiplier')} "
+                           f"and yarn_ext_factor {key('yarn_ext_factor')} is not supported (offload's YaRN is "
+                           f"transformers': 0 and 1); use the model's safetensors release")
+    rope = {"rope_type": "yarn", "factor": float(key("factor") or 1.0), "original_max_position_embeddings": original,
+            "truncate": family.gguf_yarn_truncate}
+    for name, as_named in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow"),
+                           ("yarn_attn_factor", "attention_factor")):
+        if key(name) is not None:
+            rope[as_named] = float(key(name))
+    return rope
 
 
 def _longrope(gf: GGUFFile, config: dict) -> dict:

@@ -67,11 +67,18 @@ class GGUFSource:
 
     def _experts(self, i: int) -> ExpertWeights:
         """The router (compute dtype, as stored in F32 by llama.cpp's converter) and each expert's fused gate|up
-        and down, read from its slice of the stacked tensors."""
+        and down, read from its slice of the stacked tensors; gpt-oss's biases too (the router's in the compute
+        dtype, the experts' in fp32, as load_experts reads a checkpoint's)."""
         names, n = expert_tensor_names(self.spec, i), self.spec.moe.n_experts
+        biases = {}
+        if self.spec.moe.biases:
+            biases["router_bias"] = self.dense(names["router_bias"][0])
+            for kind in ("gate_up_bias", "down_bias"):
+                biases[kind] = tuple(torch.cat([self.values(t).float() for t in names[f"{kind}#{e}"]])
+                                     for e in range(n))
         return ExpertWeights(self.dense(names["router"][0]).contiguous(),
                              tuple(stack([self.linear(t) for t in names[f"gate_up#{e}"]]) for e in range(n)),
-                             tuple(self.linear(names[f"down#{e}"][0]) for e in range(n)))
+                             tuple(self.linear(names[f"down#{e}"][0]) for e in range(n)), **biases)
 
     def extents(self, unit: UnitSpec, layout) -> tuple[Extent, ...] | None:
         """Where the unit's buffer (layout) sits in the GGUF file: entries kept as GGUF blocks (q4_1, K-quants) or
@@ -110,10 +117,12 @@ class GGUFSource:
 
     def dense(self, name: str) -> torch.Tensor:
         """The tensor as a dense tensor in the compute dtype (quantized ones dequantized)."""
+        return self.values(name).to(self.dtype)
+
+    def values(self, name: str) -> torch.Tensor:
+        """The tensor's values as stored (float types) or dequantized to fp32, in memory of their own."""
         t, raw = self._raw(name)
-        if t.fmt in FLOAT_FORMATS:
-            return _float_tensor(raw, t).to(self.dtype)
-        return _dequantized(raw, t).to(self.dtype)
+        return _float_tensor(raw, t) if t.fmt in FLOAT_FORMATS else _dequantized(raw, t)
 
     def linear(self, name: str):
         """A linear weight [out, in] as the kernels take it: as stored, or quantized to the asked format."""

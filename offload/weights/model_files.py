@@ -80,8 +80,7 @@ def _gguf_tokenizer(path: Path):
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(first.parent), gguf_file=first.name)
     except Exception as e:  # transformers' GGUF tokenizer conversion raises many kinds
-        raise WeightsError(f"the tokenizer in {path}'s metadata cannot be read ({library_error(e)}); "
-                           f"use a GGUF file converted by a recent llama.cpp") from e
+        tokenizer = _generic_tokenizer(first, path, e)
     try:
         tmp = Path(tempfile.mkdtemp(prefix=saved.name + ".", dir=saved.parent))
         tokenizer.save_pretrained(tmp)
@@ -89,3 +88,17 @@ def _gguf_tokenizer(path: Path):
     except OSError:  # read-only cache, or another process saved it first
         shutil.rmtree(tmp, ignore_errors=True)
     return tokenizer
+
+
+def _generic_tokenizer(first: Path, path: Path, error: Exception):
+    """The tokenizer of a GGUF file whose model metadata AutoTokenizer could not read (it reads it only to choose a
+    tokenizer class; transformers 5 reads a gpt-oss file's YaRN keys wrongly and fails), built from the tokenizer
+    metadata alone as transformers' generic fast tokenizer, the class gpt-oss's release names; error's message
+    where that fails too."""
+    from transformers import PreTrainedTokenizerFast
+
+    try:
+        return PreTrainedTokenizerFast.from_pretrained(str(first.parent), gguf_file=first.name)
+    except Exception:
+        raise WeightsError(f"the tokenizer in {path}'s metadata cannot be read ({library_error(error)}); "
+                           f"use a GGUF file converted by a recent llama.cpp") from error
