@@ -8,13 +8,17 @@ torch) as offload holds weights: 2 MiB-aligned buffers advised for transparent h
 formats (q4_1, q4_k, q5_k, q6_k: random blocks with small scales, at shapes whose K is whole blocks) also show
 their weight bytes per second against q4_0's at the same shape, threads and path. Then matrix-matrix
 throughput at batch 1, 8, 32, 128 and 512 against torch, and as a fraction of the peak rate of the kernel's own
-multiply-add instruction (vpdpbusd, vpdpwssd, vpmaddubsw or FMA), measured in the same run. All times are medians of several runs.
+multiply-add instruction (vpdpbusd, vpdpwssd, vpmaddubsw or FMA), measured in the same run. With --vs-dequantized,
+each GGUF format's fused kernel against what a type without one runs (slices dequantized to fp32 and multiplied by
+torch), at gpt-oss-120b's expert shapes and GEMM_SHAPES, the two timed in turn in the same run. All times are
+medians of several runs.
 
     python scripts/bench_kernels.py            # about 2-3 minutes on 2 cores
     python scripts/bench_kernels.py --models 8b --threads 2 --paths avx2 scalar
     python scripts/bench_kernels.py --formats q4_0 q4_0-rows --no-gemm   # tiled vs GGUF row order
     python scripts/bench_kernels.py --models 8b --formats q4_0 q4_k q6_k --no-gemm   # K-quants vs q4_0
-    python scripts/bench_kernels.py --smoke    # SmolLM2's shapes, 1 thread, q8_0 q4_0 q4_k, short timings: seconds
+    python scripts/bench_kernels.py --models 135m --formats mxfp4 --no-gemm --vs-dequantized --threads 1 2
+    python scripts/bench_kernels.py --smoke    # SmolLM2's shapes, 1 thread, q8_0 q4_0 q4_k mxfp4, short timings: seconds
 """
 
 from __future__ import annotations
@@ -54,6 +58,8 @@ MODELS = {
 MODEL_KEYS = {"135m": "smollm2-135m", "8b": "llama3.1-8b", "70b": "llama3.1-70b"}
 LM_HEAD = (49152, 576)  # SmolLM2's tied embedding as output layer
 GEMM_SHAPES = [(1536, 576), (4096, 4096)]
+EXPERT_SHAPES = [(5760, 2880), (2880, 2880)]  # gpt-oss-120b's expert gate_up and down (MXFP4 in its release)
+DEQUANT_BATCHES = [1, 4, 32]  # rows an expert gets: a decode token or a few, a prefill chunk's share
 OUT_OF_CACHE_BYTES = 160 * 2**20  # rotate copies until this much: well past a 32 MiB L3
 
 
@@ -210,6 +216,37 @@ def gemm_report(shapes, batches, fmts, threads) -> None:
                           f"{t32 / t:7.2f}x {t16 / t:7.2f}x")
 
 
+def side_by_side_s(fns, rounds: int = 3) -> list[float]:
+    """Median seconds of each of fns, timed in turn for several rounds (so load from elsewhere falls on both)."""
+    times = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            times[i].append(median_time_s(fn))
+    return [statistics.median(t) for t in times]
+
+
+def dequant_report(shapes, batches, fmts, threads) -> None:
+    """The fused kernel of each GGUF format in fmts against the dequantized path (kernels._linear_dequantized: fp32
+    slices of the same weights and torch's matmul), on the active path, out of cache: time ratio dequantized / fused."""
+    fused_fmts = [f for f in fmts if f in GGUF_BLOCKS and f in CPU_KERNELS]
+    print(f"\n== fused kernel vs dequantized to fp32 (path {K.ACTIVE_PATH}) ==")
+    print(f"{'shape':>13} {'batch':>5} {'thr':>3} {'format':>7} {'fused us':>10} {'dequant us':>11} {'speedup':>8}")
+    for shape in shapes:
+        for fmt in fused_fmts:
+            if shape[1] % GGUF_BLOCKS[fmt][0]:
+                continue
+            p = K.PackedWeight.from_gguf(random_gguf_blocks(fmt, *shape), fmt, shape)
+            rot = Rotation(lambda: K.PackedWeight(fmt, p.shape, stored(p.qs), None), p.nbytes)
+            for n in batches:
+                x, y = torch.randn(n, shape[1]), torch.empty(n, shape[0])
+                for n_threads in threads:
+                    torch.set_num_threads(n_threads)
+                    fused, dequant = side_by_side_s([lambda: K.linear(x, rot.next()),
+                                                     lambda: K._linear_dequantized(x, rot.next(), None, y)])
+                    print(f"{shape[0]:>6}x{shape[1]:<6} {n:>5} {n_threads:>3} {fmt:>7} {fused * 1e6:10.1f} "
+                          f"{dequant * 1e6:11.1f} {dequant / fused:7.2f}x")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["135m", "8b", "70b"], choices=sorted(MODEL_KEYS))
@@ -220,18 +257,23 @@ def main() -> None:
     ap.add_argument("--paths", nargs="+", default=[K.ACTIVE_PATH], help="kernel paths (e.g. avx2 scalar numba)")
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 128, 512])
     ap.add_argument("--no-gemm", action="store_true", help="skip the matrix-matrix section")
+    ap.add_argument("--vs-dequantized", action="store_true",
+                    help="time each GGUF format's fused kernel against dequantizing to fp32 and multiplying (the path "
+                         "of types without one) at gpt-oss's expert shapes and the matrix-matrix shapes")
     ap.add_argument("--small-pages", action="store_true",
                     help="keep weights (offload's and torch's) on 4 KiB pages instead of 2 MiB transparent huge pages")
     ap.add_argument("--smoke", action="store_true", help="SmolLM2's shapes, 1 thread, three formats, batches 1 and 8, "
                     "short timings in cache: seconds (the figures mean little)")
     args = ap.parse_args()
-    global SMALL_PAGES, TIME_BUDGET_S, OUT_OF_CACHE_BYTES, GEMM_SHAPES, PEAK_RUNS, PEAK_ITERS
+    global SMALL_PAGES, TIME_BUDGET_S, OUT_OF_CACHE_BYTES, GEMM_SHAPES, PEAK_RUNS, PEAK_ITERS, EXPERT_SHAPES
+    global DEQUANT_BATCHES
     SMALL_PAGES = args.small_pages
     bw_bytes = 1 << 30
     if args.smoke:
-        args.models, args.threads, args.formats, args.batches = ["135m"], [1], ["q8_0", "q4_0", "q4_k"], [1, 8]
+        args.models, args.threads, args.formats, args.batches = ["135m"], [1], ["q8_0", "q4_0", "q4_k", "mxfp4"], [1, 8]
         TIME_BUDGET_S, OUT_OF_CACHE_BYTES, GEMM_SHAPES, bw_bytes = 0.005, 4 << 20, GEMM_SHAPES[:1], 64 << 20
         PEAK_RUNS, PEAK_ITERS = 1, 200_000
+        args.vs_dequantized, EXPERT_SHAPES, DEQUANT_BATCHES = True, [], [1, 8]
     old_threads = torch.get_num_threads()
     print(f"offload kernels: active path {K.ACTIVE_PATH}; CPU features {' '.join(sorted(K.CPU_FEATURES))}")
     bw = {}
@@ -250,6 +292,8 @@ def main() -> None:
     if not args.no_gemm:
         gemm_report(GEMM_SHAPES, args.batches, [f for f in args.formats if f.partition("-")[0] in ("q8_0", "q4_0", "bf16")],
                     args.threads)
+    if args.vs_dequantized:
+        dequant_report(EXPERT_SHAPES + GEMM_SHAPES, DEQUANT_BATCHES, args.formats, args.threads)
     torch.set_num_threads(old_threads)
 
 
