@@ -38,11 +38,12 @@ def test_the_dequantized_values_are_transformers_and_gguf_pys_bit_for_bit():
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     blocks, scales = _random_mxfp4((3, 10, 4), seed=0)  # [E, out, G]
-    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out]
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)  # [E, in, out] (4.x: [E, out, in])
+    theirs = theirs if theirs.shape[1] == 10 else theirs.transpose(1, 2)
     for e in range(3):
         raw = mxfp4.gguf_blocks(blocks[e], scales[e])
         ours = mxfp4.dequantize(raw)
-        assert torch.equal(ours, theirs[e].T)
+        assert torch.equal(ours, theirs[e])
         gguf_py = quants.dequantize(raw.numpy(), GGMLQuantizationType.MXFP4).reshape(10, -1)
         assert np.array_equal(ours.numpy(), gguf_py)
 
@@ -60,6 +61,8 @@ def released(tmp_path_factory):
     cfg = hf.config
     e, d, f = cfg.num_local_experts, cfg.hidden_size, cfg.intermediate_size
     state = hf.state_dict()
+    # transformers 5 dequantizes to the float layout [E, in, out]; 4 to [E, out, in]
+    rows_first = convert_moe_packed_tensors(*_random_mxfp4((1, 3, 1), seed=9), dtype=torch.float32).shape[1] == 3
     for i in range(cfg.num_hidden_layers):
         for j, (name, (out, inp)) in enumerate((("gate_up_proj", (2 * f, d)), ("down_proj", (d, f)))):
             key = f"model.layers.{i}.mlp.experts.{name}"
@@ -67,7 +70,8 @@ def released(tmp_path_factory):
             blocks, scales = _random_mxfp4((e, out, inp // 32), seed=2 * i + j)
             del tensors[key]
             tensors[key + "_blocks"], tensors[key + "_scales"] = blocks, scales
-            state[key] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            dense = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+            state[key] = dense.transpose(1, 2) if rows_first else dense
     save_file(tensors, folder / "model.safetensors")
     hf.load_state_dict(state)
     config = json.loads((folder / "config.json").read_text())
