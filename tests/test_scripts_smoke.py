@@ -38,6 +38,7 @@ SMOKE = {
     "bench_serve.py": r"identical \d+, parting at a near-tie \(top-2 gap < [\d.]+\) \d+, parting at a larger gap 0",
     "bench_spec.py": r"identical \d+, parting at a near-tie \(top-2 gap < [\d.]+\) \d+, parting at a larger gap 0",
     "bench_triton_dequant.py": r"nothing to measure here|speedup +[\d.]+x",
+    "hostile_check.py": r"\d+ of \d+ hostile inputs clean: [\d.]+% \(target 95%\)",
     "install_stamp.py": r"3 of 3 checks as expected",
     "lm_eval_compare.py": r"hf \(transformers fp32\): acc [\d.]+|lm-eval is not installed",
     "make_gguf.py": r"wrote converted\.f16\.gguf: [\d.]+ MiB",
