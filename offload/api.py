@@ -115,6 +115,9 @@ class LLM:
 
     def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None,
               speculative: SpeculativeOptions | None = None):
+        if placement is not None and not isinstance(placement, Placement):
+            raise ConfigError(f"LLM(placement=...) takes a Placement (what offload.planner.plan_for returns), found "
+                              f"{type(placement).__name__}; leave it out to let the planner place the model")
         draft = None
         self.draft_bytes = {"gpu": 0, "cpu": 0}  # what a speculative draft holds of the budgets (planned first)
         # the request the draft and the model share, and the draft's price on it (planner/speculation.py)
@@ -267,12 +270,14 @@ class LLM:
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
                             chat_template_kwargs: dict | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (a system message folded into the
-        first user turn where the template refuses one, as Gemma 2's does)."""
-        return encode_chat(self.tokenizer, self.path, conversation, add_generation_prompt, chat_template_kwargs)
+        first user turn where the template refuses one, as Gemma 2's does); text far past the context is refused
+        before it is rendered."""
+        return encode_chat(self.tokenizer, self.path, conversation, add_generation_prompt, chat_template_kwargs,
+                           self.generator.context_len)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, encode_text(self.tokenizer, self.path, prompt)
+            return prompt, encode_text(self.tokenizer, self.path, prompt, self.generator.context_len)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
         if _is_token_list(prompt):

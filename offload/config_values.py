@@ -65,7 +65,8 @@ def require(config: dict, key: str, source: str):
 
 def count(config: dict, key: str, source: str, default: int | None = None, least: int = 1) -> int:
     """A whole number from least to its cap (CAPS) from config; required unless a default is given."""
-    value = require(config, key, source) if default is None else config.get(key) or default
+    value = require(config, key, source) if default is None else config.get(key)
+    value = default if value is None else value  # a 0 is refused below, not taken for the default
     if isinstance(value, bool) or not isinstance(value, int) or value < least:
         raise ConfigError(f"{source}: key {key!r} must be a whole number of {least} or more, found {value!r}; {fix(source)}")
     return capped(value, key, source)

@@ -433,9 +433,14 @@ def load_hardware(path_or_name: str | Path) -> HardwareProfile:
                               f"presets: {', '.join(preset_names())}; or run `offload calibrate`")
         path = preset
     try:
-        data = yaml.safe_load(path.read_text())
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path} is not valid YAML ({e}); fix the file") from e
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"hardware profile {path} is not UTF-8 text (byte {e.start} is "
+                          f"{e.object[e.start:e.start + 1]!r}), so not a profile YAML; give a profile that "
+                          f"`offload calibrate` wrote, or a preset name") from None
+    except (yaml.YAMLError, RecursionError) as e:  # PyYAML's parser recurses once per level of nesting
+        why = "it nests too deep to parse" if isinstance(e, RecursionError) else " ".join(str(e).split())
+        raise ConfigError(f"{path} is not valid YAML ({why}); fix the file") from None
     return profile_from_dict(data, source=str(path))
 
 

@@ -33,6 +33,19 @@ class RopeSpec:
     truncate: bool = True
 
 
+def check_rope_sections(config: dict, source: str) -> None:
+    """ConfigError unless the config's rope sections are objects (or absent): rope_scaling, rope_parameters and, in
+    the v5 layout, its section per attention kind."""
+    v5 = config.get("rope_parameters")
+    named = {"rope_scaling": config.get("rope_scaling"), "rope_parameters": v5}
+    if isinstance(v5, dict):
+        named |= {f"rope_parameters.{k}": v for k, v in v5.items() if k in ("full_attention", "sliding_attention")}
+    for key, value in named.items():
+        if value is not None and not isinstance(value, dict):
+            raise ConfigError(f"{source}: key {key!r} must be an object of rope settings such as {{\"rope_type\": "
+                              f"\"default\", \"rope_theta\": 10000.0}}, found {str(value)[:80]!r}; {fix(source)}")
+
+
 def rope_sections(config: dict) -> tuple[dict, dict, dict]:
     """(v5 parameters, v4 scaling, the two merged) of a config; a v5 layout with one section per attention kind
     gives its full-attention section (rope_for_kind reads the others)."""

@@ -14,7 +14,7 @@ from offload.errors import ConfigError
 from offload.families import BY_MODEL_TYPE, Family, FamilyMath, family_math, family_of, text_config
 from offload.paths import describe_path
 from offload.moe_spec import MoESpec, moe_from_config
-from offload.rope_spec import RopeSpec, rope_from_config
+from offload.rope_spec import RopeSpec, check_rope_sections, rope_from_config
 from offload.formats import (ALIGN_BYTES, AS_STORED, DTYPE_ALIASES, FLOAT_FORMATS, GGUF_BLOCKS, KEPT_FLOAT, QK,
                              QUANT_BLOCK_BYTES, QUANT_QS_BYTES, format_nbytes)
 
@@ -403,6 +403,9 @@ def load_spec(path: str | Path) -> ModelSpec:
         config = json.loads(config_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{config_path} is not valid JSON ({e}); restore the file from the model's source") from e
+    except RecursionError:  # Python's parser follows a few hundred levels of nesting
+        raise ConfigError(f"{config_path} is not a config.json offload can read: its objects and lists nest too deep "
+                          f"to parse; restore the file from the model's source") from None
     if not isinstance(config, dict):
         raise ConfigError(f"{config_path} must hold a JSON object, found {type(config).__name__}; restore the file "
                           f"from the model's source")
@@ -430,6 +433,7 @@ def spec_from_config(config: dict, source: str = "config.json") -> ModelSpec:
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
     dtype = config.get("dtype", config.get("torch_dtype")) or "float32"
     n_layers = count(config, "num_hidden_layers", source)
+    check_rope_sections(config, source)  # family_math reads them too
     variant = family_math(family, config, source, n_layers, head_dim)
     spec = ModelSpec(
         architecture=config["model_type"],

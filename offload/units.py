@@ -24,7 +24,11 @@ def parse_size(value, what: str = "size") -> int:
     m = re.fullmatch(_NUMBER + r"([a-z]*)\s*", str(value).lower())
     if not m or m.group(2) not in _SIZE_UNITS:
         raise ConfigError(f"{what}: expected a size such as 22GiB, 64GB or 512MiB, found {value!r}")
-    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2)])
+    size = float(m.group(1)) * _SIZE_UNITS[m.group(2)]
+    if not math.isfinite(size):  # 1e999GiB: past what a float holds
+        raise ConfigError(f"{what}: expected a size such as 22GiB, 64GB or 512MiB, found {value!r}, which is too "
+                          f"large to be a number of bytes")
+    return int(size)
 
 
 def parse_rate(value, what: str = "rate") -> float:

@@ -6,6 +6,7 @@ import copy
 import difflib
 import importlib.util
 import os
+import reprlib
 import sys
 from pathlib import Path
 from typing import Any, Literal
@@ -23,6 +24,10 @@ from offload.weights.default_model import resolve_model
 from offload.weights.model_files import has_model
 
 RAY_EXTRA_HINT = "install it with `pip install 'offload[ray]'` on the driver and every node, or set engine: local"
+# how a wrong value is quoted back: a few items and characters of it (YAML aliases make a list of 9^8 items from a
+# few lines, and its whole repr is hundreds of megabytes)
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxdict, _SHOWN.maxstring, _SHOWN.maxother = 3, 4, 4, 80, 80
 
 
 class JobConfig(Section):
@@ -106,6 +111,9 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"{path}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path} is not valid YAML ({' '.join(str(e).split())}); fix the syntax") from None
+    except RecursionError:  # PyYAML's parser recurses once per level of nesting
+        raise ConfigError(f"{path} is not a config offload can read: its lists and mappings nest too deep to parse; "
+                          f"a config nests a few levels (see configs/demo.yaml)") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -173,14 +181,15 @@ def describe_error(err: dict) -> str:
         return f"key {key!r} is missing; expected {expected}"
     if kind == "literal_error":
         options = err["ctx"]["expected"]
-        close = difflib.get_close_matches(str(found), [o.strip("'") for o in options.split(", ")], n=1)
+        close = difflib.get_close_matches(_SHOWN.repr(found).strip("'"), [o.strip("'") for o in options.split(", ")],
+                                          n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        return f"key {key!r}: expected one of {options}, found {found!r}{hint}"
+        return f"key {key!r}: expected one of {options}, found {_SHOWN.repr(found)}{hint}"
     if kind == "value_error":
         return f"key {key!r}: {err['msg'].removeprefix('Value error, ')}"
     if kind == "model_type" or kind == "dict_type":
-        return f"key {key!r}: expected a section (a mapping of keys), found {found!r}"
-    return f"key {key!r}: expected {_expected(err)}, found {found!r}"
+        return f"key {key!r}: expected a section (a mapping of keys), found {_SHOWN.repr(found)}"
+    return f"key {key!r}: expected {_expected(err)}, found {_SHOWN.repr(found)}"
 
 
 def _expected(err: dict) -> str:
@@ -223,15 +232,7 @@ def _description(loc: list[str]) -> str | None:
 
 def check_files(raw: dict) -> list[str]:
     """Problems with the files a config names: missing model or input, unwritable outputs, bad hardware."""
-    problems = []
-    model_path = _get_dotted(raw, "model.path")
-    if isinstance(model_path, str) and model_path != "default":
-        try:
-            folder = resolve_model(model_path)
-        except WeightsError as e:  # a Hub id that is not in the local Hugging Face cache
-            folder, problems = None, [f"key 'model.path': {e}"]
-        if folder is not None and not has_model(folder):
-            problems.append(f"key 'model.path': {_not_a_model(model_path, folder)}")
+    problems = [p for key in ("model.path", "speculative.model") if (p := _model_problem(key, _get_dotted(raw, key)))]
     input_path = _get_dotted(raw, "input.path")
     if isinstance(input_path, str) and not Path(input_path).is_file():
         what = _what_is(Path(input_path))
@@ -256,6 +257,17 @@ def check_files(raw: dict) -> list[str]:
         except ConfigError as e:
             problems.append(f"key 'hardware': {e}")
     return problems
+
+
+def _model_problem(key: str, given) -> str | None:
+    """What is wrong with a model path (the model's, or a speculative draft's), or None."""
+    if not isinstance(given, str) or given == "default":
+        return None
+    try:
+        folder = resolve_model(given)
+    except WeightsError as e:  # a Hub id that is not in the local Hugging Face cache
+        return f"key {key!r}: {e}"
+    return None if has_model(folder) else f"key {key!r}: {_not_a_model(given, folder)}"
 
 
 def ray_available() -> bool:

@@ -64,13 +64,14 @@ def load_llm(config: JobConfig):
     return LLM.from_request(plan_request(config), speculative_config=config.speculative)
 
 
-def prompt_ids(req: Request, tokenizer, path: Path) -> tuple[list[int], str | None]:
+def prompt_ids(req: Request, tokenizer, path: Path, context_len: int | None = None) -> tuple[list[int], str | None]:
     """A request's prompt as token ids (and its text, for a text prompt), by the model's tokenizer and chat
-    template; OffloadError says what is wrong."""
+    template; OffloadError says what is wrong (text far past context_len tokens, before it is tokenized)."""
     if req.url == CHAT:
-        return encode_chat(tokenizer, path, req.messages, template_kwargs=req.chat_template_kwargs), None
+        return encode_chat(tokenizer, path, req.messages, template_kwargs=req.chat_template_kwargs,
+                           context_len=context_len), None
     if isinstance(req.prompt, str):
-        return encode_text(tokenizer, path, req.prompt), req.prompt
+        return encode_text(tokenizer, path, req.prompt, context_len), req.prompt
     return list(req.prompt), None
 
 
@@ -82,7 +83,7 @@ def thought_start(req: Request, tokenizer, ids: list[int], parser: str = DEFAULT
 
 def prepare(llm, req: Request) -> Prepared:
     """Token ids of a request's prompt, checked against the model; OffloadError says what is wrong."""
-    ids, text = prompt_ids(req, llm.tokenizer, llm.path)
+    ids, text = prompt_ids(req, llm.tokenizer, llm.path, llm.generator.context_len)
     llm.generator.check_prompt(ids, req.params)  # the one check, against the context this run's cache holds
     return Prepared(req, {"prompt_token_ids": ids, "prompt": text}, thought_start(req, llm.tokenizer, ids))
 
@@ -94,7 +95,7 @@ def check_prompts(requests: list[Request], tokenizer, path: Path, spec: ModelSpe
     problems = []
     for req in requests:
         try:
-            check_prompt_ids(prompt_ids(req, tokenizer, path)[0], context_len, spec, req.params)
+            check_prompt_ids(prompt_ids(req, tokenizer, path, context_len)[0], context_len, spec, req.params)
         except OffloadError as e:
             problems.append((req.line_no, request_problem(req, e)))
     return problems

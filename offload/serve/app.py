@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from fastapi import Depends, FastAPI, Request
@@ -38,6 +40,9 @@ class Server:
         self.reasoning_parser = reasoning_parser
         self.created = int(time.time())
         self.engine_thread = EngineThread(llm, max_waiting=max_waiting)
+        # requests are tokenized here, one at a time, off the event loop: a long prompt (seconds) must not stop the
+        # server answering the others and /health
+        self.preparer = ThreadPoolExecutor(1, thread_name_prefix="offload-prepare")
         self.metrics = self.engine_thread.metrics
         self.max_upload_bytes = max_upload_bytes
         self.batches = Batches(Path(state_dir), self) if state_dir is not None else None
@@ -65,6 +70,7 @@ def make_app(server: Server) -> FastAPI:
             if server.batches is not None:
                 server.batches.stop()
             server.engine_thread.stop()
+            server.preparer.shutdown(cancel_futures=True)
 
     app = FastAPI(title="offload", lifespan=lifespan)
     app.state.server = server
@@ -144,7 +150,8 @@ def _validation_error(e: RequestValidationError) -> ApiError:
 async def _answer(server: Server, request: Request, url: str):
     body = await protocol.read_json(request)
     server.check_model(body)
-    job = protocol.prepare(url, body, server.llm, server.model_name, server.defaults, server.reasoning_parser)
+    job = await asyncio.get_running_loop().run_in_executor(server.preparer, functools.partial(
+        protocol.prepare, url, body, server.llm, server.model_name, server.defaults, server.reasoning_parser))
     if server.engine_thread.died:
         raise ApiError(503, "the server's engine thread has stopped (its log says why); restart offload serve",
                        kind="server_error")

@@ -97,7 +97,7 @@ def prepare(url: str, body, llm, model: str, defaults: dict, reasoning_parser: s
         req = Request(job_id, 0, url, params, **given)
         where = "messages" if url == CHAT else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         try:
-            ids, text = prompt_ids(req, llm.tokenizer, llm.path)
+            ids, text = prompt_ids(req, llm.tokenizer, llm.path, llm.generator.context_len)
             llm.generator.check_prompt(ids, params)  # the one check, against the context the server's cache holds
         except OffloadError as e:
             field = getattr(e, "param", None) or where  # a sampling field, else the prompt

@@ -30,6 +30,7 @@ _HEADER_LIMIT_BYTES = 100 * 1024 * 1024
 _DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
            "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
            "BOOL": torch.bool}  # safetensors dtype names
+FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")  # what a weight, norm or embedding may be stored as
 
 
 def read_safetensors_header(path: Path) -> tuple[dict, int]:
@@ -264,3 +265,19 @@ class Checkpoint:
             if found != t.shape:
                 raise WeightsError(f"tensor {t.name} has shape {list(found)} in the checkpoint but config.json "
                                    f"implies {list(t.shape)}; use the config.json that came with these weights")
+            stored = self._stored_dtype(t.name)
+            if stored is not None and stored not in FLOAT_DTYPES:
+                raise WeightsError(f"tensor {t.name} is stored as {stored} in {self._file_of[self._held_by(t.name)]}, "
+                                   f"but offload reads float weights ({', '.join(FLOAT_DTYPES)}) from safetensors; "
+                                   f"the checkpoint may be quantized by a tool offload does not read: use the "
+                                   f"unquantized weights, or a GGUF file of them")
+
+    def _held_by(self, name: str) -> str:
+        """The stored tensor that holds name (itself, or the stacked tensor of a view)."""
+        view = self._view(name)
+        return name if view is None else view[0]
+
+    def _stored_dtype(self, name: str) -> str | None:
+        """The safetensors dtype of the tensor holding name; None for an MXFP4 view (blocks and scales)."""
+        where = self._where.get(self._held_by(name))
+        return None if where is None else where[2]

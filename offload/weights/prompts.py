@@ -5,6 +5,7 @@ these, so validate refuses what run would (no torch: the tokenizer is transforme
 from __future__ import annotations
 
 import difflib
+import functools
 from pathlib import Path
 
 from offload.errors import ConfigError
@@ -13,19 +14,43 @@ from offload.spec import ModelSpec
 from offload.weights.model_files import library_error
 
 ROLES = ("system", "user", "assistant")  # what chat templates render; OpenAI's tool roles need tool calls
+# a normalizer may compose characters (NFC turns e + U+0301 into one): the text a token spans may be this many
+# times longer than its vocabulary entry
+COMPOSED_CHARS = 2
 
 
-def encode_text(tokenizer, path: Path, text: str) -> list[int]:
-    """Token ids of a text prompt; ConfigError for a model without a tokenizer, or text no tokenizer encodes."""
+def encode_text(tokenizer, path: Path, text: str, context_len: int | None = None) -> list[int]:
+    """Token ids of a text prompt; ConfigError for a model without a tokenizer, text no tokenizer encodes, or text
+    too long for context_len tokens (refused before it is tokenized)."""
     if tokenizer is None:
         raise ConfigError(f"the model in {path} has no tokenizer files, so it cannot read text; give the prompt as "
                           f"token ids, or add the model's tokenizer.json and tokenizer_config.json to {path}")
     check_text(text, "the prompt")
+    check_prompt_chars(tokenizer, len(text), context_len, "the prompt")
     return list(tokenizer.encode(text))
 
 
+def check_prompt_chars(tokenizer, n_chars: int, context_len: int | None, what: str) -> None:
+    """ConfigError where text of n_chars characters has more tokens than context_len for certain: no token spans
+    more characters than the tokenizer's longest vocabulary entry. Tokenizing takes ~2.5 us a character (a 20 MB line
+    took 50 s), so a prompt far past the context is refused before it is."""
+    longest = COMPOSED_CHARS * max_token_chars(tokenizer)
+    if context_len is not None and n_chars > context_len * longest:
+        raise ConfigError(f"{what} is {n_chars:,} characters, more than the {context_len:,} tokens of this run's "
+                          f"context (max_model_len) can hold ({longest} characters a token at most for this "
+                          f"tokenizer); shorten the prompt, or raise max_model_len (model.max_model_len in a job, "
+                          f"--max-model-len)")
+
+
+@functools.lru_cache(maxsize=8)
+def max_token_chars(tokenizer) -> int:
+    """The most characters one token of the tokenizer spans (its longest vocabulary entry; a byte-level entry's
+    characters are bytes, at least as many as the text's characters)."""
+    return max(map(len, tokenizer.get_vocab()), default=1)
+
+
 def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_prompt: bool = True,
-                template_kwargs: dict | None = None) -> list[int]:
+                template_kwargs: dict | None = None, context_len: int | None = None) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template, template_kwargs (a request's
     chat_template_kwargs, such as enable_thinking) passed to it; ConfigError without one, for a role no template
     renders, or where the template refuses the conversation (its own checks raise, such as roles that must
@@ -38,6 +63,9 @@ def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_
         raise ConfigError(f"the tokenizer in {path} has no chat template; send plain prompts (a completion, not a "
                           f"chat)")
     check_messages(conversation)
+    # the template renders what users and the system wrote whole (Qwen3's drops the thinking of earlier answers)
+    check_prompt_chars(tokenizer, sum(len(m["content"]) for m in conversation if m["role"] != "assistant" and
+                                      isinstance(m["content"], str)), context_len, "the messages' text")
     kwargs = check_template_kwargs(template_kwargs)
     if conversation and conversation[0].get("role") == "system" and refuses_system(tokenizer, kwargs):
         conversation = fold_system(conversation)
@@ -106,7 +134,11 @@ def _short(value) -> str:
 
 
 def check_messages(conversation: list[dict]) -> None:
-    """ConfigError for a message that is not a dict, a role no template renders, or text no tokenizer encodes."""
+    """ConfigError for a conversation that is not a list of messages, a message that is not a dict, a role no
+    template renders, content that is not text (or a list of parts), or text no tokenizer encodes."""
+    if not isinstance(conversation, (list, tuple)):
+        raise ConfigError(f"expected the messages to be a list of {{'role', 'content'}} dicts, found "
+                          f"{type(conversation).__name__}")
     for i, message in enumerate(conversation):
         if not isinstance(message, dict):
             raise ConfigError(f"expected messages[{i}] to be a {{'role', 'content'}} dict, found "
@@ -114,8 +146,12 @@ def check_messages(conversation: list[dict]) -> None:
         problem = role_problem(i, message.get("role"))
         if problem:
             raise ConfigError(problem)
-        if isinstance(message.get("content"), str):
-            check_text(message["content"], f"messages[{i}].content")
+        content = message.get("content")
+        if isinstance(content, str):
+            check_text(content, f"messages[{i}].content")
+        elif not isinstance(content, list):  # a list: parts the template renders (a request's are text by then)
+            raise ConfigError(f"expected messages[{i}].content to be text, found {_short(content)}; give each message "
+                              f"its text as 'content'")
 
 
 def role_problem(i: int, role) -> str | None:
