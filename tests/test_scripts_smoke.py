@@ -52,6 +52,7 @@ EXEMPT = {
     "test.sh": "the install, then pytest: this suite",
     "demo.sh": "the install (tests/test_install_stamp.py) then `offload run configs/demo.yaml` (tests/test_cli.py)",
     "gpu_check.sh": "has its own --smoke, which CI runs apart from the tests",
+    "test_floor.sh": "a venv with the oldest transformers, then pytest over the families: CI runs it after this suite",
 }
 MARKS = {"bench_ray.py": [pytest.mark.ray]}  # `-m "not ray"` skips it with the other Ray tests
 TIMEOUT_S = 300
