@@ -9,11 +9,15 @@ link, the disk, and host-memory traffic (CPU kernels and DMA both read weights f
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import asdict, dataclass, replace
+from itertools import accumulate, repeat
+from operator import sub
+from typing import NamedTuple
 
 from offload.formats import AS_STORED, FLOAT_FORMATS, FUSED_COMPUTE, QUANT_BLOCK_BYTES, is_quantized
 from offload.hardware import HardwareProfile
-from offload.planner.pipeline import Pipeline
+from offload.planner.pipeline import Pipeline, entries
 from offload.spec import ModelSpec, UnitSpec
 
 HANDED_OVER = ("experts", "mlp")  # unit kinds that take their layer's [residual | normed h] hand-over
@@ -364,48 +368,79 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
     """One step of phase for a placement: units in order with their costs and kinds, where each computes in
     this phase (compute) and in decode (decode: where its KV lives, but for the GPU layers in host_kv, whose KV
     is in host RAM and whose decode attention the CPU runs), where its weights live (weight); the disk units in
-    cached are the page cache's: computed in place by the CPU, or copied from it at its rate."""
-    gpu = cpu = pcie = disk = host = 0.0
-    chain = []
+    cached are the page cache's: computed in place by the CPU, or copied from it at its rate. Each unit alike in
+    all of that is priced once, and the pipeline walks spans and runs of units, not units (pipeline.Pipeline.run):
+    a step of 10,000 layers on the GPU and the CPU is a few entries, or two per streamed unit set between CPU ones."""
     busy = "stream" in compute  # hand-overs then wait behind weight copies on the link
-    hop, wide = hop_s(spec, hw, phase, busy=busy), hop_s(spec, hw, phase, 2, busy)  # experts / mlp take [residual |
-    # normed]
-    for i, (c, mode, dec, tier) in enumerate(zip(costs, compute, decode, weight)):
-        if i in cached and tier == "disk":
-            if mode == "cpu" and dec == "cpu":  # computed from the page cache's pages where they are
-                tier = "cpu"
-            elif c.disk_s < math.inf:  # copied out of the page cache on the way to the GPU
-                c = replace(c, disk_s=c.disk_s * hw.disk_read_bps / hw.page_cache_rate)
-        kv_on_host = dec == "cpu" or i in host_kv
-        kv_move = c.kv_move_s if (mode == "cpu") != kv_on_host else 0.0  # prompt KV made here, kept there
-        if kv_on_host and mode != "cpu" and phase.name == "decode" and kinds[i] == "layer":
-            cpu += c.attn_host_s  # the GPU runs the matmuls; q, k, v go to the CPU, which attends where the KV is
-            kv_move = c.attn_host_s + c.kv_hop_s
-            c = replace(c, gpu_s=c.gpu_matmul_s)
-        if mode == "cpu":
-            cpu += c.cpu_s
-        else:
-            gpu += c.gpu_s
-            if mode == "stream":
-                pcie += c.pcie_s
-        pcie += c.kv_move_s if kv_move and phase.name == "prefill" else 0.0
-        if tier != "gpu":
-            # a copy (or a disk read into RAM) moves every expert; a CPU kernel reads only those routed to
-            host += c.host_cpu_s if mode == "cpu" and tier != "disk" else c.host_mem_s
-            if tier == "disk":
-                disk += c.disk_s
-        chain.append((mode, tier, c, kv_move, wide if kinds[i] in HANDED_OVER else hop))
-    devices = ["cpu" if m == "cpu" else "gpu" for m in compute]
-    hops = sum(unit[4] for unit, a, b in zip(chain[1:], devices, devices[1:]) if a != b)
-    logits = phase.logit_rows * spec.vocab_size * LOGIT_BYTES / hw.h2d_pinned_bps if devices[-1] == "gpu" else 0.0
-    pipe = Pipeline(depth, chain[0][0] != "cpu" if chain else False)
+    hops = (hop_s(spec, hw, phase, busy=busy), hop_s(spec, hw, phase, 2, busy))  # experts and a split-off MLP take
+    # [residual | normed hidden] from their layer
+    flags = ([(i in cached) + 2 * (i in host_kv) for i in range(len(costs))] if cached or host_kv
+             else repeat(0, len(costs)))
+    alike: dict = {}  # units alike (they share a cost object) in all the step reads, by a small number each
+    units = [alike.setdefault(key, len(alike)) for key in zip(map(id, costs), compute, decode, weight, kinds, flags)]
+    cost_of = dict(zip(map(id, costs), costs))
+    terms = [_unit_terms(hw, phase, cost_of[key[0]], *key[1:], hops) for key in alike]
+    counts = Counter(units)
+    gpu, cpu, pcie, disk, host = (sum(n * terms[u].busy[j] for u, n in counts.items()) for j in range(5))
+    n_cpu_layers = sum(n for u, n in counts.items() if terms[u].cpu_layer)
+    chain = entries(units, [t.entry for t in terms], [t.device for t in terms])
+    device, hand_overs = None, 0.0
+    for mode, _, _, _, _, unit_hop, _ in chain:
+        where = "cpu" if mode == "cpu" else "gpu"
+        hand_overs += unit_hop if device not in (None, where) else 0.0
+        device = where
+    logits = phase.logit_rows * spec.vocab_size * LOGIT_BYTES / hw.h2d_pinned_bps if device == "gpu" else 0.0
+    pipe = Pipeline(depth, chain[0][0] != "cpu" if chain else False, record=overlap)
     pipeline = pipe.run(chain, phase.n_passes, steady) + logits
+    extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size, phase.n_tokens)
+    return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hand_overs, host, pipeline, extra,
+                   pipe.overlap() if overlap else (0.0, 0.0))
+
+
+class _Terms(NamedTuple):
+    """What one unit adds to a step."""
+
+    entry: tuple  # in the pipeline: (mode, weight tier, seconds of its block, of its copy, of its disk read, of
+    # its input's hand-over)
+    busy: tuple  # (gpu, cpu, pcie, disk, host memory) seconds
+    cpu_layer: bool  # whether it pays a CPU layer's overhead
+    device: str | None  # where it computes, if it waits for nothing but the block before it (no copy, no read)
+
+
+def _unit_terms(hw: HardwareProfile, phase: Phase, c: UnitCost, mode: str, dec: str, tier: str, kind: str, flag: int,
+               hops: tuple[float, float]) -> _Terms:
+    """What one unit adds to a step, computed once for the units alike; flag: 1 if the page cache holds it, 2 if it
+    is a GPU layer with its KV cache in host RAM."""
+    gpu = cpu = pcie = disk = host = 0.0
+    if flag & 1 and tier == "disk":
+        if mode == "cpu" and dec == "cpu":  # computed from the page cache's pages where they are
+            tier = "cpu"
+        elif c.disk_s < math.inf:  # copied out of the page cache on the way to the GPU
+            c = replace(c, disk_s=c.disk_s * hw.disk_read_bps / hw.page_cache_rate)
+    kv_on_host = dec == "cpu" or flag >= 2
+    kv_move = c.kv_move_s if (mode == "cpu") != kv_on_host else 0.0  # prompt KV made here, kept there
+    if kv_on_host and mode != "cpu" and phase.name == "decode" and kind == "layer":
+        cpu += c.attn_host_s  # the GPU runs the matmuls; q, k, v go to the CPU, which attends where the KV is
+        kv_move = c.attn_host_s + c.kv_hop_s
+        c = replace(c, gpu_s=c.gpu_matmul_s)
+    if mode == "cpu":
+        cpu += c.cpu_s
+    else:
+        gpu += c.gpu_s
+        pcie += c.pcie_s if mode == "stream" else 0.0
+    pcie += c.kv_move_s if kv_move and phase.name == "prefill" else 0.0
+    if tier != "gpu":
+        # a copy (or a disk read into RAM) moves every expert; a CPU kernel reads only those routed to
+        host += c.host_cpu_s if mode == "cpu" and tier != "disk" else c.host_mem_s
+        disk += c.disk_s if tier == "disk" else 0.0
+    block_s = (c.cpu_s if mode == "cpu" else c.gpu_s) + kv_move
+    entry = (mode, tier, block_s, c.pcie_s if mode == "stream" else 0.0, c.disk_s if tier == "disk" else 0.0,
+             hops[kind in HANDED_OVER])
     # a layer's attention part and its experts (or split-off MLP) are a C++ call each on the CPU: each pays a
     # layer's overhead
-    n_cpu_layers = sum(k in ("layer", *HANDED_OVER) and m == "cpu" for k, m in zip(kinds, compute))
-    extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size, phase.n_tokens)
-    return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hops, host, pipeline, extra,
-                   pipe.overlap() if overlap else (0.0, 0.0))
+    cpu_layer = mode == "cpu" and kind in ("layer", *HANDED_OVER)
+    device = ("cpu" if mode == "cpu" else "gpu") if mode != "stream" and tier != "disk" else None
+    return _Terms(entry, (gpu, cpu, pcie, disk, host), cpu_layer, device)
 
 
 def page_rounded(n: int) -> int:
@@ -416,9 +451,12 @@ def page_rounded(n: int) -> int:
 def read_ahead_bytes(sizes: list[int], depth: int) -> int:
     """The read-ahead arena for disk units of these sizes, read in this order step after step, depth at a time:
     the largest sum of depth consecutive units (cyclically), each rounded up to a page."""
-    sizes = [page_rounded(n) for n in sizes]
     k = min(depth, len(sizes))
-    return max((sum(sizes[(j + t) % len(sizes)] for t in range(k)) for j in range(len(sizes))), default=0)
+    if len(set(sizes)) <= 1:  # no units, or units alike (thousands of layers): every window is the same
+        return k * page_rounded(sizes[0]) if sizes else 0
+    sizes = list(map({n: page_rounded(n) for n in set(sizes)}.__getitem__, sizes))
+    sums = [0, *accumulate(sizes + sizes[:k - 1])]  # window j is sums[j + k] - sums[j]
+    return max(map(sub, sums[k:], sums[:len(sizes)]))
 
 
 def workspace_bytes(spec: ModelSpec, workload, act_bytes: int, dequant_scratch: bool) -> int:

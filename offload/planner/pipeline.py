@@ -5,15 +5,18 @@ schedule (planner/schedule.copy_plan) issues them into the staging slot whose tu
 from __future__ import annotations
 
 from collections import deque
+from itertools import chain, groupby, repeat
 
 from offload.planner.schedule import AHEAD, copy_plan
 
 STEADY_STEPS = 2  # steps priced for a steady one: the first's copies start at once, as the step before's would
 
 
-def pipeline_s(units: list[tuple], depth: int, n_passes: int = 1, steady: bool = False) -> float:
-    """Seconds of one phase step as the executor schedules it, for units in order as (mode, weight tier, cost (a
-    costs.UnitCost), extra seconds on its block, seconds of the hand-over of its input where that changes device).
+class Pipeline:
+    """One phase step's clocks as the executor runs it: link, GPU, CPU, disk, host, the hidden state, read buffers,
+    and each streamed unit's block end and release (a staging slot is free again once its unit's block has run);
+    the copies' and blocks' intervals of the step being priced. When each copy is issued, and into whose slot, is
+    the schedule's (planner/schedule.copy_plan), as the executor's streamer replays it.
 
     Each streamed unit's copy starts once the link is free, a staging slot is (the streamed unit `depth` before
     it has computed) and its bytes are (read from disk, for a disk unit); each disk read once the disk and one
@@ -21,19 +24,10 @@ def pipeline_s(units: list[tuple], depth: int, n_passes: int = 1, steady: bool =
     it changes device, and the host waits for a CPU block's input. Copies of host-RAM units run ahead
     into the next pass or step while slots are free (the executor prefetches across steps), disk reads do not.
     A step of several passes (a long prefill) runs the chain once per pass, each with its share of the compute
-    and the whole weights' copies; steady gives one step after the pipeline has filled (a decode step).
-    """
-    return Pipeline(depth, units[0][0] != "cpu" if units else False).run(units, n_passes, steady)
+    and the whole weights' copies; steady gives one step after the pipeline has filled (a decode step)."""
 
-
-class Pipeline:
-    """The clocks of pipeline_s: link, GPU, CPU, disk, host, the hidden state, read buffers, and each streamed
-    unit's block end and release (a staging slot is free again once its unit's block has run); the copies' and
-    blocks' intervals of the step being priced. When each copy is issued, and into whose slot, is the schedule's
-    (planner/schedule.copy_plan), as the executor's streamer replays it."""
-
-    def __init__(self, depth: int, on_gpu: bool):
-        self.on_gpu, self.depth = on_gpu, max(depth, 1)
+    def __init__(self, depth: int, on_gpu: bool, record: bool = True):
+        self.on_gpu, self.depth, self.record = on_gpu, max(depth, 1), record  # record: keep the intervals (overlap)
         self.t_gpu = self.t_copy = self.t_cpu = self.t_disk = self.t_host = self.t_x = 0.0
         self.buffers = deque([0.0] * self.depth)  # when each read-ahead buffer is free again
         self.slots = deque([0.0] * self.depth)  # when each staging slot's last block ends, in the ring's turn
@@ -44,8 +38,11 @@ class Pipeline:
         self.released: list[float] = []  # when the host released the previous step's streamed units
 
     def run(self, units, n_passes: int, steady: bool) -> float:
+        """Seconds of one step of units in order, as runs of alike units: (mode, weight tier, seconds of a unit's
+        block, of its copy and of its disk read, of the hand-over of its input where that changes device, how many
+        units; a span of units on one device that wait for nothing but the block before it is one unit)."""
         ends, self.n_passes = [], n_passes
-        on_disk = tuple(tier == "disk" for mode, tier, *_ in units if mode == "stream")
+        on_disk = tuple(tier == "disk" for mode, tier, *_ in _each(units) if mode == "stream")
         self.plan = copy_plan(on_disk, self.depth, steady=True)  # the first step copies at its start what a
         self.released = [0.0] * len(on_disk)  # steady one had copied ahead
         for _ in range(min(n_passes, 3) if not steady else STEADY_STEPS):
@@ -69,14 +66,14 @@ class Pipeline:
         disk unit, its read has landed."""
         t_gpu, t_copy, t_cpu, t_disk, t_host, t_x = self.t_gpu, self.t_copy, self.t_cpu, self.t_disk, self.t_host, \
             self.t_x
-        buffers, slots, copies, blocks, on_gpu, plan = self.buffers, self.slots, self.copies, self.blocks, \
-            self.on_gpu, self.plan
+        buffers, slots, on_gpu, plan = self.buffers, self.slots, self.on_gpu, self.plan
+        copies, blocks, record = self.copies, self.blocks, self.record
         before, now = self.released, [0.0] * len(plan)
         begin, j = t_x, 0  # the step starts when the host has the previous step's answer
-        for mode, tier, c, extra_s, hop_s in units:
+        for mode, tier, block_s, copy_s, read_s, hop_s in _each(units):
             ready = 0.0
             if tier == "disk":
-                t_disk = max(t_disk, buffers.popleft(), begin) + c.disk_s / n_passes
+                t_disk = max(t_disk, buffers.popleft(), begin) + read_s / n_passes
                 ready = t_disk
             on_cpu = mode == "cpu"
             if mode == "stream":
@@ -88,8 +85,9 @@ class Pipeline:
                 else:  # as the step begins
                     issued = begin
                 start = max(t_copy, slots.popleft(), issued, ready)
-                t_copy = start + c.pcie_s / n_passes
-                copies.append((start, t_copy))
+                t_copy = start + copy_s / n_passes
+                if record:
+                    copies.append((start, t_copy))
                 ready = t_copy
                 if tier == "disk":
                     buffers.append(t_copy)
@@ -97,14 +95,16 @@ class Pipeline:
                 t_x += hop_s
             if on_cpu:
                 start = max(t_cpu, t_x, t_host, ready)
-                t_x = t_host = t_cpu = start + (c.cpu_s + extra_s) / n_passes
-                blocks.append((start, t_cpu, "cpu"))
+                t_x = t_host = t_cpu = start + block_s / n_passes
+                if record:
+                    blocks.append((start, t_cpu, "cpu"))
                 if tier == "disk":
                     buffers.append(t_cpu)
             else:
                 start = max(t_gpu, t_x, ready)
-                t_x = t_gpu = start + (c.gpu_s + extra_s) / n_passes
-                blocks.append((start, t_gpu, "gpu"))
+                t_x = t_gpu = start + block_s / n_passes
+                if record:
+                    blocks.append((start, t_gpu, "gpu"))
                 if mode == "stream":
                     slots.append(t_gpu)
                     now[j] = t_host
@@ -113,6 +113,26 @@ class Pipeline:
         self.t_gpu, self.t_copy, self.t_cpu, self.t_disk, self.t_host, self.t_x = t_gpu, t_copy, t_cpu, t_disk, \
             t_host, t_x
         self.on_gpu, self.released = on_gpu, now
+
+
+def entries(units: list[int], entry: list[tuple], device: list[str | None]) -> list[tuple]:
+    """Pipeline.run's entries for units in order, each unit the number of its kind, with the kind's entry and, for a
+    kind that waits for nothing but the block before it (no copy, no disk read), its device: each span of such
+    units on one device as one entry of their blocks' seconds, each run of units of another kind as one entry."""
+    out, block_s = [], [e[2] for e in entry]
+    for where, span in groupby(units, key=device.__getitem__):
+        if where:  # units that follow one another on one device: their blocks back to back
+            span = list(span)
+            out.append((where, where, sum(map(block_s.__getitem__, span)), 0.0, 0.0, entry[span[0]][5], 1))
+            continue
+        for u, run in groupby(span):
+            out.append((*entry[u], len(list(run))))
+    return out
+
+
+def _each(units):
+    """Each unit of runs of alike units (an entry, then how many)."""
+    return chain.from_iterable(repeat(run[:-1], run[-1]) for run in units)
 
 
 def _overlap(copies: list[tuple[float, float]], blocks: list[tuple[float, float]]) -> float:
