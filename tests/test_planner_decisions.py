@@ -1,5 +1,6 @@
 """The cost model's decisions on real models and machines: CPU vs stream flips, physical bounds, speed."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -85,22 +86,67 @@ def test_cpu_only_machine_plans_everything_on_cpu_and_disk(llama70b):
     assert p.decode.bound == "disk"
 
 
-def test_planning_80_layers_prices_a_step_a_few_times_per_unit(llama70b, monkeypatch):
-    """The search stays linear in the units: pricing a step (a pass of the pipeline over all 83 units) is what
-    planning spends its time on, ~0.3 ms each (scripts/bench_plan.py times a plan: 40-70 ms on 2 cores)."""
+def _count_work(monkeypatch) -> dict:
+    """Patches the search to count what planning spends its time on: steps priced and units walked (a price or a
+    candidate's build walks every unit)."""
     from offload.planner import search
 
-    calls = {"n": 0}
-    real = search.price_step
+    work = {"prices": 0, "units": 0}
+    price, build = search.price_step, search.Search._build
 
-    def counted(*args, **kwargs):
-        calls["n"] += 1
-        return real(*args, **kwargs)
+    def priced(*args, **kwargs):
+        work["prices"] += 1
+        work["units"] += len(args[4])  # the step's unit costs
+        return price(*args, **kwargs)
 
-    monkeypatch.setattr(search, "price_step", counted)
+    def built(self, *args, **kwargs):
+        work["units"] += self.n
+        return build(self, *args, **kwargs)
+
+    monkeypatch.setattr(search, "price_step", priced)
+    monkeypatch.setattr(search.Search, "_build", built)
+    return work
+
+
+def test_planning_80_layers_prices_a_step_a_few_times_per_unit(llama70b, monkeypatch):
+    """Every count of GPU residents is weighed for a real model (the plan is the best of them all): a step is
+    priced (a pass over all 83 units) a few times per unit, ~0.3 ms each (scripts/bench_plan.py times a plan:
+    40-70 ms on 2 cores)."""
+    work = _count_work(monkeypatch)
     hw = load_hardware("rtx4090-ddr5")
     n_units = len(llama70b.units())
     for batch_size in (1, 32):
-        calls["n"] = 0
+        work["prices"] = 0
         plan_70b(llama70b, hw, batch_size)
-        assert 0 < calls["n"] <= 3 * n_units
+        assert 0 < work["prices"] <= 3 * n_units
+
+
+def _wide_llama(folder: Path, n_layers: int):
+    """Llama 3.1 8B's config with n_layers 512 wide (6 MiB a layer in bf16: 1,000 fit a 22 GiB GPU)."""
+    config = json.loads((MODELS / "llama-3.1-8b" / "config.json").read_text())
+    config.update(num_hidden_layers=n_layers, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
+                  num_key_value_heads=4, vocab_size=32000)
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(config))
+    return load_spec(folder)
+
+
+@pytest.mark.parametrize("machine, budget", [
+    ("rtx4090-ddr5", dict(gpu_bytes=22 * GiB)),  # every layer fits the GPU: 500 or 1,000 counts of residents
+    ("rtx4090-ddr5", dict(gpu_bytes=2 * GiB, cpu_bytes=3 * GiB, disk_bytes=1 << 40)),  # layers spill to disk
+    ("cpu-desktop", dict(cpu_bytes=3 * GiB, disk_bytes=1 << 40)),
+])
+def test_planning_work_grows_linearly_with_the_layers(tmp_path, monkeypatch, machine, budget):
+    """Twice the layers, at most 2.5 times the units walked: a large model's counts of GPU residents are sampled
+    (planner/residents.py), each priced in one pass over the units. Weighing every count, as for a real model, is
+    quadratic: on the GPU it walked 4 times the units (5 million at 1,000 layers; `offload plan` took minutes)."""
+    work = _count_work(monkeypatch)
+    hw = load_hardware(machine)
+    walked = []
+    for n_layers in (500, 1000):
+        spec = _wide_llama(tmp_path / str(n_layers), n_layers)
+        work["units"] = 0
+        p = plan(spec, hw, Budget.for_hardware(hw, **budget), Workload(compute_format="bf16"), prefetch_depth=None)
+        assert p.tier("gpu").total_bytes <= p.budget.gpu_bytes and p.tier("cpu").total_bytes <= p.budget.cpu_bytes
+        walked.append(work["units"])
+    assert 0 < walked[1] <= 2.5 * walked[0]

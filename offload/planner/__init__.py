@@ -1,7 +1,9 @@
 """The planner: where each unit's weights live and where it computes, within a budget, and what that costs.
 
-types (Budget, Workload, Plan), placement (what the executor runs), costs (the cost model), search (the
-placement search), request (PlanRequest and plan_for: the one entry point), text (table, explanation).
+types (Budget, Workload, Plan), placement (what the executor runs), costs (the cost model; pipeline, the step's
+timeline it prices), search (the placement search; residents, the counts of GPU residents it weighs; streams, what
+streams in each phase; spill, host memory and the spill to disk), request (PlanRequest and plan_for: the one entry
+point), text (table, explanation).
 Pure arithmetic: nothing here imports torch.
 """
 

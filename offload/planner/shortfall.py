@@ -9,6 +9,7 @@ from dataclasses import replace
 from offload.errors import PlanError
 from offload.formats import QUANT_BLOCK_BYTES
 from offload.hardware import format_bytes
+from offload.planner.residents import fits_somewhere
 
 
 class Shortfall(PlanError):
@@ -82,8 +83,7 @@ def _context(wl, tokens: int):
 
 def _fits(search, workload, budget) -> bool:
     """Whether some placement of search's units fits budget for workload (its memory only: nothing is priced)."""
-    other = type(search)(search.spec, search.hw, budget, workload, search.fmt, search.depth)
-    return any(not cand.short for cand in other._candidates())
+    return fits_somewhere(type(search)(search.spec, search.hw, budget, workload, search.fmt, search.depth))
 
 
 def _largest(fits, low: int, high: int) -> int:
