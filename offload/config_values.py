@@ -17,7 +17,7 @@ def fix(source: str) -> str:
     return "fix config.json (or restore it from the model's source)"
 
 
-# The largest sizes offload plans for. The planner walks every layer and expert (10,000 layers plan in about 4 s on
+# The largest sizes offload plans for. The planner walks every layer and expert (10,000 layers plan in seconds on
 # one core), and no released model comes near: Llama 3.1 405B has 126 layers 16,384 wide with 128 heads of 128 and
 # an MLP 53,248 wide; Gemma 3 a vocabulary of 262,144; Kimi K2 384 experts (23,040 over its layers); Llama 4 Scout a
 # context of 10M tokens.

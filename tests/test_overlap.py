@@ -85,7 +85,7 @@ def _contains(seq: list, part: list) -> bool:
 def test_spread_places_each_groups_share_evenly():
     """The streamed units move to evenly spaced members of their group of units alike (where hand-overs cost more
     than the copies they would hide, the planner keeps them in one run: test_planner_moe's tiny model)."""
-    from offload.planner.search import spread
+    from offload.planner.streams import spread
 
     assert spread([1, 2], [1, 2, 3, 4, 5, 6], lambda i: 0) == [2, 5]  # evenly spaced among units alike
     assert spread([1, 7], [1, 2, 3, 7, 8], lambda i: i > 5) == [2, 8]  # each group on its own

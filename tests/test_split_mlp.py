@@ -129,3 +129,18 @@ def test_an_llm_runs_the_split_plan(tiny, monkeypatch):
     assert split.plan.split_mlp and not whole.plan.split_mlp and "mlp.0" in split.model.order
     outs = [llm.generate(PROMPTS, params) for llm in (whole, split)]
     assert [o.outputs[0].token_ids for o in outs[0]] == [o.outputs[0].token_ids for o in outs[1]]
+
+
+@pytest.mark.parametrize("layers,weighed", [(80, True), (1_000, True), (1_001, False)])
+def test_the_split_is_weighed_up_to_a_thousand_layers(layers, weighed):
+    """Splitting the MLPs off doubles the units the search walks; past SPLIT_MAX_LAYERS (no released model comes
+    near: Llama 3.1 405B has 126 layers) only the whole layers are planned, so a plan of 10^4 layers answers in
+    seconds."""
+    from offload.planner.request import PlanRequest, SPLIT_MAX_LAYERS, may_split
+    from offload.spec import spec_from_config
+
+    spec = spec_from_config({"model_type": "llama", "hidden_size": 512, "intermediate_size": 1536,
+                             "num_hidden_layers": layers, "num_attention_heads": 8, "vocab_size": 1000})
+    request = PlanRequest.of(model="x", hardware="rtx4090-ddr5", gpu_memory="22GiB")
+    hw = request.profile()
+    assert SPLIT_MAX_LAYERS == 1_000 and may_split(spec, hw, request, request.budget(hw)) == weighed

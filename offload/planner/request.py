@@ -144,11 +144,17 @@ def plan_for(spec: ModelSpec, hw: HardwareProfile, request: PlanRequest) -> Plan
     return split if rate(split) > SPLIT_GAIN * rate(whole) else whole
 
 
+SPLIT_MAX_LAYERS = 1_000  # the largest released dense model has 126 layers (Llama 3.1 405B)
+
+
 def may_split(spec: ModelSpec, hw: HardwareProfile, request: PlanRequest, budget: Budget) -> bool:
     """Whether splitting the dense MLPs off can pay: a GPU is planned, and some layer has a dense MLP (a GGUF
-    model's units stay whole: its tensors are read as stored, layer by layer)."""
+    model's units stay whole: its tensors are read as stored, layer by layer), in a model of at most
+    SPLIT_MAX_LAYERS layers (past them the split's twice as many units would double the search of a model no
+    release comes near)."""
     dense = spec.moe is None or bool(spec.moe.dense_layers)
-    return hw.has_gpu and budget.gpu_bytes > 0 and request.hardware.backend != "cpu" and dense and not spec.from_gguf
+    return (hw.has_gpu and budget.gpu_bytes > 0 and request.hardware.backend != "cpu" and dense
+            and not spec.from_gguf and spec.n_layers <= SPLIT_MAX_LAYERS)
 
 
 def plan_spec(spec: ModelSpec, plan: Plan) -> ModelSpec:

@@ -25,7 +25,7 @@ from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cpu_
 from offload.planner.residents import weigh_again, weigh_counts
 from offload.planner.shortfall import Shortfall
 from offload.planner.spill import HostMemory
-from offload.planner.streams import STREAMABLE, StreamChoice, spread  # noqa: F401 (spread: tests import it here)
+from offload.planner.streams import STREAMABLE, StreamChoice
 from offload.planner.types import DEFAULT_PREFETCH_DEPTH, PHASES, Budget, Plan, TierUsage, UnitPlan, Workload
 from offload.spec import ModelSpec, UnitSpec
 
