@@ -135,14 +135,8 @@ class LLM:
         self.path = resolve_model(request.model.path)
         self.spec = model_spec(self.path)
         self.plan = None
-        if placement is None and request.hardware.profile is not None:  # a profile, not this machine: is its GPU here?
-            hw = request.profile()
-            problem = missing_gpu(hw, request.hardware.backend, request.budget(hw).gpu_bytes)
-            if problem:
-                raise ConfigError(problem)
-            warning = simulated_gpu_warning(hw)
-            if warning:
-                log.warning(warning)
+        if placement is None:
+            check_profile_gpu(request)
         backend = request.hardware.backend
         self.backend = make_backend(backend, request.profile() if backend == "sim" else None)
         if placement is None:
@@ -308,6 +302,20 @@ def speculative_options(config) -> SpeculativeOptions | None:
 
 
 MODEL_DRAFTS = ("draft_model", "self")  # speculative methods that load a draft model
+
+
+def check_profile_gpu(request: PlanRequest) -> None:
+    """ConfigError where the request names a profile with a GPU (a preset, not this machine) that backend auto or
+    cuda cannot run here; a warning where it runs anyway (backend cpu or sim)."""
+    if request.hardware.profile is None:
+        return
+    hw = request.profile()
+    problem = missing_gpu(hw, request.hardware.backend, request.budget(hw).gpu_bytes)
+    if problem:
+        raise ConfigError(problem)
+    warning = simulated_gpu_warning(hw)
+    if warning:
+        log.warning(warning)
 
 
 def plan_draft_first(options: SpeculativeOptions,
