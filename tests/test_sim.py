@@ -7,6 +7,8 @@ behind the host, so removing any single wait or slot-release event from the sche
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ from offload.errors import DeviceMemoryError
 from offload.generate import Generator
 from offload.hardware import load_hardware
 from offload.planner import Placement
+from offload.runtime.backends.base import Work
 from offload.runtime.backends.cpu import CPUBackend
 from offload.runtime.backends.sim import SimBackend
 from offload.runtime.backends.sim_device import SlotOrderError
@@ -123,6 +126,23 @@ def test_the_strict_device_refuses_a_slot_used_out_of_order(tiny, monkeypatch, c
     placement = _placement(tiny[1], mix, prefetch_depth=1, read_ahead=1)
     with pytest.raises(SlotOrderError, match=STRICT_WAITS[case]):
         _logits_with(tiny, placement, SimBackend(HW), monkeypatch, patch)
+
+
+def test_a_compute_that_runs_ahead_of_a_late_copy_is_refused_at_its_read():
+    """The copy stream is still busy, so the compute stream reaches the slot before its copy has even begun: the
+    read is refused by the host's order of issue (the copy was issued before the op), not by the streams' timing."""
+    backend = SimBackend(HW)
+    busy = threading.Event()
+    backend.copy_stream.enqueue(busy.wait)  # an earlier transfer the new copy queues behind
+    slot = backend.alloc("gpu", 16)
+    backend.copy_h2d(slot, backend.pin(torch.arange(16, dtype=torch.uint8)), "layers.0", "decode")
+    out = backend.launch(Work("layers.0", "layer", "decode", 1), lambda x: x + slot.float().sum(),
+                         backend.to_device(torch.zeros(1)))
+    try:
+        with pytest.raises(SlotOrderError, match=STRICT_WAITS["compute waits for the copy"]):
+            backend.to_host(out)
+    finally:
+        busy.set()
 
 
 def test_device_memory_is_a_hard_capacity(tiny):

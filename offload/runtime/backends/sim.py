@@ -17,6 +17,7 @@ simulated link shows in wall time.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 import time
@@ -69,23 +70,45 @@ class Pending:
         return self.value
 
 
+_STREAMS: list[_Stream] = []  # every live stream, stopped before the interpreter exits
+
+
+@atexit.register
+def _stop_streams() -> None:
+    """A daemon thread left inside a torch op while the interpreter tears down aborts the process (C++'s
+    terminate): each stream drops what is queued, and the exit waits for the op in hand."""
+    for stream in list(_STREAMS):
+        stream.stop()
+
+
 class _Stream:
     """A worker thread running its queue in order, with its own simulated clock t."""
 
     def __init__(self, name: str, backend: SimBackend):
         self.name, self.backend, self.t = name, backend, 0.0
         self._queue: queue.Queue = queue.Queue()
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name=f"offload-sim-{name}", daemon=True)
         self._thread.start()
+        _STREAMS.append(self)
 
     def enqueue(self, op) -> None:
         self._queue.put(op)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        self._queue.put(None)
+        self._thread.join(timeout_s)
 
     def _loop(self) -> None:
         if self.name == "compute":
             self.backend.strict.mark_compute_thread()
         while True:
             op = self._queue.get()
+            if op is None:
+                return
+            if self._stopping:
+                continue
             try:
                 op()
             except BaseException as e:  # noqa: BLE001 - surfaced at the host's next sync point
@@ -253,6 +276,7 @@ class SimBackend(Backend):
                 strict.add_slot(dst, unit)
             if not strict.is_pinned(src):  # CUDA runs a copy from pageable memory synchronously
                 strict.count_pageable()
+            strict.copy_issued(dst, done)
 
         def op():
             if self.computes and not self.wall:
@@ -318,11 +342,13 @@ class SimBackend(Backend):
         self._raise_errors()
         result, issued, stream = Pending(self.failed), self.host_t, self.compute_stream
         result.unit, result.phase = work.unit, work.phase
+        expected = self.strict.expected() if self.computes and not self.wall else None
 
         def op():
             start = max(stream.t, issued)
             value = x.resolve() if isinstance(x, Pending) else x
             self.strict.set_unit(work.unit, work.phase)
+            self.strict.expect(expected)
             if self.wall:  # the device's time, slept; the hidden state passes through
                 seconds = self.timed.seconds(work, True)
                 time.sleep(seconds)

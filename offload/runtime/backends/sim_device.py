@@ -84,6 +84,8 @@ class Slot:
     copy: object = None  # the handle of the copy that last started filling it
     waited: bool = True
     waited_seq: int = -1  # compute-stream op number when it waited for the copy
+    issued: int = 0  # copies the host has issued into it, in the host's order
+    waited_gen: int = 0  # the latest of those copies the compute stream (or the host) waited for
     read_seq: int = -1  # compute-stream op number of the latest read
     released: bool = True  # the copy stream waited for a compute marker after the slot's last use
 
@@ -152,6 +154,21 @@ class DeviceState:
     def slot_of(self, t: torch.Tensor) -> Slot | None:
         return self.slots.get(host_view(t).untyped_storage().data_ptr()) if self.slots else None
 
+    def copy_issued(self, dst: torch.Tensor, handle) -> None:
+        """On the host: a copy into dst's slot is enqueued; ops the host enqueues after it expect its bytes."""
+        slot = self.slot_of(dst)
+        if slot is not None:
+            slot.issued += 1
+            handle.slot, handle.gen = slot, slot.issued
+
+    def expected(self) -> dict:
+        """What an op enqueued now expects: each slot's latest copy issued so far (taken on the host)."""
+        return {key: slot.issued for key, slot in self.slots.items()}
+
+    def expect(self, expected: dict | None) -> None:
+        """On the compute stream: the op now running was enqueued when the slots' copies stood at expected."""
+        self._local.expected = expected
+
     def copy_starts(self, dst: torch.Tensor, handle) -> None:
         """On the copy stream: a copy begins to fill dst's slot, which the copy stream must have seen released."""
         slot = self.slot_of(dst)
@@ -168,6 +185,9 @@ class DeviceState:
         for slot in self.slots.values():
             if slot.copy is handle:
                 slot.waited, slot.waited_seq = True, self.compute_seq
+        slot = getattr(handle, "slot", None)
+        if slot is not None:
+            slot.waited_gen = max(slot.waited_gen, handle.gen)
 
     def copy_stream_waited(self, handle, seq: int) -> None:
         """The copy stream waited for handle: a compute marker at compute-stream op seq releases the slots whose
@@ -180,15 +200,20 @@ class DeviceState:
         """A device-wide synchronize: every copy has landed and every compute has finished."""
         for slot in self.slots.values():
             slot.waited = slot.released = True
+            slot.waited_gen = slot.issued
 
     def reads(self, tensors: list) -> None:
-        """On the compute stream: an op reads these device tensors."""
+        """On the compute stream: an op reads these device tensors. Each slot's copy issued before the op was
+        enqueued must have been waited for on the compute stream, whether or not the copy has started yet (so a
+        compute that runs ahead of a late copy is refused as surely as one that reads a copy in flight)."""
         self.compute_seq += 1
+        expected = getattr(self._local, "expected", None) or {}
         for t in tensors:
-            slot = self.slot_of(t)
+            key = host_view(t).untyped_storage().data_ptr()
+            slot = self.slots.get(key)
             if slot is None:
                 continue
-            if not slot.waited:
+            if not slot.waited or slot.waited_gen < expected.get(key, 0):
                 raise SlotOrderError(f"staging slot {slot.name} was read by {self.unit} before its copy's event was "
                                      f"waited on (wait_copy); the compute would read stale weights")
             slot.read_seq = self.compute_seq
@@ -313,13 +338,16 @@ def _to_copy(func, args, kwargs):
     device = kwargs.get("device", next((a for a in args[1:] if isinstance(a, torch.device)), None))
     to_host = device is not None and torch.device(device).type == "cpu"
     rest = tuple(torch.device("cpu") if isinstance(a, torch.device) else a for a in args[1:])
+    st = state()
+    if not to_host and st.on_compute_stream and st.slots:  # a cast on the device reads its source
+        st.reads([src])
     out = func(_unwrap(src), *rest, **{k: (torch.device("cpu") if k == "device" else v) for k, v in kwargs.items()})
     if to_host:
-        state().count_sync("copy to host")
+        st.count_sync("copy to host")
         return out.clone() if out is src.inner else out
     if out is src.inner:
         return src
-    state().count_launch()
+    st.count_launch()
     return DeviceTensor(out)
 
 
