@@ -8,6 +8,19 @@ IN_PLACE_MAX_QUERIES = 8  # new tokens per sequence up to which a step's attenti
 # (offload.model.attention; the Triton kernel holds group x queries rows of head_dim fp32 accumulators per program:
 # 8 x 8 x 128 = its 8192 at Llama-70B's shape)
 
+# A sliding layer of a model whose layers differ in window (Gemma 2/3, gpt-oss) keeps each sequence's keys in a
+# ring of its window and RING_SLACK more slots, in blocks of RING_BLOCK (offload.spec.ModelSpec.kv_ring): a step
+# writes at most RING_SLACK + 1 new keys of a sequence before they are attended to (longer chunks attend in
+# slices), so the window of every query stays whole
+RING_SLACK = 128
+RING_BLOCK = 16
+
+
+def ring_slots(window: int) -> int:
+    """Slots of a ring holding a sliding layer's keys of one sequence."""
+    return -(-(window + RING_SLACK) // RING_BLOCK) * RING_BLOCK
+
+
 # The Triton decode attention's split-K schedule (offload.kernels.triton_attention runs it, the planner sizes it):
 # about two programs per SM in all, each split walking at least DECODE_SPLIT_MIN_KEYS keys (below, a program's fixed
 # cost, its q tile and its partial's store, outweighs its keys'; chosen, not measured: 4 tiles of 64 keys, where

@@ -86,7 +86,9 @@ class Engine:
         self.max_waiting = max_waiting
         self.capacity = kv_slots or max(generator.kv_tokens - 1, generator.context_len - 1)
         self.pool = KVPool(self.capacity)
-        self.cache = generator.model.new_cache(1, self.capacity)  # slot `capacity` takes the writes of padding
+        # slot `capacity` takes the writes of padding; a ring layer holds a ring per sequence that may run at once
+        self.cache = generator.model.new_cache(1, self.capacity, generator.max_batch_size)
+        self._rings = list(range(generator.max_batch_size))  # the rings no running sequence holds
         self._waiting: deque[Sequence] = deque()
         self._background: deque[Sequence] = deque()  # admitted only while _waiting is empty; not bounded here
         self._running: list[Sequence] = []  # changed by the stepping thread only, under the lock
@@ -221,6 +223,7 @@ class Engine:
             queue.popleft()
             for sample, base in zip(group, bases):
                 sample.base, sample.n_cached, sample.generator = base, 0, sample.params.make_generator(sample.index)
+                sample.ring = self._rings.pop()
                 if sample.params.logprobs is not None:
                     sample.logprobs = []
                 self._running.append(sample)
@@ -240,6 +243,7 @@ class Engine:
         for seq in seqs:
             self._running.remove(seq)
             self.pool.release(seq.base, seq.extent)
+            self._rings.append(seq.ring)
             if speculator is not None:
                 speculator.forget(seq)
             first = seq.parent or seq

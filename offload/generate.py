@@ -209,8 +209,10 @@ def share_prefill(cache, seq: Sequence, other: Sequence) -> None:
     """Copy the K and V of seq's prompt (now in the cache) into other's extent: other's prompt is in the cache."""
     n = len(seq.prompt_ids)
     for layer in cache:
+        ring = layer.ring
+        src, dst, m = (seq.base, other.base, n) if ring is None else (seq.ring * ring, other.ring * ring, ring)
         for t in (layer.k, layer.v):
-            t[:, other.base: other.base + n].copy_(t[:, seq.base: seq.base + n])
+            t[:, dst: dst + m].copy_(t[:, src: src + m])
     other.n_cached = n
 
 

@@ -6,8 +6,8 @@ in the same pass), and chunks of the prompts still being prefilled, up to the st
 writes that choice down as a ScheduledStep, everything the runner and the update need, so that neither decides
 anything of its own:
 
-- the model's inputs: ragged groups (positions [b, s], and the first KV slot of each sequence's extent in the
-  pool: its block table) and the flat tokens, group after group;
+- the model's inputs: ragged groups (positions [b, s], the first KV slot of each sequence's extent in the
+  pool: its block table, and its ring in the ring layers) and the flat tokens, group after group;
 - the rows of logits to compute and what each is for: sampling a sequence's next token (the other samples of an
   n > 1 request take their first one from their prompt's row, after copying its K and V), verifying a
   sequence's proposals, scoring the prompt tokens a chunk predicts (prompt logprobs);
@@ -65,7 +65,7 @@ class ScheduledStep:
     decode: tuple[Sequence, ...]  # a decode token each, no proposals
     verified: tuple[tuple[Sequence, Proposal], ...]  # a decode token and the drafter's proposals each
     chunks: tuple[tuple[Sequence, int], ...]  # (sequence, its next n prompt tokens, from its n_cached on)
-    groups: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # (positions [b, s], bases [b]): ragged_step's groups
+    groups: tuple[tuple[torch.Tensor, ...], ...]  # (positions [b, s], bases [b], rings [b]): ragged_step's groups
     tokens: tuple[int, ...]  # the flat tokens, group after group
     samples: tuple[tuple[Sequence, int], ...]  # (sequence, row) of each sequence that samples its next token
     shared: tuple[tuple[Sequence, Sequence], ...]  # (first sample, other): other copies the prompt's K and V
@@ -124,20 +124,25 @@ def schedule_step(running: list[Sequence], step_tokens: int, mixed: bool = True,
 
 
 def _inputs(plain, verified, chunks) -> tuple[tuple, tuple[int, ...]]:
-    """The ragged groups (positions, base slots) and the flat tokens: the plain decode tokens in one group, each
-    verified sequence's last token and proposals, each prompt chunk."""
+    """The ragged groups (positions, base slots, rings) and the flat tokens: the plain decode tokens in one group,
+    each verified sequence's last token and proposals, each prompt chunk."""
     groups, tokens = [], []
     if plain:
-        groups.append((torch.tensor([[s.n_tokens - 1] for s in plain]), torch.tensor([s.base for s in plain])))
+        groups.append((torch.tensor([[s.n_tokens - 1] for s in plain]), *_where(plain)))
         tokens += [s.output_ids[-1] for s in plain]
     for seq, proposal in verified:  # its last token and its proposals: the model's next token after each
         positions = [seq.n_tokens - 1 + d for d in (0, *proposal.depths)]
-        groups.append((torch.tensor([positions]), torch.tensor([seq.base])))
+        groups.append((torch.tensor([positions]), *_where([seq])))
         tokens += [seq.output_ids[-1], *proposal.tokens]
     for seq, n in chunks:
-        groups.append((torch.arange(seq.n_cached, seq.n_cached + n)[None], torch.tensor([seq.base])))
+        groups.append((torch.arange(seq.n_cached, seq.n_cached + n)[None], *_where([seq])))
         tokens += seq.prompt_ids[seq.n_cached: seq.n_cached + n]
     return tuple(groups), tuple(tokens)
+
+
+def _where(seqs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences' base slots in the pool and their rings in the ring layers."""
+    return torch.tensor([s.base for s in seqs]), torch.tensor([s.ring for s in seqs])
 
 
 def _rows(plain, verified, chunks) -> tuple[tuple, tuple, tuple, tuple]:

@@ -25,6 +25,7 @@ class Sequence:
     stop_text_end: int | None = None  # where a stop string cut the text
     base: int = -1  # first KV slot of its extent in the pool
     extent: int = 0  # KV slots it holds
+    ring: int = 0  # its ring in the ring layers' pooled rows (offload.spec.ModelSpec.kv_ring)
     n_cached: int = 0  # prompt tokens whose K and V are in the cache
     generator: torch.Generator | None = None
     index: int = 0  # which of the request's n samples
@@ -32,6 +33,7 @@ class Sequence:
     samples: list[Sequence] = field(default_factory=list)  # the request's samples, on its first one ([] for n=1)
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first one)
+    grammar: object | None = None  # its structured output's matcher (offload/grammar.py), made at its first sample
     _text: str = ""  # decoded so far (stop strings only): extended token by token
     _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from offload.config_values import count, fix, real
-from offload.attention_sizes import attention_bytes
+from offload.attention_sizes import attention_bytes, ring_slots
 from offload.errors import ConfigError
 from offload.families import BY_MODEL_TYPE, Family, FamilyMath, family_math, family_of, text_config
 from offload.paths import describe_path
@@ -171,6 +171,12 @@ class ModelSpec:
         if self.variant.layer_windows and i is not None:
             return self.variant.layer_windows[i]
         return self.sliding_window
+
+    def kv_ring(self, i: int) -> int | None:
+        """Slots of layer i's ring per sequence where its cache is one (a sliding layer of a model whose layers
+        differ in window: Gemma 2/3, gpt-oss), else None (every position of the context has its slot)."""
+        window = self.window(i) if self.variant.layer_windows else None
+        return None if window is None else ring_slots(window)
 
     @property
     def windows(self) -> tuple[int | None, ...]:
@@ -350,19 +356,24 @@ class ModelSpec:
         return sum(t.numel for t in self.tensors())
 
     def kv_len(self, seq_len: int, i: int | None = None) -> int:
-        """Positions layer i's KV cache holds for seq_len tokens (capped by its sliding window; without i, by the
-        widest window of the model: what one layer of the largest needs)."""
+        """Slots layer i's KV cache holds for a sequence of seq_len tokens: each position's, or a ring's where the
+        layer keeps one (kv_ring); without i, the layer that holds the most."""
+        windows = (self.window(i),) if i is not None else self.variant.layer_windows or (None,)
+        return seq_len if None in windows else min(seq_len, ring_slots(max(windows)))
+
+    def keys_seen(self, ctx_len: int, i: int | None = None) -> int:
+        """Keys a query at ctx_len attends to in layer i (its sliding window's; without i, the widest layer's)."""
         windows = (self.window(i),) if i is not None else self.windows
-        return seq_len if None in windows else min(seq_len, max(windows))
+        return ctx_len if None in windows else min(ctx_len, max(windows))
 
     def layer_kv_bytes(self, n_seqs: int, seq_len: int, elem_bytes: int = 2, i: int | None = None) -> int:
         """KV cache bytes of layer i (without i: of the layer that holds the most) for n_seqs sequences of seq_len
-        tokens: K and V, a sliding layer's up to its window."""
+        tokens: K and V, a ring layer's up to its ring."""
         return 2 * n_seqs * self.kv_len(seq_len, i) * self.kv_size * elem_bytes
 
     def attention_flops(self, n_tokens: int, ctx_len: int, i: int | None = None) -> int:
         """FLOPs of layer i's QK^T and PV for n_tokens queries over ctx_len keys each (a sliding layer's window)."""
-        return 4 * n_tokens * self.kv_len(ctx_len, i) * self.q_size
+        return 4 * n_tokens * self.keys_seen(ctx_len, i) * self.q_size
 
     @property
     def mlp_width(self) -> int:

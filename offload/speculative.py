@@ -223,8 +223,11 @@ class ModelDrafter:
         self.draft, self.generator = draft, draft.generator
         self.capacity = max(self.generator.kv_tokens - 1, self.generator.context_len - 1)
         self.pool = KVPool(self.capacity)
-        self.cache = self.generator.model.new_cache(1, self.capacity)
-        self._held: dict[int, tuple[int, int, list[int]]] = {}  # by id(seq): (base, extent, tokens in the cache)
+        self.cache = self.generator.model.new_cache(1, self.capacity, self.generator.max_batch_size)
+        # the ring layers' rings no sequence holds (a model without ring layers: one ring, 0, for every sequence)
+        rings = any(kv.ring is not None for kv in self.cache)
+        self._rings = list(range(self.generator.max_batch_size)) if rings else None
+        self._held: dict[int, tuple[int, int, int, list[int]]] = {}  # by id(seq): (base, extent, ring, tokens cached)
         self.seconds, self.passes = 0.0, 0  # time spent proposing, passes over the draft's weights
 
     def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
@@ -249,8 +252,8 @@ class ModelDrafter:
             if run is None:
                 out.append([])
                 continue
-            base, extent, _ = self._held[id(seq)]
-            self._held[id(seq)] = (base, extent, tokens + run.output_ids[:-1])  # the last one is not in the cache
+            base, extent, ring, _ = self._held[id(seq)]
+            self._held[id(seq)] = (base, extent, ring, tokens + run.output_ids[:-1])  # the last one is not cached
             out.append(run.output_ids)
         return out
 
@@ -264,17 +267,19 @@ class ModelDrafter:
         held = self._held.get(id(seq))
         if held is None:
             base = self.pool.alloc(seq.extent)
-            if base is None:
+            if base is None or self._rings == []:
+                if base is not None:
+                    self.pool.release(base, seq.extent)
                 return None
-            held = self._held[id(seq)] = (base, seq.extent, [])
-        base, extent, cached = held
+            held = self._held[id(seq)] = (base, seq.extent, self._rings.pop() if self._rings else 0, [])
+        base, extent, ring, cached = held
         same = 0
         for a, b in zip(cached, tokens):
             if a != b:
                 break
             same += 1
         run = Sequence(seq.request_id, tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
-        run.base, run.extent, run.n_cached = base, extent, min(same, len(tokens) - 1)
+        run.base, run.extent, run.ring, run.n_cached = base, extent, ring, min(same, len(tokens) - 1)
         run.generator = torch.Generator()
         return run
 
@@ -282,6 +287,8 @@ class ModelDrafter:
         held = self._held.pop(id(seq), None)
         if held is not None:
             self.pool.release(held[0], held[1])
+            if self._rings is not None:
+                self._rings.append(held[2])
 
 
 def make_speculator(options, draft=None) -> Speculator | None:

@@ -71,8 +71,8 @@ def run(llm, prompts, max_tokens, batch: int, mixed: bool) -> dict:
                     mixed=mixed)
     kv_bytes, real_cache = [], llm.model.new_cache
 
-    def new_cache(b, n):
-        cache = real_cache(b, n)
+    def new_cache(b, n, n_rings=None):
+        cache = real_cache(b, n, n_rings)
         kv_bytes.append(sum(kv.nbytes for kv in cache))
         return cache
 

@@ -97,8 +97,8 @@ def test_kv_and_step_tokens_stay_within_the_plan_up_to_max_model_len(tiny_dir, m
                         lambda layers, x, *a, **k: sizes.append(x.shape[1]) or real(layers, x, *a, **k))
     kv_bytes, real_cache = [], llm.model.new_cache
 
-    def new_cache(batch, max_len):
-        cache = real_cache(batch, max_len)
+    def new_cache(batch, max_len, n_rings=None):
+        cache = real_cache(batch, max_len, n_rings)
         kv_bytes.append(sum(kv.nbytes for kv in cache))
         return cache
 

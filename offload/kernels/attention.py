@@ -122,16 +122,17 @@ def paged_attention_torch(q, k_pool, v_pool, table: KVTable, *, scale: float, wi
         if n_keys < S:
             raise KernelError(f"sequence {b} has {n_keys} keys in its KVTable, fewer than its {S} new queries; "
                               f"write each query's key into the pool before attention")
-        slots = key_slots(table, b, n_keys)
+        lo = 0 if window is None else max(0, n_keys - S + 1 - window)  # keys before every query's window: unread
+        slots = key_slots(table, b, n_keys)[lo:]
         k = k_pool.index_select(0, slots).float().transpose(0, 1)  # [Hkv, L, Dh]
         v = v_pool.index_select(0, slots).float().transpose(0, 1)
         qg = q[b].float().view(S, n_kv_heads, G, D).permute(1, 2, 0, 3).reshape(n_kv_heads, G * S, D)
         s = torch.bmm(qg, k.transpose(1, 2)).mul_(scale)  # [Hkv, G*S, L]
         if softcap is not None:
             s = s.div_(softcap).tanh_().mul_(softcap)
-        seen = _visible(n_keys, S, window, None if tree_mask is None else tree_mask[b], q.device)  # [S, L]
-        s = s.view(n_kv_heads, G, S, n_keys).masked_fill_(~seen, float("-inf"))
-        o = torch.bmm(_softmax_with_sinks(s, sink).view(n_kv_heads, G * S, n_keys), v)  # [Hkv, G*S, Dh]
+        seen = _visible(n_keys, S, window, None if tree_mask is None else tree_mask[b], q.device)[:, lo:]  # [S, L]
+        s = s.view(n_kv_heads, G, S, n_keys - lo).masked_fill_(~seen, float("-inf"))
+        o = torch.bmm(_softmax_with_sinks(s, sink).view(n_kv_heads, G * S, n_keys - lo), v)  # [Hkv, G*S, Dh]
         out[b] = o.view(n_kv_heads, G, S, D).permute(2, 0, 1, 3).reshape(S, H, D)
     return out
 

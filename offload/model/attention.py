@@ -27,7 +27,7 @@ from torch.nn.attention.bias import causal_lower_right
 
 from offload.kernels.attention import PATH_COUNTS, KVTable, paged_attention
 from offload.model.step import LayerKV, Step
-from offload.attention_sizes import IN_PLACE_MAX_QUERIES
+from offload.attention_sizes import IN_PLACE_MAX_QUERIES, RING_BLOCK
 from offload.spec import ModelSpec
 
 
@@ -43,6 +43,8 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
             grid = [t[0, :, t0:t0 + b * s].unflatten(1, (b, s)).transpose(0, 1) for t in (q, k, v)]  # [b, H, s, Dh]
             outs.append(attend(spec, *grid, g, kv, window, sinks).transpose(0, 1).flatten(1, 2))  # [H, b * s, Dh]
         return torch.cat(outs, dim=1)[None]
+    if kv.ring is not None:
+        return _attend_ring(spec, q, k, v, step, kv, window, sinks)
     if kv.k.device != q.device:
         return _attend_host_cache(spec, q, k, v, step, kv, window, sinks)
     kv.write(step, k, v)
@@ -65,10 +67,11 @@ def _reads_in_place(step: Step, q: torch.Tensor) -> bool:
 
 def _paged(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV, window: int | None,
            sinks: torch.Tensor | None) -> torch.Tensor:
-    """q [B, H, S, Dh] over the pool in place through the step's table of contiguous extents."""
+    """q [B, H, S, Dh] over the pool in place through the step's table of contiguous extents (a ring's blocks)."""
     n_slots, heads, dh = kv.k.shape[0] * kv.k.shape[1], kv.k.shape[2], kv.k.shape[3]
+    table = kv_table(step, kv) if kv.ring is None else ring_table(step, kv)
     o = paged_attention(q.transpose(1, 2), kv.k.view(n_slots, heads, dh), kv.v.view(n_slots, heads, dh),
-                        kv_table(step, kv), scale=spec.attn_scale, window=window, softcap=spec.variant.attn_softcap,
+                        table, scale=spec.attn_scale, window=window, softcap=spec.variant.attn_softcap,
                         sinks=sinks)
     return o.transpose(1, 2)
 
@@ -92,24 +95,25 @@ def kv_table(step: Step, kv: LayerKV) -> KVTable:
 
 def sdpa_over_keys(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: Step,
                    window: int | None = None, spec: ModelSpec | None = None,
-                   sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """q [B, H, S, Dh] over K, V [B, Hkv, T, Dh] as the step's mask for this window allows, in a form a fused
-    SDPA kernel takes: bottom-right causal where that is the whole mask, else the query-head group folded into the
-    query length with the bool mask repeated (no GQA: the memory-efficient kernel takes a mask; K/V never
-    repeated). Soft-capped scores (spec's attn_softcap) and sinks take the math of math_attention."""
+                   sinks: torch.Tensor | None = None, first_key: int = 0) -> torch.Tensor:
+    """q [B, H, S, Dh] over K, V [B, Hkv, T, Dh] (the keys of positions first_key.. of each sequence) as the
+    step's mask for this window allows, in a form a fused SDPA kernel takes: bottom-right causal where that is the
+    whole mask, else the query-head group folded into the query length with the bool mask repeated (no GQA: the
+    memory-efficient kernel takes a mask; K/V never repeated). Soft-capped scores (spec's attn_softcap) and sinks
+    take the math of math_attention."""
     keys, values = keys.to(q.dtype), values.to(q.dtype)
     b, heads, s, dh = q.shape
     group = heads // keys.shape[1]
     scale = None if spec is None else spec.attn_scale
+    mask = step.mask_for(window)[..., first_key:]  # [B, 1, S, T]
     if spec is not None and (spec.variant.attn_softcap is not None or sinks is not None):
         PATH_COUNTS["attention_math"] += 1
-        return math_attention(q, keys, values, step.mask_for(window), scale, spec.variant.attn_softcap, sinks)
-    if _causal_only(step, window):
+        return math_attention(q, keys, values, mask, scale, spec.variant.attn_softcap, sinks)
+    if first_key == 0 and _causal_only(step, window):
         PATH_COUNTS["sdpa_causal_lower_right"] += 1
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=causal_lower_right(s, keys.shape[2]),
                                               enable_gqa=group > 1, scale=scale)
     PATH_COUNTS["sdpa_folded_mask"] += 1
-    mask = step.mask_for(window)  # [B, 1, S, T]
     folded = q.reshape(b, keys.shape[1], group * s, dh)  # head h = kv_head * group + g: the group's rows in a run
     mask = mask[:, :, None].expand(b, 1, group, s, mask.shape[-1]).reshape(b, 1, group * s, mask.shape[-1])
     o = F.scaled_dot_product_attention(folded, keys, values, attn_mask=mask, scale=scale)
@@ -172,6 +176,72 @@ def gathered_keys(step: Step, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
     index = (first[:, None] + torch.arange(n_keys, device=dev)[None]).clamp_(max=batch * slots - 1)
     keys = kv.k.view(batch * slots, heads, dh)[index].transpose(1, 2)
     return keys, kv.v.view(batch * slots, heads, dh)[index].transpose(1, 2)
+
+
+def _attend_ring(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV, window: int | None,
+                 sinks: torch.Tensor | None) -> torch.Tensor:
+    """A sliding layer whose cache is a ring of kv.ring slots per sequence (its window and RING_SLACK more): a few
+    new tokens per sequence are written, then read in place through the ring's blocks; a longer chunk attends in
+    slices of at most kv.ring - window + 1 tokens, each written before it attends, so no key a slice's queries see
+    is overwritten. A ring in host RAM for a block elsewhere: q, k, v move to the ring and the output back."""
+    if kv.k.device != q.device:  # a ring in host RAM for a device block, or on the device for a CPU block
+        there = _step_on(step, kv.k.device)
+        moved = _attend_ring(spec, *(t.to(kv.k.device) for t in (q, k, v)), there, kv, window,
+                             None if sinks is None else sinks.to(kv.k.device))
+        PATH_COUNTS["ring_elsewhere"] += 1
+        return moved.to(q.device)
+    if _reads_in_place(step, q):
+        kv.write(step, k, v)
+        return _paged(spec, q, step, kv, window, sinks)
+    s, width = q.shape[2], kv.ring - window + 1
+    outs = []
+    for a in range(0, s, width):
+        part = step if width >= s else step.slice(a, a + width)
+        pk, pv = (t[:, :, a:a + width] for t in (k, v))
+        kv.write(part, pk, pv)
+        first_key = max(0, part.n_keys - kv.ring)
+        outs.append(sdpa_over_keys(q[:, :, a:a + width], *ring_keys(part, kv, first_key), part, window, spec, sinks,
+                                   first_key))
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+
+
+def _step_on(step: Step, device: torch.device) -> Step:
+    """The step where a cache is: its host step for the host, else moved there once per step."""
+    if device.type == "cpu":
+        return step._host if step._host is not None else step
+    key = ("on", str(device))
+    if key not in step._derived:
+        step._derived[key] = step.to(device)
+    return step._derived[key]
+
+
+def ring_table(step: Step, kv: LayerKV) -> KVTable:
+    """Each sequence's keys in its ring as a block table: key j in ring block (j // RING_BLOCK) % blocks, so the
+    newest kv.ring keys lie where they were written (older ones, outside every window, read what overwrote them)."""
+    stride = kv.k.shape[1]
+    key = ("ring table", kv.ring, stride)
+    table = step._derived.get(key)
+    if table is None:
+        ring, n = step.rings[kv.ring], step.positions.shape[0]
+        dev = ring.first.device
+        rows = step.rows if step.rows is not None else torch.arange(n, device=dev)
+        host = tuple(int(p) + 1 for p in step.positions[:, -1])
+        blocks = torch.arange(-(-max(host) // RING_BLOCK), device=dev) % (kv.ring // RING_BLOCK)
+        slots = (rows.to(dev) * stride + ring.first)[:, None] + blocks[None] * RING_BLOCK
+        table = step._derived[key] = KVTable(slots.int(), (ring.positions[:, -1] + 1).int(), RING_BLOCK, host)
+    return table
+
+
+def ring_keys(step: Step, kv: LayerKV, first_key: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K, V [B, Hkv, n_keys - first_key, Dh] of positions first_key.. of the step's sequences, gathered from their
+    rings (a position a later one overwrote, outside every query's window, reads that one)."""
+    n_keys, dev, (batch, slots, heads, dh) = step.n_keys, kv.k.device, kv.k.shape
+    ring = step.rings[kv.ring]
+    rows = torch.arange(step.positions.shape[0], device=dev) if step.rows is None else step.rows.to(dev)
+    positions = torch.arange(first_key, n_keys, device=dev)
+    index = (rows * slots + ring.first.to(dev))[:, None] + positions[None] % kv.ring
+    return (kv.k.view(batch * slots, heads, dh)[index].transpose(1, 2),
+            kv.v.view(batch * slots, heads, dh)[index].transpose(1, 2))
 
 
 def _attend_host_cache(spec: ModelSpec, q, k, v, step: Step, kv: LayerKV, window: int | None,

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from offload.model.llama import LayerWeights
-from offload.model.step import LayerKV, Step, make_step
+from offload.model.step import LayerKV, Step, layer_cache, make_step
 from offload.model.units import unit_forward
 from offload.spec import ModelSpec
 
@@ -25,9 +25,10 @@ class Model:
     dtype: torch.dtype
     experts: dict[int, object] | None = None  # layer index -> ExpertWeights of its routed experts (MoE models)
 
-    def new_cache(self, batch: int, max_len: int) -> list[LayerKV]:
-        s = self.spec
-        return [LayerKV(batch, s.n_kv_heads, max_len, s.head_dim, self.dtype) for _ in range(s.n_layers)]
+    def new_cache(self, batch: int, max_len: int, n_rings: int | None = None) -> list[LayerKV]:
+        """A cache per layer of batch rows of max_len slots (n_rings: sequences a pooled row holds at once)."""
+        return [layer_cache(self.spec, i, batch, max_len, self.dtype, n_rings=n_rings)
+                for i in range(self.spec.n_layers)]
 
     def make_step(self, positions: torch.Tensor, valid: torch.Tensor, trash_slot: int,
                   rows: torch.Tensor | None = None, phase: str = "prefill") -> Step:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.attention_sizes import ring_slots
 from offload.model.rope import rope_cos_sin
 from offload.spec import ModelSpec
 
@@ -33,6 +34,7 @@ class Step:
     phase: str = "prefill"  # prefill | decode: the plan may compute a block differently in each
     sliding_window: int | None | tuple = None  # of every layer, or (a model whose layers differ) each distinct one
     bases: torch.Tensor | None = None  # [B] first KV slot of each sequence in its row (a pooled cache); None: 0
+    rings: dict = field(default_factory=dict)  # ring slots R -> RingIndex, of each ring layer size (spec.kv_ring)
     groups: tuple["Step", ...] | None = None  # a ragged step's grids, each b == 1 or s == 1
     offsets: tuple[int, ...] = ()  # where each group's tokens begin in the flat row
     _mask: torch.Tensor | None = field(default=None, repr=False)
@@ -76,9 +78,10 @@ class Step:
         n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
         mask = None if self._mask is None else self._mask[:, :, start:stop, :n_keys]  # where the step's mask is
         host = None if self._host is None else self._host.slice(start, stop)
+        rings = {r: ring.slice(start, stop) for r, ring in self.rings.items()}
         return Step(positions, self.write_index[:, start:stop], valid, n_keys, self.cos[:, :, start:stop],
-                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.bases, _mask=mask,
-                    _host=host)
+                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.bases, rings,
+                    _mask=mask, _host=host)
 
     def _rows_slice(self, start: int, stop: int) -> "Step":
         """Rows start..stop-1 of a plain step."""
@@ -89,8 +92,9 @@ class Step:
         bases = None if self.bases is None else self.bases[start:stop]
         mask = None if self._mask is None else self._mask[start:stop, :, :, :n_keys]
         host = None if self._host is None else self._host._rows_slice(start, stop)
+        rings = {r: ring.rows(start, stop) for r, ring in self.rings.items()}
         return Step(positions, self.write_index[start:stop], valid, n_keys, self.cos[start:stop],
-                    self.sin[start:stop], rows, self.phase, self.sliding_window, bases, _mask=mask, _host=host)
+                    self.sin[start:stop], rows, self.phase, self.sliding_window, bases, rings, _mask=mask, _host=host)
 
     def _slice_ragged(self, start: int, stop: int) -> "Step":
         groups, offsets, at = [], [], 0
@@ -122,30 +126,65 @@ class Step:
             return moved
         rows = None if self.rows is None else move(self.rows)
         bases = None if self.bases is None else move(self.bases)
+        rings = {r: ring.to(move) for r, ring in self.rings.items()}
         return Step(self.positions, move(self.write_index), self.valid, self.n_keys, move(self.cos), move(self.sin),
-                    rows, self.phase, self.sliding_window, bases, _mask=move(self.mask), _host=self)
+                    rows, self.phase, self.sliding_window, bases, rings, _mask=move(self.mask), _host=self)
 
 
 def _ragged(groups, offsets, positions, write_index, valid, cos, sin, phase, sliding_window) -> Step:
     n_keys = max((g.n_keys for g in groups), default=1)
-    return Step(positions, write_index, valid, n_keys, cos, sin, None, phase, sliding_window, None,
+    return Step(positions, write_index, valid, n_keys, cos, sin, None, phase, sliding_window, None, {},
                 tuple(groups), tuple(offsets))
 
 
+@dataclass
+class RingIndex:
+    """Where a step's sequences keep their keys in the layers whose cache is a ring of `size` slots per sequence
+    (spec.kv_ring): position p of sequence b at slot first[b] + p % size of its cache row."""
+
+    size: int
+    writes: torch.Tensor  # [B, S] long, the slot each new token's K and V go to (padding: -1, the trash slot)
+    first: torch.Tensor  # [B] long, each sequence's first ring slot in its row
+    positions: torch.Tensor  # [B, S] long, the new tokens' positions where the cache is (a moved step's on its device)
+
+    @staticmethod
+    def of(size: int, positions: torch.Tensor, valid: torch.Tensor, rings: torch.Tensor | None) -> "RingIndex":
+        """rings [B]: each sequence's ring in a pooled row (None: each row holds one sequence's ring)."""
+        first = torch.zeros(positions.shape[0], dtype=torch.long) if rings is None else rings.long() * size
+        writes = torch.where(valid, first[:, None] + positions % size, -1)
+        return RingIndex(size, writes, first, positions)
+
+    def slice(self, start: int, stop: int) -> "RingIndex":
+        return RingIndex(self.size, self.writes[:, start:stop], self.first, self.positions[:, start:stop])
+
+    def rows(self, start: int, stop: int) -> "RingIndex":
+        return RingIndex(self.size, self.writes[start:stop], self.first[start:stop], self.positions[start:stop])
+
+    def to(self, move) -> "RingIndex":
+        return RingIndex(self.size, move(self.writes), move(self.first), move(self.positions))
+
+
 class LayerKV:
-    """KV cache of one layer, token-major: [B, T + 1, n_kv_heads, head_dim]; slot T takes writes of padding."""
+    """KV cache of one layer, token-major: [B, T + 1, n_kv_heads, head_dim]; slot T takes writes of padding. A
+    ring layer's (ring: its slots per sequence) holds n_rings rings of a sequence's newest keys per row instead."""
 
     def __init__(self, batch: int, n_kv_heads: int, max_len: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
-        shape = (batch, max_len + 1, n_kv_heads, head_dim)
+                 device: torch.device | str = "cpu", ring: int | None = None, n_rings: int = 1):
+        self.ring = ring
+        shape = (batch, (max_len if ring is None else ring * n_rings) + 1, n_kv_heads, head_dim)
         self.k, self.v = (_zeros(shape, dtype, device) for _ in range(2))
 
     def write(self, step: "Step", k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store k, v [b, H, S, Dh] at step.write_index in rows step.rows (None: every cache row, in order); the
-        cache may live on another device than k, v (KV lives where a block decodes)."""
+        """Store k, v [b, H, S, Dh] at step.write_index (a ring's: step.rings) in rows step.rows (None: every cache
+        row, in order); the cache may live on another device than k, v (KV lives where a block decodes)."""
         dev, (batch, slots, heads, dh) = self.k.device, self.k.shape
         rows = torch.arange(k.shape[0], device=dev) if step.rows is None else step.rows.to(dev)
-        flat = (rows[:, None] * slots + step.write_index.to(dev)).reshape(-1)
+        if self.ring is None:
+            index = step.write_index.to(dev)
+        else:
+            index = step.rings[self.ring].writes.to(dev)
+            index = torch.where(index < 0, slots - 1, index)
+        flat = (rows[:, None] * slots + index).reshape(-1)
         for cache, new in ((self.k, k), (self.v, v)):
             new = new.transpose(1, 2).reshape(-1, heads, dh)
             cache.view(batch * slots, heads, dh).index_copy_(0, flat, _to(new, dev, cache.dtype))
@@ -153,6 +192,16 @@ class LayerKV:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+
+def layer_cache(spec: ModelSpec, i: int, batch: int, max_len: int, dtype: torch.dtype, device="cpu",
+                n_rings: int | None = None) -> LayerKV:
+    """Layer i's cache of batch rows of max_len slots; a ring layer's (spec.kv_ring) holds n_rings rings per row
+    (a pooled row: one per sequence it may hold at once; None: a row is one sequence), where that is smaller."""
+    ring = spec.kv_ring(i)
+    if ring is not None and ring * (n_rings or 1) >= max_len:
+        ring = None
+    return LayerKV(batch, spec.n_kv_heads, max_len, spec.head_dim, dtype, device, ring, n_rings or 1)
 
 
 LAZY_ZEROS_BYTES = 1 << 20  # host caches from this size on are zero pages until written (see _zeros)
@@ -190,15 +239,25 @@ def attention_mask(positions: torch.Tensor, valid: torch.Tensor, n_keys: int,
 
 
 def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, valid: torch.Tensor, trash_slot: int,
-              rows: torch.Tensor | None = None, phase: str = "prefill", bases: torch.Tensor | None = None) -> Step:
+              rows: torch.Tensor | None = None, phase: str = "prefill", bases: torch.Tensor | None = None,
+              rings: torch.Tensor | None = None) -> Step:
     """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens; bases [B]: the
-    first KV slot of each sequence in its cache row (a pooled cache)."""
+    first KV slot of each sequence in its cache row (a pooled cache); rings [B]: each sequence's ring in a pooled
+    row of the ring layers (spec.kv_ring; None: a row's one ring)."""
     n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1  # no valid token: 1
     slots = positions if bases is None else positions + bases[:, None]
     write_index = torch.where(valid, slots, trash_slot)
     cos, sin = rope_cos_sin(spec, positions, dtype)
+    if bases is not None and rings is None and ring_sizes(spec):
+        raise ValueError("a pooled step of a model with ring layers needs each sequence's ring (rings)")
     return Step(positions=positions, write_index=write_index, valid=valid, n_keys=n_keys, cos=cos, sin=sin, rows=rows,
-                phase=phase, sliding_window=step_windows(spec), bases=bases)
+                phase=phase, sliding_window=step_windows(spec), bases=bases,
+                rings={r: RingIndex.of(r, positions, valid, rings) for r in ring_sizes(spec)})
+
+
+def ring_sizes(spec: ModelSpec) -> tuple[int, ...]:
+    """The distinct ring sizes of the model's ring layers (none: every layer keeps every position)."""
+    return tuple(sorted({ring_slots(w) for w in set(spec.variant.layer_windows) if w is not None}))
 
 
 def step_windows(spec: ModelSpec) -> int | None | tuple:
@@ -206,18 +265,19 @@ def step_windows(spec: ModelSpec) -> int | None | tuple:
     return spec.windows if spec.variant.layer_windows else spec.sliding_window
 
 
-def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Tensor, torch.Tensor]],
+def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Tensor, ...]],
                 trash_slot: int, phase: str) -> Step:
-    """A ragged step over one pooled cache row: groups of (positions [b, s], bases [b]), each b == 1 or s == 1
-    and every token real; the tokens of the groups follow one another in the flat row."""
+    """A ragged step over one pooled cache row: groups of (positions [b, s], bases [b], rings [b] (where the model
+    has ring layers)), each b == 1 or s == 1 and every token real; the tokens of the groups follow one another in
+    the flat row."""
     parts, offsets, at = [], [], 0
-    for positions, bases in groups:
+    for positions, bases, *rings in groups:
         b, s = positions.shape
         if b != 1 and s != 1:
             raise ValueError(f"a ragged step's groups are [b, 1] or [1, s] grids, found [{b}, {s}]")
         valid = torch.ones_like(positions, dtype=torch.bool)
         parts.append(make_step(spec, dtype, positions, valid, trash_slot, torch.zeros(b, dtype=torch.long), phase,
-                               bases))
+                               bases, rings[0] if rings else None))
         offsets.append(at)
         at += b * s
     flat = lambda name: torch.cat([getattr(g, name).reshape(1, -1) for g in parts], dim=1)  # noqa: E731

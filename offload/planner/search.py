@@ -79,8 +79,12 @@ class Search(StreamChoice, HostMemory):
         self.w = self._per_unit(lambda u: u.nbytes(fmt, compute))
         self.stored = self._per_unit(lambda u: "+".join(u.held_formats(fmt, compute)))
         self.buf = self._per_unit(lambda u: u.buffer_bytes(fmt, compute))  # what a slot or read buffer holds
-        layer_kv = spec.layer_kv_bytes(workload.batch_size, workload.seq_len, workload.kv_elem_bytes)
-        self.kv = [layer_kv if k == "layer" else 0 for k in kinds]
+        by_window: dict = {}  # a layer's KV bytes by its window (a ring layer's by its ring)
+        for u in self.units:
+            if u.kind == "layer" and spec.window(u.index) not in by_window:
+                by_window[spec.window(u.index)] = spec.layer_kv_bytes(workload.batch_size, workload.seq_len,
+                                                                      workload.kv_elem_bytes, u.index)
+        self.kv = [by_window[spec.window(u.index)] if u.kind == "layer" else 0 for u in self.units]
         self.phase = dict(zip(PHASES, phases_for(workload.batch_size, workload.prompt_len, workload.gen_len,
                                                  workload.prefill_pass_tokens)))
         self.cost = {p: self._per_unit(lambda u, ph=ph: unit_cost(spec, u, fmt, hw, ph, compute))

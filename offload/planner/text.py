@@ -12,7 +12,8 @@ def _ms(seconds: float) -> str:
 
 def _unit_rows(plan) -> list[tuple]:
     """Units with consecutive layers of identical placement merged into one row (layer.0-39); a MoE model's
-    experts units likewise (experts.0-11), each row where its first unit comes."""
+    experts units likewise (experts.0-11), each row where its first unit comes. A row's layers whose KV caches
+    differ (sliding layers' rings beside full layers) show each size."""
     rows: list[list] = []
     open_rows: dict[str, list] = {}  # kind -> its last row, which the next unit of that kind may extend
     for u in plan.units:
@@ -21,14 +22,15 @@ def _unit_rows(plan) -> list[tuple]:
         if row is not None and row[0] == key and row[2] + 1 == u.index:
             row[2] = u.index
             row[3] += 1
+            row[5].add(u.kv_bytes)
             continue
-        rows.append([key, u.name, u.index, 1, u])
+        rows.append([key, u.name, u.index, 1, u, {u.kv_bytes}])
         if u.kind in ("layer", "experts", "mlp"):
             open_rows[u.kind] = rows[-1]
     out = []
-    for key, name, last, count, u in rows:
+    for key, name, last, count, u, kvs in rows:
         label = f"{u.kind}.{u.index}-{last}" if count > 1 else name
-        kv = format_bytes(u.kv_bytes) if u.kind == "layer" else "-"
+        kv = " / ".join(format_bytes(b) for b in sorted(kvs)) if u.kind == "layer" else "-"  # ring layers' apart
         out.append((label, str(count), u.stored or "-", format_bytes(u.weight_bytes), u.weight_tier, u.prefill,
                     u.decode, kv, u.kv_tier or "-"))
     return out

@@ -26,7 +26,7 @@ import torch
 
 from offload.errors import PlanError
 from offload.kernels import layer as fused
-from offload.model.step import LayerKV, Step, make_step
+from offload.model.step import LayerKV, Step, layer_cache, make_step
 from offload.planner.placement import Placement
 from offload.planner.types import PHASES
 from offload.profile.timeline import Span, Timeline
@@ -121,8 +121,9 @@ class PlacedModel:
         return schedule
 
     # the interface the Generator uses -----------------------------------------------------------------
-    def new_cache(self, batch: int, max_len: int) -> list[LayerKV]:
-        """A KV cache per layer, each where its layer decodes; replaces (and un-counts) the previous one."""
+    def new_cache(self, batch: int, max_len: int, n_rings: int | None = None) -> list[LayerKV]:
+        """A KV cache per layer, each where its layer decodes; replaces (and un-counts) the previous one. n_rings:
+        the sequences a pooled row holds at once (a ring layer keeps a ring for each; None: a row is one)."""
         for tier, n in self._kv_bytes.items():
             self.backend.free(tier, n)
         self._kv_bytes = {}
@@ -130,7 +131,7 @@ class PlacedModel:
         for i in range(s.n_layers):
             tier = self.placement[f"layer.{i}"].kv or "cpu"
             device = self.backend.meta_or(self.backend.device if tier == "gpu" else "cpu")
-            kv = LayerKV(batch, s.n_kv_heads, max_len, s.head_dim, self.dtype, device)
+            kv = layer_cache(s, i, batch, max_len, self.dtype, device, n_rings)
             self.backend.track(tier, kv.nbytes)
             self._kv_bytes[tier] = self._kv_bytes.get(tier, 0) + kv.nbytes
             cache.append(kv)
