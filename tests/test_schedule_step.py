@@ -14,12 +14,17 @@ from offload.sequence import Sequence
 def _seq(rid, prompt_len: int, n_cached: int, outputs=(), base: int = 0, **params) -> Sequence:
     seq = Sequence(rid, list(range(100 + 10 * len(str(rid)), 100 + 10 * len(str(rid)) + prompt_len)),
                    SamplingParams(max_tokens=8, **params), output_ids=list(outputs))
-    seq.base, seq.n_cached, seq.extent = base, n_cached, prompt_len + 8
+    seq.base, seq.n_cached, seq.extent, seq.ring = base, n_cached, prompt_len + 8, base // 10 + 1
     return seq
 
 
 def _groups(step) -> list[tuple[list, list]]:
-    return [(positions.tolist(), bases.tolist()) for positions, bases in step.groups]
+    """Each group's positions and base slots; its rings are each sequence's (the sliding layers' caches)."""
+    out = []
+    for positions, bases, rings in step.groups:
+        assert rings.tolist() == [b // 10 + 1 for b in bases.tolist()]
+        out.append((positions.tolist(), bases.tolist()))
+    return out
 
 
 def test_decode_tokens_are_one_group_and_each_samples_its_own_row():
