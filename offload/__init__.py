@@ -7,6 +7,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "LLM": "offload.api",
     "SamplingParams": "offload.sampling",
+    "StructuredOutputsParams": "offload.structured",
     "RequestOutput": "offload.api",
     "run_batch": "offload.jobs.run",
     "simulate": "offload.simulate",
@@ -22,4 +23,5 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'offload' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "run_batch", "simulate", "PlanRequest", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "run_batch", "simulate", "PlanRequest",
+           "__version__"]

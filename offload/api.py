@@ -21,7 +21,7 @@ from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.speculation import SpeculationPrice
 from offload.options import DEFAULT_REASONING_PARSER, SpeculativeOptions, default_of
 from offload.profile.timeline import Timeline
-from offload.reasoning import reasoning_start, split_reasoning
+from offload.reasoning import AnswerSplit, answer_split
 from offload.runtime.backends import make_backend, missing_gpu, simulated_gpu_warning
 from offload.runtime.device_quant import set_gpu_crossover
 from offload.runtime.executor import PlacedModel
@@ -33,7 +33,7 @@ from offload.speculative import make_speculator
 from offload.system import memory_limit_bytes
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import load_tokenizer, model_spec, weight_source
-from offload.weights.prompts import encode_chat, encode_text
+from offload.weights.prompts import encode_chat, encode_text, with_reasoning_effort
 
 DEFAULT_MAX_BATCH_SIZE = 32  # sequences in flight when a placement is given and no batch size
 MAX_SEQS = 256  # sequences in flight at most when the planner chose the batch (vLLM's max_num_seqs)
@@ -45,8 +45,9 @@ log = logging.getLogger("offload")
 class CompletionOutput:
     """One completion (sample `index` of the request's n): text, generated token ids, why it ended ('stop' or
     'length'), and each token's logprob with the top ones when SamplingParams.logprobs asked for them. LLM.chat's
-    answer from a model that thinks (its chat template mentions <think>) has its <think> block's text in
-    reasoning_content and the rest in text (the token ids hold both)."""
+    answer from a model that thinks (its chat template mentions <think>, or it is gpt-oss) has its reasoning (the
+    <think> block's text; harmony's analysis channel) in reasoning_content and the rest in text (the token ids hold
+    both)."""
 
     index: int
     text: str
@@ -205,6 +206,8 @@ class LLM:
             self.probe_cpu_speed()
 
     def _eos_ids(self) -> tuple[int, ...]:
+        """The token ids that end an answer: the eos ids of config.json, generation_config.json and the tokenizer,
+        and the family's stop tokens the tokenizer has (gpt-oss's <|return|> and <|call|>)."""
         ids = set(self.spec.eos_token_ids)
         gen_config = self.path / "generation_config.json"
         if gen_config.is_file():
@@ -212,6 +215,9 @@ class LLM:
             ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
         if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
             ids.add(self.tokenizer.eos_token_id)
+        if self.tokenizer is not None and self.spec.family.stop_tokens:
+            vocab = self.tokenizer.get_vocab()
+            ids |= {vocab[token] for token in self.spec.family.stop_tokens if token in vocab}
         return tuple(sorted(ids))
 
     def generate(self, prompts, sampling_params: SamplingParams | list[SamplingParams] | None = None,
@@ -249,16 +255,22 @@ class LLM:
         self._in_use.release()
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
-             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
+             reasoning_effort: str | None = None) -> list[RequestOutput]:
         """Generate replies to conversations (one list of {'role', 'content'} dicts, or a list of them);
-        chat_template_kwargs go to the chat template (such as {'enable_thinking': False} for Qwen3)."""
+        chat_template_kwargs go to the chat template (such as {'enable_thinking': False} for Qwen3), and so does
+        reasoning_effort ('low', 'medium' or 'high': gpt-oss's template reads it)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        ids = [self.apply_chat_template(c, add_generation_prompt, chat_template_kwargs) for c in conversations]
-        outputs = self.generate([{"prompt_token_ids": i} for i in ids], sampling_params)
-        for prompt, output in zip(ids, outputs):
-            start = reasoning_start(self.tokenizer, prompt, DEFAULT_REASONING_PARSER)
-            if start is not None:
-                output.outputs = [_split_thought(sample, start) for sample in output.outputs]
+        kwargs = with_reasoning_effort(chat_template_kwargs, reasoning_effort)
+        ids = [self.apply_chat_template(c, add_generation_prompt, kwargs) for c in conversations]
+        splits = [answer_split(self.tokenizer, i, DEFAULT_REASONING_PARSER, self.spec.family.reasoning_parser)
+                  for i in ids]
+        params = [p if split is None else split.sampling(p)
+                  for split, p in zip(splits, _broadcast(sampling_params, len(ids)))]
+        outputs = self.generate([{"prompt_token_ids": i} for i in ids], params)
+        for split, output in zip(splits, outputs):
+            if split is not None:
+                output.outputs = [_split_answer(sample, split) for sample in output.outputs]
         return outputs
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
@@ -362,9 +374,10 @@ def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
                backend=request.hardware.backend, dtype=request.model.dtype, **room)
 
 
-def _split_thought(sample: CompletionOutput, start: bool) -> CompletionOutput:
-    """A chat answer with its <think> block's text in reasoning_content, out of text."""
-    reasoning, content = split_reasoning(sample.text, start)
+def _split_answer(sample: CompletionOutput, split: AnswerSplit) -> CompletionOutput:
+    """A chat answer with its reasoning (its <think> block's text, harmony's analysis) in reasoning_content, out of
+    text."""
+    reasoning, content = split.split(sample.text)
     return replace(sample, text=content or "", reasoning_content=reasoning)
 
 

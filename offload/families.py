@@ -1,7 +1,8 @@
 """The model families offload runs, one entry each, stating only how a family differs from Llama: its norms (and
 Gemma's `1 + weight`), activation, q/k norms, attention scale and soft-capping, which layers slide and by how much,
-rope variants, embedding scale, biases, fused tensors, and its tensor names in Hugging Face checkpoints and GGUF
-files. The spec (offload/spec.py), the loaders, the planner's unit sizes and the block math read the entry; nothing
+rope variants, embedding scale, biases, fused tensors, its tensor names in Hugging Face checkpoints and GGUF files, and
+how its chat answers read (the reasoning parser that splits them, the tokens that end them). The spec
+(offload/spec.py), the loaders, the planner's unit sizes, the block math and the chat code read the entry; nothing
 else names a family.
 
 Adding a family: an entry in FAMILIES (for GGUF files: the general.architecture llama.cpp's converter writes for it
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 from offload.config_values import count, fix, real
 from offload.errors import ConfigError
+from offload.reasoning import HARMONY_PARSER
 from offload.rope_spec import RopeSpec, rope_from_config
 
 
@@ -67,6 +69,12 @@ class Family:
     # whether YaRN rounds its band's edges to whole dimensions in this family's GGUF files, which cannot say so:
     # llama.cpp always rounds them; gpt-oss's releases (rope_scaling.truncate false) and OpenAI's own code do not
     gguf_yarn_truncate: bool = True
+    # the reasoning parser (offload/reasoning.py) that serve.reasoning_parser auto picks for its chat answers (None:
+    # <think> where the chat template mentions it); gpt-oss answers in harmony's channels
+    reasoning_parser: str | None = None
+    # tokens that end an answer beside the eos ids its files name, where its tokenizer has them: a GGUF file names
+    # one eos id, but a gpt-oss answer ends at <|return|>, or at <|call|> where it calls a tool
+    stop_tokens: tuple[str, ...] = ()
 
 
 # a layer's Hugging Face modules -> their GGUF tensors (blk.N.<name>), as gguf-py's TensorNameMap names Llama's and the
@@ -106,7 +114,8 @@ FAMILIES = (
     # its GGUF files: the experts' gate and up de-interleaved into ffn_gate_exps and ffn_up_exps (gguf_locations)
     Family("gpt_oss", ("gpt_oss",), sinks=True, windows="alternate", moe="gpt_oss", gguf_archs=("gpt-oss",),
            gguf_names=(("post_attention_layernorm", "post_attention_norm"), ("self_attn.sinks", "attn_sinks"),
-                       ("mlp.router", "ffn_gate_inp")), gguf_yarn_truncate=False),
+                       ("mlp.router", "ffn_gate_inp")), gguf_yarn_truncate=False,
+           reasoning_parser=HARMONY_PARSER, stop_tokens=("<|return|>", "<|call|>")),
     Family("qwen2_moe", ("qwen2_moe",), qkv_bias=lambda c: bool(c.get("qkv_bias", True)), o_bias=_never,
            windows="qwen", moe="qwen", gguf_archs=("qwen2moe",)),
     Family("qwen3_moe", ("qwen3_moe",), qk_norm=True, windows="qwen", moe="qwen", gguf_archs=("qwen3moe",)),

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from offload.grammar import Constraints
 from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.model.step import ragged_step
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
@@ -64,11 +65,18 @@ class Generator:
         self.mixed = mixed
         self.between_steps: Callable[[], None] | None = None  # called after each step, outside its timing
         self.speculator: Speculator | None = None  # speculative decoding (offload/speculative.py), when asked for
+        self.constraints = Constraints(tokenizer, model.spec.vocab_size, tuple(sorted(self.eos_ids)))
 
     def step(self, running: list[Sequence], cache, trash_slot: int) -> None:
-        """One forward pass over the weights: schedule the running sequences, run the step, take its logits."""
+        """One forward pass over the weights: schedule the running sequences, run the step (structured outputs'
+        masks filled beside it), take its logits."""
         scheduled = self.schedule(running)
-        self.update(scheduled, self.run_step(scheduled, cache, trash_slot), cache)
+        self.constraints.start(scheduled)
+        try:
+            ran = self.run_step(scheduled, cache, trash_slot)
+        finally:
+            allowed = self.constraints.join()
+        self.update(scheduled, ran, cache, allowed)
 
     def schedule(self, running: list[Sequence]) -> ScheduledStep:
         """The next step: the decode tokens, the drafter's proposals for some of them, the prompt chunks."""
@@ -87,6 +95,8 @@ class Generator:
                 asks.append((seq.prompt_ids + seq.output_ids, n, seq))
                 room -= n
         proposals = self.speculator.propose_many(asks)
+        proposals = [self.constraints.cut(seq, draft) if seq.params.structured_outputs is not None else draft
+                     for (_, _, seq), draft in zip(asks, proposals)]
         return {id(seq): Proposal.chain(draft) for (_, _, seq), draft in zip(asks, proposals) if draft}
 
     def run_step(self, scheduled: ScheduledStep, cache, trash_slot: int) -> StepLogits:
@@ -101,10 +111,14 @@ class Generator:
         rows = list(scheduled.logit_rows)
         return StepLogits(dict(zip(rows, self._logits(hidden, rows))), start, threads)
 
-    def update(self, scheduled: ScheduledStep, ran: StepLogits, cache) -> None:
+    def update(self, scheduled: ScheduledStep, ran: StepLogits, cache,
+               allowed: dict[int, torch.Tensor] | None = None) -> None:
         """Take a step's logits: the prompt chunks are cached, prompt tokens scored, the other samples of an n > 1
         request take the prompt's K and V, the step is counted, then every sampling sequence gains its token and
-        every verified one the proposals it keeps."""
+        every verified one the proposals it keeps. allowed: the structured outputs' masks by id(sequence), as
+        Constraints.join gives them (None: filled now)."""
+        if allowed is None:
+            allowed = self.constraints.fill_now(scheduled)
         for seq, n in scheduled.chunks:
             seq.n_cached += n
         for seq, rows, ids in scheduled.scored:
@@ -115,20 +129,24 @@ class Generator:
             share_prefill(cache, seq, other)
         shape = replace(scheduled.shape, threads=ran.threads)
         elapsed = self._count(scheduled.phase, ran.start_s, len(scheduled.tokens), shape)
-        self._sample_next([seq for seq, _ in scheduled.samples], [ran.by_row[r] for _, r in scheduled.samples])
-        gained = self._verify(scheduled.verified, [[ran.by_row[r] for r in rows] for rows in scheduled.verify_rows])
+        self._sample_next([seq for seq, _ in scheduled.samples], [ran.by_row[r] for _, r in scheduled.samples],
+                          allowed)
+        gained = self._verify(scheduled.verified, [[ran.by_row[r] for r in rows] for rows in scheduled.verify_rows],
+                              allowed)
         if self.speculator is not None and scheduled.phase == "decode":
             self.speculator.observe_step(shape, elapsed, len(scheduled.decode) + gained)
 
-    def _verify(self, verified: tuple[tuple[Sequence, Proposal], ...], checked: list[list[torch.Tensor]]) -> int:
+    def _verify(self, verified: tuple[tuple[Sequence, Proposal], ...], checked: list[list[torch.Tensor]],
+                allowed: dict[int, torch.Tensor]) -> int:
         """Each verified sequence takes the proposals the model agrees with and one token of its own (checked: its
-        rows of logits); the tokens they gained."""
+        rows of logits; allowed: structured outputs' masks); the tokens they gained."""
         if not verified:
             return 0
         before = self.speculator.stats.verified_tokens
         for (seq, proposal), rows in zip(verified, checked):
             self.speculator.verify(rows, list(proposal.tokens), seq.params, seq.generator, seq.prompt_ids,
-                                   seq.output_ids, lambda token, row, seq=seq: self._take(seq, token, row))
+                                   seq.output_ids, lambda token, row, seq=seq: self._take(seq, token, row),
+                                   allowed.get(id(seq)))
         return self.speculator.stats.verified_tokens - before
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
@@ -151,17 +169,28 @@ class Generator:
         """ConfigError if token ids cannot run: empty, not shorter than this run's context, or outside the vocab;
         SamplingError if params name a token outside it (stop_token_ids, logit_bias)."""
         check_prompt_ids(ids, self.context_len, self.model.spec, params)
+        if params is not None and params.structured_outputs is not None:
+            self.constraints.compile(params.structured_outputs)  # SamplingError here, not in a step
 
-    def _sample_next(self, seqs: list[Sequence], logits: list[torch.Tensor]) -> None:
+    def _sample_next(self, seqs: list[Sequence], logits: list[torch.Tensor], allowed: dict[int, torch.Tensor]) -> None:
         for seq, row in zip(seqs, logits):
-            self._take(seq, sample(row, seq.params, seq.generator, seq.prompt_ids, seq.output_ids), row)
+            mask = allowed.get(id(seq))
+            if mask is not None and not len(mask):  # its grammar allows no token of the vocabulary: it ends here
+                seq.finish_reason = "stop"
+                continue
+            self._take(seq, sample(row, seq.params, seq.generator, seq.prompt_ids, seq.output_ids,
+                                   None if mask is None else mask[0]), row)
 
     def _take(self, seq: Sequence, token: int, row: torch.Tensor) -> bool:
-        """Append a token sampled (or kept) from a row of logits; whether the sequence goes on."""
+        """Append a token sampled (or kept) from a row of logits (raw: logprobs are the model's own); whether the
+        sequence goes on. A structured output's grammar advances, and ends the sequence where it took a stop token."""
         if seq.logprobs is not None:
             seq.logprobs += token_logprobs(row[None], [token], seq.params.logprobs)
         seq.output_ids.append(token)
-        self._check_stop(seq, token)
+        if seq.grammar is not None and not self.constraints.accept(seq, token):
+            seq.finish_reason = "stop"
+        else:
+            self._check_stop(seq, token)
         return not seq.finish_reason
 
     def _check_stop(self, seq: Sequence, token: int) -> None:
@@ -206,7 +235,8 @@ class Generator:
 
 
 def share_prefill(cache, seq: Sequence, other: Sequence) -> None:
-    """Copy the K and V of seq's prompt (now in the cache) into other's extent: other's prompt is in the cache."""
+    """Copy the K and V of seq's prompt (now in the cache) into other's extent (a ring layer's: other's ring):
+    other's prompt is in the cache."""
     n = len(seq.prompt_ids)
     for layer in cache:
         ring = layer.ring

@@ -20,6 +20,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
 from offload.errors import ConfigError
 from offload.formats import DTYPES, QUANTIZATIONS
 from offload.hardware import HardwareProfile, parse_size
+from offload.reasoning import HARMONY_PARSER, THINK_PARSERS
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # OpenAI's schema takes any 64-bit seed; torch's manual_seed takes these
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's max_logprobs; OpenAI chat's top_logprobs)
@@ -28,9 +29,10 @@ DEFAULT_PREFILL_CHUNK_TOKENS = 512  # tokens a layer computes at once in prefill
 BACKENDS = ("auto", "cpu", "cuda", "sim")  # auto: CUDA where a GPU is visible, else the CPU; sim: the simulated GPU
 ENGINES = ("local", "ray")
 INPUT_FORMATS = ("openai", "text")
-# a chat answer's <think>...</think> block split off into reasoning_content (offload/reasoning.py): auto where the
-# chat template mentions <think>; qwen3 and deepseek_r1, vLLM's --reasoning-parser names, whatever it says; none: never
-REASONING_PARSERS = ("auto", "qwen3", "deepseek_r1", "none")
+# a chat answer's reasoning split off into reasoning_content (offload/reasoning.py): auto by the model family's parser,
+# else where the chat template mentions <think>; qwen3 and deepseek_r1 (<think>) and openai_gptoss (gpt-oss's harmony
+# channels), vLLM's --reasoning-parser names, whatever the model; none: never
+REASONING_PARSERS = ("auto", *THINK_PARSERS, HARMONY_PARSER, "none")
 DEFAULT_REASONING_PARSER = "auto"  # offload run's batch jobs and LLM.chat split this way too
 
 
@@ -172,6 +174,10 @@ class RequestOptions(Section):
                                     "(vLLM's)", ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: Whole | None = option(None, "the same for each prompt token after the first (OpenAI's echo)",
                                            ge=0, le=MAX_LOGPROBS)
+    structured_outputs: Any | None = option(None, "what the output must match (vLLM's): a StructuredOutputsParams or "
+                                            "a dict with one of json (a schema), regex, choice, grammar (GBNF), "
+                                            "json_object (offload/structured.py; a body's response_format says the "
+                                            "same)")
 
 
 class InputOptions(Section):
@@ -245,11 +251,12 @@ class ServeOptions(Section):
                                     "Batch API limit); past it 413", name="max_upload", cli="serve", unit="bytes",
                                     gt=0)
     reasoning_parser: Literal[REASONING_PARSERS] = option(
-        DEFAULT_REASONING_PARSER, "a chat answer's <think>...</think> block goes to its message's reasoning_content "
-        "(a stream's delta.reasoning_content), out of its content, as vLLM's --reasoning-parser does: auto where the "
-        "model's chat template mentions <think> (Qwen3, QwQ, DeepSeek-R1); qwen3 or deepseek_r1 (vLLM's names, one "
-        "parser here) whatever the template says; none: the block stays in content", name="reasoning_parser",
-        cli="serve")
+        DEFAULT_REASONING_PARSER, "a chat answer's reasoning goes to its message's reasoning_content (a stream's "
+        "delta.reasoning_content), out of its content, as vLLM's --reasoning-parser does: auto is openai_gptoss for "
+        "gpt-oss, else qwen3 where the model's chat template mentions <think> (Qwen3, QwQ, DeepSeek-R1); qwen3 or "
+        "deepseek_r1 (vLLM's names, one parser here): the <think>...</think> block; openai_gptoss: the harmony "
+        "channels (analysis is reasoning, final the content); none: the answer stays whole in content",
+        name="reasoning_parser", cli="serve")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self")  # prompt lookup, a smaller model, the model's own weights

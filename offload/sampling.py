@@ -1,5 +1,5 @@
-"""SamplingParams (vLLM's field names) and the sampler: penalties and logit bias, greedy, temperature, top-k,
-top-p, min-p, seed."""
+"""SamplingParams (vLLM's field names) and the sampler: penalties and logit bias, a structured output's mask
+(offload/grammar.py), greedy, temperature, top-k, top-p, min-p, seed."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from offload.errors import SamplingError, WeightsError
 from offload.option_values import bare_type, value_problem
 from offload.options import MAX_LOGPROBS, MAX_N, RequestOptions, SamplingOptions  # noqa: F401 (MAX_*: re-exported)
+from offload.structured import structured_params
 
 if TYPE_CHECKING:  # torch is imported where a sampler runs, not where parameters are checked (offload validate)
     import torch
@@ -40,7 +41,8 @@ _SamplingFields.__module__ = __name__  # pickle and repr find it here (make_data
 class SamplingParams(_SamplingFields):
     """How to sample one request, by keyword: vLLM's names and defaults (temperature 1.0, max_tokens 16); the fields,
     their types and bounds are offload/options.py's SamplingOptions' (the job's `sampling` section, but its cap) and
-    RequestOptions'. stop may be one string; logit_bias keys may be strings of digits (as JSON gives them)."""
+    RequestOptions'. stop may be one string; logit_bias keys may be strings of digits (as JSON gives them);
+    structured_outputs may be a dict of StructuredOutputsParams' keywords."""
 
     def __post_init__(self):
         for name, kinds, what in (("stop", (str, list, tuple), "strings (or one string)"),
@@ -55,6 +57,7 @@ class SamplingParams(_SamplingFields):
             raise SamplingError(f"invalid sampling parameter: logit_bias: expected a mapping of token ids to biases, "
                                 f"found {self.logit_bias!r}", "logit_bias")
         self.logit_bias = {_token_id(k): v for k, v in (self.logit_bias or {}).items()}
+        self.structured_outputs = structured_params(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:
@@ -146,9 +149,10 @@ def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator, prompt_ids=(),
-           output_ids=()) -> int:
+           output_ids=(), allowed: torch.Tensor | None = None) -> int:
     """Pick the next token id from fp32 logits [V] (penalised for the request's prompt_ids and output_ids so far
-    where its params ask); WeightsError if they are not finite (NaN or inf)."""
+    where its params ask; among the allowed ones [V] bool, a structured output's mask, where given); WeightsError if
+    they are not finite (NaN or inf)."""
     import torch
 
     if not bool(torch.isfinite(logits).all()):
@@ -158,16 +162,31 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     if params.greedy:
         if params.penalized:
             logits = apply_penalties(logits, params, prompt_ids, output_ids)
-        return int(torch.argmax(logits))
-    return int(torch.multinomial(probabilities(logits, params, prompt_ids, output_ids), 1, generator=generator))
+        best = int(torch.argmax(logits))
+        if allowed is None or bool(allowed[best]):  # the first largest is allowed: it is the masked row's argmax too
+            return best
+        return int(torch.argmax(mask_logits(logits, allowed)))
+    return int(torch.multinomial(probabilities(logits, params, prompt_ids, output_ids, allowed), 1,
+                                 generator=generator))
 
 
-def probabilities(logits: torch.Tensor, params: SamplingParams, prompt_ids=(), output_ids=()) -> torch.Tensor:
+def probabilities(logits: torch.Tensor, params: SamplingParams, prompt_ids=(), output_ids=(),
+                  allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution a sampled (not greedy) request draws its next token from, fp32 [V]: penalties and bias,
-    temperature, top-k, top-p and min-p over one row of logits, then softmax."""
+    the structured output's mask (allowed [V] bool, where given), temperature, top-k, top-p and min-p over one row
+    of logits, then softmax."""
     if params.penalized:
         logits = apply_penalties(logits, params, prompt_ids, output_ids)
+    if allowed is not None:
+        logits = mask_logits(logits, allowed)
     return filter_logits(logits.float(), params).softmax(-1)
+
+
+def mask_logits(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """logits [V] with the tokens not allowed ([V] bool) at -inf (torch.where: twice masked_fill's speed here)."""
+    import torch
+
+    return torch.where(allowed, logits, float("-inf"))
 
 
 @dataclass

@@ -177,13 +177,15 @@ class Speculator:
 
     # which to keep ------------------------------------------------------------------------------------------
     def verify(self, rows: list[torch.Tensor], draft: list[int], params: SamplingParams, generator,
-               prompt_ids: list[int], output_ids: list[int], take) -> None:
+               prompt_ids: list[int], output_ids: list[int], take, allowed: torch.Tensor | None = None) -> None:
         """Go through a sequence's k + 1 rows of logits (after its last token and after each proposal): take(token,
-        row) each token kept and the one drawn after them; take returns False once the sequence has ended."""
+        row) each token kept and the one drawn after them; take returns False once the sequence has ended.
+        allowed: a structured output's masks, one a row ([k + 1, V] bool; the proposals were cut to its grammar)."""
         n_kept = n_taken = 0
         for i, row in enumerate(rows):
             proposal = draft[i] if i < len(draft) else None
-            token = self._decide(row, proposal, params, generator, prompt_ids, output_ids)
+            token = self._decide(row, proposal, params, generator, prompt_ids, output_ids,
+                                 None if allowed is None else allowed[i])
             kept = token == proposal
             n_kept, n_taken = n_kept + kept, n_taken + 1
             if not take(token, row) or not kept:
@@ -193,13 +195,14 @@ class Speculator:
         self.stats.verified_passes += 1
         self.stats.verified_tokens += n_taken
 
-    def _decide(self, row, proposal, params, generator, prompt_ids, output_ids) -> int:
-        """The token at this row: the proposal where the rule keeps it, else the model's own draw."""
+    def _decide(self, row, proposal, params, generator, prompt_ids, output_ids, allowed=None) -> int:
+        """The token at this row: the proposal where the rule keeps it, else the model's own draw (among the allowed
+        tokens, where a mask is given)."""
         from offload.sampling import sample
 
         if params.greedy or proposal is None:
-            return sample(row, params, generator, prompt_ids, output_ids)
-        p = probabilities(row, params, prompt_ids, output_ids)
+            return sample(row, params, generator, prompt_ids, output_ids, allowed)
+        p = probabilities(row, params, prompt_ids, output_ids, allowed)
         if float(torch.rand((), generator=generator)) < float(p[proposal]):
             return proposal
         p[proposal] = 0.0  # max(p - q, 0) for q a point mass on the proposal

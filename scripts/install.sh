@@ -15,6 +15,7 @@ if [ "${OFFLOAD_REINSTALL:-0}" != 1 ] && .venv/bin/python scripts/install_stamp.
 fi
 .venv/bin/python scripts/install_stamp.py begin "$stamp"
 .venv/bin/python -m pip install --quiet --upgrade pip
-# torch is pinned to the CPU build; an unpinned torch would pull a multi-GB CUDA build.
+# torch is pinned to the CPU build; an unpinned torch would pull a multi-GB CUDA build. xgrammar (structured outputs)
+# requires torch too: resolved in this one command, it takes the pinned CPU build.
 .venv/bin/python -m pip install --quiet "torch==2.13.0" -e ".[${extra}]"
 .venv/bin/python scripts/install_stamp.py record "$stamp" "$extra"

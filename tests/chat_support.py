@@ -67,16 +67,58 @@ def make_scripted_model(folder: Path, template: str = QWEN3_STYLE) -> Path:
     write_tokenizer(folder, template, think_tokens=True)
     ids = AutoTokenizer.from_pretrained(folder).convert_tokens_to_ids(list(SCRIPT))
     model = make_hf_model("qwen3", vocab_size=BYTE_VOCAB + 2, max_position_embeddings=CONTEXT)
+    return save_hf_model(script(model, ids), folder)
+
+
+def script(model, ids: list[int]):
+    """The model made to say ids' rest after any of them: its layers add nothing to the residual stream (every
+    output projection, and its bias, zero), each token's embedding is a basis vector of its own, and the output
+    matrix maps that vector to the next token's logit."""
+    hidden = model.config.hidden_size
     with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
+        for name, p in model.named_parameters():
+            if ".o_proj." in name or "down_proj" in name:  # attention's output; a dense MLP's or every expert's
+                p.zero_()
         model.model.norm.weight.fill_(1.0)
         model.lm_head.weight.zero_()
         for k, (token, following) in enumerate(zip(ids, ids[1:])):
-            model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(torch.tensor(k), 64).float()
+            model.model.embed_tokens.weight[token] = torch.nn.functional.one_hot(torch.tensor(k), hidden).float()
             model.lm_head.weight[following, k] = 10.0  # its logit 80 (the norm scales a basis vector by 8), others 0
-    return save_hf_model(model, folder)
+    return model
+
+
+# gpt-oss's harmony format as far as its answers go (tests/test_harmony.py): the markers are special tokens, as
+# gpt-oss's are; the template prints reasoning_effort where gpt-oss's does, in its system message
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|message|>", "<|end|>", "<|return|>", "<|call|>")
+HARMONY_STYLE = (
+    "{%- if reasoning_effort is not defined %}{%- set reasoning_effort = 'medium' %}{%- endif %}"
+    "<|start|>system<|message|>Reasoning: {{ reasoning_effort }}<|end|>"
+    "{%- for m in messages %}{{- '<|start|>' + m['role'] + '<|message|>' + m['content'] + '<|end|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start|>assistant' }}{%- endif %}")
+# the answer to a prompt ending `<|start|>assistant` (its last byte: t): an analysis message, then the final one. A
+# scripted model says one token after each, so a token is said once: the second header is one plain token of its own
+# (its text is the same) and "analysis" one too
+FINAL_HEADER = "assistant<|channel|>final<|message|>"
+HARMONY_SCRIPT = ("t", "<|channel|>", "analysis", "<|message|>", "h", "m", "<|end|>", "<|start|>", FINAL_HEADER, "O",
+                  "K", "<|return|>")
+HARMONY_SAID = f"<|channel|>analysis<|message|>{THOUGHT}<|end|><|start|>{FINAL_HEADER}{ANSWER}<|return|>"
+
+
+def make_harmony_model(folder: Path) -> Path:
+    """A 2-layer gpt-oss that says HARMONY_SCRIPT's rest after a prompt ending in one of its tokens, with the byte
+    tokenizer, harmony's markers as special tokens and HARMONY_STYLE."""
+    from transformers import AutoTokenizer
+
+    folder.mkdir(parents=True, exist_ok=True)
+    write_byte_tokenizer(folder, BYTE_VOCAB)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(HARMONY_MARKERS)})
+    tokenizer.add_tokens(["analysis", FINAL_HEADER])
+    tokenizer.chat_template = HARMONY_STYLE
+    tokenizer.save_pretrained(folder)
+    ids = tokenizer.convert_tokens_to_ids(list(HARMONY_SCRIPT))
+    model = make_hf_model("gpt_oss", vocab_size=len(tokenizer), max_position_embeddings=CONTEXT)
+    return save_hf_model(script(model, ids), folder)
 
 
 def with_template(source: Path, folder: Path, template: str) -> Path:

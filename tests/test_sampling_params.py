@@ -15,7 +15,7 @@ from offload.sampling import SamplingParams
 
 VLLM_NAMES = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "stop_token_ids", "ignore_eos",
               "skip_special_tokens", "include_stop_str_in_output", "n", "presence_penalty", "frequency_penalty",
-              "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs")
+              "repetition_penalty", "logit_bias", "logprobs", "prompt_logprobs", "structured_outputs")
 OPTIONS = SamplingOptions.model_fields | RequestOptions.model_fields
 
 

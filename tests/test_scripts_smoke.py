@@ -37,6 +37,7 @@ SMOKE = {
     "bench_ray.py": r"same answers in every run: True",
     "bench_serve.py": r"identical \d+, parting at a near-tie \(top-2 gap < [\d.]+\) \d+, parting at a larger gap 0",
     "bench_spec.py": r"identical \d+, parting at a near-tie \(top-2 gap < [\d.]+\) \d+, parting at a larger gap 0",
+    "bench_structured.py": r"batch \d+: constrained / unconstrained throughput [\d.]+x",
     "bench_triton_dequant.py": r"nothing to measure here|speedup +[\d.]+x",
     "hostile_check.py": r"\d+ of \d+ hostile inputs clean: [\d.]+% \(target 95%\)",
     "install_stamp.py": r"3 of 3 checks as expected",

@@ -117,7 +117,7 @@ def test_ids_stay_in_the_state_folder_and_bad_requests_get_openai_errors(llm, de
         assert client.get(f"/v1/files/{uploaded['id']}/content").content == small
         create = {"input_file_id": uploaded["id"], "endpoint": "/v1/completions", "completion_window": "24h"}
         assert_error(client.post("/v1/batches", json={**create, "endpoint": "/v1/embeddings"}), 400, "endpoint")
-        assert_error(client.post("/v1/batches", json={**create, "completion_window": "1h"}), 400,
+        assert_error(client.post("/v1/batches", json={**create, "completion_window": "1w"}), 400,
                      "completion_window")
         assert_error(client.post("/v1/batches", json={**create, "input_file_id": "../secret"}), 404, None)
     assert sorted(p.name for p in (state / "files").iterdir()) == sorted([uploaded["id"], uploaded["id"] + ".json"])

@@ -13,7 +13,9 @@ from typing import Any
 
 from offload.errors import ConfigError, OffloadError, SamplingError
 from offload.sampling import MAX_LOGPROBS, SamplingParams
-from offload.weights.prompts import check_template_kwargs, check_text, role_problem
+from offload import structured
+from offload.weights.prompts import (check_reasoning_effort, check_template_kwargs, check_text, role_problem,
+                                     with_reasoning_effort)
 
 COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
 URLS = (COMPLETIONS, CHAT)
@@ -29,6 +31,7 @@ PARAM_KEYS = {"max_tokens": "max_tokens", "max_completion_tokens": "max_tokens",
 LOGPROB_KEYS = ("logprobs", "top_logprobs", "echo")  # read by endpoint: see logprob_params
 IGNORED_KEYS = ("model", "user", "stream", "metadata")
 TEMPLATE_KWARGS = "chat_template_kwargs"  # chat: the chat template's variables (vLLM's), such as enable_thinking
+EFFORT = "reasoning_effort"  # chat: low, medium or high, passed to the chat template as that variable (gpt-oss's)
 
 
 @dataclass
@@ -42,7 +45,7 @@ class Request:
     prompt: str | list[int] | None = None
     messages: list[dict] | None = None
     echo: bool = False  # completions: the answer's text (and logprobs) begin with the prompt's
-    chat_template_kwargs: dict | None = None  # chat: passed to the chat template (enable_thinking, ...)
+    chat_template_kwargs: dict | None = None  # chat: passed to the chat template (enable_thinking, reasoning_effort)
 
     @property
     def key(self) -> str:
@@ -140,8 +143,7 @@ def _openai_request(line: str, n: int, defaults: dict, name: str) -> Request | B
     except BodyError as e:
         return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {e}", custom_id)
     if obj["url"] == CHAT:
-        return Request(custom_id, n, CHAT, params, messages=content,
-                       chat_template_kwargs=obj["body"].get(TEMPLATE_KWARGS))
+        return Request(custom_id, n, CHAT, params, messages=content, chat_template_kwargs=template_kwargs(obj["body"]))
     return Request(custom_id, n, COMPLETIONS, params, prompt=content, echo=obj["body"].get("echo") is True)
 
 
@@ -159,7 +161,7 @@ def _check_envelope(obj: dict) -> str | None:
 
 
 def _unsupported(key: str, url: str) -> str:
-    known = sorted([*PARAM_KEYS, *_logprob_keys(url), *IGNORED_KEYS, *_content_keys(url)])
+    known = sorted([*PARAM_KEYS, *_logprob_keys(url), *IGNORED_KEYS, *_content_keys(url), *structured.BODY_KEYS])
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"did you mean {close[0]!r}?" if close else f"supported: {', '.join(known)}"
     return f"body parameter {key!r} is not supported; {hint}"
@@ -174,20 +176,27 @@ def check_body(url: str, body: dict, defaults: dict, many: bool = False) -> tupl
     url, its unset parameters taken from defaults; BodyError names the first field that cannot run. many: a
     completions prompt may be a list of prompts (a server's request), and the prompt returned is always a list."""
     # both endpoints' content keys: the other one's is refused naming its endpoint (_refuse_other_endpoints)
-    known = (*PARAM_KEYS, *IGNORED_KEYS, *_logprob_keys(url), *CONTENT_KEYS.values(), *_content_keys(url))
+    known = (*PARAM_KEYS, *IGNORED_KEYS, *_logprob_keys(url), *CONTENT_KEYS.values(), *_content_keys(url),
+             *structured.BODY_KEYS)
     unknown = [k for k in body if k not in known]
     if unknown:
         raise BodyError(_unsupported(unknown[0], url), unknown[0])
     if url == CHAT:
-        try:
-            check_template_kwargs(body.get(TEMPLATE_KWARGS))
-        except ConfigError as e:
-            raise BodyError(str(e), TEMPLATE_KWARGS) from None
+        for key, check in ((TEMPLATE_KWARGS, check_template_kwargs), (EFFORT, check_reasoning_effort)):
+            try:
+                check(body.get(key))
+            except ConfigError as e:
+                raise BodyError(str(e), key) from None
     return sampling_params(defaults, body, url), _content(url, body, many)
 
 
+def template_kwargs(body: dict) -> dict | None:
+    """The chat template's variables of a checked chat body: its chat_template_kwargs, with its reasoning_effort."""
+    return with_reasoning_effort(body.get(TEMPLATE_KWARGS), body.get(EFFORT))
+
+
 def _content_keys(url: str) -> tuple[str, ...]:
-    return ("messages", TEMPLATE_KWARGS) if url == CHAT else ("prompt",)
+    return ("messages", TEMPLATE_KWARGS, EFFORT) if url == CHAT else ("prompt",)
 
 
 def _logprob_keys(url: str) -> tuple[str, ...]:
@@ -232,7 +241,7 @@ def sampling_params(defaults: dict, body: dict, url: str = COMPLETIONS) -> Sampl
     if cap is not None and _is_whole(values.get("max_tokens")) and values["max_tokens"] > cap:
         values["max_tokens"] = cap
     try:
-        return SamplingParams(**values)
+        return SamplingParams(**values, structured_outputs=structured.from_body(body))
     except SamplingError as e:  # named by its SamplingParams field: the body's key if the body set it
         key = next((k for k, field in PARAM_KEYS.items() if field == e.param and k in body), e.param)
         raise BodyError(str(e) if key == e.param else f"{e} (the body's {key!r})", key) from None

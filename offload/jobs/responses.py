@@ -5,7 +5,7 @@ them is jobs.batch.response_body)."""
 from __future__ import annotations
 
 from offload.jobs.batch import CHAT, response_body, usage  # noqa: F401 (the shapes of one answer)
-from offload.reasoning import split_reasoning
+from offload.reasoning import AnswerSplit
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -47,17 +47,17 @@ def chat_logprobs(tokenizer, logprobs: list) -> dict:
 
 
 def choices(url: str, output, tokenizer, *, echo: bool = False, prompt_text: str | None = None,
-            first_index: int = 0, thought_start: bool | None = None) -> list[dict]:
+            first_index: int = 0, split: AnswerSplit | None = None) -> list[dict]:
     """The choices of a finished request (an offload RequestOutput): one per sample, index first_index + its
     index; for completions with echo, the prompt's text (prompt_text, else the prompt decoded) before each; for chat
-    with thought_start (whether the answer starts inside its <think> block; None: not split), the message's
-    reasoning_content and content as vLLM's reasoning parsers give them."""
+    with a split (None: not split), the message's reasoning_content and content as vLLM's reasoning parsers give
+    them."""
     out = []
     for sample in output.outputs:
         index = first_index + sample.index
         if url == CHAT:
             logprobs = None if sample.logprobs is None else chat_logprobs(tokenizer, sample.logprobs)
-            out.append({"index": index, "message": chat_message(sample.text, thought_start), "logprobs": logprobs,
+            out.append({"index": index, "message": chat_message(sample.text, split), "logprobs": logprobs,
                         "finish_reason": sample.finish_reason})
             continue
         head = _echo_text(output, tokenizer, prompt_text) if echo else ""
@@ -73,11 +73,11 @@ def choices(url: str, output, tokenizer, *, echo: bool = False, prompt_text: str
     return out
 
 
-def chat_message(text: str, thought_start: bool | None) -> dict:
-    """An answer's chat message; split into reasoning_content and content where thought_start is not None."""
-    if thought_start is None:
+def chat_message(text: str, split: AnswerSplit | None) -> dict:
+    """An answer's chat message; split into reasoning_content and content where split is not None."""
+    if split is None:
         return {"role": "assistant", "content": text}
-    reasoning, content = split_reasoning(text, thought_start)
+    reasoning, content = split.split(text)
     return {"role": "assistant", "content": content, "reasoning_content": reasoning}
 
 

@@ -19,7 +19,7 @@ from offload.planner.speculation import PRIOR_ACCEPTANCE, against_measured
 from offload.planner.whatif import what_ifs
 from offload.profile.report import JobCounts, build_report
 from offload.profile.timeline import Timeline
-from offload.reasoning import reasoning_start
+from offload.reasoning import AnswerSplit, answer_split
 from offload.runtime.host_memory import peak_rss_bytes
 from offload.runtime.speedprobe import MachineSpeed, machine_speed, speed_at
 from offload.spec import ModelSpec
@@ -34,7 +34,12 @@ class Prepared:
 
     request: Request
     prompt: dict = field(default_factory=dict)  # {"prompt_token_ids": [...], "prompt": text or None}
-    thought_start: bool | None = None  # a chat answer split into reasoning and content: whether it starts thinking
+    split: AnswerSplit | None = None  # how a chat answer splits into reasoning and content; None: not split
+
+    @property
+    def params(self):
+        """The request's SamplingParams as its answer's split needs them (a harmony answer keeps special tokens)."""
+        return self.request.params if self.split is None else self.split.sampling(self.request.params)
 
 
 @dataclass(frozen=True)
@@ -75,17 +80,20 @@ def prompt_ids(req: Request, tokenizer, path: Path, context_len: int | None = No
     return list(req.prompt), None
 
 
-def thought_start(req: Request, tokenizer, ids: list[int], parser: str = DEFAULT_REASONING_PARSER) -> bool | None:
-    """For a chat request whose answer parser (serve.reasoning_parser's value) splits into reasoning_content and
-    content, whether the answer starts inside its <think> block; None for an answer not split."""
-    return reasoning_start(tokenizer, ids, parser) if req.url == CHAT else None
+def chat_split(req: Request, llm, ids: list[int], parser: str = DEFAULT_REASONING_PARSER) -> AnswerSplit | None:
+    """How llm's answer to a chat request (prompt ids) splits into reasoning_content and content by parser
+    (serve.reasoning_parser's value; auto: the model family's, else <think> where the template mentions it); None for
+    an answer not split."""
+    if req.url != CHAT:
+        return None
+    return answer_split(llm.tokenizer, ids, parser, llm.spec.family.reasoning_parser)
 
 
 def prepare(llm, req: Request) -> Prepared:
     """Token ids of a request's prompt, checked against the model; OffloadError says what is wrong."""
     ids, text = prompt_ids(req, llm.tokenizer, llm.path, llm.generator.context_len)
     llm.generator.check_prompt(ids, req.params)  # the one check, against the context this run's cache holds
-    return Prepared(req, {"prompt_token_ids": ids, "prompt": text}, thought_start(req, llm.tokenizer, ids))
+    return Prepared(req, {"prompt_token_ids": ids, "prompt": text}, chat_split(req, llm, ids))
 
 
 def check_prompts(requests: list[Request], tokenizer, path: Path, spec: ModelSpec,
@@ -120,12 +128,11 @@ def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error
     def on_finish(out) -> None:
         prepared = ready[int(out.request_id)]
         req, counts = prepared.request, responses.usage_of([out])
-        answer = Answer(responses.choices(req.url, out, llm.tokenizer, echo=req.echo,
-                                          thought_start=prepared.thought_start), counts["prompt_tokens"],
-                        counts["completion_tokens"])
+        answer = Answer(responses.choices(req.url, out, llm.tokenizer, echo=req.echo, split=prepared.split),
+                        counts["prompt_tokens"], counts["completion_tokens"])
         on_answer(req, answer)
 
-    llm.generate([p.prompt for p in ready], [p.request.params for p in ready], on_finish=on_finish)
+    llm.generate([p.prompt for p in ready], [p.params for p in ready], on_finish=on_finish)
 
 
 def job_timeline(llm) -> tuple[Timeline, str] | None:

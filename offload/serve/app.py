@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP app of `offload serve` (FastAPI): models, completions and chat completions, plain and
-streamed, health and Prometheus metrics, and the Batch API's routes (batches.py). Requests go to the engine
-thread, which owns the model."""
+streamed, health and Prometheus metrics, the Batch API's routes (batches.py) and vLLM's tokenize and detokenize
+(tokens.py). Requests go to the engine thread, which owns the model."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from offload.serve import protocol
 from offload.serve.batches import Batches, add_batch_routes
 from offload.serve.engine_thread import EngineThread
 from offload.serve.protocol import ApiError, Job, sse
+from offload.serve.tokens import add_token_routes
 
 RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait: slots free as requests finish
 
@@ -39,7 +40,7 @@ class Server:
         self.llm, self.model_name, self.defaults, self.api_key = llm, model_name, defaults or {}, api_key
         self.reasoning_parser = reasoning_parser
         self.created = int(time.time())
-        self.engine_thread = EngineThread(llm, max_waiting=max_waiting)
+        self.engine_thread = EngineThread(llm, max_waiting=max_waiting, model_name=model_name)
         # requests are tokenized here, one at a time, off the event loop: a long prompt (seconds) must not stop the
         # server answering the others and /health
         self.preparer = ThreadPoolExecutor(1, thread_name_prefix="offload-prepare")
@@ -102,6 +103,7 @@ def make_app(server: Server) -> FastAPI:
         return await _answer(server, request, CHAT)
 
     add_batch_routes(app, server, auth)
+    add_token_routes(app, server, auth)
     return app
 
 

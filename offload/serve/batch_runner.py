@@ -1,8 +1,9 @@
 """One batch running on the served model: a thread reads its input (the job engine's read_requests), resumes its
 output log (the job engine's OutputLog: a record flushed per answer, so a killed server loses only what was in
 flight, and a resume skips every custom_id already answered), and feeds its requests to the engine thread as
-background sequences, a bounded number at a time, behind every interactive request. Each answer or failure is
-written once, by this thread, in the job engine's record shapes."""
+background sequences, a bounded number at a time, behind every interactive request, until each is answered or
+the batch's completion window ends (then what is in flight is aborted and the batch expires). Each answer or
+failure is written once, by this thread, in the job engine's record shapes."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from offload.errors import ConfigError, OffloadError, OutputError
 from offload.jobs import responses
 from offload.jobs.batch import BadLine, Request, error_record, read_requests, success_record
 from offload.jobs.output import OutputLog
-from offload.jobs.worker import prompt_ids, request_problem, thought_start
+from offload.jobs.worker import chat_split, prompt_ids, request_problem
+from offload.reasoning import AnswerSplit
 from offload.serve.engine_thread import Update
 from offload.serve.protocol import ApiError
 
@@ -27,7 +29,7 @@ logger = logging.getLogger("offload")
 # the next step, and a 50,000-line batch never waits in the engine at once.
 QUEUED_PER_SLOT = 2
 LOG_NAME = "log.jsonl"  # the batch's output log, in its folder
-POLL_S = 0.2  # how often a runner waiting for answers looks at its cancel and stop flags
+POLL_S = 0.2  # how often a runner waiting for answers looks at its cancel and stop flags and the clock
 
 
 class BatchRunner:
@@ -41,8 +43,9 @@ class BatchRunner:
         self.server, self.batches = server, batches
         self.n_total = self.n_completed = self.n_failed = 0
         self._started = False  # counts are the job's once its log is read
+        self._expired = False  # its window ended with requests unanswered
         self._answers: queue.Queue[tuple[str, Update]] = queue.Queue()
-        self._in_flight: dict[str, tuple[Request, Sequence, bool | None]] = {}  # with its thought_start
+        self._in_flight: dict[str, tuple[Request, Sequence, AnswerSplit | None]] = {}  # with its answer's split
         self._cancel, self._stop = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"offload-{self.batch_id}", daemon=True)
 
@@ -94,11 +97,12 @@ class BatchRunner:
             logger.error(f"batch {self.batch_id} stopped partway ({why})")
             self._abort_in_flight()
             log.close()
-            self.batches.finalize(self.batch_id, cancelled=False, failure=why, items=[*bad, *requests])
+            self.batches.finalize(self.batch_id, "failed", failure=why, items=[*bad, *requests])
             return
         log.close()
         if not self._stop.is_set():
-            self.batches.finalize(self.batch_id, cancelled=self._cancel.is_set())
+            status = "cancelled" if self._cancel.is_set() else "expired" if self._expired else "completed"
+            self.batches.finalize(self.batch_id, status, items=[*bad, *requests] if self._expired else ())
 
     def _read(self) -> tuple[list[Request], list[BadLine]]:
         """The batch's requests; a line for another endpoint than the batch's is a failed line."""
@@ -122,7 +126,8 @@ class BatchRunner:
                 **{f"sampling.{k}": v for k, v in sorted(self.server.defaults.items())}}
 
     def _answer(self, log: OutputLog, done: set[str], requests: list[Request], bad: list[BadLine]) -> None:
-        """Write the bad lines, then feed the requests not yet answered and write each answer as it comes."""
+        """Write the bad lines, then feed the requests not yet answered and write each answer as it comes, until
+        none is left, the batch is cancelled or the server stops, or the batch's window ends."""
         self.n_total, self.n_completed, self._started = len(requests) + len(bad), len(done), True
         self.batches.started(self.batch_id, self.counts())
         for item in bad:
@@ -132,6 +137,10 @@ class BatchRunner:
         window = QUEUED_PER_SLOT * self.server.llm.generator.max_batch_size
         while not self._stop.is_set():
             if self._cancel.is_set():
+                self._abort_in_flight()
+                break
+            if (todo or self._in_flight) and self.batches.past_window(self.batch_id):
+                self._expired = True
                 self._abort_in_flight()
                 break
             while todo and len(self._in_flight) < window and not self._cancel.is_set():
@@ -151,21 +160,22 @@ class BatchRunner:
         try:
             ids, _ = prompt_ids(req, llm.tokenizer, llm.path)
             llm.generator.check_prompt(ids, req.params)
-            seq = Sequence(request_id, ids, req.params)
-            self._in_flight[request_id] = (req, seq, thought_start(req, llm.tokenizer, ids,
-                                                                   self.server.reasoning_parser))
+            split = chat_split(req, llm, ids, self.server.reasoning_parser)
+            seq = Sequence(request_id, ids, req.params if split is None else split.sampling(req.params))
+            self._in_flight[request_id] = (req, seq, split)
             self.server.engine_thread.submit_background(seq, lambda update: self._answers.put((request_id, update)))
         except OffloadError as e:
             self._in_flight.pop(request_id, None)
             self._write(log, error_record(req, request_problem(req, e)))
 
-    def _write_answer(self, log: OutputLog, req: Request, seq: Sequence, start: bool | None, update: Update) -> None:
+    def _write_answer(self, log: OutputLog, req: Request, seq: Sequence, split: AnswerSplit | None,
+                      update: Update) -> None:
         if update.error:
             self._write(log, error_record(req, request_problem(req, update.error), "server_error"))
             return
         llm = self.server.llm
         output = llm.output_of(seq, req.prompt if isinstance(req.prompt, str) else None)
-        choices = responses.choices(req.url, output, llm.tokenizer, echo=req.echo, thought_start=start)
+        choices = responses.choices(req.url, output, llm.tokenizer, echo=req.echo, split=split)
         self._write(log, success_record(req, choices, update.n_prompt, update.n_completion, self.server.model_name))
 
     def _write(self, log: OutputLog, record: dict) -> None:

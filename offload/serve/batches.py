@@ -1,5 +1,5 @@
-"""OpenAI's Batch API on `offload serve`: files (upload, object, content) and batches (create, retrieve, list,
-cancel). Each batch is a job in the state folder:
+"""OpenAI's Batch API on `offload serve`: files (upload, list, object, content, delete) and batches (create,
+retrieve, list, cancel). Each batch is a job in the state folder:
 
     <state_dir>/files/<file id>, <file id>.json         uploads, and each batch's output and error files
     <state_dir>/batches/<batch id>/batch.json            the batch object (written whole, atomically)
@@ -8,7 +8,9 @@ cancel). Each batch is a job in the state folder:
 
 A batch runs on the served model (batch_runner.py) behind interactive requests; at startup every batch not in a
 final state resumes, skipping what its output log already answers. When it ends, the log is split into OpenAI's
-output file (answers) and error file (failed lines)."""
+output file (answers) and error file (failed lines). A batch still running when its completion window ends stops:
+expired, with its answers in its output file and each request it did not answer in its error file (OpenAI's
+batch_expired); a server that was down then expires it as it resumes."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import shutil
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse
@@ -35,7 +38,11 @@ from offload.serve.protocol import ApiError, read_json
 logger = logging.getLogger("offload")
 
 BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
-COMPLETION_WINDOWS = ("24h",)  # OpenAI's only one; the server answers as fast as it can whatever is asked
+# a completion_window: OpenAI's "24h", or another whole number of seconds, minutes, hours or days ("30m", "7d")
+COMPLETION_WINDOW = re.compile(r"([1-9][0-9]{0,5})([smhd])")
+WINDOW_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+EXPIRED = "batch_expired"  # OpenAI's error code of a request whose batch's window ended before it was answered
+FILES_LIMIT_MAX = 10_000  # GET /v1/files?limit= (OpenAI's bound and default)
 FINAL = ("completed", "failed", "cancelled", "expired")
 LIST_LIMIT_MAX, LIST_LIMIT_DEFAULT = 100, 20  # GET /v1/batches?limit= (OpenAI's bounds)
 METADATA_MAX_KEYS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512  # OpenAI's
@@ -45,12 +52,15 @@ NOT_RUN = "batch_failed"  # the error code of a request a failed batch did not r
 class Batches:
     """The batches of one state folder: their objects (cached, written through) and the runners of live ones."""
 
-    def __init__(self, state_dir: Path, server):
+    def __init__(self, state_dir: Path, server, clock: Callable[[], float] = time.time):
+        """clock: the time in seconds since the epoch that stamps the batches and ends their windows (tests pass
+        their own)."""
         self.folder = state_dir / "batches"
         self.folder.mkdir(parents=True, exist_ok=True)
         self.files = FileStore(state_dir / "files")
-        self.server = server
+        self.server, self.clock = server, clock
         self._lock = threading.Lock()  # the objects and their files
+        self._inputs = threading.Lock()  # a file is not deleted between a batch's check of it and its own copy
         self._ending = threading.Lock()  # one finalize at a time: a cancel may race a runner's own end
         self._objects: dict[str, dict] = {}
         self._runners: dict[str, BatchRunner] = {}
@@ -65,7 +75,7 @@ class Batches:
         """Start (again) every batch not in a final state: at server start, once the engine thread runs."""
         for batch_id, obj in sorted(self._objects.items(), key=lambda item: item[1]["created_at"]):
             if obj["status"] == "cancelling":
-                self.finalize(batch_id, cancelled=True)
+                self.finalize(batch_id, "cancelled")
             elif obj["status"] not in FINAL:
                 logger.info(f"resuming batch {batch_id} ({obj['status']})")
                 self._start(obj)
@@ -83,28 +93,31 @@ class Batches:
         if endpoint not in URLS:
             raise ApiError(400, f"expected 'endpoint' to be one of {', '.join(URLS)} (what this server answers), "
                                 f"found {endpoint!r}", "endpoint")
-        if window not in COMPLETION_WINDOWS:
-            raise ApiError(400, f"expected 'completion_window' to be {', '.join(COMPLETION_WINDOWS)}, found "
-                                f"{window!r}", "completion_window")
-        metadata = _check_metadata(body.get("metadata"))
-        source = self.files.info(body.get("input_file_id"))
-        if source["purpose"] != "batch":
-            raise ApiError(400, f"the file {source['id']} has purpose {source['purpose']!r}; a batch's input must be "
-                                f"uploaded with purpose 'batch'", "input_file_id")
-        batch_id, now = f"batch_{secrets.token_hex(12)}", int(time.time())
+        window_s, metadata = completion_window_s(window), _check_metadata(body.get("metadata"))
+        with self._inputs:
+            source = self.files.info(body.get("input_file_id"))
+            if source["purpose"] != "batch":
+                raise ApiError(400, f"the file {source['id']} has purpose {source['purpose']!r}; a batch's input "
+                                    f"must be uploaded with purpose 'batch'", "input_file_id")
+            obj = self._new_batch(endpoint, window, window_s, source["id"], metadata)
+        self._start(obj)
+        return self.get(obj["id"])
+
+    def _new_batch(self, endpoint: str, window: str, window_s: int, input_file_id: str, metadata) -> dict:
+        """The folder, input copy and object of a new batch, saved."""
+        batch_id, now = f"batch_{secrets.token_hex(12)}", self._now()
         folder = self.folder / batch_id
         folder.mkdir()
-        _copy(self.files.content_path(source["id"]), folder / "input.jsonl")
+        _copy(self.files.content_path(input_file_id), folder / "input.jsonl")
         obj = {"id": batch_id, "object": "batch", "endpoint": endpoint, "errors": None,
-               "input_file_id": source["id"], "completion_window": window, "status": "validating",
+               "input_file_id": input_file_id, "completion_window": window, "status": "validating",
                "output_file_id": None, "error_file_id": None, "created_at": now, "in_progress_at": None,
-               "expires_at": now + 24 * 3600, "finalizing_at": None, "completed_at": None, "failed_at": None,
+               "expires_at": now + window_s, "finalizing_at": None, "completed_at": None, "failed_at": None,
                "expired_at": None, "cancelling_at": None, "cancelled_at": None,
                "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata,
                "model": self.server.model_name}
         self._save(obj)
-        self._start(obj)
-        return self.get(batch_id)
+        return obj
 
     def get(self, batch_id: str) -> dict:
         """The batch object, its counts read from its running job where it runs; ApiError 404 if unknown."""
@@ -133,47 +146,65 @@ class Batches:
             if obj["status"] == "cancelled" or obj["status"] == "cancelling":
                 return obj
             raise ApiError(409, f"batch {batch_id} is {obj['status']} and cannot be cancelled", code="batch_ended")
-        self._update(batch_id, status="cancelling", cancelling_at=int(time.time()))
+        self._update(batch_id, status="cancelling", cancelling_at=self._now())
         runner = self._runners.get(batch_id)
         if runner is not None and runner.alive:
             runner.cancel()
         else:
-            self.finalize(batch_id, cancelled=True)
+            self.finalize(batch_id, "cancelled")
         return self.get(batch_id)
 
-    # --- what runners report -----------------------------------------------------------------------------------
+    def delete_file(self, file_id: str) -> dict:
+        """DELETE /v1/files/{id}: gone, unless a batch that has not ended reads it (409)."""
+        with self._inputs, self._lock:
+            reader = next((o for o in self._objects.values()
+                           if o["input_file_id"] == file_id and o["status"] not in FINAL), None)
+            if reader is not None:
+                raise ApiError(409, f"the file {file_id} is the input of batch {reader['id']}, which is "
+                                    f"{reader['status']}; cancel the batch or let it end, then delete the file",
+                               code="file_in_use")
+            self.files.delete(file_id)
+        return {"id": file_id, "object": "file", "deleted": True}
+
+    # --- what runners report and ask -----------------------------------------------------------------------------
+
+    def past_window(self, batch_id: str) -> bool:
+        """Whether the batch's completion window has ended (by the clock)."""
+        return self.clock() >= self._objects[batch_id]["expires_at"]
 
     def started(self, batch_id: str, counts: dict) -> None:
         obj = self._objects[batch_id]
         if obj["status"] == "validating":
-            self._update(batch_id, status="in_progress", in_progress_at=int(time.time()), request_counts=counts)
+            self._update(batch_id, status="in_progress", in_progress_at=self._now(), request_counts=counts)
         else:
             self._update(batch_id, request_counts=counts)
 
     def fail(self, batch_id: str, message: str) -> None:
         """The batch cannot run (its input, or a resume under another model): failed, with the reason."""
         logger.error(f"batch {batch_id} failed: {message}")
-        self._update(batch_id, status="failed", failed_at=int(time.time()),
+        self._update(batch_id, status="failed", failed_at=self._now(),
                      errors={"object": "list", "data": [{"code": "invalid_batch", "message": message,
                                                          "param": None, "line": None}]})
 
-    def finalize(self, batch_id: str, cancelled: bool, failure: str | None = None, items: list = ()) -> None:
+    def finalize(self, batch_id: str, status: str, failure: str | None = None, items: list = ()) -> None:
         """Split the output log into the output file (answers) and the error file (failed lines), count them,
-        and end the batch: completed, cancelled with what was answered before, or failed (failure: why it stopped
-        partway) with what was answered and, in the error file, each of items (its requests) not answered. Where
-        those files cannot be written (a full disk), the batch is left as it stands, to resume at the next start."""
+        and end the batch with status: completed; cancelled, with what was answered before; failed (failure: why it
+        stopped partway) or expired (its window ended), with what was answered and, in the error file, each of
+        items (its requests) not answered. Where those files cannot be written (a full disk), the batch is left as
+        it stands, to resume at the next start."""
         with self._ending:
-            if self._objects[batch_id]["status"] in FINAL:
+            obj = self._objects[batch_id]
+            if obj["status"] in FINAL:
                 return
-            if not cancelled and failure is None:
-                self._update(batch_id, status="finalizing", finalizing_at=int(time.time()))
+            if status == "completed":
+                self._update(batch_id, status="finalizing", finalizing_at=self._now())
             try:
-                counts = self._split(batch_id, items, failure)
+                counts = self._split(batch_id, items, *_not_run(status, failure, obj["completion_window"]))
                 ids = self._adopt_outputs(batch_id)
                 not_run = counts.pop("not_run")
                 counts["failed"] += not_run
-                counts["total"] = max(self._objects[batch_id]["request_counts"]["total"], sum(counts.values()))
-                self._update(batch_id, **ids, **_ending_fields(cancelled, failure, counts, not_run),
+                counts["total"] = max(obj["request_counts"]["total"], sum(counts.values()))
+                self._update(batch_id, **ids, **_ending_fields(status, self._now(), failure, counts, not_run),
                              request_counts=counts)
             except OSError as e:
                 self._remove_outputs(batch_id)
@@ -188,10 +219,10 @@ class Batches:
         self._runners[obj["id"]] = runner
         runner.start()
 
-    def _split(self, batch_id: str, items: list = (), failure: str | None = None) -> dict:
+    def _split(self, batch_id: str, items: list, code: str, message: str) -> dict:
         """The output log's whole records into output.jsonl (answers) and error.jsonl (failed lines) beside it,
-        line by line, then an error line for each of items the log does not hold (a batch that failed partway);
-        how many went to each."""
+        line by line, then an error line (code, message) for each of items the log does not hold (a batch that
+        failed partway or expired); how many went to each."""
         folder, counts, seen = self.folder / batch_id, {"completed": 0, "failed": 0, "not_run": 0}, set()
         log = folder / LOG_NAME
         if not log.exists():
@@ -207,8 +238,7 @@ class Batches:
                 (ok if answered else failed).write(line)
                 counts["completed" if answered else "failed"] += 1
             for item in (i for i in items if i.key not in seen):
-                message = f"not run: the batch stopped ({failure}); send this request again"
-                failed.write((json.dumps(error_record(item, message, NOT_RUN), ensure_ascii=False) + "\n").encode())
+                failed.write((json.dumps(error_record(item, message, code), ensure_ascii=False) + "\n").encode())
                 counts["not_run"] += 1
         return counts
 
@@ -227,6 +257,9 @@ class Batches:
         for kind in ("output", "error"):
             (self.folder / batch_id / f"{kind}.jsonl").unlink(missing_ok=True)
 
+    def _now(self) -> int:
+        return int(self.clock())
+
     def _update(self, batch_id: str, **fields) -> None:
         with self._lock:
             obj = {**self._objects[batch_id], **fields}
@@ -239,16 +272,33 @@ class Batches:
             self._objects[obj["id"]] = obj
 
 
-def _ending_fields(cancelled: bool, failure: str | None, counts: dict, not_run: int) -> dict:
-    """The fields a batch ends with: completed, cancelled, or failed partway, saying where its requests are."""
-    now = int(time.time())
-    if failure is None:
-        return {"status": "cancelled", "cancelled_at": now} if cancelled else {"status": "completed", "completed_at": now}
+def _not_run(status: str, failure: str | None, window: str) -> tuple[str, str]:
+    """The error code and message of a request a batch that ended with status did not answer."""
+    if status == "expired":
+        return EXPIRED, (f"not run: the batch's completion window ({window}) ended before this request was answered; "
+                         f"send it again in a new batch")
+    return NOT_RUN, f"not run: the batch stopped ({failure}); send this request again"
+
+
+def _ending_fields(status: str, now: int, failure: str | None, counts: dict, not_run: int) -> dict:
+    """The fields a batch ends with: completed, cancelled, expired, or failed partway, saying where its requests
+    are."""
+    if status != "failed":
+        return {"status": status, f"{status}_at": now}
     message = (f"the batch stopped partway ({failure}): its {counts['completed']} answers are in its output file, "
                f"and its error file holds its {counts['failed'] - not_run} failed lines and the {not_run} requests "
                f"it did not run (code {NOT_RUN!r}): send those again")
     return {"status": "failed", "failed_at": now, "errors": {"object": "list", "data": [
         {"code": NOT_RUN, "message": message, "param": None, "line": None}]}}
+
+
+def completion_window_s(window) -> int:
+    """The seconds of a completion_window ("24h"); ApiError 400 for anything but a whole number and a unit."""
+    match = COMPLETION_WINDOW.fullmatch(window) if isinstance(window, str) else None
+    if match is None:
+        raise ApiError(400, f"expected 'completion_window' to be a duration such as '24h' (OpenAI's), '90m' or '7d' "
+                            f"(a whole number and s, m, h or d), found {window!r:.80}", "completion_window")
+    return int(match[1]) * WINDOW_UNIT_S[match[2]]
 
 
 def _copy(source: Path, target: Path) -> None:
@@ -285,9 +335,22 @@ def add_batch_routes(app: FastAPI, server, auth: list) -> None:
     async def create_file(request: Request):
         return await files.upload(request, batches().files, server.max_upload_bytes)
 
+    @app.get("/v1/files", dependencies=auth)
+    async def list_files(purpose: str | None = None, after: str | None = None, limit: int = FILES_LIMIT_MAX,
+                         order: str = "desc"):
+        if not 1 <= limit <= FILES_LIMIT_MAX:
+            raise ApiError(400, f"expected 'limit' from 1 to {FILES_LIMIT_MAX}, found {limit}", "limit")
+        if order not in ("asc", "desc"):
+            raise ApiError(400, f"expected 'order' to be asc or desc (by created_at), found {order!r:.80}", "order")
+        return batches().files.page(purpose, after, limit, newest_first=order == "desc")
+
     @app.get("/v1/files/{file_id}", dependencies=auth)
     async def retrieve_file(file_id: str):
         return batches().files.info(file_id)
+
+    @app.delete("/v1/files/{file_id}", dependencies=auth)
+    async def delete_file(file_id: str):
+        return batches().delete_file(file_id)
 
     @app.get("/v1/files/{file_id}/content", dependencies=auth)
     async def file_content(file_id: str):

@@ -81,10 +81,10 @@ class Stream:
 class EngineThread:
     """Owns an LLM's generation loop for the server's life: submit and abort from the event loop, steps here."""
 
-    def __init__(self, llm, *, max_waiting: int):
+    def __init__(self, llm, *, max_waiting: int, model_name: str):
         self.llm = llm
         self.engine = Engine(llm.generator, max_waiting=max_waiting)
-        self.metrics = ServeMetrics(self.engine)
+        self.metrics = ServeMetrics(self.engine, model_name, llm.generator.context_len)
         self._streams: dict[str, Stream] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -145,7 +145,7 @@ class EngineThread:
             stream = self._streams.pop(request_id, None)
         if stream is not None:
             self.engine.abort(request_id)
-            self.metrics.on_finish(ABORT, len(stream.seq.prompt_ids))
+            self._count_finish(stream, ABORT)
 
     def _run(self) -> None:
         try:
@@ -187,9 +187,9 @@ class EngineThread:
                 stream = self._streams.pop(seq.request_id, None)
             if stream is None or seq.finish_reason == ABORT:  # aborted: its client is gone
                 continue
+            self._count_finish(stream, seq.finish_reason)  # before its answer: a scrape after the answer counts it
             stream.post(Update(done=True, n_prompt=len(seq.prompt_ids),
                                n_completion=sum(len(s.output_ids) for s in seq.group)))
-            self.metrics.on_finish(seq.finish_reason, len(seq.prompt_ids))
 
     def _stream_tokens(self, stream: Stream, seq: Sequence, tokens: list[int]) -> None:
         """Hand on a sample's new text (less the tail a stop string may still claim; at its end, the rest of its
@@ -221,6 +221,11 @@ class EngineThread:
                 del self._streams[stream.seq.request_id]
         for stream in failed:
             self.engine.abort(stream.seq.request_id)
+            self._count_finish(stream, ERROR)
             stream.post(Update(error=f"generation failed ({type(error).__name__}: {error}); the request was "
                                      f"dropped: send it again, or report the error"))
-            self.metrics.on_finish(ERROR, len(stream.seq.prompt_ids))
+
+    def _count_finish(self, stream: Stream, finish_reason: str) -> None:
+        seq = stream.seq
+        self.metrics.on_finish(finish_reason, len(seq.prompt_ids), sum(len(s.output_ids) for s in seq.group),
+                               time.perf_counter() - stream.arrived_s)

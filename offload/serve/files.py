@@ -1,7 +1,8 @@
 """The Batch API's file store in the server's state folder: `files/<id>` holds a file's bytes and `files/<id>.json`
-its OpenAI file object (id, bytes, created_at, filename, purpose). Ids are made here (`file-` and 24 hex digits)
-and any id a client sends is matched against that pattern before a path is built from it, so no id reaches
-outside the folder. Uploads are read as they arrive and refused (413) once past the server's limit."""
+its OpenAI file object (id, bytes, created_at, filename, purpose); a file is there while its object is (written
+after its bytes, removed before them; bytes without an object are swept at start). Ids are made here (`file-` and
+24 hex digits) and any id a client sends is matched against that pattern before a path is built from it, so no id
+reaches outside the folder. Uploads are read as they arrive and refused (413) once past the server's limit."""
 
 from __future__ import annotations
 
@@ -55,6 +56,15 @@ class FileStore:
     def __init__(self, folder: Path):
         self.folder = folder
         folder.mkdir(parents=True, exist_ok=True)
+        self._sweep()
+
+    def _sweep(self) -> None:
+        """Remove what a server killed mid-write left: temporary files, and bytes whose object was never written
+        (an upload never answered, a batch output its batch writes again as it resumes) or was deleted."""
+        for path in self.folder.iterdir():
+            if (path.name.startswith(".") and path.name.endswith(".tmp")) or \
+                    (FILE_ID.fullmatch(path.name) and not path.with_name(f"{path.name}.json").exists()):
+                path.unlink(missing_ok=True)
 
     def info(self, file_id: str) -> dict:
         """The file object of an id; ApiError 404 for an id that is malformed or not stored."""
@@ -63,6 +73,30 @@ class FileStore:
             return json.loads(meta.read_text())
         except (OSError, ValueError):
             raise _no_such_file(file_id) from None
+
+    def page(self, purpose: str | None, after: str | None, limit: int, newest_first: bool = True) -> dict:
+        """GET /v1/files: the file objects (of one purpose, if given) by created_at, limit of them after the id
+        `after`, in OpenAI's list shape."""
+        objs = []
+        for meta in self.folder.glob("file-*.json"):
+            with contextlib.suppress(OSError, ValueError):  # deleted as it was listed
+                objs.append(json.loads(meta.read_text()))
+        objs = sorted((o for o in objs if purpose is None or o["purpose"] == purpose),
+                      key=lambda o: (o["created_at"], o["id"]), reverse=newest_first)
+        ids = [o["id"] for o in objs]
+        start = ids.index(after) + 1 if after in ids else 0
+        data = objs[start: start + limit]
+        return {"object": "list", "data": data, "first_id": data[0]["id"] if data else None,
+                "last_id": data[-1]["id"] if data else None, "has_more": start + limit < len(objs)}
+
+    def delete(self, file_id: str) -> None:
+        """Remove a file: its object first (from then on it is gone, to a reader and to a restart), then its bytes;
+        ApiError 404 for an id that is malformed or not stored."""
+        try:
+            self._meta_path(file_id).unlink()
+        except FileNotFoundError:
+            raise _no_such_file(file_id) from None
+        (self.folder / file_id).unlink(missing_ok=True)
 
     def content_path(self, file_id: str) -> Path:
         self.info(file_id)

@@ -1,10 +1,12 @@
 """The server's Prometheus metrics: requests running and waiting, KV slots used, tokens, time to first token and
-inter-token latency, and each resource's busy share per phase (the report's, kept as running totals)."""
+inter-token latency, and each resource's busy share per phase (the report's, kept as running totals); and the same
+measurements under vLLM's names (vllm_metrics.py)."""
 
 from __future__ import annotations
 
 from offload.planner.types import PHASES
 from offload.profile.timeline import RESOURCES, Timeline
+from offload.serve.vllm_metrics import VllmMetrics
 
 # Offloaded models answer in milliseconds on a GPU and in seconds when weights stream from RAM or disk.
 TTFT_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
@@ -14,7 +16,9 @@ ITL_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40
 class ServeMetrics:
     """One registry per server (tests build several in one process); the engine thread records into it."""
 
-    def __init__(self, engine):
+    def __init__(self, engine, model_name: str, max_model_len: int):
+        """engine: what the gauges read; model_name: the served name vLLM's series carry; max_model_len: the
+        context, the top of vLLM's token-count buckets."""
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
         self.registry = r = CollectorRegistry()
@@ -41,21 +45,27 @@ class ServeMetrics:
                            "(the report's busy share)", ["resource", "phase"], registry=r)
         self._busy_s = {(res, ph): 0.0 for res in RESOURCES for ph in PHASES}
         self._phase_s = dict.fromkeys(PHASES, 0.0)
+        self.vllm = VllmMetrics(r, engine, model_name, max_model_len)
 
     def on_tokens(self, n_tokens: int, since_s: float, first: bool, per_sample: int | None = None) -> None:
         """n_tokens new tokens of one request (per_sample of them each of its samples: n_tokens if one), since_s
         after its arrival (first) or its previous tokens."""
-        self.generated_tokens.inc(n_tokens)
         per_sample = per_sample or n_tokens
+        for counter in (self.generated_tokens, self.vllm.generation_tokens):
+            counter.inc(n_tokens)
         if first:
-            self.ttft.observe(since_s)
+            histograms, observed = (self.ttft, self.vllm.ttft), [since_s]
         else:
-            for _ in range(per_sample):
-                self.itl.observe(since_s / per_sample)
+            histograms, observed = (self.itl, self.vllm.itl), [since_s / per_sample] * per_sample
+        for histogram in histograms:
+            for value_s in observed:
+                histogram.observe(value_s)
 
-    def on_finish(self, finish_reason: str, n_prompt: int) -> None:
+    def on_finish(self, finish_reason: str, n_prompt: int, n_generated: int, e2e_s: float) -> None:
+        """A request left the engine: why, its prompt and generated tokens (all samples), seconds since it arrived."""
         self.finished.labels(finish_reason).inc()
         self.prompt_tokens.inc(n_prompt)
+        self.vllm.on_finish(finish_reason, n_prompt, n_generated, e2e_s)
 
     def on_step(self, timeline: Timeline | None) -> None:
         """Move what the model's timeline recorded since the last step into the busy counters (and clear it)."""

@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 from offload.sequence import Sequence
 from offload.errors import OffloadError
 from offload.jobs import responses
-from offload.jobs.batch import CHAT, TEMPLATE_KWARGS, BodyError, Request, check_body
-from offload.jobs.worker import prompt_ids, thought_start
+from offload.jobs.batch import CHAT, BodyError, Request, check_body, template_kwargs
+from offload.jobs.worker import chat_split, prompt_ids
 from offload.options import DEFAULT_REASONING_PARSER
-from offload.reasoning import ThoughtSplitter
+from offload.reasoning import AnswerSplit, HarmonySplitter, ThoughtSplitter
 
 SERVE_KEYS = ("stream_options",)  # body keys only a server reads (a batch job ignores 'stream')
 
@@ -61,9 +61,9 @@ class Job:
     include_usage: bool = False
     echo: bool = False
     tokenizer: object = field(default=None, repr=False)  # the model's: logprobs name their tokens by it
-    thought_start: bool | None = None  # chat: whether the answer starts inside its <think> block; None: not split
+    split: AnswerSplit | None = None  # chat: how the answer splits into reasoning and content; None: not split
     created: int = field(default_factory=lambda: int(time.time()))
-    splitters: dict[int, ThoughtSplitter] = field(default_factory=dict, repr=False)  # a stream's, by choice
+    splitters: dict[int, ThoughtSplitter | HarmonySplitter] = field(default_factory=dict, repr=False)  # by choice
 
     @property
     def n_choices(self) -> int:
@@ -90,9 +90,9 @@ def prepare(url: str, body, llm, model: str, defaults: dict, reasoning_parser: s
                             "one of them", "echo")
     job_id = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
     prompts = [content] if url == CHAT else content
-    seqs, texts, start = [], [], None
+    seqs, texts, split = [], [], None
     for i, prompt in enumerate(prompts):
-        given = {"messages": prompt, "chat_template_kwargs": body.get(TEMPLATE_KWARGS)} if url == CHAT else \
+        given = {"messages": prompt, "chat_template_kwargs": template_kwargs(body)} if url == CHAT else \
             {"prompt": prompt}
         req = Request(job_id, 0, url, params, **given)
         where = "messages" if url == CHAT else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
@@ -102,11 +102,12 @@ def prepare(url: str, body, llm, model: str, defaults: dict, reasoning_parser: s
         except OffloadError as e:
             field = getattr(e, "param", None) or where  # a sampling field, else the prompt
             raise ApiError(400, str(e) if len(prompts) == 1 else f"{where}: {e}", field) from None
-        seqs.append(Sequence(job_id if len(prompts) == 1 else f"{job_id}-{i}", ids, params))
+        split = chat_split(req, llm, ids, reasoning_parser)  # chat: one prompt
+        seqs.append(Sequence(job_id if len(prompts) == 1 else f"{job_id}-{i}", ids,
+                             params if split is None else split.sampling(params)))
         texts.append(text)
-        start = thought_start(req, llm.tokenizer, ids, reasoning_parser)  # chat: one prompt
     return Job(url, job_id, seqs, model, texts, stream=stream, include_usage=include_usage, echo=echo,
-               tokenizer=llm.tokenizer, thought_start=start)
+               tokenizer=llm.tokenizer, split=split)
 
 
 def _include_usage(options, stream: bool) -> bool:
@@ -127,7 +128,7 @@ def completion(job: Job, outputs: list) -> dict:
     out_choices, first = [], 0
     for output, text in zip(outputs, job.prompt_texts):
         out_choices += responses.choices(job.url, output, job.tokenizer, echo=job.echo, prompt_text=text,
-                                         first_index=first, thought_start=job.thought_start)
+                                         first_index=first, split=job.split)
         first += len(output.outputs)
     return responses.response_body(job.url, job.id, job.created, job.model, out_choices, responses.usage_of(outputs))
 
@@ -138,8 +139,8 @@ def text_chunk(job: Job, index: int, text: str, logprobs: list | None, token_ids
     the job splits its answer (a tail that may begin a tag waits for the next piece); None where nothing is to be
     sent yet. final: the choice ends with this piece."""
     reasoning = None
-    if job.url == CHAT and job.thought_start is not None:
-        splitter = job.splitters.setdefault(index, ThoughtSplitter(job.thought_start))
+    if job.url == CHAT and job.split is not None:
+        splitter = job.splitters.setdefault(index, job.split.splitter())
         reasoning, text = splitter.feed(text, final)
     if not (text or reasoning or logprobs):
         return None

@@ -19,15 +19,17 @@ ROLES = ("system", "user", "assistant")  # what chat templates render; OpenAI's 
 COMPOSED_CHARS = 2
 
 
-def encode_text(tokenizer, path: Path, text: str, context_len: int | None = None) -> list[int]:
-    """Token ids of a text prompt; ConfigError for a model without a tokenizer, text no tokenizer encodes, or text
-    too long for context_len tokens (refused before it is tokenized)."""
+def encode_text(tokenizer, path: Path, text: str, context_len: int | None = None,
+                add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a text prompt (with the tokenizer's special tokens, such as BOS, unless add_special_tokens is
+    false); ConfigError for a model without a tokenizer, text no tokenizer encodes, or text too long for context_len
+    tokens (refused before it is tokenized)."""
     if tokenizer is None:
         raise ConfigError(f"the model in {path} has no tokenizer files, so it cannot read text; give the prompt as "
                           f"token ids, or add the model's tokenizer.json and tokenizer_config.json to {path}")
     check_text(text, "the prompt")
     check_prompt_chars(tokenizer, len(text), context_len, "the prompt")
-    return list(tokenizer.encode(text))
+    return list(tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
 
 def check_prompt_chars(tokenizer, n_chars: int, context_len: int | None, what: str) -> None:
@@ -78,6 +80,7 @@ def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_
     return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
 
 
+REASONING_EFFORTS = ("low", "medium", "high")  # a chat request's reasoning_effort (OpenAI's and vLLM's values)
 # apply_chat_template's own parameters and the template's messages: set by offload, not by a request
 RESERVED_TEMPLATE_KWARGS = ("conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
                             "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
@@ -102,6 +105,21 @@ def check_template_kwargs(kwargs) -> dict:
                               f"drop it (chat_template_kwargs is for the template's own variables, such as "
                               f"enable_thinking)")
     return dict(kwargs)
+
+
+def check_reasoning_effort(effort) -> None:
+    """ConfigError for a request's reasoning_effort other than low, medium or high (None: not given)."""
+    if effort is not None and effort not in REASONING_EFFORTS:
+        raise ConfigError(f"expected reasoning_effort to be one of {', '.join(map(repr, REASONING_EFFORTS))}, found "
+                          f"{_short(effort)}; send one of them, or leave it out")
+
+
+def with_reasoning_effort(kwargs: dict | None, effort) -> dict | None:
+    """A request's chat template variables: its chat_template_kwargs, and its reasoning_effort as the variable
+    reasoning_effort (gpt-oss's template reads it; others ignore it) unless chat_template_kwargs sets it, as vLLM
+    merges them; ConfigError for an effort other than low, medium or high."""
+    check_reasoning_effort(effort)
+    return kwargs if effort is None else {"reasoning_effort": effort, **check_template_kwargs(kwargs)}
 
 
 def refuses_system(tokenizer, kwargs: dict) -> bool:
