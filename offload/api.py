@@ -33,6 +33,8 @@ from offload.speculative import make_speculator
 from offload.system import memory_limit_bytes
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import load_tokenizer, model_spec, weight_source
+from offload.tool_parsers import finish_reason, parse_answer, tool_parser
+from offload.tools import ToolChoice, from_body as tools_of
 from offload.weights.prompts import encode_chat, encode_text, with_reasoning_effort
 
 DEFAULT_MAX_BATCH_SIZE = 32  # sequences in flight when a placement is given and no batch size
@@ -55,6 +57,7 @@ class CompletionOutput:
     finish_reason: str
     logprobs: list[TokenLogprob] | None = None
     reasoning_content: str | None = None
+    tool_calls: list[dict] | None = None  # LLM.chat with tools: the calls made, in OpenAI's shape (text: the rest)
 
 
 @dataclass
@@ -256,30 +259,34 @@ class LLM:
 
     def chat(self, messages, sampling_params: SamplingParams | list[SamplingParams] | None = None,
              add_generation_prompt: bool = True, chat_template_kwargs: dict | None = None,
-             reasoning_effort: str | None = None) -> list[RequestOutput]:
+             reasoning_effort: str | None = None, tools: list[dict] | None = None, tool_choice=None,
+             parallel_tool_calls: bool | None = None) -> list[RequestOutput]:
         """Generate replies to conversations (one list of {'role', 'content'} dicts, or a list of them);
         chat_template_kwargs go to the chat template (such as {'enable_thinking': False} for Qwen3), and so does
-        reasoning_effort ('low', 'medium' or 'high': gpt-oss's template reads it)."""
+        reasoning_effort ('low', 'medium' or 'high': gpt-oss's template reads it). tools, tool_choice and
+        parallel_tool_calls are OpenAI's (offload/tools.py): each answer's calls come in its tool_calls."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         kwargs = with_reasoning_effort(chat_template_kwargs, reasoning_effort)
-        ids = [self.apply_chat_template(c, add_generation_prompt, kwargs) for c in conversations]
+        offered = tools_of({"tools": tools, "tool_choice": tool_choice, "parallel_tool_calls": parallel_tool_calls})
+        ids = [self.apply_chat_template(c, add_generation_prompt, kwargs, offered) for c in conversations]
         splits = [answer_split(self.tokenizer, i, DEFAULT_REASONING_PARSER, self.spec.family.reasoning_parser)
                   for i in ids]
-        params = [p if split is None else split.sampling(p)
-                  for split, p in zip(splits, _broadcast(sampling_params, len(ids)))]
+        params = [p if offered is None else offered.sampling(p) for p in _broadcast(sampling_params, len(ids))]
+        params = [p if split is None else split.sampling(p) for split, p in zip(splits, params)]
         outputs = self.generate([{"prompt_token_ids": i} for i in ids], params)
         for split, output in zip(splits, outputs):
-            if split is not None:
-                output.outputs = [_split_answer(sample, split) for sample in output.outputs]
+            parser = tool_parser(self.tokenizer, offered, split)
+            if split is not None or parser is not None:
+                output.outputs = [_read_answer(sample, split, parser, offered) for sample in output.outputs]
         return outputs
 
     def apply_chat_template(self, conversation: list[dict], add_generation_prompt: bool = True,
-                            chat_template_kwargs: dict | None = None) -> list[int]:
+                            chat_template_kwargs: dict | None = None, tools: ToolChoice | None = None) -> list[int]:
         """Token ids of a conversation rendered with the model's chat template (a system message folded into the
-        first user turn where the template refuses one, as Gemma 2's does); text far past the context is refused
-        before it is rendered."""
+        first user turn where the template refuses one, as Gemma 2's does; tools as offload/tools.py renders them);
+        text far past the context is refused before it is rendered."""
         return encode_chat(self.tokenizer, self.path, conversation, add_generation_prompt, chat_template_kwargs,
-                           self.generator.context_len)
+                           self.generator.context_len, tools)
 
     def _tokenize(self, prompt) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -374,11 +381,13 @@ def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
                backend=request.hardware.backend, dtype=request.model.dtype, **room)
 
 
-def _split_answer(sample: CompletionOutput, split: AnswerSplit) -> CompletionOutput:
-    """A chat answer with its reasoning (its <think> block's text, harmony's analysis) in reasoning_content, out of
-    text."""
-    reasoning, content = split.split(sample.text)
-    return replace(sample, text=content or "", reasoning_content=reasoning)
+def _read_answer(sample: CompletionOutput, split: AnswerSplit | None, parser: str | None,
+                 offered: ToolChoice | None) -> CompletionOutput:
+    """A chat answer with its reasoning (its <think> block's text, harmony's analysis) in reasoning_content and its
+    tool calls in tool_calls (finish_reason tool_calls), out of text."""
+    reasoning, content, calls = parse_answer(sample.text, split, parser, offered.names if offered else ())
+    return replace(sample, text=(content or "").strip() if calls else content or "", reasoning_content=reasoning,
+                   tool_calls=calls or None, finish_reason=finish_reason(sample.finish_reason, bool(calls)))
 
 
 def _is_token_list(x) -> bool:

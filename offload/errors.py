@@ -52,3 +52,11 @@ class CalibrationError(OffloadError):
 
 class QueueFull(OffloadError):
     """The engine's waiting queue is at its bound; the request may be sent again later (a server answers 503)."""
+
+
+class ToolError(ConfigError):
+    """A chat request's tools, tool_choice or tool messages cannot run; param names the body field at fault."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param

@@ -54,9 +54,10 @@ class AnswerSplit:
     harmony: bool = False
     in_thought: bool = False
 
-    def splitter(self) -> ThoughtSplitter | HarmonySplitter:
-        """A splitter for the answer's text fed in pieces (a stream's)."""
-        return HarmonySplitter() if self.harmony else ThoughtSplitter(self.in_thought)
+    def splitter(self, functions: tuple[str, ...] = ()) -> ThoughtSplitter | HarmonySplitter:
+        """A splitter for the answer's text fed in pieces (a stream's); a harmony one takes the messages addressed
+        to functions.NAME, NAME one of functions, as tool calls."""
+        return HarmonySplitter(functions) if self.harmony else ThoughtSplitter(self.in_thought)
 
     def split(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning_content, content) of the whole answer, as vLLM's message has them: reasoning None where the
@@ -86,7 +87,7 @@ def answer_split(tokenizer, prompt_ids: list[int], parser: str, family_parser: s
     return None
 
 
-def _partial_tail(text: str, tags: tuple[str, ...]) -> int:
+def partial_tail(text: str, tags: tuple[str, ...]) -> int:
     """Characters at the end of text that may be the first ones of one of tags (fewer than all of it)."""
     for k in range(min(max(map(len, tags)) - 1, len(text)), 0, -1):
         if any(tag.startswith(text[len(text) - k:]) for tag in tags if len(tag) > k):
@@ -122,7 +123,7 @@ class ThoughtSplitter:
         if end >= 0:
             self.in_thought = False
             return text[:end], text[end + len(THINK_END):]
-        keep = 0 if final else _partial_tail(text, (THINK_END,))
+        keep = 0 if final else partial_tail(text, (THINK_END,))
         self._held = text[len(text) - keep:]
         return text[:len(text) - keep], ""
 
@@ -132,9 +133,14 @@ class HarmonySplitter:
     on the final channel (or where its header names none), else reasoning; a later message on the same side follows a
     newline (vLLM joins an answer's reasoning messages so). Headers, markers and text between messages are dropped.
     An answer that does not open with a harmony marker is content whole (its reasoning None). A tail that may be the
-    start of a marker is held until the next piece, or the last, says what it is."""
+    start of a marker is held until the next piece, or the last, says what it is. A message whose header addresses
+    functions.NAME (`to=functions.NAME`), NAME one of functions, is a tool call: its text is its arguments, taken by
+    take_calls once the message ends (it is neither reasoning nor content)."""
 
-    def __init__(self):
+    def __init__(self, functions: tuple[str, ...] = ()):
+        self.functions = functions
+        self._call: tuple[str, list[str]] | None = None  # the open message's call: its name and text so far
+        self._calls: list[tuple[str, str]] = []  # ended calls not yet taken
         self.thought = False  # whether a message off the final channel began (else reasoning_content is None)
         self._state = "leading"  # then plain (no harmony), or header, body, between (after a message's end)
         self._final = False  # the open message is content
@@ -169,6 +175,10 @@ class HarmonySplitter:
             self._held = text
             return ""
         channel = re.search(r"<\|channel\|>\s*([^\s<]+)", text[:at])
+        recipient = re.search(r"to=functions\.([^\s<]+)", text[:at])
+        if recipient is not None and recipient.group(1) in self.functions:
+            self._call, self._state = (recipient.group(1), []), "body"
+            return text[at + len(MESSAGE):]
         self._final = channel is None or channel.group(1) == FINAL_CHANNEL
         self.thought |= not self._final
         if self._began[self._final]:
@@ -178,22 +188,34 @@ class HarmonySplitter:
 
     def _body(self, text: str, final: bool, out: dict) -> str:
         ends = [(at, marker) for marker in _BODY_ENDS if (at := text.find(marker)) >= 0]
+        sink = out[self._final] if self._call is None else self._call[1]
         if ends:
             at, marker = min(ends)
-            out[self._final].append(text[:at])
+            sink.append(text[:at])
+            if self._call is not None:
+                self._calls.append((self._call[0], "".join(self._call[1])))
+                self._call = None
             self._state = "header" if marker == START else "between"
             return text[at + len(marker):]
-        keep = 0 if final else _partial_tail(text, _BODY_ENDS)
-        out[self._final].append(text[:len(text) - keep])
+        keep = 0 if final else partial_tail(text, _BODY_ENDS)
+        sink.append(text[:len(text) - keep])
         self._held = text[len(text) - keep:]
+        if final and self._call is not None:  # the answer ends in the call (<|call|> is a stop token, not text)
+            self._calls.append((self._call[0], "".join(self._call[1])))
+            self._call = None
         return ""
+
+    def take_calls(self) -> list[tuple[str, str]]:
+        """The tool calls (name, arguments' text) whose messages ended since the last take."""
+        calls, self._calls = self._calls, []
+        return calls
 
     def _between(self, text: str, final: bool, out: dict) -> str:
         at = text.find(START)
         if at >= 0:
             self._state = "header"
             return text[at + len(START):]
-        keep = 0 if final else _partial_tail(text, (START,))
+        keep = 0 if final else partial_tail(text, (START,))
         self._held = text[len(text) - keep:]
         return ""
 

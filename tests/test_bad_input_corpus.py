@@ -330,7 +330,7 @@ LINE_CASES = {
     "no-messages": ({**chat_line("no-messages", "hi"), "body": {"messages": []}},
                     ["expected 'messages' to be a non-empty list"]),
     "robot": ({**chat_line("robot", "hi"), "body": {"messages": [{"role": "robot", "content": "hi"}]}},
-              ["messages[0].role to be one of system, user, assistant, found 'robot'"]),
+              ["messages[0].role to be one of system, user, assistant, tool, found 'robot'"]),
     "content-int": ({**chat_line("content-int", "hi"), "body": {"messages": [{"role": "user", "content": 5}]}},
                     ["expected messages[0] to have a string 'role' and text 'content'"]),
     "empty-prompt": (completion_line("empty-prompt", ""), ["expected 'prompt' to be a non-empty string"]),
@@ -720,7 +720,7 @@ SERVE_CASES = {
                                                            "max_completion_tokens": 5}, AUTH, 400,
                           "max_completion_tokens", ["give one of 'max_tokens' and 'max_completion_tokens'"]),
     "tool role": ("POST", "/v1/chat/completions", {"messages": [{"role": "tool", "content": "42"}]}, AUTH, 400,
-                  "messages[0].role", ["expected messages[0].role to be one of system, user, assistant"]),
+                  "messages[0].tool_call_id", ["expected messages[0] (a tool message) to have the 'tool_call_id'"]),
 }
 
 
@@ -800,7 +800,7 @@ LINE_CASES_44 = {
     "surrogate-id": (_lone(completion_line("id@", "hi"), "@", "\\ud800"),
                      ["'custom_id' holds a lone surrogate (U+D800 at character 2)"]),
     "tool-role": ({**chat_line("tool-role", "hi"), "body": {"messages": [{"role": "tool", "content": "42"}]}},
-                  ["expected messages[0].role to be one of system, user, assistant, found 'tool'"]),
+                  ["expected messages[0] (a tool message) to have the 'tool_call_id' of the call it answers"]),
 }
 
 
@@ -836,8 +836,8 @@ def test_a_request_line_names_its_true_culprit(line_job_44, custom_id):
 
 # name -> (a call that must raise, the error type's name, words of its message)
 API_CASES_44 = {
-    "LLM.chat with a tool role": (lambda e: _llm(e).chat([{"role": "tool", "content": "42"}]), "ConfigError",
-                                  ["expected messages[0].role to be one of system, user, assistant, found 'tool'"]),
+    "LLM.chat with a tool role": (lambda e: _llm(e).chat([{"role": "tool", "content": "42"}]), "ToolError",
+                                  ["expected messages[0] (a tool message) to have the 'tool_call_id'"]),
     "LLM.chat with a misspelt role": (lambda e: _llm(e).chat([{"role": "usr", "content": "hi"}]), "ConfigError",
                                       ["found 'usr'; did you mean 'user'?"]),
     "LLM.chat with a lone surrogate": (lambda e: _llm(e).chat([{"role": "user", "content": "x\ud800"}]),

@@ -123,7 +123,7 @@ def test_an_unknown_role_is_an_error_line(tmp_path, tiny_model):
     robot = {**chat_line("r", "hi"), "body": {"messages": [{"role": "robot", "content": "hi"}]}}
     config = job(tmp_path, tiny_model, [robot, chat_line("u", "hi")])
     code, message = cli("validate", config)
-    assert code == 2 and "messages[0].role to be one of system, user, assistant, found 'robot'" in message
+    assert code == 2 and "messages[0].role to be one of system, user, assistant, tool, found 'robot'" in message
     run_batch(config)
     records = by_id(tmp_path / "o.jsonl")
     assert "robot" in records["r"]["error"]["message"] and records["u"]["error"] is None

@@ -18,7 +18,7 @@ LAYERS = [
     {"__init__", "errors", "paths", "formats", "system", "units", "attention_sizes", "config_values", "rate_curves",
      "option_values", "environment", "rope_spec", "families", "moe_spec",
      "reasoning"},
-    {"spec", "hardware", "sampling", "options", "baseline", "structured"},
+    {"spec", "hardware", "sampling", "options", "baseline", "structured", "tools", "tool_parsers"},
     {"planner", "kernels"},
     {"profile", "model"},
     {"weights"},

@@ -11,9 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from offload.errors import ConfigError, OffloadError, SamplingError
+from offload.errors import ConfigError, OffloadError, SamplingError, ToolError
 from offload.sampling import MAX_LOGPROBS, SamplingParams
-from offload import structured
+from offload import structured, tools
 from offload.weights.prompts import (check_reasoning_effort, check_template_kwargs, check_text, role_problem,
                                      with_reasoning_effort)
 
@@ -46,6 +46,7 @@ class Request:
     messages: list[dict] | None = None
     echo: bool = False  # completions: the answer's text (and logprobs) begin with the prompt's
     chat_template_kwargs: dict | None = None  # chat: passed to the chat template (enable_thinking, reasoning_effort)
+    tools: tools.ToolChoice | None = None  # chat: the tools offered, and whether a call is enforced
 
     @property
     def key(self) -> str:
@@ -143,7 +144,8 @@ def _openai_request(line: str, n: int, defaults: dict, name: str) -> Request | B
     except BodyError as e:
         return BadLine(n, f"line {n} of {name} (custom_id {custom_id!r}): {e}", custom_id)
     if obj["url"] == CHAT:
-        return Request(custom_id, n, CHAT, params, messages=content, chat_template_kwargs=template_kwargs(obj["body"]))
+        return Request(custom_id, n, CHAT, params, messages=content, chat_template_kwargs=template_kwargs(obj["body"]),
+                       tools=tools.from_body(obj["body"]))
     return Request(custom_id, n, COMPLETIONS, params, prompt=content, echo=obj["body"].get("echo") is True)
 
 
@@ -181,13 +183,19 @@ def check_body(url: str, body: dict, defaults: dict, many: bool = False) -> tupl
     unknown = [k for k in body if k not in known]
     if unknown:
         raise BodyError(_unsupported(unknown[0], url), unknown[0])
-    if url == CHAT:
-        for key, check in ((TEMPLATE_KWARGS, check_template_kwargs), (EFFORT, check_reasoning_effort)):
-            try:
-                check(body.get(key))
-            except ConfigError as e:
-                raise BodyError(str(e), key) from None
-    return sampling_params(defaults, body, url), _content(url, body, many)
+    if url != CHAT:
+        return sampling_params(defaults, body, url), _content(url, body, many)
+    for key, check in ((TEMPLATE_KWARGS, check_template_kwargs), (EFFORT, check_reasoning_effort)):
+        try:
+            check(body.get(key))
+        except ConfigError as e:
+            raise BodyError(str(e), key) from None
+    try:
+        choice = tools.from_body(body)
+        params = sampling_params(defaults, body, url)
+        return (params if choice is None else choice.sampling(params)), _content(url, body, many)
+    except ToolError as e:
+        raise BodyError(str(e), e.param) from None
 
 
 def template_kwargs(body: dict) -> dict | None:
@@ -196,7 +204,7 @@ def template_kwargs(body: dict) -> dict | None:
 
 
 def _content_keys(url: str) -> tuple[str, ...]:
-    return ("messages", TEMPLATE_KWARGS, EFFORT) if url == CHAT else ("prompt",)
+    return ("messages", TEMPLATE_KWARGS, EFFORT, *tools.TOOL_KEYS) if url == CHAT else ("prompt",)
 
 
 def _logprob_keys(url: str) -> tuple[str, ...]:
@@ -273,13 +281,17 @@ def _content(url: str, body: dict, many: bool = False) -> Any:
         content = m.get("content") if isinstance(m, dict) else None
         if isinstance(content, list):  # OpenAI content parts: text only
             content = _text_of_parts(i, content)
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
-            raise BodyError(f"expected messages[{i}] to have a string 'role' and text 'content', found {m!r}",
-                            f"messages[{i}]")
+        calls = m.get("tool_calls") if isinstance(m, dict) else None
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not (
+                isinstance(content, str) or (content is None and calls)):
+            raise BodyError(f"expected messages[{i}] to have a string 'role' and text 'content' (null only beside an "
+                            f"assistant's 'tool_calls'), found {_short(m)}", f"messages[{i}]")
         problem = role_problem(i, m["role"])
         if problem:
             raise BodyError(problem, f"messages[{i}].role")
-        out.append({"role": m["role"], "content": content})
+        tools.check_tool_fields(i, m)
+        out.append({"role": m["role"], "content": content,
+                    **{k: m[k] for k in ("tool_calls", "tool_call_id", "name") if m.get(k) is not None}})
     return out
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from offload.jobs.batch import CHAT, response_body, usage  # noqa: F401 (the shapes of one answer)
 from offload.reasoning import AnswerSplit
+from offload.tool_parsers import finish_reason, parse_answer, tool_parser
+from offload.tools import ToolChoice
 
 
 def token_text(tokenizer, token_id: int) -> str:
@@ -47,18 +49,20 @@ def chat_logprobs(tokenizer, logprobs: list) -> dict:
 
 
 def choices(url: str, output, tokenizer, *, echo: bool = False, prompt_text: str | None = None,
-            first_index: int = 0, split: AnswerSplit | None = None) -> list[dict]:
+            first_index: int = 0, split: AnswerSplit | None = None, tools: ToolChoice | None = None) -> list[dict]:
     """The choices of a finished request (an offload RequestOutput): one per sample, index first_index + its
     index; for completions with echo, the prompt's text (prompt_text, else the prompt decoded) before each; for chat
     with a split (None: not split), the message's reasoning_content and content as vLLM's reasoning parsers give
-    them."""
+    them, and with tools its tool_calls (finish_reason tool_calls where it made some)."""
     out = []
+    parser = tool_parser(tokenizer, tools, split) if url == CHAT else None
     for sample in output.outputs:
         index = first_index + sample.index
         if url == CHAT:
             logprobs = None if sample.logprobs is None else chat_logprobs(tokenizer, sample.logprobs)
-            out.append({"index": index, "message": chat_message(sample.text, split), "logprobs": logprobs,
-                        "finish_reason": sample.finish_reason})
+            message = chat_message(sample.text, split, parser, tools.names if tools else ())
+            out.append({"index": index, "message": message, "logprobs": logprobs,
+                        "finish_reason": finish_reason(sample.finish_reason, bool(message.get("tool_calls")))})
             continue
         head = _echo_text(output, tokenizer, prompt_text) if echo else ""
         logprobs = None
@@ -73,12 +77,17 @@ def choices(url: str, output, tokenizer, *, echo: bool = False, prompt_text: str
     return out
 
 
-def chat_message(text: str, split: AnswerSplit | None) -> dict:
-    """An answer's chat message; split into reasoning_content and content where split is not None."""
-    if split is None:
+def chat_message(text: str, split: AnswerSplit | None, parser: str | None = None, names: tuple[str, ...] = ()) -> dict:
+    """An answer's chat message: split into reasoning_content and content where split is not None, its tool calls
+    parsed out (offload/tool_parsers.py) into tool_calls by parser (None: not parsed), content None beside them where
+    only whitespace is left."""
+    if split is None and parser is None:
         return {"role": "assistant", "content": text}
-    reasoning, content = split.split(text)
-    return {"role": "assistant", "content": content, "reasoning_content": reasoning}
+    reasoning, content, calls = parse_answer(text, split, parser, names)
+    message = {"role": "assistant", "content": content}
+    if calls:
+        message = {**message, "content": (content or "").strip() or None, "tool_calls": calls}
+    return message if split is None else {**message, "reasoning_content": reasoning}
 
 
 def _echo_text(output, tokenizer, prompt_text: str | None) -> str:

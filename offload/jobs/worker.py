@@ -74,7 +74,7 @@ def prompt_ids(req: Request, tokenizer, path: Path, context_len: int | None = No
     template; OffloadError says what is wrong (text far past context_len tokens, before it is tokenized)."""
     if req.url == CHAT:
         return encode_chat(tokenizer, path, req.messages, template_kwargs=req.chat_template_kwargs,
-                           context_len=context_len), None
+                           context_len=context_len, tools=req.tools), None
     if isinstance(req.prompt, str):
         return encode_text(tokenizer, path, req.prompt, context_len), req.prompt
     return list(req.prompt), None
@@ -128,7 +128,8 @@ def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error
     def on_finish(out) -> None:
         prepared = ready[int(out.request_id)]
         req, counts = prepared.request, responses.usage_of([out])
-        answer = Answer(responses.choices(req.url, out, llm.tokenizer, echo=req.echo, split=prepared.split),
+        answer = Answer(responses.choices(req.url, out, llm.tokenizer, echo=req.echo, split=prepared.split,
+                                          tools=req.tools),
                         counts["prompt_tokens"], counts["completion_tokens"])
         on_answer(req, answer)
 

@@ -249,7 +249,7 @@ async def _events(server: Server, job: Job, queue: asyncio.Queue):
             if piece is not None:
                 yield sse(piece)
             if update.finish_reason:
-                yield sse(protocol.chunk(job, update.index, finish_reason=update.finish_reason))
+                yield sse(protocol.finish_chunk(job, update.index, update.finish_reason))
         finished = not left
         if finished and job.include_usage:
             yield sse(protocol.usage_chunk(job, n_prompt, n_completion))

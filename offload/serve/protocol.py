@@ -14,7 +14,10 @@ from offload.jobs import responses
 from offload.jobs.batch import CHAT, BodyError, Request, check_body, template_kwargs
 from offload.jobs.worker import chat_split, prompt_ids
 from offload.options import DEFAULT_REASONING_PARSER
-from offload.reasoning import AnswerSplit, HarmonySplitter, ThoughtSplitter
+from offload.reasoning import AnswerSplit
+from offload import tool_parsers
+from offload.tool_parsers import AnswerParser, tool_parser
+from offload.tools import ToolChoice, from_body as tools_of
 
 SERVE_KEYS = ("stream_options",)  # body keys only a server reads (a batch job ignores 'stream')
 
@@ -62,8 +65,16 @@ class Job:
     echo: bool = False
     tokenizer: object = field(default=None, repr=False)  # the model's: logprobs name their tokens by it
     split: AnswerSplit | None = None  # chat: how the answer splits into reasoning and content; None: not split
+    tools: ToolChoice | None = None  # chat: the tools offered (their calls are parsed out of the answer)
     created: int = field(default_factory=lambda: int(time.time()))
-    splitters: dict[int, ThoughtSplitter | HarmonySplitter] = field(default_factory=dict, repr=False)  # by choice
+    parsers: dict[int, AnswerParser] = field(default_factory=dict, repr=False)  # by choice: a stream's readers
+
+    def parser(self, index: int) -> AnswerParser:
+        """Choice index's reader of its streamed answer (reasoning, content and tool calls)."""
+        if index not in self.parsers:
+            parser = tool_parser(self.tokenizer, self.tools, self.split)
+            self.parsers[index] = AnswerParser(self.split, parser, self.tools.names if self.tools else ())
+        return self.parsers[index]
 
     @property
     def n_choices(self) -> int:
@@ -90,10 +101,10 @@ def prepare(url: str, body, llm, model: str, defaults: dict, reasoning_parser: s
                             "one of them", "echo")
     job_id = f"{'chatcmpl' if url == CHAT else 'cmpl'}-{uuid.uuid4().hex}"
     prompts = [content] if url == CHAT else content
-    seqs, texts, split = [], [], None
+    seqs, texts, split, tools = [], [], None, tools_of(body) if url == CHAT else None
     for i, prompt in enumerate(prompts):
-        given = {"messages": prompt, "chat_template_kwargs": template_kwargs(body)} if url == CHAT else \
-            {"prompt": prompt}
+        given = {"messages": prompt, "chat_template_kwargs": template_kwargs(body), "tools": tools} \
+            if url == CHAT else {"prompt": prompt}
         req = Request(job_id, 0, url, params, **given)
         where = "messages" if url == CHAT else "prompt" if len(prompts) == 1 else f"prompt[{i}]"
         try:
@@ -107,7 +118,7 @@ def prepare(url: str, body, llm, model: str, defaults: dict, reasoning_parser: s
                              params if split is None else split.sampling(params)))
         texts.append(text)
     return Job(url, job_id, seqs, model, texts, stream=stream, include_usage=include_usage, echo=echo,
-               tokenizer=llm.tokenizer, split=split)
+               tokenizer=llm.tokenizer, split=split, tools=tools)
 
 
 def _include_usage(options, stream: bool) -> bool:
@@ -128,7 +139,7 @@ def completion(job: Job, outputs: list) -> dict:
     out_choices, first = [], 0
     for output, text in zip(outputs, job.prompt_texts):
         out_choices += responses.choices(job.url, output, job.tokenizer, echo=job.echo, prompt_text=text,
-                                         first_index=first, split=job.split)
+                                         first_index=first, split=job.split, tools=job.tools)
         first += len(output.outputs)
     return responses.response_body(job.url, job.id, job.created, job.model, out_choices, responses.usage_of(outputs))
 
@@ -136,27 +147,39 @@ def completion(job: Job, outputs: list) -> dict:
 def text_chunk(job: Job, index: int, text: str, logprobs: list | None, token_ids: list[int],
                final: bool) -> dict | None:
     """The chunk of choice `index`'s new text, for chat split into delta.reasoning_content and delta.content where
-    the job splits its answer (a tail that may begin a tag waits for the next piece); None where nothing is to be
-    sent yet. final: the choice ends with this piece."""
-    reasoning = None
-    if job.url == CHAT and job.split is not None:
-        splitter = job.splitters.setdefault(index, job.split.splitter())
-        reasoning, text = splitter.feed(text, final)
-    if not (text or reasoning or logprobs):
+    the job splits its answer (a tail that may begin a tag waits for the next piece) and its complete tool calls in
+    delta.tool_calls where it offers tools; None where nothing is to be sent yet. final: the choice ends with this
+    piece."""
+    reasoning, calls = None, []
+    if job.url == CHAT and (job.split is not None or job.tools is not None):
+        parser = job.parser(index)
+        first = parser.n_calls
+        reasoning, text, calls = parser.feed(text, final)
+        calls = [{"index": first + k, **call} for k, call in enumerate(calls)]
+    if not (text or reasoning or logprobs or calls):
         return None
-    return chunk(job, index, text if text or not reasoning else None, logprobs=logprobs, token_ids=token_ids,
-                 reasoning=reasoning or None)
+    return chunk(job, index, text if text or not (reasoning or calls) else None, logprobs=logprobs,
+                 token_ids=token_ids, reasoning=reasoning or None, tool_calls=calls or None)
+
+
+def finish_chunk(job: Job, index: int, reason: str) -> dict:
+    """The chunk that ends choice `index`: finish_reason tool_calls where its answer made tool calls."""
+    called = index in job.parsers and job.parsers[index].n_calls > 0
+    return chunk(job, index, finish_reason=tool_parsers.finish_reason(reason, called))
 
 
 def chunk(job: Job, index: int = 0, text: str | None = None, finish_reason: str | None = None,
           role: bool = False, logprobs: list | None = None, token_ids: list[int] | None = None,
-          reasoning: str | None = None) -> dict:
+          reasoning: str | None = None, tool_calls: list[dict] | None = None) -> dict:
     """One streamed piece of choice `index`: new text (and its tokens' logprobs; for chat, reasoning_content
-    beside or instead of content), or its end (finish_reason); for chat, the first one carries the role."""
+    beside or instead of content, and tool_calls: OpenAI's deltas, each call whole), or its end (finish_reason); for
+    chat, the first one carries the role."""
     if job.url == CHAT:
         delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
         if reasoning is not None:
             delta = {"reasoning_content": reasoning, **delta}
+        if tool_calls is not None:
+            delta = {**delta, "tool_calls": tool_calls}
         lp = None if logprobs is None else responses.chat_logprobs(job.tokenizer, logprobs)
         choice = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish_reason}
     else:

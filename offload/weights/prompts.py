@@ -11,9 +11,10 @@ from pathlib import Path
 from offload.errors import ConfigError
 from offload.sampling import SamplingParams
 from offload.spec import ModelSpec
+from offload.tools import ToolChoice, check_tool_fields, for_template, template_takes_tools
 from offload.weights.model_files import library_error
 
-ROLES = ("system", "user", "assistant")  # what chat templates render; OpenAI's tool roles need tool calls
+ROLES = ("system", "user", "assistant", "tool")  # tool: a call's result (offload/tools.py renders it)
 # a normalizer may compose characters (NFC turns e + U+0301 into one): the text a token spans may be this many
 # times longer than its vocabulary entry
 COMPOSED_CHARS = 2
@@ -52,11 +53,13 @@ def max_token_chars(tokenizer) -> int:
 
 
 def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_prompt: bool = True,
-                template_kwargs: dict | None = None, context_len: int | None = None) -> list[int]:
+                template_kwargs: dict | None = None, context_len: int | None = None,
+                tools: ToolChoice | None = None) -> list[int]:
     """Token ids of a conversation rendered with the model's chat template, template_kwargs (a request's
-    chat_template_kwargs, such as enable_thinking) passed to it; ConfigError without one, for a role no template
-    renders, or where the template refuses the conversation (its own checks raise, such as roles that must
-    alternate). A template that refuses a system message (Gemma 2's) gets it folded into the first user turn."""
+    chat_template_kwargs, such as enable_thinking) passed to it, and tools and tool messages as offload/tools.py's
+    for_template gives them; ConfigError without one, for a role no template renders, or where the template refuses
+    the conversation (its own checks raise, such as roles that must alternate). A template that refuses a system
+    message (Gemma 2's) gets it folded into the first user turn."""
     if tokenizer is None:
         raise ConfigError(f"the model in {path} has no tokenizer files, so no chat template; give the prompt as "
                           f"token ids without chat, or add the model's tokenizer.json and tokenizer_config.json to "
@@ -65,10 +68,14 @@ def encode_chat(tokenizer, path: Path, conversation: list[dict], add_generation_
         raise ConfigError(f"the tokenizer in {path} has no chat template; send plain prompts (a completion, not a "
                           f"chat)")
     check_messages(conversation)
+    conversation, offered = for_template(conversation, tools, template_takes_tools(tokenizer, str(
+        tokenizer.chat_template)))
     # the template renders what users and the system wrote whole (Qwen3's drops the thinking of earlier answers)
     check_prompt_chars(tokenizer, sum(len(m["content"]) for m in conversation if m["role"] != "assistant" and
                                       isinstance(m["content"], str)), context_len, "the messages' text")
     kwargs = check_template_kwargs(template_kwargs)
+    if offered:
+        kwargs["tools"] = offered
     if conversation and conversation[0].get("role") == "system" and refuses_system(tokenizer, kwargs):
         conversation = fold_system(conversation)
     try:
@@ -153,7 +160,8 @@ def _short(value) -> str:
 
 def check_messages(conversation: list[dict]) -> None:
     """ConfigError for a conversation that is not a list of messages, a message that is not a dict, a role no
-    template renders, content that is not text (or a list of parts), or text no tokenizer encodes."""
+    template renders, content that is not text (or a list of parts; None only beside an assistant's tool_calls),
+    malformed tool fields (offload/tools.py's check_tool_fields), or text no tokenizer encodes."""
     if not isinstance(conversation, (list, tuple)):
         raise ConfigError(f"expected the messages to be a list of {{'role', 'content'}} dicts, found "
                           f"{type(conversation).__name__}")
@@ -164,9 +172,12 @@ def check_messages(conversation: list[dict]) -> None:
         problem = role_problem(i, message.get("role"))
         if problem:
             raise ConfigError(problem)
+        check_tool_fields(i, message)
         content = message.get("content")
         if isinstance(content, str):
             check_text(content, f"messages[{i}].content")
+        elif content is None and message.get("tool_calls") and message.get("role") == "assistant":
+            continue  # a turn of tool calls only
         elif not isinstance(content, list):  # a list: parts the template renders (a request's are text by then)
             raise ConfigError(f"expected messages[{i}].content to be text, found {_short(content)}; give each message "
                               f"its text as 'content'")
