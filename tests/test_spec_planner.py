@@ -67,10 +67,13 @@ def test_kv_attention_and_activation_by_hand():
     assert decode_partials_bytes(32, 1, 64, 8, 128, 4096) == 4 * 32 * 8 * 2 * 8 * 130
 
 
-def test_sliding_window_caps_kv():
+def test_a_uniform_sliding_window_caps_attention_not_the_cache():
+    """A model whose every layer has one window (Mistral 7B v0.1) keeps every position (the fused CPU layer reads a
+    sequence's keys as one run; only models whose layers differ in window keep rings, tests/test_ring_kv.py), and
+    its queries attend to the window's keys."""
     spec = spec_from_config(tiny_config(model_type="mistral", sliding_window=16))
-    assert spec.kv_len(100) == 16
-    assert spec.layer_kv_bytes(1, 100) == spec.layer_kv_bytes(1, 16)
+    assert spec.kv_ring(0) is None and spec.kv_len(100) == 100
+    assert spec.keys_seen(100) == 16 and spec.attention_flops(1, 100) == spec.attention_flops(1, 16)
 
 
 @pytest.mark.parametrize("name, n_params_b, n_layers, vocab, tied", [
