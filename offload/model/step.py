@@ -248,11 +248,12 @@ def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, vali
     slots = positions if bases is None else positions + bases[:, None]
     write_index = torch.where(valid, slots, trash_slot)
     cos, sin = rope_cos_sin(spec, positions, dtype)
-    if bases is not None and rings is None and ring_sizes(spec):
+    sizes = ring_sizes(spec)
+    if bases is not None and rings is None and sizes:
         raise ValueError("a pooled step of a model with ring layers needs each sequence's ring (rings)")
     return Step(positions=positions, write_index=write_index, valid=valid, n_keys=n_keys, cos=cos, sin=sin, rows=rows,
                 phase=phase, sliding_window=step_windows(spec), bases=bases,
-                rings={r: RingIndex.of(r, positions, valid, rings) for r in ring_sizes(spec)})
+                rings={r: RingIndex.of(r, positions, valid, rings) for r in sizes})
 
 
 def ring_sizes(spec: ModelSpec) -> tuple[int, ...]:
