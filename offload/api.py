@@ -19,7 +19,8 @@ from offload.engine import run_to_end
 from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.speculation import SpeculationPrice
-from offload.options import DEFAULT_REASONING_PARSER, SpeculativeOptions, default_of
+from offload.prefix_cache import host_tier_bytes
+from offload.options import DEFAULT_REASONING_PARSER, PrefixCacheOptions, SpeculativeOptions, default_of
 from offload.profile.timeline import Timeline
 from offload.reasoning import AnswerSplit, answer_split
 from offload.runtime.backends import make_backend, missing_gpu, simulated_gpu_warning
@@ -69,6 +70,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     prompt_logprobs: list[TokenLogprob | None] | None = None  # SamplingParams.prompt_logprobs: None for token 0
+    num_cached_tokens: int = 0  # prompt tokens the prefix cache gave (vLLM's name)
 
     @property
     def text(self) -> str:
@@ -95,30 +97,35 @@ class LLM:
 
     def __init__(self, model: str | Path = default_of("model.path"), *, placement: Placement | None = None,
                  disk_dir: str | None = None, max_batch_size: int | None = None,
-                 speculative_config: dict | None = None, **options):
+                 speculative_config: dict | None = None, prefix_cache: dict | None = None, **options):
         """options: the plan's options by their outside names (offload/options.py, the same as the job YAML's
         and the flags': quantization, dtype, max_model_len, hardware, backend, gpu_memory, cpu_memory (the whole
         process, as memory.cpu), disk_memory, host_baseline, batch_size, prefetch_depth, prefill_chunk_tokens,
         max_tokens). max_batch_size is the old name of batch_size. speculative_config: the job YAML's
-        `speculative` section as a dict (vLLM's name), e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
+        `speculative` section as a dict (vLLM's name), e.g. {"method": "ngram", "num_speculative_tokens": 4};
+        prefix_cache: the job YAML's `prefix_cache` section as a dict (enable_prefix_caching and
+        prefix_cache_host_memory are its fields' keywords)."""
         speculative = speculative_options(speculative_config)
+        prefix = prefix_cache_options(prefix_cache, {name: options.pop(name) for name in PREFIX_CACHE_NAMES
+                                                     if name in options})
         if max_batch_size is not None:
             if options.get("batch_size") is not None:
                 raise ConfigError("LLM got both batch_size and max_batch_size (its old name); pass batch_size only")
             warnings.warn("LLM(max_batch_size=...) is now LLM(batch_size=...)", DeprecationWarning, stacklevel=2)
             options["batch_size"] = max_batch_size
-        self._load(PlanRequest.of(model=str(model), **options), placement, disk_dir, speculative)
+        self._load(PlanRequest.of(model=str(model), **options), placement, disk_dir, speculative, prefix)
 
     @classmethod
     def from_request(cls, request: PlanRequest, *, placement: Placement | None = None,
-                     disk_dir: str | None = None, speculative_config=None) -> "LLM":
+                     disk_dir: str | None = None, speculative_config=None, prefix_cache=None) -> "LLM":
         """An LLM planned from a PlanRequest (what `offload plan` prints for the same request)."""
         llm = cls.__new__(cls)
-        llm._load(request, placement, disk_dir, speculative_options(speculative_config))
+        llm._load(request, placement, disk_dir, speculative_options(speculative_config),
+                  prefix_cache_options(prefix_cache))
         return llm
 
     def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None,
-              speculative: SpeculativeOptions | None = None):
+              speculative: SpeculativeOptions | None = None, prefix: PrefixCacheOptions | None = None):
         if placement is not None and not isinstance(placement, Placement):
             raise ConfigError(f"LLM(placement=...) takes a Placement (what offload.planner.plan_for returns), found "
                               f"{type(placement).__name__}; leave it out to let the planner place the model")
@@ -171,6 +178,9 @@ class LLM:
                                    placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
                                    logits_rows=self.max_batch_size)
         self.generator.between_steps = self._probe_cpu_speed_if_due
+        prefix = prefix or PrefixCacheOptions()
+        self.generator.prefix_caching = prefix.enabled
+        self.generator.prefix_host_bytes = host_tier_bytes(self.plan, prefix.host_memory) if prefix.enabled else 0
         if speculative is not None and speculative.method in MODEL_DRAFTS:
             draft = draft or load_draft(speculative, self)  # with a placement given: the draft plans on its own
             check_draft_vocab(draft, self)
@@ -302,7 +312,29 @@ class LLM:
         """The RequestOutput of a finished sequence (its samples, for n > 1)."""
         completions = [CompletionOutput(s.index, self.generator.text_of(s), list(s.output_ids), s.finish_reason,
                                         s.logprobs) for s in seq.group]
-        return RequestOutput(str(seq.request_id), prompt, list(seq.prompt_ids), completions, seq.prompt_logprobs)
+        return RequestOutput(str(seq.request_id), prompt, list(seq.prompt_ids), completions, seq.prompt_logprobs,
+                             seq.n_prefix_hit)
+
+
+PREFIX_CACHE_NAMES = {"enable_prefix_caching": "enabled", "prefix_cache_host_memory": "host_memory"}
+
+
+def prefix_cache_options(config, named: dict | None = None) -> PrefixCacheOptions:
+    """LLM's prefix_cache (a dict of the job YAML's prefix_cache section) and its fields' keywords, checked as the
+    YAML's section is; ConfigError names what is wrong."""
+    if isinstance(config, PrefixCacheOptions) and not named:
+        return config
+    if config is not None and not isinstance(config, (dict, PrefixCacheOptions)):
+        raise ConfigError(f"prefix_cache must be a dict of the prefix_cache options (enabled, host_memory), found "
+                          f"{type(config).__name__}")
+    raw = config.model_dump() if isinstance(config, PrefixCacheOptions) else dict(config or {})
+    raw |= {PREFIX_CACHE_NAMES[name]: value for name, value in (named or {}).items() if value is not None}
+    try:
+        return PrefixCacheOptions.model_validate(raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = f"prefix_cache[{err['loc'][0]!r}]" if err["loc"] else "prefix_cache"
+        raise ConfigError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
 def speculative_options(config) -> SpeculativeOptions | None:

@@ -24,6 +24,7 @@ from typing import Callable, Iterator
 from offload.errors import ConfigError, QueueFull, SamplingError
 from offload.generate import Generator
 from offload.kv_pool import KVPool
+from offload.prefix_cache import Hit, PrefixCache
 from offload.sampling import SamplingParams
 from offload.sequence import Sequence
 
@@ -47,7 +48,8 @@ class StepOutput:
 def run_to_end(generator: Generator, seqs: list[Sequence],
                on_finish: Callable[[Sequence], None] | None = None) -> None:
     """Generate until every sequence has finished, in an engine whose pool is what they need at most (within the
-    generator's kv_tokens); on_finish is called as each one does."""
+    generator's kv_tokens), prompts that begin alike side by side where the prefix cache is on; on_finish is called
+    as each one does."""
     for seq in seqs:
         _check_named(generator, seq)
     if not seqs:
@@ -58,7 +60,9 @@ def run_to_end(generator: Generator, seqs: list[Sequence],
     whole = max(e * n for e, n in extents)  # one request's samples are admitted together
     engine = Engine(generator, kv_slots=max(min(generator.kv_tokens - 1, sum(largest[: generator.max_batch_size])),
                                             whole))
-    for seq in seqs:
+    # with the prefix cache, prompts that begin alike run close together (sorted by their tokens), so their shared
+    # blocks are still cached when the next one starts
+    for seq in sorted(seqs, key=lambda s: s.prompt_ids) if engine.prefix is not None else seqs:
         engine.submit(seq)
     engine.run_until_done(on_finish)
 
@@ -71,6 +75,13 @@ def _check_named(generator: Generator, seq: Sequence) -> None:
         raise ConfigError(f"prompts[{seq.request_id}]: {e}") from None
     except SamplingError as e:
         raise SamplingError(f"prompts[{seq.request_id}]: {e}", e.param) from None
+
+
+def prefix_cache_of(generator: Generator, cache: list, pool: KVPool) -> PrefixCache | None:
+    """The generator's prefix cache over an engine's pool (None: turned off, or a model whose layers keep rings)."""
+    if not generator.prefix_caching or any(layer.ring is not None for layer in cache):
+        return None
+    return PrefixCache(cache, pool, generator.prefix_host_bytes)
 
 
 class Engine:
@@ -89,6 +100,7 @@ class Engine:
         # slot `capacity` takes the writes of padding; a ring layer holds a ring per sequence that may run at once
         self.cache = generator.model.new_cache(1, self.capacity, generator.max_batch_size)
         self._rings = list(range(generator.max_batch_size))  # the rings no running sequence holds
+        self.prefix = prefix_cache_of(generator, self.cache, self.pool)
         self._waiting: deque[Sequence] = deque()
         self._background: deque[Sequence] = deque()  # admitted only while _waiting is empty; not bounded here
         self._running: list[Sequence] = []  # changed by the stepping thread only, under the lock
@@ -199,7 +211,8 @@ class Engine:
 
     @property
     def kv_slots_used(self) -> int:
-        return self.capacity - self.pool.n_free
+        """Slots running requests hold (not the prefix cache's kept runs, which any request may take)."""
+        return self.capacity - self.pool.n_free - (self.prefix.pool_slots if self.prefix is not None else 0)
 
     def _has_work(self) -> bool:
         return bool(self._waiting or self._background or self._running or self._left)
@@ -207,26 +220,55 @@ class Engine:
     def _admit(self) -> None:
         """Waiting requests in arrival order, interactive ones first, while the batch has room for all their samples
         and their extents fit in the pool (an interactive head that does not fit holds the background ones back
-        too)."""
+        too); one whose prompt's next block another request is prefilling waits for it (those behind may pass)."""
         while (queue := self._waiting or self._background) and \
                 len(self._running) + len(queue[0].group) <= self.generator.max_batch_size:
-            group, bases = queue[0].group, []
-            for sample in group:
-                base = self.pool.alloc(sample.extent)
-                if base is None:
-                    break
-                bases.append(base)
-            if len(bases) < len(group):
-                for sample, base in zip(group, bases):
-                    self.pool.release(base, sample.extent)
+            seq, hit = self._next_of(queue)
+            if seq is None or len(self._running) + len(seq.group) > self.generator.max_batch_size:
                 break
-            queue.popleft()
-            for sample, base in zip(group, bases):
+            bases = self._alloc(seq.group, hit)
+            if bases is None:
+                break
+            queue.remove(seq)
+            for sample, base in zip(seq.group, bases):
                 sample.base, sample.n_cached, sample.generator = base, 0, sample.params.make_generator(sample.index)
                 sample.ring = self._rings.pop()
                 if sample.params.logprobs is not None:
                     sample.logprobs = []
                 self._running.append(sample)
+            if self.prefix is not None:
+                self.prefix.take(seq, hit)
+                self.prefix.add_running(seq)
+
+    def _next_of(self, queue: deque[Sequence]) -> tuple[Sequence | None, Hit]:
+        """The first request of queue not waiting for another's prefill of its prefix, and what the cache has of
+        its prompt."""
+        if self.prefix is None:
+            return queue[0], Hit()
+        for seq in queue:
+            hit = self.prefix.lookup(seq)
+            if not hit.waits:
+                return seq, hit
+        return None, Hit()
+
+    def _alloc(self, group: list[Sequence], hit: Hit) -> list[int] | None:
+        """A base for each sample's extent (the prefix cache gives up kept runs for them, not those hit copies
+        from), or None with nothing taken."""
+        bases = []
+        if self.prefix is not None:
+            self.prefix.pin(hit, 1)
+        for sample in group:
+            base = self.pool.alloc(sample.extent) if self.prefix is None else self.prefix.alloc(sample.extent)
+            if base is None:
+                break
+            bases.append(base)
+        if self.prefix is not None:
+            self.prefix.pin(hit, -1)
+        if len(bases) < len(group):
+            for sample, base in zip(group, bases):
+                self.pool.release(base, sample.extent)
+            return None
+        return bases
 
     def _drop_aborted(self) -> list[Sequence]:
         left, self._left = self._left, []
@@ -242,7 +284,10 @@ class Engine:
         left, speculator = [], getattr(self.generator, "speculator", None)
         for seq in seqs:
             self._running.remove(seq)
-            self.pool.release(seq.base, seq.extent)
+            if self.prefix is None:
+                self.pool.release(seq.base, seq.extent)
+            else:
+                self.prefix.release(seq, keep=seq.finish_reason in ("stop", "length"))
             self._rings.append(seq.ring)
             if speculator is not None:
                 speculator.forget(seq)

@@ -259,6 +259,18 @@ class ServeOptions(Section):
         name="reasoning_parser", cli="serve")
 
 
+class PrefixCacheOptions(Section):
+    """The prefix cache (vLLM's automatic prefix caching): a prompt that begins as an earlier one did takes those
+    tokens' K and V from the cache instead of computing them, in `offload run`, the Batch API, the server and LLM."""
+
+    enabled: bool = option(True, "reuse the K and V of prompt prefixes seen before (the server, jobs and LLM); "
+                           "--no-enable-prefix-caching turns it off, as vLLM's flag does",
+                           name="enable_prefix_caching", cli="plan", flag="--no-enable-prefix-caching")
+    host_memory: Size = option(None, "host RAM for blocks the KV pool evicts, such as 2GiB, inside memory.cpu "
+                               "(default: half the CPU budget the plan leaves free; 0: none)",
+                               name="prefix_cache_host_memory", cli="plan", unit="bytes")
+
+
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self")  # prompt lookup, a smaller model, the model's own weights
 # the draft's weight format unless speculative.quantization says: the model's own weights made smaller (self), a
 # draft model read as stored (draft_model)

@@ -79,7 +79,8 @@ def test_records_follow_openai_batch_format(tmp_path):
     body = rec["response"]["body"]
     assert rec["response"]["status_code"] == 200 and body["object"] == "chat.completion"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "Paris."}
-    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9}
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     text_choice = {"index": 0, "text": "y", "logprobs": None, "finish_reason": "length"}
     assert success_record(completion, [text_choice], 1, 1, "m")["response"]["body"]["choices"][0]["text"] == "y"
     err = error_record(bad, bad.message)

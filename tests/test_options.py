@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from offload.api import LLM
+from offload.api import LLM, PREFIX_CACHE_NAMES
 from offload.cli.main import build_parser
 from offload.errors import ConfigError
 from offload.jobs.config import JobConfig, load_config
@@ -64,6 +64,7 @@ NOT_EVERYWHERE = {
     # the speculative section: LLM takes it whole as speculative_config (vLLM's name), the YAML as `speculative:`,
     # the CLI by --set speculative.KEY=VALUE; one class (SpeculativeOptions) checks all three
     "speculative_config": "LLM's dict of the YAML's speculative section",
+    "prefix_cache": "LLM's dict of the YAML's prefix_cache section (its fields are keywords of their own too)",
     "speculative.method": "LLM: speculative_config; CLI: --set", "speculative.num_speculative_tokens": "ditto",
     "speculative.max_speculative_tokens": "ditto", "speculative.prompt_lookup_max": "ditto",
     "speculative.prompt_lookup_min": "ditto", "speculative.model": "ditto", "speculative.quantization": "ditto",
@@ -238,7 +239,8 @@ def test_every_option_is_on_all_three_surfaces_or_allowed(monkeypatch):
 
 def test_llm_keywords_set_the_yaml_key_of_their_name_with_its_default(monkeypatch):
     by_name = yaml_by_name()
-    shared = llm_names(monkeypatch) & set(by_name)
+    # the prefix cache's keywords set the LLM's cache, not its plan (tests/test_prefix_cache.py)
+    shared = llm_names(monkeypatch) & set(by_name) - set(PREFIX_CACHE_NAMES)
     caught = llm_requests(monkeypatch)
     LLM()
     defaults = request_options(caught.pop())
@@ -280,7 +282,7 @@ def test_plan_request_holds_the_plan_sections_and_max_tokens(monkeypatch):
         assert JobConfig.model_fields[name].annotation is section, name
         assert getattr(request, name) == section(), name
     assert request.max_tokens == SamplingOptions().max_tokens
-    assert set(request_options(request)) == llm_names(monkeypatch) & set(yaml_by_name())
+    assert set(request_options(request)) == llm_names(monkeypatch) & set(yaml_by_name()) - set(PREFIX_CACHE_NAMES)
 
 
 def test_plan_request_sizes_are_bytes_once_made():

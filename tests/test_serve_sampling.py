@@ -166,7 +166,9 @@ def test_a_batch_job_line_with_n_logprobs_and_echo(llm, model_dir, tmp_path):
     want = llm.generate(PROMPT, greedy(max_tokens=4))[0]
     n_prompt = len(want.prompt_token_ids)
     assert [c["index"] for c in a["choices"]] == [0, 1] and a["choices"][1]["text"] == PROMPT + want.text
+    details = a["usage"].pop("prompt_tokens_details")
     assert a["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": 8, "total_tokens": n_prompt + 8}
+    assert 0 <= details["cached_tokens"] < n_prompt
     logprobs = a["choices"][0]["logprobs"]
     assert len(logprobs["token_logprobs"]) == n_prompt + 4 and logprobs["token_logprobs"][0] is None
     content = b["choices"][0]["logprobs"]["content"]

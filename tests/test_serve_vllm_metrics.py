@@ -184,3 +184,25 @@ def test_tokenize_refuses_another_model_a_body_not_json_and_a_missing_key(llm, d
         assert_error(client.post("/detokenize", json=[72], headers=key), 400, None)
         answer = client.post("/detokenize", json={"tokens": [42]}, headers=key).json()
         assert answer == {"prompt": llm.tokenizer.decode([42])}
+
+
+def test_a_repeated_prefix_is_cached_in_usage_and_counted_as_hits(llm, defaults):
+    """A chat resent with one more turn takes its earlier blocks from the prefix cache: usage's cached_tokens (plain
+    and streamed) and vllm:prefix_cache_hits say how many, within the queries."""
+    system = {"role": "system", "content": "Answer in one short sentence, kindly and plainly."}
+    turns = [system, *CHAT]
+    with serving(llm, defaults) as (_, client):
+        first = post(client, "/v1/chat/completions", {"messages": turns, "max_tokens": 3, "ignore_eos": True})
+        again = post(client, "/v1/chat/completions", {"messages": turns + [
+            {"role": "assistant", "content": "Hi."}, {"role": "user", "content": "Bye!"}], "max_tokens": 3})
+        lines = client.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 2, "stream": True,
+                                                          "stream_options": {"include_usage": True}}).text
+        families = scrape(client)
+    import json as json_
+
+    streamed = json_.loads([line for line in lines.splitlines() if '"usage": {' in line][-1][len("data: "):])
+    cached = [r["usage"]["prompt_tokens_details"]["cached_tokens"] for r in (first, again, streamed)]
+    assert cached[0] == 0 and cached[1] >= 16 and cached[2] >= 16, cached
+    assert all(c < r["usage"]["prompt_tokens"] for c, r in zip(cached, (first, again, streamed)))
+    hits, queries = value(families, "vllm:prefix_cache_hits_total"), value(families, "vllm:prefix_cache_queries_total")
+    assert hits == sum(cached) and 0 < hits <= queries

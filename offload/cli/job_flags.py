@@ -14,7 +14,8 @@ def job_sections() -> dict:
     from offload import options as o
 
     return {**o.PLAN_SECTIONS, "sampling": o.SamplingOptions, "input": o.InputOptions, "output": o.OutputOptions,
-            "report": o.ReportOptions, "serve": o.ServeOptions}
+            "report": o.ReportOptions, "serve": o.ServeOptions,
+            "prefix_cache": o.PrefixCacheOptions}
 
 
 def flag_options(commands: tuple[str, ...]) -> dict[str, tuple[str, object]]:

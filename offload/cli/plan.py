@@ -38,11 +38,24 @@ def run(args) -> int:
         print(plan.to_json() if not args.explain else json.dumps(explained_dict(plan, changes), indent=2))
         return 0
     print(plan.table())
+    print(prefix_cache_line(plan, effective_config(args, need_input=False).prefix_cache))
     if args.explain:
         print()
         print(plan.explain())
         print("\n".join(["", *format_what_ifs(changes)]))
     return 0
+
+
+def prefix_cache_line(plan, options) -> str:
+    """What the prefix cache holds under this plan: the KV pool's room, and the host tier's."""
+    from offload.hardware import format_bytes
+    from offload.prefix_cache import host_tier_bytes
+
+    if not options.enabled:
+        return "prefix cache: off (prefix_cache.enabled false, --no-enable-prefix-caching)"
+    shown = "half the CPU budget the plan leaves free" if options.host_memory is None else "prefix_cache.host_memory"
+    return (f"prefix cache: on, in the KV pool's free slots, and a host tier of "
+            f"{format_bytes(host_tier_bytes(plan, options.host_memory))} ({shown})")
 
 
 def explained_dict(plan, changes: list[dict]) -> dict:

@@ -345,18 +345,21 @@ def _refuse_duplicates(shown: str, items: list) -> None:
                           f"give each request its own custom_id")
 
 
-def success_record(req: Request, choices: list[dict], n_prompt: int, n_generated: int, model: str) -> dict:
+def success_record(req: Request, choices: list[dict], n_prompt: int, n_generated: int, model: str,
+                   n_cached: int = 0) -> dict:
     """An OpenAI Batch output line for a finished request: its choices (offload.jobs.responses.choices)."""
     request_id = uuid.uuid4().hex
     prefix = "chatcmpl" if req.url == CHAT else "cmpl"
     answer = response_body(req.url, f"{prefix}-{request_id}", int(time.time()), model, choices,
-                           usage(n_prompt, n_generated))
+                           usage(n_prompt, n_generated, n_cached))
     return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.custom_id,
             "response": {"status_code": 200, "request_id": request_id, "body": answer}, "error": None}
 
 
-def usage(n_prompt: int, n_completion: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+def usage(n_prompt: int, n_completion: int, n_cached: int = 0) -> dict:
+    """OpenAI's usage: n_cached of the prompt tokens came from the prefix cache (prompt_tokens_details)."""
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion,
+            "prompt_tokens_details": {"cached_tokens": n_cached}}
 
 
 def response_body(url: str, request_id: str, created: int, model: str, choices: list[dict], usage_: dict) -> dict:

@@ -16,8 +16,8 @@ from pydantic import BaseModel, Field, ValidationError
 
 from offload.errors import ConfigError, WeightsError
 from offload.options import (ENGINES, DistributedOptions, HardwareOptions, InputOptions, MemoryOptions, ModelOptions,
-                             OutputOptions, ReportOptions, SamplingOptions, ScheduleOptions, Section, ServeOptions,
-                             SpeculativeOptions)
+                             OutputOptions, PrefixCacheOptions, ReportOptions, SamplingOptions, ScheduleOptions,
+                             Section, ServeOptions, SpeculativeOptions)
 from offload.planner.request import PlanRequest
 from offload.profile.report import PLOT_EXTRA_HINT, plotting_available
 from offload.weights.default_model import resolve_model
@@ -46,6 +46,7 @@ class JobConfig(Section):
     distributed: DistributedOptions = Field(default_factory=DistributedOptions)
     serve: ServeOptions = Field(default_factory=ServeOptions)  # offload serve only
     speculative: SpeculativeOptions = Field(default_factory=SpeculativeOptions)  # LLM's speculative_config
+    prefix_cache: PrefixCacheOptions = Field(default_factory=PrefixCacheOptions)  # LLM's prefix_cache
 
     @property
     def output_path(self) -> Path:

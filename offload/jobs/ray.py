@@ -154,6 +154,7 @@ class Replica:
         def on_answer(req: Request, answer) -> None:
             counts.n_done += 1
             counts.n_prompt_tokens += answer.n_prompt
+            counts.n_cached_tokens += answer.n_cached
             counts.n_generated_tokens += answer.n_generated
             put((req.key, answer))
 

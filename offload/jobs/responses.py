@@ -102,4 +102,5 @@ def usage_of(outputs: list) -> dict:
     """Usage of finished requests: each prompt counted once (its n samples share its prefill), every sample's
     tokens."""
     return usage(sum(len(o.prompt_token_ids) for o in outputs),
-                 sum(len(s.token_ids) for o in outputs for s in o.outputs))
+                 sum(len(s.token_ids) for o in outputs for s in o.outputs),
+                 sum(o.num_cached_tokens for o in outputs))

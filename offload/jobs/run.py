@@ -158,9 +158,11 @@ def generate_all(llm, todo: list[Request], log: OutputLog, counts: JobCounts, pr
     start = Timeline.now()
 
     def on_answer(req: Request, answer: Answer) -> None:
-        log.append(success_record(req, answer.choices, answer.n_prompt, answer.n_generated, model_name))
+        log.append(success_record(req, answer.choices, answer.n_prompt, answer.n_generated, model_name,
+                                  answer.n_cached))
         counts.n_done += 1
         counts.n_prompt_tokens += answer.n_prompt
+        counts.n_cached_tokens += answer.n_cached
         counts.n_generated_tokens += answer.n_generated
         counts.generate_s = Timeline.now() - start
         bar.set_postfix_str(f"{counts.n_generated_tokens / max(counts.generate_s, 1e-9):.1f} tok/s", refresh=False)

@@ -50,6 +50,7 @@ class Answer:
     choices: list[dict]
     n_prompt: int
     n_generated: int
+    n_cached: int = 0  # of the prompt tokens, those the prefix cache gave
 
     @property
     def text(self) -> str:
@@ -66,7 +67,8 @@ def load_llm(config: JobConfig):
     """The LLM for a config: model, budgets, hardware; the planner picks the batch size unless it is set."""
     from offload.api import LLM
 
-    return LLM.from_request(plan_request(config), speculative_config=config.speculative)
+    return LLM.from_request(plan_request(config), speculative_config=config.speculative,
+                            prefix_cache=config.prefix_cache)
 
 
 def prompt_ids(req: Request, tokenizer, path: Path, context_len: int | None = None) -> tuple[list[int], str | None]:
@@ -130,7 +132,8 @@ def generate_answers(llm, requests: list[Request], on_answer: OnAnswer, on_error
         req, counts = prepared.request, responses.usage_of([out])
         answer = Answer(responses.choices(req.url, out, llm.tokenizer, echo=req.echo, split=prepared.split,
                                           tools=req.tools),
-                        counts["prompt_tokens"], counts["completion_tokens"])
+                        counts["prompt_tokens"], counts["completion_tokens"],
+                        counts["prompt_tokens_details"]["cached_tokens"])
         on_answer(req, answer)
 
     llm.generate([p.prompt for p in ready], [p.params for p in ready], on_finish=on_finish)

@@ -31,6 +31,7 @@ class JobCounts:
     n_skipped: int = 0  # answered by an earlier run of the same job
     n_prompt_tokens: int = 0
     n_generated_tokens: int = 0
+    n_cached_tokens: int = 0  # prompt tokens the prefix cache gave
     generate_s: float = 0.0  # wall time spent generating
     interrupted: bool = False
 
@@ -45,7 +46,8 @@ def build_report(counts: JobCounts, timeline=None, plan=None, peaks: dict | None
     return {
         "requests": {"total": counts.n_requests, "done": counts.n_done, "failed": counts.n_failed,
                      "skipped_already_done": counts.n_skipped, "interrupted": counts.interrupted},
-        "tokens": {"prompt": counts.n_prompt_tokens, "generated": counts.n_generated_tokens},
+        "tokens": {"prompt": counts.n_prompt_tokens, "generated": counts.n_generated_tokens,
+                   "cached": counts.n_cached_tokens},
         "generate_s": counts.generate_s,
         "generated_tokens_per_s": _ratio(counts.n_generated_tokens, counts.generate_s),
         "cpu_kernels": cpu_kernel_path(),
@@ -159,6 +161,9 @@ def format_report(report: dict) -> str:
              f"{' (interrupted)' if req['interrupted'] else ''} of {req['total']}",
              f"tokens: {tok['prompt']} prompt, {tok['generated']} generated in {report['generate_s']:.1f} s "
              f"({_fmt(report['generated_tokens_per_s'], '.1f')} generated tok/s)"]
+    if tok.get("cached"):  # reports saved before the field lack it
+        lines.append(f"prefix cache: {tok['cached']} of {tok['prompt']} prompt tokens taken from the cache "
+                     f"({_pct(tok['cached'] / max(tok['prompt'], 1))}), not computed")
     if report.get("cpu_kernels"):  # reports saved before the field lack it
         path = report["cpu_kernels"]
         lines.append(f"kernels: CPU {path} ({'numba: the C++ extension is not built' if path == 'numba' else 'C++'})")

@@ -227,7 +227,7 @@ async def _disconnected(request: Request) -> None:
 async def _events(server: Server, job: Job, queue: asyncio.Queue):
     """Server-sent events: chunks as text arrives, each choice's end, usage if asked, [DONE]; a client that
     leaves (the stream is cancelled or closed) aborts its request."""
-    finished, left, n_prompt, n_completion = False, len(job.seqs), 0, 0
+    finished, left, n_prompt, n_completion, n_cached = False, len(job.seqs), 0, 0, 0
     try:
         for index in range(job.n_choices):
             if job.url == CHAT:
@@ -243,6 +243,7 @@ async def _events(server: Server, job: Job, queue: asyncio.Queue):
             if update.done:
                 left -= 1
                 n_prompt, n_completion = n_prompt + update.n_prompt, n_completion + update.n_completion
+                n_cached += update.n_cached
                 continue
             piece = protocol.text_chunk(job, update.index, update.text, update.logprobs, list(update.token_ids),
                                         final=update.finish_reason is not None)
@@ -252,7 +253,7 @@ async def _events(server: Server, job: Job, queue: asyncio.Queue):
                 yield sse(protocol.finish_chunk(job, update.index, update.finish_reason))
         finished = not left
         if finished and job.include_usage:
-            yield sse(protocol.usage_chunk(job, n_prompt, n_completion))
+            yield sse(protocol.usage_chunk(job, n_prompt, n_completion, n_cached))
         yield sse("[DONE]")
     finally:
         if not finished:

@@ -176,7 +176,8 @@ class BatchRunner:
         llm = self.server.llm
         output = llm.output_of(seq, req.prompt if isinstance(req.prompt, str) else None)
         choices = responses.choices(req.url, output, llm.tokenizer, echo=req.echo, split=split, tools=req.tools)
-        self._write(log, success_record(req, choices, update.n_prompt, update.n_completion, self.server.model_name))
+        self._write(log, success_record(req, choices, update.n_prompt, update.n_completion, self.server.model_name,
+                                          update.n_cached))
 
     def _write(self, log: OutputLog, record: dict) -> None:
         log.append(record)

@@ -37,6 +37,7 @@ class Update:
     error: str | None = None
     n_prompt: int = 0
     n_completion: int = 0
+    n_cached: int = 0  # of the prompt tokens, those the prefix cache gave
 
     @property
     def last(self) -> bool:
@@ -189,7 +190,7 @@ class EngineThread:
                 continue
             self._count_finish(stream, seq.finish_reason)  # before its answer: a scrape after the answer counts it
             stream.post(Update(done=True, n_prompt=len(seq.prompt_ids),
-                               n_completion=sum(len(s.output_ids) for s in seq.group)))
+                               n_completion=sum(len(s.output_ids) for s in seq.group), n_cached=seq.n_prefix_hit))
 
     def _stream_tokens(self, stream: Stream, seq: Sequence, tokens: list[int]) -> None:
         """Hand on a sample's new text (less the tail a stop string may still claim; at its end, the rest of its
@@ -228,4 +229,4 @@ class EngineThread:
     def _count_finish(self, stream: Stream, finish_reason: str) -> None:
         seq = stream.seq
         self.metrics.on_finish(finish_reason, len(seq.prompt_ids), sum(len(s.output_ids) for s in seq.group),
-                               time.perf_counter() - stream.arrived_s)
+                               time.perf_counter() - stream.arrived_s, seq.n_prefix_hit)

@@ -61,11 +61,12 @@ class ServeMetrics:
             for value_s in observed:
                 histogram.observe(value_s)
 
-    def on_finish(self, finish_reason: str, n_prompt: int, n_generated: int, e2e_s: float) -> None:
-        """A request left the engine: why, its prompt and generated tokens (all samples), seconds since it arrived."""
+    def on_finish(self, finish_reason: str, n_prompt: int, n_generated: int, e2e_s: float, n_cached: int = 0) -> None:
+        """A request left the engine: why, its prompt and generated tokens (all samples), seconds since it arrived,
+        and the prompt tokens the prefix cache gave."""
         self.finished.labels(finish_reason).inc()
         self.prompt_tokens.inc(n_prompt)
-        self.vllm.on_finish(finish_reason, n_prompt, n_generated, e2e_s)
+        self.vllm.on_finish(finish_reason, n_prompt, n_generated, e2e_s, n_cached)
 
     def on_step(self, timeline: Timeline | None) -> None:
         """Move what the model's timeline recorded since the last step into the busy counters (and clear it)."""

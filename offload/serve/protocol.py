@@ -190,10 +190,11 @@ def chunk(job: Job, index: int = 0, text: str | None = None, finish_reason: str 
     return {**out, "usage": None} if job.include_usage else out
 
 
-def usage_chunk(job: Job, n_prompt: int, n_completion: int) -> dict:
+def usage_chunk(job: Job, n_prompt: int, n_completion: int, n_cached: int = 0) -> dict:
     """The last chunk when stream_options.include_usage is set: no choices, the request's usage."""
     return {"id": job.id, "object": "chat.completion.chunk" if job.url == CHAT else "text_completion",
-            "created": job.created, "model": job.model, "choices": [], "usage": responses.usage(n_prompt, n_completion)}
+            "created": job.created, "model": job.model, "choices": [],
+            "usage": responses.usage(n_prompt, n_completion, n_cached)}
 
 
 def sse(obj: dict | str) -> str:

@@ -1,6 +1,6 @@
 """vLLM's series on /metrics, beside offload's own: the names, types, labels and buckets of vLLM's Prometheus logger
 (vllm/v1/metrics/loggers.py), so the dashboards and alerts written for `vllm serve` read `offload serve` as they
-are. offload has no prefix cache: its hits stay 0 while its queries count prompt tokens, as vLLM's do."""
+are. The prefix cache's queries count prompt tokens and its hits the tokens it gave, as vLLM's do."""
 
 from __future__ import annotations
 
@@ -52,9 +52,8 @@ class VllmMetrics:
                 ("vllm:kv_cache_usage_perc", "share of the KV slots running requests hold, 0 to 1",
                  lambda: kv_usage(engine))):
             Gauge(name, doc, VLLM_LABELS, registry=registry).labels(*labels).set_function(read)
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache "
-                                                                    "(offload has none: every prompt token)")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "prompt tokens found in the prefix cache (0: none)")
+        self.prefix_queries = counter("vllm:prefix_cache_queries", "prompt tokens looked up in the prefix cache")
+        self.prefix_hits = counter("vllm:prefix_cache_hits", "prompt tokens the prefix cache gave")
         self.prompt_tokens = counter("vllm:prompt_tokens", "prompt tokens of finished requests")
         self.generation_tokens = counter("vllm:generation_tokens", "tokens generated")
         self.success = Counter("vllm:request_success", "requests that left the engine, by why",
@@ -74,11 +73,13 @@ class VllmMetrics:
                                                    "generated tokens per request (all its samples)",
                                                    token_buckets(max_model_len))
 
-    def on_finish(self, finish_reason: str, n_prompt: int, n_generated: int, e2e_s: float) -> None:
-        """A request left the engine: why, its prompt and generated tokens (all samples), seconds since it arrived."""
+    def on_finish(self, finish_reason: str, n_prompt: int, n_generated: int, e2e_s: float, n_cached: int = 0) -> None:
+        """A request left the engine: why, its prompt and generated tokens (all samples), seconds since it arrived,
+        and the prompt tokens the prefix cache gave."""
         self.success.labels(*self._labels, finish_reason).inc()
         self.prompt_tokens.inc(n_prompt)
-        self.prefix_queries.inc(n_prompt)  # every prompt token is looked up, none found: offload has no prefix cache
+        self.prefix_queries.inc(n_prompt)
+        self.prefix_hits.inc(n_cached)
         self.request_prompt_tokens.observe(n_prompt)
         self.request_generation_tokens.observe(n_generated)
         self.e2e.observe(e2e_s)

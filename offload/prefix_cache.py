@@ -1,0 +1,221 @@
+"""The prefix cache: prompts that begin as earlier ones did take those tokens' K and V instead of computing them
+(vLLM's automatic prefix caching, llama.cpp's prompt cache).
+
+A sequence's tokens are cut into blocks of BLOCK_TOKENS, each named by a hash of every token up to its end (a
+chain: a block's name says its whole prefix, as vLLM's block hashes do). The index maps a name to where that
+block's K and V lie:
+- in a running sequence's extent, from the step its prompt chunk was cached (a request whose next block is still
+  being prefilled by another waits for that prefill instead of computing the block again);
+- in a kept run of a finished sequence's extent: when a sequence ends, its full blocks not already indexed stay in
+  the pool (the rest of its extent is freed), until the pool needs the room;
+- in the host tier: runs the pool evicts move to host RAM while the tier's bytes allow (a CPU budget the plan
+  leaves free), and come back by copy on a hit.
+A hit copies the blocks into the new sequence's own extent, layer by layer (the pool keeps one contiguous extent
+per sequence, so blocks are copied, not shared) and its prefill starts after them; its last prompt token is always
+computed, for its logits. Eviction takes the least recently used kept run first (a run is a request's blocks),
+never one a hit is copying from. Models whose layers keep rings of their window (offload.spec.ModelSpec.kv_ring)
+do not cache: a ring no longer holds the early keys a later prompt would take.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from offload.kv_pool import KVPool
+from offload.sequence import Sequence
+
+BLOCK_TOKENS = 16  # tokens per cached block (vLLM's default block_size)
+
+
+def block_names(tokens: list[int], n_blocks: int) -> Iterator[bytes]:
+    """The chained names of tokens' first n_blocks blocks, one by one: each a digest of the one before it and its
+    own tokens."""
+    prev, ids = b"", np.asarray(tokens[: n_blocks * BLOCK_TOKENS], dtype=np.int64)
+    for i in range(n_blocks):
+        prev = hashlib.blake2b(prev + ids[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].tobytes(), digest_size=16).digest()
+        yield prev
+
+
+@dataclass(eq=False)
+class Kept:
+    """Blocks first.. first + len(names) - 1 of a finished sequence: in the pool from slot base, or in host RAM
+    (host: per layer, K and V of the run's tokens)."""
+
+    names: list[bytes]
+    first: int
+    base: int | None
+    last_used: float
+    host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+    pins: int = 0
+
+    @property
+    def n_slots(self) -> int:
+        return len(self.names) * BLOCK_TOKENS
+
+
+@dataclass
+class Hit:
+    """What a lookup found: the blocks from the first on, each (holder, its block index); waits: the next block is
+    being prefilled by a running sequence."""
+
+    blocks: list[tuple[object, int]] = field(default_factory=list)
+    waits: bool = False
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.blocks) * BLOCK_TOKENS
+
+
+class PrefixCache:
+    """The index of cached blocks over one engine's pool and cache, with its host tier of host_bytes."""
+
+    def __init__(self, cache: list, pool: KVPool, host_bytes: int = 0, clock=time.monotonic):
+        self.cache, self.pool, self.host_bytes, self.clock = cache, pool, host_bytes, clock
+        self.index: dict[bytes, tuple[object, int]] = {}  # name -> (a running Sequence or a Kept, block index)
+        self._running: dict[int, list[bytes]] = {}  # id(sequence) -> the names it holds in the index
+        self.kept: list[Kept] = []  # in the pool or the host tier
+        self.queries = self.hits = 0  # prompt tokens looked up, and found
+        self.token_bytes = sum(t.shape[2] * t.shape[3] * t.element_size() for layer in cache for t in (layer.k, layer.v))
+
+    @property
+    def pool_slots(self) -> int:
+        """Pool slots that kept runs hold (free to any request that needs them)."""
+        return sum(k.n_slots for k in self.kept if k.base is not None)
+
+    @property
+    def host_used(self) -> int:
+        return sum(k.n_slots for k in self.kept if k.base is None) * self.token_bytes
+
+    def lookup(self, seq: Sequence) -> Hit:
+        """The longest run of seq's prompt blocks in the index, all but its last token (seq without prompt
+        logprobs: those need every prompt token's logits)."""
+        hit = Hit()
+        if seq.params.prompt_logprobs is not None:
+            return hit
+        for i, name in enumerate(block_names(seq.prompt_ids, (len(seq.prompt_ids) - 1) // BLOCK_TOKENS)):
+            holder, block = self.index.get(name, (None, -1))
+            if holder is None:
+                break
+            if isinstance(holder, Sequence) and holder.n_cached < (block + 1) * BLOCK_TOKENS:
+                hit.waits = True
+                break
+            hit.blocks.append((holder, block))
+        return hit
+
+    def pin(self, hit: Hit, by: int) -> None:
+        """Keep (by=1) or release (by=-1) the kept runs a hit copies from from eviction."""
+        for holder in {id(h): h for h, _ in hit.blocks if isinstance(h, Kept)}.values():
+            holder.pins += by
+
+    def alloc(self, n: int) -> int | None:
+        """The pool's first slot of n free slots, evicting kept runs least recently used first while it has none."""
+        while (base := self.pool.alloc(n)) is None:
+            victims = [k for k in self.kept if k.base is not None and not k.pins]
+            if not victims:
+                return None
+            self._evict(min(victims, key=lambda k: k.last_used))
+        return base
+
+    def take(self, seq: Sequence, hit: Hit) -> None:
+        """Copy a hit's blocks into seq's extent (admitted, base set): its prompt is cached up to them."""
+        now = self.clock()
+        self.queries += len(seq.prompt_ids)
+        runs: list[list] = []  # [holder, first block, n blocks]
+        for holder, block in hit.blocks:
+            if runs and runs[-1][0] is holder and runs[-1][1] + runs[-1][2] == block:
+                runs[-1][2] += 1
+            else:
+                runs.append([holder, block, 1])
+        for holder, block, n in runs:
+            if isinstance(holder, Kept):
+                holder.last_used = now
+            self._copy(holder, block, n, seq.base + block * BLOCK_TOKENS)
+        seq.n_cached = seq.n_prefix_hit = hit.n_tokens
+        self.hits += hit.n_tokens
+
+    def _copy(self, holder, block: int, n: int, dst: int) -> None:
+        m = n * BLOCK_TOKENS
+        if isinstance(holder, Kept) and holder.base is None:
+            at = (block - holder.first) * BLOCK_TOKENS
+            for layer, saved in zip(self.cache, holder.host):
+                for t, h in zip((layer.k, layer.v), saved):
+                    t[0, dst: dst + m].copy_(h[at: at + m])
+            return
+        src = holder.base + (block - (holder.first if isinstance(holder, Kept) else 0)) * BLOCK_TOKENS
+        for layer in self.cache:
+            for t in (layer.k, layer.v):
+                t[:, dst: dst + m].copy_(t[:, src: src + m])
+
+    def add_running(self, seq: Sequence) -> None:
+        """Index seq's prompt blocks that are not yet (they are hits from the step their chunk is cached)."""
+        names = list(block_names(seq.prompt_ids, len(seq.prompt_ids) // BLOCK_TOKENS))
+        mine = [name for i, name in enumerate(names) if self.index.setdefault(name, (seq, i))[0] is seq]
+        self._running[id(seq)] = mine
+
+    def release(self, seq: Sequence, keep: bool) -> None:
+        """seq left: keep its full blocks that no one else holds in the pool (keep: it ended as it should; its
+        tokens' K and V are all written) and free the rest of its extent; else free it all."""
+        for name in self._running.pop(id(seq), []):
+            if self.index.get(name, (None,))[0] is seq:
+                del self.index[name]
+        tokens = seq.prompt_ids + seq.output_ids
+        n_full = (seq.n_tokens - 1) // BLOCK_TOKENS if keep and seq.prefilled else 0
+        names = list(block_names(tokens, n_full))
+        first = next((i for i, name in enumerate(names) if name not in self.index), n_full)
+        if first == n_full:
+            self.pool.release(seq.base, seq.extent)
+            return
+        kept = Kept(names[first:], first, seq.base + first * BLOCK_TOKENS, self.clock())
+        for i, name in enumerate(kept.names):
+            self.index.setdefault(name, (kept, first + i))
+        self.kept.append(kept)
+        if first:
+            self.pool.release(seq.base, first * BLOCK_TOKENS)
+        if seq.extent > n_full * BLOCK_TOKENS:
+            self.pool.release(seq.base + n_full * BLOCK_TOKENS, seq.extent - n_full * BLOCK_TOKENS)
+
+    def _evict(self, kept: Kept) -> None:
+        """Move a kept run from the pool to the host tier where the tier has room (evicting its least recently
+        used runs), else drop it."""
+        need = kept.n_slots * self.token_bytes
+        while self.host_used + need > self.host_bytes:
+            victims = [k for k in self.kept if k.base is None and not k.pins]
+            if not victims or need > self.host_bytes:
+                break
+            self._drop(min(victims, key=lambda k: k.last_used))
+        if self.host_used + need <= self.host_bytes:
+            a, b = kept.base, kept.base + kept.n_slots
+            kept.host = [tuple(t[0, a:b].to("cpu", copy=True) for t in (layer.k, layer.v)) for layer in self.cache]
+            kept.base = None
+            self.pool.release(a, b - a)
+        else:
+            self._drop(kept)
+
+    def _drop(self, kept: Kept) -> None:
+        for name in kept.names:
+            if self.index.get(name, (None,))[0] is kept:
+                del self.index[name]
+        self.kept.remove(kept)
+        if kept.base is not None:
+            self.pool.release(kept.base, kept.n_slots)
+
+
+def host_tier_bytes(plan, asked: int | None) -> int:
+    """The host tier's bytes: asked where given (ConfigError where it passes the CPU budget the plan leaves free),
+    else half of that room (0 without a plan: a placement given by hand leaves the budget unknown)."""
+    from offload.errors import ConfigError
+    from offload.hardware import format_bytes
+
+    room = 0 if plan is None else max(0, plan.tier("cpu").budget_bytes - plan.tier("cpu").total_bytes)
+    if asked is None:
+        return room // 2
+    if plan is not None and asked > room:
+        raise ConfigError(f"prefix_cache.host_memory is {format_bytes(asked)} and the plan leaves "
+                          f"{format_bytes(room)} of memory.cpu free; lower it, or raise memory.cpu")
+    return asked
