@@ -182,3 +182,36 @@ def test_peak_rss_stays_within_a_small_budget(default_model_dir, quantization):
     assert proc.returncode == 0, proc.stderr
     for batch, peak in json.loads(proc.stdout.splitlines()[-1]):  # RSS_SLACK: see its comment
         assert peak <= RSS_SLACK * budget, (quantization, batch, peak / MIB)
+
+
+FULL_CACHE_SCRIPT = textwrap.dedent("""
+    import json, random, sys
+    from offload import LLM, SamplingParams
+    from offload.engine import Engine
+    from offload.runtime.host_memory import peak_rss_bytes
+    budget = int(sys.argv[1])
+    llm = LLM("default", quantization="q8_0", cpu_memory=budget, disk_memory="4GiB", batch_size=8, max_model_len=256)
+    engine = Engine(llm.generator)
+    tier, per_token = engine.prefix.host_bytes, engine.prefix.token_bytes
+    rng = random.Random(0)
+    n = 0
+    while engine.prefix.host_used < 0.9 * tier and n < 400:  # distinct prompts until the host tier is full
+        for _ in range(16):
+            engine.add(n, [rng.randrange(100, 40000) for _ in range(200)], SamplingParams(max_tokens=2, temperature=0))
+            n += 1
+        engine.run_until_done()
+    print(json.dumps([tier, engine.prefix.host_used, per_token, n, peak_rss_bytes()]))
+""")
+
+
+@pytest.mark.slow
+def test_peak_rss_stays_within_the_budget_with_the_prefix_caches_host_tier_full(default_model_dir):
+    """Acceptance: with the prefix cache's host tier filled (its default: half the CPU budget the plan leaves free),
+    the OS's peak resident size stays within the host budget (+RSS_SLACK), in a fresh process."""
+    budget = 1200 * MIB
+    proc = subprocess.run([sys.executable, "-c", FULL_CACHE_SCRIPT, str(budget)], capture_output=True, text=True,
+                          timeout=900, env={**__import__("os").environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    tier, used, per_token, n, peak = json.loads(proc.stdout.splitlines()[-1])
+    assert tier > 0 and used >= 0.9 * tier - 256 * per_token, (tier / MIB, used / MIB, n)
+    assert peak <= RSS_SLACK * budget, (peak / MIB, tier / MIB)

@@ -161,3 +161,22 @@ def test_options_turn_it_off_and_bound_the_host_tier(folder, llm):
         prefix_cache_options({"enabled": "sometimes"})
     with pytest.raises(ConfigError, match="plan leaves .* of memory.cpu free"):
         LLM(str(folder), backend="cpu", max_model_len=CONTEXT, cpu_memory="2GiB", prefix_cache_host_memory="3GiB")
+
+
+def test_the_cost_model_prices_a_hit_by_the_tokens_left_to_compute_and_the_copy():
+    from offload.planner import PlanRequest, plan_for
+    from offload.planner.prefix_price import price_prefix_hit
+    from offload.weights.default_model import resolve_model
+    from offload.weights.model_files import model_spec
+
+    request = PlanRequest.of(model="llama-3.1-8b", hardware="rtx4090-ddr5", gpu_memory="8GiB", cpu_memory="32GiB",
+                             max_model_len=4096)
+    spec, hw = model_spec(resolve_model(request.model.path)), request.profile()
+    plan = plan_for(spec, hw, request)
+    none, most, whole = (price_prefix_hit(plan, spec, hw, r) for r in (0.0, 0.75, 1.0))
+    assert none.copy_s == 0 and none.hit_prefill_s == pytest.approx(none.prefill_s) and none.speedup == 1
+    assert most.computed_s == pytest.approx(none.prefill_s * (1 - round(0.75 * most.prompt_tokens)
+                                                              / most.prompt_tokens))
+    assert 0 < most.copy_s < most.computed_s and 1 < most.speedup < whole.speedup  # the last token is computed
+    with pytest.raises(ConfigError, match="from 0 to 1"):
+        price_prefix_hit(plan, spec, hw, 1.5)

@@ -24,6 +24,8 @@ def add_parser(sub) -> None:
                    help="price speculative decoding (the config's speculative section, e.g. --set "
                         "speculative.method=draft_model --set speculative.model=llama-3.2-1b) at batch 1 with this "
                         "acceptance rate (default with a speculative method: 0.7)")
+    p.add_argument("--prefix-hit-rate", type=float, metavar="RATE",
+                   help="price the prefix cache: a prompt's prefill with this share of its tokens cached (0 to 1)")
     p.set_defaults(func=run)
 
 
@@ -49,6 +51,17 @@ def speculation_price(request, options, acceptance: float | None):
                              options.max_speculative_tokens)
 
 
+def prefix_hit(request, rate: float):
+    """The plan's prefill of one prompt priced with rate of its tokens from the prefix cache."""
+    from offload.planner import plan_for
+    from offload.planner.prefix_price import price_prefix_hit
+    from offload.weights.default_model import resolve_model
+    from offload.weights.model_files import model_spec
+
+    spec, hw = model_spec(resolve_model(request.model.path)), request.profile()
+    return price_prefix_hit(plan_for(spec, hw, request), spec, hw, rate)
+
+
 def run(args) -> int:
     from offload.errors import ConfigError
     from offload.jobs.config import plan_request
@@ -63,15 +76,21 @@ def run(args) -> int:
     speculation = speculation_price(request, config.speculative, args.speculative_acceptance)
     trace = config.report.trace
     result = simulate(request, args.decode_steps, trace, prompt_len=args.prompt_len, requests=args.requests)
+    hit = None if args.prefix_hit_rate is None else prefix_hit(request, args.prefix_hit_rate)
     if args.json:
         out = result.to_dict()
         if speculation is not None:
             out["speculative"] = {**dataclasses.asdict(speculation), "speedup": speculation.speedup}
+        if hit is not None:
+            out["prefix_cache"] = {**dataclasses.asdict(hit), "hit_prefill_s": hit.hit_prefill_s,
+                                   "speedup": hit.speedup}
         print(json.dumps(out, indent=2, default=lambda v: None))
     else:
         print(result.table())
         if speculation is not None:
             print(speculation.line())
+        if hit is not None:
+            print(hit.line())
     if trace:
         log.info(f"trace written to {trace} (open it in ui.perfetto.dev or chrome://tracing)")
     return 0
