@@ -20,7 +20,8 @@ from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.speculation import SpeculationPrice
 from offload.prefix_cache import host_tier_bytes
-from offload.options import DEFAULT_REASONING_PARSER, PrefixCacheOptions, SpeculativeOptions, default_of
+from offload.options import (DEFAULT_REASONING_PARSER, DEFAULT_TOOL_CALL_PARSER, PrefixCacheOptions, SpeculativeOptions,
+                             default_of)
 from offload.profile.timeline import Timeline
 from offload.reasoning import AnswerSplit, answer_split
 from offload.runtime.backends import make_backend, missing_gpu, simulated_gpu_warning
@@ -285,7 +286,7 @@ class LLM:
         params = [p if split is None else split.sampling(p) for split, p in zip(splits, params)]
         outputs = self.generate([{"prompt_token_ids": i} for i in ids], params)
         for split, output in zip(splits, outputs):
-            parser = tool_parser(self.tokenizer, offered, split)
+            parser = tool_parser(self.tokenizer, offered, split, DEFAULT_TOOL_CALL_PARSER)
             if split is not None or parser is not None:
                 output.outputs = [_read_answer(sample, split, parser, offered) for sample in output.outputs]
         return outputs

@@ -21,6 +21,7 @@ from offload.errors import ConfigError
 from offload.formats import DTYPES, QUANTIZATIONS
 from offload.hardware import HardwareProfile, parse_size
 from offload.reasoning import HARMONY_PARSER, THINK_PARSERS
+from offload.tool_parsers import AUTO_PARSERS
 
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # OpenAI's schema takes any 64-bit seed; torch's manual_seed takes these
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (vLLM's max_logprobs; OpenAI chat's top_logprobs)
@@ -34,6 +35,11 @@ INPUT_FORMATS = ("openai", "text")
 # channels), vLLM's --reasoning-parser names, whatever the model; none: never
 REASONING_PARSERS = ("auto", *THINK_PARSERS, HARMONY_PARSER, "none")
 DEFAULT_REASONING_PARSER = "auto"  # offload run's batch jobs and LLM.chat split this way too
+# how a chat answer to tool_choice auto is read for tool calls (offload/tool_parsers.py): auto by the model (gpt-oss's
+# harmony, else <tool_call> where the template mentions it, else Llama 3's JSON); hermes, llama3_json and openai,
+# vLLM's --tool-call-parser names, whatever the model; none: never (the answer stays content)
+TOOL_CALL_PARSERS = ("auto", *AUTO_PARSERS, "none")
+DEFAULT_TOOL_CALL_PARSER = "auto"  # offload run's batch jobs and LLM.chat read calls this way too
 
 
 def option(default: Any = ..., help: str = "", *, name: str | None = None, cli: str | None = None,
@@ -234,7 +240,8 @@ class DistributedOptions(Section):
 
 class ServeOptions(Section):
     """`offload serve`: where it listens, who may call it, how many requests may wait for a slot, where its batches
-    live, the largest upload, and whether a chat answer's reasoning is split off its content."""
+    live, the largest upload, whether a chat answer's reasoning is split off its content, and how its tool calls
+    are read."""
 
     host: str = option("127.0.0.1", "address to listen on: 127.0.0.1 is this machine only, 0.0.0.0 every "
                        "interface", name="host", cli="serve")
@@ -257,6 +264,17 @@ class ServeOptions(Section):
         "deepseek_r1 (vLLM's names, one parser here): the <think>...</think> block; openai_gptoss: the harmony "
         "channels (analysis is reasoning, final the content); none: the answer stays whole in content",
         name="reasoning_parser", cli="serve")
+    tool_call_parser: Literal[TOOL_CALL_PARSERS] = option(
+        DEFAULT_TOOL_CALL_PARSER, "how a chat answer to tool_choice auto is read for tool calls (message.tool_calls), "
+        "as vLLM's --tool-call-parser: auto is openai for gpt-oss, else hermes where the model's chat template "
+        "mentions <tool_call>, else llama3_json; hermes: <tool_call>{...}</tool_call> blocks (Qwen, Hermes); "
+        "llama3_json: an answer that is a JSON call (Llama 3.1); openai: gpt-oss's harmony calls to functions.NAME; "
+        "none: the answer stays content (required and named tool_choice are still answered as calls)",
+        name="tool_call_parser", cli="serve")
+    enable_auto_tool_choice: bool = option(
+        False, "vLLM's switch, taken so its command lines run unchanged; it changes nothing: tool_choice auto is "
+        "always served here (tool_call_parser none leaves its answers as text)", name="enable_auto_tool_choice",
+        cli="serve", flag="--enable-auto-tool-choice")
 
 
 class PrefixCacheOptions(Section):

@@ -1,6 +1,7 @@
 """A chat answer's tool calls parsed out of its text, whole or fed in pieces (a stream's), after its reasoning is split
-off (offload/reasoning.py), as vLLM's tool parsers find them. Which parser reads an answer follows from the request
-and the chat template (tool_parser):
+off (offload/reasoning.py), as vLLM's tool parsers find them. Which parser reads an answer follows from the request,
+serve.tool_call_parser (vLLM's --tool-call-parser; auto elsewhere) and, where that is auto, the chat template
+(tool_parser):
 
 - `json`, for an enforced tool_choice (required or named, offload/tools.py): the whole answer is one call
   `{"name", "arguments"}` or a JSON array of them;
@@ -26,15 +27,20 @@ from offload.tools import ToolChoice
 
 CALL_START, CALL_END = "<tool_call>", "</tool_call>"  # hermes' tags
 PYTHON_TAG = "<|python_tag|>"  # Llama 3's: what follows is a call
-PARSERS = ("json", "openai", "hermes", "llama3_json")
+AUTO_PARSERS = ("hermes", "llama3_json", "openai")  # vLLM's --tool-call-parser names of the styles auto reads
+PARSERS = ("json", *AUTO_PARSERS)
 
 
-def tool_parser(tokenizer, tools: ToolChoice | None, split: AnswerSplit | None) -> str | None:
-    """The parser for a chat answer (None: no tools, or tool_choice none: nothing is parsed)."""
+def tool_parser(tokenizer, tools: ToolChoice | None, split: AnswerSplit | None, configured: str) -> str | None:
+    """The parser for a chat answer (None: no tools, or tool_choice none: nothing is parsed). configured:
+    serve.tool_call_parser's value, which reads an auto answer: auto (chosen from the model), one of AUTO_PARSERS,
+    or none (an auto answer stays content; an enforced one is still read as its call)."""
     if tools is None or tools.choice == "none":
         return None
     if tools.enforced:
         return "json"
+    if configured != "auto":
+        return None if configured == "none" else configured
     if split is not None and split.harmony:
         return "openai"
     template = getattr(tokenizer, "chat_template", None)

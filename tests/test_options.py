@@ -88,6 +88,9 @@ NOT_EVERYWHERE = {
     "max_upload": "offload serve's largest upload (POST /v1/files)",
     "reasoning_parser": "offload serve's split of a chat answer's <think> block (LLM.chat splits as its default, "
                         "auto, does)",
+    "tool_call_parser": "how offload serve reads an auto answer's tool calls (LLM.chat reads them as its default, "
+                        "auto, does)",
+    "enable_auto_tool_choice": "vLLM's serve flag, taken and ignored (auto tool choice is always served)",
 }
 NO_DEFAULT_IN_HELP = {  # flags whose option is unset by default and whose help need not say so
     "input.path": "required: a job has no default input",

@@ -2,7 +2,8 @@
 and named choices enforced by a JSON schema on a tiny random model (the default model's tokenizer and template, which
 takes no tools: the generic prompt), their calls valid against the function's parameters, whole and streamed; the
 hermes, llama3_json and harmony styles parsed out of fixed answers; tool messages rendered natively by a template
-with a tools branch and generically by one without; auto refused where the template takes no tools."""
+with a tools branch and generically by one without; auto refused where the template takes no tools; offload
+serve's --tool-call-parser (vLLM's names, none, and --enable-auto-tool-choice taken)."""
 
 from __future__ import annotations
 
@@ -207,7 +208,7 @@ def test_tool_messages_and_tools_render_natively_where_the_template_takes_them(h
     assert '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "unit": "C"}}</tool_call>' in text
     assert "<tool_response>\n12 degrees\n</tool_response>" in text and "Tool result" not in text
     assert text.endswith("<|im_start|>assistant\n")
-    assert tool_parser(tokenizer, from_body(chat_body()), None) == "hermes"
+    assert tool_parser(tokenizer, from_body(chat_body()), None, "auto") == "hermes"
 
 
 def test_auto_on_a_template_with_tools_renders_and_answers(hermes_dir):
@@ -325,3 +326,46 @@ def test_auto_calls_are_parsed_out_of_the_answer_whole_and_streamed(caller):
     named = caller.chat(USER, SamplingParams(max_tokens=128, temperature=0), tools=TOOLS, tool_choice=NAMED)[0]
     assert named.outputs[0].finish_reason == "tool_calls", named.outputs[0]
     assert_valid_calls(named.outputs[0].tool_calls, ("get_weather",))
+
+
+@pytest.mark.parametrize("configured, called", [("hermes", True), ("none", False)])
+def test_serve_tool_call_parser_reads_or_leaves_an_auto_answer(caller, configured, called):
+    body = chat_body(max_tokens=16)
+    with serving(caller, server_defaults(caller.path), tool_call_parser=configured) as (_, client):
+        whole = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+        stream = client.post("/v1/chat/completions", json={**body, "stream": True})
+    deltas = [e["choices"][0]["delta"] for e in events(stream.text) if e != "[DONE]"]
+    streamed = [call for d in deltas for call in d.get("tool_calls", [])]
+    if called:  # hermes: the same answer as auto picks for this template
+        assert whole["message"]["content"] == "Let me look." and whole["finish_reason"] == "tool_calls", whole
+        assert_valid_calls(whole["message"]["tool_calls"], ("get_weather",))
+        assert [c["function"] for c in streamed] == [c["function"] for c in whole["message"]["tool_calls"]]
+    else:  # none: the call stays text, whole and streamed
+        said = f"Let me look.<tool_call>{WEATHER_CALL}</tool_call>"
+        assert whole["message"] == {"role": "assistant", "content": said} and whole["finish_reason"] == "stop"
+        assert not streamed and "".join(d.get("content") or "" for d in deltas) == said
+    assert tool_parser(None, from_body(chat_body(tool_choice="required")), None, configured) == "json"  # enforced
+
+
+def test_offload_serve_takes_tool_call_parser_as_vllm_spells_it(model_dir):
+    from offload.cli.job_flags import effective_config
+    from offload.cli.main import build_parser
+
+    def serve_of(*flags):
+        args = build_parser().parse_args(["serve", "--model", str(model_dir), *flags])
+        return effective_config(args, need_input=False).serve
+
+    assert serve_of().tool_call_parser == "auto" and not serve_of().enable_auto_tool_choice
+    vllm = serve_of("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    assert vllm.tool_call_parser == "llama3_json" and vllm.enable_auto_tool_choice
+    with pytest.raises(ConfigError, match="'serve.tool_call_parser': expected one of 'auto', 'hermes', "
+                                          "'llama3_json', 'openai' or 'none', found 'mistral'"):
+        serve_of("--tool-call-parser", "mistral")
+
+
+def test_offload_serve_refuses_an_unknown_tool_call_parser_in_one_line(model_dir, capsys):
+    from offload.cli.main import main
+
+    assert main(["serve", "--model", str(model_dir), "--tool-call-parser", "mistral"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "serve.tool_call_parser" in err and "'mistral'" in err and "\n" not in err, err

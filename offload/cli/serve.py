@@ -56,7 +56,8 @@ def _serve(config, api_key: str | None, sock: socket.socket) -> int:
     llm = load_llm(config)
     server = Server(llm, config.model.path, defaults=sampling_defaults(config), api_key=api_key,
                     max_waiting=options.max_waiting, state_dir=options.state_dir,
-                    max_upload_bytes=options.max_upload_bytes, reasoning_parser=options.reasoning_parser)
+                    max_upload_bytes=options.max_upload_bytes, reasoning_parser=options.reasoning_parser,
+                    tool_call_parser=options.tool_call_parser)
     logger.info(f"serving {config.model.path} at http://{options.host}:{options.port}/v1 "
                 f"({'an API key is required' if api_key else 'no API key required'}); Ctrl-C stops it")
     level = logging.getLogger("offload").getEffectiveLevel()

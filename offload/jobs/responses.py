@@ -5,6 +5,7 @@ them is jobs.batch.response_body)."""
 from __future__ import annotations
 
 from offload.jobs.batch import CHAT, response_body, usage  # noqa: F401 (the shapes of one answer)
+from offload.options import DEFAULT_TOOL_CALL_PARSER
 from offload.reasoning import AnswerSplit
 from offload.tool_parsers import finish_reason, parse_answer, tool_parser
 from offload.tools import ToolChoice
@@ -49,13 +50,15 @@ def chat_logprobs(tokenizer, logprobs: list) -> dict:
 
 
 def choices(url: str, output, tokenizer, *, echo: bool = False, prompt_text: str | None = None,
-            first_index: int = 0, split: AnswerSplit | None = None, tools: ToolChoice | None = None) -> list[dict]:
+            first_index: int = 0, split: AnswerSplit | None = None, tools: ToolChoice | None = None,
+            tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> list[dict]:
     """The choices of a finished request (an offload RequestOutput): one per sample, index first_index + its
     index; for completions with echo, the prompt's text (prompt_text, else the prompt decoded) before each; for chat
     with a split (None: not split), the message's reasoning_content and content as vLLM's reasoning parsers give
-    them, and with tools its tool_calls (finish_reason tool_calls where it made some)."""
+    them, and with tools its tool_calls as tool_call_parser (serve.tool_call_parser) reads them (finish_reason
+    tool_calls where it made some)."""
     out = []
-    parser = tool_parser(tokenizer, tools, split) if url == CHAT else None
+    parser = tool_parser(tokenizer, tools, split, tool_call_parser) if url == CHAT else None
     for sample in output.outputs:
         index = first_index + sample.index
         if url == CHAT:

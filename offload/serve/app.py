@@ -31,14 +31,16 @@ RETRY_AFTER_S = 1  # what a 503 for a full queue asks the client to wait: slots 
 
 class Server:
     """What the routes share: the model and its name, the request defaults, the key, how chat answers split off
-    their reasoning, the engine thread, and the batches of the state folder (None without one)."""
+    their reasoning and how their tool calls are read, the engine thread, and the batches of the state folder (None
+    without one)."""
 
     def __init__(self, llm, model_name: str, *, defaults: dict | None = None, api_key: str | None = None,
                  max_waiting: int = ServeOptions.model_fields["max_waiting"].default, state_dir: Path | None = None,
                  max_upload_bytes: int = ServeOptions.model_fields["max_upload_bytes"].default,
-                 reasoning_parser: str = ServeOptions.model_fields["reasoning_parser"].default):
+                 reasoning_parser: str = ServeOptions.model_fields["reasoning_parser"].default,
+                 tool_call_parser: str = ServeOptions.model_fields["tool_call_parser"].default):
         self.llm, self.model_name, self.defaults, self.api_key = llm, model_name, defaults or {}, api_key
-        self.reasoning_parser = reasoning_parser
+        self.reasoning_parser, self.tool_call_parser = reasoning_parser, tool_call_parser
         self.created = int(time.time())
         self.engine_thread = EngineThread(llm, max_waiting=max_waiting, model_name=model_name)
         # requests are tokenized here, one at a time, off the event loop: a long prompt (seconds) must not stop the
@@ -153,7 +155,8 @@ async def _answer(server: Server, request: Request, url: str):
     body = await protocol.read_json(request)
     server.check_model(body)
     job = await asyncio.get_running_loop().run_in_executor(server.preparer, functools.partial(
-        protocol.prepare, url, body, server.llm, server.model_name, server.defaults, server.reasoning_parser))
+        protocol.prepare, url, body, server.llm, server.model_name, server.defaults, server.reasoning_parser,
+        server.tool_call_parser))
     if server.engine_thread.died:
         raise ApiError(503, "the server's engine thread has stopped (its log says why); restart offload serve",
                        kind="server_error")

@@ -175,7 +175,8 @@ class BatchRunner:
             return
         llm = self.server.llm
         output = llm.output_of(seq, req.prompt if isinstance(req.prompt, str) else None)
-        choices = responses.choices(req.url, output, llm.tokenizer, echo=req.echo, split=split, tools=req.tools)
+        choices = responses.choices(req.url, output, llm.tokenizer, echo=req.echo, split=split, tools=req.tools,
+                                    tool_call_parser=self.server.tool_call_parser)
         self._write(log, success_record(req, choices, update.n_prompt, update.n_completion, self.server.model_name,
                                           update.n_cached))
 

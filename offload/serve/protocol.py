@@ -13,7 +13,7 @@ from offload.errors import OffloadError
 from offload.jobs import responses
 from offload.jobs.batch import CHAT, BodyError, Request, check_body, template_kwargs
 from offload.jobs.worker import chat_split, prompt_ids
-from offload.options import DEFAULT_REASONING_PARSER
+from offload.options import DEFAULT_REASONING_PARSER, DEFAULT_TOOL_CALL_PARSER
 from offload.reasoning import AnswerSplit
 from offload import tool_parsers
 from offload.tool_parsers import AnswerParser, tool_parser
@@ -66,13 +66,14 @@ class Job:
     tokenizer: object = field(default=None, repr=False)  # the model's: logprobs name their tokens by it
     split: AnswerSplit | None = None  # chat: how the answer splits into reasoning and content; None: not split
     tools: ToolChoice | None = None  # chat: the tools offered (their calls are parsed out of the answer)
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # serve.tool_call_parser: how an auto answer's calls are read
     created: int = field(default_factory=lambda: int(time.time()))
     parsers: dict[int, AnswerParser] = field(default_factory=dict, repr=False)  # by choice: a stream's readers
 
     def parser(self, index: int) -> AnswerParser:
         """Choice index's reader of its streamed answer (reasoning, content and tool calls)."""
         if index not in self.parsers:
-            parser = tool_parser(self.tokenizer, self.tools, self.split)
+            parser = tool_parser(self.tokenizer, self.tools, self.split, self.tool_call_parser)
             self.parsers[index] = AnswerParser(self.split, parser, self.tools.names if self.tools else ())
         return self.parsers[index]
 
@@ -81,9 +82,11 @@ class Job:
         return sum(s.params.n for s in self.seqs)
 
 
-def prepare(url: str, body, llm, model: str, defaults: dict, reasoning_parser: str = DEFAULT_REASONING_PARSER) -> Job:
+def prepare(url: str, body, llm, model: str, defaults: dict, reasoning_parser: str = DEFAULT_REASONING_PARSER,
+            tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER) -> Job:
     """The Job of a request body to url, answered as model, a chat answer split by reasoning_parser
-    (serve.reasoning_parser); ApiError (400) names the field that cannot run."""
+    (serve.reasoning_parser) and its tool calls read by tool_call_parser (serve.tool_call_parser); ApiError (400)
+    names the field that cannot run."""
     if not isinstance(body, dict):
         raise ApiError(400, f"expected the request body to be a JSON object, found {type(body).__name__}")
     stream = False if body.get("stream") is None else body["stream"]
@@ -118,7 +121,7 @@ def prepare(url: str, body, llm, model: str, defaults: dict, reasoning_parser: s
                              params if split is None else split.sampling(params)))
         texts.append(text)
     return Job(url, job_id, seqs, model, texts, stream=stream, include_usage=include_usage, echo=echo,
-               tokenizer=llm.tokenizer, split=split, tools=tools)
+               tokenizer=llm.tokenizer, split=split, tools=tools, tool_call_parser=tool_call_parser)
 
 
 def _include_usage(options, stream: bool) -> bool:
@@ -139,7 +142,8 @@ def completion(job: Job, outputs: list) -> dict:
     out_choices, first = [], 0
     for output, text in zip(outputs, job.prompt_texts):
         out_choices += responses.choices(job.url, output, job.tokenizer, echo=job.echo, prompt_text=text,
-                                         first_index=first, split=job.split, tools=job.tools)
+                                         first_index=first, split=job.split, tools=job.tools,
+                                         tool_call_parser=job.tool_call_parser)
         first += len(output.outputs)
     return responses.response_body(job.url, job.id, job.created, job.model, out_choices, responses.usage_of(outputs))
 
