@@ -185,6 +185,8 @@ class LLM:
         if speculative is not None and speculative.method in MODEL_DRAFTS:
             draft = draft or load_draft(speculative, self)  # with a placement given: the draft plans on its own
             check_draft_vocab(draft, self)
+            if speculative.method == "substitute":
+                check_substitute(draft, self)
         self.generator.speculator = make_speculator(speculative, draft)
 
     @property
@@ -353,7 +355,8 @@ def speculative_options(config) -> SpeculativeOptions | None:
         raise ConfigError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 
-MODEL_DRAFTS = ("draft_model", "self")  # speculative methods that load a draft model
+MODEL_DRAFTS = ("draft_model", "self", "substitute")  # speculative methods that load a draft model
+OWN_WEIGHTS = ("self", "substitute")  # ... of the model's own weights
 
 
 def check_profile_gpu(request: PlanRequest) -> None:
@@ -379,7 +382,7 @@ def plan_draft_first(options: SpeculativeOptions,
     unless the user set k."""
     from offload.planner.speculation import PRIOR_ACCEPTANCE, draft_held, plan_speculation, price_on, without_draft
 
-    path = request.model.path if options.method == "self" else options.model
+    path = request.model.path if options.method in OWN_WEIGHTS else options.model
     quantization = options.draft_quantization
     spec = model_spec(resolve_model(request.model.path))
     plans = plan_speculation(spec, request.profile(), request, options, model_spec(resolve_model(path)))
@@ -391,8 +394,17 @@ def plan_draft_first(options: SpeculativeOptions,
     draft = LLM.from_request(request.with_options(model=path, quantization=quantization,
                                                   max_model_len=request.context_len(spec),
                                                   batch_size=request.schedule.batch_size or 1))
-    draft.plan_held = draft_held(draft.plan)
+    draft.plan_held = draft_held(draft.plan, kv=options.method != "substitute")
     return draft, without_draft(request, request.profile(), *draft.plan_held), price
+
+
+def check_substitute(draft: LLM, llm: LLM) -> None:
+    """ConfigError where the substitute draft cannot draft over llm's KV cache: a plan with GPU units (their
+    substitutes are not built yet), or another compute format than the cache's."""
+    held = {kv.k.device.type for m in (llm, draft) for kv in m.model.new_cache(1, 2, 1)}
+    if held != {"cpu"} or draft.model.dtype != llm.model.dtype:
+        raise ConfigError("speculative method substitute drafts over the model's KV cache on CPU plans only, in the "
+                          "model's compute format; on a plan with GPU layers use method self")
 
 
 def check_draft_vocab(draft: LLM, llm: LLM) -> None:
@@ -405,7 +417,7 @@ def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
     """The draft LLM of speculative decoding: the model's own weights (self) or options.model (draft_model) in
     options.draft_quantization; llm's context, batch, backend and compute format; its vocabulary must be llm's."""
     request = llm.request
-    path = str(llm.path) if options.method == "self" else options.model
+    path = str(llm.path) if options.method in OWN_WEIGHTS else options.model
     quantization = options.draft_quantization
     # its own plan, not yet priced with the model's: on this machine, within what the process may use
     given = request.hardware.profile

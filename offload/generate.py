@@ -72,6 +72,8 @@ class Generator:
     def step(self, running: list[Sequence], cache, trash_slot: int) -> None:
         """One forward pass over the weights: schedule the running sequences, run the step (structured outputs'
         masks filled beside it), take its logits."""
+        if self.speculator is not None:
+            self.speculator.attach(cache, trash_slot)
         scheduled = self.schedule(running)
         self.constraints.start(scheduled)
         try:

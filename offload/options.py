@@ -289,10 +289,12 @@ class PrefixCacheOptions(Section):
                                name="prefix_cache_host_memory", cli="plan", unit="bytes")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "self")  # prompt lookup, a smaller model, the model's own weights
+# prompt lookup, a smaller model, the model's own weights in a smaller format with a KV cache of their own, and the
+# same copy drafting over the model's own KV cache (SubSpec's substitutes, on CPU plans)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "self", "substitute")
 # the draft's weight format unless speculative.quantization says: the model's own weights made smaller (self), a
 # draft model read as stored (draft_model)
-DRAFT_QUANTIZATION = {"self": "q4_0", "draft_model": "none"}
+DRAFT_QUANTIZATION = {"self": "q4_0", "substitute": "q4_0", "draft_model": "none"}
 
 
 class SpeculativeOptions(Section):
@@ -303,7 +305,9 @@ class SpeculativeOptions(Section):
                                                          "same n-gram earlier in the prompt or output (no model); "
                                                          "draft_model: a smaller model with the same tokenizer "
                                                          "(model); self: the model's own weights in a smaller "
-                                                         "format (quantization); none: no speculation")
+                                                         "format (quantization); substitute: that copy drafting "
+                                                         "over the model's own KV cache (no cache or prefill of "
+                                                         "its own; CPU plans); none: no speculation")
     model: str | None = option(None, "draft_model: the draft model (a folder, a GGUF file or a Hub id in the local "
                                "cache), with the model's tokenizer")
     quantization: Literal[QUANTIZATIONS] | None = option(None, "the draft's weight format (default: " + "; ".join(
@@ -328,8 +332,9 @@ class SpeculativeOptions(Section):
         if self.method == "draft_model" and not self.model:
             raise ValueError("method draft_model needs model: the draft model's path (a smaller model with the same "
                              "tokenizer)")
-        if self.method == "self" and self.model:
-            raise ValueError("method self drafts with the model's own weights; drop model, or use method draft_model")
+        if self.method in ("self", "substitute") and self.model:
+            raise ValueError(f"method {self.method} drafts with the model's own weights; drop model, or use method "
+                             f"draft_model")
         return self
 
 

@@ -165,6 +165,13 @@ class Speculator:
             return many(asks)
         return [self.propose(tokens, k, seq) for tokens, k, seq in asks]
 
+    def attach(self, cache, trash_slot: int) -> None:
+        """The engine's KV cache and trash slot, before a step of the model asks for proposals (a drafter that
+        drafts over the model's own cache takes them)."""
+        attach = getattr(self.drafter, "attach", None)
+        if attach is not None:
+            attach(cache, trash_slot)
+
     def forget(self, seq) -> None:
         """A sequence left the batch: the drafter frees what it held for it."""
         forget = getattr(self.drafter, "forget", None)
@@ -294,6 +301,51 @@ class ModelDrafter:
                 self._rings.append(held[2])
 
 
+class SubstituteDrafter:
+    """The model's own weights in a smaller format propose k tokens greedily over the model's own KV cache (SubSpec's
+    substitutes, every unit substituted: a CPU plan's units are all far). The draft keeps no cache and prefills
+    nothing: a sequence's positions before its last token hold the model's K and V, which the draft attends to; it
+    writes its own for the last token and its proposals into the sequence's extent past its length, where the
+    verifying step writes the model's over them (as rejected proposals are rolled back)."""
+
+    def __init__(self, draft):
+        """draft: an offload LLM of the model's weights in the draft's format, its compute format the model's."""
+        self.draft, self.generator = draft, draft.generator
+        self.cache, self.trash_slot = None, 0  # the engine's, as each step of the model hands them on (attach)
+        self.seconds, self.passes = 0.0, 0
+
+    def attach(self, cache, trash_slot: int) -> None:
+        self.cache, self.trash_slot = cache, trash_slot
+
+    def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
+        return self.propose_many([(tokens, k, seq)])[0]
+
+    def propose_many(self, asks: list[tuple[list[int], int, object]]) -> list[list[int]]:
+        """Proposals for several sequences ((tokens, k, seq) each, seq running in the engine whose cache is
+        attached), drafted together: each pass over the draft's weights serves every sequence still drafting."""
+        import time
+
+        from offload.sequence import Sequence
+
+        runs = []
+        for tokens, k, seq in asks:
+            if k <= 0 or seq is None or self.cache is None or seq.base < 0:
+                runs.append(None)
+                continue
+            run = Sequence(seq.request_id, tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
+            run.base, run.extent, run.ring, run.n_cached = seq.base, seq.extent, seq.ring, len(tokens) - 1
+            run.generator = torch.Generator()
+            runs.append(run)
+        active, start = [r for r in runs if r is not None], time.perf_counter()
+        with torch.inference_mode():
+            while active:
+                self.generator.step(active, self.cache, self.trash_slot)
+                self.passes += 1
+                active = [r for r in active if not r.finish_reason]
+        self.seconds += time.perf_counter() - start
+        return [[] if run is None else run.output_ids for run in runs]
+
+
 def make_speculator(options, draft=None) -> Speculator | None:
     """The Speculator of a speculative options section (offload.options.SpeculativeOptions), or None; draft: the
     loaded draft LLM of methods draft_model and self (offload.api loads it for the model it drafts for)."""
@@ -306,5 +358,5 @@ def make_speculator(options, draft=None) -> Speculator | None:
             from offload.errors import ConfigError
 
             raise ConfigError(f"speculative method {options.method!r} needs its draft model loaded")
-        drafter = ModelDrafter(draft)
+        drafter = SubstituteDrafter(draft) if options.method == "substitute" else ModelDrafter(draft)
     return Speculator(drafter, options.num_speculative_tokens, options.max_speculative_tokens)

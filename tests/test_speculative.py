@@ -105,7 +105,7 @@ def test_the_drafts_default_format_is_written_once(model_dir, monkeypatch):
     assert options.SpeculativeOptions(method="self").draft_quantization == "q4_0"
     assert options.SpeculativeOptions(method="draft_model", model="m").draft_quantization == "none"
     assert options.SpeculativeOptions(method="self", quantization="q8_0").draft_quantization == "q8_0"
-    assert "self q4_0; draft_model none" in options.SpeculativeOptions.model_fields["quantization"].description
+    assert "self q4_0; substitute q4_0; draft_model none" in options.SpeculativeOptions.model_fields["quantization"].description
     monkeypatch.setitem(options.DRAFT_QUANTIZATION, "self", "q8_0")
     planned = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
                   speculative_config={"method": "self", "num_speculative_tokens": 2})
@@ -428,3 +428,37 @@ def test_k_weighs_a_draft_models_measured_pass():
 
     step = (lambda n: 0.1 + 0.0001 * n)
     assert _fitted(step, Drafter()).choose_k(1) <= 2 and _fitted(step).choose_k(1) >= 6
+
+
+def test_a_substitute_drafts_over_the_models_cache_and_keeps_greedy_answers(model_dir):
+    """method substitute: the q4_0 copy drafts over the model's own KV cache (no cache of its own, nothing
+    prefilled by the draft: its passes are the proposals' alone), answers stay plain decoding's, its bytes leave
+    out a KV cache; on a plan with GPU layers it is refused in one line."""
+    from offload.planner import PlanRequest
+    from offload.planner.speculation import plan_speculation
+    from offload.options import SpeculativeOptions
+    from offload.weights.model_files import model_spec
+
+    plain = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32")
+    prompts, params = ["The quick brown fox", "Hello there", REPEATS], [greedy(20), greedy(9), greedy(16)]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    sub = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
+              speculative_config={"method": "substitute", "num_speculative_tokens": 3})
+    drafter, chunks = sub.generator.speculator.drafter, []
+    schedule = drafter.generator.schedule
+    drafter.generator.schedule = lambda running: (s := schedule(running), chunks.extend(n for _, n in s.chunks))[0]
+    assert [o.token_ids for o in sub.generate(prompts, params)] == want
+    stats = sub.speculative_stats
+    assert chunks and set(chunks) == {1}  # each proposal's run computes the sequence's last token, not its prompt
+    assert not hasattr(drafter, "pool") and drafter.draft.request.model.quantization == "q4_0"
+    assert 0 < stats["accepted"] <= stats["proposed"] and drafter.passes <= 3 * stats["verified_passes"]
+    request = PlanRequest.of(model=str(model_dir), max_model_len=256, hardware="rtx4090-ddr5", gpu_memory=0)
+    spec = model_spec(model_dir)
+    held = {m: plan_speculation(spec, request.profile(), request, SpeculativeOptions(method=m)).draft_cpu_bytes
+            for m in ("self", "substitute")}
+    assert held["substitute"] < held["self"]  # no KV cache of its own
+    from offload.planner.placement import Placement
+
+    with pytest.raises(ConfigError, match="CPU plans only"):  # every layer on the (simulated) GPU
+        LLM(str(model_dir), backend="sim", hardware="rtx4090-ddr5", placement=Placement.uniform(spec, "gpu", "gpu"),
+            max_model_len=256, dtype="fp32", speculative_config={"method": "substitute", "num_speculative_tokens": 2})

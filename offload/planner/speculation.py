@@ -130,9 +130,9 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
     if context is None:
         context = plain.workload.prompt_len + plain.workload.gen_len // 2
     plain_s = decode_pass_s(plan_spec(spec, plain), hw, plain, 1, context)
-    if options.method not in ("draft_model", "self"):
+    if options.method not in ("draft_model", "self", "substitute"):
         return SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
-    path = request.model.path if options.method == "self" else options.model
+    path = options.model if options.method == "draft_model" else request.model.path
     quantization = options.draft_quantization
     draft_spec = draft_spec or spec
     if draft_spec.vocab_size != spec.vocab_size:
@@ -142,7 +142,7 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
                           f"model {spec.vocab_size}; a draft model must share the model's tokenizer")
     draft_plan = plan_for(draft_spec, hw, one.with_options(model=path, quantization=quantization))
     draft_step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
-    gpu_bytes, cpu_bytes = draft_held(draft_plan)
+    gpu_bytes, cpu_bytes = draft_held(draft_plan, kv=options.method != "substitute")
     target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
     return SpeculationPlans(hw, context, plain_s, target, plan_spec(spec, target), draft_step_s, gpu_bytes, cpu_bytes)
 
@@ -204,9 +204,10 @@ def against_measured(spec, hw, request, options, stats: dict, prior: float, draf
     return {**out, "predicted_for": f"batch 1 and the run's mean context of {plans.context} positions"}
 
 
-def draft_held(plan) -> tuple[int, int]:
-    """(GPU, CPU) bytes a draft's plan holds: what the model's plan has left."""
-    return _held(plan, "gpu"), _held(plan, "cpu")
+def draft_held(plan, kv: bool = True) -> tuple[int, int]:
+    """(GPU, CPU) bytes a draft's plan holds: what the model's plan has left (kv: its KV cache too; a substitute
+    draft attends to the model's)."""
+    return _held(plan, "gpu", kv), _held(plan, "cpu", kv)
 
 
 def without_draft(request, hw, gpu_bytes: int, cpu_bytes: int):
@@ -217,12 +218,12 @@ def without_draft(request, hw, gpu_bytes: int, cpu_bytes: int):
                                 cpu_memory=max(budget.process_cpu_bytes - cpu_bytes, 0))
 
 
-def _held(plan, tier: str) -> int:
-    """Bytes a plan holds on a tier (weights, KV, buffers), 0 where it has none."""
+def _held(plan, tier: str, kv: bool = True) -> int:
+    """Bytes a plan holds on a tier (weights, KV where kv, buffers), 0 where it has none."""
     t = next((t for t in plan.tiers if t.tier == tier), None)
     if t is None:
         return 0
-    return t.weights_bytes + t.kv_bytes + t.workspace_bytes + t.staging_bytes + t.pinned_bytes
+    return t.weights_bytes + kv * t.kv_bytes + t.workspace_bytes + t.staging_bytes + t.pinned_bytes
 
 
 def _gib(n: int) -> str:
