@@ -64,7 +64,11 @@ def run_to_end(generator: Generator, seqs: list[Sequence],
     # blocks are still cached when the next one starts
     for seq in sorted(seqs, key=lambda s: s.prompt_ids) if engine.prefix is not None else seqs:
         engine.submit(seq)
-    engine.run_until_done(on_finish)
+    try:
+        engine.run_until_done(on_finish)
+    finally:  # the next call's engine has a pool of its own: the kept runs it may take are in the host tier
+        if engine.prefix is not None:
+            generator.prefix_carried = engine.prefix.to_host()
 
 
 def _check_named(generator: Generator, seq: Sequence) -> None:
@@ -81,7 +85,7 @@ def prefix_cache_of(generator: Generator, cache: list, pool: KVPool) -> PrefixCa
     """The generator's prefix cache over an engine's pool (None: turned off, or a model whose layers keep rings)."""
     if not generator.prefix_caching or any(layer.ring is not None for layer in cache):
         return None
-    return PrefixCache(cache, pool, generator.prefix_host_bytes)
+    return PrefixCache(cache, pool, generator.prefix_host_bytes, carried=generator.prefix_carried)
 
 
 class Engine:

@@ -65,8 +65,9 @@ class Generator:
         self.mixed = mixed
         self.between_steps: Callable[[], None] | None = None  # called after each step, outside its timing
         self.speculator: Speculator | None = None  # speculative decoding (offload/speculative.py), when asked for
-        # the engines' prefix cache (offload/prefix_cache.py): on, with a host tier of this many bytes
-        self.prefix_caching, self.prefix_host_bytes = True, 0
+        # the engines' prefix cache (offload/prefix_cache.py): on, with a host tier of this many bytes, and the
+        # host-tier runs the last run_to_end left for the next one
+        self.prefix_caching, self.prefix_host_bytes, self.prefix_carried = True, 0, []
         self.constraints = Constraints(tokenizer, model.spec.vocab_size, tuple(sorted(self.eos_ids)))
 
     def step(self, running: list[Sequence], cache, trash_slot: int) -> None:

@@ -75,11 +75,17 @@ class Hit:
 class PrefixCache:
     """The index of cached blocks over one engine's pool and cache, with its host tier of host_bytes."""
 
-    def __init__(self, cache: list, pool: KVPool, host_bytes: int = 0, clock=time.monotonic):
+    def __init__(self, cache: list, pool: KVPool, host_bytes: int = 0, clock=time.monotonic,
+                 carried: list[Kept] = ()):
+        """carried: host-tier runs an earlier engine's cache left (to_host), indexed again here."""
         self.cache, self.pool, self.host_bytes, self.clock = cache, pool, host_bytes, clock
         self.index: dict[bytes, tuple[object, int]] = {}  # name -> (a running Sequence or a Kept, block index)
         self._running: dict[int, list[bytes]] = {}  # id(sequence) -> the names it holds in the index
         self.kept: list[Kept] = []  # in the pool or the host tier
+        for kept in carried:
+            self.kept.append(kept)
+            for i, name in enumerate(kept.names):
+                self.index.setdefault(name, (kept, kept.first + i))
         self.queries = self.hits = 0  # prompt tokens looked up, and found
         self.token_bytes = sum(t.shape[2] * t.shape[3] * t.element_size() for layer in cache for t in (layer.k, layer.v))
 
@@ -179,6 +185,16 @@ class PrefixCache:
             self.pool.release(seq.base, first * BLOCK_TOKENS)
         if seq.extent > n_full * BLOCK_TOKENS:
             self.pool.release(seq.base + n_full * BLOCK_TOKENS, seq.extent - n_full * BLOCK_TOKENS)
+
+    def to_host(self) -> list[Kept]:
+        """Move the pool's kept runs to the host tier, most recently used first, while it has room (the rest are
+        dropped): what a later engine over another pool takes as carried."""
+        for kept in sorted((k for k in self.kept if k.base is not None), key=lambda k: -k.last_used):
+            if self.host_used + kept.n_slots * self.token_bytes <= self.host_bytes:
+                self._evict(kept)
+            else:
+                self._drop(kept)
+        return list(self.kept)
 
     def _evict(self, kept: Kept) -> None:
         """Move a kept run from the pool to the host tier where the tier has room (evicting its least recently

@@ -180,3 +180,19 @@ def test_the_cost_model_prices_a_hit_by_the_tokens_left_to_compute_and_the_copy(
     assert 0 < most.copy_s < most.computed_s and 1 < most.speedup < whole.speedup  # the last token is computed
     with pytest.raises(ConfigError, match="from 0 to 1"):
         price_prefix_hit(plan, spec, hw, 1.5)
+
+
+def test_llm_calls_take_what_earlier_calls_left_in_the_host_tier(folder):
+    """LLM.generate runs each call in an engine of its own: the kept runs move to the host tier when it ends, and
+    the next call (a chat's next turn) takes them from there; without a host tier nothing carries over."""
+    prompts = [SHARED + [5], SHARED + [9, 9]]
+    for host in ("8MiB", "0"):
+        llm = LLM(str(folder), backend="cpu", max_model_len=CONTEXT, prefix_cache_host_memory=host)
+        first = llm.generate(prompts[0], _greedy())[0]
+        second = llm.generate(prompts[1], _greedy())[0]
+        alone = LLM(str(folder), backend="cpu", max_model_len=CONTEXT, enable_prefix_caching=False)
+        assert second.token_ids == alone.generate(prompts[1], _greedy())[0].token_ids
+        assert first.num_cached_tokens == 0
+        assert second.num_cached_tokens == (3 * BLOCK_TOKENS if host != "0" else 0)
+        carried = llm.generator.prefix_carried
+        assert all(k.base is None for k in carried) and bool(carried) == (host != "0")
