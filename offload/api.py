@@ -19,7 +19,7 @@ from offload.engine import run_to_end
 from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
 from offload.planner.speculation import SpeculationPrice
-from offload.prefix_cache import host_tier_bytes
+from offload.planner.prefix_price import host_tier_bytes
 from offload.options import (DEFAULT_REASONING_PARSER, DEFAULT_TOOL_CALL_PARSER, PrefixCacheOptions, SpeculativeOptions,
                              default_of)
 from offload.profile.timeline import Timeline

@@ -221,17 +221,3 @@ class PrefixCache:
         if kept.base is not None:
             self.pool.release(kept.base, kept.n_slots)
 
-
-def host_tier_bytes(plan, asked: int | None) -> int:
-    """The host tier's bytes: asked where given (ConfigError where it passes the CPU budget the plan leaves free),
-    else half of that room (0 without a plan: a placement given by hand leaves the budget unknown)."""
-    from offload.errors import ConfigError
-    from offload.hardware import format_bytes
-
-    room = 0 if plan is None else max(0, plan.tier("cpu").budget_bytes - plan.tier("cpu").total_bytes)
-    if asked is None:
-        return room // 2
-    if plan is not None and asked > room:
-        raise ConfigError(f"prefix_cache.host_memory is {format_bytes(asked)} and the plan leaves "
-                          f"{format_bytes(room)} of memory.cpu free; lower it, or raise memory.cpu")
-    return asked

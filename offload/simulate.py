@@ -141,6 +141,7 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     seqs = [Sequence(i, [1] * prompt_len, params) for i in range(wl.batch_size)]
     generator = Generator(model, max_batch_size=wl.batch_size, step_tokens=placement.prefill_pass_tokens,
                           max_model_len=max(prompt_len, wl.prompt_len) + decode_steps + 1, mixed=False)
+    generator.prefix_caching = False  # the plan's prefill computes every prompt (--prefix-hit-rate prices hits)
     run_to_end(generator, seqs)  # the plan's shape: prompts, then decode steps of the whole batch (mixed steps
     # would start some sequences' decode inside the prefill)
     model.flush()

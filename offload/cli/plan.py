@@ -49,7 +49,7 @@ def run(args) -> int:
 def prefix_cache_line(plan, options) -> str:
     """What the prefix cache holds under this plan: the KV pool's room, and the host tier's."""
     from offload.hardware import format_bytes
-    from offload.prefix_cache import host_tier_bytes
+    from offload.planner.prefix_price import host_tier_bytes
 
     if not options.enabled:
         return "prefix cache: off (prefix_cache.enabled false, --no-enable-prefix-caching)"

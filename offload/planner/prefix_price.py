@@ -1,4 +1,5 @@
-"""What the prefix cache saves a request, in the plan's own prices (`offload simulate --prefix-hit-rate`).
+"""What the prefix cache saves a request, in the plan's own prices (`offload simulate --prefix-hit-rate`), and the
+room its host tier takes of the CPU budget the plan leaves free.
 
 A hit of rate r of a prompt's tokens leaves (1 - r) of them to compute, at the plan's prefill rate for its prompt
 length, and copies the rest's K and V into the request's extent at the bandwidth of the memory its KV lives in (the
@@ -49,3 +50,17 @@ def price_prefix_hit(plan, spec, hw, hit_rate: float) -> PrefixHitPrice:
     bandwidth = hw.gpu_mem_bps if on_gpu and hw.has_gpu else hw.cpu_mem_bps
     copy_s = 2 * cached * spec.kv_bytes_per_token(plan.workload.kv_elem_bytes) / bandwidth  # read and write
     return PrefixHitPrice(hit_rate, prompt, prompt * per_token_s, (prompt - cached) * per_token_s, copy_s)
+
+
+def host_tier_bytes(plan, asked: int | None) -> int:
+    """The host tier's bytes: asked where given (ConfigError where it passes the CPU budget the plan leaves free),
+    else half of that room (0 without a plan: a placement given by hand leaves the budget unknown)."""
+    from offload.hardware import format_bytes
+
+    room = 0 if plan is None else max(0, plan.tier("cpu").budget_bytes - plan.tier("cpu").total_bytes)
+    if asked is None:
+        return room // 2
+    if plan is not None and asked > room:
+        raise ConfigError(f"prefix_cache.host_memory is {format_bytes(asked)} and the plan leaves "
+                          f"{format_bytes(room)} of memory.cpu free; lower it, or raise memory.cpu")
+    return asked
