@@ -188,9 +188,11 @@ class PrefixCache:
 
     def to_host(self) -> list[Kept]:
         """Move the pool's kept runs to the host tier, most recently used first, while it has room (the rest are
-        dropped): what a later engine over another pool takes as carried."""
+        dropped): what a later engine over another pool takes as carried. A cache with layers on a device keeps
+        none (copying them back would stall the device's stream at the end of every call)."""
+        on_host = all(t.device.type == "cpu" for layer in self.cache for t in (layer.k, layer.v))
         for kept in sorted((k for k in self.kept if k.base is not None), key=lambda k: -k.last_used):
-            if self.host_used + kept.n_slots * self.token_bytes <= self.host_bytes:
+            if on_host and self.host_used + kept.n_slots * self.token_bytes <= self.host_bytes:
                 self._evict(kept)
             else:
                 self._drop(kept)
