@@ -358,7 +358,10 @@ class ModelSpec:
     def kv_len(self, seq_len: int, i: int | None = None) -> int:
         """Slots layer i's KV cache holds for a sequence of seq_len tokens: each position's, or a ring's where the
         layer keeps one (kv_ring); without i, the layer that holds the most."""
-        windows = (self.window(i),) if i is not None else self.variant.layer_windows or (None,)
+        if i is not None:
+            ring = self.kv_ring(i)
+            return seq_len if ring is None else min(seq_len, ring)
+        windows = self.variant.layer_windows or (None,)
         return seq_len if None in windows else min(seq_len, ring_slots(max(windows)))
 
     def keys_seen(self, ctx_len: int, i: int | None = None) -> int:
@@ -370,6 +373,11 @@ class ModelSpec:
         """KV cache bytes of layer i (without i: of the layer that holds the most) for n_seqs sequences of seq_len
         tokens: K and V, a ring layer's up to its ring."""
         return 2 * n_seqs * self.kv_len(seq_len, i) * self.kv_size * elem_bytes
+
+    def kv_read_bytes(self, n_seqs: int, ctx_len: int, elem_bytes: int = 2, i: int | None = None) -> int:
+        """K and V bytes layer i's attention reads of n_seqs caches at ctx_len positions: the keys its queries see
+        (keys_seen: a sliding layer's window)."""
+        return 2 * n_seqs * self.keys_seen(ctx_len, i) * self.kv_size * elem_bytes
 
     def attention_flops(self, n_tokens: int, ctx_len: int, i: int | None = None) -> int:
         """FLOPs of layer i's QK^T and PV for n_tokens queries over ctx_len keys each (a sliding layer's window)."""

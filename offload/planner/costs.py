@@ -165,6 +165,13 @@ def moe_launch_s(unit: UnitSpec, fmt: str, compute: str, n_tokens: int,
     return (base + per_expert * unit.moe.expected_experts(n_tokens)) * launch + sync
 
 
+def cost_kin(spec: ModelSpec, unit: UnitSpec) -> tuple:
+    """What a unit's cost in a phase depends on of the unit itself: its kind, its tensors' shapes and stored
+    formats, and a layer's sliding window (units of one kin are priced once)."""
+    window = spec.window(unit.index) if unit.kind == "layer" else None
+    return unit.kind, window, tuple((t.shape, t.stored) for t in unit.tensors)
+
+
 def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase,
               compute: str = "fp16") -> UnitCost:
     """Cost of one unit in one phase step with weights stored in fmt, activations and KV in compute.
@@ -190,10 +197,10 @@ def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, ph
     if unit.moe is not None:
         read_bytes, matmul_rows = expert_reads(unit, fmt, compute, -(-phase.n_tokens // passes))
     attn_flops = kv_bytes = kv_move_bytes = 0
-    if unit.kind == "layer":
-        attn_flops = spec.attention_flops(phase.n_tokens, phase.ctx_len)
-        kv_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.kv_read_len, kv_elem_bytes) if phase.kv_read_len else 0
-        if phase.name == "prefill":
+    if unit.kind == "layer":  # over the keys this layer attends to: a sliding layer's window, not the context
+        attn_flops = spec.attention_flops(phase.n_tokens, phase.ctx_len, unit.index)
+        kv_bytes = spec.kv_read_bytes(phase.n_seqs, phase.kv_read_len, kv_elem_bytes, unit.index)
+        if phase.name == "prefill":  # every new key crosses, a ring layer's too (its ring keeps the last ones)
             kv_move_bytes = spec.layer_kv_bytes(phase.n_seqs, phase.n_tokens // phase.n_seqs, kv_elem_bytes)
     gpu_s = _gpu_s(unit, hw, unit.rate_format(fmt, compute), -(-rows // passes), flops, attn_flops, read_bytes,
                    kv_bytes)
@@ -275,7 +282,8 @@ def step_phase_attention_flops(spec: ModelSpec, shape) -> float:
     """Attention FLOPs of one step's shape (a profile.timeline.StepShape) over all layers, as unit_cost counts
     them."""
     n_tokens = max(shape.n_tokens, 1)
-    return spec.n_layers * spec.attention_flops(n_tokens, max(round(shape.attended_keys / n_tokens), 1))
+    ctx_len = max(round(shape.attended_keys / n_tokens), 1)
+    return sum(spec.attention_flops(n_tokens, ctx_len, i) for i in range(spec.n_layers))
 
 
 def main_format(spec: ModelSpec, fmt: str) -> str:

@@ -9,7 +9,7 @@ checks the cost model itself, not the guess of the workload. Pure arithmetic: no
 from __future__ import annotations
 
 from offload.hardware import HardwareProfile
-from offload.planner.costs import Phase, cpu_path, main_format, price_step, unit_cost
+from offload.planner.costs import Phase, cost_kin, cpu_path, main_format, price_step, unit_cost
 from offload.planner.types import PHASES, Plan
 from offload.spec import ModelSpec
 
@@ -40,7 +40,7 @@ def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> di
         if phase not in step_memo:
             costs = []
             for u in units:
-                key = (u.kind, tuple(t.shape for t in u.tensors), phase)
+                key = (cost_kin(spec, u), phase)
                 if key not in unit_memo:
                     unit_memo[key] = unit_cost(spec, u, plan.weight_format, hw, phase, plan.workload.compute_format)
                 costs.append(unit_memo[key])

@@ -20,8 +20,8 @@ from pathlib import Path
 from offload.errors import ConfigError, PlanError
 from offload.formats import AS_STORED, QUANT_BLOCK_BYTES, WEIGHT_FORMATS, is_quantized
 from offload.hardware import HardwareProfile
-from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cpu_path, hop_s, main_format, phases_for,
-                                   price_step, unit_cost, workspace_bytes)
+from offload.planner.costs import (ACT_BYTES_CPU, ACT_BYTES_GPU, PhaseCost, cost_kin, cpu_path, hop_s, main_format,
+                                   phases_for, price_step, unit_cost, workspace_bytes)
 from offload.planner.residents import weigh_again, weigh_counts
 from offload.planner.shortfall import Shortfall
 from offload.planner.spill import HostMemory
@@ -34,12 +34,12 @@ HOST_KV_SHARE = 0.1  # the KV cache's share of the GPU budget from which plans w
 
 @functools.lru_cache(maxsize=4)
 def _units(spec: ModelSpec) -> tuple[tuple[UnitSpec, ...], list[int], list[UnitSpec]]:
-    """spec's units; for each, the number it shares with the units alike in kind, shapes and stored formats (the
-    layers, the experts units: sized and priced once); one unit of each such number. Kept for the several plans of
-    one model (plan_best_batch, the staging depths, what-ifs)."""
+    """spec's units; for each, the number it shares with the units alike (costs.cost_kin: the layers of one window,
+    the experts units: sized and priced once); one unit of each such number. Kept for the several plans of one
+    model (plan_best_batch, the staging depths, what-ifs)."""
     units, ids, kin, alike = spec.units(), {}, [], []
     for u in units:
-        key = (u.kind, tuple((t.shape, t.stored) for t in u.tensors))
+        key = cost_kin(spec, u)
         if key not in ids:
             ids[key] = len(alike)
             alike.append(u)
@@ -79,12 +79,9 @@ class Search(StreamChoice, HostMemory):
         self.w = self._per_unit(lambda u: u.nbytes(fmt, compute))
         self.stored = self._per_unit(lambda u: "+".join(u.held_formats(fmt, compute)))
         self.buf = self._per_unit(lambda u: u.buffer_bytes(fmt, compute))  # what a slot or read buffer holds
-        by_window: dict = {}  # a layer's KV bytes by its window (a ring layer's by its ring)
-        for u in self.units:
-            if u.kind == "layer" and spec.window(u.index) not in by_window:
-                by_window[spec.window(u.index)] = spec.layer_kv_bytes(workload.batch_size, workload.seq_len,
-                                                                      workload.kv_elem_bytes, u.index)
-        self.kv = [by_window[spec.window(u.index)] if u.kind == "layer" else 0 for u in self.units]
+        self.kv = self._per_unit(lambda u: spec.layer_kv_bytes(workload.batch_size, workload.seq_len,
+                                                               workload.kv_elem_bytes, u.index)
+                                 if u.kind == "layer" else 0)  # a ring layer's by its ring
         self.phase = dict(zip(PHASES, phases_for(workload.batch_size, workload.prompt_len, workload.gen_len,
                                                  workload.prefill_pass_tokens)))
         self.cost = {p: self._per_unit(lambda u, ph=ph: unit_cost(spec, u, fmt, hw, ph, compute))

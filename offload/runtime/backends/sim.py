@@ -26,7 +26,7 @@ import torch
 
 from offload.errors import DeviceMemoryError
 from offload.hardware import HardwareProfile, format_bytes
-from offload.planner.costs import Phase, unit_cost
+from offload.planner.costs import Phase, cost_kin, unit_cost
 from offload.profile.timeline import Span, Timeline
 from offload.runtime.backends import sim_device
 from offload.runtime.backends.base import Backend, Work, host_empty
@@ -136,7 +136,7 @@ class TimedCosts:
     def _cost(self, work: Work):
         """The unit's cost model figures for this work's shape, priced once per shape."""
         unit = self.units[work.unit]
-        key = (unit.kind, unit.kind != "layer" and unit.name, work.phase, work.n_tokens, work.n_seqs, work.n_keys)
+        key = (cost_kin(self.spec, unit), work.phase, work.n_tokens, work.n_seqs, work.n_keys)
         if key not in self._memo:
             self._memo[key] = unit_cost(self.spec, unit, self.fmt, self.hw, self._phase(work), self.compute)
         return self._memo[key]
