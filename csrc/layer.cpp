@@ -1,4 +1,5 @@
-// Fused Llama decoder layer: the math of offload/model/llama.py::layer_forward in one call.
+// Fused decoder layer: the math of offload/model/llama.py::layer_forward in one call (Llama's, and Gemma 2/3's norms
+// after attention and the MLP, GELU-tanh, score scale, soft-cap and per-layer window).
 // The matmuls go through the dispatched packed kernels (packed_linear); norms and rope are plain loops, silu x up
 // is vectorized, and attention runs blocked with an online softmax on the SIMD paths (attention_tiles.inc), one
 // query at a time on the scalar path (the reference).
@@ -26,11 +27,6 @@ struct LayerScratch {  // per calling thread, grown on demand
   Floats h, qkv, att, tmp, gate_up, act, resid;
 };
 thread_local LayerScratch tls_layer;
-
-float* grow(Floats& v, int64_t n) {
-  if (v.size() < size_t(n)) v.resize(size_t(n));
-  return v.data();
-}
 
 // y [N, D] = x * rsqrt(mean(x^2) + eps) * w, each row accumulated in double.
 void rms_norm_rows(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, int nth) {
@@ -83,17 +79,18 @@ void rope_and_store(const LayerArgs& a, float* qkv) {
 ALWAYS_INLINE float kv_at(const float* p, int64_t i) { return p[i]; }
 ALWAYS_INLINE float kv_at(const uint16_t* p, int64_t i) { return bf16_bits_to_f32(p[i]); }
 
-// out [dh] = softmax(q . k_j * scale) @ v_j over n_keys keys spaced stride elements apart (KV: float or bf16 bits).
+// out [dh] = softmax(q . k_j * scale) @ v_j over n_keys keys spaced stride elements apart (KV: float or bf16 bits),
+// the scores soft-capped to cap * tanh(s / cap) where cap > 0.
 template <typename KV>
 ALWAYS_INLINE void attend_body(const float* q, const KV* k, const KV* v, int64_t stride, int64_t n_keys,
-                               int64_t dh, float scale, float* scores, float* out) {
+                               int64_t dh, float scale, float cap, float* scores, float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n_keys; ++j) {
     const KV* kj = k + j * stride;
     float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
     for (int64_t i = 0; i < dh; ++i) dot += q[i] * kv_at(kj, i);
-    scores[j] = dot * scale;
+    scores[j] = cap > 0.f ? cap * std::tanh(dot * scale / cap) : dot * scale;
     top = std::max(top, scores[j]);
   }
   float sum = 0.f;
@@ -110,19 +107,20 @@ ALWAYS_INLINE void attend_body(const float* q, const KV* k, const KV* v, int64_t
 }
 
 template <typename KV>
-using AttendFn = void (*)(const float*, const KV*, const KV*, int64_t, int64_t, int64_t, float, float*, float*);
+using AttendFn = void (*)(const float*, const KV*, const KV*, int64_t, int64_t, int64_t, float, float, float*,
+                          float*);
 
 template <typename KV>
 void attend_ref(const float* q, const KV* k, const KV* v, int64_t stride, int64_t n_keys, int64_t dh,
-                float scale, float* scores, float* out) {
-  attend_body(q, k, v, stride, n_keys, dh, scale, scores, out);
+                float scale, float cap, float* scores, float* out) {
+  attend_body(q, k, v, stride, n_keys, dh, scale, cap, scores, out);
 }
 
 template <typename KV>
 __attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const KV* k, const KV* v, int64_t stride,
-                                                      int64_t n_keys, int64_t dh, float scale, float* scores,
-                                                      float* out) {
-  attend_body(q, k, v, stride, n_keys, dh, scale, scores, out);
+                                                      int64_t n_keys, int64_t dh, float scale, float cap,
+                                                      float* scores, float* out) {
+  attend_body(q, k, v, stride, n_keys, dh, scale, cap, scores, out);
 }
 
 // ---- Blocked attention: a task is a tile of up to kTileTokens consecutive tokens of one sequence and one KV head,
@@ -138,7 +136,13 @@ struct TileQuery {
   int64_t lo, hi;  // keys seen, inclusive, as offsets from the row's key 0
   float m, l;      // running max and sum of the online softmax
   float* out;      // [dh] running sum of p * v
+  float cap;       // > 0: scores soft-capped to cap * tanh(s / cap)
 };
+
+// The first key a token sees: its table's, or later where the layer's own window cuts it (padding: key 0).
+ALWAYS_INLINE int64_t first_key(const LayerArgs& a, const int64_t* tok) {
+  return a.shape.window > 0 ? std::max(tok[kLo], tok[kHi] - a.shape.window + 1) : tok[kLo];
+}
 
 namespace avx2 {
 #define AFN __attribute__((target("avx2,fma"))) inline
@@ -184,18 +188,19 @@ void attend_task(const LayerArgs& a, const float* qkv, float* att, int64_t n0, i
   const LayerShape& s = a.shape;
   const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh;
   const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads;
-  const float scale = 1.f / std::sqrt(float(dh));
+  const float scale = s.scale;
   int64_t k_lo = INT64_MAX, k_hi = -1;
   int nq = 0;
   for (int64_t n = n0; n < n1; ++n) {
     const int64_t* tok = a.tokens + n * kTokenCols;
-    k_lo = std::min(k_lo, tok[kLo]);
+    const int64_t lo = first_key(a, tok);
+    k_lo = std::min(k_lo, lo);
     k_hi = std::max(k_hi, tok[kHi]);
     for (int64_t h = g * group; h < (g + 1) * group; ++h, ++nq) {
       float* qv = qbuf + nq * dh;
       const float* src = qkv + n * width + h * dh;
       for (int64_t d = 0; d < dh; ++d) qv[d] = src[d] * scale;
-      qs[nq] = TileQuery{qv, tok[kLo], tok[kHi], 0.f, 0.f, att + n * q_size + h * dh};
+      qs[nq] = TileQuery{qv, lo, tok[kHi], 0.f, 0.f, att + n * q_size + h * dh, s.softcap};
     }
   }
   const int64_t first = a.tokens[n0 * kTokenCols + kRowBase] * stride + g * dh;
@@ -214,7 +219,8 @@ void attend_task(const LayerArgs& a, const float* qkv, float* att, int64_t n0, i
 bool attention_in_parallel(const LayerArgs& a, int64_t tasks) {
   int64_t work = 0;
   for (int64_t n = 0; n < a.N; ++n)
-    work += (a.tokens[n * kTokenCols + kHi] - a.tokens[n * kTokenCols + kLo] + 1) * a.shape.n_heads * a.shape.head_dim;
+    work += (a.tokens[n * kTokenCols + kHi] - first_key(a, a.tokens + n * kTokenCols) + 1) * a.shape.n_heads *
+            a.shape.head_dim;
   return a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 18);
 }
 
@@ -243,8 +249,7 @@ void attention_per_query(const LayerArgs& a, const float* qkv, float* att, const
   const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads;
   int64_t max_keys = 1;
   for (int64_t n = 0; n < a.N; ++n)
-    max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - a.tokens[n * kTokenCols + kLo] + 1);
-  const float scale = 1.f / std::sqrt(float(dh));
+    max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - first_key(a, a.tokens + n * kTokenCols) + 1);
   const int64_t tasks = a.N * s.n_heads;
   const AttendFn<KV> fn = a.path == P_SCALAR ? attend_ref<KV> : attend_avx2<KV>;
 #pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
@@ -253,9 +258,9 @@ void attention_per_query(const LayerArgs& a, const float* qkv, float* att, const
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t n = t / s.n_heads, h = t % s.n_heads, *tok = a.tokens + n * kTokenCols;
-      const int64_t first = (tok[kRowBase] + tok[kLo]) * stride + (h / group) * dh;
-      fn(qkv + n * width + h * dh, k_cache + first, v_cache + first, stride, tok[kHi] - tok[kLo] + 1, dh, scale,
-         scores.data(), att + n * q_size + h * dh);
+      const int64_t lo = first_key(a, tok), first = (tok[kRowBase] + lo) * stride + (h / group) * dh;
+      fn(qkv + n * width + h * dh, k_cache + first, v_cache + first, stride, tok[kHi] - lo + 1, dh, s.scale,
+         s.softcap, scores.data(), att + n * q_size + h * dh);
     }
   }
 }
@@ -273,28 +278,29 @@ void attention(const LayerArgs& a, const float* qkv, float* att) {
   attention_per_query(a, qkv, att, static_cast<const float*>(a.k_cache), static_cast<const float*>(a.v_cache));
 }
 
-// act [N, I] = silu(gate) * up from gate_up [N, 2I] (rows: gate | up); rows split over the threads.
-void silu_mul_ref(const float* g, const float* u, int64_t I, float* act) {
-  for (int64_t i = 0; i < I; ++i) act[i] = g[i] / (1.f + std::exp(-g[i])) * u[i];
+// act [N, I] = silu(gate) * up (or gelu_tanh(gate) * up) from gate_up [N, 2I] (rows: gate | up); rows split over
+// the threads.
+void gate_mul_ref(const float* g, const float* u, int64_t I, int kind, float* act) {
+  constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (int64_t i = 0; i < I; ++i)
+    act[i] = (kind == kGeluTanh ? 0.5f * g[i] * (1.f + std::tanh(kGeluK * (g[i] + 0.044715f * g[i] * g[i] * g[i])))
+                                : g[i] / (1.f + std::exp(-g[i]))) * u[i];
 }
 
-__attribute__((target("avx2,fma"))) void silu_mul_avx2(const float* g, const float* u, int64_t I, float* act) {
+// silu(g) = g / (1 + e^-g); gelu_tanh(g) = g / (1 + e^-2z), z = sqrt(2 / pi) (g + 0.044715 g^3): the same form, as
+// (1 + tanh z) / 2 = 1 / (1 + e^-2z).
+__attribute__((target("avx2,fma"))) void gate_mul_avx2(const float* g, const float* u, int64_t I, int kind,
+                                                       float* act) {
+  const __m256 c1 = _mm256_set1_ps(kind == kGeluTanh ? -2.f * 0.7978845608028654f : -1.f);
+  const __m256 c3 = _mm256_set1_ps(kind == kGeluTanh ? -2.f * 0.7978845608028654f * 0.044715f : 0.f);
   int64_t i = 0;
   for (; i + 8 <= I; i += 8) {
     const __m256 gv = _mm256_loadu_ps(g + i);
-    const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), avx2::exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv)));
+    const __m256 arg = _mm256_fmadd_ps(_mm256_mul_ps(c3, gv), _mm256_mul_ps(gv, gv), _mm256_mul_ps(c1, gv));
+    const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), avx2::exp8(arg));
     _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
   }
-  silu_mul_ref(g + i, u + i, I - i, act + i);
-}
-
-void silu_mul(const float* gate_up, int64_t N, int64_t I, float* act, int path, int nth) {
-#pragma omp parallel for num_threads(nth) if (nth > 1 && N * I >= (int64_t(1) << 15))
-  for (int64_t n = 0; n < N; ++n) {
-    const float *g = gate_up + n * 2 * I, *u = g + I;
-    if (path == P_SCALAR) silu_mul_ref(g, u, I, act + n * I);
-    else silu_mul_avx2(g, u, I, act + n * I);
-  }
+  gate_mul_ref(g + i, u + i, I - i, kind, act + i);
 }
 
 void add_rows(float* y, const float* x, const float* r, int64_t n) {
@@ -328,6 +334,17 @@ void moe_handover(const LayerArgs& a, const float* resid, const float* h, const 
   }
 }
 
+}  // namespace
+
+void gate_mul(const float* gate_up, int64_t N, int64_t I, int kind, float* act, int path, int nth) {
+#pragma omp parallel for num_threads(nth) if (nth > 1 && N * I >= (int64_t(1) << 15))
+  for (int64_t n = 0; n < N; ++n) {
+    const float *g = gate_up + n * 2 * I, *u = g + I;
+    if (path == P_SCALAR) gate_mul_ref(g, u, I, kind, act + n * I);
+    else gate_mul_avx2(g, u, I, kind, act + n * I);
+  }
+}
+
 void run_linear(const LayerArgs& a, const LinearArg& l, const float* x, float* y) {
   if (l.parts.empty()) {
     packed_linear(a.path, x, a.N, l.fmt, l.w, l.bias, y, a.nthreads);
@@ -345,8 +362,6 @@ void run_linear(const LayerArgs& a, const LinearArg& l, const float* x, float* y
     col += mp;
   }
 }
-
-}  // namespace
 
 void attention_forward(const LayerArgs& a, float* qkv, float* att) {
   rope_and_store(a, qkv);
@@ -378,6 +393,7 @@ void layer_forward(const LayerArgs& a) {
   rope_and_store(a, qkv);
   attention(a, qkv, att);
   run_linear(a, a.o, att, tmp);
+  if (a.post_attn_norm != nullptr) rms_norm_rows(tmp, a.post_attn_norm, N, D, s.eps, tmp, a.nthreads);
   if (a.moe) {
     float* resid = grow(b.resid, N * D);
     add_rows(resid, a.x, tmp, N * D);
@@ -385,7 +401,7 @@ void layer_forward(const LayerArgs& a) {
     const bool shared = a.gate_up.w.M > 0;
     if (shared) {
       run_linear(a, a.gate_up, h, gate_up);
-      silu_mul(gate_up, N, I, act, a.path, a.nthreads);
+      gate_mul(gate_up, N, I, a.act, act, a.path, a.nthreads);
       run_linear(a, a.down, act, tmp);
     }
     moe_handover(a, resid, h, shared ? tmp : nullptr, a.out);
@@ -395,130 +411,10 @@ void layer_forward(const LayerArgs& a) {
 
   rms_norm_rows(a.out, a.mlp_norm, N, D, s.eps, h, a.nthreads);
   run_linear(a, a.gate_up, h, gate_up);
-  silu_mul(gate_up, N, I, act, a.path, a.nthreads);
+  gate_mul(gate_up, N, I, a.act, act, a.path, a.nthreads);
   run_linear(a, a.down, act, tmp);
+  if (a.post_mlp_norm != nullptr) rms_norm_rows(tmp, a.post_mlp_norm, N, D, s.eps, tmp, a.nthreads);
   add_rows(a.out, a.out, tmp, N * D);
-}
-
-namespace {
-
-// y [c, D] = down(silu(gate(h)) * up(h)) of one expert for its c tokens' rows h gathered from x's second half.
-void run_expert(const ExpertsArgs& e, int64_t x, const int64_t* pairs, int64_t c, int nthreads, float* y) {
-  const int64_t D = e.D, F = e.F;
-  LayerScratch& b = tls_layer;  // the calling thread's own (an OpenMP worker has its own)
-  float* h = grow(b.h, c * D);
-  for (int64_t r = 0; r < c; ++r) {
-    const float* src = e.x + (pairs[r] / e.top_k) * 2 * D + D;
-    std::copy(src, src + D, h + r * D);
-  }
-  float* gate_up = grow(b.gate_up, c * 2 * F);
-  float* act = grow(b.act, c * F);
-  LayerArgs a{};
-  a.path = e.path;
-  a.nthreads = nthreads;
-  a.N = c;
-  run_linear(a, (*e.gate_up)[size_t(x)], h, gate_up);
-  silu_mul(gate_up, c, F, act, e.path, nthreads);
-  run_linear(a, (*e.down)[size_t(x)], act, y);
-}
-
-constexpr int64_t kFewTokens = 4;  // experts with at most this many tokens each run side by side, one per thread
-
-float dot_ref(const float* a, const float* b, int64_t n) {
-  float s = 0.f;
-  for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
-  return s;
-}
-
-__attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, _mm256_add_ps(acc0, acc1));
-  float s = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
-  return s + dot_ref(a + i, b + i, n - i);
-}
-
-// The router's choice for each token: its top_k experts by h . router^T (ties: the lower index) and their softmax
-// weights, over all experts or, with norm_topk, over the top_k alone (the same numbers: p_j / sum of the top p).
-void route_tokens(const ExpertsArgs& e, int64_t* ids, float* weights) {
-  const int64_t E = e.n_experts, K = e.top_k, D = e.D;
-#pragma omp parallel for num_threads(e.nthreads) if (e.nthreads > 1 && e.N * E * D >= (int64_t(1) << 20))
-  for (int64_t n = 0; n < e.N; ++n) {
-    std::vector<float> logits(static_cast<size_t>(E));
-    const float* h = e.x + n * 2 * D + D;
-    for (int64_t x = 0; x < E; ++x)
-      logits[size_t(x)] = e.path == P_SCALAR ? dot_ref(h, e.router + x * D, D) : dot_avx2(h, e.router + x * D, D);
-    const float top = *std::max_element(logits.begin(), logits.end());
-    double total = 0.0;
-    for (float l : logits) total += std::exp(double(l - top));
-    std::vector<int64_t> order(static_cast<size_t>(E));
-    for (int64_t x = 0; x < E; ++x) order[size_t(x)] = x;
-    std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int64_t a, int64_t b) {
-      return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
-    });
-    double kept = 0.0;
-    for (int64_t j = 0; j < K; ++j) kept += std::exp(double(logits[size_t(order[size_t(j)])] - top));
-    for (int64_t j = 0; j < K; ++j) {
-      ids[n * K + j] = order[size_t(j)];
-      weights[n * K + j] = float(std::exp(double(logits[size_t(order[size_t(j)])] - top)) / (e.norm_topk ? kept : total));
-    }
-  }
-}
-
-}  // namespace
-
-void experts_forward(const ExpertsArgs& args) {
-  ExpertsArgs e = args;
-  std::vector<int64_t> routed_ids;
-  std::vector<float> routed_weights;
-  if (e.ids == nullptr) {
-    routed_ids.resize(size_t(e.N * e.top_k));
-    routed_weights.resize(size_t(e.N * e.top_k));
-    route_tokens(e, routed_ids.data(), routed_weights.data());
-    e.ids = routed_ids.data();
-    e.weights = routed_weights.data();
-  }
-  const int64_t N = e.N, D = e.D, K = e.top_k;
-  // counting sort of the (token, slot) pairs by expert: expert x's pairs are order[start[x] .. start[x + 1])
-  std::vector<int64_t> start(size_t(e.n_experts + 1), 0), order(size_t(N * K));
-  for (int64_t j = 0; j < N * K; ++j) ++start[size_t(e.ids[j] + 1)];
-  for (int64_t x = 0; x < e.n_experts; ++x) start[size_t(x + 1)] += start[size_t(x)];
-  std::vector<int64_t> fill(start.begin(), start.end() - 1);
-  for (int64_t j = 0; j < N * K; ++j) order[size_t(fill[size_t(e.ids[j])]++)] = j;
-  std::vector<int64_t> active;
-  int64_t most = 0;
-  for (int64_t x = 0; x < e.n_experts; ++x) {
-    const int64_t c = start[size_t(x + 1)] - start[size_t(x)];
-    if (c > 0) active.push_back(x);
-    most = std::max(most, c);
-  }
-  // y rows of every active expert, in order; a decode step's few small products run one expert per thread (each
-  // matmul alone is too short to split well), a prefill's large ones each over all threads
-  std::vector<float> ys(size_t(N * K * D));
-  auto run = [&](size_t j, int nthreads) {
-    const int64_t x = active[j];
-    run_expert(e, x, order.data() + start[size_t(x)], start[size_t(x + 1)] - start[size_t(x)], nthreads,
-               ys.data() + start[size_t(x)] * D);
-  };
-  if (e.nthreads > 1 && most <= kFewTokens && active.size() > 1) {
-#pragma omp parallel for num_threads(e.nthreads) schedule(dynamic, 1)
-    for (size_t j = 0; j < active.size(); ++j) run(j, 1);
-  } else {
-    for (size_t j = 0; j < active.size(); ++j) run(j, e.nthreads);
-  }
-  for (int64_t n = 0; n < N; ++n) std::copy(e.x + n * 2 * D, e.x + n * 2 * D + D, e.out + n * D);
-  for (int64_t j = 0; j < N * K; ++j) {  // in expert order, as the reference adds them
-    const int64_t pair = order[size_t(j)];
-    const float w = e.weights[pair];
-    const float* y = ys.data() + j * D;
-    float* o = e.out + (pair / K) * D;
-    for (int64_t i = 0; i < D; ++i) o[i] += w * y[i];
-  }
 }
 
 }  // namespace offload

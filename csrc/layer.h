@@ -1,5 +1,5 @@
-// Fused Llama decoder layer (layer.cpp): one C++ call per layer for CPU blocks with packed weights
-// and fp32 activations, so a decode token pays no per-op Python/torch dispatch.
+// Fused decoder layer (layer.cpp): one C++ call per layer for CPU blocks with packed weights and fp32 activations, so
+// a decode token pays no per-op Python/torch dispatch. Llama's block math, and Gemma 2/3's where LayerArgs says so.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -31,8 +31,14 @@ constexpr int kTokenCols = 4;
 
 struct LayerShape {
   int64_t n_heads, n_kv_heads, head_dim, intermediate;
-  float eps;  // rms_norm epsilon
+  float eps;       // rms_norm epsilon
+  float scale;     // of the attention scores (head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5)
+  float softcap;   // > 0: scores soft-capped to softcap * tanh(s / softcap) before the softmax (Gemma 2)
+  int64_t window;  // > 0: each token sees only its last window keys (the layer's own sliding window, Gemma 2/3)
 };
+
+// The gated MLP's activation of gate: silu (Llama) or GELU with the tanh approximation (Gemma).
+enum GateAct { kSilu = 0, kGeluTanh = 1 };
 
 struct LayerArgs {
   int path, nthreads;  // kernel path (Path) and thread count
@@ -43,6 +49,9 @@ struct LayerArgs {
   const float *q_norm, *k_norm;       // [head_dim] per-head RMSNorm of q and k before rope (Qwen3); null: none
   const float* shared_gate;           // [D] a MoE layer's shared-expert gate (sigmoid(h . g) scales it); null: none
   int moe;                            // 1: the attention part of a MoE layer: out is [N, 2D] = residual | normed h
+  const float *post_attn_norm, *post_mlp_norm;  // [D] Gemma: attention's and the MLP's outputs RMS-normed before
+                                                // their residual adds; null: none
+  int act;                                      // GateAct of the MLP
   int64_t N;                          // new tokens (batch x sequence, flattened)
   const float* x;                     // [N, D] hidden states in
   float* out;                         // [N, D] hidden states out (may not alias x)
@@ -68,9 +77,18 @@ inline uint16_t f32_to_bf16_bits(float f) {
 void bf16_rows_to_f32(const uint16_t* src, int64_t n, float* dst);
 void f32_rows_to_bf16(const float* src, int64_t n, uint16_t* dst);
 
-// x -> x + attn(rms_norm(x)) -> + mlp(rms_norm(.)); writes this step's K, V into the cache. With a.moe, the MLP is
+// x -> x + attn(rms_norm(x)) -> + mlp(rms_norm(.)) (each output normed first where post_*_norm is set); writes this step's K, V into the cache. With a.moe, the MLP is
 // the shared expert's (if any) and out gets [residual | rms_norm(residual before it)] for the routed experts.
 void layer_forward(const LayerArgs& a);
+
+// Shared with experts.cpp: y [N, M] = x [N, K] @ l^T (+ bias) with a.path, a.nthreads and a.N (a stacked linear part
+// by part); act [N, I] = act_kind(gate) * up from gate_up [N, 2I] (GateAct); v grown to n floats.
+void run_linear(const LayerArgs& a, const LinearArg& l, const float* x, float* y);
+void gate_mul(const float* gate_up, int64_t N, int64_t I, int kind, float* act, int path, int nth);
+inline float* grow(Floats& v, int64_t n) {
+  if (v.size() < size_t(n)) v.resize(size_t(n));
+  return v.data();
+}
 
 // The routed experts of a MoE layer: out [N, D] = x[:, :D] + sum over each token's top_k experts of
 // weight * down(silu(gate(h)) * up(h)), h = x[:, D:], for x [N, 2D]. The router's choice is ids / weights

@@ -1,11 +1,12 @@
 """Fused CPU decoder layer: one C++ call (csrc/layer.cpp) instead of ~25 torch ops per layer and token.
 
 Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks
-with packed linears. Activations come fp32, or bf16 as a GPU plan computes (each call widens them to fp32 once and
-rounds its output back to bf16); KV caches are fp32 or bf16 (K and V rounded as they are stored, widened as
-attention reads them), so a bf16 plan's caches and hidden states stay in the format it budgets. Whoever places the weights decides to use it and builds the handles
-once: a FusedLayer per layer (the C++ view of its weights), a KVView per cache, a StepTable per step. Nothing
-is stored on the model's own objects.
+with packed linears, of the families runs_math_of names (Llama-like and Gemma 2/3). Activations come fp32, or bf16
+as a GPU plan computes (each call widens them to fp32 once and rounds its output back to bf16); KV caches are fp32
+or bf16 (K and V rounded as they are stored, widened as attention reads them), so a bf16 plan's caches and hidden
+states stay in the format it budgets. Whoever places the weights decides to use it and builds the handles once: a
+FusedLayer per layer (the C++ view of its weights), a KVView per cache, a StepTable per step. Nothing is stored on
+the model's own objects.
 """
 
 from __future__ import annotations
@@ -27,20 +28,21 @@ FUSABLE = _C is not None and hasattr(_C, "layer_forward")  # the extension has t
 HAS_CACHED_ATTENTION = _C is not None and hasattr(_C, "cached_attention")  # ... and its attention alone
 
 
+GATE_ACTS = {"silu": 0, "gelu_tanh": 1}  # the gated MLP's activations the fused layer has (csrc/layer.h GateAct)
+
+
 def runs_math_of(spec) -> bool:
     """Whether the fused layer computes this model's block math: Llama's (RMSNorm before attention and the MLP,
-    SiLU, rope over whole heads at one base, scores scaled by head_dim ** -0.5, one window for every layer), with
-    q/k norms and biases. A family that differs (Gemma's norms after attention and the MLP, GELU, soft-caps,
-    per-layer windows; partial rotary; gpt-oss's sinks and biased, clamped experts) runs the reference block
-    math."""
+    SiLU, rope over whole heads), with q/k norms and biases, and Gemma 2/3's (norms after attention and the MLP,
+    GELU-tanh, their score scale and soft-cap, per-layer windows and the sliding layers' rope). A family that
+    differs (partial rotary; OLMo 2's q/k norms over all heads; gpt-oss's sinks and biased, clamped experts) runs
+    the reference block math. Layers whose cache is a ring (spec.kv_ring) run it too (kv_view)."""
     v = spec.variant
     fam = spec.family
-    return (fam.activation == "silu" and fam.post_attn_norm is None and not fam.sinks and fam.attn_norm is not None
+    return (fam.activation in GATE_ACTS and not fam.sinks and fam.attn_norm is not None
             and fam.mlp_norm is not None and fam.qk_norm_over == "head"
             and (spec.moe is None or (spec.moe.activation == "silu" and not spec.moe.biases))
-            and spec.family.post_mlp_norm is None and v.attn_scale is None and v.attn_softcap is None
-            and not v.layer_windows and v.local_rope is None and v.rotary_dim is None
-            and spec.rope.attention_factor == 1.0)
+            and v.rotary_dim is None and spec.rope.attention_factor == 1.0)
 
 
 def _is_f32_cpu(t) -> bool:
@@ -64,6 +66,7 @@ class FusedLayer:
     weights: object  # the LayerWeights the pointers point into, and fp32 copies of its bf16 norms and biases
     view: object  # _C.fused_weights(...)
     moe: bool = False  # the attention part of a MoE layer: returns [.., 2D] (residual | normed h)
+    local: bool = False  # turns by the sliding layers' own rope (Gemma 3): the step table's cos_local, sin_local
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class StepTable:
     tokens: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
+    cos_local: torch.Tensor | None = None  # [N, head_dim] of the sliding layers' rope, where it differs (Gemma 3)
+    sin_local: torch.Tensor | None = None
 
 
 HAS_MOE = _C is not None and hasattr(_C, "experts_forward")  # the extension has MoE layers and experts
@@ -103,11 +108,14 @@ def weights_fusable(w, moe: bool = False) -> bool:
     """Whether a layer's weights suit the fused layer: packed linears, fp32 or bf16 CPU norms and biases (moe: the
     attention part of a MoE layer, whose MLP is its shared expert or none)."""
     mlp = (w.gate_up, w.down) if not moe or w.gate_up is not None else ()
+    if (w.post_attn_norm is None) != (w.post_mlp_norm is None) or getattr(w, "sinks", None) is not None:
+        return False
     if not FUSABLE or (moe and not HAS_MOE) or not all(_packed(m) for m in (w.qkv, w.o, *mlp)):
         return False
     if (w.shared_gate is not None) != (moe and bool(mlp)) or (w.q_norm is None) != (w.k_norm is None):
         return False
-    floats = (w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias, w.q_norm, w.k_norm, w.shared_gate)
+    floats = (w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias, w.q_norm, w.k_norm, w.shared_gate,
+              w.post_attn_norm, w.post_mlp_norm)
     return _is_float_cpu(w.attn_norm) and _is_float_cpu(w.mlp_norm) and all(b is None or _is_float_cpu(b)
                                                                               for b in floats)
 
@@ -118,13 +126,13 @@ def can_fuse(w, x: torch.Tensor, kv) -> bool:
     return x.dtype in ACTIVATIONS and x.is_cpu and kv_view(kv) is not None and weights_fusable(w)
 
 
-def fuse_layer(spec, w, moe: bool = False) -> FusedLayer | None:
+def fuse_layer(spec, w, moe: bool = False, index: int | None = None) -> FusedLayer | None:
     """The C++ view of a layer's weights, or None where they do not suit the fused layer (moe: a MoE layer's
-    attention part)."""
-    if not weights_fusable(w, moe):
+    attention part; index: the layer's number, which a model whose layers differ in window and rope needs)."""
+    if not weights_fusable(w, moe) or (spec.variant.layer_windows and index is None):
         return None
-    view, floats = _make_fused_weights(spec, w, moe)
-    return FusedLayer((w, floats), view, moe)
+    view, floats = _make_fused_weights(spec, w, moe, index)
+    return FusedLayer((w, floats), view, moe, _turns_local(spec, index))
 
 
 def fuse_experts(moe, w) -> FusedExperts | None:
@@ -141,12 +149,12 @@ def fuse_experts(moe, w) -> FusedExperts | None:
     return FusedExperts((w, router), _C.fused_experts(moe.top_k, gate_up, down, router.data_ptr(), int(moe.norm_topk)))
 
 
-def fuse_mlp(w) -> FusedExperts | None:
+def fuse_mlp(w, activation: str = "silu") -> FusedExperts | None:
     """The C++ view of a split-off dense MLP (MLPWeights) as one expert every token takes (a router of one zero
-    row: softmax gives it weight exactly 1), or None where it does not suit it (float weights, biases). Run it with
-    fused_experts_forward."""
-    biased = w.gate_up_bias is not None or w.down_bias is not None
-    if not HAS_MOE or biased or not (_packed(w.gate_up) and _packed(w.down)):
+    row: softmax gives it weight exactly 1), or None where it does not suit it (float weights, biases, Gemma's
+    GELU and norm after the MLP). Run it with fused_experts_forward."""
+    biased = w.gate_up_bias is not None or w.down_bias is not None or getattr(w, "post_mlp_norm", None) is not None
+    if not HAS_MOE or biased or activation != "silu" or not (_packed(w.gate_up) and _packed(w.down)):
         return None
     router = torch.zeros(1, w.gate_up.shape[1])
     view = _C.fused_experts(1, [_linear_tuple(w.gate_up, None, "gate_up")], [_linear_tuple(w.down, None, "down")],
@@ -169,24 +177,33 @@ def fused_experts_forward(experts: FusedExperts, x: torch.Tensor, path: str | No
 
 
 def kv_view(kv) -> KVView | None:
-    """The C++ view of a KV cache, or None unless it is fp32 or bf16 contiguous CPU memory (K and V alike)."""
+    """The C++ view of a KV cache, or None unless it is fp32 or bf16 contiguous CPU memory (K and V alike) and
+    keeps every position (a ring's slots wrap, which the fused layer's key ranges do not)."""
     k, v = kv.k, kv.v
-    if not FUSABLE or k.dtype != v.dtype or k.dtype not in ACTIVATIONS or k.device.type != "cpu" or \
-            not (k.is_contiguous() and v.is_contiguous()):
+    if getattr(kv, "ring", None) is not None or not FUSABLE or k.dtype != v.dtype or k.dtype not in ACTIVATIONS or \
+            k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
         return None
     return KVView(kv, k.shape[0], k.shape[1], k.data_ptr(), v.data_ptr(), k.dtype is _BF16)
 
 
 def step_table(spec, step, view: KVView) -> StepTable:
-    """The token table and cos/sin rows of a step for caches shaped like view."""
-    return StepTable((view.n_rows, view.n_slots), token_table(step, view.n_rows, view.n_slots, spec.sliding_window),
-                     _rows_f32(step.cos, spec.head_dim), _rows_f32(step.sin, spec.head_dim))
+    """The token table and cos/sin rows of a step for caches shaped like view (a model whose layers differ in
+    window: each layer's handle cuts its keys; whose sliding layers turn by a rope of their own: both tables)."""
+    window = None if spec.variant.layer_windows else spec.sliding_window
+    tokens = token_table(step, view.n_rows, view.n_slots, window)
+    dh = spec.head_dim
+    if spec.variant.local_rope is None:
+        return StepTable((view.n_rows, view.n_slots), tokens, _rows_f32(step.cos, dh), _rows_f32(step.sin, dh))
+    cos, sin = (t.reshape(-1, 2 * dh).to("cpu", _F32) for t in (step.cos, step.sin))
+    return StepTable((view.n_rows, view.n_slots), tokens, cos[:, :dh].contiguous(), sin[:, :dh].contiguous(),
+                     cos[:, dh:].contiguous(), sin[:, dh:].contiguous())
 
 
-def fused_layer_forward(spec, w, x: torch.Tensor, step, kv, path: str | None = None) -> torch.Tensor:
-    """layer_forward(spec, w, x, step, kv) in one C++ call, handles made on the spot: x [B, S, D] fp32 or bf16.
-    path: a kernel path of PATH_IDS (tests compare them), else the active one."""
-    layer, view = fuse_layer(spec, w), kv_view(kv)
+def fused_layer_forward(spec, w, x: torch.Tensor, step, kv, path: str | None = None,
+                        index: int | None = None) -> torch.Tensor:
+    """layer_forward(spec, w, x, step, kv, index=index) in one C++ call, handles made on the spot: x [B, S, D] fp32
+    or bf16. path: a kernel path of PATH_IDS (tests compare them), else the active one."""
+    layer, view = fuse_layer(spec, w, index=index), kv_view(kv)
     if layer is None or view is None:
         raise KernelError("fused layer: these weights or this cache do not suit the fused layer (check can_fuse)")
     return fused_layers_forward([layer], x, step_table(spec, step, view), [view], path=path)
@@ -228,7 +245,6 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views:
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
     # narrow outputs alternate (a unit never writes what it reads); the one wide buffer is read by the next unit
     outs = {False: [x.new_empty(b, s, d) for _ in range(2)], True: [x.new_empty(b, s, 2 * d)]}
-    ptrs = (table.cos.data_ptr(), table.sin.data_ptr(), table.tokens.data_ptr())
     calls, out = [], x
     for j, (unit, view) in enumerate(zip(layers, views)):
         target = outs[wide[j]][j % 2 if not wide[j] else 0]
@@ -237,7 +253,8 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views:
                                                target.data_ptr(), bf16)))
         else:
             calls.append((_C.layer_forward, (unit.view, path_id, n_threads, n_tokens, out.data_ptr(),
-                                             target.data_ptr(), *ptrs, view.k_ptr, view.v_ptr, bf16, int(view.bf16))))
+                                             target.data_ptr(), *_rope_ptrs(table, unit.local),
+                                             table.tokens.data_ptr(), view.k_ptr, view.v_ptr, bf16, int(view.bf16))))
         out = target
     for call, args in calls:
         call(*args)
@@ -246,20 +263,20 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views:
     return out
 
 
-def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, path: str | None = None) -> torch.Tensor:
-    """The fused layer's attention alone, for a layer whose linears ran elsewhere: qkv [N, q | k | v] fp32 (rope
-    applied in place), this step's K and V written to the cache; returns [N, n_heads * head_dim]. path: a kernel
-    path of PATH_IDS (tests compare them), else the active one."""
+def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, path: str | None = None,
+                     index: int | None = None) -> torch.Tensor:
+    """The fused layer's attention alone, for layer index whose linears ran elsewhere (None: as a layer of full
+    attention): qkv [N, q | k | v] fp32 (rope applied in place), this step's K and V written to the cache; returns
+    [N, n_heads * head_dim]. path: a kernel path of PATH_IDS (tests compare them), else the active one."""
     n = qkv.shape[0]
     if table.tokens.shape[0] != n or not _is_f32_cpu(qkv) or qkv.shape[1] != spec.q_size + 2 * spec.kv_size:
         raise KernelError(f"cached attention: qkv {list(qkv.shape)} does not match the step's {table.tokens.shape[0]} "
                           f"tokens of width {spec.q_size + 2 * spec.kv_size} (fp32, contiguous)")
     att = torch.empty(n, spec.q_size, dtype=_F32)
-    shape = (spec.n_heads, spec.n_kv_heads, spec.head_dim, spec.intermediate_size, spec.rms_norm_eps)
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
-    _C.cached_attention(shape, path_id, torch.get_num_threads(), n, qkv.data_ptr(), att.data_ptr(),
-                        table.cos.data_ptr(), table.sin.data_ptr(), table.tokens.data_ptr(), view.k_ptr, view.v_ptr,
-                        int(view.bf16))
+    _C.cached_attention(_shape(spec, spec.intermediate_size, index), path_id, torch.get_num_threads(), n,
+                        qkv.data_ptr(), att.data_ptr(), *_rope_ptrs(table, _turns_local(spec, index)),
+                        table.tokens.data_ptr(), view.k_ptr, view.v_ptr, int(view.bf16))
     return att
 
 
@@ -306,21 +323,45 @@ def _check_activations(x: torch.Tensor, what: str) -> None:
         raise KernelError(f"{what}: activations must be fp32 or bf16 CPU tensors, got {x.dtype} on {x.device}")
 
 
-def _make_fused_weights(spec, w, moe: bool = False):
+def _shape(spec, width: int, index: int | None) -> tuple:
+    """The C++ LayerShape of layer index: (n_heads, n_kv_heads, head_dim, width, eps, scale, softcap, window), softcap
+    0 for none and window 0 where the step table cuts the keys (every layer slides alike, or none does, or index is
+    None)."""
+    window = spec.window(index) if spec.variant.layer_windows and index is not None else None
+    return (spec.n_heads, spec.n_kv_heads, spec.head_dim, width, spec.rms_norm_eps, spec.attn_scale,
+            spec.variant.attn_softcap or 0.0, window or 0)
+
+
+def _turns_local(spec, index: int | None) -> bool:
+    """Whether layer index turns by the sliding layers' own rope (Gemma 3's sliding layers)."""
+    return spec.variant.local_rope is not None and index is not None and spec.window(index) is not None
+
+
+def _rope_ptrs(table: StepTable, local: bool) -> tuple[int, int]:
+    """The cos and sin rows a layer turns by: the model's rope, or the sliding layers' own."""
+    if local and table.cos_local is None:
+        raise KernelError("fused layer: a layer turns by the sliding layers' rope but the step table has none; "
+                          "build the table with this model's spec")
+    return (table.cos_local.data_ptr(), table.sin_local.data_ptr()) if local else \
+        (table.cos.data_ptr(), table.sin.data_ptr())
+
+
+def _make_fused_weights(spec, w, moe: bool = False, index: int | None = None):
     """(the C++ view of a layer's weights, the fp32 copies of its bf16 floats the view points into)."""
     names = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "attn_norm", "mlp_norm", "q_norm", "k_norm",
-             "shared_gate")
+             "shared_gate", "post_attn_norm", "post_mlp_norm")
     floats = {n: getattr(w, n) if _f32(getattr(w, n)) is None else _f32(getattr(w, n)) for n in names}
     linears = [_linear_tuple(m, floats[f"{name}_bias"], name) if m is not None else [] for m, name in
                ((w.qkv, "qkv"), (w.o, "o"), (w.gate_up, "gate_up"), (w.down, "down"))]
-    for name in ("attn_norm", "mlp_norm"):
-        if tuple(floats[name].shape) != (spec.hidden_size,):
+    for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
+        if floats[name] is not None and tuple(floats[name].shape) != (spec.hidden_size,):
             raise KernelError(f"fused layer: {name} must be [{spec.hidden_size}], got {list(floats[name].shape)}")
     width = w.gate_up.shape[0] // 2 if w.gate_up is not None else 0  # a MoE layer's shared expert, or none
-    shape = (spec.n_heads, spec.n_kv_heads, spec.head_dim, width, spec.rms_norm_eps)
-    extras = tuple(0 if floats[n] is None else floats[n].data_ptr() for n in ("q_norm", "k_norm", "shared_gate"))
-    view = _C.fused_weights(shape, floats["attn_norm"].data_ptr(), floats["mlp_norm"].data_ptr(), linears,
-                            extras + (int(moe),))
+    ptr = lambda n: 0 if floats[n] is None else floats[n].data_ptr()  # noqa: E731
+    extras = (ptr("q_norm"), ptr("k_norm"), ptr("shared_gate"), int(moe), ptr("post_attn_norm"),
+              ptr("post_mlp_norm"), GATE_ACTS[spec.family.activation])
+    view = _C.fused_weights(_shape(spec, width, index), floats["attn_norm"].data_ptr(), floats["mlp_norm"].data_ptr(),
+                            linears, extras)
     return view, floats
 
 

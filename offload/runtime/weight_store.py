@@ -124,8 +124,8 @@ class WeightStore:
         if kind == "experts":
             return fused.fuse_experts(self.spec.moe, w)
         if kind == "mlp":
-            return fused.fuse_mlp(w)
-        return fused.fuse_layer(self.spec, w, self.spec.hands_over(index))
+            return fused.fuse_mlp(w, self.spec.family.activation)
+        return fused.fuse_layer(self.spec, w, self.spec.hands_over(index), index)
 
     def _make_ring(self) -> StagingRing | None:
         streamed = [n for n in self.order if "stream" in (self.placement[n].prefill, self.placement[n].decode)]

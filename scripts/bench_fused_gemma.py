@@ -1,0 +1,98 @@
+"""Decode tokens/s of a Gemma-2-like model on the CPU: the fused C++ layer against the reference block math, on the
+same quantized weights and threads, in the same run (the two models alternate; medians of --repeats).
+
+The model is random (transformers' Gemma2 with about 220M parameters: 12 layers of hidden 1024, MLP 4096, 8 query
+and 4 KV heads of 128, vocabulary 32,000, sliding window 256 on every other layer), written once to a temporary
+folder in bf16. Prompt and decode (200 + 128 tokens by default) run past the window, within its ring's 384 slots:
+the caches keep every position, so every layer runs fused (a sliding layer whose cache is a ring runs the
+reference math; the script stops where one would).
+
+  python scripts/bench_fused_gemma.py --threads 2
+  python scripts/bench_fused_gemma.py --smoke    # a tiny model, a 16-token prompt, 4 tokens: seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+from pathlib import Path
+
+import torch
+
+from offload import LLM, SamplingParams
+
+SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=4096, num_hidden_layers=12, num_attention_heads=8,
+             num_key_value_heads=4, head_dim=128, query_pre_attn_scalar=128, sliding_window=256)
+SMOKE_SHAPE = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, query_pre_attn_scalar=32, sliding_window=6)
+
+
+def make_model(folder: Path, shape: dict) -> Path:
+    """A random Gemma 2 of this shape saved as safetensors (bf16)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.Gemma2Config(max_position_embeddings=4096, **shape)
+    model = transformers.Gemma2ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+    model.save_pretrained(folder, safe_serialization=True)
+    return folder
+
+
+def decode_tps(llm: LLM, ids: list[int], params: SamplingParams) -> float:
+    """Decode tokens/s of one greedy generate over the prompt (the engine's timeline)."""
+    llm.timeline.clear()
+    llm.generate({"prompt_token_ids": ids}, params)
+    return llm.timeline.phase_tokens["decode"] / llm.timeline.phase_time_s["decode"]
+
+
+def compare(folder: Path, quantization: str, ids: list[int], n_decode: int, repeats: int) -> tuple[float, float]:
+    """(fused, reference) median decode tokens/s on the same weights, the two runs alternating."""
+    params = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
+    models = {}
+    for fuse in (True, False):
+        llm = LLM(str(folder), quantization=quantization, backend="cpu", batch_size=1,
+                  max_model_len=len(ids) + n_decode + 8)
+        llm.model.fuse = fuse
+        llm.generate({"prompt_token_ids": ids}, params)  # warm-up
+        models[fuse] = llm
+    model = models[True].model
+    spec, max_len = model.spec, len(ids) + n_decode + 8
+    rings = [i for i in range(spec.n_layers) if (spec.kv_ring(i) or max_len) < max_len]
+    if not model.fuse or rings:
+        raise SystemExit(f"the fused layer does not run every layer of this model (runs_math_of: {model.fuse}; "
+                         f"layers keeping rings: {rings}); shorten --prompt-len or --decode-tokens")
+    runs = {True: [], False: []}
+    for _ in range(repeats):
+        for fuse, llm in models.items():
+            runs[fuse].append(decode_tps(llm, ids, params))
+    return statistics.median(runs[True]), statistics.median(runs[False])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantizations", default="q4_0,q8_0")
+    parser.add_argument("--prompt-len", type=int, default=200)
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true")
+    args = parser.parse_args()
+    if args.smoke:
+        args.quantizations, args.prompt_len, args.decode_tokens, args.repeats = "q4_0", 16, 4, 1
+    torch.set_num_threads(args.threads)
+    shape = SMOKE_SHAPE if args.smoke else SHAPE
+    ids = [100 + (i * 7919) % (shape["vocab_size"] - 200) for i in range(args.prompt_len)]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = make_model(Path(tmp), shape)
+        for quantization in args.quantizations.split(","):
+            ours, ref = compare(folder, quantization, ids, args.decode_tokens, args.repeats)
+            print(f"{quantization} decode, {args.threads} threads, {args.prompt_len}-token prompt: fused {ours:.1f} "
+                  f"tok/s, reference math {ref:.1f} tok/s, fused / reference {ours / ref:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
