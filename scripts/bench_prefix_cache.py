@@ -13,6 +13,7 @@ Two cases (the issue's acceptance cases), each run cache off first, then on:
 
   python scripts/bench_prefix_cache.py [--model default] [--turns 8] [--requests 64]
   python scripts/bench_prefix_cache.py --quick    # 3 turns, 8 requests, shorter prefixes and answers
+  python scripts/bench_prefix_cache.py --smoke    # a tiny random model, 2 turns, 4 requests, 4 tokens
 """
 
 from __future__ import annotations
@@ -31,11 +32,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--turns", type=int, default=8, help="chat turns over the one system prompt")
     p.add_argument("--requests", type=int, default=64, help="batch requests sharing the few-shot prefix")
     p.add_argument("--quick", action="store_true", help="3 turns, 8 requests, shorter prefixes and answers")
+    p.add_argument("--smoke", action="store_true", help="a tiny random model, 2 turns, 4 requests, 4 tokens")
     args = p.parse_args(argv)
-    args.system_tokens, args.shots_tokens, args.chat_new, args.batch_new = 1500, 1000, 16, 32
+    args.system_tokens, args.shots_tokens, args.chat_new, args.batch_new, args.context = 1500, 1000, 16, 32, 4096
     if args.quick:
         args.turns, args.requests, args.system_tokens, args.shots_tokens, args.chat_new, args.batch_new = \
             3, 8, 300, 200, 8, 8
+    if args.smoke:
+        args.turns, args.requests, args.system_tokens, args.shots_tokens, args.chat_new, args.batch_new = \
+            2, 4, 60, 40, 4, 4
+        args.context = 2048
     return args
 
 
@@ -137,7 +143,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from offload import LLM, SamplingParams
 
-    llm = LLM(args.model, max_model_len=4096)
+    if args.smoke:
+        from pathlib import Path
+        import tempfile
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
+        from make_llama import tiny
+
+        args.model = str(tiny(Path(tempfile.mkdtemp(prefix="bench-prefix-")) / "tiny", vocab=259, tokenizer=True))
+    llm = LLM(args.model, max_model_len=args.context)
     print(f"{args.model}: prefix cache off vs on{' (quick)' if args.quick else ''}")
     llm.generator.prefix_caching = False  # a warm-up prefill as long as the system prompt: first-call costs out
     llm.generate([few_shot(llm.tokenizer, args.system_tokens)], SamplingParams(max_tokens=2, temperature=0.0))
