@@ -24,9 +24,19 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
   files dropped from the page cache before it, so every pass reads what is on disk; --disk-prompts chat prompts,
   --disk-tokens greedy tokens each, one at a time; without and with speculation alternating over --rounds.
 
+- --drafts: the two drafts of the model's own weights at q4_0, on the default model's fp32 copy in RAM (CPU
+  backend, batch 1): `method: self` (a draft with its own KV cache: it prefills each prompt itself) and `method:
+  substitute` (drafting over the model's own KV cache: no draft cache, no draft prefill), against no speculation,
+  in alternating rounds on --prompts open-ended chat prompts (default 6) x --max-tokens greedy tokens (default 64);
+  each one's median tokens/s, the ratio, acceptance, tokens per pass, the share of decode steps that carried
+  proposals (with k chosen as the run goes, offload may stop drafting), drafting's share of the time, the answers
+  against the plain run's (greedy on float weights: identical, or printed where they part), and the seconds of a
+  prompt's first drafting (self's draft prefills the prompt there) against its later ones.
+
   python scripts/bench_spec.py [--rounds 3] [--max-tokens 128] [--against-llamacpp]
   python scripts/bench_spec.py --disk [--budget 256MiB] [--disk-prompts 10] [--disk-tokens 64]
-  python scripts/bench_spec.py --smoke    # a tiny random model, 2 prompts, 8 tokens, one round
+  python scripts/bench_spec.py --drafts [--rounds 3] [--prompts 6] [--max-tokens 64] [--k 4]
+  python scripts/bench_spec.py --smoke [--drafts]    # a tiny random model, 2 prompts, 8 tokens, one round
 """
 
 from __future__ import annotations
@@ -67,9 +77,15 @@ PARAGRAPHS = [
     "turned around, and went back the way it came, humming a quiet tune to itself as it worked.",
 ]
 
+QUESTIONS = ["Why is the sky blue?", "Write a short story about a fox who learns to sail.",
+             "What should I pack for a week of hiking in the mountains?", "Explain how a refrigerator keeps food cold.",
+             "Give me some ideas for a rainy Sunday afternoon.", "How do plants make their own food?",
+             "What makes a good friend?", "Describe your ideal breakfast."]
 
-def chats(n: int) -> list[list[dict]]:
-    return [[{"role": "user", "content": ASK.format(p)}] for p in PARAGRAPHS[:n]]
+
+def chats(n: int, open_ended: bool = False) -> list[list[dict]]:
+    return [[{"role": "user", "content": q if open_ended else ASK.format(q)}]
+            for q in (QUESTIONS if open_ended else PARAGRAPHS)[:n]]
 
 
 class OffloadPair:
@@ -223,16 +239,75 @@ def disk_rows(args) -> None:
           f"{len(prompts)}")
 
 
+def draft_rows(model: str, args) -> None:
+    """--drafts: no speculation, method self and method substitute on model (fp32, in RAM), alternating."""
+    from offload import LLM, SamplingParams
+
+    names, load = ("plain", "self", "substitute"), os.getloadavg()[0]
+    llms = {n: LLM(model, quantization="none", dtype="fp32", backend="cpu", gpu_memory=0, batch_size=1,
+                   max_model_len=1024, speculative_config=None if n == "plain" else
+                   {"method": n, "num_speculative_tokens": args.k}) for n in names}
+    prompts = [llms["plain"].apply_chat_template(c) for c in chats(args.prompts, open_ended=True)]
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    for llm in llms.values():  # warm-up: kernels, caches
+        llm.generate({"prompt_token_ids": prompts[0]}, SamplingParams(max_tokens=4, temperature=0.0))
+    rates, drafts = {n: [] for n in names}, {n: ([], []) for n in names}  # (first, later) draftings' seconds
+    for name in names[1:]:  # each prompt's draftings timed: its first (self's draft prefills there) and the rest
+        spec, seen = llms[name].generator.speculator, {}  # by id: the sequences, kept (their ids not reused)
+
+        def timed(asks, seen=seen, propose=spec.propose_many, out=drafts[name]):
+            start, proposals = time.perf_counter(), propose(asks)
+            if not asks:  # no room left for proposals
+                return proposals
+            out[id(asks[0][2]) in seen].append(time.perf_counter() - start)
+            seen[id(asks[0][2])] = asks[0][2]
+            return proposals
+        spec.propose_many = timed
+    draft_s, timed_s, answers = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0), {}
+    for _ in range(args.rounds):  # alternating: this machine's speed drifts over minutes
+        for name, llm in llms.items():
+            before = (llm.speculative_stats or {}).get("draft_s", 0.0)
+            start, outs = time.perf_counter(), []
+            for ids in prompts:
+                outs += llm.generate({"prompt_token_ids": ids}, params)
+            took = time.perf_counter() - start
+            rates[name].append(sum(len(o.token_ids) for o in outs) / took)
+            draft_s[name] += (llm.speculative_stats or {}).get("draft_s", 0.0) - before
+            timed_s[name], answers[name] = timed_s[name] + took, [o.token_ids for o in outs]
+    med = {n: statistics.median(r) for n, r in rates.items()}
+    print(f"{model} (fp32 in RAM, CPU backend, batch 1): {args.prompts} open-ended chat prompts, greedy, "
+          f"{args.max_tokens} new tokens, one at a time, k {args.k or 'chosen as the run goes'}; median of "
+          f"{args.rounds} rounds, alternating (load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
+          f"{os.cpu_count()} CPUs)")
+    print(f"{'method':<11} {'tok/s':>7} {'vs plain':>8} {'accept':>7} {'tok/pass':>8} {'drafted':>7} {'draft %':>7} "
+          f"{'1st / later drafting':>20}  answers vs plain")
+    for name in names:
+        stats = llms[name].speculative_stats
+        same = "-"
+        if name != "plain":
+            p = compare(llms["plain"], prompts, answers["plain"], answers[name])
+            same = (f"identical {p['identical']}/{len(prompts)}, near-tie {p['near_tie']}, larger gap "
+                    f"{len(p['other'])}" + "".join(f"; parts at token {o['at']} (gap {o['gap']:.3f})"
+                                                   for o in p["other"]))
+        spec = (f"{stats['acceptance_rate']:>7.2f} {stats['tokens_per_pass']:>8.2f} "  # drafted: decode steps with
+                f"{100 * stats['verified_passes'] / max(stats['decode_steps'], 1):>6.0f}% "  # proposals (k > 0)
+                f"{100 * draft_s[name] / timed_s[name]:>6.1f}%" if stats else f"{'-':>7} {'-':>8} {'-':>7} {'-':>7}")
+        first, later = (f"{statistics.median(d):.3f}" if d else "-" for d in drafts[name])
+        print(f"{name:<11} {med[name]:>7.2f} {med[name] / med['plain']:>7.2f}x {spec} {first:>9} / {later:<6} s  {same}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="a model offload loads (default: the default model's GGUF)")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=len(PARAGRAPHS), help=f"how many (at most {len(PARAGRAPHS)})")
+    ap.add_argument("--max-tokens", type=int, help="default 128 (--drafts: 64)")
+    ap.add_argument("--prompts", type=int, help=f"how many (at most {len(PARAGRAPHS)}; default all, --drafts: 6)")
     ap.add_argument("--against-llamacpp", action="store_true",
                     help="also llama-cpp-python with and without its prompt lookup, on the same GGUF file")
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, 2 prompts, 8 tokens, one round")
     ap.add_argument("--disk", action="store_true", help="the fp32 copy on the disk tier, a self-draft at q4_0")
+    ap.add_argument("--drafts", action="store_true", help="the fp32 copy in RAM: methods self and substitute")
+    ap.add_argument("--k", type=int, help="--drafts: num_speculative_tokens (default: chosen as the run goes)")
     ap.add_argument("--budget", default="640MiB", help="--disk: cpu_memory (the whole process, the draft included)")
     ap.add_argument("--cgroup-slack", default="512MiB", help="--disk: the cgroup's room beyond --budget")
     ap.add_argument("--spec-budget", help="--disk: cpu_memory of the speculative run (default --budget); more gives "
@@ -242,6 +317,8 @@ def main(argv=None) -> int:
     ap.add_argument("--disk-tokens", type=int, default=64)
     ap.add_argument("--disk-child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    args.max_tokens = args.max_tokens or (64 if args.drafts else 128)
+    args.prompts = args.prompts or (6 if args.drafts else len(PARAGRAPHS))
     if args.disk_child:
         print(json.dumps(disk_child(json.loads(args.disk_child))))
         return 0
@@ -255,6 +332,16 @@ def main(argv=None) -> int:
 
         args.rounds, args.max_tokens, args.prompts, args.against_llamacpp = 1, 8, 2, False
         model = str(tiny(Path(tempfile.mkdtemp(prefix="bench-spec-")) / "tiny", vocab=259, tokenizer=True))
+    if args.drafts:
+        if not args.smoke:
+            sys.path.insert(0, str(HERE))
+            from lm_eval_compare import write_fp32
+
+            from offload.paths import cache_dir
+
+            model = str(write_fp32(cache_dir() / "lm-eval-fp32"))
+        draft_rows(model, args)
+        return 0
     load = os.getloadavg()[0]
     pair = OffloadPair(model, args)
     gguf = None
