@@ -332,12 +332,7 @@ def prefix_cache_options(config, named: dict | None = None) -> PrefixCacheOption
                           f"{type(config).__name__}")
     raw = config.model_dump() if isinstance(config, PrefixCacheOptions) else dict(config or {})
     raw |= {PREFIX_CACHE_NAMES[name]: value for name, value in (named or {}).items() if value is not None}
-    try:
-        return PrefixCacheOptions.model_validate(raw)
-    except ValidationError as e:
-        err = e.errors()[0]
-        where = f"prefix_cache[{err['loc'][0]!r}]" if err["loc"] else "prefix_cache"
-        raise ConfigError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
+    return _section(PrefixCacheOptions, raw, "prefix_cache")
 
 
 def speculative_options(config) -> SpeculativeOptions | None:
@@ -347,11 +342,16 @@ def speculative_options(config) -> SpeculativeOptions | None:
     if not isinstance(config, dict):
         raise ConfigError(f"speculative_config must be a dict of the speculative options (method, "
                           f"num_speculative_tokens, ...), got {type(config).__name__}")
+    return _section(SpeculativeOptions, config, "speculative_config")
+
+
+def _section(cls, raw: dict, name: str):
+    """raw checked as the job YAML's section cls; a ConfigError names the first wrong key as name[key]."""
     try:
-        return SpeculativeOptions.model_validate(config)
+        return cls.model_validate(raw)
     except ValidationError as e:
         err = e.errors()[0]
-        where = f"speculative_config[{err['loc'][0]!r}]" if err["loc"] else "speculative_config"
+        where = f"{name}[{err['loc'][0]!r}]" if err["loc"] else name
         raise ConfigError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
 
 

@@ -246,17 +246,8 @@ class ModelDrafter:
     def propose_many(self, asks: list[tuple[list[int], int, object]]) -> list[list[int]]:
         """Proposals for several sequences ((tokens, k, seq) each), drafted together: each pass over the draft's
         weights serves every sequence still drafting (each catches up on the tokens it gained, then decodes)."""
-        import time
-
         runs = [self._run(tokens, k, seq) for tokens, k, seq in asks]
-        active = [r for r in runs if r is not None]
-        start = time.perf_counter()
-        with torch.inference_mode():
-            while active:
-                self.generator.step(active, self.cache, self.capacity)
-                self.passes += 1
-                active = [r for r in active if not r.finish_reason]
-        self.seconds += time.perf_counter() - start
+        draft_runs(self, runs, self.cache, self.capacity)
         out = []
         for run, (tokens, _, seq) in zip(runs, asks):
             if run is None:
@@ -323,8 +314,6 @@ class SubstituteDrafter:
     def propose_many(self, asks: list[tuple[list[int], int, object]]) -> list[list[int]]:
         """Proposals for several sequences ((tokens, k, seq) each, seq running in the engine whose cache is
         attached), drafted together: each pass over the draft's weights serves every sequence still drafting."""
-        import time
-
         from offload.sequence import Sequence
 
         runs = []
@@ -336,14 +325,22 @@ class SubstituteDrafter:
             run.base, run.extent, run.ring, run.n_cached = seq.base, seq.extent, seq.ring, len(tokens) - 1
             run.generator = torch.Generator()
             runs.append(run)
-        active, start = [r for r in runs if r is not None], time.perf_counter()
-        with torch.inference_mode():
-            while active:
-                self.generator.step(active, self.cache, self.trash_slot)
-                self.passes += 1
-                active = [r for r in active if not r.finish_reason]
-        self.seconds += time.perf_counter() - start
+        draft_runs(self, runs, self.cache, self.trash_slot)
         return [[] if run is None else run.output_ids for run in runs]
+
+
+def draft_runs(drafter, runs: list, cache, trash_slot: int) -> None:
+    """Step the drafter's generator over its runs (None: a sequence it drafts nothing for) until each has its k
+    tokens, one pass over the draft's weights serving every run still drafting; its passes and seconds counted."""
+    import time
+
+    active, start = [r for r in runs if r is not None], time.perf_counter()
+    with torch.inference_mode():
+        while active:
+            drafter.generator.step(active, cache, trash_slot)
+            drafter.passes += 1
+            active = [r for r in active if not r.finish_reason]
+    drafter.seconds += time.perf_counter() - start
 
 
 def make_speculator(options, draft=None) -> Speculator | None:
