@@ -96,9 +96,11 @@ def test_plain_completions_and_chat_are_llm_generates_greedy_answers(llm, defaul
         models = client.get("/v1/models").json()
     assert text["object"] == "text_completion" and text["choices"][0]["text"] == want[0].text
     assert text["choices"][0]["finish_reason"] == want[0].finish_reason
+    cached = text["usage"].pop("prompt_tokens_details")["cached_tokens"]  # want's run may have left the prompt
     assert text["usage"] == {"prompt_tokens": len(want[0].prompt_token_ids), "completion_tokens":
                              len(want[0].token_ids), "total_tokens": len(want[0].prompt_token_ids) +
-                             len(want[0].token_ids), "prompt_tokens_details": {"cached_tokens": 0}}
+                             len(want[0].token_ids)}
+    assert 0 <= cached < len(want[0].prompt_token_ids)
     assert by_ids["choices"][0]["text"] == want[1].text
     assert chat["object"] == "chat.completion" and chat["choices"][0]["message"] == {"role": "assistant",
                                                                                       "content": want[2].text}
