@@ -179,15 +179,23 @@ class LLM:
                                    placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
                                    logits_rows=self.max_batch_size)
         self.generator.between_steps = self._probe_cpu_speed_if_due
-        prefix = prefix or PrefixCacheOptions()
-        self.generator.prefix_caching = prefix.enabled
-        self.generator.prefix_host_bytes = host_tier_bytes(self.plan, prefix.host_memory) if prefix.enabled else 0
+        self._use_prefix_cache(prefix or PrefixCacheOptions())
+        self._use_speculation(speculative, draft)
+
+    def _use_speculation(self, speculative: SpeculativeOptions | None, draft: LLM | None) -> None:
+        """The generator's speculator: a model draft loaded (with a placement given: planned on its own) and
+        checked against this model, or prompt lookup, or none."""
         if speculative is not None and speculative.method in MODEL_DRAFTS:
-            draft = draft or load_draft(speculative, self)  # with a placement given: the draft plans on its own
+            draft = draft or load_draft(speculative, self)
             check_draft_vocab(draft, self)
             if speculative.method == "substitute":
                 check_substitute(draft, self)
         self.generator.speculator = make_speculator(speculative, draft)
+
+    def _use_prefix_cache(self, prefix: PrefixCacheOptions) -> None:
+        """The generator's prefix cache as the options say: on or off, its host tier sized within the plan's room."""
+        self.generator.prefix_caching = prefix.enabled
+        self.generator.prefix_host_bytes = host_tier_bytes(self.plan, prefix.host_memory) if prefix.enabled else 0
 
     @property
     def speculative_stats(self) -> dict | None:
