@@ -12,8 +12,9 @@ block's K and V lie:
   leaves free), and come back by copy on a hit.
 A hit copies the blocks into the new sequence's own extent, layer by layer (the pool keeps one contiguous extent
 per sequence, so blocks are copied, not shared) and its prefill starts after them; its last prompt token is always
-computed, for its logits. Eviction takes the least recently used kept run first (a run is a request's blocks),
-never one a hit is copying from. Models whose layers keep rings of their window (offload.spec.ModelSpec.kv_ring)
+computed, for its logits. Eviction from the pool goes by block: the least recently used kept run first (a run is
+a request's blocks), its deepest block first, never a run a hit is copying from; the host tier drops whole runs,
+least recently used first. Models whose layers keep rings of their window (offload.spec.ModelSpec.kv_ring)
 do not cache: a ring no longer holds the early keys a later prompt would take.
 """
 
@@ -40,6 +41,17 @@ def block_names(tokens: list[int], n_blocks: int) -> Iterator[bytes]:
     for i in range(n_blocks):
         prev = hashlib.blake2b(prev + ids[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].tobytes(), digest_size=16).digest()
         yield prev
+
+
+def prompt_block_name(seq: Sequence, i: int) -> bytes:
+    """The name of block i of seq's prompt, computed once per request (a request waiting behind another's prefill
+    is looked up again every step): seq.prefix_names holds those named so far."""
+    names = seq.prefix_names
+    while len(names) <= i:
+        at = len(names) * BLOCK_TOKENS
+        ids = np.asarray(seq.prompt_ids[at: at + BLOCK_TOKENS], dtype=np.int64)
+        names.append(hashlib.blake2b((names[-1] if names else b"") + ids.tobytes(), digest_size=16).digest())
+    return names[i]
 
 
 @dataclass(eq=False)
@@ -104,8 +116,8 @@ class PrefixCache:
         hit = Hit()
         if seq.params.prompt_logprobs is not None:
             return hit
-        for i, name in enumerate(block_names(seq.prompt_ids, (len(seq.prompt_ids) - 1) // BLOCK_TOKENS)):
-            holder, block = self.index.get(name, (None, -1))
+        for i in range((len(seq.prompt_ids) - 1) // BLOCK_TOKENS):
+            holder, block = self.index.get(prompt_block_name(seq, i), (None, -1))
             if holder is None:
                 break
             if isinstance(holder, Sequence) and holder.n_cached < (block + 1) * BLOCK_TOKENS:
@@ -120,13 +132,27 @@ class PrefixCache:
             holder.pins += by
 
     def alloc(self, n: int) -> int | None:
-        """The pool's first slot of n free slots, evicting kept runs least recently used first while it has none."""
+        """The pool's first slot of n free slots, evicting kept blocks while it has none: least recently used first,
+        and of a run the deepest block first (vLLM's order: the head a system prompt or a few-shot prefix shares
+        with many prompts stays longest); a run a hit copies from is never touched."""
         while (base := self.pool.alloc(n)) is None:
             victims = [k for k in self.kept if k.base is not None and not k.pins]
             if not victims:
                 return None
-            self._evict(min(victims, key=lambda k: k.last_used))
+            self._evict(self._tail(min(victims, key=lambda k: k.last_used)))
         return base
+
+    def _tail(self, kept: Kept) -> Kept:
+        """A pool run's last block as a run of its own (the run itself where it has one block), indexed in its
+        place."""
+        if len(kept.names) == 1:
+            return kept
+        name, at = kept.names.pop(), kept.first + len(kept.names)
+        tail = Kept([name], at, kept.base + len(kept.names) * BLOCK_TOKENS, kept.last_used)
+        if self.index.get(name, (None,))[0] is kept:
+            self.index[name] = (tail, at)
+        self.kept.append(tail)
+        return tail
 
     def take(self, seq: Sequence, hit: Hit) -> None:
         """Copy a hit's blocks into seq's extent (admitted, base set): its prompt is cached up to them."""
@@ -160,7 +186,7 @@ class PrefixCache:
 
     def add_running(self, seq: Sequence) -> None:
         """Index seq's prompt blocks that are not yet (they are hits from the step their chunk is cached)."""
-        names = list(block_names(seq.prompt_ids, len(seq.prompt_ids) // BLOCK_TOKENS))
+        names = [prompt_block_name(seq, i) for i in range(len(seq.prompt_ids) // BLOCK_TOKENS)]
         mine = [name for i, name in enumerate(names) if self.index.setdefault(name, (seq, i))[0] is seq]
         self._running[id(seq)] = mine
 

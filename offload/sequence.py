@@ -28,6 +28,7 @@ class Sequence:
     ring: int = 0  # its ring in the ring layers' pooled rows (offload.spec.ModelSpec.kv_ring)
     n_cached: int = 0  # prompt tokens whose K and V are in the cache
     n_prefix_hit: int = 0  # of them, those the prefix cache gave (offload/prefix_cache.py)
+    prefix_names: list = field(default_factory=list, repr=False)  # its prompt blocks' names, as far as looked up
     generator: torch.Generator | None = None
     index: int = 0  # which of the request's n samples
     parent: Sequence | None = None  # the sample whose prefill this one shares (None: it prefills itself)

@@ -135,6 +135,25 @@ def test_a_run_a_hit_copies_from_is_not_evicted_for_its_extent(llm):
     assert cache.alloc(10) == 0 and not cache.kept
 
 
+def test_eviction_takes_the_deepest_blocks_of_a_run_first_and_keeps_its_head(llm):
+    """A pool that needs one block's room takes it from the tail of the least recently used run: the run's first
+    blocks stay indexed and in place, the tail goes to the host tier (or is dropped without one)."""
+    names = [b"a", b"b", b"c"]
+    for host in (0, 1 << 20):
+        cache = PrefixCache(Engine(_generator(llm.model)).cache, pool := __import__("offload.kv_pool").kv_pool.KVPool(64),
+                            host_bytes=host)
+        old, new = Kept(list(names), 0, pool.alloc(48), 0.0), Kept([b"z"], 0, pool.alloc(16), 1.0)
+        cache.kept += [old, new]
+        for kept in (old, new):
+            for i, name in enumerate(kept.names):
+                cache.index[name] = (kept, kept.first + i)
+        assert cache.alloc(16) == 32  # the old run's third block, not the newer run nor the old run's head
+        assert old.names == [b"a", b"b"] and old.base == 0 and new.base == 48
+        assert cache.index[b"a"] == (old, 0) and cache.index[b"b"] == (old, 1)
+        tail = cache.index.get(b"c", (None, -1))
+        assert (tail[0] is not None and tail[0].base is None and tail[1] == 2) == bool(host)
+
+
 def test_the_strict_simulated_gpu_takes_hits_in_its_own_cache(folder, llm):
     spec = load_spec(folder)
     for placement in (Placement.uniform(spec, "gpu", "gpu"), Placement.random(spec, 3)):
@@ -196,3 +215,24 @@ def test_llm_calls_take_what_earlier_calls_left_in_the_host_tier(folder):
         assert second.num_cached_tokens == (3 * BLOCK_TOKENS if host != "0" else 0)
         carried = llm.generator.prefix_carried
         assert all(k.base is None for k in carried) and bool(carried) == (host != "0")
+
+
+def test_a_batch_feeds_requests_that_begin_alike_side_by_side():
+    """The Batch API's queue with the prefix cache on: requests sharing a system prompt or a prompt's beginning come
+    next to each other whatever the file's order; with it off, the file's order."""
+    from offload.jobs.batch import Request
+    from offload.serve.batch_runner import prefix_order
+
+    def chat(cid, system, user):
+        return Request(cid, 1, "/v1/chat/completions", SamplingParams(),
+                       messages=[{"role": "system", "content": system}, {"role": "user", "content": user}])
+
+    def text(cid, prompt):
+        return Request(cid, 1, "/v1/completions", SamplingParams(), prompt=prompt)
+
+    reqs = [chat("a", "You are A.", "1"), chat("b", "You are B.", "2"), chat("c", "You are A.", "3"),
+            chat("d", "You are B.", "4"), text("e", "few-shot X: q1"), text("f", "zzz"), text("g", "few-shot X: q2")]
+    order = [r.custom_id for r in prefix_order(reqs, True)]
+    assert abs(order.index("a") - order.index("c")) == 1 and abs(order.index("b") - order.index("d")) == 1
+    assert abs(order.index("e") - order.index("g")) == 1 and sorted(order) == list("abcdefg")
+    assert [r.custom_id for r in prefix_order(reqs, False)] == list("abcdefg")
