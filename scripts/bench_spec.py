@@ -18,7 +18,8 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
 - --disk: where the weights are far. The target is the default model's fp32 copy (the float reference the tests
   write: its GGUF dequantized by transformers), on the disk tier: cpu_memory --budget (the whole process, the
   draft included: it is planned first and the model gets the rest) leaves most of it on disk; the draft is
-  `method: self` at q4_0 (the same weights, quantized, in RAM). Each run is a child process in a memory cgroup
+  `method: self` at q4_0 (the same weights, quantized, in RAM), or with --method substitute the q4_0 copies drafting over
+  the model's own KV cache. Each run is a child process in a memory cgroup
   (scripts/bench_disk.py's; one limit for both runs: the larger budget + --cgroup-slack for the page cache and
   activations), the model's
   files dropped from the page cache before it, so every pass reads what is on disk; --disk-prompts chat prompts,
@@ -34,7 +35,7 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
   prompt's first drafting (self's draft prefills the prompt there) against its later ones.
 
   python scripts/bench_spec.py [--rounds 3] [--max-tokens 128] [--against-llamacpp]
-  python scripts/bench_spec.py --disk [--budget 256MiB] [--disk-prompts 10] [--disk-tokens 64]
+  python scripts/bench_spec.py --disk [--method substitute] [--budget 256MiB] [--disk-prompts 10] [--disk-tokens 64]
   python scripts/bench_spec.py --drafts [--rounds 3] [--prompts 6] [--max-tokens 64] [--k 4]
   python scripts/bench_spec.py --smoke [--drafts]    # a tiny random model, 2 prompts, 8 tokens, one round
 """
@@ -171,7 +172,7 @@ def disk_child(job: dict) -> dict:
     """One run on the disk tier (in its cgroup): tokens/s over the prompts, the stats, the answers."""
     from offload import LLM, SamplingParams
 
-    spec = {"method": "self", "quantization": "q4_0"} if job["speculate"] else None
+    spec = {"method": job["method"], "quantization": "q4_0"} if job["speculate"] else None
     llm = LLM(job["model"], quantization="none", dtype="fp32", cpu_memory=job["budget"], gpu_memory=0, disk_memory="4GiB",
               backend="cpu", batch_size=1, max_model_len=1024, speculative_config=spec)
     if job["speculate"] and llm.speculative_stats is None:  # priced at load as not paying (offload/api.py)
@@ -211,7 +212,7 @@ def disk_rows(args) -> None:
             drop_cache(files)
             mine = parse_size(args.spec_budget) if speculate and args.spec_budget else budget
             job = {"model": str(folder), "budget": mine, "tokens": args.disk_tokens, "prompts": prompts,
-                   "speculate": speculate}
+                   "speculate": speculate, "method": args.method}
             cgroup = MemCgroup(limit)  # one limit for both runs: the same room for the page cache
             try:
                 done = subprocess.run([sys.executable, __file__, "--disk-child", json.dumps(job)], capture_output=True,
@@ -233,7 +234,7 @@ def disk_rows(args) -> None:
           f"cgroup limit {format_bytes(limit)} for both (peaks {format_bytes(runs[False]['peak'])} / "
           f"{format_bytes(runs[True]['peak'])}); {args.disk_prompts} chat prompts x {args.disk_tokens} greedy tokens, "
           f"one at a time; median of {args.rounds} runs each, alternating")
-    print(f"without speculation: {plain:.2f} tok/s; with method self (q4_0 draft in RAM): {spec:.2f} tok/s "
+    print(f"without speculation: {plain:.2f} tok/s; with method {args.method} (q4_0 draft in RAM): {spec:.2f} tok/s "
           f"({spec / plain:.2f}x); acceptance {stats['acceptance_rate']:.2f}, {stats['tokens_per_pass']:.2f} tokens "
           f"per pass that carried proposals, drafting {stats['draft_s']:.1f} s; answers identical {same} of "
           f"{len(prompts)}")
@@ -308,6 +309,9 @@ def main(argv=None) -> int:
     ap.add_argument("--disk", action="store_true", help="the fp32 copy on the disk tier, a self-draft at q4_0")
     ap.add_argument("--drafts", action="store_true", help="the fp32 copy in RAM: methods self and substitute")
     ap.add_argument("--k", type=int, help="--drafts: num_speculative_tokens (default: chosen as the run goes)")
+    ap.add_argument("--method", choices=("self", "substitute"), default="self",
+                    help="--disk: the draft (self: a q4_0 copy with its own KV cache; substitute: q4_0 copies over the "
+                    "model's own KV cache)")
     ap.add_argument("--budget", default="640MiB", help="--disk: cpu_memory (the whole process, the draft included)")
     ap.add_argument("--cgroup-slack", default="512MiB", help="--disk: the cgroup's room beyond --budget")
     ap.add_argument("--spec-budget", help="--disk: cpu_memory of the speculative run (default --budget); more gives "

@@ -32,6 +32,21 @@ LOG_NAME = "log.jsonl"  # the batch's output log, in its folder
 POLL_S = 0.2  # how often a runner waiting for answers looks at its cancel and stop flags and the clock
 
 
+def prefix_order(requests: list[Request], prefix_caching: bool) -> list[Request]:
+    """The order a batch's requests are fed in: with the prefix cache, those that begin alike (the same messages or
+    prompt up to some point) side by side, sorted by their text, so a shared few-shot prefix or system prompt is still
+    cached when the next request that needs it starts; without it, the file's order."""
+    if not prefix_caching:
+        return requests
+
+    def text(req: Request) -> str:
+        if req.messages is not None:  # the chat template is the batch's own: messages that begin alike render alike
+            return "\x00".join(f"{m.get('role')}\x01{m.get('content')}" for m in req.messages)
+        return req.prompt if isinstance(req.prompt, str) else "\x00".join(map(str, req.prompt or ()))
+
+    return sorted(requests, key=text)
+
+
 class BatchRunner:
     """Runs one batch in its own thread; cancel() and stop() may come from any thread."""
 
@@ -133,7 +148,7 @@ class BatchRunner:
         for item in bad:
             if item.key not in done:
                 self._write(log, error_record(item, item.message))
-        todo = deque(r for r in requests if r.key not in done)
+        todo = deque(prefix_order([r for r in requests if r.key not in done], self.server.llm.generator.prefix_caching))
         window = QUEUED_PER_SLOT * self.server.llm.generator.max_batch_size
         while not self._stop.is_set():
             if self._cancel.is_set():
