@@ -81,11 +81,13 @@ def _check_named(generator: Generator, seq: Sequence) -> None:
         raise SamplingError(f"prompts[{seq.request_id}]: {e}", e.param) from None
 
 
-def prefix_cache_of(generator: Generator, cache: list, pool: KVPool) -> PrefixCache | None:
-    """The generator's prefix cache over an engine's pool (None: turned off, or a model whose layers keep rings)."""
-    if not generator.prefix_caching or any(layer.ring is not None for layer in cache):
+def prefix_cache_of(generator: Generator, cache: list, pool: KVPool, free_rings: list[int]) -> PrefixCache | None:
+    """The generator's prefix cache over an engine's pool and its rings no sequence holds (None: turned off)."""
+    if not generator.prefix_caching:
         return None
-    return PrefixCache(cache, pool, generator.prefix_host_bytes, carried=generator.prefix_carried)
+    spec = generator.model.spec
+    return PrefixCache(cache, pool, generator.prefix_host_bytes, carried=generator.prefix_carried,
+                       windows=[spec.window(i) for i in range(len(cache))], free_rings=free_rings)
 
 
 class Engine:
@@ -104,7 +106,7 @@ class Engine:
         # slot `capacity` takes the writes of padding; a ring layer holds a ring per sequence that may run at once
         self.cache = generator.model.new_cache(1, self.capacity, generator.max_batch_size)
         self._rings = list(range(generator.max_batch_size))  # the rings no running sequence holds
-        self.prefix = prefix_cache_of(generator, self.cache, self.pool)
+        self.prefix = prefix_cache_of(generator, self.cache, self.pool, self._rings)
         self._waiting: deque[Sequence] = deque()
         self._background: deque[Sequence] = deque()  # admitted only while _waiting is empty; not bounded here
         self._running: list[Sequence] = []  # changed by the stepping thread only, under the lock
@@ -233,6 +235,8 @@ class Engine:
             bases = self._alloc(seq.group, hit)
             if bases is None:
                 break
+            if self.prefix is not None:  # a ring the prefix cache gave back may have held the hit's blocks
+                hit = self.prefix.refit(hit)
             queue.remove(seq)
             for sample, base in zip(seq.group, bases):
                 sample.base, sample.n_cached, sample.generator = base, 0, sample.params.make_generator(sample.index)
@@ -256,8 +260,8 @@ class Engine:
         return None, Hit()
 
     def _alloc(self, group: list[Sequence], hit: Hit) -> list[int] | None:
-        """A base for each sample's extent (the prefix cache gives up kept runs for them, not those hit copies
-        from), or None with nothing taken."""
+        """A base for each sample's extent and a free ring for each (the prefix cache gives up kept runs for them,
+        not those hit copies from while others can), or None with nothing taken."""
         bases = []
         if self.prefix is not None:
             self.prefix.pin(hit, 1)
@@ -266,13 +270,21 @@ class Engine:
             if base is None:
                 break
             bases.append(base)
+        rings = len(bases) == len(group) and self._free_rings(len(group))
         if self.prefix is not None:
             self.prefix.pin(hit, -1)
-        if len(bases) < len(group):
+        if not rings:
             for sample, base in zip(group, bases):
                 self.pool.release(base, sample.extent)
             return None
         return bases
+
+    def _free_rings(self, n: int) -> bool:
+        """Whether n rings are free, the prefix cache's kept runs giving theirs back as needed."""
+        while len(self._rings) < n:
+            if self.prefix is None or not self.prefix.reclaim_ring():
+                return False
+        return True
 
     def _drop_aborted(self) -> list[Sequence]:
         left, self._left = self._left, []
@@ -290,9 +302,9 @@ class Engine:
             self._running.remove(seq)
             if self.prefix is None:
                 self.pool.release(seq.base, seq.extent)
-            else:
-                self.prefix.release(seq, keep=seq.finish_reason in ("stop", "length"))
-            self._rings.append(seq.ring)
+                self._rings.append(seq.ring)
+            elif not self.prefix.release(seq, keep=seq.finish_reason in ("stop", "length")):
+                self._rings.append(seq.ring)
             if speculator is not None:
                 speculator.forget(seq)
             first = seq.parent or seq

@@ -14,8 +14,15 @@ A hit copies the blocks into the new sequence's own extent, layer by layer (the 
 per sequence, so blocks are copied, not shared) and its prefill starts after them; its last prompt token is always
 computed, for its logits. Eviction from the pool goes by block: the least recently used kept run first (a run is
 a request's blocks), its deepest block first, never a run a hit is copying from; the host tier drops whole runs,
-least recently used first. Models whose layers keep rings of their window (offload.spec.ModelSpec.kv_ring)
-do not cache: a ring no longer holds the early keys a later prompt would take.
+least recently used first.
+
+Models whose sliding layers keep a ring of their window (offload.spec.ModelSpec.kv_ring: Gemma 2/3, gpt-oss) cache
+too: a hit of P tokens needs, of each ring layer, the keys of the window before P, which the ring of the hit's last
+holder still has while that holder has written fewer than P + ring - window keys (a chat's next turn, which takes
+all of the last one; a prompt's waiters, while its prefill has not gone further than that). The hit is cut to the
+blocks whose holder's ring still has them, and those ring slots are copied into the new sequence's ring. A kept run
+holds its sequence's ring (the engine takes one back, least recently used run first, when a new request needs it);
+their runs stay in the pool, with no host tier.
 """
 
 from __future__ import annotations
@@ -65,6 +72,8 @@ class Kept:
     last_used: float
     host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     pins: int = 0
+    ring: int | None = None  # a ring model's: the ring it holds in the ring layers' pooled rows
+    written: int = 0  # ... and the keys its sequence wrote there
 
     @property
     def n_slots(self) -> int:
@@ -88,9 +97,15 @@ class PrefixCache:
     """The index of cached blocks over one engine's pool and cache, with its host tier of host_bytes."""
 
     def __init__(self, cache: list, pool: KVPool, host_bytes: int = 0, clock=time.monotonic,
-                 carried: list[Kept] = ()):
-        """carried: host-tier runs an earlier engine's cache left (to_host), indexed again here."""
+                 carried: list[Kept] = (), windows: list[int | None] = (), free_rings: list[int] | None = None):
+        """carried: host-tier runs an earlier engine's cache left (to_host), indexed again here; windows: each
+        layer's window, where its cache is a ring; free_rings: the engine's rings no sequence holds, where a kept
+        run's ring goes back when it is dropped."""
+        self.rings = [(layer, window) for layer, window in zip(cache, windows) if layer.ring is not None]
+        if self.rings:  # a ring model keeps runs in the pool only (its rings are not carried or copied out)
+            host_bytes, carried = 0, ()
         self.cache, self.pool, self.host_bytes, self.clock = cache, pool, host_bytes, clock
+        self.free_rings = free_rings if free_rings is not None else []
         self.index: dict[bytes, tuple[object, int]] = {}  # name -> (a running Sequence or a Kept, block index)
         self._running: dict[int, list[bytes]] = {}  # id(sequence) -> the names it holds in the index
         self.kept: list[Kept] = []  # in the pool or the host tier
@@ -124,7 +139,37 @@ class PrefixCache:
                 hit.waits = True
                 break
             hit.blocks.append((holder, block))
+        self._fit_rings(hit)
         return hit
+
+    def refit(self, hit: Hit) -> Hit:
+        """hit cut before its first block of a run dropped since the lookup (a ring the engine took back)."""
+        gone = next((i for i, (h, _) in enumerate(hit.blocks) if isinstance(h, Kept) and h not in self.kept),
+                    len(hit.blocks))
+        del hit.blocks[gone:]
+        self._fit_rings(hit)
+        return hit
+
+    def _fit_rings(self, hit: Hit) -> None:
+        """A ring model's hit cut to the blocks whose last holder's ring still has the window before them."""
+        while self.rings and hit.blocks and not self._ring_holds(hit.blocks[-1][0], hit.n_tokens):
+            hit.blocks.pop()
+
+    def _ring_holds(self, holder, n: int) -> bool:
+        """Whether holder's ring has, in every ring layer, the keys of the window before position n."""
+        if holder.ring is None:
+            return False
+        written = _written(holder)
+        return all(max(0, written - layer.ring) <= max(0, n - window + 1) for layer, window in self.rings)
+
+    def reclaim_ring(self) -> bool:
+        """Drop the least recently used kept run that holds a ring (one no hit copies from first), its ring back to
+        the engine; False where none holds one."""
+        holders = [k for k in self.kept if k.ring is not None]
+        if not holders:
+            return False
+        self._drop(min(holders, key=lambda k: (k.pins > 0, k.last_used)))
+        return True
 
     def pin(self, hit: Hit, by: int) -> None:
         """Keep (by=1) or release (by=-1) the kept runs a hit copies from from eviction."""
@@ -168,6 +213,8 @@ class PrefixCache:
             if isinstance(holder, Kept):
                 holder.last_used = now
             self._copy(holder, block, n, seq.base + block * BLOCK_TOKENS)
+        if self.rings and hit.blocks:
+            self._copy_ring(hit.blocks[-1][0], hit.n_tokens, seq.ring)
         seq.n_cached = seq.n_prefix_hit = hit.n_tokens
         self.hits += hit.n_tokens
 
@@ -181,8 +228,19 @@ class PrefixCache:
             return
         src = holder.base + (block - (holder.first if isinstance(holder, Kept) else 0)) * BLOCK_TOKENS
         for layer in self.cache:
+            if layer.ring is None:
+                for t in (layer.k, layer.v):
+                    t[:, dst: dst + m].copy_(t[:, src: src + m])
+
+    def _copy_ring(self, holder, n: int, ring: int) -> None:
+        """The keys before position n that holder's ring has into ring, in each ring layer (position p at slot
+        p % size of a ring)."""
+        written = _written(holder)
+        for layer, _ in self.rings:
+            size = layer.ring
+            at = torch.arange(max(0, n - size, written - size), n, device=layer.k.device) % size
             for t in (layer.k, layer.v):
-                t[:, dst: dst + m].copy_(t[:, src: src + m])
+                t[0, ring * size + at] = t[0, holder.ring * size + at]
 
     def add_running(self, seq: Sequence) -> None:
         """Index seq's prompt blocks that are not yet (they are hits from the step their chunk is cached)."""
@@ -190,9 +248,10 @@ class PrefixCache:
         mine = [name for i, name in enumerate(names) if self.index.setdefault(name, (seq, i))[0] is seq]
         self._running[id(seq)] = mine
 
-    def release(self, seq: Sequence, keep: bool) -> None:
+    def release(self, seq: Sequence, keep: bool) -> bool:
         """seq left: keep its full blocks that no one else holds in the pool (keep: it ended as it should; its
-        tokens' K and V are all written) and free the rest of its extent; else free it all."""
+        tokens' K and V are all written) and free the rest of its extent; else free it all. Whether the kept run
+        holds seq's ring (a ring model's: else the engine takes it back)."""
         for name in self._running.pop(id(seq), []):
             if self.index.get(name, (None,))[0] is seq:
                 del self.index[name]
@@ -202,8 +261,10 @@ class PrefixCache:
         first = next((i for i, name in enumerate(names) if name not in self.index), n_full)
         if first == n_full:
             self.pool.release(seq.base, seq.extent)
-            return
+            return False
         kept = Kept(names[first:], first, seq.base + first * BLOCK_TOKENS, self.clock())
+        if self.rings:
+            kept.ring, kept.written = seq.ring, seq.n_tokens - 1  # its last token was sampled, never written
         for i, name in enumerate(kept.names):
             self.index.setdefault(name, (kept, first + i))
         self.kept.append(kept)
@@ -211,6 +272,7 @@ class PrefixCache:
             self.pool.release(seq.base, first * BLOCK_TOKENS)
         if seq.extent > n_full * BLOCK_TOKENS:
             self.pool.release(seq.base + n_full * BLOCK_TOKENS, seq.extent - n_full * BLOCK_TOKENS)
+        return self.rings != []
 
     def to_host(self) -> list[Kept]:
         """Move the pool's kept runs to the host tier, most recently used first, while it has room (the rest are
@@ -248,4 +310,14 @@ class PrefixCache:
         self.kept.remove(kept)
         if kept.base is not None:
             self.pool.release(kept.base, kept.n_slots)
+        if kept.ring is not None:
+            self.free_rings.append(kept.ring)
+            kept.ring = None
 
+
+
+def _written(holder) -> int:
+    """Keys a holder's sequence has written (at most: a running one's last sampled token counts)."""
+    if isinstance(holder, Kept):
+        return holder.written
+    return holder.n_tokens if holder.prefilled else holder.n_cached
