@@ -1,5 +1,6 @@
-// Fused decoder layer: the math of offload/model/llama.py::layer_forward in one call (Llama's, and Gemma 2/3's norms
-// after attention and the MLP, GELU-tanh, score scale, soft-cap and per-layer window).
+// Fused decoder layer: the math of offload/model/llama.py::layer_forward in one call (Llama's, Gemma 2/3's norms
+// after attention and the MLP, GELU-tanh, score scale, soft-cap and per-layer window, OLMo 2's q/k norms over all
+// heads and no norms before attention and the MLP, rope over the first rotary_dim of each head).
 // The matmuls go through the dispatched packed kernels (packed_linear); norms and rope are plain loops, silu x up
 // is vectorized, and attention runs blocked with an online softmax on the SIMD paths (attention_tiles.inc), one
 // query at a time on the scalar path (the reference).
@@ -40,9 +41,10 @@ void rms_norm_rows(const float* x, const float* w, int64_t N, int64_t D, float e
   }
 }
 
-// In place on n_heads heads of dh: x * cos + roll(x, dh / 2) * sin (sin's first half negated).
-void rope_heads(float* x, int64_t n_heads, int64_t dh, const float* cos, const float* sin) {
-  const int64_t half = dh / 2;
+// In place on the first rot dimensions of n_heads heads of dh: x * cos + roll(x, rot / 2) * sin (sin's first half
+// negated); the rest of each head passes (partial rotary).
+void rope_heads(float* x, int64_t n_heads, int64_t dh, int64_t rot, const float* cos, const float* sin) {
+  const int64_t half = rot / 2;
   for (int64_t h = 0; h < n_heads; ++h) {
     float* xh = x + h * dh;
     for (int64_t i = 0; i < half; ++i) {
@@ -61,9 +63,9 @@ void rope_and_store(const LayerArgs& a, float* qkv) {
 #pragma omp parallel for num_threads(a.nthreads) if (a.nthreads > 1 && a.N > 8)
   for (int64_t n = 0; n < a.N; ++n) {
     float* row = qkv + n * width;
-    const float *cos = a.cos + n * s.head_dim, *sin = a.sin + n * s.head_dim;
-    rope_heads(row, s.n_heads, s.head_dim, cos, sin);
-    rope_heads(row + q_size, s.n_kv_heads, s.head_dim, cos, sin);
+    const float *cos = a.cos + n * s.rotary_dim, *sin = a.sin + n * s.rotary_dim;
+    rope_heads(row, s.n_heads, s.head_dim, s.rotary_dim, cos, sin);
+    rope_heads(row + q_size, s.n_kv_heads, s.head_dim, s.rotary_dim, cos, sin);
     const int64_t slot = a.tokens[n * kTokenCols + kSlot];
     if (slot < 0) continue;  // padding: the unfused path writes it to the trash slot, read by no one
     if (a.kv_bf16) {
@@ -307,14 +309,25 @@ void add_rows(float* y, const float* x, const float* r, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] = x[i] + r[i];
 }
 
-// Qwen3: each head of q and of k RMS-normed over head_dim, in place, before rope.
+// Qwen3: each head of q and of k RMS-normed over head_dim, in place, before rope; OLMo 2 (qk_norm_all): the whole
+// of q and the whole of k, all heads as one row.
 void qk_norm(const LayerArgs& a, float* qkv) {
   const LayerShape& s = a.shape;
-  const int64_t q_size = s.n_heads * s.head_dim, width = q_size + 2 * s.n_kv_heads * s.head_dim;
+  const int64_t q_size = s.n_heads * s.head_dim, kv_size = s.n_kv_heads * s.head_dim;
+  const int64_t width = q_size + 2 * kv_size;
+  const int64_t q_rows = a.qk_norm_all ? 1 : s.n_heads, k_rows = a.qk_norm_all ? 1 : s.n_kv_heads;
   for (int64_t n = 0; n < a.N; ++n) {
-    rms_norm_rows(qkv + n * width, a.q_norm, s.n_heads, s.head_dim, s.eps, qkv + n * width, 1);
-    rms_norm_rows(qkv + n * width + q_size, a.k_norm, s.n_kv_heads, s.head_dim, s.eps, qkv + n * width + q_size, 1);
+    float *q = qkv + n * width, *k = q + q_size;
+    rms_norm_rows(q, a.q_norm, q_rows, q_size / q_rows, s.eps, q, 1);
+    rms_norm_rows(k, a.k_norm, k_rows, kv_size / k_rows, s.eps, k, 1);
   }
+}
+
+// The input of attention or of the MLP: x RMS-normed by w into h, or x itself where the layer has no such norm.
+const float* normed(const LayerArgs& a, const float* x, const float* w, float* h) {
+  if (w == nullptr) return x;
+  rms_norm_rows(x, w, a.N, a.qkv.w.K, a.shape.eps, h, a.nthreads);
+  return h;
 }
 
 // The MoE hand-over: out [N, 2D] = residual + (shared expert of h, scaled by its sigmoid gate) | h.
@@ -387,8 +400,7 @@ void layer_forward(const LayerArgs& a) {
   float* gate_up = grow(b.gate_up, N * 2 * I);
   float* act = grow(b.act, N * I);
 
-  rms_norm_rows(a.x, a.attn_norm, N, D, s.eps, h, a.nthreads);
-  run_linear(a, a.qkv, h, qkv);
+  run_linear(a, a.qkv, normed(a, a.x, a.attn_norm, h), qkv);
   if (a.q_norm != nullptr) qk_norm(a, qkv);
   rope_and_store(a, qkv);
   attention(a, qkv, att);
@@ -397,20 +409,19 @@ void layer_forward(const LayerArgs& a) {
   if (a.moe) {
     float* resid = grow(b.resid, N * D);
     add_rows(resid, a.x, tmp, N * D);
-    rms_norm_rows(resid, a.mlp_norm, N, D, s.eps, h, a.nthreads);
+    const float* hm = normed(a, resid, a.mlp_norm, h);
     const bool shared = a.gate_up.w.M > 0;
     if (shared) {
-      run_linear(a, a.gate_up, h, gate_up);
+      run_linear(a, a.gate_up, hm, gate_up);
       gate_mul(gate_up, N, I, a.act, act, a.path, a.nthreads);
       run_linear(a, a.down, act, tmp);
     }
-    moe_handover(a, resid, h, shared ? tmp : nullptr, a.out);
+    moe_handover(a, resid, hm, shared ? tmp : nullptr, a.out);
     return;
   }
   add_rows(a.out, a.x, tmp, N * D);
 
-  rms_norm_rows(a.out, a.mlp_norm, N, D, s.eps, h, a.nthreads);
-  run_linear(a, a.gate_up, h, gate_up);
+  run_linear(a, a.gate_up, normed(a, a.out, a.mlp_norm, h), gate_up);
   gate_mul(gate_up, N, I, a.act, act, a.path, a.nthreads);
   run_linear(a, a.down, act, tmp);
   if (a.post_mlp_norm != nullptr) rms_norm_rows(tmp, a.post_mlp_norm, N, D, s.eps, tmp, a.nthreads);

@@ -1,5 +1,6 @@
 // Fused decoder layer (layer.cpp): one C++ call per layer for CPU blocks with packed weights and fp32 activations, so
-// a decode token pays no per-op Python/torch dispatch. Llama's block math, and Gemma 2/3's where LayerArgs says so.
+// a decode token pays no per-op Python/torch dispatch. Llama's block math, and where LayerArgs says so Gemma 2/3's,
+// OLMo 2's (no norms before attention and the MLP, q/k norms over all heads) and partial rotary (Phi-4-mini).
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -35,6 +36,7 @@ struct LayerShape {
   float scale;     // of the attention scores (head_dim ** -0.5, or Gemma's query_pre_attn_scalar ** -0.5)
   float softcap;   // > 0: scores soft-capped to softcap * tanh(s / softcap) before the softmax (Gemma 2)
   int64_t window;  // > 0: each token sees only its last window keys (the layer's own sliding window, Gemma 2/3)
+  int64_t rotary_dim;  // rope turns the first rotary_dim dimensions of each head (head_dim: all; Phi-4-mini: 3/4)
 };
 
 // The gated MLP's activation of gate: silu (Llama) or GELU with the tanh approximation (Gemma).
@@ -43,10 +45,12 @@ enum GateAct { kSilu = 0, kGeluTanh = 1 };
 struct LayerArgs {
   int path, nthreads;  // kernel path (Path) and thread count
   LayerShape shape;
-  const float *attn_norm, *mlp_norm;  // [D]
+  const float *attn_norm, *mlp_norm;  // [D]; null: none (OLMo 2 norms only the outputs)
   LinearArg qkv, o, gate_up, down;    // qkv rows: q | k | v; gate_up rows: gate | up (a MoE layer: none, M = 0,
                                       // or its shared expert's)
   const float *q_norm, *k_norm;       // [head_dim] per-head RMSNorm of q and k before rope (Qwen3); null: none
+  int qk_norm_all;                    // 1: q_norm [n_heads * head_dim] and k_norm [n_kv_heads * head_dim] norm the
+                                      // whole of q and of k, all heads together (OLMo 2)
   const float* shared_gate;           // [D] a MoE layer's shared-expert gate (sigmoid(h . g) scales it); null: none
   int moe;                            // 1: the attention part of a MoE layer: out is [N, 2D] = residual | normed h
   const float *post_attn_norm, *post_mlp_norm;  // [D] Gemma: attention's and the MLP's outputs RMS-normed before
@@ -55,7 +59,8 @@ struct LayerArgs {
   int64_t N;                          // new tokens (batch x sequence, flattened)
   const float* x;                     // [N, D] hidden states in
   float* out;                         // [N, D] hidden states out (may not alias x)
-  const float *cos, *sin;             // [N, head_dim]: cos and sin with the rotate-half sign folded in
+  const float *cos, *sin;             // [N, rotary_dim]: cos and sin with the rotate-half sign folded in (and a
+                                      // rope's attention_factor, YaRN's or LongRoPE's, multiplied in)
   const int64_t* tokens;              // [N, kTokenCols], see above
   void *k_cache, *v_cache;            // [slots, n_kv_heads, head_dim], token-major: fp32, or bf16 with kv_bf16
   int kv_bf16;                        // 1: the caches hold bf16 (this step's K, V rounded to nearest even)
@@ -77,8 +82,9 @@ inline uint16_t f32_to_bf16_bits(float f) {
 void bf16_rows_to_f32(const uint16_t* src, int64_t n, float* dst);
 void f32_rows_to_bf16(const float* src, int64_t n, uint16_t* dst);
 
-// x -> x + attn(rms_norm(x)) -> + mlp(rms_norm(.)) (each output normed first where post_*_norm is set); writes this step's K, V into the cache. With a.moe, the MLP is
-// the shared expert's (if any) and out gets [residual | rms_norm(residual before it)] for the routed experts.
+// x -> x + attn(rms_norm(x)) -> + mlp(rms_norm(.)) (each output normed first where post_*_norm is set, an input
+// unnormed where its norm is null); writes this step's K, V into the cache. With a.moe, the MLP is the shared
+// expert's (if any) and out gets [residual | rms_norm(residual before it)] for the routed experts.
 void layer_forward(const LayerArgs& a);
 
 // Shared with experts.cpp: y [N, M] = x [N, K] @ l^T (+ bias) with a.path, a.nthreads and a.N (a stacked linear part

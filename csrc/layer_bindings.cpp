@@ -43,16 +43,19 @@ LinearArg to_stacked(const std::vector<LinearTuple>& parts) {
   return l;
 }
 
-// (n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window): softcap and window 0 for none.
-using ShapeTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, float, float, float, int64_t>;
+// (n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window, rotary_dim): softcap and window 0 for
+// none, rotary_dim head_dim for rope over whole heads.
+using ShapeTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, float, float, float, int64_t, int64_t>;
 
 LayerShape to_shape(const ShapeTuple& t) {
-  const auto [n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window] = t;
+  const auto [n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window, rotary_dim] = t;
   if (n_heads < 1 || n_kv_heads < 1 || n_heads % n_kv_heads != 0 || head_dim < 2 || head_dim % 2 != 0)
     throw std::invalid_argument("offload fused layer: n_heads must be a multiple of n_kv_heads, head_dim even");
   if (!(scale > 0.f) || softcap < 0.f || window < 0)
     throw std::invalid_argument("offload fused layer: the score scale must be > 0, softcap and window >= 0");
-  return {n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window};
+  if (rotary_dim < 2 || rotary_dim > head_dim || rotary_dim % 2 != 0)
+    throw std::invalid_argument("offload fused layer: rotary_dim must be even, from 2 to head_dim");
+  return {n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window, rotary_dim};
 }
 
 // The weights of one layer, built once per layer by the Python face.
@@ -63,16 +66,16 @@ struct FusedWeights {
   const float *q_norm, *k_norm, *shared_gate;
   int moe;
   const float *post_attn_norm, *post_mlp_norm;
-  int act;
+  int act, qk_norm_all;
 };
 
-// (q_norm, k_norm, shared_gate, moe, post_attn_norm, post_mlp_norm, act): the extras of Qwen3, MoE and Gemma layers
-// (null pointers: none; act a GateAct).
-using ExtrasTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, int>;
+// (q_norm, k_norm, shared_gate, moe, post_attn_norm, post_mlp_norm, act, qk_norm_all): the extras of Qwen3, MoE,
+// Gemma and OLMo 2 layers (null pointers: none; act a GateAct; qk_norm_all 1: q/k norms over all heads).
+using ExtrasTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, int, int>;
 
 FusedWeights make_weights(const ShapeTuple& shape, uintptr_t attn_norm, uintptr_t mlp_norm,
                           const std::array<std::vector<LinearTuple>, 4>& linears, const ExtrasTuple& extras) {
-  const auto [q_norm, k_norm, shared_gate, moe, post_attn_norm, post_mlp_norm, act] = extras;
+  const auto [q_norm, k_norm, shared_gate, moe, post_attn_norm, post_mlp_norm, act, qk_norm_all] = extras;
   if (act != kSilu && act != kGeluTanh) throw std::invalid_argument("offload fused layer: unknown activation id");
   // a MoE layer without a shared expert has no MLP of its own: gate_up and down stay empty (M = 0)
   const bool no_mlp = moe && linears[2].empty() && linears[3].empty();
@@ -80,7 +83,7 @@ FusedWeights make_weights(const ShapeTuple& shape, uintptr_t attn_norm, uintptr_
   FusedWeights w{to_shape(shape), ptr<float>(attn_norm), ptr<float>(mlp_norm), to_stacked(linears[0]),
                  to_stacked(linears[1]), no_mlp ? none : to_stacked(linears[2]), no_mlp ? none : to_stacked(linears[3]),
                  ptr<float>(q_norm), ptr<float>(k_norm), ptr<float>(shared_gate), moe, ptr<float>(post_attn_norm),
-                 ptr<float>(post_mlp_norm), act};
+                 ptr<float>(post_mlp_norm), act, qk_norm_all};
   const LayerShape& s = w.shape;
   const int64_t D = w.qkv.w.K, q_size = s.n_heads * s.head_dim, kv_size = s.n_kv_heads * s.head_dim;
   const bool mlp_ok = no_mlp || (w.gate_up.w.K == D && w.gate_up.w.M == 2 * s.intermediate &&
@@ -164,7 +167,8 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
   a.shape = w.shape;
   a.attn_norm = w.attn_norm, a.mlp_norm = w.mlp_norm;
   a.qkv = w.qkv, a.o = w.o, a.gate_up = w.gate_up, a.down = w.down;
-  a.q_norm = w.q_norm, a.k_norm = w.k_norm, a.shared_gate = w.shared_gate, a.moe = w.moe;
+  a.q_norm = w.q_norm, a.k_norm = w.k_norm, a.qk_norm_all = w.qk_norm_all, a.shared_gate = w.shared_gate;
+  a.moe = w.moe;
   a.post_attn_norm = w.post_attn_norm, a.post_mlp_norm = w.post_mlp_norm, a.act = w.act;
   a.N = N, a.x = xf, a.out = of;
   a.cos = ptr<float>(cos), a.sin = ptr<float>(sin), a.tokens = ptr<int64_t>(tokens);
@@ -197,9 +201,10 @@ void cached_attention(const ShapeTuple& shape, int path, int nthreads,
 void bind_layer(py::module_& m) {
   py::class_<FusedWeights>(m, "FusedWeights", "one decoder layer's packed weights, as raw pointers");
   m.def("fused_weights", &make_weights,
-        "fused_weights((n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window), attn_norm, mlp_norm, "
-        "[[(fmt, qs, d, bias, M, K), ...]] * 4 for qkv, o, gate_up, down: each linear one part, or the row "
-        "blocks of a stacked linear; (q_norm, k_norm, shared_gate, moe, post_attn_norm, post_mlp_norm, act))");
+        "fused_weights((n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window, rotary_dim), "
+        "attn_norm, mlp_norm (0: none), [[(fmt, qs, d, bias, M, K), ...]] * 4 for qkv, o, gate_up, down: each linear "
+        "one part, or the row blocks of a stacked linear; (q_norm, k_norm, shared_gate, moe, post_attn_norm, "
+        "post_mlp_norm, act, qk_norm_all))");
   py::class_<FusedExperts>(m, "FusedExperts", "one MoE layer's routed experts' packed weights, as raw pointers");
   m.def("fused_experts", &make_experts,
         "fused_experts(top_k, [[(fmt, qs, d, bias, M, K), ...] per expert] for gate_up, the same for down, router "
@@ -211,7 +216,8 @@ void bind_layer(py::module_& m) {
         "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, k_cache, v_cache, act_bf16, kv_bf16): "
         "raw pointers (x, out fp32 or bf16 with act_bf16; the caches fp32 or bf16 with kv_bf16), see offload/kernels/layer.py");
   m.def("cached_attention", &cached_attention, py::call_guard<py::gil_scoped_release>(),
-        "cached_attention((n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window), path, nthreads, N, qkv, att, cos, sin, "
+        "cached_attention((n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window, rotary_dim), "
+        "path, nthreads, N, qkv, att, cos, sin, "
         "tokens, k_cache, v_cache, kv_bf16): rope, KV store and attention of one layer; raw pointers, see "
         "offload/kernels/layer.py");
 }

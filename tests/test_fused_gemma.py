@@ -8,14 +8,13 @@ within 1e-4 x max |ref| of the reference block math on the same q8_0 weights (te
 
 from __future__ import annotations
 
-from collections import Counter
-
 import pytest
 import torch
 
 import offload.kernels.layer as fused
 from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits, save_hf_model
-from offload import LLM, SamplingParams, attention_sizes
+from fused_support import NEW, PATHS, PROMPT_LEN, Counting, greedy, hf_greedy, prompt
+from offload import LLM, attention_sizes
 from offload.kernels import ACTIVE_PATH
 from offload.model.llama import layer_forward
 from offload.model.step import layer_cache, make_step
@@ -27,9 +26,6 @@ pytestmark = pytest.mark.skipif(not fused.FUSABLE, reason=f"fused layer needs th
 
 FAMILIES = {"gemma2": ("gemma2", dict(num_attention_heads=8, num_key_value_heads=2, attn_logit_softcapping=2.0)),
             "gemma3": ("gemma3_text", dict(num_attention_heads=8, num_key_value_heads=1))}
-PROMPT_LEN, NEW = 20, 6
-PATHS = ["scalar"] + [p for p in ("avx2", "avx512") if ACTIVE_PATH in ("avx2", "avx512") and
-                      (p == "avx2" or ACTIVE_PATH == "avx512")]
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -37,35 +33,6 @@ def family(request, tmp_path_factory):
     arch, overrides = FAMILIES[request.param]
     hf = make_hf_model(arch, max_position_embeddings=128, **overrides)
     return hf, save_hf_model(hf, tmp_path_factory.mktemp(request.param))
-
-
-class _Counting:
-    """The extension, with its calls of the fused layer and of its attention alone counted."""
-
-    def __init__(self, ext):
-        self.ext, self.calls = ext, Counter()
-
-    def __getattr__(self, name):
-        real = getattr(self.ext, name)
-        if name not in ("layer_forward", "cached_attention"):
-            return real
-        return lambda *args: self.calls.update([name]) or real(*args)
-
-
-def _prompt(n: int, seed: int = 1) -> list[int]:
-    return torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _greedy(llm, ids: list[int]) -> list[int]:
-    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
-    return list(llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids)
-
-
-def _hf_greedy(hf, ids: list[int]) -> list[int]:
-    out = list(ids)
-    for _ in range(NEW):
-        out.append(int(hf_logits(hf, out)[-1].argmax()))
-    return out[len(ids):]
 
 
 def test_the_fused_layer_takes_gemmas_math(family):
@@ -76,11 +43,11 @@ def test_fp32_layers_attend_fused_and_match_transformers(family, monkeypatch):
     """fp32 weights (torch's linears) with the fused layer's attention: logits and greedy tokens of transformers."""
     hf, folder = family
     llm = LLM(str(folder), backend="cpu")
-    counting = _Counting(fused._C)
+    counting = Counting(fused._C)
     monkeypatch.setattr(fused, "_C", counting)
-    ids = _prompt(PROMPT_LEN)
+    ids = prompt(PROMPT_LEN)
     assert_logits_close(offload_logits(llm.model, ids), hf_logits(hf, ids))
-    assert _greedy(llm, ids) == _hf_greedy(hf, ids)
+    assert greedy(llm, ids) == hf_greedy(hf, ids)
     assert counting.calls["cached_attention"] >= llm.model.spec.n_layers * (NEW + 1)
 
 
@@ -90,13 +57,13 @@ def test_q8_0_layers_run_fused_and_match_the_reference_math(family, monkeypatch)
     _, folder = family
     llm, reference = (LLM(str(folder), quantization="q8_0", backend="cpu") for _ in range(2))
     reference.model.fuse = False
-    counting = _Counting(fused._C)
+    counting = Counting(fused._C)
     monkeypatch.setattr(fused, "_C", counting)
-    ids = _prompt(PROMPT_LEN)
-    ours = _greedy(llm, ids)
+    ids = prompt(PROMPT_LEN)
+    ours = greedy(llm, ids)
     assert counting.calls["layer_forward"] >= llm.model.spec.n_layers * NEW
     counting.calls.clear()
-    assert ours == _greedy(reference, ids) and not counting.calls
+    assert ours == greedy(reference, ids) and not counting.calls
     assert_logits_close(offload_logits(llm.model, ids), offload_logits(reference.model, ids))
 
 
@@ -108,14 +75,14 @@ def test_ring_layers_run_the_reference_math_beside_fused_ones(family, monkeypatc
     llm, reference = (LLM(str(folder), quantization="q8_0", backend="cpu", max_model_len=64, batch_size=2)
                           for _ in range(2))
     reference.model.fuse = False
-    counting = _Counting(fused._C)
+    counting = Counting(fused._C)
     monkeypatch.setattr(fused, "_C", counting)
     spec = llm.model.spec
-    ids = _prompt(40)  # the engine's cache holds 45 positions, past two rings of 16 (a pooled row of two)
-    ours = _greedy(llm, ids)
+    ids = prompt(40)  # the engine's cache holds 45 positions, past two rings of 16 (a pooled row of two)
+    ours = greedy(llm, ids)
     full = sum(spec.kv_ring(i) is None for i in range(spec.n_layers))
     assert 0 < full < spec.n_layers and counting.calls["layer_forward"] == full * NEW
-    assert ours == _greedy(reference, ids)
+    assert ours == greedy(reference, ids)
 
 
 @pytest.mark.parametrize("path", PATHS)

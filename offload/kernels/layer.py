@@ -1,7 +1,7 @@
 """Fused CPU decoder layer: one C++ call (csrc/layer.cpp) instead of ~25 torch ops per layer and token.
 
 Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks
-with packed linears, of the families runs_math_of names (Llama-like and Gemma 2/3). Activations come fp32, or bf16
+with packed linears, of the families runs_math_of names (all but gpt-oss). Activations come fp32, or bf16
 as a GPU plan computes (each call widens them to fp32 once and rounds its output back to bf16); KV caches are fp32
 or bf16 (K and V rounded as they are stored, widened as attention reads them), so a bf16 plan's caches and hidden
 states stay in the format it budgets. Whoever places the weights decides to use it and builds the handles once: a
@@ -33,16 +33,14 @@ GATE_ACTS = {"silu": 0, "gelu_tanh": 1}  # the gated MLP's activations the fused
 
 def runs_math_of(spec) -> bool:
     """Whether the fused layer computes this model's block math: Llama's (RMSNorm before attention and the MLP,
-    SiLU, rope over whole heads), with q/k norms and biases, and Gemma 2/3's (norms after attention and the MLP,
-    GELU-tanh, their score scale and soft-cap, per-layer windows and the sliding layers' rope). A family that
-    differs (partial rotary; OLMo 2's q/k norms over all heads; gpt-oss's sinks and biased, clamped experts) runs
-    the reference block math. Layers whose cache is a ring (spec.kv_ring) run it too (kv_view)."""
-    v = spec.variant
+    SiLU), with q/k norms and biases; rope over whole heads or their first rotary_dim (Phi-4-mini), scaled by any
+    rope's attention_factor (YaRN, LongRoPE: it is in the step's cos and sin); Gemma 2/3's norms after attention and
+    the MLP, GELU-tanh, score scale and soft-cap, per-layer windows and the sliding layers' rope; OLMo 2's norms only
+    after attention and the MLP and q/k norms over all heads. gpt-oss (sinks; biased, clamped experts) runs the
+    reference block math, as do layers whose cache is a ring (spec.kv_ring; kv_view)."""
     fam = spec.family
-    return (fam.activation in GATE_ACTS and not fam.sinks and fam.attn_norm is not None
-            and fam.mlp_norm is not None and fam.qk_norm_over == "head"
-            and (spec.moe is None or (spec.moe.activation == "silu" and not spec.moe.biases))
-            and v.rotary_dim is None and spec.rope.attention_factor == 1.0)
+    return (fam.activation in GATE_ACTS and not fam.sinks
+            and (spec.moe is None or (spec.moe.activation == "silu" and not spec.moe.biases)))
 
 
 def _is_f32_cpu(t) -> bool:
@@ -97,7 +95,7 @@ class StepTable:
     tokens: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
-    cos_local: torch.Tensor | None = None  # [N, head_dim] of the sliding layers' rope, where it differs (Gemma 3)
+    cos_local: torch.Tensor | None = None  # [N, rotary_dim] of the sliding layers' rope, where it differs (Gemma 3)
     sin_local: torch.Tensor | None = None
 
 
@@ -114,10 +112,9 @@ def weights_fusable(w, moe: bool = False) -> bool:
         return False
     if (w.shared_gate is not None) != (moe and bool(mlp)) or (w.q_norm is None) != (w.k_norm is None):
         return False
-    floats = (w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias, w.q_norm, w.k_norm, w.shared_gate,
-              w.post_attn_norm, w.post_mlp_norm)
-    return _is_float_cpu(w.attn_norm) and _is_float_cpu(w.mlp_norm) and all(b is None or _is_float_cpu(b)
-                                                                              for b in floats)
+    floats = (w.attn_norm, w.mlp_norm, w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias, w.q_norm, w.k_norm,
+              w.shared_gate, w.post_attn_norm, w.post_mlp_norm)  # None: the layer has none (OLMo 2's input norms)
+    return all(b is None or _is_float_cpu(b) for b in floats)
 
 
 def can_fuse(w, x: torch.Tensor, kv) -> bool:
@@ -191,7 +188,7 @@ def step_table(spec, step, view: KVView) -> StepTable:
     window: each layer's handle cuts its keys; whose sliding layers turn by a rope of their own: both tables)."""
     window = None if spec.variant.layer_windows else spec.sliding_window
     tokens = token_table(step, view.n_rows, view.n_slots, window)
-    dh = spec.head_dim
+    dh = spec.rotary_dim  # the dimensions rope turns: the whole head, or its first part
     if spec.variant.local_rope is None:
         return StepTable((view.n_rows, view.n_slots), tokens, _rows_f32(step.cos, dh), _rows_f32(step.sin, dh))
     cos, sin = (t.reshape(-1, 2 * dh).to("cpu", _F32) for t in (step.cos, step.sin))
@@ -313,8 +310,8 @@ def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> 
 
 
 def _rows_f32(t: torch.Tensor, dh: int) -> torch.Tensor:
-    """t [B, 1, S, dh] as contiguous fp32 CPU memory of [B * S, dh] (t itself when it is already: every op
-    between the layers' C++ calls runs with cold caches)."""
+    """t [B, 1, S, dh] (dh: the dimensions rope turns) as contiguous fp32 CPU memory of [B * S, dh] (t itself when it
+    is already: every op between the layers' C++ calls runs with cold caches)."""
     return t if _is_f32_cpu(t) else t.reshape(-1, dh).to("cpu", _F32).contiguous()
 
 
@@ -324,12 +321,12 @@ def _check_activations(x: torch.Tensor, what: str) -> None:
 
 
 def _shape(spec, width: int, index: int | None) -> tuple:
-    """The C++ LayerShape of layer index: (n_heads, n_kv_heads, head_dim, width, eps, scale, softcap, window), softcap
-    0 for none and window 0 where the step table cuts the keys (every layer slides alike, or none does, or index is
-    None)."""
+    """The C++ LayerShape of layer index: (n_heads, n_kv_heads, head_dim, width, eps, scale, softcap, window,
+    rotary_dim), softcap 0 for none and window 0 where the step table cuts the keys (every layer slides alike, or
+    none does, or index is None)."""
     window = spec.window(index) if spec.variant.layer_windows and index is not None else None
     return (spec.n_heads, spec.n_kv_heads, spec.head_dim, width, spec.rms_norm_eps, spec.attn_scale,
-            spec.variant.attn_softcap or 0.0, window or 0)
+            spec.variant.attn_softcap or 0.0, window or 0, spec.rotary_dim)
 
 
 def _turns_local(spec, index: int | None) -> bool:
@@ -353,15 +350,18 @@ def _make_fused_weights(spec, w, moe: bool = False, index: int | None = None):
     floats = {n: getattr(w, n) if _f32(getattr(w, n)) is None else _f32(getattr(w, n)) for n in names}
     linears = [_linear_tuple(m, floats[f"{name}_bias"], name) if m is not None else [] for m, name in
                ((w.qkv, "qkv"), (w.o, "o"), (w.gate_up, "gate_up"), (w.down, "down"))]
-    for name in ("attn_norm", "mlp_norm", "post_attn_norm", "post_mlp_norm"):
-        if floats[name] is not None and tuple(floats[name].shape) != (spec.hidden_size,):
-            raise KernelError(f"fused layer: {name} must be [{spec.hidden_size}], got {list(floats[name].shape)}")
+    over_all = spec.family.qk_norm_over == "all"  # OLMo 2: q and k normed whole, all heads together
+    sizes = {"attn_norm": spec.hidden_size, "mlp_norm": spec.hidden_size, "post_attn_norm": spec.hidden_size,
+             "post_mlp_norm": spec.hidden_size, "q_norm": spec.q_size if over_all else spec.head_dim,
+             "k_norm": spec.kv_size if over_all else spec.head_dim}
+    for name, size in sizes.items():
+        if floats[name] is not None and tuple(floats[name].shape) != (size,):
+            raise KernelError(f"fused layer: {name} must be [{size}], got {list(floats[name].shape)}")
     width = w.gate_up.shape[0] // 2 if w.gate_up is not None else 0  # a MoE layer's shared expert, or none
     ptr = lambda n: 0 if floats[n] is None else floats[n].data_ptr()  # noqa: E731
     extras = (ptr("q_norm"), ptr("k_norm"), ptr("shared_gate"), int(moe), ptr("post_attn_norm"),
-              ptr("post_mlp_norm"), GATE_ACTS[spec.family.activation])
-    view = _C.fused_weights(_shape(spec, width, index), floats["attn_norm"].data_ptr(), floats["mlp_norm"].data_ptr(),
-                            linears, extras)
+              ptr("post_mlp_norm"), GATE_ACTS[spec.family.activation], int(over_all))
+    view = _C.fused_weights(_shape(spec, width, index), ptr("attn_norm"), ptr("mlp_norm"), linears, extras)
     return view, floats
 
 

@@ -1,0 +1,48 @@
+"""What the fused layer's family tests share (tests/test_fused_gemma.py, tests/test_fused_families.py): the
+extension with its fused calls counted, a seeded prompt, offload's and transformers' greedy tokens, the kernel
+paths this machine runs."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+
+from conftest import hf_logits
+from offload import SamplingParams
+from offload.kernels import ACTIVE_PATH
+
+PROMPT_LEN, NEW = 20, 6
+PATHS = ["scalar"] + [p for p in ("avx2", "avx512") if ACTIVE_PATH in ("avx2", "avx512") and
+                      (p == "avx2" or ACTIVE_PATH == "avx512")]
+
+
+class Counting:
+    """The extension, with its calls of the fused layer and of its attention alone counted."""
+
+    def __init__(self, ext):
+        self.ext, self.calls = ext, Counter()
+
+    def __getattr__(self, name):
+        real = getattr(self.ext, name)
+        if name not in ("layer_forward", "cached_attention"):
+            return real
+        return lambda *args: self.calls.update([name]) or real(*args)
+
+
+def prompt(n: int, seed: int = 1) -> list[int]:
+    return torch.randint(0, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def greedy(llm, ids: list[int]) -> list[int]:
+    """NEW greedy tokens of an offload LLM after ids."""
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    return list(llm.generate([{"prompt_token_ids": ids}], params)[0].outputs[0].token_ids)
+
+
+def hf_greedy(hf, ids: list[int]) -> list[int]:
+    """NEW greedy tokens of a transformers model after ids, each from a full forward over the sequence so far."""
+    out = list(ids)
+    for _ in range(NEW):
+        out.append(int(hf_logits(hf, out)[-1].argmax()))
+    return out[len(ids):]
