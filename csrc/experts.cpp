@@ -1,5 +1,6 @@
 // The routed experts of a MoE layer (experts_forward, layer.h): each expert's matmuls through the fused layer's
-// packed linears, the router's choice made here where the caller gives none.
+// packed linears (their biases added where the family has them, gpt-oss), the router's choice made here where the
+// caller gives none.
 #include <immintrin.h>
 #include <omp.h>
 
@@ -17,7 +18,7 @@ struct ExpertScratch {  // per calling thread (an OpenMP worker has its own), gr
 };
 thread_local ExpertScratch tls_expert;
 
-// y [c, D] = down(silu(gate(h)) * up(h)) of one expert for its c tokens' rows h gathered from x's second half.
+// y [c, D] = down(act(gate(h)) * up(h)) of one expert for its c tokens' rows h gathered from x's second half.
 void run_expert(const ExpertsArgs& e, int64_t x, const int64_t* pairs, int64_t c, int nthreads, float* y) {
   const int64_t D = e.D, F = e.F;
   ExpertScratch& b = tls_expert;
@@ -33,7 +34,7 @@ void run_expert(const ExpertsArgs& e, int64_t x, const int64_t* pairs, int64_t c
   a.nthreads = nthreads;
   a.N = c;
   run_linear(a, (*e.gate_up)[size_t(x)], h, gate_up);
-  gate_mul(gate_up, c, F, kSilu, act, e.path, nthreads);
+  gate_mul(gate_up, c, F, e.gate, act, e.path, nthreads);
   run_linear(a, (*e.down)[size_t(x)], act, y);
 }
 
@@ -58,16 +59,19 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
   return s + dot_ref(a + i, b + i, n - i);
 }
 
-// The router's choice for each token: its top_k experts by h . router^T (ties: the lower index) and their softmax
-// weights, over all experts or, with norm_topk, over the top_k alone (the same numbers: p_j / sum of the top p).
+// The router's choice for each token: its top_k experts by h . router^T + router_bias (ties: the lower index) and
+// their softmax weights, over all experts or, with norm_topk, over the top_k alone (the same numbers: p_j / sum of
+// the top p).
 void route_tokens(const ExpertsArgs& e, int64_t* ids, float* weights) {
   const int64_t E = e.n_experts, K = e.top_k, D = e.D;
 #pragma omp parallel for num_threads(e.nthreads) if (e.nthreads > 1 && e.N * E * D >= (int64_t(1) << 20))
   for (int64_t n = 0; n < e.N; ++n) {
     std::vector<float> logits(static_cast<size_t>(E));
     const float* h = e.x + n * 2 * D + D;
-    for (int64_t x = 0; x < E; ++x)
+    for (int64_t x = 0; x < E; ++x) {
       logits[size_t(x)] = e.path == P_SCALAR ? dot_ref(h, e.router + x * D, D) : dot_avx2(h, e.router + x * D, D);
+      if (e.router_bias != nullptr) logits[size_t(x)] += e.router_bias[x];
+    }
     const float top = *std::max_element(logits.begin(), logits.end());
     double total = 0.0;
     for (float l : logits) total += std::exp(double(l - top));

@@ -1,6 +1,6 @@
 // Fused decoder layer: the math of offload/model/llama.py::layer_forward in one call (Llama's, Gemma 2/3's norms
 // after attention and the MLP, GELU-tanh, score scale, soft-cap and per-layer window, OLMo 2's q/k norms over all
-// heads and no norms before attention and the MLP, rope over the first rotary_dim of each head).
+// heads and no norms before attention and the MLP, rope over the first rotary_dim of each head, gpt-oss's sinks).
 // The matmuls go through the dispatched packed kernels (packed_linear); norms and rope are plain loops, silu x up
 // is vectorized, and attention runs blocked with an online softmax on the SIMD paths (attention_tiles.inc), one
 // query at a time on the scalar path (the reference).
@@ -81,11 +81,20 @@ void rope_and_store(const LayerArgs& a, float* qkv) {
 ALWAYS_INLINE float kv_at(const float* p, int64_t i) { return p[i]; }
 ALWAYS_INLINE float kv_at(const uint16_t* p, int64_t i) { return bf16_bits_to_f32(p[i]); }
 
-// out [dh] = softmax(q . k_j * scale) @ v_j over n_keys keys spaced stride elements apart (KV: float or bf16 bits),
-// the scores soft-capped to cap * tanh(s / cap) where cap > 0.
+// What turns a query's sum of p_j * v_j into its output, p_j = e^(s_j - m) (m its scores' max, l their sum): 1 / (l +
+// e^(sink - m)). A sink (gpt-oss; none: -inf) is one more logit in the softmax's denominator, with no value; where it
+// is the larger, everything is taken relative to it instead (no e^(sink - m) to overflow).
+ALWAYS_INLINE float softmax_norm(float m, float l, float sink) {
+  if (!(sink > m)) return 1.f / (l + std::exp(sink - m));
+  const float c = std::exp(m - sink);
+  return c / (l * c + 1.f);
+}
+
+// out [dh] = softmax(q . k_j * scale | sink) @ v_j over n_keys keys spaced stride elements apart (KV: float or bf16
+// bits), the scores soft-capped to cap * tanh(s / cap) where cap > 0; sink: -inf for none.
 template <typename KV>
 ALWAYS_INLINE void attend_body(const float* q, const KV* k, const KV* v, int64_t stride, int64_t n_keys,
-                               int64_t dh, float scale, float cap, float* scores, float* out) {
+                               int64_t dh, float scale, float cap, float sink, float* scores, float* out) {
   float top = -INFINITY;
   for (int64_t j = 0; j < n_keys; ++j) {
     const KV* kj = k + j * stride;
@@ -104,25 +113,25 @@ ALWAYS_INLINE void attend_body(const float* q, const KV* k, const KV* v, int64_t
 #pragma omp simd
     for (int64_t i = 0; i < dh; ++i) out[i] += p * kv_at(vj, i);
   }
-  const float inv = 1.f / sum;
+  const float inv = softmax_norm(top, sum, sink);
   for (int64_t i = 0; i < dh; ++i) out[i] *= inv;
 }
 
 template <typename KV>
-using AttendFn = void (*)(const float*, const KV*, const KV*, int64_t, int64_t, int64_t, float, float, float*,
-                          float*);
+using AttendFn = void (*)(const float*, const KV*, const KV*, int64_t, int64_t, int64_t, float, float, float,
+                          float*, float*);
 
 template <typename KV>
 void attend_ref(const float* q, const KV* k, const KV* v, int64_t stride, int64_t n_keys, int64_t dh,
-                float scale, float cap, float* scores, float* out) {
-  attend_body(q, k, v, stride, n_keys, dh, scale, cap, scores, out);
+                float scale, float cap, float sink, float* scores, float* out) {
+  attend_body(q, k, v, stride, n_keys, dh, scale, cap, sink, scores, out);
 }
 
 template <typename KV>
 __attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const KV* k, const KV* v, int64_t stride,
-                                                      int64_t n_keys, int64_t dh, float scale, float cap,
+                                                      int64_t n_keys, int64_t dh, float scale, float cap, float sink,
                                                       float* scores, float* out) {
-  attend_body(q, k, v, stride, n_keys, dh, scale, cap, scores, out);
+  attend_body(q, k, v, stride, n_keys, dh, scale, cap, sink, scores, out);
 }
 
 // ---- Blocked attention: a task is a tile of up to kTileTokens consecutive tokens of one sequence and one KV head,
@@ -139,7 +148,11 @@ struct TileQuery {
   float m, l;      // running max and sum of the online softmax
   float* out;      // [dh] running sum of p * v
   float cap;       // > 0: scores soft-capped to cap * tanh(s / cap)
+  float sink;      // one more logit in the denominator, with no value (gpt-oss); -inf: none
 };
+
+// Head h's sink, or -inf where the layer has none.
+ALWAYS_INLINE float sink_of(const LayerArgs& a, int64_t h) { return a.sinks != nullptr ? a.sinks[h] : -INFINITY; }
 
 // The first key a token sees: its table's, or later where the layer's own window cuts it (padding: key 0).
 ALWAYS_INLINE int64_t first_key(const LayerArgs& a, const int64_t* tok) {
@@ -202,7 +215,7 @@ void attend_task(const LayerArgs& a, const float* qkv, float* att, int64_t n0, i
       float* qv = qbuf + nq * dh;
       const float* src = qkv + n * width + h * dh;
       for (int64_t d = 0; d < dh; ++d) qv[d] = src[d] * scale;
-      qs[nq] = TileQuery{qv, lo, tok[kHi], 0.f, 0.f, att + n * q_size + h * dh, s.softcap};
+      qs[nq] = TileQuery{qv, lo, tok[kHi], 0.f, 0.f, att + n * q_size + h * dh, s.softcap, sink_of(a, h)};
     }
   }
   const int64_t first = a.tokens[n0 * kTokenCols + kRowBase] * stride + g * dh;
@@ -262,7 +275,7 @@ void attention_per_query(const LayerArgs& a, const float* qkv, float* att, const
       const int64_t n = t / s.n_heads, h = t % s.n_heads, *tok = a.tokens + n * kTokenCols;
       const int64_t lo = first_key(a, tok), first = (tok[kRowBase] + lo) * stride + (h / group) * dh;
       fn(qkv + n * width + h * dh, k_cache + first, v_cache + first, stride, tok[kHi] - lo + 1, dh, s.scale,
-         s.softcap, scores.data(), att + n * q_size + h * dh);
+         s.softcap, sink_of(a, h), scores.data(), att + n * q_size + h * dh);
     }
   }
 }
@@ -280,29 +293,40 @@ void attention(const LayerArgs& a, const float* qkv, float* att) {
   attention_per_query(a, qkv, att, static_cast<const float*>(a.k_cache), static_cast<const float*>(a.v_cache));
 }
 
-// act [N, I] = silu(gate) * up (or gelu_tanh(gate) * up) from gate_up [N, 2I] (rows: gate | up); rows split over
-// the threads.
-void gate_mul_ref(const float* g, const float* u, int64_t I, int kind, float* act) {
+// act [N, I] = silu(gate) * up, gelu_tanh(gate) * up or gpt-oss's clamped SwiGLU from gate_up [N, 2I] (rows:
+// gate | up); rows split over the threads.
+void gate_mul_ref(const float* g, const float* u, int64_t I, const Gate& k, float* act) {
   constexpr float kGeluK = 0.7978845608028654f;  // sqrt(2 / pi)
-  for (int64_t i = 0; i < I; ++i)
-    act[i] = (kind == kGeluTanh ? 0.5f * g[i] * (1.f + std::tanh(kGeluK * (g[i] + 0.044715f * g[i] * g[i] * g[i])))
-                                : g[i] / (1.f + std::exp(-g[i]))) * u[i];
+  for (int64_t i = 0; i < I; ++i) {
+    if (k.act == kSwigluOai) {
+      const float gi = std::min(g[i], k.limit), ui = std::min(std::max(u[i], -k.limit), k.limit);
+      act[i] = gi / (1.f + std::exp(-k.alpha * gi)) * (ui + 1.f);
+      continue;
+    }
+    act[i] = (k.act == kGeluTanh ? 0.5f * g[i] * (1.f + std::tanh(kGeluK * (g[i] + 0.044715f * g[i] * g[i] * g[i])))
+                                 : g[i] / (1.f + std::exp(-g[i]))) * u[i];
+  }
 }
 
 // silu(g) = g / (1 + e^-g); gelu_tanh(g) = g / (1 + e^-2z), z = sqrt(2 / pi) (g + 0.044715 g^3): the same form, as
-// (1 + tanh z) / 2 = 1 / (1 + e^-2z).
-__attribute__((target("avx2,fma"))) void gate_mul_avx2(const float* g, const float* u, int64_t I, int kind,
+// (1 + tanh z) / 2 = 1 / (1 + e^-2z); gpt-oss's g / (1 + e^(-alpha g)) too, g and u clamped first (bounds of +-inf
+// for the others, NaN passing as the scalar path's) and u + 1.
+__attribute__((target("avx2,fma"))) void gate_mul_avx2(const float* g, const float* u, int64_t I, const Gate& k,
                                                        float* act) {
-  const __m256 c1 = _mm256_set1_ps(kind == kGeluTanh ? -2.f * 0.7978845608028654f : -1.f);
-  const __m256 c3 = _mm256_set1_ps(kind == kGeluTanh ? -2.f * 0.7978845608028654f * 0.044715f : 0.f);
+  const bool oai = k.act == kSwigluOai;
+  const __m256 c1 = _mm256_set1_ps(k.act == kGeluTanh ? -2.f * 0.7978845608028654f : oai ? -k.alpha : -1.f);
+  const __m256 c3 = _mm256_set1_ps(k.act == kGeluTanh ? -2.f * 0.7978845608028654f * 0.044715f : 0.f);
+  const __m256 hi = _mm256_set1_ps(oai ? k.limit : INFINITY), lo = _mm256_set1_ps(oai ? -k.limit : -INFINITY);
+  const __m256 up_add = _mm256_set1_ps(oai ? 1.f : 0.f);
   int64_t i = 0;
   for (; i + 8 <= I; i += 8) {
-    const __m256 gv = _mm256_loadu_ps(g + i);
+    const __m256 gv = _mm256_min_ps(hi, _mm256_loadu_ps(g + i));  // a NaN lane stays NaN (min's second operand)
+    const __m256 uv = _mm256_add_ps(_mm256_min_ps(hi, _mm256_max_ps(lo, _mm256_loadu_ps(u + i))), up_add);
     const __m256 arg = _mm256_fmadd_ps(_mm256_mul_ps(c3, gv), _mm256_mul_ps(gv, gv), _mm256_mul_ps(c1, gv));
     const __m256 den = _mm256_add_ps(_mm256_set1_ps(1.f), avx2::exp8(arg));
-    _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(gv, den), _mm256_loadu_ps(u + i)));
+    _mm256_storeu_ps(act + i, _mm256_mul_ps(_mm256_div_ps(gv, den), uv));
   }
-  gate_mul_ref(g + i, u + i, I - i, kind, act + i);
+  gate_mul_ref(g + i, u + i, I - i, k, act + i);
 }
 
 void add_rows(float* y, const float* x, const float* r, int64_t n) {
@@ -349,12 +373,12 @@ void moe_handover(const LayerArgs& a, const float* resid, const float* h, const 
 
 }  // namespace
 
-void gate_mul(const float* gate_up, int64_t N, int64_t I, int kind, float* act, int path, int nth) {
+void gate_mul(const float* gate_up, int64_t N, int64_t I, const Gate& gate, float* act, int path, int nth) {
 #pragma omp parallel for num_threads(nth) if (nth > 1 && N * I >= (int64_t(1) << 15))
   for (int64_t n = 0; n < N; ++n) {
     const float *g = gate_up + n * 2 * I, *u = g + I;
-    if (path == P_SCALAR) gate_mul_ref(g, u, I, kind, act + n * I);
-    else gate_mul_avx2(g, u, I, kind, act + n * I);
+    if (path == P_SCALAR) gate_mul_ref(g, u, I, gate, act + n * I);
+    else gate_mul_avx2(g, u, I, gate, act + n * I);
   }
 }
 
@@ -413,7 +437,7 @@ void layer_forward(const LayerArgs& a) {
     const bool shared = a.gate_up.w.M > 0;
     if (shared) {
       run_linear(a, a.gate_up, hm, gate_up);
-      gate_mul(gate_up, N, I, a.act, act, a.path, a.nthreads);
+      gate_mul(gate_up, N, I, Gate{a.act, 0.f, 0.f}, act, a.path, a.nthreads);
       run_linear(a, a.down, act, tmp);
     }
     moe_handover(a, resid, hm, shared ? tmp : nullptr, a.out);
@@ -422,7 +446,7 @@ void layer_forward(const LayerArgs& a) {
   add_rows(a.out, a.x, tmp, N * D);
 
   run_linear(a, a.gate_up, normed(a, a.out, a.mlp_norm, h), gate_up);
-  gate_mul(gate_up, N, I, a.act, act, a.path, a.nthreads);
+  gate_mul(gate_up, N, I, Gate{a.act, 0.f, 0.f}, act, a.path, a.nthreads);
   run_linear(a, a.down, act, tmp);
   if (a.post_mlp_norm != nullptr) rms_norm_rows(tmp, a.post_mlp_norm, N, D, s.eps, tmp, a.nthreads);
   add_rows(a.out, a.out, tmp, N * D);

@@ -1,6 +1,7 @@
 // Fused decoder layer (layer.cpp): one C++ call per layer for CPU blocks with packed weights and fp32 activations, so
 // a decode token pays no per-op Python/torch dispatch. Llama's block math, and where LayerArgs says so Gemma 2/3's,
-// OLMo 2's (no norms before attention and the MLP, q/k norms over all heads) and partial rotary (Phi-4-mini).
+// OLMo 2's (no norms before attention and the MLP, q/k norms over all heads), partial rotary (Phi-4-mini) and
+// gpt-oss's attention sinks; gpt-oss's biased, clamped experts where ExpertsArgs says so.
 #pragma once
 #include <cstdint>
 #include <vector>
@@ -39,8 +40,13 @@ struct LayerShape {
   int64_t rotary_dim;  // rope turns the first rotary_dim dimensions of each head (head_dim: all; Phi-4-mini: 3/4)
 };
 
-// The gated MLP's activation of gate: silu (Llama) or GELU with the tanh approximation (Gemma).
-enum GateAct { kSilu = 0, kGeluTanh = 1 };
+// The gated MLP's activation of gate: silu (Llama), GELU with the tanh approximation (Gemma), or gpt-oss's clamped
+// SwiGLU (its experts): gate clamped above and up on both sides at limit, gate * sigmoid(alpha * gate) * (up + 1).
+enum GateAct { kSilu = 0, kGeluTanh = 1, kSwigluOai = 2 };
+struct Gate {
+  int act;             // GateAct
+  float alpha, limit;  // kSwigluOai's; unused by the others
+};
 
 struct LayerArgs {
   int path, nthreads;  // kernel path (Path) and thread count
@@ -55,7 +61,9 @@ struct LayerArgs {
   int moe;                            // 1: the attention part of a MoE layer: out is [N, 2D] = residual | normed h
   const float *post_attn_norm, *post_mlp_norm;  // [D] Gemma: attention's and the MLP's outputs RMS-normed before
                                                 // their residual adds; null: none
-  int act;                                      // GateAct of the MLP
+  int act;                                      // GateAct of the MLP (kSilu or kGeluTanh)
+  const float* sinks;                 // [n_heads] gpt-oss: one more logit per head in the softmax's denominator,
+                                      // with no value; null: none
   int64_t N;                          // new tokens (batch x sequence, flattened)
   const float* x;                     // [N, D] hidden states in
   float* out;                         // [N, D] hidden states out (may not alias x)
@@ -88,25 +96,28 @@ void f32_rows_to_bf16(const float* src, int64_t n, uint16_t* dst);
 void layer_forward(const LayerArgs& a);
 
 // Shared with experts.cpp: y [N, M] = x [N, K] @ l^T (+ bias) with a.path, a.nthreads and a.N (a stacked linear part
-// by part); act [N, I] = act_kind(gate) * up from gate_up [N, 2I] (GateAct); v grown to n floats.
+// by part); act [N, I] = gate's activation of gate times up from gate_up [N, 2I]; v grown to n floats.
 void run_linear(const LayerArgs& a, const LinearArg& l, const float* x, float* y);
-void gate_mul(const float* gate_up, int64_t N, int64_t I, int kind, float* act, int path, int nth);
+void gate_mul(const float* gate_up, int64_t N, int64_t I, const Gate& gate, float* act, int path, int nth);
 inline float* grow(Floats& v, int64_t n) {
   if (v.size() < size_t(n)) v.resize(size_t(n));
   return v.data();
 }
 
 // The routed experts of a MoE layer: out [N, D] = x[:, :D] + sum over each token's top_k experts of
-// weight * down(silu(gate(h)) * up(h)), h = x[:, D:], for x [N, 2D]. The router's choice is ids / weights
-// [N, top_k] when given, else made here from the fp32 router [n_experts, D]: softmax over h . router^T, the
-// top_k (renormalised to sum 1 with norm_topk). Each expert runs once over the tokens routed to it.
+// weight * down(act(gate(h)) * up(h)), h = x[:, D:], for x [N, 2D] (each linear's bias added where it has one,
+// gpt-oss). The router's choice is ids / weights [N, top_k] when given, else made here from the fp32 router
+// [n_experts, D] (+ router_bias): softmax over h . router^T, the top_k (renormalised to sum 1 with norm_topk).
+// Each expert runs once over the tokens routed to it.
 struct ExpertsArgs {
   int path, nthreads;
   int64_t n_experts, top_k, D, F;
   const std::vector<LinearArg>* gate_up;  // per expert [2F, D], rows gate | up
   const std::vector<LinearArg>* down;     // per expert [D, F]
   const float* router;                    // [n_experts, D], used when ids is null
+  const float* router_bias;               // [n_experts]; null: none
   int norm_topk;
+  Gate gate;                              // the experts' activation
   int64_t N;
   const float* x;
   const int64_t* ids;
@@ -117,7 +128,7 @@ void experts_forward(const ExpertsArgs& a);
 
 // The attention of layer_forward alone, for layers whose linears run elsewhere (fp32 weights through torch):
 // rope on qkv [N, q | k | v] in place, this step's K, V into the cache, att [N, n_heads * head_dim] out. Reads
-// a.path, a.nthreads, a.shape, a.N, a.cos, a.sin, a.tokens and the caches; nothing else.
+// a.path, a.nthreads, a.shape, a.N, a.cos, a.sin, a.tokens, a.sinks and the caches; nothing else.
 void attention_forward(const LayerArgs& a, float* qkv, float* att);
 
 }  // namespace offload

@@ -67,23 +67,26 @@ struct FusedWeights {
   int moe;
   const float *post_attn_norm, *post_mlp_norm;
   int act, qk_norm_all;
+  const float* sinks;
 };
 
-// (q_norm, k_norm, shared_gate, moe, post_attn_norm, post_mlp_norm, act, qk_norm_all): the extras of Qwen3, MoE,
-// Gemma and OLMo 2 layers (null pointers: none; act a GateAct; qk_norm_all 1: q/k norms over all heads).
-using ExtrasTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, int, int>;
+// (q_norm, k_norm, shared_gate, moe, post_attn_norm, post_mlp_norm, act, qk_norm_all, sinks): the extras of Qwen3,
+// MoE, Gemma, OLMo 2 and gpt-oss layers (null pointers: none; act a GateAct of a dense MLP, kSilu or kGeluTanh;
+// qk_norm_all 1: q/k norms over all heads; sinks [n_heads] fp32).
+using ExtrasTuple = std::tuple<uintptr_t, uintptr_t, uintptr_t, int, uintptr_t, uintptr_t, int, int, uintptr_t>;
 
 FusedWeights make_weights(const ShapeTuple& shape, uintptr_t attn_norm, uintptr_t mlp_norm,
                           const std::array<std::vector<LinearTuple>, 4>& linears, const ExtrasTuple& extras) {
-  const auto [q_norm, k_norm, shared_gate, moe, post_attn_norm, post_mlp_norm, act, qk_norm_all] = extras;
-  if (act != kSilu && act != kGeluTanh) throw std::invalid_argument("offload fused layer: unknown activation id");
+  const auto [q_norm, k_norm, shared_gate, moe, post_attn_norm, post_mlp_norm, act, qk_norm_all, sinks] = extras;
+  if (act != kSilu && act != kGeluTanh)
+    throw std::invalid_argument("offload fused layer: a dense MLP's activation must be silu (0) or gelu_tanh (1)");
   // a MoE layer without a shared expert has no MLP of its own: gate_up and down stay empty (M = 0)
   const bool no_mlp = moe && linears[2].empty() && linears[3].empty();
   const LinearArg none{-1, WView{nullptr, nullptr, 0, 0, false}, nullptr, {}};
   FusedWeights w{to_shape(shape), ptr<float>(attn_norm), ptr<float>(mlp_norm), to_stacked(linears[0]),
                  to_stacked(linears[1]), no_mlp ? none : to_stacked(linears[2]), no_mlp ? none : to_stacked(linears[3]),
                  ptr<float>(q_norm), ptr<float>(k_norm), ptr<float>(shared_gate), moe, ptr<float>(post_attn_norm),
-                 ptr<float>(post_mlp_norm), act, qk_norm_all};
+                 ptr<float>(post_mlp_norm), act, qk_norm_all, ptr<float>(sinks)};
   const LayerShape& s = w.shape;
   const int64_t D = w.qkv.w.K, q_size = s.n_heads * s.head_dim, kv_size = s.n_kv_heads * s.head_dim;
   const bool mlp_ok = no_mlp || (w.gate_up.w.K == D && w.gate_up.w.M == 2 * s.intermediate &&
@@ -99,15 +102,31 @@ FusedWeights make_weights(const ShapeTuple& shape, uintptr_t attn_norm, uintptr_
 struct FusedExperts {
   int64_t n_experts, top_k, D, F;
   std::vector<LinearArg> gate_up, down;
-  const float* router;  // [n_experts, D] fp32; null: the caller routes
+  const float* router;       // [n_experts, D] fp32; null: the caller routes
+  const float* router_bias;  // [n_experts] fp32; null: none
   int norm_topk;
+  Gate gate;
 };
 
+// (act, alpha, limit): the experts' activation, a GateAct (alpha and limit: kSwigluOai's, gpt-oss).
+using GateTuple = std::tuple<int, float, float>;
+
+Gate to_gate(const GateTuple& t) {
+  const auto [act, alpha, limit] = t;
+  if (act != kSilu && act != kGeluTanh && act != kSwigluOai)
+    throw std::invalid_argument("offload fused experts: unknown activation id");
+  if (act == kSwigluOai && !(alpha > 0.f && limit > 0.f))
+    throw std::invalid_argument("offload fused experts: the clamped SwiGLU's alpha and limit must be > 0");
+  return {act, alpha, limit};
+}
+
 FusedExperts make_experts(int64_t top_k, const std::vector<std::vector<LinearTuple>>& gate_up,
-                          const std::vector<std::vector<LinearTuple>>& down, uintptr_t router, int norm_topk) {
+                          const std::vector<std::vector<LinearTuple>>& down, uintptr_t router, uintptr_t router_bias,
+                          int norm_topk, const GateTuple& gate) {
   if (gate_up.empty() || gate_up.size() != down.size() || top_k < 1 || top_k > int64_t(gate_up.size()))
     throw std::invalid_argument("offload fused experts: one gate_up and one down per expert, 1 <= top_k <= experts");
-  FusedExperts e{int64_t(gate_up.size()), top_k, 0, 0, {}, {}, ptr<float>(router), norm_topk};
+  FusedExperts e{int64_t(gate_up.size()), top_k, 0, 0, {}, {}, ptr<float>(router), ptr<float>(router_bias),
+                 norm_topk, to_gate(gate)};
   for (size_t x = 0; x < gate_up.size(); ++x) {
     e.gate_up.push_back(to_stacked(gate_up[x]));
     e.down.push_back(to_stacked(down[x]));
@@ -146,8 +165,12 @@ void experts(const FusedExperts& w, int path, int nthreads, int64_t N, uintptr_t
   const float* xf = widened(act_bf16, x, N * 2 * w.D, b.in);
   if (act_bf16) b.out.resize(size_t(N * w.D));
   float* of = act_bf16 ? b.out.data() : reinterpret_cast<float*>(out);
-  ExpertsArgs a{path, nthreads < 1 ? 1 : nthreads, w.n_experts, w.top_k, w.D, w.F, &w.gate_up, &w.down, w.router,
-                w.norm_topk, N, xf, id, ptr<float>(weights), of};
+  ExpertsArgs a{};
+  a.path = path, a.nthreads = nthreads < 1 ? 1 : nthreads;
+  a.n_experts = w.n_experts, a.top_k = w.top_k, a.D = w.D, a.F = w.F;
+  a.gate_up = &w.gate_up, a.down = &w.down, a.router = w.router, a.router_bias = w.router_bias;
+  a.norm_topk = w.norm_topk, a.gate = w.gate;
+  a.N = N, a.x = xf, a.ids = id, a.weights = ptr<float>(weights), a.out = of;
   experts_forward(a);
   if (act_bf16) f32_rows_to_bf16(of, N * w.D, reinterpret_cast<uint16_t*>(out));
 }
@@ -169,7 +192,7 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
   a.qkv = w.qkv, a.o = w.o, a.gate_up = w.gate_up, a.down = w.down;
   a.q_norm = w.q_norm, a.k_norm = w.k_norm, a.qk_norm_all = w.qk_norm_all, a.shared_gate = w.shared_gate;
   a.moe = w.moe;
-  a.post_attn_norm = w.post_attn_norm, a.post_mlp_norm = w.post_mlp_norm, a.act = w.act;
+  a.post_attn_norm = w.post_attn_norm, a.post_mlp_norm = w.post_mlp_norm, a.act = w.act, a.sinks = w.sinks;
   a.N = N, a.x = xf, a.out = of;
   a.cos = ptr<float>(cos), a.sin = ptr<float>(sin), a.tokens = ptr<int64_t>(tokens);
   a.k_cache = reinterpret_cast<void*>(k_cache), a.v_cache = reinterpret_cast<void*>(v_cache), a.kv_bf16 = kv_bf16;
@@ -179,7 +202,7 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
 
 void cached_attention(const ShapeTuple& shape, int path, int nthreads,
                       int64_t N, uintptr_t qkv, uintptr_t att, uintptr_t cos, uintptr_t sin, uintptr_t tokens,
-                      uintptr_t k_cache, uintptr_t v_cache, int kv_bf16) {
+                      uintptr_t k_cache, uintptr_t v_cache, int kv_bf16, uintptr_t sinks) {
   if (path < P_SCALAR || path > P_AVX512 || N < 1)
     throw std::invalid_argument("offload cached attention: bad kernel path id or token count");
   LayerArgs a{};
@@ -193,6 +216,7 @@ void cached_attention(const ShapeTuple& shape, int path, int nthreads,
   a.k_cache = reinterpret_cast<void*>(k_cache);
   a.v_cache = reinterpret_cast<void*>(v_cache);
   a.kv_bf16 = kv_bf16;
+  a.sinks = ptr<float>(sinks);
   attention_forward(a, reinterpret_cast<float*>(qkv), reinterpret_cast<float*>(att));
 }
 
@@ -204,11 +228,11 @@ void bind_layer(py::module_& m) {
         "fused_weights((n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window, rotary_dim), "
         "attn_norm, mlp_norm (0: none), [[(fmt, qs, d, bias, M, K), ...]] * 4 for qkv, o, gate_up, down: each linear "
         "one part, or the row blocks of a stacked linear; (q_norm, k_norm, shared_gate, moe, post_attn_norm, "
-        "post_mlp_norm, act, qk_norm_all))");
+        "post_mlp_norm, act, qk_norm_all, sinks))");
   py::class_<FusedExperts>(m, "FusedExperts", "one MoE layer's routed experts' packed weights, as raw pointers");
   m.def("fused_experts", &make_experts,
         "fused_experts(top_k, [[(fmt, qs, d, bias, M, K), ...] per expert] for gate_up, the same for down, router "
-        "[n_experts, D] fp32 or 0, norm_topk)");
+        "[n_experts, D] fp32 or 0, router_bias [n_experts] fp32 or 0, norm_topk, (act, alpha, limit))");
   m.def("experts_forward", &experts, py::call_guard<py::gil_scoped_release>(),
         "experts_forward(experts, path, nthreads, N, x [N, 2D], ids [N, k] int64, weights [N, k] fp32, out [N, D], "
         "act_bf16): raw pointers (x and out fp32, or bf16 with act_bf16) (ids and weights 0: routed by the experts' router), see offload/kernels/layer.py");
@@ -218,7 +242,8 @@ void bind_layer(py::module_& m) {
   m.def("cached_attention", &cached_attention, py::call_guard<py::gil_scoped_release>(),
         "cached_attention((n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window, rotary_dim), "
         "path, nthreads, N, qkv, att, cos, sin, "
-        "tokens, k_cache, v_cache, kv_bf16): rope, KV store and attention of one layer; raw pointers, see "
+        "tokens, k_cache, v_cache, kv_bf16, sinks): rope, KV store and attention of one layer (sinks [n_heads] fp32 "
+        "or 0); raw pointers, see "
         "offload/kernels/layer.py");
 }
 

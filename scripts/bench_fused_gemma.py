@@ -1,16 +1,17 @@
-"""Decode tokens/s of a Gemma-2-like model on the CPU (or, with --family, a Phi-4-mini-like or OLMo-2-like one):
+"""Decode tokens/s of a Gemma-2-like model on the CPU (or, with --family, a Phi-4-mini-, OLMo-2- or gpt-oss-like one):
 the fused C++ layer against the reference block math, on the same quantized weights and threads, in the same run
 (the two models alternate; medians of --repeats).
 
 The model is random (about 220M parameters: 12 layers of hidden 1024, MLP 4096, 8 query and 4 KV heads of 128,
 vocabulary 32,000), written once to a temporary folder in bf16. gemma2: transformers' Gemma2, sliding window 256 on
 every other layer; phi3: Phi-4-mini's rope (the first 3/4 of each head turns, LongRoPE scaling cos and sin by its
-attention factor); olmo2: OLMo 2's norms after attention and the MLP, q/k norms over all heads. Prompt and decode
-(200 + 128 tokens by default) run past Gemma's window, within its ring's 384 slots: the caches keep every
-position, so every layer runs fused (a sliding layer whose cache is a ring runs the reference math; the script
-stops where one would).
+attention factor); olmo2: OLMo 2's norms after attention and the MLP, q/k norms over all heads; gpt_oss: sinks,
+sliding window 256 on every other layer, 8 biased experts of width 512 with the clamped SwiGLU, 2 per token (about
+150M parameters). Prompt and decode (200 + 128 tokens by default) run past the window, within its ring's 384 slots:
+the caches keep every position, so every layer runs fused (a sliding layer whose cache is a ring runs the reference
+math; the script stops where one would).
 
-  python scripts/bench_fused_gemma.py --threads 2 [--family phi3]
+  python scripts/bench_fused_gemma.py --threads 2 [--family phi3|olmo2|gpt_oss]
   python scripts/bench_fused_gemma.py --smoke    # tiny models of each family, a 16-token prompt, 4 tokens: seconds
 """
 
@@ -46,7 +47,11 @@ FAMILIES = {
              dict(partial_rotary_factor=0.75, original_max_position_embeddings=1024, rope_scaling=_longrope(6),
                   pad_token_id=0, eos_token_id=2)),
     "olmo2": ("Olmo2", dict(eos_token_id=2), dict(eos_token_id=2)),
-}  # eos_token_id: Phi-3's and OLMo 2's defaults lie past these vocabularies
+    "gpt_oss": ("GptOss", dict(head_dim=128, sliding_window=256, num_local_experts=8, num_experts_per_tok=2,
+                               intermediate_size=512, eos_token_id=2),
+                dict(head_dim=16, sliding_window=6, num_local_experts=4, num_experts_per_tok=2, intermediate_size=64,
+                     eos_token_id=2)),
+}  # eos_token_id: Phi-3's and OLMo 2's defaults lie past these vocabularies (gpt-oss's is None)
 
 
 def make_model(folder: Path, family: str, smoke: bool) -> Path:

@@ -1,4 +1,4 @@
-"""What the fused layer's family tests share (tests/test_fused_gemma.py, tests/test_fused_families.py): the
+"""What the fused layer's family tests share (test_fused_gemma.py, test_fused_families.py, test_fused_gpt_oss.py): the
 extension with its fused calls counted, a seeded prompt, offload's and transformers' greedy tokens, the kernel
 paths this machine runs."""
 
@@ -18,14 +18,14 @@ PATHS = ["scalar"] + [p for p in ("avx2", "avx512") if ACTIVE_PATH in ("avx2", "
 
 
 class Counting:
-    """The extension, with its calls of the fused layer and of its attention alone counted."""
+    """The extension, with its calls of the named functions counted (the fused layer and its attention alone)."""
 
-    def __init__(self, ext):
-        self.ext, self.calls = ext, Counter()
+    def __init__(self, ext, names: tuple[str, ...] = ("layer_forward", "cached_attention")):
+        self.ext, self.names, self.calls = ext, names, Counter()
 
     def __getattr__(self, name):
         real = getattr(self.ext, name)
-        if name not in ("layer_forward", "cached_attention"):
+        if name not in self.names:
             return real
         return lambda *args: self.calls.update([name]) or real(*args)
 

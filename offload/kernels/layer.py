@@ -1,7 +1,7 @@
 """Fused CPU decoder layer: one C++ call (csrc/layer.cpp) instead of ~25 torch ops per layer and token.
 
 Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks
-with packed linears, of the families runs_math_of names (all but gpt-oss). Activations come fp32, or bf16
+with packed linears, of the families runs_math_of names (all ours). Activations come fp32, or bf16
 as a GPU plan computes (each call widens them to fp32 once and rounds its output back to bf16); KV caches are fp32
 or bf16 (K and V rounded as they are stored, widened as attention reads them), so a bf16 plan's caches and hidden
 states stay in the format it budgets. Whoever places the weights decides to use it and builds the handles once: a
@@ -28,7 +28,8 @@ FUSABLE = _C is not None and hasattr(_C, "layer_forward")  # the extension has t
 HAS_CACHED_ATTENTION = _C is not None and hasattr(_C, "cached_attention")  # ... and its attention alone
 
 
-GATE_ACTS = {"silu": 0, "gelu_tanh": 1}  # the gated MLP's activations the fused layer has (csrc/layer.h GateAct)
+# the gated MLP's activations the fused layer has (csrc/layer.h GateAct); swiglu_oai: gpt-oss's experts' only
+GATE_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
 
 
 def runs_math_of(spec) -> bool:
@@ -36,11 +37,11 @@ def runs_math_of(spec) -> bool:
     SiLU), with q/k norms and biases; rope over whole heads or their first rotary_dim (Phi-4-mini), scaled by any
     rope's attention_factor (YaRN, LongRoPE: it is in the step's cos and sin); Gemma 2/3's norms after attention and
     the MLP, GELU-tanh, score scale and soft-cap, per-layer windows and the sliding layers' rope; OLMo 2's norms only
-    after attention and the MLP and q/k norms over all heads. gpt-oss (sinks; biased, clamped experts) runs the
-    reference block math, as do layers whose cache is a ring (spec.kv_ring; kv_view)."""
-    fam = spec.family
-    return (fam.activation in GATE_ACTS and not fam.sinks
-            and (spec.moe is None or (spec.moe.activation == "silu" and not spec.moe.biases)))
+    after attention and the MLP and q/k norms over all heads; gpt-oss's sinks (one more logit per head in the
+    softmax's denominator) and its experts' biases and clamped SwiGLU. Layers whose cache is a ring (spec.kv_ring:
+    Gemma's and gpt-oss's sliding layers past their window's ring) run the reference block math (kv_view)."""
+    moe_act = "silu" if spec.moe is None else spec.moe.activation
+    return spec.family.activation in GATE_ACTS and moe_act in GATE_ACTS
 
 
 def _is_f32_cpu(t) -> bool:
@@ -53,8 +54,8 @@ def _is_float_cpu(t) -> bool:
 
 
 def _f32(t: torch.Tensor | None) -> torch.Tensor | None:
-    """t as contiguous fp32 CPU memory: itself where it is already, else a copy (kept by the handle)."""
-    return None if t is None or _is_f32_cpu(t) else t.to("cpu", _F32).contiguous()
+    """t as contiguous fp32 CPU memory: itself where it is already, else a copy (kept by the handle); None: None."""
+    return t if t is None or _is_f32_cpu(t) else t.to("cpu", _F32).contiguous()
 
 
 @dataclass(frozen=True)
@@ -106,14 +107,14 @@ def weights_fusable(w, moe: bool = False) -> bool:
     """Whether a layer's weights suit the fused layer: packed linears, fp32 or bf16 CPU norms and biases (moe: the
     attention part of a MoE layer, whose MLP is its shared expert or none)."""
     mlp = (w.gate_up, w.down) if not moe or w.gate_up is not None else ()
-    if (w.post_attn_norm is None) != (w.post_mlp_norm is None) or getattr(w, "sinks", None) is not None:
+    if (w.post_attn_norm is None) != (w.post_mlp_norm is None):
         return False
     if not FUSABLE or (moe and not HAS_MOE) or not all(_packed(m) for m in (w.qkv, w.o, *mlp)):
         return False
     if (w.shared_gate is not None) != (moe and bool(mlp)) or (w.q_norm is None) != (w.k_norm is None):
         return False
     floats = (w.attn_norm, w.mlp_norm, w.qkv_bias, w.o_bias, w.gate_up_bias, w.down_bias, w.q_norm, w.k_norm,
-              w.shared_gate, w.post_attn_norm, w.post_mlp_norm)  # None: the layer has none (OLMo 2's input norms)
+              w.shared_gate, w.post_attn_norm, w.post_mlp_norm, w.sinks)  # None: none (OLMo 2's input norms)
     return all(b is None or _is_float_cpu(b) for b in floats)
 
 
@@ -134,16 +135,25 @@ def fuse_layer(spec, w, moe: bool = False, index: int | None = None) -> FusedLay
 
 def fuse_experts(moe, w) -> FusedExperts | None:
     """The C++ view of a MoE layer's routed experts (ExpertWeights), or None unless every expert's linears are
-    packed and the router is fp32 or bf16 CPU memory (made fp32 once, here)."""
-    if not HAS_MOE or not _is_float_cpu(w.router) or not all(_packed(m) for m in w.gate_up + w.down):
+    packed and the router and the biases (gpt-oss's) are fp32 or bf16 CPU memory (made fp32 once, here)."""
+    biases = [b for b in (w.router_bias, *(w.gate_up_bias or ()), *(w.down_bias or ())) if b is not None]
+    if not HAS_MOE or moe.activation not in GATE_ACTS or not all(_is_float_cpu(t) for t in (w.router, *biases)) or \
+            not all(_packed(m) for m in w.gate_up + w.down):
         return None
-    router = _f32(w.router)
-    router = w.router if router is None else router
-    gate_up = [_linear_tuple(m, None, f"expert {e} gate_up") for e, m in enumerate(w.gate_up)]
-    down = [_linear_tuple(m, None, f"expert {e} down") for e, m in enumerate(w.down)]
-    if tuple(router.shape) != (moe.n_experts, gate_up[0][0][5]):
-        raise KernelError(f"fused experts: the router must be [{moe.n_experts}, hidden], got {list(router.shape)}")
-    return FusedExperts((w, router), _C.fused_experts(moe.top_k, gate_up, down, router.data_ptr(), int(moe.norm_topk)))
+    router, router_bias = _f32(w.router), _f32(w.router_bias)
+    gate_up_bias, down_bias = ([None] * moe.n_experts if b is None else [_f32(t) for t in b]
+                               for b in (w.gate_up_bias, w.down_bias))
+    gate_up = [_linear_tuple(m, gate_up_bias[e], f"expert {e} gate_up") for e, m in enumerate(w.gate_up)]
+    down = [_linear_tuple(m, down_bias[e], f"expert {e} down") for e, m in enumerate(w.down)]
+    if tuple(router.shape) != (moe.n_experts, gate_up[0][0][5]) or \
+            (router_bias is not None and tuple(router_bias.shape) != (moe.n_experts,)):
+        raise KernelError(f"fused experts: the router must be [{moe.n_experts}, hidden] and its bias "
+                          f"[{moe.n_experts}], got {list(router.shape)} and "
+                          f"{None if router_bias is None else list(router_bias.shape)}")
+    gate = (GATE_ACTS[moe.activation], moe.swiglu_alpha, moe.swiglu_limit)
+    view = _C.fused_experts(moe.top_k, gate_up, down, router.data_ptr(),
+                            0 if router_bias is None else router_bias.data_ptr(), int(moe.norm_topk), gate)
+    return FusedExperts((w, router, router_bias, gate_up_bias, down_bias), view)
 
 
 def fuse_mlp(w, activation: str = "silu") -> FusedExperts | None:
@@ -155,7 +165,7 @@ def fuse_mlp(w, activation: str = "silu") -> FusedExperts | None:
         return None
     router = torch.zeros(1, w.gate_up.shape[1])
     view = _C.fused_experts(1, [_linear_tuple(w.gate_up, None, "gate_up")], [_linear_tuple(w.down, None, "down")],
-                            router.data_ptr(), 1)
+                            router.data_ptr(), 0, 1, (GATE_ACTS["silu"], 0.0, 0.0))
     return FusedExperts((w, router), view)
 
 
@@ -261,19 +271,24 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views:
 
 
 def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, path: str | None = None,
-                     index: int | None = None) -> torch.Tensor:
+                     index: int | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """The fused layer's attention alone, for layer index whose linears ran elsewhere (None: as a layer of full
     attention): qkv [N, q | k | v] fp32 (rope applied in place), this step's K and V written to the cache; returns
-    [N, n_heads * head_dim]. path: a kernel path of PATH_IDS (tests compare them), else the active one."""
+    [N, n_heads * head_dim]. path: a kernel path of PATH_IDS (tests compare them), else the active one. sinks: the
+    layer's [n_heads] (gpt-oss), or None."""
     n = qkv.shape[0]
     if table.tokens.shape[0] != n or not _is_f32_cpu(qkv) or qkv.shape[1] != spec.q_size + 2 * spec.kv_size:
         raise KernelError(f"cached attention: qkv {list(qkv.shape)} does not match the step's {table.tokens.shape[0]} "
                           f"tokens of width {spec.q_size + 2 * spec.kv_size} (fp32, contiguous)")
+    if sinks is not None and tuple(sinks.shape) != (spec.n_heads,):
+        raise KernelError(f"cached attention: sinks must be [{spec.n_heads}], got {list(sinks.shape)}")
+    sinks = _f32(sinks)
     att = torch.empty(n, spec.q_size, dtype=_F32)
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
     _C.cached_attention(_shape(spec, spec.intermediate_size, index), path_id, torch.get_num_threads(), n,
                         qkv.data_ptr(), att.data_ptr(), *_rope_ptrs(table, _turns_local(spec, index)),
-                        table.tokens.data_ptr(), view.k_ptr, view.v_ptr, int(view.bf16))
+                        table.tokens.data_ptr(), view.k_ptr, view.v_ptr, int(view.bf16),
+                        0 if sinks is None else sinks.data_ptr())
     return att
 
 
@@ -346,21 +361,21 @@ def _rope_ptrs(table: StepTable, local: bool) -> tuple[int, int]:
 def _make_fused_weights(spec, w, moe: bool = False, index: int | None = None):
     """(the C++ view of a layer's weights, the fp32 copies of its bf16 floats the view points into)."""
     names = ("qkv_bias", "o_bias", "gate_up_bias", "down_bias", "attn_norm", "mlp_norm", "q_norm", "k_norm",
-             "shared_gate", "post_attn_norm", "post_mlp_norm")
-    floats = {n: getattr(w, n) if _f32(getattr(w, n)) is None else _f32(getattr(w, n)) for n in names}
+             "shared_gate", "post_attn_norm", "post_mlp_norm", "sinks")
+    floats = {n: _f32(getattr(w, n)) for n in names}
     linears = [_linear_tuple(m, floats[f"{name}_bias"], name) if m is not None else [] for m, name in
                ((w.qkv, "qkv"), (w.o, "o"), (w.gate_up, "gate_up"), (w.down, "down"))]
     over_all = spec.family.qk_norm_over == "all"  # OLMo 2: q and k normed whole, all heads together
     sizes = {"attn_norm": spec.hidden_size, "mlp_norm": spec.hidden_size, "post_attn_norm": spec.hidden_size,
              "post_mlp_norm": spec.hidden_size, "q_norm": spec.q_size if over_all else spec.head_dim,
-             "k_norm": spec.kv_size if over_all else spec.head_dim}
+             "k_norm": spec.kv_size if over_all else spec.head_dim, "sinks": spec.n_heads}
     for name, size in sizes.items():
         if floats[name] is not None and tuple(floats[name].shape) != (size,):
             raise KernelError(f"fused layer: {name} must be [{size}], got {list(floats[name].shape)}")
     width = w.gate_up.shape[0] // 2 if w.gate_up is not None else 0  # a MoE layer's shared expert, or none
     ptr = lambda n: 0 if floats[n] is None else floats[n].data_ptr()  # noqa: E731
     extras = (ptr("q_norm"), ptr("k_norm"), ptr("shared_gate"), int(moe), ptr("post_attn_norm"),
-              ptr("post_mlp_norm"), GATE_ACTS[spec.family.activation], int(over_all))
+              ptr("post_mlp_norm"), GATE_ACTS[spec.family.activation], int(over_all), ptr("sinks"))
     view = _C.fused_weights(_shape(spec, width, index), ptr("attn_norm"), ptr("mlp_norm"), linears, extras)
     return view, floats
 

@@ -128,19 +128,20 @@ class UnitRunner:
             if handle is not None and views is not None:
                 return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
             if views is not None and fused.HAS_CACHED_ATTENTION:
-                attention = self._attention(self._step_table(step, views[0], steps), views[0], index)
+                attention = self._attention(self._step_table(step, views[0], steps), views[0], index, w.sinks)
         elif on_device and self.fuse and fused.HAS_CACHED_ATTENTION and step._host is not None and \
-                kv.k.device.type == "cpu" and not self.spec.variant.layer_windows:  # it knows no layer's window
+                kv.k.device.type == "cpu" and not self.spec.variant.layer_windows and w.sinks is None:
+            # host_kv.py knows neither a layer's window nor sinks
             views = self._fused_views([kv], x)
             if views is not None:
                 attention = HostKVAttention(self.spec, self.backend, step, kv, views[0],
                                             lambda s, view: self._step_table(s, view, steps))
         return layer_forward(self.spec, w, x, step, kv, attention, moe, index)
 
-    def _attention(self, table, view, index: int):
+    def _attention(self, table, view, index: int, sinks):
         """The fused layer's attention over a host cache for layer index's qkv [N, q | k | v] in whatever float
-        format: computed in fp32, the output as qkv was."""
+        format (sinks: the layer's, gpt-oss's, or None): computed in fp32, the output as qkv was."""
         def attention(qkv: torch.Tensor) -> torch.Tensor:
             return fused.cached_attention(self.spec, qkv.to(torch.float32).contiguous(), table, view,
-                                          index=index).to(qkv.dtype)
+                                          index=index, sinks=sinks).to(qkv.dtype)
         return attention
