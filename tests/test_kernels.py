@@ -25,7 +25,9 @@ TOL_FLOAT = {"q4_0": 2e-2, "q8_0": 1e-4, "bf16": 1e-5, "fp16": 1e-5}
 SHAPES = [(1, 32, 1), (5, 32, 2), (13, 96, 1), (8, 288, 3), (33, 576, 1), (31, 576, 7), (9, 128, 130),
           (64, 1024, 1), (3, 64, 17), (7, 96, 5), (6, 352, 6), (37, 160, 600), (4, 64, 11),
           # AVX-512 q4_0's 16-row tiles: rows past the last whole 16, odd block counts, 16 + 8 + 4 + 2 + 1 tokens
-          (203, 96, 31), (50, 288, 4), (16, 32, 600), (70, 576, 21)]
+          (203, 96, 31), (50, 288, 4), (16, 32, 600), (70, 576, 21),
+          # AVX2 bf16/fp16 packed panels: 16 + 16 + 13 rows, K = 3 chunks of 256 + 32, 13 = 4 + 4 + 5 tokens
+          (45, 800, 13)]
 FORMATS = ["q8_0", "q4_0", "bf16", "fp16"]
 NATIVE = [p for p in ("avx2", "avx512") if K.ACTIVE_PATH in ("avx2", "avx512") and
           (p == "avx2" or K.ACTIVE_PATH == "avx512")]
@@ -76,6 +78,14 @@ def test_simd_matches_scalar_ref(path, fmt, order, m, k, n, xdtype, with_bias):
 def test_thread_count_does_not_change_results(fmt):
     w, x, bias = case(203, 576, 5, fmt)
     assert_thread_count_invariant(K.linear, x, w, bias)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("m,k,n", [(45, 523, 13), (5, 523, 3)])
+def test_half_weights_take_any_k(fmt, m, k, n):
+    w, x, bias = case(m, k, n, fmt)  # K % 8 = 3: the SIMD kernels' scalar leftovers, packed (13 tokens) or not
+    got = assert_thread_count_invariant(K.linear, x, w, bias)
+    assert nerr(got, K.linear_ref(x, w, bias)) < TOL_REF
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
