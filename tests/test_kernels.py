@@ -88,6 +88,25 @@ def test_half_weights_take_any_k(fmt, m, k, n):
     assert nerr(got, K.linear_ref(x, w, bias)) < TOL_REF
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_dense_bf16_weights_take_offloads_kernels_unless_the_cpu_multiplies_bf16(monkeypatch, native_bf16):
+    """Many rows of bf16 against bf16 weights: offload's kernels on a CPU without native bf16 (torch widens slowly
+    there), torch's matmul where the CPU has it and offload's bf16 tiles do not take the shape (K % 32 != 0)."""
+    from offload.kernels import ops
+
+    taken = []
+    real = ops._half_kernel()
+    if real is None:
+        pytest.skip("no C++ kernels")
+    monkeypatch.setattr(ops, "_bf16_available", lambda: native_bf16)
+    monkeypatch.setattr(ops, "_half_kernel", lambda: lambda w: taken.append(w) or real(w))
+    g = torch.Generator().manual_seed(0)
+    x, w = (torch.randn(n, 40, generator=g).bfloat16() for n in (16, 24))
+    y = ops.linear(x, w, None)
+    assert bool(taken) != native_bf16 and y.dtype is torch.bfloat16
+    assert nerr(y.float(), x.float() @ w.float().T) < 1e-2  # the output rounded to bf16
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_bf16_activations_equal_their_fp32_values(fmt):
     w, x, _ = case(17, 256, 3, fmt)

@@ -35,19 +35,20 @@ class StackedWeight:
         return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
 
 
-HALF_KERNEL_ROWS = 2  # up to this many rows, offload's kernel beats torch's bf16 matmul on the CPU (~1.5x at 1)
+HALF_KERNEL_ROWS = 2  # up to this many rows, offload's kernel beats torch's bf16 matmul on a CPU with native bf16
 HALF_ACTIVATIONS = (torch.float32, torch.bfloat16)  # what offload's CPU kernels take
 HALF_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # dense weights they take as a PackedWeight view
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
     """x [..., in] @ w.T + bias, for dense tensors or packed (quantized) weights. Half-precision weights on the
-    CPU, for a row or two (a decode step), go through offload's kernel, which streams them faster than torch; bf16
-    weights against bf16 activations at any rows too, where the CPU has AVX-512 BF16 (offload's tiles), and against
-    activations of another dtype at any rows (a GGUF file's bf16 weights kept as stored)."""
+    CPU go through offload's kernels, except for more than a row or two of bf16 against bf16 on a CPU that multiplies
+    bf16 itself (AVX-512 BF16, AMX) in a shape its bf16 tiles do not take: there torch's matmul is the faster. On a
+    CPU without native bf16, torch widens bf16 slowly (a batch job ran 3-7x slower than offload's fp32-widening
+    tiles on an AVX2 EPYC); a decode step's rows stream faster through offload's kernel on any CPU."""
     if isinstance(w, torch.Tensor):
         few_rows = x.numel() <= HALF_KERNEL_ROWS * x.shape[-1]
-        if ((few_rows or _bf16_tiles(x, w) or x.dtype != w.dtype) and w.dtype in HALF_WEIGHTS
+        if ((few_rows or _bf16_tiles(x, w) or x.dtype != w.dtype or not _bf16_available()) and w.dtype in HALF_WEIGHTS
                 and w.device.type == "cpu" and x.dtype in HALF_ACTIVATIONS and w.dim() == 2 and w.is_contiguous()):
             as_packed = _half_kernel()
             if as_packed is not None:  # its bias in fp32, as the kernel adds it
