@@ -297,7 +297,7 @@ def draft_rows(model: str, args) -> None:
         print(f"{name:<11} {med[name]:>7.2f} {med[name] / med['plain']:>7.2f}x {spec} {first:>9} / {later:<6} s  {same}")
 
 
-def main(argv=None) -> int:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="default", help="a model offload loads (default: the default model's GGUF)")
     ap.add_argument("--rounds", type=int, default=3)
@@ -323,29 +323,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     args.max_tokens = args.max_tokens or (64 if args.drafts else 128)
     args.prompts = args.prompts or (6 if args.drafts else len(PARAGRAPHS))
-    if args.disk_child:
-        print(json.dumps(disk_child(json.loads(args.disk_child))))
-        return 0
-    if args.disk:
-        disk_rows(args)
-        return 0
-    model = args.model
-    if args.smoke:
-        sys.path.insert(0, str(HERE))
-        from make_llama import tiny
+    return args
 
-        args.rounds, args.max_tokens, args.prompts, args.against_llamacpp = 1, 8, 2, False
-        model = str(tiny(Path(tempfile.mkdtemp(prefix="bench-spec-")) / "tiny", vocab=259, tokenizer=True))
-    if args.drafts:
-        if not args.smoke:
-            sys.path.insert(0, str(HERE))
-            from lm_eval_compare import write_fp32
 
-            from offload.paths import cache_dir
-
-            model = str(write_fp32(cache_dir() / "lm-eval-fp32"))
-        draft_rows(model, args)
-        return 0
+def lookup_rows(model: str, args) -> None:
+    """The default mode: prompt lookup against no speculation (and llama.cpp's, with --against-llamacpp)."""
     load = os.getloadavg()[0]
     pair = OffloadPair(model, args)
     gguf = None
@@ -383,6 +365,34 @@ def main(argv=None) -> int:
               f"({med['llama.cpp lookup'] / med['llama.cpp']:.2f}x)")
         print(f"offload with prompt lookup / llama.cpp with prompt lookup: "
               f"{med['lookup'] / med['llama.cpp lookup']:.2f}x")
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.disk_child:
+        print(json.dumps(disk_child(json.loads(args.disk_child))))
+        return 0
+    if args.disk:
+        disk_rows(args)
+        return 0
+    model = args.model
+    if args.smoke:
+        sys.path.insert(0, str(HERE))
+        from make_llama import tiny
+
+        args.rounds, args.max_tokens, args.prompts, args.against_llamacpp = 1, 8, 2, False
+        model = str(tiny(Path(tempfile.mkdtemp(prefix="bench-spec-")) / "tiny", vocab=259, tokenizer=True))
+    if args.drafts:
+        if not args.smoke:
+            sys.path.insert(0, str(HERE))
+            from lm_eval_compare import write_fp32
+
+            from offload.paths import cache_dir
+
+            model = str(write_fp32(cache_dir() / "lm-eval-fp32"))
+        draft_rows(model, args)
+        return 0
+    lookup_rows(model, args)
     return 0
 
 
