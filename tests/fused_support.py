@@ -8,8 +8,8 @@ from collections import Counter
 
 import torch
 
-from conftest import hf_logits
-from offload import SamplingParams
+from conftest import assert_logits_close, hf_logits, offload_logits
+from offload import LLM, SamplingParams
 from offload.kernels import ACTIVE_PATH
 
 PROMPT_LEN, NEW = 20, 6
@@ -46,3 +46,34 @@ def hf_greedy(hf, ids: list[int]) -> list[int]:
     for _ in range(NEW):
         out.append(int(hf_logits(hf, out)[-1].argmax()))
     return out[len(ids):]
+
+
+def check_fp32_fused(hf, folder, monkeypatch) -> None:
+    """fp32 weights (torch's linears) with the fused layer's attention: transformers' logits and greedy tokens, and
+    the fused attention called for every layer of every step."""
+    import offload.kernels.layer as fused
+
+    llm = LLM(str(folder), backend="cpu")
+    counting = Counting(fused._C)
+    monkeypatch.setattr(fused, "_C", counting)
+    ids = prompt(PROMPT_LEN)
+    assert_logits_close(offload_logits(llm.model, ids), hf_logits(hf, ids))
+    assert greedy(llm, ids) == hf_greedy(hf, ids)
+    assert counting.calls["cached_attention"] >= llm.model.spec.n_layers * (NEW + 1)
+
+
+def check_q8_0_fused(folder, monkeypatch) -> None:
+    """q8_0 weights: every layer of every step one fused C++ call; tokens and logits those of the reference block
+    math on the same weights."""
+    import offload.kernels.layer as fused
+
+    llm, reference = (LLM(str(folder), quantization="q8_0", backend="cpu") for _ in range(2))
+    reference.model.fuse = False
+    counting = Counting(fused._C)
+    monkeypatch.setattr(fused, "_C", counting)
+    ids = prompt(PROMPT_LEN)
+    ours = greedy(llm, ids)
+    assert counting.calls["layer_forward"] >= llm.model.spec.n_layers * NEW
+    counting.calls.clear()
+    assert ours == greedy(reference, ids) and not counting.calls
+    assert_logits_close(offload_logits(llm.model, ids), offload_logits(reference.model, ids))

@@ -17,9 +17,8 @@ import pytest
 import torch
 
 import offload.kernels.layer as fused
-from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits, save_hf_model
-from fused_support import NEW, PATHS, PROMPT_LEN, Counting, greedy, hf_greedy, prompt
-from offload import LLM
+from conftest import make_hf_model, save_hf_model
+from fused_support import PATHS, PROMPT_LEN, check_fp32_fused, check_q8_0_fused
 from offload.kernels import ACTIVE_PATH
 from offload.model.llama import layer_forward
 from offload.model.step import layer_cache, make_step
@@ -73,29 +72,14 @@ def test_the_fused_layer_takes_their_math(family):
 def test_fp32_layers_attend_fused_and_match_transformers(family, monkeypatch):
     """fp32 weights (torch's linears) with the fused layer's attention: logits and greedy tokens of transformers."""
     _, hf, folder = family
-    llm = LLM(str(folder), backend="cpu")
-    counting = Counting(fused._C)
-    monkeypatch.setattr(fused, "_C", counting)
-    ids = prompt(PROMPT_LEN)
-    assert_logits_close(offload_logits(llm.model, ids), hf_logits(hf, ids))
-    assert greedy(llm, ids) == hf_greedy(hf, ids)
-    assert counting.calls["cached_attention"] >= llm.model.spec.n_layers * (NEW + 1)
+    check_fp32_fused(hf, folder, monkeypatch)
 
 
 def test_q8_0_layers_run_fused_and_match_the_reference_math(family, monkeypatch):
     """q8_0 weights: every layer of every step one fused C++ call; tokens and logits those of the reference block
     math on the same weights."""
     _, _, folder = family
-    llm, reference = (LLM(str(folder), quantization="q8_0", backend="cpu") for _ in range(2))
-    reference.model.fuse = False
-    counting = Counting(fused._C)
-    monkeypatch.setattr(fused, "_C", counting)
-    ids = prompt(PROMPT_LEN)
-    ours = greedy(llm, ids)
-    assert counting.calls["layer_forward"] >= llm.model.spec.n_layers * NEW
-    counting.calls.clear()
-    assert ours == greedy(reference, ids) and not counting.calls
-    assert_logits_close(offload_logits(llm.model, ids), offload_logits(reference.model, ids))
+    check_q8_0_fused(folder, monkeypatch)
 
 
 def _layer_runs(spec, w, i: int, path: str | None, wrong=None):

@@ -19,7 +19,7 @@ import torch
 
 import offload.kernels.layer as fused
 from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits, save_hf_model
-from fused_support import NEW, PATHS, PROMPT_LEN, Counting, greedy, hf_greedy, prompt
+from fused_support import NEW, PATHS, PROMPT_LEN, Counting, check_fp32_fused, greedy, prompt
 from offload import LLM, attention_sizes
 from offload.kernels import ACTIVE_PATH
 from offload.model.llama import layer_forward
@@ -59,13 +59,7 @@ def test_fp32_layers_attend_fused_and_match_transformers(gpt_oss, monkeypatch):
     """fp32 weights (torch's linears) with the fused layer's attention, sinks included: transformers' logits and
     greedy tokens."""
     hf, folder = gpt_oss
-    llm = LLM(str(folder), backend="cpu")
-    counting = Counting(fused._C)
-    monkeypatch.setattr(fused, "_C", counting)
-    ids = prompt(PROMPT_LEN)
-    assert_logits_close(offload_logits(llm.model, ids), hf_logits(hf, ids))
-    assert greedy(llm, ids) == hf_greedy(hf, ids)
-    assert counting.calls["cached_attention"] >= llm.model.spec.n_layers * (NEW + 1)
+    check_fp32_fused(hf, folder, monkeypatch)
 
 
 def test_q8_0_layers_and_experts_run_fused_and_match_the_reference_math(gpt_oss, monkeypatch):
