@@ -46,8 +46,13 @@ def block_names(tokens: list[int], n_blocks: int) -> Iterator[bytes]:
     own tokens."""
     prev, ids = b"", np.asarray(tokens[: n_blocks * BLOCK_TOKENS], dtype=np.int64)
     for i in range(n_blocks):
-        prev = hashlib.blake2b(prev + ids[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS].tobytes(), digest_size=16).digest()
+        prev = _chained(prev, ids[i * BLOCK_TOKENS:(i + 1) * BLOCK_TOKENS])
         yield prev
+
+
+def _chained(prev: bytes, ids: np.ndarray) -> bytes:
+    """A block's name: a digest of the name before it and its own token ids (int64)."""
+    return hashlib.blake2b(prev + ids.tobytes(), digest_size=16).digest()
 
 
 def prompt_block_name(seq: Sequence, i: int) -> bytes:
@@ -56,8 +61,8 @@ def prompt_block_name(seq: Sequence, i: int) -> bytes:
     names = seq.prefix_names
     while len(names) <= i:
         at = len(names) * BLOCK_TOKENS
-        ids = np.asarray(seq.prompt_ids[at: at + BLOCK_TOKENS], dtype=np.int64)
-        names.append(hashlib.blake2b((names[-1] if names else b"") + ids.tobytes(), digest_size=16).digest())
+        names.append(_chained(names[-1] if names else b"", np.asarray(seq.prompt_ids[at: at + BLOCK_TOKENS],
+                                                                      dtype=np.int64)))
     return names[i]
 
 
@@ -143,8 +148,12 @@ class PrefixCache:
         return hit
 
     def refit(self, hit: Hit) -> Hit:
-        """hit cut before its first block of a run dropped since the lookup (a ring the engine took back)."""
-        gone = next((i for i, (h, _) in enumerate(hit.blocks) if isinstance(h, Kept) and h not in self.kept),
+        """hit cut before its first block of a run dropped since the lookup (a ring the engine took back: only a
+        ring model's runs go while a hit pins them)."""
+        if not self.rings:
+            return hit
+        alive = {id(k) for k in self.kept}
+        gone = next((i for i, (h, _) in enumerate(hit.blocks) if isinstance(h, Kept) and id(h) not in alive),
                     len(hit.blocks))
         del hit.blocks[gone:]
         self._fit_rings(hit)
@@ -272,7 +281,7 @@ class PrefixCache:
             self.pool.release(seq.base, first * BLOCK_TOKENS)
         if seq.extent > n_full * BLOCK_TOKENS:
             self.pool.release(seq.base + n_full * BLOCK_TOKENS, seq.extent - n_full * BLOCK_TOKENS)
-        return self.rings != []
+        return bool(self.rings)
 
     def to_host(self) -> list[Kept]:
         """Move the pool's kept runs to the host tier, most recently used first, while it has room (the rest are
