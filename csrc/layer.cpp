@@ -191,10 +191,10 @@ std::vector<int64_t> tile_starts(const LayerArgs& a) {
 // attend_tile compiled for the head size (64 and 128 known at compile time) and the ISA.
 template <typename KV>
 void attend_tile_for(bool wide, TileQuery* qs, int nq, const KV* kc, const KV* vc, int64_t stride, int64_t k_lo,
-                     int64_t k_hi, int64_t dh) {
-  if (dh == 64) (wide ? avx512::attend_tile<64, KV> : avx2::attend_tile<64, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
-  else if (dh == 128) (wide ? avx512::attend_tile<128, KV> : avx2::attend_tile<128, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
-  else (wide ? avx512::attend_tile<0, KV> : avx2::attend_tile<0, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+                     int64_t k_hi, int64_t dh, const int64_t* blk) {
+  if (dh == 64) (wide ? avx512::attend_tile<64, KV> : avx2::attend_tile<64, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
+  else if (dh == 128) (wide ? avx512::attend_tile<128, KV> : avx2::attend_tile<128, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
+  else (wide ? avx512::attend_tile<0, KV> : avx2::attend_tile<0, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
 }
 
 // One tile (tokens [n0, n1)) and KV head g: its queries scaled into qbuf, then attend_tile over their keys.
@@ -218,14 +218,16 @@ void attend_task(const LayerArgs& a, const float* qkv, float* att, int64_t n0, i
       qs[nq] = TileQuery{qv, lo, tok[kHi], 0.f, 0.f, att + n * q_size + h * dh, s.softcap, sink_of(a, h)};
     }
   }
-  const int64_t first = a.tokens[n0 * kTokenCols + kRowBase] * stride + g * dh;
+  const int64_t row_base = a.tokens[n0 * kTokenCols + kRowBase];
+  const int64_t* blk = a.blocks != nullptr ? a.blocks + row_base : nullptr;  // the tile's sequence's block table
+  const int64_t first = (blk ? 0 : row_base) * stride + g * dh;
   if (a.kv_bf16) {
     const uint16_t *kc = static_cast<const uint16_t*>(a.k_cache) + first,
                    *vc = static_cast<const uint16_t*>(a.v_cache) + first;
-    attend_tile_for(a.path == P_AVX512, qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+    attend_tile_for(a.path == P_AVX512, qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
   } else {
     const float *kc = static_cast<const float*>(a.k_cache) + first, *vc = static_cast<const float*>(a.v_cache) + first;
-    attend_tile_for(a.path == P_AVX512, qs, nq, kc, vc, stride, k_lo, k_hi, dh);
+    attend_tile_for(a.path == P_AVX512, qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
   }
 }
 
@@ -270,12 +272,25 @@ void attention_per_query(const LayerArgs& a, const float* qkv, float* att, const
 #pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
   {
     std::vector<float> scores(static_cast<size_t>(max_keys));
+    std::vector<KV> keys, values;  // a block table's keys of one query, gathered into one run
+    if (a.blocks != nullptr) keys.resize(size_t(max_keys * dh)), values.resize(size_t(max_keys * dh));
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const int64_t n = t / s.n_heads, h = t % s.n_heads, *tok = a.tokens + n * kTokenCols;
-      const int64_t lo = first_key(a, tok), first = (tok[kRowBase] + lo) * stride + (h / group) * dh;
-      fn(qkv + n * width + h * dh, k_cache + first, v_cache + first, stride, tok[kHi] - lo + 1, dh, s.scale,
-         s.softcap, sink_of(a, h), scores.data(), att + n * q_size + h * dh);
+      const int64_t lo = first_key(a, tok), n_keys = tok[kHi] - lo + 1, head = (h / group) * dh;
+      const KV *kr = k_cache + (tok[kRowBase] + lo) * stride + head, *vr = v_cache + (tok[kRowBase] + lo) * stride + head;
+      int64_t row_stride = stride;
+      if (a.blocks != nullptr) {
+        const int64_t* blk = a.blocks + tok[kRowBase];
+        for (int64_t j = 0; j < n_keys; ++j) {
+          const int64_t at = (blk[(lo + j) / kKvBlock] + (lo + j) % kKvBlock) * stride + head;
+          std::copy(k_cache + at, k_cache + at + dh, keys.data() + j * dh);
+          std::copy(v_cache + at, v_cache + at + dh, values.data() + j * dh);
+        }
+        kr = keys.data(), vr = values.data(), row_stride = dh;
+      }
+      fn(qkv + n * width + h * dh, kr, vr, row_stride, n_keys, dh, s.scale, s.softcap, sink_of(a, h), scores.data(),
+         att + n * q_size + h * dh);
     }
   }
 }

@@ -26,7 +26,9 @@ struct LinearArg {
 
 // Per new token n, the int64 row tokens[n * kTokenCols + ...]:
 constexpr int kSlot = 0;     // flat KV slot row * (T + 1) + write_index; -1: padding (writes nothing)
-constexpr int kRowBase = 1;  // flat slot of key 0 of the token's sequence: row * (T + 1) + its base
+constexpr int kRowBase = 1;  // flat slot of key 0 of the token's sequence: row * (T + 1) + its base; with a block
+                             // table (LayerArgs::blocks), where its sequence's entries begin there
+constexpr int64_t kKvBlock = 16;  // keys per block of a block table (offload.attention_sizes.KV_BLOCK)
 constexpr int kLo = 2;       // first key the token sees (inclusive)
 constexpr int kHi = 3;       // last key the token sees (inclusive)
 constexpr int kTokenCols = 4;
@@ -70,6 +72,8 @@ struct LayerArgs {
   const float *cos, *sin;             // [N, rotary_dim]: cos and sin with the rotate-half sign folded in (and a
                                       // rope's attention_factor, YaRN's or LongRoPE's, multiplied in)
   const int64_t* tokens;              // [N, kTokenCols], see above
+  const int64_t* blocks;              // null: each sequence's keys are one run from kRowBase; else key j of a
+                                      // token's sequence is at flat slot blocks[tok[kRowBase] + j / 16] + j % 16
   void *k_cache, *v_cache;            // [slots, n_kv_heads, head_dim], token-major: fp32, or bf16 with kv_bf16
   int kv_bf16;                        // 1: the caches hold bf16 (this step's K, V rounded to nearest even)
 };

@@ -176,7 +176,8 @@ void experts(const FusedExperts& w, int path, int nthreads, int64_t N, uintptr_t
 }
 
 void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t x, uintptr_t out, uintptr_t cos,
-             uintptr_t sin, uintptr_t tokens, uintptr_t k_cache, uintptr_t v_cache, int act_bf16, int kv_bf16) {
+             uintptr_t sin, uintptr_t tokens, uintptr_t blocks, uintptr_t k_cache, uintptr_t v_cache, int act_bf16,
+             int kv_bf16) {
   if (path < P_SCALAR || path > P_AVX512 || N < 1)
     throw std::invalid_argument("offload fused layer: bad kernel path id or token count");
   const int64_t D = w.qkv.w.K, out_width = w.moe ? 2 * D : D;
@@ -194,7 +195,7 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
   a.moe = w.moe;
   a.post_attn_norm = w.post_attn_norm, a.post_mlp_norm = w.post_mlp_norm, a.act = w.act, a.sinks = w.sinks;
   a.N = N, a.x = xf, a.out = of;
-  a.cos = ptr<float>(cos), a.sin = ptr<float>(sin), a.tokens = ptr<int64_t>(tokens);
+  a.cos = ptr<float>(cos), a.sin = ptr<float>(sin), a.tokens = ptr<int64_t>(tokens), a.blocks = ptr<int64_t>(blocks);
   a.k_cache = reinterpret_cast<void*>(k_cache), a.v_cache = reinterpret_cast<void*>(v_cache), a.kv_bf16 = kv_bf16;
   layer_forward(a);
   if (act_bf16) f32_rows_to_bf16(of, N * out_width, reinterpret_cast<uint16_t*>(out));
@@ -202,7 +203,7 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
 
 void cached_attention(const ShapeTuple& shape, int path, int nthreads,
                       int64_t N, uintptr_t qkv, uintptr_t att, uintptr_t cos, uintptr_t sin, uintptr_t tokens,
-                      uintptr_t k_cache, uintptr_t v_cache, int kv_bf16, uintptr_t sinks) {
+                      uintptr_t blocks, uintptr_t k_cache, uintptr_t v_cache, int kv_bf16, uintptr_t sinks) {
   if (path < P_SCALAR || path > P_AVX512 || N < 1)
     throw std::invalid_argument("offload cached attention: bad kernel path id or token count");
   LayerArgs a{};
@@ -213,6 +214,7 @@ void cached_attention(const ShapeTuple& shape, int path, int nthreads,
   a.cos = ptr<float>(cos);
   a.sin = ptr<float>(sin);
   a.tokens = ptr<int64_t>(tokens);
+  a.blocks = ptr<int64_t>(blocks);
   a.k_cache = reinterpret_cast<void*>(k_cache);
   a.v_cache = reinterpret_cast<void*>(v_cache);
   a.kv_bf16 = kv_bf16;
@@ -237,12 +239,13 @@ void bind_layer(py::module_& m) {
         "experts_forward(experts, path, nthreads, N, x [N, 2D], ids [N, k] int64, weights [N, k] fp32, out [N, D], "
         "act_bf16): raw pointers (x and out fp32, or bf16 with act_bf16) (ids and weights 0: routed by the experts' router), see offload/kernels/layer.py");
   m.def("layer_forward", &forward, py::call_guard<py::gil_scoped_release>(),
-        "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, k_cache, v_cache, act_bf16, kv_bf16): "
+        "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, blocks (0: none), k_cache, v_cache, act_bf16, "
+        "kv_bf16): "
         "raw pointers (x, out fp32 or bf16 with act_bf16; the caches fp32 or bf16 with kv_bf16), see offload/kernels/layer.py");
   m.def("cached_attention", &cached_attention, py::call_guard<py::gil_scoped_release>(),
         "cached_attention((n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window, rotary_dim), "
         "path, nthreads, N, qkv, att, cos, sin, "
-        "tokens, k_cache, v_cache, kv_bf16, sinks): rope, KV store and attention of one layer (sinks [n_heads] fp32 "
+        "tokens, blocks (0: none), k_cache, v_cache, kv_bf16, sinks): rope, KV store and attention of one layer (sinks [n_heads] fp32 "
         "or 0); raw pointers, see "
         "offload/kernels/layer.py");
 }

@@ -15,6 +15,11 @@ IN_PLACE_MAX_QUERIES = 8  # new tokens per sequence up to which a step's attenti
 RING_SLACK = 128
 RING_BLOCK = 16
 
+# A pooled cache row is read in blocks of KV_BLOCK keys: a sequence's block table (offload.model.step.Step.tables)
+# names the slot of each block's first key, so blocks another request computed (the prefix cache's) sit in its
+# table beside its own (vLLM's block_size)
+KV_BLOCK = 16
+
 
 def ring_slots(window: int) -> int:
     """Slots of a ring holding a sliding layer's keys of one sequence."""

@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
+from offload.attention_sizes import KV_BLOCK
 from offload.errors import ConfigError, QueueFull, SamplingError
 from offload.generate import Generator
 from offload.kv_pool import KVPool
@@ -217,7 +218,8 @@ class Engine:
 
     @property
     def kv_slots_used(self) -> int:
-        """Slots running requests hold (not the prefix cache's kept runs, which any request may take)."""
+        """Slots running requests hold (and the kept blocks their tables map; not the prefix cache's other kept runs,
+        which any request may take)."""
         return self.capacity - self.pool.n_free - (self.prefix.pool_slots if self.prefix is not None else 0)
 
     def _has_work(self) -> bool:
@@ -232,20 +234,22 @@ class Engine:
             seq, hit = self._next_of(queue)
             if seq is None or len(self._running) + len(seq.group) > self.generator.max_batch_size:
                 break
-            bases = self._alloc(seq.group, hit)
+            mapped = 0 if self.prefix is None else self.prefix.mappable(hit)  # blocks its table maps, not copies
+            bases = self._alloc(seq.group, hit, mapped)
             if bases is None:
                 break
             if self.prefix is not None:  # a ring the prefix cache gave back may have held the hit's blocks
                 hit = self.prefix.refit(hit)
             queue.remove(seq)
             for sample, base in zip(seq.group, bases):
-                sample.base, sample.n_cached, sample.generator = base, 0, sample.params.make_generator(sample.index)
+                sample.base, sample.shared, sample.n_cached = base, [], 0
+                sample.generator = sample.params.make_generator(sample.index)
                 sample.ring = self._rings.pop()
                 if sample.params.logprobs is not None:
                     sample.logprobs = []
                 self._running.append(sample)
             if self.prefix is not None:
-                self.prefix.take(seq, hit)
+                self.prefix.take(seq, hit, mapped)
                 self.prefix.add_running(seq)
 
     def _next_of(self, queue: deque[Sequence]) -> tuple[Sequence | None, Hit]:
@@ -259,14 +263,15 @@ class Engine:
                 return seq, hit
         return None, Hit()
 
-    def _alloc(self, group: list[Sequence], hit: Hit) -> list[int] | None:
-        """A base for each sample's extent and a free ring for each (the prefix cache gives up kept runs for them,
-        not those hit copies from while others can), or None with nothing taken."""
-        bases = []
+    def _alloc(self, group: list[Sequence], hit: Hit, mapped: int) -> list[int] | None:
+        """A base for each sample's own extent (its positions after the hit's first mapped blocks, which its table
+        maps) and a free ring for each (the prefix cache gives up kept runs for them, not those the hit holds while
+        others can), or None with nothing taken."""
+        bases, own = [], [sample.extent - KV_BLOCK * mapped for sample in group]
         if self.prefix is not None:
             self.prefix.pin(hit, 1)
-        for sample in group:
-            base = self.pool.alloc(sample.extent) if self.prefix is None else self.prefix.alloc(sample.extent)
+        for n in own:
+            base = self.pool.alloc(n) if self.prefix is None else self.prefix.alloc(n)
             if base is None:
                 break
             bases.append(base)
@@ -274,8 +279,8 @@ class Engine:
         if self.prefix is not None:
             self.prefix.pin(hit, -1)
         if not rings:
-            for sample, base in zip(group, bases):
-                self.pool.release(base, sample.extent)
+            for base, n in zip(bases, own):
+                self.pool.release(base, n)
             return None
         return bases
 
@@ -301,7 +306,7 @@ class Engine:
         for seq in seqs:
             self._running.remove(seq)
             if self.prefix is None:
-                self.pool.release(seq.base, seq.extent)
+                self.pool.release(seq.base, seq.own_slots)
                 self._rings.append(seq.ring)
             elif not self.prefix.release(seq, keep=seq.finish_reason in ("stop", "length")):
                 self._rings.append(seq.ring)

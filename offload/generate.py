@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from offload.attention_sizes import KV_BLOCK
 from offload.grammar import Constraints
 from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.model.step import ragged_step
@@ -241,11 +242,14 @@ class Generator:
 
 def share_prefill(cache, seq: Sequence, other: Sequence) -> None:
     """Copy the K and V of seq's prompt (now in the cache) into other's extent (a ring layer's: other's ring):
-    other's prompt is in the cache."""
+    other's prompt is in the cache. The blocks their tables both map (the prefix cache's) are not copied."""
     n = len(seq.prompt_ids)
+    skip = KV_BLOCK * len(seq.shared)
+    if other.shared != seq.shared:
+        raise ValueError("a request's samples map the same prefix blocks; admit them together")
     for layer in cache:
         ring = layer.ring
-        src, dst, m = (seq.base, other.base, n) if ring is None else (seq.ring * ring, other.ring * ring, ring)
+        src, dst, m = (seq.base, other.base, n - skip) if ring is None else (seq.ring * ring, other.ring * ring, ring)
         for t in (layer.k, layer.v):
             t[:, dst: dst + m].copy_(t[:, src: src + m])
     other.n_cached = n

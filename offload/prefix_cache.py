@@ -10,11 +10,12 @@ block's K and V lie:
   the pool (the rest of its extent is freed), until the pool needs the room;
 - in the host tier: runs the pool evicts move to host RAM while the tier's bytes allow (a CPU budget the plan
   leaves free), and come back by copy on a hit.
-A hit copies the blocks into the new sequence's own extent, layer by layer (the pool keeps one contiguous extent
-per sequence, so blocks are copied, not shared) and its prefill starts after them; its last prompt token is always
-computed, for its logits. Eviction from the pool goes by block: the least recently used kept run first (a run is
-a request's blocks), its deepest block first, never a run a hit is copying from; the host tier drops whole runs,
-least recently used first.
+A hit maps the leading blocks that kept runs hold in the pool into the new sequence's block table (vLLM's shared
+blocks: no copy; those runs are pinned while it runs) and copies the rest (blocks a running prefill holds, or the
+host tier's) into its own extent; its prefill starts after them, and its last prompt token is always computed, for
+its logits. Eviction from the pool goes by block: the least recently used kept run first (a run is a request's
+blocks), its deepest block first, never a pinned run (one a table maps or a hit copies from); the host tier drops
+whole runs, least recently used first.
 
 Models whose sliding layers keep a ring of their window (offload.spec.ModelSpec.kv_ring: Gemma 2/3, gpt-oss) cache
 too: a hit of P tokens needs, of each ring layer, the keys of the window before P, which the ring of the hit's last
@@ -22,7 +23,7 @@ holder still has while that holder has written fewer than P + ring - window keys
 all of the last one; a prompt's waiters, while its prefill has not gone further than that). The hit is cut to the
 blocks whose holder's ring still has them, and those ring slots are copied into the new sequence's ring. A kept run
 holds its sequence's ring (the engine takes one back, least recently used run first, when a new request needs it);
-their runs stay in the pool, with no host tier.
+their runs stay in the pool, with no host tier; their hits are copied, not mapped.
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ from typing import Iterator
 import numpy as np
 import torch
 
+from offload.attention_sizes import KV_BLOCK
 from offload.kv_pool import KVPool
 from offload.sequence import Sequence
 
-BLOCK_TOKENS = 16  # tokens per cached block (vLLM's default block_size)
+BLOCK_TOKENS = KV_BLOCK  # tokens per cached block: the pool's blocks (vLLM's default block_size)
 
 
 def block_names(tokens: list[int], n_blocks: int) -> Iterator[bytes]:
@@ -113,6 +115,7 @@ class PrefixCache:
         self.free_rings = free_rings if free_rings is not None else []
         self.index: dict[bytes, tuple[object, int]] = {}  # name -> (a running Sequence or a Kept, block index)
         self._running: dict[int, list[bytes]] = {}  # id(sequence) -> the names it holds in the index
+        self._mapped: dict[int, list[Kept]] = {}  # id(sequence) -> the kept runs its table maps blocks of
         self.kept: list[Kept] = []  # in the pool or the host tier
         for kept in carried:
             self.kept.append(kept)
@@ -123,8 +126,8 @@ class PrefixCache:
 
     @property
     def pool_slots(self) -> int:
-        """Pool slots that kept runs hold (free to any request that needs them)."""
-        return sum(k.n_slots for k in self.kept if k.base is not None)
+        """Pool slots that kept runs no request maps hold (free to any request that needs them)."""
+        return sum(k.n_slots for k in self.kept if k.base is not None and not k.pins)
 
     @property
     def host_used(self) -> int:
@@ -182,8 +185,16 @@ class PrefixCache:
 
     def pin(self, hit: Hit, by: int) -> None:
         """Keep (by=1) or release (by=-1) the kept runs a hit copies from from eviction."""
-        for holder in {id(h): h for h, _ in hit.blocks if isinstance(h, Kept)}.values():
+        for holder in _holders(hit.blocks):
             holder.pins += by
+
+    def mappable(self, hit: Hit) -> int:
+        """How many of a hit's leading blocks a table can map where they are: those of kept runs in the pool (a
+        ring model's hits are copied: a ring the engine takes back may cut them)."""
+        if self.rings:
+            return 0
+        return next((i for i, (h, _) in enumerate(hit.blocks) if not (isinstance(h, Kept) and h.base is not None)),
+                    len(hit.blocks))
 
     def alloc(self, n: int) -> int | None:
         """The pool's first slot of n free slots, evicting kept blocks while it has none: least recently used first,
@@ -208,20 +219,27 @@ class PrefixCache:
         self.kept.append(tail)
         return tail
 
-    def take(self, seq: Sequence, hit: Hit) -> None:
-        """Copy a hit's blocks into seq's extent (admitted, base set): its prompt is cached up to them."""
+    def take(self, seq: Sequence, hit: Hit, mapped: int = 0) -> None:
+        """A hit's first mapped blocks into the tables of seq's samples (admitted, each own extent after them) and
+        the rest copied into seq's own extent: its prompt is cached up to them."""
         now = self.clock()
         self.queries += len(seq.prompt_ids)
+        shared = [_slot_of(h, block) for h, block in hit.blocks[:mapped]]
         runs: list[list] = []  # [holder, first block, n blocks]
         for holder, block in hit.blocks:
-            if runs and runs[-1][0] is holder and runs[-1][1] + runs[-1][2] == block:
-                runs[-1][2] += 1
-            else:
-                runs.append([holder, block, 1])
-        for holder, block, n in runs:
             if isinstance(holder, Kept):
                 holder.last_used = now
-            self._copy(holder, block, n, seq.base + block * BLOCK_TOKENS)
+            if len(runs) and runs[-1][0] is holder and runs[-1][1] + runs[-1][2] == block:
+                runs[-1][2] += 1
+            elif block >= mapped:
+                runs.append([holder, block, 1])
+        for holder, block, n in runs:
+            self._copy(holder, block, n, seq.base + (block - mapped) * BLOCK_TOKENS)
+        for sample in seq.group:
+            sample.shared = list(shared)
+            self._mapped[id(sample)] = _holders(hit.blocks[:mapped])
+            for holder in self._mapped[id(sample)]:
+                holder.pins += 1
         if self.rings and hit.blocks:
             self._copy_ring(hit.blocks[-1][0], hit.n_tokens, seq.ring)
         seq.n_cached = seq.n_prefix_hit = hit.n_tokens
@@ -235,7 +253,7 @@ class PrefixCache:
                 for t, h in zip((layer.k, layer.v), saved):
                     t[0, dst: dst + m].copy_(h[at: at + m])
             return
-        src = holder.base + (block - (holder.first if isinstance(holder, Kept) else 0)) * BLOCK_TOKENS
+        src = _slot_of(holder, block)
         for layer in self.cache:
             if layer.ring is None:
                 for t in (layer.k, layer.v):
@@ -258,29 +276,33 @@ class PrefixCache:
         self._running[id(seq)] = mine
 
     def release(self, seq: Sequence, keep: bool) -> bool:
-        """seq left: keep its full blocks that no one else holds in the pool (keep: it ended as it should; its
-        tokens' K and V are all written) and free the rest of its extent; else free it all. Whether the kept run
-        holds seq's ring (a ring model's: else the engine takes it back)."""
+        """seq left: unpin the kept runs its table maps; keep its own full blocks that no one else holds in the pool
+        (keep: it ended as it should; its tokens' K and V are all written) and free the rest of its own extent;
+        else free it all. Whether the kept run holds seq's ring (a ring model's: else the engine takes it back)."""
+        for holder in self._mapped.pop(id(seq), []):
+            holder.pins -= 1
         for name in self._running.pop(id(seq), []):
             if self.index.get(name, (None,))[0] is seq:
                 del self.index[name]
-        tokens = seq.prompt_ids + seq.output_ids
+        tokens, n_shared = seq.prompt_ids + seq.output_ids, len(seq.shared)
         n_full = (seq.n_tokens - 1) // BLOCK_TOKENS if keep and seq.prefilled else 0
         names = list(block_names(tokens, n_full))
         first = next((i for i, name in enumerate(names) if name not in self.index), n_full)
-        if first == n_full:
-            self.pool.release(seq.base, seq.extent)
+        if first >= n_full or n_full <= n_shared:
+            self.pool.release(seq.base, seq.own_slots)
             return False
-        kept = Kept(names[first:], first, seq.base + first * BLOCK_TOKENS, self.clock())
+        first = max(first, n_shared)
+        own = lambda block: seq.base + (block - n_shared) * BLOCK_TOKENS  # noqa: E731 (its slot in seq's extent)
+        kept = Kept(names[first:], first, own(first), self.clock())
         if self.rings:
             kept.ring, kept.written = seq.ring, seq.n_tokens - 1  # its last token was sampled, never written
         for i, name in enumerate(kept.names):
             self.index.setdefault(name, (kept, first + i))
         self.kept.append(kept)
-        if first:
-            self.pool.release(seq.base, first * BLOCK_TOKENS)
-        if seq.extent > n_full * BLOCK_TOKENS:
-            self.pool.release(seq.base + n_full * BLOCK_TOKENS, seq.extent - n_full * BLOCK_TOKENS)
+        if first > n_shared:
+            self.pool.release(seq.base, own(first) - seq.base)
+        if seq.own_slots > own(n_full) - seq.base:
+            self.pool.release(own(n_full), seq.base + seq.own_slots - own(n_full))
         return bool(self.rings)
 
     def to_host(self) -> list[Kept]:
@@ -330,3 +352,16 @@ def _written(holder) -> int:
     if isinstance(holder, Kept):
         return holder.written
     return holder.n_tokens if holder.prefilled else holder.n_cached
+
+
+def _slot_of(holder, block: int) -> int:
+    """The pool slot of block's first key where a kept run in the pool or a running sequence holds it (a running
+    one's prompt blocks are in its own extent)."""
+    if isinstance(holder, Kept):
+        return holder.base + (block - holder.first) * BLOCK_TOKENS
+    return holder.base + (block - len(holder.shared)) * BLOCK_TOKENS
+
+
+def _holders(blocks: list[tuple[object, int]]) -> list[Kept]:
+    """The kept runs among blocks' holders, each once."""
+    return list({id(h): h for h, _ in blocks if isinstance(h, Kept)}.values())

@@ -23,6 +23,7 @@ from typing import Iterable
 
 import torch
 
+from offload.attention_sizes import KV_BLOCK
 from offload.profile.timeline import StepShape
 from offload.sequence import Sequence
 
@@ -65,7 +66,7 @@ class ScheduledStep:
     decode: tuple[Sequence, ...]  # a decode token each, no proposals
     verified: tuple[tuple[Sequence, Proposal], ...]  # a decode token and the drafter's proposals each
     chunks: tuple[tuple[Sequence, int], ...]  # (sequence, its next n prompt tokens, from its n_cached on)
-    groups: tuple[tuple[torch.Tensor, ...], ...]  # (positions [b, s], bases [b], rings [b]): ragged_step's groups
+    groups: tuple[tuple[torch.Tensor, ...], ...]  # (positions [b, s], tables [b, m], rings [b]): ragged_step's
     tokens: tuple[int, ...]  # the flat tokens, group after group
     samples: tuple[tuple[Sequence, int], ...]  # (sequence, row) of each sequence that samples its next token
     shared: tuple[tuple[Sequence, Sequence], ...]  # (first sample, other): other copies the prompt's K and V
@@ -124,25 +125,28 @@ def schedule_step(running: list[Sequence], step_tokens: int, mixed: bool = True,
 
 
 def _inputs(plain, verified, chunks) -> tuple[tuple, tuple[int, ...]]:
-    """The ragged groups (positions, base slots, rings) and the flat tokens: the plain decode tokens in one group,
+    """The ragged groups (positions, block tables, rings) and the flat tokens: the plain decode tokens in one group,
     each verified sequence's last token and proposals, each prompt chunk."""
     groups, tokens = [], []
     if plain:
-        groups.append((torch.tensor([[s.n_tokens - 1] for s in plain]), *_where(plain)))
+        positions = torch.tensor([[s.n_tokens - 1] for s in plain])
+        groups.append((positions, *_where(plain, positions)))
         tokens += [s.output_ids[-1] for s in plain]
     for seq, proposal in verified:  # its last token and its proposals: the model's next token after each
-        positions = [seq.n_tokens - 1 + d for d in (0, *proposal.depths)]
-        groups.append((torch.tensor([positions]), *_where([seq])))
+        positions = torch.tensor([[seq.n_tokens - 1 + d for d in (0, *proposal.depths)]])
+        groups.append((positions, *_where([seq], positions)))
         tokens += [seq.output_ids[-1], *proposal.tokens]
     for seq, n in chunks:
-        groups.append((torch.arange(seq.n_cached, seq.n_cached + n)[None], *_where([seq])))
+        positions = torch.arange(seq.n_cached, seq.n_cached + n)[None]
+        groups.append((positions, *_where([seq], positions)))
         tokens += seq.prompt_ids[seq.n_cached: seq.n_cached + n]
     return tuple(groups), tuple(tokens)
 
 
-def _where(seqs) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequences' base slots in the pool and their rings in the ring layers."""
-    return torch.tensor([s.base for s in seqs]), torch.tensor([s.ring for s in seqs])
+def _where(seqs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences' block tables in the pool (as far as positions reach) and their rings in the ring layers."""
+    n_blocks = int(positions.max()) // KV_BLOCK + 1
+    return torch.tensor([s.table(n_blocks) for s in seqs]), torch.tensor([s.ring for s in seqs])
 
 
 def _rows(plain, verified, chunks) -> tuple[tuple, tuple, tuple, tuple]:

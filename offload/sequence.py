@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload.attention_sizes import KV_BLOCK
 from offload.sampling import SamplingParams, TokenLogprob
 
 
@@ -23,8 +24,10 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text_end: int | None = None  # where a stop string cut the text
-    base: int = -1  # first KV slot of its extent in the pool
-    extent: int = 0  # KV slots it holds
+    base: int = -1  # first KV slot of its own extent in the pool (its positions after the shared blocks)
+    extent: int = 0  # KV positions it can hold: the shared blocks' and its own extent's
+    shared: list[int] = field(default_factory=list)  # first slot of each block another request wrote that its
+    # table maps at its front (the prefix cache's kept blocks: its positions 0 .. KV_BLOCK * len(shared) - 1)
     ring: int = 0  # its ring in the ring layers' pooled rows (offload.spec.ModelSpec.kv_ring)
     n_cached: int = 0  # prompt tokens whose K and V are in the cache
     n_prefix_hit: int = 0  # of them, those the prefix cache gave (offload/prefix_cache.py)
@@ -38,6 +41,17 @@ class Sequence:
     grammar: object | None = None  # its structured output's matcher (offload/grammar.py), made at its first sample
     _text: str = ""  # decoded so far (stop strings only): extended token by token
     _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
+
+    @property
+    def own_slots(self) -> int:
+        """Slots of its own extent (from base)."""
+        return self.extent - KV_BLOCK * len(self.shared)
+
+    def table(self, n_blocks: int) -> list[int]:
+        """The slot of each of its first n_blocks blocks of KV_BLOCK positions: the shared ones, then its own
+        extent's."""
+        own = range(self.base, self.base + KV_BLOCK * (n_blocks - len(self.shared)), KV_BLOCK)
+        return self.shared[:n_blocks] + list(own)
 
     @property
     def n_tokens(self) -> int:

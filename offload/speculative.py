@@ -323,6 +323,7 @@ class SubstituteDrafter:
                 continue
             run = Sequence(seq.request_id, tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
             run.base, run.extent, run.ring, run.n_cached = seq.base, seq.extent, seq.ring, len(tokens) - 1
+            run.shared = seq.shared  # its table: the blocks the prefix cache maps, then its own extent
             run.generator = torch.Generator()
             runs.append(run)
         draft_runs(self, runs, self.cache, self.trash_slot)

@@ -156,7 +156,8 @@ def test_token_table_matches_attention_mask():
     """lo/hi per token select exactly the keys of step.attention_mask (causal, window, padding -> key 0)."""
     spec = _spec(window=3)
     step = _step(spec, [0, 4], [6, 2], 6)
-    table = fused.token_table(step, n_rows=2, n_slots=MAX_LEN + 1, sliding_window=3)
+    table, blocks = fused.token_table(step, n_rows=2, n_slots=MAX_LEN + 1, sliding_window=3)
+    assert blocks is None  # a step over whole rows: each sequence's keys are one run
     keys = torch.arange(step.mask.shape[-1])
     lo, hi = table[:, 2, None], table[:, 3, None]
     assert torch.equal((keys >= lo) & (keys <= hi), step.mask[:, 0].reshape(-1, keys.numel()))

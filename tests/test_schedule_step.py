@@ -5,6 +5,7 @@ the generator builds no engine: the import graph shows the one direction."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from offload.sampling import SamplingParams
 from offload.schedule_step import Proposal, decoding, schedule_step
@@ -19,10 +20,13 @@ def _seq(rid, prompt_len: int, n_cached: int, outputs=(), base: int = 0, **param
 
 
 def _groups(step) -> list[tuple[list, list]]:
-    """Each group's positions and base slots; its rings are each sequence's (the sliding layers' caches)."""
+    """Each group's positions and its sequences' first slots (their block tables are contiguous extents, one entry
+    per block of 16 its positions reach); its rings are each sequence's (the sliding layers' caches)."""
     out = []
-    for positions, bases, rings in step.groups:
+    for positions, tables, rings in step.groups:
+        bases = tables[:, 0]
         assert rings.tolist() == [b // 10 + 1 for b in bases.tolist()]
+        assert torch.equal(tables, bases[:, None] + 16 * torch.arange(int(positions.max()) // 16 + 1))
         out.append((positions.tolist(), bases.tolist()))
     return out
 

@@ -41,6 +41,9 @@ def test_an_op_mixing_host_and_device_tensors_is_refused():
         x + torch.ones(3)
     assert torch.equal((x + torch.tensor(2.0)).cpu(), torch.full((4, 3), 3.0))  # a 0-d host tensor is a scalar
     assert torch.arange(3, device=device).device == device  # made on the device, as CUDA's factories do
+    for made, want in ((torch.arange(3, device=device), [0, 1, 2]), (torch.arange(1, 3, device=device), [1, 2]),
+                       (torch.arange(0, 7, 3, device=device), [0, 3, 6])):  # their shapes too, not only their values
+        assert made.shape == (len(want),) and made.cpu().tolist() == want
 
 
 def test_what_cuda_makes_wait_is_counted():

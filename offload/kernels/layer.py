@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.attention_sizes import KV_BLOCK
 from offload.errors import KernelError
 from offload.formats import FUSED_COMPUTE, torch_dtype
 from offload.kernels import _C, ACTIVE_PATH_ID, PackedWeight
@@ -98,6 +99,12 @@ class StepTable:
     sin: torch.Tensor
     cos_local: torch.Tensor | None = None  # [N, rotary_dim] of the sliding layers' rope, where it differs (Gemma 3)
     sin_local: torch.Tensor | None = None
+    blocks: torch.Tensor | None = None  # int64: the sequences' block tables as flat slots (a pooled cache), see
+    # token_table; None: each sequence's keys are one run
+
+    @property
+    def blocks_ptr(self) -> int:
+        return 0 if self.blocks is None else self.blocks.data_ptr()
 
 
 HAS_MOE = _C is not None and hasattr(_C, "experts_forward")  # the extension has MoE layers and experts
@@ -197,13 +204,14 @@ def step_table(spec, step, view: KVView) -> StepTable:
     """The token table and cos/sin rows of a step for caches shaped like view (a model whose layers differ in
     window: each layer's handle cuts its keys; whose sliding layers turn by a rope of their own: both tables)."""
     window = None if spec.variant.layer_windows else spec.sliding_window
-    tokens = token_table(step, view.n_rows, view.n_slots, window)
+    tokens, blocks = token_table(step, view.n_rows, view.n_slots, window)
     dh = spec.rotary_dim  # the dimensions rope turns: the whole head, or its first part
     if spec.variant.local_rope is None:
-        return StepTable((view.n_rows, view.n_slots), tokens, _rows_f32(step.cos, dh), _rows_f32(step.sin, dh))
+        return StepTable((view.n_rows, view.n_slots), tokens, _rows_f32(step.cos, dh), _rows_f32(step.sin, dh),
+                         blocks=blocks)
     cos, sin = (t.reshape(-1, 2 * dh).to("cpu", _F32) for t in (step.cos, step.sin))
     return StepTable((view.n_rows, view.n_slots), tokens, cos[:, :dh].contiguous(), sin[:, :dh].contiguous(),
-                     cos[:, dh:].contiguous(), sin[:, dh:].contiguous())
+                     cos[:, dh:].contiguous(), sin[:, dh:].contiguous(), blocks)
 
 
 def fused_layer_forward(spec, w, x: torch.Tensor, step, kv, path: str | None = None,
@@ -261,7 +269,8 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views:
         else:
             calls.append((_C.layer_forward, (unit.view, path_id, n_threads, n_tokens, out.data_ptr(),
                                              target.data_ptr(), *_rope_ptrs(table, unit.local),
-                                             table.tokens.data_ptr(), view.k_ptr, view.v_ptr, bf16, int(view.bf16))))
+                                             table.tokens.data_ptr(), table.blocks_ptr, view.k_ptr, view.v_ptr, bf16,
+                                             int(view.bf16))))
         out = target
     for call, args in calls:
         call(*args)
@@ -287,41 +296,61 @@ def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, pa
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
     _C.cached_attention(_shape(spec, spec.intermediate_size, index), path_id, torch.get_num_threads(), n,
                         qkv.data_ptr(), att.data_ptr(), *_rope_ptrs(table, _turns_local(spec, index)),
-                        table.tokens.data_ptr(), view.k_ptr, view.v_ptr, int(view.bf16),
+                        table.tokens.data_ptr(), table.blocks_ptr, view.k_ptr, view.v_ptr, int(view.bf16),
                         0 if sinks is None else sinks.data_ptr())
     return att
 
 
-def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> torch.Tensor:
+def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """[B * S, 4] int64 per new token: flat KV slot (-1: padding), flat slot of its sequence's key 0 (its row,
-    plus its base in a pooled cache), first and last key it sees; the same keys as step.attention_mask (padding
-    tokens see key 0 only). A ragged step's table is its groups' tables one after another.
+    plus its base in a pooled cache; with block tables: where its sequence's table begins in blocks), first and
+    last key it sees; the same keys as step.attention_mask (padding tokens see key 0 only). And blocks: a pooled
+    step's block tables as flat slots (row * n_slots + each block's slot), one sequence's after another, else None.
+    A ragged step's tables are its groups' one after another.
 
     Built from Python lists: a decode step has a few tokens, where a dozen tiny tensor ops would cost more
     than the table is worth."""
-    if step.groups is not None:
-        parts = [token_table(g, n_rows, n_slots, sliding_window) for g in step.groups]
-        return torch.cat(parts) if parts else torch.empty(0, 4, dtype=torch.long)
+    groups = step.groups if step.groups is not None else (step,)
+    parts, blocks = [], [] if any(g.tables is not None for g in groups) else None
+    for g in groups:
+        parts += _group_tokens(g, n_rows, n_slots, sliding_window, blocks)
+    tokens = torch.tensor(parts, dtype=torch.long) if parts else torch.empty(0, 4, dtype=torch.long)
+    return tokens, (torch.tensor(blocks, dtype=torch.long) if blocks else None)
+
+
+def _group_tokens(step, n_rows: int, n_slots: int, sliding_window: int | None, blocks: list[int] | None) -> list[tuple]:
+    """token_table's rows of a plain step, its block tables appended to blocks (where given: a group without tables
+    adds contiguous ones)."""
     positions, write_index = step.positions.tolist(), step.write_index.tolist()
     b = len(positions)
     rows = list(range(b)) if step.rows is None else step.rows.tolist()
-    bases = [0] * b if step.bases is None else step.bases.tolist()
     if len(rows) != b or any(not 0 <= r < n_rows for r in rows):
         raise KernelError(f"fused layer: step rows {rows} do not fit a KV cache of {n_rows} rows for "
                           f"a batch of {b}; allocate the cache with more rows")
-    table = []
-    for row, base, row_positions, row_slots in zip(rows, bases, positions, write_index):
-        first = row * n_slots + base
+    tables = None if step.tables is None else step.tables.tolist()
+    if tables is None and blocks is not None:
+        tables = [list(range(0, step.n_keys, KV_BLOCK))] * b
+    if tables is not None and any(not 0 <= t < n_slots - 1 for table, row_positions in zip(tables, positions)
+                                  for t in table[: max(row_positions) // KV_BLOCK + 1]):
+        raise KernelError(f"fused layer: a block table names slots outside the KV cache's {n_slots - 1}; "
+                          f"build the step from the pool's extents")
+    out = []
+    for i, (row, row_positions, row_slots) in enumerate(zip(rows, positions, write_index)):
+        if blocks is None:
+            first = row * n_slots
+        else:
+            first = len(blocks)
+            blocks += [row * n_slots + t for t in tables[i]]
         for pos, slot in zip(row_positions, row_slots):
             if slot == n_slots - 1:  # padding writes to the trash slot T
-                table.append((-1, first, 0, 0))
+                out.append((-1, first, 0, 0))
                 continue
-            if base + pos >= n_slots - 1 or not 0 <= slot < n_slots:
+            if not 0 <= slot < n_slots - 1 or (blocks is None and pos >= n_slots - 1):
                 raise KernelError(f"fused layer: positions reach past the KV cache's {n_slots - 1} slots; "
                                   f"allocate the cache with a larger max_len")
-            table.append((row * n_slots + slot, first, 0 if sliding_window is None else max(pos - sliding_window + 1, 0),
-                          pos))
-    return torch.tensor(table, dtype=torch.long) if table else torch.empty(0, 4, dtype=torch.long)
+            out.append((row * n_slots + slot, first, 0 if sliding_window is None else max(pos - sliding_window + 1, 0),
+                        pos))
+    return out
 
 
 def _rows_f32(t: torch.Tensor, dh: int) -> torch.Tensor:

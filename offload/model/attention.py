@@ -26,8 +26,8 @@ import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
 from offload.kernels.attention import PATH_COUNTS, KVTable, paged_attention
-from offload.model.step import LayerKV, Step
-from offload.attention_sizes import IN_PLACE_MAX_QUERIES, RING_BLOCK
+from offload.model.step import LayerKV, Step, table_slots
+from offload.attention_sizes import IN_PLACE_MAX_QUERIES, KV_BLOCK, RING_BLOCK
 from offload.spec import ModelSpec
 
 
@@ -77,19 +77,24 @@ def _paged(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV, window: in
 
 
 def kv_table(step: Step, kv: LayerKV) -> KVTable:
-    """Each sequence's keys as one run of its cache row (made once per step and cache shape, on the device from
-    the step's uploaded tensors: no host sync)."""
+    """Where each sequence's keys lie in the flat pool: its block table in its row (a pooled cache), else one run of
+    its row (made once per step and cache shape, on the device from the step's uploaded tensors: no host sync)."""
     stride = kv.k.shape[1]
     table = step._derived.get(("table", stride))
     if table is None:
         n, dev = step.positions.shape[0], step.write_index.device
         rows = step.rows if step.rows is not None else torch.arange(n, device=dev)
-        first, newest = rows.to(dev) * stride, step.write_index[:, -1]  # newest: the last key's slot in its row
-        if step.bases is not None:
-            first, newest = first + step.bases, newest - step.bases
-        lengths = newest + 1
+        first = rows.to(dev)[:, None] * stride
         host = tuple(int(p) + 1 for p in step.positions[:, -1])
-        table = step._derived[("table", stride)] = KVTable(first[:, None].int(), lengths.int(), stride, host)
+        if step.tables is None:
+            lengths = step.write_index[:, -1] + 1  # the last key's slot in its row, plus one
+            table = KVTable(first.int(), lengths.int(), stride, host)
+        else:  # the newest key's block: the first of the table holding its slot (a sequence's blocks are disjoint)
+            newest, tables = step.write_index[:, -1:], step.tables
+            j = ((tables <= newest) & (newest < tables + KV_BLOCK)).int().argmax(dim=1, keepdim=True)
+            lengths = (j * KV_BLOCK + newest - tables.gather(1, j) + 1)[:, 0]
+            table = KVTable((first + tables).int(), lengths.int(), KV_BLOCK, host)
+        step._derived[("table", stride)] = table
     return table
 
 
@@ -156,24 +161,41 @@ def _causal_only(step: Step, window: int | None) -> bool:
 
 def cached_keys(step: Step, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
     """K, V [B, Hkv, n_keys, Dh] of the step's sequences from the cache: views of the cache where each sequence's
-    keys are one run of its row that the host can name (one sequence, or every row in order), else gathered."""
+    keys are one run of its row that the host can name (one sequence whose table is one run, or every row in
+    order), else gathered."""
     n_keys, host = step.n_keys, step._host if step._host is not None else step
-    if step.bases is None and step.rows is None:
+    if step.tables is None and step.rows is None:
         return kv.k[:, :n_keys].transpose(1, 2), kv.v[:, :n_keys].transpose(1, 2)
     if step.positions.shape[0] == 1 and (host.rows is None or host.rows.device.type == "cpu"):
-        row = 0 if host.rows is None else int(host.rows[0])
-        base = 0 if host.bases is None else int(host.bases[0])
-        return (kv.k[row, base:base + n_keys].transpose(0, 1)[None],
-                kv.v[row, base:base + n_keys].transpose(0, 1)[None])
+        base = _one_run(host, n_keys)
+        if base is not None:
+            row = 0 if host.rows is None else int(host.rows[0])
+            return (kv.k[row, base:base + n_keys].transpose(0, 1)[None],
+                    kv.v[row, base:base + n_keys].transpose(0, 1)[None])
     return gathered_keys(step, kv)
 
 
+def _one_run(host: Step, n_keys: int) -> int | None:
+    """The first slot of a one-sequence host step's first n_keys keys where they are one run of its row, else
+    None (a table that maps blocks from elsewhere)."""
+    if host.tables is None:
+        return 0
+    key = ("one_run", n_keys)
+    if key not in host._derived:
+        blocks = host.tables[0, : -(-n_keys // KV_BLOCK)]
+        steps = blocks - blocks[0] == KV_BLOCK * torch.arange(len(blocks))
+        host._derived[key] = int(blocks[0]) if bool(steps.all()) else None
+    return host._derived[key]
+
+
 def gathered_keys(step: Step, kv: LayerKV) -> tuple[torch.Tensor, torch.Tensor]:
-    """K, V [B, Hkv, n_keys, Dh] gathered from each sequence's rows and base slot (a copy of the history)."""
+    """K, V [B, Hkv, n_keys, Dh] gathered from each sequence's row through its block table (a copy of the
+    history)."""
     n_keys, dev, (batch, slots, heads, dh) = step.n_keys, kv.k.device, kv.k.shape
     rows = torch.arange(step.positions.shape[0], device=dev) if step.rows is None else step.rows.to(dev)
-    first = rows * slots + (0 if step.bases is None else step.bases.to(dev))
-    index = (first[:, None] + torch.arange(n_keys, device=dev)[None]).clamp_(max=batch * slots - 1)
+    keys = torch.arange(n_keys, device=dev)[None].expand(rows.shape[0], n_keys)
+    at = keys if step.tables is None else table_slots(step.tables.to(dev), keys)
+    index = (rows[:, None] * slots + at).clamp_(max=batch * slots - 1)
     keys = kv.k.view(batch * slots, heads, dh)[index].transpose(1, 2)
     return keys, kv.v.view(batch * slots, heads, dh)[index].transpose(1, 2)
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.attention_sizes import ring_slots
+from offload.attention_sizes import KV_BLOCK, ring_slots
 from offload.model.rope import rope_cos_sin
 from offload.spec import ModelSpec
 
@@ -25,15 +25,16 @@ class Step:
     """
 
     positions: torch.Tensor  # [B, S] long, position of each new token (pads: 0)
-    write_index: torch.Tensor  # [B, S] long, KV slot to write within the row (bases added; pads: the trash slot)
+    write_index: torch.Tensor  # [B, S] long, KV slot to write within the row (through tables; pads: the trash slot)
     valid: torch.Tensor  # [B, S] bool, real tokens (not padding)
-    n_keys: int  # keys the step's queries see: slots base .. base + n_keys - 1 of each row
+    n_keys: int  # keys the step's queries see: positions 0 .. n_keys - 1 of each sequence
     cos: torch.Tensor  # [B, 1, S, head_dim]
     sin: torch.Tensor  # [B, 1, S, head_dim], first half negated (see apply_rope)
     rows: torch.Tensor | None = None  # [B] cache rows these sequences use; None: all rows, in order
     phase: str = "prefill"  # prefill | decode: the plan may compute a block differently in each
     sliding_window: int | None | tuple = None  # of every layer, or (a model whose layers differ) each distinct one
-    bases: torch.Tensor | None = None  # [B] first KV slot of each sequence in its row (a pooled cache); None: 0
+    tables: torch.Tensor | None = None  # [B, M] long: slot in its row of each KV_BLOCK keys of a sequence (a pooled
+    # cache: key p at tables[b, p // KV_BLOCK] + p % KV_BLOCK); None: key p at slot p
     rings: dict = field(default_factory=dict)  # ring slots R -> RingIndex, of each ring layer size (spec.kv_ring)
     groups: tuple["Step", ...] | None = None  # a ragged step's grids, each b == 1 or s == 1
     offsets: tuple[int, ...] = ()  # where each group's tokens begin in the flat row
@@ -80,7 +81,7 @@ class Step:
         host = None if self._host is None else self._host.slice(start, stop)
         rings = {r: ring.slice(start, stop) for r, ring in self.rings.items()}
         return Step(positions, self.write_index[:, start:stop], valid, n_keys, self.cos[:, :, start:stop],
-                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.bases, rings,
+                    self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.tables, rings,
                     _mask=mask, _host=host)
 
     def _rows_slice(self, start: int, stop: int) -> "Step":
@@ -89,12 +90,12 @@ class Step:
         n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
         rows = self.rows[start:stop] if self.rows is not None else torch.arange(start, stop,
                                                                                   device=self.write_index.device)
-        bases = None if self.bases is None else self.bases[start:stop]
+        tables = None if self.tables is None else self.tables[start:stop]
         mask = None if self._mask is None else self._mask[start:stop, :, :, :n_keys]
         host = None if self._host is None else self._host._rows_slice(start, stop)
         rings = {r: ring.rows(start, stop) for r, ring in self.rings.items()}
         return Step(positions, self.write_index[start:stop], valid, n_keys, self.cos[start:stop],
-                    self.sin[start:stop], rows, self.phase, self.sliding_window, bases, rings, _mask=mask, _host=host)
+                    self.sin[start:stop], rows, self.phase, self.sliding_window, tables, rings, _mask=mask, _host=host)
 
     def _slice_ragged(self, start: int, stop: int) -> "Step":
         groups, offsets, at = [], [], 0
@@ -125,10 +126,10 @@ class Step:
             moved._host = self
             return moved
         rows = None if self.rows is None else move(self.rows)
-        bases = None if self.bases is None else move(self.bases)
+        tables = None if self.tables is None else move(self.tables)
         rings = {r: ring.to(move) for r, ring in self.rings.items()}
         return Step(self.positions, move(self.write_index), self.valid, self.n_keys, move(self.cos), move(self.sin),
-                    rows, self.phase, self.sliding_window, bases, rings, _mask=move(self.mask), _host=self)
+                    rows, self.phase, self.sliding_window, tables, rings, _mask=move(self.mask), _host=self)
 
 
 def _ragged(groups, offsets, positions, write_index, valid, cos, sin, phase, sliding_window) -> Step:
@@ -239,21 +240,32 @@ def attention_mask(positions: torch.Tensor, valid: torch.Tensor, n_keys: int,
 
 
 def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, valid: torch.Tensor, trash_slot: int,
-              rows: torch.Tensor | None = None, phase: str = "prefill", bases: torch.Tensor | None = None,
+              rows: torch.Tensor | None = None, phase: str = "prefill", tables: torch.Tensor | None = None,
               rings: torch.Tensor | None = None) -> Step:
-    """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens; bases [B]: the
-    first KV slot of each sequence in its cache row (a pooled cache); rings [B]: each sequence's ring in a pooled
-    row of the ring layers (spec.kv_ring; None: a row's one ring)."""
+    """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens; tables [B, M]: the
+    slot in its cache row of each KV_BLOCK keys of a sequence (a pooled cache; M covers its positions); rings [B]:
+    each sequence's ring in a pooled row of the ring layers (spec.kv_ring; None: a row's one ring)."""
     n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1  # no valid token: 1
-    slots = positions if bases is None else positions + bases[:, None]
+    slots = positions if tables is None else table_slots(tables, torch.where(valid, positions, 0))
     write_index = torch.where(valid, slots, trash_slot)
     cos, sin = rope_cos_sin(spec, positions, dtype)
     sizes = ring_sizes(spec)
-    if bases is not None and rings is None and sizes:
+    if tables is not None and rings is None and sizes:
         raise ValueError("a pooled step of a model with ring layers needs each sequence's ring (rings)")
     return Step(positions=positions, write_index=write_index, valid=valid, n_keys=n_keys, cos=cos, sin=sin, rows=rows,
-                phase=phase, sliding_window=step_windows(spec), bases=bases,
+                phase=phase, sliding_window=step_windows(spec), tables=tables,
                 rings={r: RingIndex.of(r, positions, valid, rings) for r in sizes})
+
+
+def table_slots(tables: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """[B, S] slots in their rows of positions [B, S] through the sequences' block tables [B, M]."""
+    return tables.gather(1, positions // KV_BLOCK) + positions % KV_BLOCK
+
+
+def extent_tables(bases, n_keys: int) -> torch.Tensor:
+    """[B, M] long: the block tables of contiguous extents from slots bases [B], covering n_keys positions."""
+    n_blocks = max(1, -(-n_keys // KV_BLOCK))
+    return torch.as_tensor(bases, dtype=torch.long)[:, None] + KV_BLOCK * torch.arange(n_blocks)[None]
 
 
 def ring_sizes(spec: ModelSpec) -> tuple[int, ...]:
@@ -268,17 +280,17 @@ def step_windows(spec: ModelSpec) -> int | None | tuple:
 
 def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Tensor, ...]],
                 trash_slot: int, phase: str) -> Step:
-    """A ragged step over one pooled cache row: groups of (positions [b, s], bases [b], rings [b] (where the model
+    """A ragged step over one pooled cache row: groups of (positions [b, s], tables [b, m], rings [b] (where the model
     has ring layers)), each b == 1 or s == 1 and every token real; the tokens of the groups follow one another in
     the flat row."""
     parts, offsets, at = [], [], 0
-    for positions, bases, *rings in groups:
+    for positions, tables, *rings in groups:
         b, s = positions.shape
         if b != 1 and s != 1:
             raise ValueError(f"a ragged step's groups are [b, 1] or [1, s] grids, found [{b}, {s}]")
         valid = torch.ones_like(positions, dtype=torch.bool)
         parts.append(make_step(spec, dtype, positions, valid, trash_slot, torch.zeros(b, dtype=torch.long), phase,
-                               bases, rings[0] if rings else None))
+                               tables, rings[0] if rings else None))
         offsets.append(at)
         at += b * s
     flat = lambda name: torch.cat([getattr(g, name).reshape(1, -1) for g in parts], dim=1)  # noqa: E731

@@ -357,6 +357,10 @@ def _register_factories() -> None:
     lib.impl("empty.memory_format", _empty, "PrivateUse1")
     lib.impl("empty_strided", _empty_strided, "PrivateUse1")
     lib.impl("_copy_from", _copy_from, "PrivateUse1")
+    # arange: else empty(0) resized in place by arange.out, a wrapper of shape [0] over the values
+    lib.impl("arange", lambda end, **kw: _arange(0, end, 1, **kw), "PrivateUse1")
+    lib.impl("arange.start", lambda start, end, **kw: _arange(start, end, 1, **kw), "PrivateUse1")
+    lib.impl("arange.start_step", _arange, "PrivateUse1")
     _LIBS.append(lib)
 
 
@@ -369,6 +373,10 @@ def _empty(size, dtype=None, layout=None, device=None, pin_memory=None, memory_f
 
 def _empty_strided(size, stride, dtype=None, layout=None, device=None, pin_memory=None):
     return DeviceTensor(torch.empty_strided(size, stride, dtype=dtype))
+
+
+def _arange(start, end, step=1, dtype=None, layout=None, device=None, pin_memory=None):
+    return DeviceTensor(torch.arange(start, end, step, dtype=dtype))
 
 
 def _copy_from(src, dst, non_blocking=False):
