@@ -10,9 +10,10 @@ block's K and V lie:
   the pool (the rest of its extent is freed), until the pool needs the room;
 - in the host tier: runs the pool evicts move to host RAM while the tier's bytes allow (a CPU budget the plan
   leaves free), and come back by copy on a hit.
-A hit maps the leading blocks that kept runs hold in the pool into the new sequence's block table (vLLM's shared
-blocks: no copy; those runs are pinned while it runs) and copies the rest (blocks a running prefill holds, or the
-host tier's) into its own extent; its prefill starts after them, and its last prompt token is always computed, for
+A hit maps the leading blocks that kept runs hold in the pool or running sequences hold in their extents into the
+new sequence's block table (vLLM's shared blocks: no copy) and copies the rest (the host tier's) into its own
+extent. Mapped blocks are lent: a kept run is pinned while a table maps it, and a running sequence that lent blocks
+keeps them as a pinned kept run when it leaves, however it ended (they were computed before they were lent); its prefill starts after them, and its last prompt token is always computed, for
 its logits. Eviction from the pool goes by block: the least recently used kept run first (a run is a request's
 blocks), its deepest block first, never a pinned run (one a table maps or a hit copies from); the host tier drops
 whole runs, least recently used first.
@@ -115,7 +116,8 @@ class PrefixCache:
         self.free_rings = free_rings if free_rings is not None else []
         self.index: dict[bytes, tuple[object, int]] = {}  # name -> (a running Sequence or a Kept, block index)
         self._running: dict[int, list[bytes]] = {}  # id(sequence) -> the names it holds in the index
-        self._mapped: dict[int, list[Kept]] = {}  # id(sequence) -> the kept runs its table maps blocks of
+        self._mapped: dict[int, list] = {}  # id(sequence) -> the holders (Kept, Sequence) its table maps blocks of
+        self._lent: dict[int, list[int]] = {}  # id(running sequence) -> [tables mapping its blocks, blocks lent]
         self.kept: list[Kept] = []  # in the pool or the host tier
         for kept in carried:
             self.kept.append(kept)
@@ -186,14 +188,15 @@ class PrefixCache:
     def pin(self, hit: Hit, by: int) -> None:
         """Keep (by=1) or release (by=-1) the kept runs a hit copies from from eviction."""
         for holder in _holders(hit.blocks):
-            holder.pins += by
+            if isinstance(holder, Kept):
+                holder.pins += by
 
     def mappable(self, hit: Hit) -> int:
-        """How many of a hit's leading blocks a table can map where they are: those of kept runs in the pool (a
-        ring model's hits are copied: a ring the engine takes back may cut them)."""
+        """How many of a hit's leading blocks a table can map where they are: those of kept runs in the pool and of
+        running sequences (a ring model's hits are copied: a ring the engine takes back may cut them)."""
         if self.rings:
             return 0
-        return next((i for i, (h, _) in enumerate(hit.blocks) if not (isinstance(h, Kept) and h.base is not None)),
+        return next((i for i, (h, _) in enumerate(hit.blocks) if isinstance(h, Kept) and h.base is None),
                     len(hit.blocks))
 
     def alloc(self, n: int) -> int | None:
@@ -239,11 +242,20 @@ class PrefixCache:
             sample.shared = list(shared)
             self._mapped[id(sample)] = _holders(hit.blocks[:mapped])
             for holder in self._mapped[id(sample)]:
-                holder.pins += 1
+                self._lend(holder, 1, max(b + 1 for h, b in hit.blocks[:mapped] if h is holder))
         if self.rings and hit.blocks:
             self._copy_ring(hit.blocks[-1][0], hit.n_tokens, seq.ring)
         seq.n_cached = seq.n_prefix_hit = hit.n_tokens
         self.hits += hit.n_tokens
+
+    def _lend(self, holder, by: int, n_blocks: int = 0) -> None:
+        """One more (by=1) or one fewer (by=-1) table maps holder's blocks (a running sequence's: its first
+        n_blocks)."""
+        if isinstance(holder, Kept):
+            holder.pins += by
+            return
+        lent = self._lent.setdefault(id(holder), [0, 0])
+        lent[0], lent[1] = lent[0] + by, max(lent[1], n_blocks)
 
     def _copy(self, holder, block: int, n: int, dst: int) -> None:
         m = n * BLOCK_TOKENS
@@ -276,16 +288,19 @@ class PrefixCache:
         self._running[id(seq)] = mine
 
     def release(self, seq: Sequence, keep: bool) -> bool:
-        """seq left: unpin the kept runs its table maps; keep its own full blocks that no one else holds in the pool
-        (keep: it ended as it should; its tokens' K and V are all written) and free the rest of its own extent;
-        else free it all. Whether the kept run holds seq's ring (a ring model's: else the engine takes it back)."""
+        """seq left: give back the blocks its table maps; keep its own full blocks that no one else holds in the
+        pool (keep: it ended as it should; its tokens' K and V are all written; and those it lent, however it
+        ended) and free the rest of its own extent; else free it all. Whether the kept run holds seq's ring (a ring model's: else the engine takes it back)."""
         for holder in self._mapped.pop(id(seq), []):
-            holder.pins -= 1
+            self._lend(holder, -1)
+        n_maps, n_lent = self._lent.pop(id(seq), (0, 0))
         for name in self._running.pop(id(seq), []):
             if self.index.get(name, (None,))[0] is seq:
                 del self.index[name]
         tokens, n_shared = seq.prompt_ids + seq.output_ids, len(seq.shared)
         n_full = (seq.n_tokens - 1) // BLOCK_TOKENS if keep and seq.prefilled else 0
+        if n_maps:  # the blocks it lent stay, pinned, whatever else does
+            n_full = max(n_full, n_lent)
         names = list(block_names(tokens, n_full))
         first = next((i for i, name in enumerate(names) if name not in self.index), n_full)
         if first >= n_full or n_full <= n_shared:
@@ -299,6 +314,10 @@ class PrefixCache:
         for i, name in enumerate(kept.names):
             self.index.setdefault(name, (kept, first + i))
         self.kept.append(kept)
+        if n_maps:  # the tables that map its blocks now map the kept run's
+            kept.pins += n_maps
+            for holders in self._mapped.values():
+                holders[:] = [kept if h is seq else h for h in holders]
         if first > n_shared:
             self.pool.release(seq.base, own(first) - seq.base)
         if seq.own_slots > own(n_full) - seq.base:
@@ -362,6 +381,6 @@ def _slot_of(holder, block: int) -> int:
     return holder.base + (block - len(holder.shared)) * BLOCK_TOKENS
 
 
-def _holders(blocks: list[tuple[object, int]]) -> list[Kept]:
-    """The kept runs among blocks' holders, each once."""
-    return list({id(h): h for h, _ in blocks if isinstance(h, Kept)}.values())
+def _holders(blocks: list[tuple[object, int]]) -> list:
+    """blocks' holders (kept runs and running sequences), each once."""
+    return list({id(h): h for h, _ in blocks}.values())

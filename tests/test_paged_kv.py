@@ -166,3 +166,32 @@ def test_samples_of_a_request_share_the_mapped_blocks(llm):
     got = _run(engine, 1, prompt + [7, 8], n=3)
     assert [len(s.shared) for s in got.samples] == [3, 3, 3] and len({tuple(s.shared) for s in got.samples}) == 1
     assert [s.output_ids for s in got.samples] == want
+
+
+@pytest.mark.parametrize("holder_ends", ["finishes", "is aborted"])
+def test_requests_waiting_on_a_prefill_map_its_blocks_and_keep_them_when_it_leaves(llm, holder_ends):
+    """Requests whose prefix another is prefilling wait, then map its blocks while it still runs (no copy); when it
+    leaves (finished, or aborted while they run) the blocks it lent stay as a pinned kept run until they leave."""
+    ids = lambda n, seed: torch.randint(1, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()  # noqa: E731
+    shared = ids(3 * KV_BLOCK + 4, 30)
+    prompts = [shared + ids(40, 31)] + [shared + ids(3, 32 + i) for i in range(2)]
+    plain = _engine(llm.model, on=False)
+    want = [_run(plain, i, p).output_ids for i, p in enumerate(prompts)]
+    engine = _engine(llm.model, on=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    holder, *waiters = [engine.add(i, p, greedy) for i, p in enumerate(prompts)]
+    for _ in range(20):  # the holder's prefill takes a few steps of 24 tokens
+        if all(w.shared for w in waiters) or not engine.has_work():
+            break
+        engine.step()
+    assert all(w.shared == holder.table(3) for w in waiters) and holder.n_cached >= 3 * KV_BLOCK
+    if holder_ends == "is aborted":
+        engine.abort(0)
+        engine.step()
+        lent = next(k for k in engine.prefix.kept if k.first == 0)
+        assert lent.pins == 2 and lent.base == holder.base and lent.names and engine.n_running == 2
+    while engine.has_work():
+        engine.step()
+    got = [s.output_ids for s in (holder, *waiters)]
+    assert got[1:] == want[1:] and (got[0] == want[0] if holder_ends == "finishes" else holder.finish_reason == "abort")
+    assert all(k.pins == 0 for k in engine.prefix.kept) and engine.pool.n_free + engine.prefix.pool_slots == engine.capacity
