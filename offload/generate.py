@@ -69,7 +69,7 @@ class Generator:
         # the engines' prefix cache (offload/prefix_cache.py): on, with a host tier of this many bytes, and the
         # host-tier runs the last run_to_end left for the next one
         self.prefix_caching, self.prefix_host_bytes, self.prefix_carried = True, 0, []
-        self.constraints = Constraints(tokenizer, model.spec.vocab_size, tuple(sorted(self.eos_ids)))
+        self.constraints = Constraints(tokenizer, model.spec.vocab_size, tuple(sorted(self.eos_ids)), self.context_len)
 
     def step(self, running: list[Sequence], cache, trash_slot: int) -> None:
         """One forward pass over the weights: schedule the running sequences, run the step (structured outputs'

@@ -15,6 +15,13 @@ that samples needs one mask (its grammar's state now); one that verifies k propo
 token and after each proposal): the worker advances its matcher through the proposals and rolls it back. The
 sampler masks the rows (offload/sampling.py's `allowed`), and the token taken advances the matcher; the model's
 stop tokens are allowed only where the grammar may end, and taking one ends the grammar and the sequence.
+
+An answer running out of room is closed, not cut: from CLOSE_WITHIN tokens before its max_tokens (or the context's
+end), each step plans the shortest way the grammar allows to finish from where the answer is (its forced text, and
+of a JSON document the closing quotes and brackets, empty values and the required keys left), and once that plan
+needs all but CLOSE_MARGIN of the tokens left, the step's mask allows only the plan's next token. A JSON answer that
+a small model keeps extending (a string it repeats) so ends as a valid document with finish_reason "stop" instead of
+"length". Where no plan fits (a grammar whose shortest end is further than the room left), nothing is forced.
 """
 
 from __future__ import annotations
@@ -35,15 +42,23 @@ from offload.structured import FIELD, StructuredOutputsParams, to_grammar
 # 220 KB (a nested schema) each with the default model's vocabulary
 COMPILED_KEPT = 64
 COMPILE_THREADS = 1  # the compile runs beside the engine's steps (a server prepares requests while it steps)
+CLOSE_WITHIN = 64  # tokens left from which each step plans an answer's closing
+CLOSE_MARGIN = 2  # the plan is followed once it needs all but this many of the tokens left
+# a plan's token choices where the grammar leaves a choice: in a JSON string, close it (and what holds it); outside
+# one, close what is open, else the shortest value (an empty string, a zero, false, null), else the separators a
+# required key needs; where none of these is allowed, the longest token the grammar allows (forced names, patterns)
+CLOSERS_IN_STRING = (b'"}', b'"]', b'"')
+CLOSERS = (b"}", b"]", b'""', b'"', b"0", b"false", b"null", b",", b":")
 
 
 class Constraints:
     """The structured outputs of one generator: compiled constraints, the matchers of its sequences (seq.grammar)
     and each step's masks. Nothing is imported or built until a constraint is first compiled."""
 
-    def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...]):
-        self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, eos_ids
+    def __init__(self, tokenizer, vocab_size: int, eos_ids: tuple[int, ...], context_len: int | None = None):
+        self.tokenizer, self.vocab_size, self.eos_ids, self.context_len = tokenizer, vocab_size, eos_ids, context_len
         self._compiler = None
+        self._closing: _Closing | None = None
         self._compiled: OrderedDict[str, object] = OrderedDict()
         self._lock = threading.Lock()  # a server compiles requests in its preparing thread while the engine steps
         self._worker: ThreadPoolExecutor | None = None
@@ -81,6 +96,7 @@ class Constraints:
                                     f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); drop the constraint",
                                     FIELD) from None
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=COMPILE_THREADS, cache_enabled=False)
+            self._closing = _Closing(info.decoded_vocab, self.vocab_size, self.eos_ids[0])
         return self._compiler
 
     def matcher(self, seq: Sequence):
@@ -143,6 +159,10 @@ class Constraints:
         for seq, proposal in jobs:
             bits = np.empty((len(proposal) + 1, words), dtype=np.int32)
             seq.grammar.fill_next_token_bitmask(bits, 0)
+            forced = self._closing.token(seq, self._room(seq))
+            if forced is not None:  # the answer must close now to fit: only the plan's next token
+                bits[0] = 0
+                bits[0, forced // 32] = np.int32(np.uint32(1 << (forced % 32)).view(np.int32))
             for i, token in enumerate(proposal, 1):  # cut made sure the grammar accepts each
                 seq.grammar.accept_token(token)
                 seq.grammar.fill_next_token_bitmask(bits, i)
@@ -150,6 +170,68 @@ class Constraints:
                 seq.grammar.rollback(len(proposal))
             out[id(seq)] = unpack_mask(bits if bits[0].any() else bits[:0], self.vocab_size)
         return out
+
+
+    def _room(self, seq: Sequence) -> int:
+        """Tokens seq may still generate, this step's included."""
+        left = seq.params.max_tokens - len(seq.output_ids)
+        return left if self.context_len is None else min(left, self.context_len - seq.n_tokens)
+
+
+class _Closing:
+    """The shortest way a matcher's grammar allows an answer to finish, as CLOSERS choose it, over a vocabulary's
+    decoded tokens (bytes)."""
+
+    def __init__(self, decoded_vocab: list[bytes], vocab_size: int, eos: int):
+        self.vocab, self.vocab_size, self.eos = list(decoded_vocab)[:vocab_size], vocab_size, eos
+        ids = {text: i for i, text in reversed(list(enumerate(self.vocab)))}  # a text's first id
+        self.in_string = [ids[t] for t in CLOSERS_IN_STRING if t in ids]
+        self.outside = [ids[t] for t in CLOSERS if t in ids]
+        self.lengths = np.array([len(t) for t in self.vocab], dtype=np.int64)
+        self.lengths[eos] = -1  # the stop token ends a plan only where the grammar is complete
+
+    def token(self, seq: Sequence, room: int) -> int | None:
+        """The next token of seq's closing plan where the plan needs (nearly) all of room, else None."""
+        if room > CLOSE_WITHIN or room < 1:
+            return None
+        plan = self.plan(seq.grammar, b"".join(self.vocab[t] for t in seq.output_ids), room)
+        return plan[0] if plan is not None and len(plan) + CLOSE_MARGIN >= room else None
+
+    def plan(self, matcher, text: bytes, limit: int) -> list[int] | None:
+        """Tokens from matcher's state (after text) to the grammar's end, its stop token last; None beyond limit."""
+        m, plan = matcher.fork(), []
+        bits = np.empty((1, (self.vocab_size + 31) // 32), dtype=np.int32)
+        while len(plan) < limit:
+            if m.is_completed():
+                return plan + [self.eos]
+            for t in m.find_jump_forward_tokens() or [self._choose(m, bits, _inside_string(text))]:
+                if t is None or not m.accept_token(t):
+                    return None
+                plan.append(t)
+                text += self.vocab[t]
+        return None
+
+    def _choose(self, m, bits: np.ndarray, inside: bool) -> int | None:
+        m.fill_next_token_bitmask(bits, 0)
+        allowed = unpack_mask(bits, self.vocab_size)[0].numpy()
+        for t in self.in_string if inside else self.outside:
+            if allowed[t]:
+                return t
+        ids = np.flatnonzero(allowed)
+        return int(ids[np.argmax(self.lengths[ids])]) if len(ids) else None
+
+
+def _inside_string(text: bytes) -> bool:
+    """Whether JSON text ends inside a string (an odd count of unescaped quotes)."""
+    inside = escaped = False
+    for c in text:
+        if escaped:
+            escaped = False
+        elif inside and c == 0x5C:  # a backslash
+            escaped = True
+        elif c == 0x22:  # a quote
+            inside = not inside
+    return inside
 
 
 def unpack_mask(bits: np.ndarray, vocab_size: int) -> torch.Tensor:

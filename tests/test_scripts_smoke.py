@@ -41,6 +41,7 @@ SMOKE = {
     "bench_spec.py": r"identical \d+, parting at a near-tie \(top-2 gap < [\d.]+\) \d+, parting at a larger gap 0",
     "bench_structured.py": r"batch \d+: constrained / unconstrained throughput [\d.]+x",
     "bench_triton_dequant.py": r"nothing to measure here|speedup +[\d.]+x",
+    "check_schemas.py": r"temperature 0.0: \d+ of 6 answers parse and validate",
     "hostile_check.py": r"\d+ of \d+ hostile inputs clean: [\d.]+% \(target 95%\)",
     "install_stamp.py": r"3 of 3 checks as expected",
     "lm_eval_compare.py": r"hf \(transformers fp32\): acc [\d.]+|lm-eval is not installed",

@@ -234,3 +234,27 @@ def test_a_batch_line_with_response_format(tmp_path, model_dir, llm):
     assert records["object"]["response"]["body"]["choices"][0]["text"].startswith("{")
     error = records["bad"]["error"]["message"]
     assert records["bad"]["response"] is None and "response_format" in error and "'yaml'" in error, error
+
+
+UNBOUNDED = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
+    "type": "string"}}, "n": {"type": "integer", "minimum": 10}}, "required": ["name", "tags", "n"]}
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_an_answer_running_out_of_room_is_closed_not_cut(llm, monkeypatch, temperature):
+    """Strings without a maxLength, 30 tokens of room: the random model would run on past max_tokens ('length', as
+    with closing switched off); closed by the grammar's shortest end, every answer validates and says 'stop'."""
+    import offload.grammar as grammar
+
+    for out in texts(llm, {"json": UNBOUNDED}, max_tokens=30, temperature=temperature):
+        assert out.finish_reason == "stop" and len(out.token_ids) <= 30, out.text
+        jsonschema.validate(json.loads(out.text), UNBOUNDED)
+    monkeypatch.setattr(grammar, "CLOSE_WITHIN", 0)
+    assert {c.finish_reason for c in texts(llm, {"json": UNBOUNDED}, max_tokens=30, temperature=temperature)} == \
+        {"length"}
+
+
+def test_a_grammar_that_cannot_close_in_time_is_left_to_its_length(llm):
+    """Thirty digits asked for, eight tokens of room: no plan fits, nothing is forced, the answer ends 'length'."""
+    for out in texts(llm, {"regex": "[0-9]{30}"}, max_tokens=8, temperature=0.0):
+        assert out.finish_reason == "length" and re.fullmatch("[0-9]{8,}", out.text), out.text
