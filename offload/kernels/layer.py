@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offload import attention_sizes
 from offload.attention_sizes import KV_BLOCK
 from offload.errors import KernelError
 from offload.formats import FUSED_COMPUTE, torch_dtype
@@ -39,8 +40,10 @@ def runs_math_of(spec) -> bool:
     rope's attention_factor (YaRN, LongRoPE: it is in the step's cos and sin); Gemma 2/3's norms after attention and
     the MLP, GELU-tanh, score scale and soft-cap, per-layer windows and the sliding layers' rope; OLMo 2's norms only
     after attention and the MLP and q/k norms over all heads; gpt-oss's sinks (one more logit per head in the
-    softmax's denominator) and its experts' biases and clamped SwiGLU. Layers whose cache is a ring (spec.kv_ring:
-    Gemma's and gpt-oss's sliding layers past their window's ring) run the reference block math (kv_view)."""
+    softmax's denominator) and its experts' biases and clamped SwiGLU. A layer whose cache is a ring (spec.kv_ring:
+    Gemma's and gpt-oss's sliding layers) reads it through a block table that wraps (ring_table), in steps of at
+    most RING_SLACK + 1 new tokens a sequence (ring_fits: a longer chunk would overwrite keys its first queries
+    see before they attend; it runs the reference block math, which attends in slices)."""
     moe_act = "silu" if spec.moe is None else spec.moe.activation
     return spec.family.activation in GATE_ACTS and moe_act in GATE_ACTS
 
@@ -87,13 +90,19 @@ class KVView:
     k_ptr: int
     v_ptr: int
     bf16: bool = False  # K and V held as bf16
+    ring: int | None = None  # a ring layer's: its slots per sequence (keys found through ring tables)
+
+    @property
+    def key(self) -> tuple:
+        """What a step table for this cache depends on."""
+        return self.n_rows, self.n_slots, self.ring
 
 
 @dataclass(frozen=True)
 class StepTable:
     """One step's token table and fp32 cos/sin rows for caches of one shape: made once, read by every layer."""
 
-    key: tuple[int, int]  # (n_rows, n_slots) of the caches it serves
+    key: tuple  # KVView.key of the caches it serves
     tokens: torch.Tensor
     cos: torch.Tensor
     sin: torch.Tensor
@@ -191,26 +200,38 @@ def fused_experts_forward(experts: FusedExperts, x: torch.Tensor, path: str | No
 
 
 def kv_view(kv) -> KVView | None:
-    """The C++ view of a KV cache, or None unless it is fp32 or bf16 contiguous CPU memory (K and V alike) and
-    keeps every position (a ring's slots wrap, which the fused layer's key ranges do not)."""
+    """The C++ view of a KV cache, or None unless it is fp32 or bf16 contiguous CPU memory (K and V alike)."""
     k, v = kv.k, kv.v
-    if getattr(kv, "ring", None) is not None or not FUSABLE or k.dtype != v.dtype or k.dtype not in ACTIVATIONS or \
-            k.device.type != "cpu" or not (k.is_contiguous() and v.is_contiguous()):
+    if not FUSABLE or k.dtype != v.dtype or k.dtype not in ACTIVATIONS or k.device.type != "cpu" or \
+            not (k.is_contiguous() and v.is_contiguous()):
         return None
-    return KVView(kv, k.shape[0], k.shape[1], k.data_ptr(), v.data_ptr(), k.dtype is _BF16)
+    return KVView(kv, k.shape[0], k.shape[1], k.data_ptr(), v.data_ptr(), k.dtype is _BF16, getattr(kv, "ring", None))
+
+
+def ring_chunk() -> int:
+    """New tokens a sequence a ring layer's fused call takes at most (attention_sizes.RING_SLACK read now: the rings
+    were made with it): every key is written before attention, and none that a query of the call still sees may be
+    overwritten."""
+    return attention_sizes.RING_SLACK + 1
+
+
+def ring_fits(step) -> bool:
+    """Whether a ring layer's fused call can take this step (at most ring_chunk() new tokens a sequence)."""
+    groups = step.groups if step.groups is not None else (step,)
+    return all(g.positions.shape[1] <= ring_chunk() for g in groups)
 
 
 def step_table(spec, step, view: KVView) -> StepTable:
     """The token table and cos/sin rows of a step for caches shaped like view (a model whose layers differ in
     window: each layer's handle cuts its keys; whose sliding layers turn by a rope of their own: both tables)."""
     window = None if spec.variant.layer_windows else spec.sliding_window
-    tokens, blocks = token_table(step, view.n_rows, view.n_slots, window)
+    tokens, blocks = token_table(step, view.n_rows, view.n_slots, window) if view.ring is None else \
+        ring_token_table(step, view.n_rows, view.n_slots, view.ring)
     dh = spec.rotary_dim  # the dimensions rope turns: the whole head, or its first part
     if spec.variant.local_rope is None:
-        return StepTable((view.n_rows, view.n_slots), tokens, _rows_f32(step.cos, dh), _rows_f32(step.sin, dh),
-                         blocks=blocks)
+        return StepTable(view.key, tokens, _rows_f32(step.cos, dh), _rows_f32(step.sin, dh), blocks=blocks)
     cos, sin = (t.reshape(-1, 2 * dh).to("cpu", _F32) for t in (step.cos, step.sin))
-    return StepTable((view.n_rows, view.n_slots), tokens, cos[:, :dh].contiguous(), sin[:, :dh].contiguous(),
+    return StepTable(view.key, tokens, cos[:, :dh].contiguous(), sin[:, :dh].contiguous(),
                      cos[:, dh:].contiguous(), sin[:, dh:].contiguous(), blocks)
 
 
@@ -224,10 +245,12 @@ def fused_layer_forward(spec, w, x: torch.Tensor, step, kv, path: str | None = N
     return fused_layers_forward([layer], x, step_table(spec, step, view), [view], path=path)
 
 
-def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views: list,
+def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable | list, views: list,
                          ends: list[float] | None = None, path: str | None = None) -> torch.Tensor:
     """Consecutive fused units with their caches: x [B, S, D] fp32 or bf16 -> [B, S, D] in x's format (each unit
-    widens its input to fp32 and rounds its output back); appends K, V to each cache (fp32 or bf16).
+    widens its input to fp32 and rounds its output back); appends K, V to each cache (fp32 or bf16). table: the
+    step's table for every layer's cache, or one per unit (None for experts) where the caches differ (a model whose
+    sliding layers keep rings).
 
     layers: FusedLayer (dense layers, or a MoE layer's attention part, which hands over [B, S, 2D]) and
     FusedExperts (its routed experts, or a split-off MLP, taking that hand-over), with views[j] the KV cache of a
@@ -241,14 +264,8 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views:
     if not layers:
         return x
     b, s, width = x.shape
-    if table.tokens.shape[0] != b * s:
-        raise KernelError(f"fused layer: hidden states [{b}, {s}, {width}] do not match the step's token table of "
-                          f"{table.tokens.shape[0]} tokens; build the table for this step")
     kinds = [isinstance(u, FusedExperts) for u in layers]
-    if any((v is None) != e or (v is not None and (v.n_rows, v.n_slots) != table.key) for v, e in zip(views, kinds)):
-        raise KernelError(f"fused layers: KV caches of shapes {[list(v.kv.k.shape) for v in views if v]} do not "
-                          f"match the step table's {list(table.key)}, or a layer has none; make every layer's cache "
-                          f"with the same batch and max_len")
+    tables = _unit_tables(table, views, kinds, b * s, width)
     d = width // 2 if kinds[0] else width
     wide = [not e and u.moe for u, e in zip(layers, kinds)]  # the units that hand over [.., 2D]
     if [False] + wide[:-1] != [kinds[0]] + kinds[1:] or (kinds[0] and width != 2 * d):
@@ -268,15 +285,29 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable, views:
                                                target.data_ptr(), bf16)))
         else:
             calls.append((_C.layer_forward, (unit.view, path_id, n_threads, n_tokens, out.data_ptr(),
-                                             target.data_ptr(), *_rope_ptrs(table, unit.local),
-                                             table.tokens.data_ptr(), table.blocks_ptr, view.k_ptr, view.v_ptr, bf16,
-                                             int(view.bf16))))
+                                             target.data_ptr(), *_rope_ptrs(tables[j], unit.local),
+                                             tables[j].tokens.data_ptr(), tables[j].blocks_ptr, view.k_ptr,
+                                             view.v_ptr, bf16, int(view.bf16))))
         out = target
     for call, args in calls:
         call(*args)
         if ends is not None:
             ends.append(time.perf_counter())
     return out
+
+
+def _unit_tables(table, views: list, kinds: list[bool], n_tokens: int, width: int) -> list:
+    """Each unit's step table (None for experts), checked against its cache and the step's tokens."""
+    tables = table if isinstance(table, list) else [None if e else table for e in kinds]
+    for t, v, e in zip(tables, views, kinds):
+        if (v is None) != e or (v is not None and (t is None or v.key != t.key)):
+            raise KernelError(f"fused layers: KV caches of shapes {[list(u.kv.k.shape) for u in views if u]} do not "
+                              f"match their step tables, or a layer has none; build each layer's table from its "
+                              f"cache's view")
+        if t is not None and t.tokens.shape[0] != n_tokens:
+            raise KernelError(f"fused layer: {n_tokens} tokens of width {width} do not match the step's token table "
+                              f"of {t.tokens.shape[0]} tokens; build the table for this step")
+    return tables
 
 
 def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, path: str | None = None,
@@ -351,6 +382,24 @@ def _group_tokens(step, n_rows: int, n_slots: int, sliding_window: int | None, b
             out.append((row * n_slots + slot, first, 0 if sliding_window is None else max(pos - sliding_window + 1, 0),
                         pos))
     return out
+
+
+def ring_token_table(step, n_rows: int, n_slots: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """token_table's rows and block tables for a ring layer's cache of ring slots a sequence: a token writes at its
+    ring slot and sees keys 0.. its position (the layer's window cuts them in C++), found through a table whose
+    blocks wrap around the sequence's ring (key j at first + j % ring, as offload.model.attention.ring_table)."""
+    groups = step.groups if step.groups is not None else (step,)
+    tokens, blocks = [], []
+    for g in groups:
+        rings = g.rings[ring]
+        positions, writes, first = g.positions.tolist(), rings.writes.tolist(), rings.first.tolist()
+        rows = list(range(len(positions))) if g.rows is None else g.rows.tolist()
+        for row, start, row_positions, row_writes in zip(rows, first, positions, writes):
+            at, base = len(blocks), row * n_slots + start
+            blocks += [base + (KV_BLOCK * j) % ring for j in range(max(row_positions) // KV_BLOCK + 1)]
+            for pos, slot in zip(row_positions, row_writes):
+                tokens.append((-1, at, 0, 0) if slot < 0 else (row * n_slots + slot, at, 0, pos))
+    return torch.tensor(tokens, dtype=torch.long).view(-1, 4), torch.tensor(blocks, dtype=torch.long)
 
 
 def _rows_f32(t: torch.Tensor, dh: int) -> torch.Tensor:

@@ -37,10 +37,11 @@ class UnitRunner:
         """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one (a
         MoE model's layers and experts units alternate: one by one, each through its own C++ call where it can)."""
         layers = [self.store.fused_layers.get(n) for n in names]
-        views = self._fused_views(kvs, x) if self.fuse and all(layers) and any(kv is not None for kv in kvs) else None
+        views = self._fused_views(kvs, x, step) if self.fuse and all(layers) and any(kv is not None for kv in kvs) \
+            else None
         if views is not None and len(self._chunks(x, step)) == 1:  # every unit one C++ call, back to back
-            table = self._step_table(step, next(v for v in views if v is not None), steps)
-            return fused.fused_layers_forward(layers, x, table, views, ends)
+            tables = [None if v is None else self._step_table(step, v, steps) for v in views]
+            return fused.fused_layers_forward(layers, x, tables, views, ends)
         for name, kv in zip(names, kvs):
             w = self.store.host_weights[name]
             x = self._layer(x, name, w, step, kv, steps, False) if kv is not None else \
@@ -48,10 +49,11 @@ class UnitRunner:
             ends.append(Timeline.now())
         return x
 
-    def _fused_views(self, kvs: list[LayerKV | None], x) -> list | None:
+    def _fused_views(self, kvs: list[LayerKV | None], x, step: Step) -> list | None:
         """The fused layer's views of these caches (None for a unit without one: experts, a split-off MLP), or None
-        where the activations or a cache do not suit it."""
-        if x.dtype not in fused.ACTIVATIONS:
+        where the activations or a cache do not suit it (a ring's, a step with too many new tokens a sequence)."""
+        if x.dtype not in fused.ACTIVATIONS or \
+                (any(getattr(kv, "ring", None) is not None for kv in kvs) and not fused.ring_fits(step)):
             return None
         views = [self._kv_views.get(id(kv)) for kv in kvs]
         views = [v if v is not None and v.kv is kv else fused.kv_view(kv) if kv is not None else None
@@ -59,12 +61,12 @@ class UnitRunner:
         return views if all(v is not None for v, kv in zip(views, kvs) if kv is not None) else None
 
     def _step_table(self, step: Step, view, steps: dict):
-        """The fused layer's table of this step (made once per step and chunk, shared by every fused layer)."""
-        key = ("fused_table", id(step))
-        table = steps.get(key)
-        if table is None or table.key != (view.n_rows, view.n_slots):
-            table = steps[key] = fused.step_table(self.spec, step, view)
-        return table
+        """The fused layer's table of this step for caches like view (made once per step, chunk and cache shape,
+        shared by every fused layer of that shape)."""
+        key = ("fused_table", id(step), view.key)
+        if key not in steps:
+            steps[key] = fused.step_table(self.spec, step, view)
+        return steps[key]
 
     def compute_cpu(self, x, name: str, w, step: Step, cache, steps: dict, ends: list[float]):
         y = self.compute(x, name, w, step, cache, steps, False)
@@ -82,14 +84,14 @@ class UnitRunner:
             return unit_forward(self.spec, kind, w, x, None, None, self.dtype)
         return self._layer(x, name, w, step, cache[index], steps, on_device)
 
-    def _chunks(self, x, step: Step) -> list[tuple[int, int]]:
+    def _chunks(self, x, step: Step, cap: int | None = None) -> list[tuple[int, int]]:
         """Token ranges a layer computes at once: at most the planned chunk of tokens (a ragged step's flat
-        tokens; a plain step's prefill in columns of chunk / rows)."""
+        tokens; a plain step's prefill in columns of chunk / rows), and at most cap (a fused ring layer's)."""
         b, s = x.shape[0], x.shape[1]
         if step.groups is not None:
-            width = max(1, self.prefill_chunk_tokens)
+            width = max(1, min(self.prefill_chunk_tokens, cap or self.prefill_chunk_tokens))
         else:
-            width = max(1, self.prefill_chunk_tokens // max(b, 1))
+            width = max(1, min(self.prefill_chunk_tokens // max(b, 1), cap or self.prefill_chunk_tokens))
             if step.phase != "prefill":
                 return [(0, s)]
         if s <= width:
@@ -97,8 +99,10 @@ class UnitRunner:
         return [(a, min(a + width, s)) for a in range(0, s, width)]
 
     def _layer(self, x, name: str, w, step: Step, kv: LayerKV, steps: dict, on_device: bool):
-        """One layer over a pass, chunk by chunk (each chunk's keys include the chunks before it)."""
-        chunks = self._chunks(x, step)
+        """One layer over a pass, chunk by chunk (each chunk's keys include the chunks before it; a CPU layer whose
+        cache is a ring, in chunks the fused layer takes)."""
+        ring = kv is not None and kv.ring is not None and self.fuse and not on_device
+        chunks = self._chunks(x, step, fused.ring_chunk() if ring else None)
         if len(chunks) == 1:
             return self._layer_chunk(x, name, w, self._step_on(step, on_device, steps), kv, steps, on_device)
         parts = []
@@ -124,7 +128,7 @@ class UnitRunner:
         attention, moe = None, self.spec.hands_over(index)
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
             handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)
-            views = self._fused_views([kv], x)
+            views = self._fused_views([kv], x, step)
             if handle is not None and views is not None:
                 return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
             if views is not None and fused.HAS_CACHED_ATTENTION:
@@ -132,7 +136,7 @@ class UnitRunner:
         elif on_device and self.fuse and fused.HAS_CACHED_ATTENTION and step._host is not None and \
                 kv.k.device.type == "cpu" and not self.spec.variant.layer_windows and w.sinks is None:
             # host_kv.py knows neither a layer's window nor sinks
-            views = self._fused_views([kv], x)
+            views = self._fused_views([kv], x, step)
             if views is not None:
                 attention = HostKVAttention(self.spec, self.backend, step, kv, views[0],
                                             lambda s, view: self._step_table(s, view, steps))
