@@ -1,12 +1,15 @@
 """Write GGUF files for benchmarks as llama.cpp's tools do: random Llama-shaped weights quantized by llama.cpp
 itself (llama-cpp-python), or a Hugging Face folder's weights as an F16 file (write_f16_from_hf: Llama, Mistral,
-Mixtral, Qwen2-MoE and Qwen3-MoE, named and laid out as convert_hf_to_gguf.py writes them).
+Mixtral, Qwen2-MoE, Qwen3-MoE, Qwen3 and Gemma 2, named and laid out as convert_hf_to_gguf.py writes them); with
+--family, a random model of that family at a ~0.6-0.7B shape with its real vocabulary's size (FAMILY_SHAPES) made
+as a Hugging Face folder, converted and quantized.
 
 The random weights are normal, scaled by 1/sqrt(in); the tokenizer and chat template are the default model's
 (SmolLM2's, read from its GGUF file), so real prompts tokenize. llama.cpp's own quantizer makes the file
 (`--type Q4_K_M`, `Q5_K_M`, `Q6_K`, `Q8_0`, `Q4_0`...), as users get it from llama-quantize.
 
   python scripts/make_gguf.py /tmp/llama-0.9b.Q4_K_M.gguf --type Q4_K_M
+  python scripts/make_gguf.py /tmp/qwen3-0.6b.Q4_0.gguf --type Q4_0 --family qwen3
   python scripts/make_gguf.py --smoke     # tiny F16 files in a temp folder (quantized too where llama.cpp is installed)
 """
 
@@ -29,6 +32,18 @@ SHAPES = {  # name: (hidden, intermediate, layers, heads, kv heads)
     "tiny": (64, 128, 2, 4, 2),  # the smoke modes' (K: two 32-weight blocks)
     "smol-2l": (576, 1536, 2, 9, 3),  # SmolLM2-135M's widths, 2 layers: rows not a multiple of 256 (Q4_K -> Q5_0)
 }
+# --family: transformers config class prefix and config. Qwen3: Qwen3-0.6B's shape (its model card's config.json);
+# Gemma 2: Gemma 2's vocabulary, heads of 256 with one KV head, windows of 4096 on alternate layers and its
+# soft-caps, at ~0.7B (gemma-2-2b's 26 layers of 2304 cut to 14 of 1152); both tie the embedding, as released
+FAMILY_SHAPES = {
+    "qwen3": ("Qwen3", dict(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                            num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                            rope_theta=1000000.0, max_position_embeddings=40960)),
+    "gemma2": ("Gemma2", dict(vocab_size=256000, hidden_size=1152, intermediate_size=6912, num_hidden_layers=14,
+                              num_attention_heads=4, num_key_value_heads=1, head_dim=256, query_pre_attn_scalar=256,
+                              sliding_window=4096, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                              tie_word_embeddings=True, max_position_embeddings=8192)),
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -47,12 +62,14 @@ def _default_tokenizer() -> tuple[list[str], list[str], str]:
 
 def _f16_writer(path: Path, name: str, hidden: int, inter: int, layers: int, heads: int, kv: int,
                 context: int = 4096, eps: float = 1e-5, rope_theta: float = 10000.0, arch: str = "llama",
-                head_dim: int | None = None, f32: bool = False):
+                head_dim: int | None = None, f32: bool = False, vocab: int | None = None):
     """A GGUFWriter for an F16 (or all-F32) file of llama.cpp architecture arch with its header and the default
-    model's tokenizer metadata (SmolLM2's vocabulary: the size the caller's embedding must have)."""
+    model's tokenizer metadata (SmolLM2's vocabulary: the size the caller's embedding must have, or vocab, padded
+    with unused tokens: a family's vocabulary size without its tokenizer)."""
     import gguf
 
     tokens, merges, chat_template = _default_tokenizer()
+    tokens = tokens + [f"<unused{i}>" for i in range((vocab or len(tokens)) - len(tokens))]
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(name)
     w.add_block_count(layers)
@@ -61,7 +78,7 @@ def _f16_writer(path: Path, name: str, hidden: int, inter: int, layers: int, hea
     w.add_feed_forward_length(inter)
     w.add_head_count(heads)
     w.add_head_count_kv(kv)
-    if head_dim and head_dim != hidden // heads:  # llama.cpp's default is hidden / heads (Qwen3 differs)
+    if head_dim and (head_dim != hidden // heads or arch != "llama"):  # llama.cpp's default is hidden / heads
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_layer_norm_rms_eps(eps)
@@ -128,7 +145,7 @@ def _permute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 # offload's architecture -> llama.cpp's (convert_hf_to_gguf.py writes Mistral and Mixtral as llama)
 GGUF_ARCHITECTURES = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2_moe": "qwen2moe",
-                      "qwen3_moe": "qwen3moe"}
+                      "qwen3_moe": "qwen3moe", "qwen3": "qwen3", "gemma2": "gemma2"}
 # whether llama.cpp's graph renormalises each token's top-k expert weights (hard-coded per architecture there:
 # src/models/llama.cpp, qwen2moe.cpp, qwen3moe.cpp; none of them reads expert_weights_norm)
 LLAMA_CPP_NORM_TOPK = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": True}
@@ -144,9 +161,13 @@ def _check_writable(spec, folder: Path) -> None:
         sys.exit(f"{folder}: attention or MLP biases are not written here; use llama.cpp's convert_hf_to_gguf.py")
     if spec.rope.type != "default":
         sys.exit(f"{folder}: rope scaling {spec.rope.type!r} is not written here; use convert_hf_to_gguf.py")
-    if spec.vocab_size != default_vocab_size():
+    if spec.vocab_size < default_vocab_size():
         sys.exit(f"{folder}: vocabulary of {spec.vocab_size} tokens; the GGUF written here borrows the default "
-                 f"model's tokenizer of {default_vocab_size()}, so pass a GGUF file of this model instead")
+                 f"model's tokenizer of {default_vocab_size()} (padded to larger ones), so pass a GGUF file of this "
+                 f"model instead")
+    if arch == "gemma2" and (spec.attn_scale != spec.head_dim ** -0.5 or not spec.tie_word_embeddings):
+        sys.exit(f"{folder}: llama.cpp's gemma2 scales scores by head_dim and ties the output to the embedding; set "
+                 f"query_pre_attn_scalar to head_dim and tie_word_embeddings in config.json")
     if spec.moe is None:
         return
     if spec.moe.dense_layers:
@@ -179,7 +200,8 @@ def _layer_tensors(spec, i: int, get, dtype):
     permuted, each MoE layer's experts stacked into [n_experts, out, in] tensors, routers and norms F32."""
     p, h = f"blk.{i}.", f"model.layers.{i}."
     permute = GGUF_ARCHITECTURES[spec.architecture] == "llama"
-    yield p + "attn_norm.weight", get(h + "input_layernorm.weight", np.float32)
+    gemma = spec.architecture == "gemma2"
+    yield p + "attn_norm.weight", _norm(spec, get(h + "input_layernorm.weight", np.float32))
     for x, heads in (("q", spec.n_heads), ("k", spec.n_kv_heads), ("v", 0)):
         w = get(f"{h}self_attn.{x}_proj.weight", dtype)
         yield f"{p}attn_{x}.weight", _permute_rope(w, heads) if permute and heads else w
@@ -189,7 +211,12 @@ def _layer_tensors(spec, i: int, get, dtype):
         for x in "qk":
             yield f"{p}attn_{x}_norm.weight", get(f"{h}self_attn.{x}_norm.weight", np.float32)
     yield p + "attn_output.weight", get(h + "self_attn.o_proj.weight", dtype)
-    yield p + "ffn_norm.weight", get(h + "post_attention_layernorm.weight", np.float32)
+    if gemma:  # its norms after attention and the MLP, and before the MLP
+        yield p + "post_attention_norm.weight", _norm(spec, get(h + "post_attention_layernorm.weight", np.float32))
+        yield p + "ffn_norm.weight", _norm(spec, get(h + "pre_feedforward_layernorm.weight", np.float32))
+        yield p + "post_ffw_norm.weight", _norm(spec, get(h + "post_feedforward_layernorm.weight", np.float32))
+    else:
+        yield p + "ffn_norm.weight", get(h + "post_attention_layernorm.weight", np.float32)
     if not spec.is_moe_layer(i):
         for x in ("gate", "up", "down"):
             yield f"{p}ffn_{x}.weight", get(f"{h}mlp.{x}_proj.weight", dtype)
@@ -202,6 +229,18 @@ def _layer_tensors(spec, i: int, get, dtype):
         yield p + "ffn_gate_inp_shexp.weight", get(h + "mlp.shared_expert_gate.weight", np.float32)
         for x in ("gate", "up", "down"):
             yield f"{p}ffn_{x}_shexp.weight", get(f"{h}mlp.shared_expert.{x}_proj.weight", dtype)
+
+
+def _norm(spec, w: np.ndarray) -> np.ndarray:
+    """A norm's weight as the converter writes it: Gemma's plus 1 (llama.cpp multiplies by the weight itself)."""
+    return w + np.float32(1) if spec.architecture == "gemma2" else w
+
+
+def _add_gemma2_keys(w, spec) -> None:
+    """Gemma2Model's keys: the window of its sliding layers and its soft-caps."""
+    w.add_sliding_window(next(x for x in spec.variant.layer_windows if x is not None))
+    w.add_attn_logit_softcapping(spec.variant.attn_softcap)
+    w.add_final_logit_softcapping(spec.variant.final_softcap)
 
 
 def _add_moe_keys(w, spec) -> None:
@@ -226,20 +265,43 @@ def write_f16_from_hf(path: Path, folder: Path, f32: bool = False) -> None:
     get, dtype = _safetensors_reader(folder), np.float32 if f32 else np.float16
     w = _f16_writer(path, folder.name, spec.hidden_size, spec.intermediate_size, spec.n_layers, spec.n_heads,
                     spec.n_kv_heads, spec.max_position_embeddings, spec.rms_norm_eps, spec.rope.theta,
-                    GGUF_ARCHITECTURES[spec.architecture], spec.head_dim, f32)
+                    GGUF_ARCHITECTURES[spec.architecture], spec.head_dim, f32, spec.vocab_size)
     if spec.moe is not None:
         _add_moe_keys(w, spec)
+    if spec.architecture == "gemma2":
+        _add_gemma2_keys(w, spec)
     w.add_tensor("token_embd.weight", get("model.embed_tokens.weight", dtype))
     for i in range(spec.n_layers):
         for name, array in _layer_tensors(spec, i, get, dtype):
             w.add_tensor(name, array)
-    w.add_tensor("output_norm.weight", get("model.norm.weight", np.float32))
-    w.add_tensor("output.weight", get("model.embed_tokens.weight" if spec.tie_word_embeddings else "lm_head.weight",
-                                      dtype))
+    w.add_tensor("output_norm.weight", _norm(spec, get("model.norm.weight", np.float32)))
+    if spec.architecture != "gemma2":  # llama.cpp's gemma2 reads the embedding as its output
+        w.add_tensor("output.weight", get("model.embed_tokens.weight" if spec.tie_word_embeddings else
+                                          "lm_head.weight", dtype))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def family_folder(folder: Path, family: str, smoke: bool = False) -> Path:
+    """A random model of a FAMILY_SHAPES family saved as a Hugging Face folder (bf16; smoke: 2 tiny layers, the
+    family's features kept, the default model's vocabulary size)."""
+    import torch
+    import transformers
+
+    prefix, config = FAMILY_SHAPES[family]
+    if smoke:
+        config = {**config, "vocab_size": default_vocab_size(), "hidden_size": 64, "intermediate_size": 128,
+                  "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                  **({"query_pre_attn_scalar": 16, "sliding_window": 8} if family == "gemma2" else {})}
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(getattr(transformers, f"{prefix}Config")(**config))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    model.to(torch.bfloat16).save_pretrained(folder, safe_serialization=True)
+    return folder
 
 
 def quantize(src: Path, dst: Path, kind: str, threads: int) -> None:
@@ -263,6 +325,9 @@ def smoke() -> int:
         files = [Path(tmp) / "random.f16.gguf", Path(tmp) / "converted.f16.gguf"]
         write_f16(files[0], "tiny")
         write_f16_from_hf(files[1], tiny(Path(tmp) / "hf", vocab=default_vocab_size()))
+        for family in FAMILY_SHAPES:
+            files.append(Path(tmp) / f"{family}.f16.gguf")
+            write_f16_from_hf(files[-1], family_folder(Path(tmp) / family, family, smoke=True))
         if importlib.util.find_spec("llama_cpp") is None:
             print("llama.cpp quantization skipped: llama-cpp-python is not installed (pip install llama-cpp-python)")
         else:
@@ -279,6 +344,7 @@ def main() -> None:
     ap.add_argument("out", type=Path, nargs="?")
     ap.add_argument("--type", default="Q4_K_M", help="llama.cpp file type: Q4_K_M, Q5_K_M, Q6_K, Q8_0, Q4_0, F16")
     ap.add_argument("--shape", default="0.9b", choices=sorted(SHAPES))
+    ap.add_argument("--family", choices=sorted(FAMILY_SHAPES), help="a random model of this family (its shape)")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--smoke", action="store_true", help="tiny files in a temp folder (seconds)")
     args = ap.parse_args()
@@ -286,14 +352,16 @@ def main() -> None:
         sys.exit(smoke())
     if args.out is None:
         ap.error("the output file is required (or --smoke)")
-    if args.type == "F16":
-        write_f16(args.out, args.shape)
-        return
     with tempfile.TemporaryDirectory(dir=args.out.parent) as tmp:
-        f16 = Path(tmp) / "f16.gguf"
-        write_f16(f16, args.shape)
-        quantize(f16, args.out, args.type, args.threads)
-    print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB, {args.type}, shape {args.shape})")
+        f16 = args.out if args.type == "F16" else Path(tmp) / "f16.gguf"
+        if args.family:
+            write_f16_from_hf(f16, family_folder(Path(tmp) / args.family, args.family))
+        else:
+            write_f16(f16, args.shape)
+        if args.type != "F16":
+            quantize(f16, args.out, args.type, args.threads)
+    print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB, {args.type}, "
+          f"{args.family or 'shape ' + args.shape})")
 
 
 if __name__ == "__main__":
