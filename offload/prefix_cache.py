@@ -186,7 +186,8 @@ class PrefixCache:
         return True
 
     def pin(self, hit: Hit, by: int) -> None:
-        """Keep (by=1) or release (by=-1) the kept runs a hit copies from from eviction."""
+        """Keep (by=1) or release (by=-1) the kept runs a hit takes blocks from from eviction (while the request is
+        admitted)."""
         for holder in _holders(hit.blocks):
             if isinstance(holder, Kept):
                 holder.pins += by
@@ -202,7 +203,7 @@ class PrefixCache:
     def alloc(self, n: int) -> int | None:
         """The pool's first slot of n free slots, evicting kept blocks while it has none: least recently used first,
         and of a run the deepest block first (vLLM's order: the head a system prompt or a few-shot prefix shares
-        with many prompts stays longest); a run a hit copies from is never touched."""
+        with many prompts stays longest); a pinned run (mapped by a table, or a hit's) is never touched."""
         while (base := self.pool.alloc(n)) is None:
             victims = [k for k in self.kept if k.base is not None and not k.pins]
             if not victims:
