@@ -1,6 +1,6 @@
-"""The KV pool: one cache row's token slots, handed out as contiguous extents (a sequence's extent is its block
-table: its first slot, `base`, and its length). The engine holds one for the model, a draft model's drafter one
-for the draft."""
+"""The KV pool: one cache row's token slots, handed out as contiguous extents (a sequence's own positions; its block
+table maps the prefix cache's shared blocks in front of them: offload.sequence.Sequence.table). The engine holds one
+for the model, a draft model's drafter one for the draft."""
 
 from __future__ import annotations
 
