@@ -183,7 +183,8 @@ class _Closing:
     decoded tokens (bytes)."""
 
     def __init__(self, decoded_vocab: list[bytes], vocab_size: int, eos: int):
-        self.vocab, self.vocab_size, self.eos = list(decoded_vocab)[:vocab_size], vocab_size, eos
+        vocab = list(decoded_vocab)[:vocab_size]
+        self.vocab, self.vocab_size, self.eos = vocab + [b""] * (vocab_size - len(vocab)), vocab_size, eos
         ids = {text: i for i, text in reversed(list(enumerate(self.vocab)))}  # a text's first id
         self.in_string = [ids[t] for t in CLOSERS_IN_STRING if t in ids]
         self.outside = [ids[t] for t in CLOSERS if t in ids]
