@@ -200,16 +200,16 @@ class _Closing:
 
     def plan(self, matcher, text: bytes, limit: int) -> list[int] | None:
         """Tokens from matcher's state (after text) to the grammar's end, its stop token last; None beyond limit."""
-        m, plan = matcher.fork(), []
+        m, plan, state = matcher.fork(), [], _string_state(text)
         bits = np.empty((1, (self.vocab_size + 31) // 32), dtype=np.int32)
         while len(plan) < limit:
             if m.is_completed():
                 return plan + [self.eos]
-            for t in m.find_jump_forward_tokens() or [self._choose(m, bits, _inside_string(text))]:
+            for t in m.find_jump_forward_tokens() or [self._choose(m, bits, state[0])]:
                 if t is None or not m.accept_token(t):
                     return None
                 plan.append(t)
-                text += self.vocab[t]
+                state = _string_state(self.vocab[t], state)
         return None
 
     def _choose(self, m, bits: np.ndarray, inside: bool) -> int | None:
@@ -222,9 +222,9 @@ class _Closing:
         return int(ids[np.argmax(self.lengths[ids])]) if len(ids) else None
 
 
-def _inside_string(text: bytes) -> bool:
-    """Whether JSON text ends inside a string (an odd count of unescaped quotes)."""
-    inside = escaped = False
+def _string_state(text: bytes, state: tuple[bool, bool] = (False, False)) -> tuple[bool, bool]:
+    """(inside a JSON string, after its backslash) once text follows state (an odd count of unescaped quotes: inside)."""
+    inside, escaped = state
     for c in text:
         if escaped:
             escaped = False
@@ -232,7 +232,7 @@ def _inside_string(text: bytes) -> bool:
             escaped = True
         elif c == 0x22:  # a quote
             inside = not inside
-    return inside
+    return inside, escaped
 
 
 def unpack_mask(bits: np.ndarray, vocab_size: int) -> torch.Tensor:

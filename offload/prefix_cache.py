@@ -233,7 +233,7 @@ class PrefixCache:
         for holder, block in hit.blocks:
             if isinstance(holder, Kept):
                 holder.last_used = now
-            if len(runs) and runs[-1][0] is holder and runs[-1][1] + runs[-1][2] == block:
+            if runs and runs[-1][0] is holder and runs[-1][1] + runs[-1][2] == block:
                 runs[-1][2] += 1
             elif block >= mapped:
                 runs.append([holder, block, 1])
