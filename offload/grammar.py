@@ -223,7 +223,8 @@ class _Closing:
 
 
 def _string_state(text: bytes, state: tuple[bool, bool] = (False, False)) -> tuple[bool, bool]:
-    """(inside a JSON string, after its backslash) once text follows state (an odd count of unescaped quotes: inside)."""
+    """(inside a JSON string, just after a backslash in it) once text follows state (inside: an odd count of
+    unescaped quotes)."""
     inside, escaped = state
     for c in text:
         if escaped:

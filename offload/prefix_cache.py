@@ -13,8 +13,8 @@ block's K and V lie:
 A hit maps the leading blocks that kept runs hold in the pool or running sequences hold in their extents into the
 new sequence's block table (vLLM's shared blocks: no copy) and copies the rest (the host tier's) into its own
 extent. Mapped blocks are lent: a kept run is pinned while a table maps it, and a running sequence that lent blocks
-keeps them as a pinned kept run when it leaves, however it ended (they were computed before they were lent); its prefill starts after them, and its last prompt token is always computed, for
-its logits. Eviction from the pool goes by block: the least recently used kept run first (a run is a request's
+keeps them as a pinned kept run when it leaves, however it ended (they were computed before they were lent). The
+new sequence's prefill starts after its hit, and its last prompt token is always computed, for its logits. Eviction from the pool goes by block: the least recently used kept run first (a run is a request's
 blocks), its deepest block first, never a pinned run (one a table maps or a hit copies from); the host tier drops
 whole runs, least recently used first.
 
@@ -291,7 +291,8 @@ class PrefixCache:
     def release(self, seq: Sequence, keep: bool) -> bool:
         """seq left: give back the blocks its table maps; keep its own full blocks that no one else holds in the
         pool (keep: it ended as it should; its tokens' K and V are all written; and those it lent, however it
-        ended) and free the rest of its own extent; else free it all. Whether the kept run holds seq's ring (a ring model's: else the engine takes it back)."""
+        ended) and free the rest of its own extent; else free it all. Whether the kept run holds seq's ring (a ring
+        model's: else the engine takes it back)."""
         for holder in self._mapped.pop(id(seq), []):
             self._lend(holder, -1)
         n_maps, n_lent = self._lent.pop(id(seq), (0, 0))
