@@ -14,7 +14,8 @@ A hit maps the leading blocks that kept runs hold in the pool or running sequenc
 new sequence's block table (vLLM's shared blocks: no copy) and copies the rest (the host tier's) into its own
 extent. Mapped blocks are lent: a kept run is pinned while a table maps it, and a running sequence that lent blocks
 keeps them as a pinned kept run when it leaves, however it ended (they were computed before they were lent). The
-new sequence's prefill starts after its hit, and its last prompt token is always computed, for its logits. Eviction from the pool goes by block: the least recently used kept run first (a run is a request's
+new sequence's prefill starts after its hit, and its last prompt token is always computed, for its logits.
+Eviction from the pool goes by block: the least recently used kept run first (a run is a request's
 blocks), its deepest block first, never a pinned run (one a table maps or a hit copies from); the host tier drops
 whole runs, least recently used first.
 

@@ -125,6 +125,10 @@ def _engine(model, on: bool) -> Engine:
     return Engine(g)
 
 
+def ids(n: int, seed: int) -> list[int]:
+    return torch.randint(1, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def _run(engine: Engine, rid, prompt, n: int = 1):
     seq = engine.add(rid, prompt, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True, n=n, seed=5))
     while engine.has_work():
@@ -135,7 +139,6 @@ def _run(engine: Engine, rid, prompt, n: int = 1):
 def test_a_hit_maps_a_kept_runs_blocks_into_the_table_and_pins_them(llm):
     """The second turn's table maps the first turn's kept blocks (no copy: its own extent starts after them); the
     run stays pinned while it runs though the pool then needs room, and the tokens are those without the cache."""
-    ids = lambda n, seed: torch.randint(1, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()  # noqa: E731
     shared = ids(4 * KV_BLOCK + 3, 1)
     prompts = [shared + ids(5, 2), shared + ids(7, 3)]
     plain = _engine(llm.model, on=False)
@@ -172,7 +175,6 @@ def test_samples_of_a_request_share_the_mapped_blocks(llm):
 def test_requests_waiting_on_a_prefill_map_its_blocks_and_keep_them_when_it_leaves(llm, holder_ends):
     """Requests whose prefix another is prefilling wait, then map its blocks while it still runs (no copy); when it
     leaves (finished, or aborted while they run) the blocks it lent stay as a pinned kept run until they leave."""
-    ids = lambda n, seed: torch.randint(1, 160, (n,), generator=torch.Generator().manual_seed(seed)).tolist()  # noqa: E731
     shared = ids(3 * KV_BLOCK + 4, 30)
     prompts = [shared + ids(40, 31)] + [shared + ids(3, 32 + i) for i in range(2)]
     plain = _engine(llm.model, on=False)
