@@ -13,6 +13,7 @@ from typing import Callable
 from pydantic import ValidationError
 
 
+from offload.attention_sizes import pool_tokens
 from offload.errors import ConfigError
 from offload.formats import compute_format, torch_dtype
 from offload.engine import run_to_end
@@ -176,7 +177,8 @@ class LLM:
         self.tokenizer = load_tokenizer(self.path)
         self.max_model_len = request.context_len(self.spec)
         self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_seqs, self.max_model_len,
-                                   placement.prefill_pass_tokens, kv_tokens=self.max_batch_size * self.max_model_len,
+                                   placement.prefill_pass_tokens,
+                                   kv_tokens=pool_tokens(self.max_batch_size, self.max_model_len),
                                    logits_rows=self.max_batch_size)
         self.generator.between_steps = self._probe_cpu_speed_if_due
         self._use_prefix_cache(prefix or PrefixCacheOptions())

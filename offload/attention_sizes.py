@@ -21,6 +21,17 @@ RING_BLOCK = 16
 KV_BLOCK = 16
 
 
+def kv_blocks(n_slots: int) -> int:
+    """Blocks of KV_BLOCK slots that hold n_slots slots."""
+    return -(-n_slots // KV_BLOCK)
+
+
+def pool_tokens(n_seqs: int, context_len: int) -> int:
+    """Slots of a pooled cache row for n_seqs sequences at the whole context: each writes all but its last token's
+    keys, in whole blocks, and one slot more takes the writes of padding (the engine's trash slot)."""
+    return n_seqs * KV_BLOCK * kv_blocks(context_len - 1) + 1
+
+
 def ring_slots(window: int) -> int:
     """Slots of a ring holding a sliding layer's keys of one sequence."""
     return -(-(window + RING_SLACK) // RING_BLOCK) * RING_BLOCK

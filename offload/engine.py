@@ -2,16 +2,16 @@
 
 An Engine holds a KV pool for its life and two queues of requests waiting for slots: interactive ones, and
 background ones (a server's batches) admitted only while no interactive one waits. Each `step()` drops the
-requests aborted since the last one, admits waiting ones first come first served while their extents fit, and
+requests aborted since the last one, admits waiting ones first come first served while their KV blocks fit, and
 runs one mixed step of the generator (offload/generate.py) over every request in flight: one pass over the
 weights serves them all. `add` and `abort` may be called from other threads while a step runs (a server's
 event loop); the steps themselves run in one thread at a time. `run_to_end` is this loop over a fixed list.
 The engine calls the generator; the generator knows nothing of engines.
 
 A request with n > 1 samples is a group of n sequences admitted together: the first prefills the prompt, the
-others wait, and in the step where the prompt is in the cache they copy its K and V into their own extents and
+others wait, and in the step where the prompt is in the cache they copy its K and V into their own blocks and
 sample their first token from the same logits (the prompt's prefill is computed once). The group leaves the
-engine when its last sample ends; each sample's extent is freed as it ends.
+engine when its last sample ends; each sample's blocks are freed as it ends.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from offload.attention_sizes import KV_BLOCK
+from offload.attention_sizes import KV_BLOCK, kv_blocks
 from offload.errors import ConfigError, QueueFull, SamplingError
 from offload.generate import Generator
 from offload.kv_pool import KVPool
@@ -55,12 +55,12 @@ def run_to_end(generator: Generator, seqs: list[Sequence],
         _check_named(generator, seq)
     if not seqs:
         return
-    # the pool, with its trash slot within kv_tokens; the longest request always fits
-    extents = [(kv_extent(s, generator.context_len), s.params.n) for s in seqs]  # n samples: n extents
+    # the pool's blocks, with its trash slot within kv_tokens; the longest request always fits
+    extents = [(kv_blocks(kv_extent(s, generator.context_len)), s.params.n) for s in seqs]  # n samples: n each
     largest = sorted((e for e, n in extents for _ in range(n)), reverse=True)
     whole = max(e * n for e, n in extents)  # one request's samples are admitted together
-    engine = Engine(generator, kv_slots=max(min(generator.kv_tokens - 1, sum(largest[: generator.max_batch_size])),
-                                            whole))
+    n_blocks = max(min((generator.kv_tokens - 1) // KV_BLOCK, sum(largest[: generator.max_batch_size])), whole)
+    engine = Engine(generator, kv_slots=KV_BLOCK * n_blocks)
     # with the prefix cache, prompts that begin alike run close together (sorted by their tokens), so their shared
     # blocks are still cached when the next one starts
     for seq in sorted(seqs, key=lambda s: s.prompt_ids) if engine.prefix is not None else seqs:
@@ -96,13 +96,16 @@ class Engine:
 
     def __init__(self, generator: Generator, *, max_waiting: int | None = None, kv_slots: int | None = None):
         """max_waiting: requests that may wait for a slot at once (None:
-        no bound); kv_slots: the pool's slots (None: the generator's kv_tokens, its plan's batch at the whole
-        context, less the trash slot; never fewer than one sequence of the whole context needs)."""
+        no bound); kv_slots: the pool's slots, rounded up to whole blocks (None: the generator's kv_tokens, its
+        plan's batch at the whole context, less the trash slot, in whole blocks; never fewer than one sequence of
+        the whole context needs)."""
         if max_waiting is not None and max_waiting < 1:
             raise ConfigError(f"max_waiting must be 1 or more (None for no bound), got {max_waiting}")
         self.generator = generator
         self.max_waiting = max_waiting
-        self.capacity = kv_slots or max(generator.kv_tokens - 1, generator.context_len - 1)
+        n_blocks = kv_blocks(kv_slots) if kv_slots else \
+            max((generator.kv_tokens - 1) // KV_BLOCK, kv_blocks(generator.context_len - 1))
+        self.capacity = KV_BLOCK * n_blocks
         self.pool = KVPool(self.capacity)
         # slot `capacity` takes the writes of padding; a ring layer holds a ring per sequence that may run at once
         self.cache = generator.model.new_cache(1, self.capacity, generator.max_batch_size)
@@ -137,7 +140,7 @@ class Engine:
         if n > self.generator.max_batch_size:
             raise ConfigError(f"request {seq.request_id!r} asks for n={n} samples and the engine runs "
                               f"{self.generator.max_batch_size} sequences at once; lower n or raise the batch size")
-        if n * seq.extent > self.capacity:
+        if n * KV_BLOCK * kv_blocks(seq.extent) > self.capacity:
             what = f"{n} samples of {seq.extent}" if n > 1 else f"{seq.extent}"
             raise ConfigError(f"request {seq.request_id!r} needs {what} KV slots (prompt + max_tokens) and the "
                               f"engine's pool has {self.capacity}; lower max_tokens{' or n' if n > 1 else ''} or "
@@ -172,7 +175,7 @@ class Engine:
 
     def step(self) -> StepOutput:
         """One pass over the weights for every request in flight, after dropping the aborted ones and admitting
-        waiting ones while their extents fit; what was sampled and who left (nothing runs when nothing waits)."""
+        waiting ones while their blocks fit; what was sampled and who left (nothing runs when nothing waits)."""
         with self._stepping:
             with self._lock:
                 out = StepOutput(finished=self._drop_aborted())
@@ -227,7 +230,7 @@ class Engine:
 
     def _admit(self) -> None:
         """Waiting requests in arrival order, interactive ones first, while the batch has room for all their samples
-        and their extents fit in the pool (an interactive head that does not fit holds the background ones back
+        and their blocks fit in the pool (an interactive head that does not fit holds the background ones back
         too); one whose prompt's next block another request is prefilling waits for it (those behind may pass)."""
         while (queue := self._waiting or self._background) and \
                 len(self._running) + len(queue[0].group) <= self.generator.max_batch_size:
@@ -235,14 +238,14 @@ class Engine:
             if seq is None or len(self._running) + len(seq.group) > self.generator.max_batch_size:
                 break
             mapped = 0 if self.prefix is None else self.prefix.mappable(hit)  # blocks its table maps, not copies
-            bases = self._alloc(seq.group, hit, mapped)
-            if bases is None:
+            blocks = self._alloc(seq.group, hit, mapped)
+            if blocks is None:
                 break
             if self.prefix is not None:  # a ring the prefix cache gave back may have held the hit's blocks
                 hit = self.prefix.refit(hit)
             queue.remove(seq)
-            for sample, base in zip(seq.group, bases):
-                sample.base, sample.shared, sample.n_cached = base, [], 0
+            for sample, own in zip(seq.group, blocks):
+                sample.blocks, sample.shared, sample.n_cached = own, [], 0
                 sample.generator = sample.params.make_generator(sample.index)
                 sample.ring = self._rings.pop()
                 if sample.params.logprobs is not None:
@@ -263,26 +266,27 @@ class Engine:
                 return seq, hit
         return None, Hit()
 
-    def _alloc(self, group: list[Sequence], hit: Hit, mapped: int) -> list[int] | None:
-        """A base for each sample's own extent (its positions after the hit's first mapped blocks, which its table
-        maps) and a free ring for each (the prefix cache gives up kept runs for them, not those the hit holds while
+    def _alloc(self, group: list[Sequence], hit: Hit, mapped: int) -> list[list[int]] | None:
+        """Each sample's own blocks (for its positions after the hit's first mapped blocks, which its table maps)
+        and a free ring for each (the prefix cache gives up kept runs for them, not those the hit holds while
         others can), or None with nothing taken."""
-        bases, own = [], [sample.extent - KV_BLOCK * mapped for sample in group]
+        taken = []
         if self.prefix is not None:
             self.prefix.pin(hit, 1)
-        for n in own:
-            base = self.pool.alloc(n) if self.prefix is None else self.prefix.alloc(n)
-            if base is None:
+        for sample in group:
+            n = max(0, sample.extent - KV_BLOCK * mapped)
+            blocks = self.pool.alloc(n) if self.prefix is None else self.prefix.alloc(n)
+            if blocks is None:
                 break
-            bases.append(base)
-        rings = len(bases) == len(group) and self._free_rings(len(group))
+            taken.append(blocks)
+        rings = len(taken) == len(group) and self._free_rings(len(group))
         if self.prefix is not None:
             self.prefix.pin(hit, -1)
         if not rings:
-            for base, n in zip(bases, own):
-                self.pool.release(base, n)
+            for blocks in taken:
+                self.pool.release(blocks)
             return None
-        return bases
+        return taken
 
     def _free_rings(self, n: int) -> bool:
         """Whether n rings are free, the prefix cache's kept runs giving theirs back as needed."""
@@ -301,12 +305,12 @@ class Engine:
         return left + self._release(aborted)
 
     def _release(self, seqs: list[Sequence]) -> list[Sequence]:
-        """Free the extents of samples that ended; the requests whose every sample has now ended leave."""
+        """Free the blocks of samples that ended; the requests whose every sample has now ended leave."""
         left, speculator = [], getattr(self.generator, "speculator", None)
         for seq in seqs:
             self._running.remove(seq)
             if self.prefix is None:
-                self.pool.release(seq.base, seq.own_slots)
+                self.pool.release(seq.blocks)
                 self._rings.append(seq.ring)
             elif not self.prefix.release(seq, keep=seq.finish_reason in ("stop", "length")):
                 self._rings.append(seq.ring)

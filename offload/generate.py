@@ -21,7 +21,7 @@ from typing import Callable
 
 import torch
 
-from offload.attention_sizes import KV_BLOCK
+from offload.attention_sizes import KV_BLOCK, pool_tokens
 from offload.grammar import Constraints
 from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.model.step import ragged_step
@@ -61,7 +61,7 @@ class Generator:
         self.max_batch_size = max_batch_size
         self.context_len = min(max_model_len or model.spec.max_position_embeddings,
                                model.spec.max_position_embeddings)
-        self.kv_tokens = kv_tokens or max_batch_size * self.context_len
+        self.kv_tokens = kv_tokens or pool_tokens(max_batch_size, self.context_len)
         self.logits_rows = logits_rows or max_batch_size
         self.mixed = mixed
         self.between_steps: Callable[[], None] | None = None  # called after each step, outside its timing
@@ -241,17 +241,23 @@ class Generator:
 
 
 def share_prefill(cache, seq: Sequence, other: Sequence) -> None:
-    """Copy the K and V of seq's prompt (now in the cache) into other's extent (a ring layer's: other's ring):
+    """Copy the K and V of seq's prompt (now in the cache) into other's blocks (a ring layer's: other's ring):
     other's prompt is in the cache. The blocks their tables both map (the prefix cache's) are not copied."""
     n = len(seq.prompt_ids)
     skip = KV_BLOCK * len(seq.shared)
     if other.shared != seq.shared:
         raise ValueError("a request's samples map the same prefix blocks; admit them together")
+    src, dst = torch.tensor(seq.slots(skip, n)), torch.tensor(other.slots(skip, n))
     for layer in cache:
         ring = layer.ring
-        src, dst, m = (seq.base, other.base, n - skip) if ring is None else (seq.ring * ring, other.ring * ring, ring)
+        if ring is not None:
+            src_, dst_ = seq.ring * ring, other.ring * ring
+            for t in (layer.k, layer.v):
+                t[:, dst_: dst_ + ring].copy_(t[:, src_: src_ + ring])
+            continue
+        at_src, at_dst = src.to(layer.k.device), dst.to(layer.k.device)
         for t in (layer.k, layer.v):
-            t[:, dst: dst + m].copy_(t[:, src: src + m])
+            t[:, at_dst] = t[:, at_src]
     other.n_cached = n
 
 

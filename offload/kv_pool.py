@@ -1,39 +1,41 @@
-"""The KV pool: one cache row's token slots, handed out as contiguous extents (a sequence's own positions; its block
-table maps the prefix cache's shared blocks in front of them: offload.sequence.Sequence.table). The engine holds one
-for the model, a draft model's drafter one for the draft."""
+"""The KV pool: one cache row's token slots, handed out in blocks of KV_BLOCK slots (vLLM's paged KV). A sequence's
+block table lists the blocks the prefix cache maps at its front, then its own (offload.sequence.Sequence.table); its
+blocks lie anywhere in the row, so a pool with n free blocks admits any sequence that needs n, however the frees fell.
+The engine holds one for the model, a draft model's drafter one for the draft."""
 
 from __future__ import annotations
 
+from offload.attention_sizes import KV_BLOCK, kv_blocks
+
 
 class KVPool:
-    """Contiguous extents of one cache row of `capacity` slots, handed out first fit and merged when returned."""
+    """The blocks of one cache row of `capacity` slots (a multiple of KV_BLOCK), lowest free slots first."""
 
     def __init__(self, capacity: int):
+        if capacity % KV_BLOCK:
+            raise ValueError(f"a KV pool's capacity is whole blocks of {KV_BLOCK} slots, got {capacity}")
         self.capacity = capacity
-        self.free = [(0, capacity)]  # (start, length), by start
+        self.free = list(range(0, capacity, KV_BLOCK))  # first slot of each free block, ascending
 
-    def alloc(self, n: int) -> int | None:
-        """The first slot of n free slots in a row, or None when no free extent is that long."""
-        for i, (start, length) in enumerate(self.free):
-            if length >= n:
-                self.free[i] = (start + n, length - n)
-                if self.free[i][1] == 0:
-                    del self.free[i]
-                return start
-        return None
+    def alloc(self, n: int) -> list[int] | None:
+        """The first slots of the blocks that hold n slots (the lowest free ones, ascending), or None when fewer are
+        free."""
+        k = kv_blocks(n)
+        if k > len(self.free):
+            return None
+        taken, self.free = self.free[:k], self.free[k:]
+        return taken
 
-    def release(self, start: int, n: int) -> None:
-        self.free.append((start, n))
-        self.free.sort()
-        merged = [self.free[0]]
-        for s, n_ in self.free[1:]:
-            last_s, last_n = merged[-1]
-            if last_s + last_n == s:
-                merged[-1] = (last_s, last_n + n_)
-            else:
-                merged.append((s, n_))
-        self.free = merged
+    def release(self, blocks: list[int]) -> None:
+        """Give blocks back (each once: a block given back twice is a bug in whoever held it)."""
+        if not blocks:
+            return
+        free = set(self.free)
+        if len(free.union(blocks)) != len(free) + len(set(blocks)) or len(set(blocks)) != len(blocks):
+            raise ValueError(f"KV blocks given back twice: {sorted(free.intersection(blocks))[:4]}")
+        self.free = sorted(self.free + list(blocks))
 
     @property
     def n_free(self) -> int:
-        return sum(n for _, n in self.free)
+        """Free slots (whole blocks)."""
+        return len(self.free) * KV_BLOCK

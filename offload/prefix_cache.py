@@ -4,15 +4,15 @@
 A sequence's tokens are cut into blocks of BLOCK_TOKENS, each named by a hash of every token up to its end (a
 chain: a block's name says its whole prefix, as vLLM's block hashes do). The index maps a name to where that
 block's K and V lie:
-- in a running sequence's extent, from the step its prompt chunk was cached (a request whose next block is still
+- in a running sequence's own blocks, from the step its prompt chunk was cached (a request whose next block is still
   being prefilled by another waits for that prefill instead of computing the block again);
-- in a kept run of a finished sequence's extent: when a sequence ends, its full blocks not already indexed stay in
-  the pool (the rest of its extent is freed), until the pool needs the room;
+- in a kept run of a finished sequence's blocks: when a sequence ends, its full blocks not already indexed stay in
+  the pool (the rest of its blocks are freed), until the pool needs the room;
 - in the host tier: runs the pool evicts move to host RAM while the tier's bytes allow (a CPU budget the plan
   leaves free), and come back by copy on a hit.
-A hit maps the leading blocks that kept runs hold in the pool or running sequences hold in their extents into the
+A hit maps the leading blocks that kept runs hold in the pool or running sequences hold as their own into the
 new sequence's block table (vLLM's shared blocks: no copy) and copies the rest (the host tier's) into its own
-extent. Mapped blocks are lent: a kept run is pinned while a table maps it, and a running sequence that lent blocks
+blocks. Mapped blocks are lent: a kept run is pinned while a table maps it, and a running sequence that lent blocks
 keeps them as a pinned kept run when it leaves, however it ended (they were computed before they were lent). The
 new sequence's prefill starts after its hit, and its last prompt token is always computed, for its logits.
 Eviction from the pool goes by block: the least recently used kept run first (a run is a request's
@@ -72,12 +72,12 @@ def prompt_block_name(seq: Sequence, i: int) -> bytes:
 
 @dataclass(eq=False)
 class Kept:
-    """Blocks first.. first + len(names) - 1 of a finished sequence: in the pool from slot base, or in host RAM
-    (host: per layer, K and V of the run's tokens)."""
+    """Blocks first.. first + len(names) - 1 of a finished sequence: in the pool's blocks at slots (one per name),
+    or in host RAM (slots None; host: per layer, K and V of the run's tokens)."""
 
     names: list[bytes]
     first: int
-    base: int | None
+    slots: list[int] | None
     last_used: float
     host: list[tuple[torch.Tensor, torch.Tensor]] | None = None
     pins: int = 0
@@ -130,11 +130,11 @@ class PrefixCache:
     @property
     def pool_slots(self) -> int:
         """Pool slots that kept runs no request maps hold (free to any request that needs them)."""
-        return sum(k.n_slots for k in self.kept if k.base is not None and not k.pins)
+        return sum(k.n_slots for k in self.kept if k.slots is not None and not k.pins)
 
     @property
     def host_used(self) -> int:
-        return sum(k.n_slots for k in self.kept if k.base is None) * self.token_bytes
+        return sum(k.n_slots for k in self.kept if k.slots is None) * self.token_bytes
 
     def lookup(self, seq: Sequence) -> Hit:
         """The longest run of seq's prompt blocks in the index, all but its last token (seq without prompt
@@ -198,19 +198,19 @@ class PrefixCache:
         running sequences (a ring model's hits are copied: a ring the engine takes back may cut them)."""
         if self.rings:
             return 0
-        return next((i for i, (h, _) in enumerate(hit.blocks) if isinstance(h, Kept) and h.base is None),
+        return next((i for i, (h, _) in enumerate(hit.blocks) if isinstance(h, Kept) and h.slots is None),
                     len(hit.blocks))
 
-    def alloc(self, n: int) -> int | None:
-        """The pool's first slot of n free slots, evicting kept blocks while it has none: least recently used first,
+    def alloc(self, n: int) -> list[int] | None:
+        """The pool's blocks for n slots, evicting kept blocks while too few are free: least recently used first,
         and of a run the deepest block first (vLLM's order: the head a system prompt or a few-shot prefix shares
         with many prompts stays longest); a pinned run (mapped by a table, or a hit's) is never touched."""
-        while (base := self.pool.alloc(n)) is None:
-            victims = [k for k in self.kept if k.base is not None and not k.pins]
+        while (blocks := self.pool.alloc(n)) is None:
+            victims = [k for k in self.kept if k.slots is not None and not k.pins]
             if not victims:
                 return None
             self._evict(self._tail(min(victims, key=lambda k: k.last_used)))
-        return base
+        return blocks
 
     def _tail(self, kept: Kept) -> Kept:
         """A pool run's last block as a run of its own (the run itself where it has one block), indexed in its
@@ -218,15 +218,15 @@ class PrefixCache:
         if len(kept.names) == 1:
             return kept
         name, at = kept.names.pop(), kept.first + len(kept.names)
-        tail = Kept([name], at, kept.base + len(kept.names) * BLOCK_TOKENS, kept.last_used)
+        tail = Kept([name], at, [kept.slots.pop()], kept.last_used)
         if self.index.get(name, (None,))[0] is kept:
             self.index[name] = (tail, at)
         self.kept.append(tail)
         return tail
 
     def take(self, seq: Sequence, hit: Hit, mapped: int = 0) -> None:
-        """A hit's first mapped blocks into the tables of seq's samples (admitted, each own extent after them) and
-        the rest copied into seq's own extent: its prompt is cached up to them."""
+        """A hit's first mapped blocks into the tables of seq's samples (admitted, each one's own blocks after them)
+        and the rest copied into seq's own blocks: its prompt is cached up to them."""
         now = self.clock()
         self.queries += len(seq.prompt_ids)
         shared = [_slot_of(h, block) for h, block in hit.blocks[:mapped]]
@@ -239,7 +239,7 @@ class PrefixCache:
             elif block >= mapped:
                 runs.append([holder, block, 1])
         for holder, block, n in runs:
-            self._copy(holder, block, n, seq.base + (block - mapped) * BLOCK_TOKENS)
+            self._copy(holder, block, n, seq.blocks[block - mapped: block - mapped + n])
         for sample in seq.group:
             sample.shared = list(shared)
             self._mapped[id(sample)] = _holders(hit.blocks[:mapped])
@@ -259,19 +259,20 @@ class PrefixCache:
         lent = self._lent.setdefault(id(holder), [0, 0])
         lent[0], lent[1] = lent[0] + by, max(lent[1], n_blocks)
 
-    def _copy(self, holder, block: int, n: int, dst: int) -> None:
-        m = n * BLOCK_TOKENS
-        if isinstance(holder, Kept) and holder.base is None:
+    def _copy(self, holder, block: int, n: int, dst: list[int]) -> None:
+        """holder's n blocks from block on into the pool's blocks dst (one per block)."""
+        to = _block_slots(dst)
+        if isinstance(holder, Kept) and holder.slots is None:
             at = (block - holder.first) * BLOCK_TOKENS
             for layer, saved in zip(self.cache, holder.host):
                 for t, h in zip((layer.k, layer.v), saved):
-                    t[0, dst: dst + m].copy_(h[at: at + m])
+                    t[0, to.to(t.device)] = h[at: at + len(to)].to(t.device)
             return
-        src = _slot_of(holder, block)
+        src = _block_slots([_slot_of(holder, b) for b in range(block, block + n)])
         for layer in self.cache:
             if layer.ring is None:
                 for t in (layer.k, layer.v):
-                    t[:, dst: dst + m].copy_(t[:, src: src + m])
+                    t[:, to.to(t.device)] = t[:, src.to(t.device)]
 
     def _copy_ring(self, holder, n: int, ring: int) -> None:
         """The keys before position n that holder's ring has into ring, in each ring layer (position p at slot
@@ -292,7 +293,7 @@ class PrefixCache:
     def release(self, seq: Sequence, keep: bool) -> bool:
         """seq left: give back the blocks its table maps; keep its own full blocks that no one else holds in the
         pool (keep: it ended as it should; its tokens' K and V are all written; and those it lent, however it
-        ended) and free the rest of its own extent; else free it all. Whether the kept run holds seq's ring (a ring
+        ended) and free the rest of its own blocks; else free them all. Whether the kept run holds seq's ring (a ring
         model's: else the engine takes it back)."""
         for holder in self._mapped.pop(id(seq), []):
             self._lend(holder, -1)
@@ -307,11 +308,11 @@ class PrefixCache:
         names = list(block_names(tokens, n_full))
         first = next((i for i, name in enumerate(names) if name not in self.index), n_full)
         if first >= n_full or n_full <= n_shared:
-            self.pool.release(seq.base, seq.own_slots)
+            self.pool.release(seq.blocks)
             return False
         first = max(first, n_shared)
-        own = lambda block: seq.base + (block - n_shared) * BLOCK_TOKENS  # noqa: E731 (its slot in seq's extent)
-        kept = Kept(names[first:], first, own(first), self.clock())
+        own = seq.blocks
+        kept = Kept(names[first:], first, own[first - n_shared: n_full - n_shared], self.clock())
         if self.rings:
             kept.ring, kept.written = seq.ring, seq.n_tokens - 1  # its last token was sampled, never written
         for i, name in enumerate(kept.names):
@@ -321,10 +322,7 @@ class PrefixCache:
             kept.pins += n_maps
             for holders in self._mapped.values():
                 holders[:] = [kept if h is seq else h for h in holders]
-        if first > n_shared:
-            self.pool.release(seq.base, own(first) - seq.base)
-        if seq.own_slots > own(n_full) - seq.base:
-            self.pool.release(own(n_full), seq.base + seq.own_slots - own(n_full))
+        self.pool.release(own[: first - n_shared] + own[n_full - n_shared:])
         return bool(self.rings)
 
     def to_host(self) -> list[Kept]:
@@ -332,7 +330,7 @@ class PrefixCache:
         dropped): what a later engine over another pool takes as carried. A cache with layers on a device keeps
         none (copying them back would stall the device's stream at the end of every call)."""
         on_host = all(t.device.type == "cpu" for layer in self.cache for t in (layer.k, layer.v))
-        for kept in sorted((k for k in self.kept if k.base is not None), key=lambda k: -k.last_used):
+        for kept in sorted((k for k in self.kept if k.slots is not None), key=lambda k: -k.last_used):
             if on_host and self.host_used + kept.n_slots * self.token_bytes <= self.host_bytes:
                 self._evict(kept)
             else:
@@ -344,15 +342,15 @@ class PrefixCache:
         used runs), else drop it."""
         need = kept.n_slots * self.token_bytes
         while self.host_used + need > self.host_bytes:
-            victims = [k for k in self.kept if k.base is None and not k.pins]
+            victims = [k for k in self.kept if k.slots is None and not k.pins]
             if not victims or need > self.host_bytes:
                 break
             self._drop(min(victims, key=lambda k: k.last_used))
         if self.host_used + need <= self.host_bytes:
-            a, b = kept.base, kept.base + kept.n_slots
-            kept.host = [tuple(t[0, a:b].to("cpu", copy=True) for t in (layer.k, layer.v)) for layer in self.cache]
-            kept.base = None
-            self.pool.release(a, b - a)
+            at = _block_slots(kept.slots)
+            kept.host = [tuple(t[0, at.to(t.device)].to("cpu") for t in (layer.k, layer.v)) for layer in self.cache]
+            self.pool.release(kept.slots)
+            kept.slots = None
         else:
             self._drop(kept)
 
@@ -361,8 +359,8 @@ class PrefixCache:
             if self.index.get(name, (None,))[0] is kept:
                 del self.index[name]
         self.kept.remove(kept)
-        if kept.base is not None:
-            self.pool.release(kept.base, kept.n_slots)
+        if kept.slots is not None:
+            self.pool.release(kept.slots)
         if kept.ring is not None:
             self.free_rings.append(kept.ring)
             kept.ring = None
@@ -378,10 +376,15 @@ def _written(holder) -> int:
 
 def _slot_of(holder, block: int) -> int:
     """The pool slot of block's first key where a kept run in the pool or a running sequence holds it (a running
-    one's prompt blocks are in its own extent)."""
+    one's prompt blocks past those its table maps are its own)."""
     if isinstance(holder, Kept):
-        return holder.base + (block - holder.first) * BLOCK_TOKENS
-    return holder.base + (block - len(holder.shared)) * BLOCK_TOKENS
+        return holder.slots[block - holder.first]
+    return holder.blocks[block - len(holder.shared)]
+
+
+def _block_slots(blocks: list[int]) -> torch.Tensor:
+    """The slots of blocks' keys, block after block (long, on the host)."""
+    return (torch.tensor(blocks, dtype=torch.long)[:, None] + torch.arange(BLOCK_TOKENS)[None]).reshape(-1)
 
 
 def _holders(blocks: list[tuple[object, int]]) -> list:

@@ -6,8 +6,8 @@ in the same pass), and chunks of the prompts still being prefilled, up to the st
 writes that choice down as a ScheduledStep, everything the runner and the update need, so that neither decides
 anything of its own:
 
-- the model's inputs: ragged groups (positions [b, s], the first KV slot of each sequence's extent in the
-  pool: its block table, and its ring in the ring layers) and the flat tokens, group after group;
+- the model's inputs: ragged groups (positions [b, s], each sequence's block table in the pool: the first KV
+  slot of each of its blocks, and its ring in the ring layers) and the flat tokens, group after group;
 - the rows of logits to compute and what each is for: sampling a sequence's next token (the other samples of an
   n > 1 request take their first one from their prompt's row, after copying its K and V), verifying a
   sequence's proposals, scoring the prompt tokens a chunk predicts (prompt logprobs);
@@ -146,6 +146,9 @@ def _inputs(plain, verified, chunks) -> tuple[tuple, tuple[int, ...]]:
 def _where(seqs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The sequences' block tables in the pool (as far as positions reach) and their rings in the ring layers."""
     n_blocks = int(positions.max()) // KV_BLOCK + 1
+    for seq, last in zip(seqs, positions.max(dim=1).values.tolist()):
+        if last >= KV_BLOCK * seq.n_blocks:  # its writes would land in another sequence's block
+            raise RuntimeError(f"request {seq.request_id!r} reaches position {last} past its {seq.n_blocks} KV blocks")
     return torch.tensor([s.table(n_blocks) for s in seqs]), torch.tensor([s.ring for s in seqs])
 
 

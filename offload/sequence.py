@@ -24,8 +24,9 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_text_end: int | None = None  # where a stop string cut the text
-    base: int = -1  # first KV slot of its own extent in the pool (its positions after the shared blocks)
-    extent: int = 0  # KV positions it can hold: the shared blocks' and its own extent's
+    blocks: list[int] | None = None  # first slot of each of its own KV blocks in the pool, in position order (its
+    # positions after the shared blocks); None until it is admitted
+    extent: int = 0  # KV positions it may write: within the shared blocks' and its own blocks'
     shared: list[int] = field(default_factory=list)  # first slot of each block another request wrote that its
     # table maps at its front (the prefix cache's kept blocks: its positions 0 .. KV_BLOCK * len(shared) - 1)
     ring: int = 0  # its ring in the ring layers' pooled rows (offload.spec.ModelSpec.kv_ring)
@@ -43,15 +44,26 @@ class Sequence:
     _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
 
     @property
-    def own_slots(self) -> int:
-        """Slots of its own extent (from base)."""
-        return self.extent - KV_BLOCK * len(self.shared)
+    def admitted(self) -> bool:
+        """Whether the engine gave it blocks of the pool (it runs, or ran)."""
+        return self.blocks is not None
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks its table holds: the shared ones and its own."""
+        return len(self.shared) + len(self.blocks or [])
 
     def table(self, n_blocks: int) -> list[int]:
-        """The slot of each of its first n_blocks blocks of KV_BLOCK positions: the shared ones, then its own
-        extent's."""
-        own = range(self.base, self.base + KV_BLOCK * (n_blocks - len(self.shared)), KV_BLOCK)
-        return self.shared[:n_blocks] + list(own)
+        """The slot of each of its first n_blocks blocks of KV_BLOCK positions: the shared ones, then its own; padded
+        with block 0 past them (a batch's tables are as long as its longest; nothing reads a sequence's past its
+        length)."""
+        table = (self.shared + (self.blocks or []))[:n_blocks]
+        return table + [0] * (n_blocks - len(table))
+
+    def slots(self, start: int, stop: int) -> list[int]:
+        """The pool slots of its positions start .. stop - 1 (through its table)."""
+        table = self.table(-(-stop // KV_BLOCK))
+        return [table[p // KV_BLOCK] + p % KV_BLOCK for p in range(start, stop)]
 
     @property
     def n_tokens(self) -> int:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from offload.config_values import count, fix, real
-from offload.attention_sizes import attention_bytes, ring_slots
+from offload.attention_sizes import attention_bytes, pool_tokens, ring_slots
 from offload.errors import ConfigError
 from offload.families import BY_MODEL_TYPE, Family, FamilyMath, family_math, family_of, text_config
 from offload.paths import describe_path
@@ -373,6 +373,14 @@ class ModelSpec:
         """KV cache bytes of layer i (without i: of the layer that holds the most) for n_seqs sequences of seq_len
         tokens: K and V, a ring layer's up to its ring."""
         return 2 * n_seqs * self.kv_len(seq_len, i) * self.kv_size * elem_bytes
+
+    def pool_kv_bytes(self, n_seqs: int, seq_len: int, elem_bytes: int = 2, i: int | None = None) -> int:
+        """Bytes of layer i's cache in an engine's pool for n_seqs sequences of seq_len tokens: a ring layer's rings
+        (layer_kv_bytes), any other's blocks and trash slot (offload.attention_sizes.pool_tokens)."""
+        ring = self.kv_ring(i) if i is not None else None
+        if ring is not None and ring < seq_len:
+            return self.layer_kv_bytes(n_seqs, seq_len, elem_bytes, i)
+        return 2 * pool_tokens(n_seqs, seq_len) * self.kv_size * elem_bytes
 
     def kv_read_bytes(self, n_seqs: int, ctx_len: int, elem_bytes: int = 2, i: int | None = None) -> int:
         """K and V bytes layer i's attention reads of n_seqs caches at ctx_len positions: the keys its queries see

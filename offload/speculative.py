@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from offload.attention_sizes import KV_BLOCK, kv_blocks
 from offload.planner.speculation import PRIOR_ACCEPTANCE
 from offload.sampling import SamplingParams, probabilities
 
@@ -231,13 +232,15 @@ class ModelDrafter:
         from offload.kv_pool import KVPool
 
         self.draft, self.generator = draft, draft.generator
-        self.capacity = max(self.generator.kv_tokens - 1, self.generator.context_len - 1)
+        self.capacity = KV_BLOCK * max((self.generator.kv_tokens - 1) // KV_BLOCK,
+                                       kv_blocks(self.generator.context_len - 1))
         self.pool = KVPool(self.capacity)
         self.cache = self.generator.model.new_cache(1, self.capacity, self.generator.max_batch_size)
         # the ring layers' rings no sequence holds (a model without ring layers: one ring, 0, for every sequence)
         rings = any(kv.ring is not None for kv in self.cache)
         self._rings = list(range(self.generator.max_batch_size)) if rings else None
-        self._held: dict[int, tuple[int, int, int, list[int]]] = {}  # by id(seq): (base, extent, ring, tokens cached)
+        self._held: dict[int, tuple[list[int], int, int, list[int]]] = {}  # by id(seq): (blocks, extent, ring,
+        # tokens cached)
         self.seconds, self.passes = 0.0, 0  # time spent proposing, passes over the draft's weights
 
     def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
@@ -253,41 +256,41 @@ class ModelDrafter:
             if run is None:
                 out.append([])
                 continue
-            base, extent, ring, _ = self._held[id(seq)]
-            self._held[id(seq)] = (base, extent, ring, tokens + run.output_ids[:-1])  # the last one is not cached
+            blocks, extent, ring, _ = self._held[id(seq)]
+            self._held[id(seq)] = (blocks, extent, ring, tokens + run.output_ids[:-1])  # the last one is not cached
             out.append(run.output_ids)
         return out
 
     def _run(self, tokens: list[int], k: int, seq):
-        """A greedy draft sequence of k tokens after tokens, in seq's extent of the draft's pool (its cached
-        prefix reused); None where it gets no proposals."""
+        """A greedy draft sequence of k tokens after tokens, in blocks of the draft's pool for seq's extent (its
+        cached prefix reused); None where it gets no proposals."""
         from offload.sequence import Sequence
 
         if k <= 0 or seq is None or len(tokens) + k > self.generator.context_len:
             return None
         held = self._held.get(id(seq))
         if held is None:
-            base = self.pool.alloc(seq.extent)
-            if base is None or self._rings == []:
-                if base is not None:
-                    self.pool.release(base, seq.extent)
+            blocks = self.pool.alloc(seq.extent)
+            if blocks is None or self._rings == []:
+                if blocks is not None:
+                    self.pool.release(blocks)
                 return None
-            held = self._held[id(seq)] = (base, seq.extent, self._rings.pop() if self._rings else 0, [])
-        base, extent, ring, cached = held
+            held = self._held[id(seq)] = (blocks, seq.extent, self._rings.pop() if self._rings else 0, [])
+        blocks, extent, ring, cached = held
         same = 0
         for a, b in zip(cached, tokens):
             if a != b:
                 break
             same += 1
         run = Sequence(seq.request_id, tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
-        run.base, run.extent, run.ring, run.n_cached = base, extent, ring, min(same, len(tokens) - 1)
+        run.blocks, run.extent, run.ring, run.n_cached = blocks, extent, ring, min(same, len(tokens) - 1)
         run.generator = torch.Generator()
         return run
 
     def forget(self, seq) -> None:
         held = self._held.pop(id(seq), None)
         if held is not None:
-            self.pool.release(held[0], held[1])
+            self.pool.release(held[0])
             if self._rings is not None:
                 self._rings.append(held[2])
 
@@ -318,12 +321,12 @@ class SubstituteDrafter:
 
         runs = []
         for tokens, k, seq in asks:
-            if k <= 0 or seq is None or self.cache is None or seq.base < 0:
+            if k <= 0 or seq is None or self.cache is None or not seq.admitted:
                 runs.append(None)
                 continue
             run = Sequence(seq.request_id, tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
-            run.base, run.extent, run.ring, run.n_cached = seq.base, seq.extent, seq.ring, len(tokens) - 1
-            run.shared = seq.shared  # its table: the blocks the prefix cache maps, then its own extent
+            run.blocks, run.extent, run.ring, run.n_cached = seq.blocks, seq.extent, seq.ring, len(tokens) - 1
+            run.shared = seq.shared  # its table: the blocks the prefix cache maps, then its own
             run.generator = torch.Generator()
             runs.append(run)
         draft_runs(self, runs, self.cache, self.trash_slot)

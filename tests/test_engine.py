@@ -11,6 +11,7 @@ import torch
 
 from conftest import make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
+from offload.attention_sizes import KV_BLOCK
 from offload.engine import Engine, StepOutput, run_to_end
 from offload.errors import ConfigError, OffloadError, QueueFull
 from offload.generate import Generator
@@ -73,24 +74,26 @@ def test_requests_that_join_mid_decode_share_its_steps_and_give_their_alone_toke
 
 def test_the_engine_holds_the_pool_the_plan_budgets(llm):
     engine = Engine(llm.generator)
-    assert engine.capacity == llm.max_batch_size * llm.max_model_len - 1  # and one slot for padding's writes
+    # every sequence at the whole context, in whole blocks of 16: 63 keys, 4 blocks each; and one slot for padding
+    assert engine.capacity == llm.max_batch_size * KV_BLOCK * -(-(llm.max_model_len - 1) // KV_BLOCK)
+    assert engine.cache[0].k.shape[1] == engine.capacity + 1
     assert sum(kv.nbytes for kv in engine.cache) <= llm.plan.tier("cpu").kv_bytes
 
 
 def test_an_abort_frees_its_slots_for_a_waiting_request(llm):
-    """A pool of 38 slots holds two requests of 10 + 10 tokens (19 slots each); the third runs once one is
-    aborted, in the aborted one's slots, and gives its alone tokens."""
+    """A pool of 4 blocks of 16 slots holds two requests of 10 + 10 tokens (19 slots: 2 blocks each); the third runs
+    once one is aborted, in the aborted one's blocks, and gives its alone tokens."""
     prompts = _prompts([10, 10, 10])
-    engine = Engine(_generator(llm), kv_slots=38)
+    engine = Engine(_generator(llm), kv_slots=64)
     seqs = [engine.add(f"r{i}", p, _greedy(10)) for i, p in enumerate(prompts)]
     engine.step()
-    assert (engine.n_running, engine.n_waiting, engine.kv_slots_used) == (2, 1, 38)
+    assert (engine.n_running, engine.n_waiting, engine.kv_slots_used) == (2, 1, 64)
     engine.step()
     engine.abort("r1")
     out = engine.step()
     assert [s.request_id for s in out.finished] == ["r1"] and seqs[1].finish_reason == "abort"
     assert "r1" not in {s.request_id for s, _ in out.tokens} and len(seqs[1].output_ids) == 1
-    assert (engine.n_running, engine.n_waiting, seqs[2].base) == (2, 0, seqs[1].base)
+    assert (engine.n_running, engine.n_waiting, seqs[2].blocks) == (2, 0, seqs[1].blocks)
     engine.run_until_done()
     assert [s.output_ids for s in (seqs[0], seqs[2])] == [_alone(llm, p, 10)[0] for p in (prompts[0], prompts[2])]
     assert engine.kv_slots_used == 0
@@ -159,7 +162,7 @@ def test_aborting_an_unknown_or_finished_request_does_nothing(llm):
 
 
 def test_a_request_the_context_cannot_hold_is_refused_at_add(llm):
-    engine = Engine(_generator(llm), kv_slots=20)
+    engine = Engine(_generator(llm), kv_slots=16)  # one block
     with pytest.raises(ConfigError):
         engine.add("long", list(range(1, 65)), _greedy(1))  # not shorter than the context of 64
     with pytest.raises(ConfigError, match="needs 29 KV slots"):
@@ -176,15 +179,15 @@ def test_an_interactive_request_is_admitted_before_background_ones_without_preem
     for seq in bg:
         engine.submit(seq, background=True)  # not counted against max_waiting's bound
     engine.step()
-    assert [s.base >= 0 for s in bg] == [True, True, False, False] and engine.n_waiting == 2
+    assert [s.admitted for s in bg] == [True, True, False, False] and engine.n_waiting == 2
     interactive = engine.add("i", prompts[4], _greedy(3))
     assert engine.n_waiting == 3
     with pytest.raises(QueueFull):  # interactive requests alone fill max_waiting
         engine.add("j", prompts[4], _greedy(3))
     engine.step()  # b0 finishes its two tokens here; b1 and the interactive one were not preempted
-    assert bg[0].finish_reason == "length" and interactive.base < 0 and len(bg[1].output_ids) == 2
+    assert bg[0].finish_reason == "length" and not interactive.admitted and len(bg[1].output_ids) == 2
     engine.step()
-    assert interactive.base >= 0 and bg[2].base < 0 and bg[3].base < 0
+    assert interactive.admitted and not bg[2].admitted and not bg[3].admitted
     engine.abort("b3")  # a waiting background request leaves its queue at once
     engine.run_until_done()
     assert interactive.output_ids == _alone(llm, prompts[4], 3)[0] and bg[3].finish_reason == "abort"

@@ -137,7 +137,7 @@ def _run(engine: Engine, rid, prompt, n: int = 1):
 
 
 def test_a_hit_maps_a_kept_runs_blocks_into_the_table_and_pins_them(llm):
-    """The second turn's table maps the first turn's kept blocks (no copy: its own extent starts after them); the
+    """The second turn's table maps the first turn's kept blocks (no copy: its own blocks come after them); the
     run stays pinned while it runs though the pool then needs room, and the tokens are those without the cache."""
     shared = ids(4 * KV_BLOCK + 3, 1)
     prompts = [shared + ids(5, 2), shared + ids(7, 3)]
@@ -148,12 +148,12 @@ def test_a_hit_maps_a_kept_runs_blocks_into_the_table_and_pins_them(llm):
     kept = next(k for k in engine.prefix.kept if k.first == 0)
     second = engine.add(1, prompts[1], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     engine.step()  # admitted: its table maps the kept blocks
-    assert second.shared == [kept.base + KV_BLOCK * i for i in range(4)] and kept.pins == 1
-    assert second.own_slots == second.extent - 4 * KV_BLOCK and second.n_prefix_hit == 4 * KV_BLOCK
+    assert second.shared == kept.slots and len(kept.slots) == 4 and kept.pins == 1
+    assert len(second.blocks) == -(-(second.extent - 4 * KV_BLOCK) // KV_BLOCK) and second.n_prefix_hit == 4 * KV_BLOCK
     fillers = [engine.add(10 + i, ids(60, 20 + i), SamplingParams(max_tokens=2, ignore_eos=True)) for i in range(3)]
     while engine.has_work():
         engine.step()
-        assert kept in engine.prefix.kept and kept.base is not None  # never evicted while mapped
+        assert kept in engine.prefix.kept and kept.slots == second.shared  # never evicted while mapped
     assert [first.output_ids, second.output_ids] == want and all(f.finish_reason == "length" for f in fillers)
     assert kept.pins == 0 and engine.pool.n_free + engine.prefix.pool_slots == engine.capacity
 
@@ -191,9 +191,38 @@ def test_requests_waiting_on_a_prefill_map_its_blocks_and_keep_them_when_it_leav
         engine.abort(0)
         engine.step()
         lent = next(k for k in engine.prefix.kept if k.first == 0)
-        assert lent.pins == 2 and lent.base == holder.base and lent.names and engine.n_running == 2
+        assert lent.pins == 2 and lent.slots == holder.blocks[: len(lent.names)] and lent.names
+        assert engine.n_running == 2
     while engine.has_work():
         engine.step()
     got = [s.output_ids for s in (holder, *waiters)]
     assert got[1:] == want[1:] and (got[0] == want[0] if holder_ends == "finishes" else holder.finish_reason == "abort")
     assert all(k.pins == 0 for k in engine.prefix.kept) and engine.pool.n_free + engine.prefix.pool_slots == engine.capacity
+
+
+def test_a_request_takes_blocks_freed_apart_while_the_one_between_them_runs(llm):
+    """A pool of 4 blocks: two short requests of one block each end while a long one holds the two blocks between
+    them; a waiting request of two blocks runs in the freed blocks at once (a contiguous extent would wait for the
+    long one), and every request gives the tokens it gives alone."""
+    asks = [(ids(10, 40), 3), (ids(20, 41), 12), (ids(10, 42), 3), (ids(10, 43), 15)]  # blocks: 1, 2, 1, 2
+    want = []
+    for i, (prompt, n) in enumerate(asks):
+        alone = _engine(llm.model, on=False)
+        want.append(_run_greedy(alone, i, prompt, n).output_ids)
+    g = Generator(llm.model, max_model_len=CONTEXT, max_batch_size=4, step_tokens=24)
+    g.prefix_caching = False
+    engine = Engine(g, kv_slots=4 * KV_BLOCK)
+    seqs = [engine.add(i, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+            for i, (prompt, n) in enumerate(asks)]
+    while not seqs[3].admitted:
+        engine.step()
+    assert seqs[3].blocks == seqs[0].blocks + seqs[2].blocks and not seqs[1].finish_reason
+    assert seqs[3].blocks[1] - seqs[3].blocks[0] > KV_BLOCK  # apart: the long one's blocks lie between them
+    engine.run_until_done()
+    assert [s.output_ids for s in seqs] == want and engine.pool.n_free == engine.capacity
+
+
+def _run_greedy(engine: Engine, rid, prompt, n: int):
+    seq = engine.add(rid, prompt, SamplingParams(max_tokens=n, temperature=0, ignore_eos=True))
+    engine.run_until_done()
+    return seq

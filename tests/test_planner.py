@@ -21,7 +21,8 @@ EMBED = LM_HEAD = 256 * 64 * 2  # 32768
 LAYER = 2 * (36864 + 128)  # 73984
 NORM = 64 * 2  # 128
 WEIGHTS = EMBED + 2 * LAYER + NORM + LM_HEAD  # 213632
-KV = 2 * 1 * 16 * 32 * 2  # K and V x 1 seq x 16 positions (8 + 8) x kv_size 32 x fp16 = 2048 per layer
+# K and V x (1 seq x one block of 16 slots (8 + 8 positions write 15) + the pool's trash slot) x kv_size 32 x fp16
+KV = 2 * (1 * 16 + 1) * 32 * 2  # 2176 per layer
 # Workspace: residual of the prompt [8, 64] + one layer's working set for an 8-token chunk over 8 keys
 # (8 tokens x 576 elements + attention: 8 tokens read the cache in place, the decode kernel's fp32 partials of one
 # split per KV head, 2 x (2 query heads x 8 queries) x (head_dim 16 + max and sum) x 4 = 2304) + fp32 logits [1, 256].
@@ -45,7 +46,7 @@ def test_everything_resident_when_the_gpu_holds_it_byte_exact():
     gpu, cpu = p.tier("gpu"), p.tier("cpu")
     assert (gpu.weights_bytes, gpu.kv_bytes, gpu.workspace_bytes, gpu.staging_bytes) == (WEIGHTS, 2 * KV, WS_GPU, 0)
     assert gpu.margin_bytes == 50_000  # 5% of 10**6
-    assert gpu.total_bytes == 213632 + 4096 + 13568 + 50_000 == 281_296
+    assert gpu.total_bytes == 213632 + 4352 + 13568 + 50_000 == 281_552
     assert (cpu.weights_bytes, cpu.kv_bytes, cpu.workspace_bytes, cpu.pinned_bytes) == (0, 0, 0, HOP_BUFFERS)
     assert all(u.prefill == u.decode == "gpu" for u in p.units)
     assert p.prefetch_depth == 0 and p.staging_slot_bytes == 0
@@ -53,9 +54,9 @@ def test_everything_resident_when_the_gpu_holds_it_byte_exact():
 
 def test_cpu_only_fits_to_the_byte_and_fails_one_byte_below():
     spec = spec_from_config(TINY)
-    need = WEIGHTS + 2 * KV + WS_CPU  # 213632 + 4096 + 23808 = 241536; no GPU, so no pinned buffers
+    need = WEIGHTS + 2 * KV + WS_CPU  # 213632 + 4352 + 23808 = 241792; no GPU, so no pinned buffers
     p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, need, margin_frac=0), WORKLOAD)
-    assert p.tier("cpu").total_bytes == need == 241_536
+    assert p.tier("cpu").total_bytes == need == 241_792
     assert p.tier("gpu").total_bytes == 0 and p.summary_line == ("blocks: 0 of 5 resident on the GPU; decode streams 0 and computes 5 on the CPU; "
                                                             "prefill streams 0 and computes 5 on the CPU; 0 read from disk")
     assert all(u.weight_tier == "cpu" and u.prefill == u.decode == "cpu" for u in p.units)
@@ -71,9 +72,9 @@ def _pages(n: int) -> int:
 def test_disk_spill_moves_the_embedding_first_byte_exact():
     """An embedding on disk is read a row at a time: moving it first frees 32768 bytes and needs no read-ahead."""
     spec = spec_from_config(TINY)
-    p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, 240_255, disk_bytes=10**6, margin_frac=0), WORKLOAD)
+    p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, 240_511, disk_bytes=10**6, margin_frac=0), WORKLOAD)
     assert [u.name for u in p.units if u.weight_tier == "disk"] == ["embed"]
-    assert p.tier("cpu").total_bytes == 241_536 - EMBED and p.tier("cpu").pinned_bytes == 0
+    assert p.tier("cpu").total_bytes == 241_792 - EMBED and p.tier("cpu").pinned_bytes == 0
     assert p.read_ahead_depth == 0 and p.read_buffer_bytes == 0
 
 
@@ -100,9 +101,9 @@ def test_disk_spill_counts_the_read_ahead_arena_and_the_page_cache_in_flight():
 def test_streaming_reserves_staging_slots_byte_exact():
     spec = spec_from_config(TINY)
     # Workspace, two staging slots of a layer (the largest streamed unit) and both layers' KV on the GPU:
-    # 13568 + 2 * 73984 + 2 * 2048 = 165632. Making lm_head resident instead would need
+    # 13568 + 2 * 73984 + 2 * 2176 = 165888. Making lm_head resident instead would need
     # 13568 + 32768 + 128 + 2 * 73984 = 194432 before any KV, so the plan streams everything.
-    budget = Budget(gpu_bytes=165_632, cpu_bytes=10**6, margin_frac=0)
+    budget = Budget(gpu_bytes=165_888, cpu_bytes=10**6, margin_frac=0)
     hw = tiny_hw(cpu_flops={f: 1e8 for f in FORMATS})  # a slow CPU: streaming wins
     p = plan(spec, hw, budget, WORKLOAD)
     assert [u.decode for u in p.units] == ["cpu", "stream", "stream", "stream", "stream"]
@@ -110,7 +111,7 @@ def test_streaming_reserves_staging_slots_byte_exact():
     assert p.staging_slot_bytes == LAYER and p.prefetch_depth == 2
     gpu = p.tier("gpu")
     assert (gpu.weights_bytes, gpu.kv_bytes, gpu.workspace_bytes, gpu.staging_bytes) == (0, 2 * KV, WS_GPU, 2 * LAYER)
-    assert gpu.total_bytes == budget.gpu_bytes == 165_632
+    assert gpu.total_bytes == budget.gpu_bytes == 165_888
     assert p.decode.pcie_s > 0 and p.decode.cpu_s < 1e-4  # only the embedding gather runs on the CPU
 
 
@@ -154,9 +155,9 @@ def test_the_cuda_context_reserve_counts_against_the_gpu_budget_byte_exact():
     """The profile's gpu_reserved_bytes (CUDA context, cuBLAS workspaces) is inside an explicit GPU budget."""
     spec = spec_from_config(TINY)
     hw = tiny_hw(gpu_reserved_bytes=20_000)
-    need = WEIGHTS + 2 * KV + WS_GPU + 20_000  # 213632 + 4096 + 13568 + 20000 = 251296, no margin
+    need = WEIGHTS + 2 * KV + WS_GPU + 20_000  # 213632 + 4352 + 13568 + 20000 = 251552, no margin
     p = plan(spec, hw, Budget(gpu_bytes=need, cpu_bytes=10**6, margin_frac=0), WORKLOAD)
-    assert p.tier("gpu").reserved_bytes == 20_000 and p.tier("gpu").total_bytes == need == 251_296
+    assert p.tier("gpu").reserved_bytes == 20_000 and p.tier("gpu").total_bytes == need == 251_552
     assert p.n_gpu_units == 5
     assert plan(spec, hw, Budget(gpu_bytes=need - 1, cpu_bytes=10**6, margin_frac=0), WORKLOAD).n_gpu_units < 5
 

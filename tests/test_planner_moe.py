@@ -32,7 +32,9 @@ LAYER = 2 * (12288 + 128)  # 24832
 EXPERTS = 2 * (256 + 4 * 3 * 64 * 64)  # 98816 (every plane a multiple of 64 bytes: its buffer is as large)
 NORM = 64 * 2  # 128
 WEIGHTS = EMBED + 2 * LAYER + 2 * EXPERTS + NORM + LM_HEAD  # 312960
-KV = 2 * 1 * 16 * 32 * 2  # K and V x 1 seq x 16 positions x kv_size 32 x fp16 = 2048 per layer; experts hold none
+# K and V x (1 seq x one block of 16 slots + the pool's trash slot) x kv_size 32 x fp16 = 2176 per layer; experts
+# hold none
+KV = 2 * (1 * 16 + 1) * 32 * 2
 # Workspace: the prompt's residual [8, 64], one layer's working set for an 8-token chunk over 8 keys, fp32 logits.
 # Per token: 3*64 + 64 (q) + 2*32 (k, v) + 2*128 (gate and up of the top 2 experts of width 64) + 2*64 (the
 # [residual | normed] hand-over to the experts) = 704 elements; attention: the decode kernel's partials for 8 tokens
@@ -61,11 +63,11 @@ def test_tiny_moe_units_by_hand():
 
 def test_cpu_only_moe_fits_to_the_byte_and_fails_one_byte_below():
     spec = spec_from_config(TINY_MOE)
-    need = WEIGHTS + 2 * KV + WS_CPU  # 312960 + 4096 + 27904 = 344960; no GPU, so no pinned buffers
+    need = WEIGHTS + 2 * KV + WS_CPU  # 312960 + 4352 + 27904 = 345216; no GPU, so no pinned buffers
     p = plan(spec, tiny_hw(vram_bytes=0), Budget(0, need, margin_frac=0), WORKLOAD)
     cpu = p.tier("cpu")
     assert (cpu.weights_bytes, cpu.kv_bytes, cpu.workspace_bytes, cpu.pinned_bytes) == (WEIGHTS, 2 * KV, WS_CPU, 0)
-    assert cpu.total_bytes == need == 344_960 and p.tier("gpu").total_bytes == 0
+    assert cpu.total_bytes == need == 345_216 and p.tier("gpu").total_bytes == 0
     assert all(u.weight_tier == "cpu" and u.prefill == u.decode == "cpu" for u in p.units)
     assert [u.kv_bytes for u in p.units if u.kind == "experts"] == [0, 0]
     with pytest.raises(PlanError, match=r"raise --cpu-memory by 1 B to hold every weight in RAM"):
@@ -74,11 +76,11 @@ def test_cpu_only_moe_fits_to_the_byte_and_fails_one_byte_below():
 
 def test_all_resident_moe_fits_to_the_byte_and_leaves_the_embedding_one_byte_below():
     spec = spec_from_config(TINY_MOE)
-    need = WEIGHTS + 2 * KV + WS_GPU  # 312960 + 4096 + 15616 = 332672
+    need = WEIGHTS + 2 * KV + WS_GPU  # 312960 + 4352 + 15616 = 332928
     p = plan(spec, SLOW_CPU, Budget(need, 10**6, margin_frac=0), WORKLOAD)
     gpu = p.tier("gpu")
     assert (gpu.weights_bytes, gpu.kv_bytes, gpu.workspace_bytes, gpu.staging_bytes) == (WEIGHTS, 2 * KV, WS_GPU, 0)
-    assert gpu.total_bytes == need == 332_672 and p.tier("cpu").pinned_bytes == HOP_BUFFERS
+    assert gpu.total_bytes == need == 332_928 and p.tier("cpu").pinned_bytes == HOP_BUFFERS
     assert p.moe_summary == "attention 2/2 on GPU, experts 2/2 layers on GPU"
     below = plan(spec, SLOW_CPU, Budget(need - 1, 10**6, margin_frac=0), WORKLOAD)
     assert [u.name for u in below.units if u.weight_tier != "gpu"] == ["embed"]  # last in the residency order
@@ -88,17 +90,17 @@ def test_all_resident_moe_fits_to_the_byte_and_leaves_the_embedding_one_byte_bel
 def test_staging_slots_sized_for_attention_parts_when_experts_slots_do_not_fit():
     """Two slots of an experts unit (2 x 98816) do not fit, two of an attention part do: attention parts stream
     and the experts compute on the CPU. Workspace, two layer slots and both layers' KV (the KV of a layer that
-    streams in decode lives on the GPU): 15616 + 2 * 24832 + 2 * 2048 = 69376. One byte less leaves room for
+    streams in decode lives on the GPU): 15616 + 2 * 24832 + 2 * 2176 = 69632. One byte less leaves room for
     one layer's KV only, so layer.1 decodes on the CPU."""
     spec = spec_from_config(TINY_MOE)
-    p = plan(spec, SLOW_CPU, Budget(69_376, 10**6, margin_frac=0), WORKLOAD)
+    p = plan(spec, SLOW_CPU, Budget(69_632, 10**6, margin_frac=0), WORKLOAD)
     assert [(u.name, u.decode) for u in p.units if u.decode != "cpu"] == [("layer.0", "stream"), ("layer.1", "stream")]
     assert all(u.prefill == u.decode == "cpu" for u in p.units if u.kind == "experts")
     assert p.staging_slot_bytes == LAYER and p.prefetch_depth == 2
-    assert p.tier("gpu").total_bytes == 69_376
-    below = plan(spec, SLOW_CPU, Budget(69_375, 10**6, margin_frac=0), WORKLOAD)
+    assert p.tier("gpu").total_bytes == 69_632
+    below = plan(spec, SLOW_CPU, Budget(69_631, 10**6, margin_frac=0), WORKLOAD)
     assert [(u.name, u.decode) for u in below.units if u.decode != "cpu"] == [("layer.0", "stream")]
-    assert below.unit("layer.1").kv_tier == "cpu" and below.tier("gpu").total_bytes == 69_376 - KV
+    assert below.unit("layer.1").kv_tier == "cpu" and below.tier("gpu").total_bytes == 69_632 - KV
 
 
 def test_the_hand_over_to_the_experts_moves_twice_the_hidden_state():

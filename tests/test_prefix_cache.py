@@ -15,7 +15,7 @@ from offload.engine import Engine, run_to_end
 from offload.errors import ConfigError
 from offload.generate import Generator
 from offload.planner.placement import Placement
-from offload.prefix_cache import BLOCK_TOKENS, Kept, PrefixCache
+from offload.prefix_cache import BLOCK_TOKENS, Kept, PrefixCache, block_names
 from offload.runtime.backends.sim import SimBackend
 from offload.runtime.executor import PlacedModel
 from offload.sequence import Sequence
@@ -64,9 +64,9 @@ def _turns(engine: Engine, prompts: list[list[int]], **kw) -> list[Sequence]:
 
 
 def _check_pool(engine: Engine) -> None:
-    """Every slot is free or in a kept run once nothing runs, and no two kept runs overlap."""
-    runs = sorted((k.base, k.n_slots) for k in engine.prefix.kept if k.base is not None)
-    assert all(a + n <= b for (a, n), (b, _) in zip(runs, runs[1:]))
+    """Every block is free or in a kept run once nothing runs, and no block is in two places."""
+    blocks = [b for k in engine.prefix.kept if k.slots is not None for b in k.slots] + engine.pool.free
+    assert len(blocks) == len(set(blocks))
     assert engine.pool.n_free + engine.prefix.pool_slots == engine.capacity
 
 
@@ -109,13 +109,14 @@ def test_requests_sharing_a_prefix_wait_for_its_prefill_instead_of_computing_it(
 
 def test_a_full_pool_evicts_kept_runs_least_recently_used_first_and_the_host_tier_gives_them_back(llm):
     prompts = [_ids(40, 20 + i) for i in range(5)]
-    want = [s.output_ids for s in _turns(Engine(_generator(llm.model, on=False), kv_slots=100), prompts)]
+    want = [s.output_ids for s in _turns(Engine(_generator(llm.model, on=False), kv_slots=96), prompts)]
     for host_bytes in (0, 1 << 20):
-        engine = Engine(_generator(llm.model, host_bytes=host_bytes), kv_slots=100)  # two requests' extents
+        engine = Engine(_generator(llm.model, host_bytes=host_bytes), kv_slots=96)  # two requests' extents
         first = _turns(engine, prompts)
         _check_pool(engine)
         assert [s.output_ids for s in first] == want
-        assert len([k for k in engine.prefix.kept if k.base is not None]) <= 2
+        newest = [engine.prefix.index.get(name, (None,))[0] for p in prompts[3:] for name in block_names(p, 2)]
+        assert all(k is not None and k.slots is not None for k in newest)  # the two newest runs stay whole
         # the oldest prompts were evicted: without a host tier they are computed again, with one they are copied
         again = _turns(engine, prompts[:2])
         assert [s.output_ids for s in again] == want[:2]
@@ -132,7 +133,7 @@ def test_a_run_a_hit_copies_from_is_not_evicted_for_its_extent(llm):
     kept.pins = 1
     assert cache.alloc(10) is None and kept in cache.kept  # pinned: kept, and nothing to give
     kept.pins = 0
-    assert cache.alloc(10) == 0 and not cache.kept
+    assert cache.alloc(10) == [0] and not cache.kept
 
 
 def test_eviction_takes_the_deepest_blocks_of_a_run_first_and_keeps_its_head(llm):
@@ -147,11 +148,11 @@ def test_eviction_takes_the_deepest_blocks_of_a_run_first_and_keeps_its_head(llm
         for kept in (old, new):
             for i, name in enumerate(kept.names):
                 cache.index[name] = (kept, kept.first + i)
-        assert cache.alloc(16) == 32  # the old run's third block, not the newer run nor the old run's head
-        assert old.names == [b"a", b"b"] and old.base == 0 and new.base == 48
+        assert cache.alloc(16) == [32]  # the old run's third block, not the newer run nor the old run's head
+        assert old.names == [b"a", b"b"] and old.slots == [0, 16] and new.slots == [48]
         assert cache.index[b"a"] == (old, 0) and cache.index[b"b"] == (old, 1)
         tail = cache.index.get(b"c", (None, -1))
-        assert (tail[0] is not None and tail[0].base is None and tail[1] == 2) == bool(host)
+        assert (tail[0] is not None and tail[0].slots is None and tail[1] == 2) == bool(host)
 
 
 def test_the_strict_simulated_gpu_takes_hits_in_its_own_cache(folder, llm):
@@ -214,7 +215,7 @@ def test_llm_calls_take_what_earlier_calls_left_in_the_host_tier(folder):
         assert first.num_cached_tokens == 0
         assert second.num_cached_tokens == (3 * BLOCK_TOKENS if host != "0" else 0)
         carried = llm.generator.prefix_carried
-        assert all(k.base is None for k in carried) and bool(carried) == (host != "0")
+        assert all(k.slots is None for k in carried) and bool(carried) == (host != "0")
 
 
 def test_a_batch_feeds_requests_that_begin_alike_side_by_side():

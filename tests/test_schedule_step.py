@@ -15,7 +15,8 @@ from offload.sequence import Sequence
 def _seq(rid, prompt_len: int, n_cached: int, outputs=(), base: int = 0, **params) -> Sequence:
     seq = Sequence(rid, list(range(100 + 10 * len(str(rid)), 100 + 10 * len(str(rid)) + prompt_len)),
                    SamplingParams(max_tokens=8, **params), output_ids=list(outputs))
-    seq.base, seq.n_cached, seq.extent, seq.ring = base, n_cached, prompt_len + 8, base // 10 + 1
+    seq.n_cached, seq.extent, seq.ring = n_cached, prompt_len + 8, base // 10 + 1
+    seq.blocks = [base + 16 * i for i in range(4)]  # one run of blocks from slot base (more than it reaches)
     return seq
 
 
@@ -101,7 +102,7 @@ def test_n_samples_take_the_prompts_row_and_its_cache_when_the_prompt_ends():
     first = _seq("r", 6, 0, base=0, n=3, temperature=1.0)
     first.fork()
     for i, other in enumerate(first.samples[1:], 1):
-        other.base, other.extent = 20 * i, first.extent
+        other.blocks, other.extent = [20 * i + 16 * j for j in range(4)], first.extent
     step = schedule_step(first.samples, step_tokens=16)
     assert step.chunks == ((first, 6),)  # the other samples wait for the first one's prefill
     assert step.samples == ((first, 5), (first.samples[1], 5), (first.samples[2], 5))

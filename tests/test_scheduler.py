@@ -64,22 +64,27 @@ def test_a_mixed_step_is_one_pass_over_the_weights(tiny_dir):
     assert [s.n_tokens for s in layer0] == [s.n_tokens for s in steps]
 
 
-def test_the_pool_hands_out_slots_by_need():
-    pool = KVPool(100)
+def test_the_pool_hands_out_blocks_by_need_wherever_they_were_freed():
+    """Slots are handed out in whole blocks of 16, the lowest free first; blocks freed apart serve one request."""
+    pool = KVPool(160)
     a, b, c = pool.alloc(30), pool.alloc(50), pool.alloc(20)
-    assert (a, b, c) == (0, 30, 80) and pool.alloc(1) is None
-    pool.release(b, 50)
-    assert pool.alloc(60) is None and pool.alloc(40) == 30
-    pool.release(a, 30)
-    pool.release(30, 40)
-    assert pool.free == [(0, 80)] and pool.n_free == 80
+    assert (a, b, c) == ([0, 16], [32, 48, 64, 80], [96, 112]) and pool.n_free == 32
+    assert pool.alloc(33) is None and pool.n_free == 32  # a failed alloc takes nothing
+    pool.release(a)
+    pool.release(c)
+    assert pool.alloc(80) == [0, 16, 96, 112, 128] and pool.n_free == 16
+    with pytest.raises(ValueError, match="twice"):
+        pool.release([144, 144])
+    with pytest.raises(ValueError, match="whole blocks"):
+        KVPool(100)
 
 
 def test_short_sequences_share_the_pool_and_long_ones_wait(tiny_dir):
-    """With room for 60 KV slots, prompts needing 19 slots run three at a time; a 63-slot one runs alone."""
+    """With room for 6 blocks of 16 KV slots, prompts needing 19 slots (2 blocks) run three at a time; a 63-slot one
+    (4 blocks) runs alone in a pool of 4."""
     llm = LLM(str(tiny_dir), quantization="q8_0", backend="cpu", max_model_len=64)
     prompts = _prompts([10] * 6)
-    out, steps = _run(llm, prompts, [10] * 6, max_batch_size=8, kv_tokens=61)
+    out, steps = _run(llm, prompts, [10] * 6, max_batch_size=8, kv_tokens=97)
     assert max(s.n_seqs for s in steps) == 3 and all(len(o) == 10 for o in out)
     out, steps = _run(llm, _prompts([60, 4]), [4, 4], max_batch_size=8, kv_tokens=64)
     assert max(s.n_seqs for s in steps) == 1

@@ -42,11 +42,11 @@ def test_following_the_advice_makes_the_plan_fit(cpu_mib):
 
 
 def test_short_by_is_exact_and_the_advice_rounds_up():
-    """259.93 MiB needed of 100 MiB (weights all on disk; the read-ahead arena holds two layers, and the page
-    cache in flight 24 MiB): short by 159.93 MiB; raising RAM by 168.36 MiB (the 5% margin is taken from the
-    budget: 0.95 x 268.36 = 254.94, what the placement needs besides it) and the disk by the weights spilled is
+    """259.98 MiB needed of 100 MiB (weights all on disk; the read-ahead arena holds two layers, and the page
+    cache in flight 24 MiB): short by 159.98 MiB; raising RAM by 168.40 MiB (the 5% margin is taken from the
+    budget: 0.95 x 268.40 = 254.98, what the placement needs besides it) and the disk by the weights spilled is
     what fits."""
-    with pytest.raises(PlanError, match=r"short by 159\.93 MiB.*or by 168\.36 MiB with --disk-memory by 6\d\d\.\d\d MiB"):
+    with pytest.raises(PlanError, match=r"short by 159\.98 MiB.*or by 168\.40 MiB with --disk-memory by 6\d\d\.\d\d MiB"):
         _plan(100 * MIB)
 
 

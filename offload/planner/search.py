@@ -79,9 +79,9 @@ class Search(StreamChoice, HostMemory):
         self.w = self._per_unit(lambda u: u.nbytes(fmt, compute))
         self.stored = self._per_unit(lambda u: "+".join(u.held_formats(fmt, compute)))
         self.buf = self._per_unit(lambda u: u.buffer_bytes(fmt, compute))  # what a slot or read buffer holds
-        self.kv = self._per_unit(lambda u: spec.layer_kv_bytes(workload.batch_size, workload.seq_len,
+        self.kv = self._per_unit(lambda u: spec.pool_kv_bytes(workload.batch_size, workload.seq_len,
                                                                workload.kv_elem_bytes, u.index)
-                                 if u.kind == "layer" else 0)  # a ring layer's by its ring
+                                 if u.kind == "layer" else 0)  # a ring layer's by its ring, any other's in blocks
         self.phase = dict(zip(PHASES, phases_for(workload.batch_size, workload.prompt_len, workload.gen_len,
                                                  workload.prefill_pass_tokens)))
         self.cost = {p: self._per_unit(lambda u, ph=ph: unit_cost(spec, u, fmt, hw, ph, compute))

@@ -217,7 +217,7 @@ class EngineThread:
         """End requests with an error: those of a step that raised (admitted_only: they leave the engine at the
         next step), or every one in flight."""
         with self._lock:
-            failed = [s for s in self._streams.values() if s.seq.base >= 0 or not admitted_only]
+            failed = [s for s in self._streams.values() if s.seq.admitted or not admitted_only]
             for stream in failed:
                 del self._streams[stream.seq.request_id]
         for stream in failed:
