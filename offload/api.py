@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from offload.attention_sizes import pool_tokens
 from offload.errors import ConfigError
-from offload.formats import compute_format, torch_dtype
+from offload.formats import compute_format, kv_format, torch_dtype
 from offload.engine import run_to_end
 from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
@@ -101,9 +101,9 @@ class LLM:
                  disk_dir: str | None = None, max_batch_size: int | None = None,
                  speculative_config: dict | None = None, prefix_cache: dict | None = None, **options):
         """options: the plan's options by their outside names (offload/options.py, the same as the job YAML's
-        and the flags': quantization, dtype, max_model_len, hardware, backend, gpu_memory, cpu_memory (the whole
-        process, as memory.cpu), disk_memory, host_baseline, batch_size, prefetch_depth, prefill_chunk_tokens,
-        max_tokens). max_batch_size is the old name of batch_size. speculative_config: the job YAML's
+        and the flags': quantization, dtype, kv_cache_dtype, max_model_len, hardware, backend, gpu_memory,
+        cpu_memory (the whole process, as memory.cpu), disk_memory, host_baseline, batch_size, prefetch_depth,
+        prefill_chunk_tokens, max_tokens). max_batch_size is the old name of batch_size. speculative_config: the job YAML's
         `speculative` section as a dict (vLLM's name), e.g. {"method": "ngram", "num_speculative_tokens": 4};
         prefix_cache: the job YAML's `prefix_cache` section as a dict (enable_prefix_caching and
         prefix_cache_host_memory are its fields' keywords)."""
@@ -173,7 +173,8 @@ class LLM:
             self.max_batch_size = max_seqs = request.schedule.batch_size or DEFAULT_MAX_BATCH_SIZE
         dtype = torch_dtype(compute)
         source = weight_source(self.path, self.spec, dtype, request.model.quantization)
-        self.model = PlacedModel(self.spec, source, placement, self.backend, dtype, disk_dir)
+        self.model = PlacedModel(self.spec, source, placement, self.backend, dtype, disk_dir,
+                                 kv_dtype=torch_dtype(kv_format(request.model.kv_cache_dtype, compute)))
         self.tokenizer = load_tokenizer(self.path)
         self.max_model_len = request.context_len(self.spec)
         self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_seqs, self.max_model_len,

@@ -18,7 +18,7 @@ from pydantic import (AfterValidator, BaseModel, BeforeValidator, ConfigDict, Fi
                       model_validator)
 
 from offload.errors import ConfigError
-from offload.formats import DTYPES, QUANTIZATIONS
+from offload.formats import DTYPES, KV_DTYPES, QUANTIZATIONS
 from offload.hardware import HardwareProfile, parse_size
 from offload.reasoning import HARMONY_PARSER, THINK_PARSERS
 from offload.tool_parsers import AUTO_PARSERS
@@ -96,6 +96,11 @@ class ModelOptions(Section):
                                     name="dtype", cli="plan")
     max_model_len: Whole | None = option(None, "tokens per sequence the KV cache holds (default 2048, at most the "
                                          "model's context)", name="max_model_len", cli="plan", unit="tokens", ge=2)
+    kv_cache_dtype: Literal[KV_DTYPES] = option("auto", "KV cache format (llama.cpp's --cache-type-k, vLLM's "
+                                                "--kv-cache-dtype): auto keeps the compute format; bf16 halves an "
+                                                "fp32 (CPU) cache's memory and what each decode step reads; the CPU's "
+                                                "fused layer reads fp32 and bf16 caches, an fp16 one runs the "
+                                                "slower reference math", name="kv_cache_dtype", cli="plan")
 
 
 class HardwareOptions(Section):

@@ -130,9 +130,10 @@ def simulate(request: PlanRequest, decode_steps: int = DEFAULT_DECODE_STEPS, tra
     wl = plan.workload
     dtype = torch_dtype(wl.compute_format)
     backend = SimBackend(hw, capacity_bytes=max(plan.budget.gpu_bytes, 0),
-                         timed=TimedCosts(spec, hw, plan.weight_format, wl.compute_format))
+                         timed=TimedCosts(spec, hw, plan.weight_format, wl.compute_format, wl.kv_format))
     placement = Placement.from_plan(plan)
-    model = PlacedModel(spec, MetaSource(spec, dtype, request.model.quantization), placement, backend, dtype)
+    model = PlacedModel(spec, MetaSource(spec, dtype, request.model.quantization), placement, backend, dtype,
+                        kv_dtype=torch_dtype(wl.cache_format))
     params = SamplingParams(max_tokens=decode_steps + 1, temperature=0, ignore_eos=True)
     prompt_len = prompt_len or wl.prompt_len
     if prompt_len > wl.seq_len:

@@ -17,6 +17,7 @@ offload's ratio against llama.cpp for each row.
   python scripts/bench_cpu_decode.py --smoke    # a tiny random folder, 16- and 32-token prompts, 4 tokens: seconds
   python scripts/bench_cpu_decode.py --model model.Q4_K_M.gguf
   python scripts/bench_cpu_decode.py --model path/to/llama-folder --prompt-lens 200,2000 --repeats 2
+  python scripts/bench_cpu_decode.py --model model.gguf --kv-cache-dtype bf16   # a 16-bit KV cache, as llama.cpp's
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ def prompt_ids(n: int, vocab: int) -> list[int]:
 class OffloadRunner:
     """offload with every block computed on the CPU, loaded once; run(ids) times one prompt and its decode."""
 
-    def __init__(self, model: str, quantization: str, prompts: list[list[int]], n_decode: int):
+    def __init__(self, model: str, quantization: str, prompts: list[list[int]], n_decode: int,
+                 kv_cache_dtype: str = "auto"):
         longest = max(len(p) for p in prompts) + n_decode + 8
         self.llm = LLM(model, quantization=quantization, backend="cpu", batch_size=1,
-                       placement=_all_cpu(model), max_model_len=longest)
+                       placement=_all_cpu(model), max_model_len=longest, kv_cache_dtype=kv_cache_dtype)
         self.params = SamplingParams(max_tokens=n_decode, temperature=0, ignore_eos=True)
         for ids in prompts:
             self.llm.generate({"prompt_token_ids": ids}, self.params)  # warm-up
@@ -132,11 +134,11 @@ def _medians(runs: list[tuple[float, float]]) -> tuple[float, float]:
 
 
 def alternate(offload_model: str, quantization: str, gguf: str | None, prompts: list[list[int]], n_decode: int,
-              threads: int, repeats: int):
+              threads: int, repeats: int, kv_cache_dtype: str = "auto"):
     """(ours, theirs): per prompt, median (prefill tok/s, decode tok/s) of offload and of llama.cpp on the GGUF file
     (theirs None without llama-cpp-python, a failed run or gguf None). The two tools alternate, one run each per
     repeat: this machine's speed drifts over minutes."""
-    runner = OffloadRunner(offload_model, quantization, prompts, n_decode)
+    runner = OffloadRunner(offload_model, quantization, prompts, n_decode, kv_cache_dtype)
     mine: list[list[tuple[float, float]]] = [[] for _ in prompts]
     theirs: list[list[tuple[float, float]]] = [[] for _ in prompts]
     try:
@@ -189,6 +191,8 @@ def main() -> None:
     ap.add_argument("--prompt-lens", default="200,2000", help="prompt lengths in tokens, comma-separated")
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp32"],
+                    help="offload's KV cache (auto: the compute format, fp32 on the CPU; llama.cpp keeps f16)")
     ap.add_argument("--smoke", action="store_true", help="a tiny random Hugging Face folder, short prompts: seconds")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -213,7 +217,8 @@ def main() -> None:
               f"median of {args.repeats}")
         has_llama_cpp = importlib.util.find_spec("llama_cpp") is not None
         for label, offload_model, quant, gguf in rows:
-            ours, ref = alternate(offload_model, quant, gguf, prompts, args.decode_tokens, args.threads, args.repeats)
+            ours, ref = alternate(offload_model, quant, gguf, prompts, args.decode_tokens, args.threads, args.repeats,
+                                  args.kv_cache_dtype)
             for i, n in enumerate(lengths):
                 pre, dec = ours[i]
                 line = f"offload {label:16s} {n:5d}-token prompt: prefill {pre:8.1f} tok/s, decode {dec:7.1f} tok/s"

@@ -159,6 +159,7 @@ QUANTIZATIONS = ("none",) + tuple(QUANT_BLOCK_BYTES)  # the user option; none ke
 DTYPE_ALIASES = {"fp32": "fp32", "float32": "fp32", "bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16",
                  "float16": "fp16"}
 DTYPES = ("auto",) + tuple(DTYPE_ALIASES)  # what LLM(dtype=...) and model.dtype accept
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16")  # what LLM(kv_cache_dtype=...) and model.kv_cache_dtype accept
 _TORCH_NAMES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -190,6 +191,15 @@ def compute_format(dtype: str, has_gpu: bool) -> str:
 
         raise ConfigError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
     return DTYPE_ALIASES[dtype]
+
+
+def kv_format(kv_cache_dtype: str, compute: str) -> str:
+    """The KV cache's format for a kv_cache_dtype option: 'auto' is the compute format."""
+    if kv_cache_dtype not in KV_DTYPES:
+        from offload.errors import ConfigError
+
+        raise ConfigError(f"kv_cache_dtype {kv_cache_dtype!r} is not supported; use one of {', '.join(KV_DTYPES)}")
+    return compute if kv_cache_dtype == "auto" else kv_cache_dtype
 
 
 def weight_format(quantization: str, compute: str) -> str:

@@ -173,13 +173,14 @@ def cost_kin(spec: ModelSpec, unit: UnitSpec) -> tuple:
 
 
 def unit_cost(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase: Phase,
-              compute: str = "fp16") -> UnitCost:
-    """Cost of one unit in one phase step with weights stored in fmt, activations and KV in compute.
+              compute: str = "fp16", kv: str = "") -> UnitCost:
+    """Cost of one unit in one phase step with weights stored in fmt, activations in compute and KV in kv ("": in
+    compute).
 
     An experts unit computed where its weights are (the CPU, or the GPU once resident or copied) reads only the
     experts its tokens are routed to; a copy to the GPU or a disk read moves all of them (the routing is not known
     when the copy is issued ahead)."""
-    kv_elem_bytes = FLOAT_FORMATS[compute]
+    kv_elem_bytes = FLOAT_FORMATS[kv or compute]
     if unit.kind == "lm_head":  # copied and read in the passes that sample only
         phase = replace(phase, n_passes=phase.logit_passes)
     w_bytes = unit.nbytes(fmt, compute)

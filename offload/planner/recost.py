@@ -42,7 +42,8 @@ def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> di
             for u in units:
                 key = (cost_kin(spec, u), phase)
                 if key not in unit_memo:
-                    unit_memo[key] = unit_cost(spec, u, plan.weight_format, hw, phase, plan.workload.compute_format)
+                    unit_memo[key] = unit_cost(spec, u, plan.weight_format, hw, phase, plan.workload.compute_format,
+                                               plan.workload.kv_format)
                 costs.append(unit_memo[key])
             step_memo[phase] = price_step(spec, hw, phase, costs, kinds, modes[phase.name], modes["decode"], weight,
                                           plan.prefetch_depth, path, steady=phase.name == "decode",

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, replace
 
 from offload.baseline import recorded_baseline_bytes
 from offload.errors import ConfigError, PlanError
-from offload.formats import AS_STORED, compute_format, weight_format
+from offload.formats import AS_STORED, compute_format, kv_format, weight_format
 from offload.options import (PLAN_SECTIONS, HardwareOptions, MemoryOptions, ModelOptions, ScheduleOptions, default_of,
                              request_sections)
 from offload.hardware import (HardwareProfile, as_pageable, default_hardware, format_bytes, load_hardware,
@@ -111,9 +111,11 @@ class PlanRequest:
         if total < 2:
             raise ConfigError(f"max_model_len must be at least 2, found {self.model.max_model_len}")
         gen = min(self.max_tokens, total - 1)
+        compute = self.compute_format(hw)
+        kv = kv_format(self.model.kv_cache_dtype, compute)
         return Workload(batch_size=self.schedule.batch_size or 1, prompt_len=total - gen, gen_len=gen,
-                        prefill_chunk_tokens=self.schedule.prefill_chunk_tokens,
-                        compute_format=self.compute_format(hw))
+                        prefill_chunk_tokens=self.schedule.prefill_chunk_tokens, compute_format=compute,
+                        kv_format="" if kv == compute else kv)
 
 
 PAGE_CACHE_ROUNDING = 256 << 20

@@ -84,7 +84,8 @@ class Search(StreamChoice, HostMemory):
                                  if u.kind == "layer" else 0)  # a ring layer's by its ring, any other's in blocks
         self.phase = dict(zip(PHASES, phases_for(workload.batch_size, workload.prompt_len, workload.gen_len,
                                                  workload.prefill_pass_tokens)))
-        self.cost = {p: self._per_unit(lambda u, ph=ph: unit_cost(spec, u, fmt, hw, ph, compute))
+        kv = workload.kv_format
+        self.cost = {p: self._per_unit(lambda u, ph=ph: unit_cost(spec, u, fmt, hw, ph, compute, kv))
                      for p, ph in self.phase.items()}
         # Plain float lists per phase: the search reads them many times.
         self.gpu_s = {p: [c.gpu_s for c in cs] for p, cs in self.cost.items()}

@@ -45,7 +45,7 @@ def plan_table(plan) -> str:
     """The plan as text: units, tiers, predicted phases and the greppable summary line."""
     wl = plan.workload
     lines = [f"plan: {plan.model} ({plan.weight_format}) on {plan.hardware}: batch {wl.batch_size}, "
-             f"prompt {wl.prompt_len}, generate {wl.gen_len}", ""]
+             f"prompt {wl.prompt_len}, generate {wl.gen_len}, KV cache {wl.cache_format}", ""]
     lines += _grid(("unit", "n", "stored", "weights/unit", "tier", "prefill", "decode", "kv/unit", "kv tier"),
                    _unit_rows(plan))
     lines.append("")

@@ -69,15 +69,16 @@ class Workload:
     prefill_chunk_tokens: int = DEFAULT_PREFILL_CHUNK_TOKENS  # tokens one layer computes at once in prefill
     prefill_pass_tokens: int = DEFAULT_PREFILL_PASS_TOKENS  # padded tokens per prefill pass over the weights
     compute_format: str = "fp16"  # activations, the KV cache, and the weights a quantization leaves unquantized
+    kv_format: str = ""  # the KV cache's, where it differs from compute_format (kv_cache_dtype); "": the same
 
     def __post_init__(self):
         for name in ("batch_size", "prompt_len", "gen_len", "prefill_chunk_tokens", "prefill_pass_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"workload {name} must be a whole number of 1 or more, "
                                   f"found {getattr(self, name)!r}")
-        if self.compute_format not in FLOAT_FORMATS:
-            raise ConfigError(f"workload compute_format {self.compute_format!r} is not supported; "
-                              f"use fp16, bf16 or fp32")
+        for name in ("compute_format", "kv_format"):
+            if getattr(self, name) not in FLOAT_FORMATS and (name == "compute_format" or self.kv_format):
+                raise ConfigError(f"workload {name} {getattr(self, name)!r} is not supported; use fp16, bf16 or fp32")
 
     @property
     def seq_len(self) -> int:
@@ -85,7 +86,12 @@ class Workload:
 
     @property
     def kv_elem_bytes(self) -> int:
-        return FLOAT_FORMATS[self.compute_format]
+        return FLOAT_FORMATS[self.cache_format]
+
+    @property
+    def cache_format(self) -> str:
+        """The KV cache's format."""
+        return self.kv_format or self.compute_format
 
 
 @dataclass(frozen=True)

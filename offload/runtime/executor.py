@@ -43,9 +43,12 @@ class PlacedModel:
     """A model whose units sit where a Placement says; same interface as the resident Model."""
 
     def __init__(self, spec: ModelSpec, source, placement: Placement, backend: Backend,
-                 dtype: torch.dtype = torch.float32, disk_dir: str | Path | None = None, fuse: bool | None = None):
-        """fuse: run host-RAM layers through the fused C++ layer (None: wherever the kernels and dtype allow)."""
+                 dtype: torch.dtype = torch.float32, disk_dir: str | Path | None = None, fuse: bool | None = None,
+                 kv_dtype: torch.dtype | None = None):
+        """fuse: run host-RAM layers through the fused C++ layer (None: wherever the kernels and dtype allow);
+        kv_dtype: the KV cache's (None: dtype's)."""
         self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
+        self.kv_dtype = kv_dtype or dtype
         fuse = backend.computes and fused.FUSABLE and dtype in fused.ACTIVATIONS if fuse is None else fuse
         fuse = fuse and fused.runs_math_of(spec)  # a family whose math the C++ layer lacks: the reference math
         self.units = spec.units()
@@ -131,7 +134,7 @@ class PlacedModel:
         for i in range(s.n_layers):
             tier = self.placement[f"layer.{i}"].kv or "cpu"
             device = self.backend.meta_or(self.backend.device if tier == "gpu" else "cpu")
-            kv = layer_cache(s, i, batch, max_len, self.dtype, device, n_rings)
+            kv = layer_cache(s, i, batch, max_len, self.kv_dtype, device, n_rings)
             self.backend.track(tier, kv.nbytes)
             self._kv_bytes[tier] = self._kv_bytes.get(tier, 0) + kv.nbytes
             cache.append(kv)

@@ -120,8 +120,9 @@ class _Stream:
 class TimedCosts:
     """Seconds each block takes in a timed simulation, and the shapes it returns, from the cost model."""
 
-    def __init__(self, spec: ModelSpec, hw: HardwareProfile, weight_format: str, compute_format: str):
-        self.spec, self.hw, self.fmt, self.compute = spec, hw, weight_format, compute_format
+    def __init__(self, spec: ModelSpec, hw: HardwareProfile, weight_format: str, compute_format: str,
+                 kv_format: str = ""):
+        self.spec, self.hw, self.fmt, self.compute, self.kv = spec, hw, weight_format, compute_format, kv_format
         self.units = {u.name: u for u in spec.units()}
         self._memo: dict = {}
 
@@ -138,7 +139,8 @@ class TimedCosts:
         unit = self.units[work.unit]
         key = (cost_kin(self.spec, unit), work.phase, work.n_tokens, work.n_seqs, work.n_keys)
         if key not in self._memo:
-            self._memo[key] = unit_cost(self.spec, unit, self.fmt, self.hw, self._phase(work), self.compute)
+            self._memo[key] = unit_cost(self.spec, unit, self.fmt, self.hw, self._phase(work), self.compute,
+                                          self.kv)
         return self._memo[key]
 
     @staticmethod
