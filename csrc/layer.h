@@ -135,4 +135,8 @@ void experts_forward(const ExpertsArgs& a);
 // a.path, a.nthreads, a.shape, a.N, a.cos, a.sin, a.tokens, a.sinks and the caches; nothing else.
 void attention_forward(const LayerArgs& a, float* qkv, float* att);
 
+// att [N, n_heads * head_dim]: each token's heads over its keys in the cache (attention.cpp); this step's K and V
+// already stored.
+void attention(const LayerArgs& a, const float* qkv, float* att);
+
 }  // namespace offload

@@ -55,16 +55,35 @@ def _steps(spec, tables, lengths):
     return prefill, decode
 
 
-def _fused_outputs(spec, tables, lengths, kv_dtype, path):
+def _fused_outputs(spec, tables, lengths, kv_dtype, path, sinks=None):
     """cached_attention's outputs of the prefill and the decode step (the same q, k, v whatever the tables)."""
     kv = LayerKV(1, spec.n_kv_heads, SLOTS, spec.head_dim, kv_dtype)
     view, outs = fused.kv_view(kv), []
     for i, step in enumerate(_steps(spec, tables, lengths)):
         n = step.positions.numel()
         qkv = torch.randn(n, spec.q_size + 2 * spec.kv_size, generator=torch.Generator().manual_seed(i)) * 2
-        outs.append(fused.cached_attention(spec, qkv, fused.step_table(spec, step, view), view, path)
+        outs.append(fused.cached_attention(spec, qkv, fused.step_table(spec, step, view), view, path, sinks=sinks)
                     .view(*step.positions.shape, -1)[step.valid])
     return outs, kv
+
+
+@pytest.mark.skipif(ACTIVE_PATH not in ("avx2", "avx512"), reason=f"the SIMD attention paths ({ACTIVE_PATH})")
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window,sinks", [(None, False), (None, True), (200, True)])
+def test_a_long_decode_split_between_threads_gives_the_per_query_loops_attention(kv_dtype, window, sinks):
+    """A decode step (one token per sequence) reads whole K and V rows in splits of its keys, one per thread, and
+    merges the splits' softmaxes (with the sink) after: with two threads and 290 keys each query's keys are split
+    in two, and the result is the scalar path's per-query loop's within 1e-5 x max |out|."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        spec = _spec(8, 2, 64, window)
+        tables, sink = _scattered(1, 19, seed=5), torch.linspace(-1, 3, 8) if sinks else None
+        got = _fused_outputs(spec, tables, [290], kv_dtype, ACTIVE_PATH, sink)[0][1]
+        want = _fused_outputs(spec, tables, [290], kv_dtype, "scalar", sink)[0][1]
+    finally:
+        torch.set_num_threads(threads)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
 
 @pytest.mark.skipif(not fused.FUSABLE, reason=f"the fused layer needs the C++ extension ({ACTIVE_PATH})")

@@ -1,0 +1,345 @@
+// Attention over the KV cache for the fused layer (layer.cpp): each new token's heads over its keys [lo, hi], read
+// through its sequence's block table. The SIMD paths run blocked tiles with an online softmax (attention_tiles.inc):
+// a decode step (one token per sequence) in splits of its keys that read whole K and V rows in order, merged after
+// (flash-decoding's split-K); other steps by tiles of tokens and a KV head's query group. The scalar path, and head
+// sizes the tiles do not take, run one query at a time (the reference).
+#include "layer.h"
+
+#include <immintrin.h>
+#include <omp.h>
+
+// GCC 12's AVX-512 headers build some intrinsics on _mm512_undefined_*(), which -Wmaybe-uninitialized flags
+// (attention's 512-bit shuffles and extracts), as in qgemm_avx512.cpp.
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <type_traits>
+#include <vector>
+
+namespace offload {
+namespace {
+
+#define ALWAYS_INLINE inline __attribute__((always_inline))
+
+ALWAYS_INLINE float kv_at(const float* p, int64_t i) { return p[i]; }
+ALWAYS_INLINE float kv_at(const uint16_t* p, int64_t i) { return bf16_bits_to_f32(p[i]); }
+
+// What turns a query's sum of p_j * v_j into its output, p_j = e^(s_j - m) (m its scores' max, l their sum): 1 / (l +
+// e^(sink - m)). A sink (gpt-oss; none: -inf) is one more logit in the softmax's denominator, with no value; where it
+// is the larger, everything is taken relative to it instead (no e^(sink - m) to overflow).
+ALWAYS_INLINE float softmax_norm(float m, float l, float sink) {
+  if (!(sink > m)) return 1.f / (l + std::exp(sink - m));
+  const float c = std::exp(m - sink);
+  return c / (l * c + 1.f);
+}
+
+// out [dh] = softmax(q . k_j * scale | sink) @ v_j over n_keys keys spaced stride elements apart (KV: float or bf16
+// bits), the scores soft-capped to cap * tanh(s / cap) where cap > 0; sink: -inf for none.
+template <typename KV>
+ALWAYS_INLINE void attend_body(const float* q, const KV* k, const KV* v, int64_t stride, int64_t n_keys,
+                               int64_t dh, float scale, float cap, float sink, float* scores, float* out) {
+  float top = -INFINITY;
+  for (int64_t j = 0; j < n_keys; ++j) {
+    const KV* kj = k + j * stride;
+    float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t i = 0; i < dh; ++i) dot += q[i] * kv_at(kj, i);
+    scores[j] = cap > 0.f ? cap * std::tanh(dot * scale / cap) : dot * scale;
+    top = std::max(top, scores[j]);
+  }
+  float sum = 0.f;
+  for (int64_t j = 0; j < n_keys; ++j) sum += (scores[j] = std::exp(scores[j] - top));
+  std::fill(out, out + dh, 0.f);
+  for (int64_t j = 0; j < n_keys; ++j) {
+    const float p = scores[j];
+    const KV* vj = v + j * stride;
+#pragma omp simd
+    for (int64_t i = 0; i < dh; ++i) out[i] += p * kv_at(vj, i);
+  }
+  const float inv = softmax_norm(top, sum, sink);
+  for (int64_t i = 0; i < dh; ++i) out[i] *= inv;
+}
+
+template <typename KV>
+using AttendFn = void (*)(const float*, const KV*, const KV*, int64_t, int64_t, int64_t, float, float, float,
+                          float*, float*);
+
+template <typename KV>
+void attend_ref(const float* q, const KV* k, const KV* v, int64_t stride, int64_t n_keys, int64_t dh,
+                float scale, float cap, float sink, float* scores, float* out) {
+  attend_body(q, k, v, stride, n_keys, dh, scale, cap, sink, scores, out);
+}
+
+template <typename KV>
+__attribute__((target("avx2,fma"))) void attend_avx2(const float* q, const KV* k, const KV* v, int64_t stride,
+                                                      int64_t n_keys, int64_t dh, float scale, float cap, float sink,
+                                                      float* scores, float* out) {
+  attend_body(q, k, v, stride, n_keys, dh, scale, cap, sink, scores, out);
+}
+
+// ---- Blocked attention: a task is a tile of up to kTileTokens consecutive tokens of one sequence and one KV head,
+// with that head's whole GQA group of query heads: each key and value row is loaded once for all of the tile's
+// queries (attention_tiles.inc, compiled for AVX2 and for AVX-512).
+
+constexpr int kTileTokens = 4;
+constexpr int kMaxGroup = 16;  // query heads per KV head the blocked path takes (more: the per-query loop)
+constexpr int64_t kMaxBufferedDh = 256;  // head sizes a bf16 cache's tiles widen into buffers (more: per query)
+
+struct TileQuery {
+  const float* q;  // [dh], already scaled
+  int64_t lo, hi;  // keys seen, inclusive, as offsets from the row's key 0
+  float m, l;      // running max and sum of the online softmax
+  float* out;      // [dh] running sum of p * v
+  float cap;       // > 0: scores soft-capped to cap * tanh(s / cap)
+  float sink;      // one more logit in the denominator, with no value (gpt-oss); -inf: none
+};
+
+// Head h's sink, or -inf where the layer has none.
+ALWAYS_INLINE float sink_of(const LayerArgs& a, int64_t h) { return a.sinks != nullptr ? a.sinks[h] : -INFINITY; }
+
+// The first key a token sees: its table's, or later where the layer's own window cuts it (padding: key 0).
+ALWAYS_INLINE int64_t first_key(const LayerArgs& a, const int64_t* tok) {
+  return a.shape.window > 0 ? std::max(tok[kLo], tok[kHi] - a.shape.window + 1) : tok[kLo];
+}
+
+namespace avx2 {
+#define AFN __attribute__((target("avx2,fma"))) inline
+#define ATTN_PAIR_SCORES 0
+#include "attention_tiles.inc"
+#undef ATTN_PAIR_SCORES
+#undef AFN
+}  // namespace avx2
+
+namespace avx512 {
+#define AFN __attribute__((target("avx2,fma,avx512f,avx512vl"))) inline
+#define ATTN_PAIR_SCORES 1
+#include "attention_tiles.inc"
+#undef ATTN_PAIR_SCORES
+#undef AFN
+}  // namespace avx512
+
+// Tiles of attention_blocked: runs of up to kTileTokens consecutive tokens of the same cache row; the last entry
+// is N.
+std::vector<int64_t> tile_starts(const LayerArgs& a) {
+  std::vector<int64_t> start;
+  for (int64_t n = 0; n < a.N; ++n) {
+    const int64_t* tok = a.tokens + n * kTokenCols;
+    if (start.empty() || n - start.back() >= kTileTokens || a.tokens[start.back() * kTokenCols + kRowBase] != tok[kRowBase])
+      start.push_back(n);
+  }
+  start.push_back(a.N);
+  return start;
+}
+
+// attend_tile compiled for the head size (64 and 128 known at compile time) and the ISA.
+template <typename KV>
+void attend_tile_for(bool wide, TileQuery* qs, int nq, const KV* kc, const KV* vc, int64_t stride, int64_t k_lo,
+                     int64_t k_hi, int64_t dh, const int64_t* blk) {
+  if (dh == 64) (wide ? avx512::attend_tile<64, KV> : avx2::attend_tile<64, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
+  else if (dh == 128) (wide ? avx512::attend_tile<128, KV> : avx2::attend_tile<128, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
+  else (wide ? avx512::attend_tile<0, KV> : avx2::attend_tile<0, KV>)(qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
+}
+
+// One tile (tokens [n0, n1)) and KV head g: its queries scaled into qbuf, then attend_tile over their keys.
+void attend_task(const LayerArgs& a, const float* qkv, float* att, int64_t n0, int64_t n1, int64_t g, float* qbuf,
+                 TileQuery* qs) {
+  const LayerShape& s = a.shape;
+  const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh;
+  const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads;
+  const float scale = s.scale;
+  int64_t k_lo = INT64_MAX, k_hi = -1;
+  int nq = 0;
+  for (int64_t n = n0; n < n1; ++n) {
+    const int64_t* tok = a.tokens + n * kTokenCols;
+    const int64_t lo = first_key(a, tok);
+    k_lo = std::min(k_lo, lo);
+    k_hi = std::max(k_hi, tok[kHi]);
+    for (int64_t h = g * group; h < (g + 1) * group; ++h, ++nq) {
+      float* qv = qbuf + nq * dh;
+      const float* src = qkv + n * width + h * dh;
+      for (int64_t d = 0; d < dh; ++d) qv[d] = src[d] * scale;
+      qs[nq] = TileQuery{qv, lo, tok[kHi], 0.f, 0.f, att + n * q_size + h * dh, s.softcap, sink_of(a, h)};
+    }
+  }
+  const int64_t row_base = a.tokens[n0 * kTokenCols + kRowBase];
+  const int64_t* blk = a.blocks != nullptr ? a.blocks + row_base : nullptr;  // the tile's sequence's block table
+  const int64_t first = (blk ? 0 : row_base) * stride + g * dh;
+  if (a.kv_bf16) {
+    const uint16_t *kc = static_cast<const uint16_t*>(a.k_cache) + first,
+                   *vc = static_cast<const uint16_t*>(a.v_cache) + first;
+    attend_tile_for(a.path == P_AVX512, qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
+  } else {
+    const float *kc = static_cast<const float*>(a.k_cache) + first, *vc = static_cast<const float*>(a.v_cache) + first;
+    attend_tile_for(a.path == P_AVX512, qs, nq, kc, vc, stride, k_lo, k_hi, dh, blk);
+  }
+}
+
+// Keys x heads x head size of a step's attention: small ones run on the calling thread (a parallel region costs
+// a barrier, and a barrier costs a whole time slice when another process has taken one of the cores).
+bool attention_in_parallel(const LayerArgs& a, int64_t tasks) {
+  int64_t work = 0;
+  for (int64_t n = 0; n < a.N; ++n)
+    work += (a.tokens[n * kTokenCols + kHi] - first_key(a, a.tokens + n * kTokenCols) + 1) * a.shape.n_heads *
+            a.shape.head_dim;
+  return a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 18);
+}
+
+// att [N, n_heads * dh] by tiles of tokens x a KV head's query group (SIMD paths, dh a multiple of 8).
+void attention_blocked(const LayerArgs& a, const float* qkv, float* att) {
+  const LayerShape& s = a.shape;
+  const std::vector<int64_t> start = tile_starts(a);
+  const int64_t tasks = int64_t(start.size() - 1) * s.n_kv_heads, group = s.n_heads / s.n_kv_heads;
+#pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
+  {
+    Floats qbuf(size_t(kTileTokens * group * s.head_dim));
+    TileQuery qs[kTileTokens * kMaxGroup];
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const size_t tile = size_t(t / s.n_kv_heads);
+      attend_task(a, qkv, att, start[tile], start[tile + 1], t % s.n_kv_heads, qbuf.data(), qs);
+    }
+  }
+}
+
+// attend_rows compiled for the head size and the ISA.
+template <typename KV>
+void attend_rows_for(bool wide, TileQuery* qs, int per_head, int64_t n_kv, const KV* kc, const KV* vc, int64_t stride,
+                     int64_t j_lo, int64_t j_hi, int64_t dh, const int64_t* blk) {
+  if (dh == 64) (wide ? avx512::attend_rows<64, KV> : avx2::attend_rows<64, KV>)(qs, per_head, n_kv, kc, vc, stride, j_lo, j_hi, dh, blk);
+  else if (dh == 128) (wide ? avx512::attend_rows<128, KV> : avx2::attend_rows<128, KV>)(qs, per_head, n_kv, kc, vc, stride, j_lo, j_hi, dh, blk);
+  else (wide ? avx512::attend_rows<0, KV> : avx2::attend_rows<0, KV>)(qs, per_head, n_kv, kc, vc, stride, j_lo, j_hi, dh, blk);
+}
+
+constexpr int64_t kMinSplitKeys = 64;  // keys a split of decode attention reads at least
+
+// Whether every token of the step is its sequence's only one (a decode step without proposals).
+bool one_token_per_row(const LayerArgs& a) {
+  for (int64_t n = 1; n < a.N; ++n)
+    if (a.tokens[n * kTokenCols + kRowBase] == a.tokens[(n - 1) * kTokenCols + kRowBase]) return false;
+  return true;
+}
+
+// Task t = (token n, split sp) of attention_by_rows: every head of token n over its split of the keys (chunks of 8
+// from the first chunk's start, shared out in order); the unnormalized (m, l) of each head into ml, out into part.
+void attend_split(const LayerArgs& a, const float* qkv, int64_t n, int64_t sp, int64_t splits, float* part, float* ml,
+                  float* qbuf, TileQuery* qs) {
+  const LayerShape& s = a.shape;
+  const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh, width = q_size + 2 * stride;
+  const int64_t *tok = a.tokens + n * kTokenCols, lo = first_key(a, tok), hi = tok[kHi];
+  const int64_t start = a.blocks != nullptr ? (lo & ~int64_t(7)) : lo, per = ((hi - start) / 8 + splits) / splits;
+  const int64_t j_lo = start + sp * per * 8, j_hi = std::min(hi, j_lo + per * 8 - 1);
+  for (int64_t h = 0; h < s.n_heads; ++h) {
+    float* qv = qbuf + h * dh;
+    for (int64_t d = 0; d < dh; ++d) qv[d] = qkv[n * width + h * dh + d] * s.scale;
+    std::fill(part + h * dh, part + (h + 1) * dh, 0.f);
+    qs[h] = TileQuery{qv, lo, hi, -INFINITY, 0.f, part + h * dh, s.softcap, sink_of(a, h)};
+  }
+  const int64_t row_base = tok[kRowBase];
+  const int64_t* blk = a.blocks != nullptr ? a.blocks + row_base : nullptr;
+  const int64_t first = (blk ? 0 : row_base) * stride;
+  const int per_head = int(s.n_heads / s.n_kv_heads);
+  if (j_lo <= j_hi && a.kv_bf16)
+    attend_rows_for(a.path == P_AVX512, qs, per_head, s.n_kv_heads, static_cast<const uint16_t*>(a.k_cache) + first,
+                    static_cast<const uint16_t*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
+  else if (j_lo <= j_hi)
+    attend_rows_for(a.path == P_AVX512, qs, per_head, s.n_kv_heads, static_cast<const float*>(a.k_cache) + first,
+                    static_cast<const float*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
+  for (int64_t h = 0; h < s.n_heads; ++h) ml[2 * h] = qs[h].m, ml[2 * h + 1] = qs[h].l;
+}
+
+// att [N, n_heads * dh] of a decode step (one token per sequence): a task is one token's every head over a split of
+// its keys (flash-decoding's split-K, enough splits for every thread), reading whole K and V rows in order
+// (attend_rows); the splits' partial softmaxes are merged after, with the sink.
+void attention_by_rows(const LayerArgs& a, const float* qkv, float* att) {
+  const LayerShape& s = a.shape;
+  const int64_t dh = s.head_dim, heads = s.n_heads;
+  int64_t max_keys = 1;
+  for (int64_t n = 0; n < a.N; ++n)
+    max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - first_key(a, a.tokens + n * kTokenCols) + 1);
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((a.nthreads + a.N - 1) / a.N, max_keys / kMinSplitKeys));
+  const int64_t tasks = a.N * splits;
+  Floats part(size_t(tasks * heads * dh));
+  std::vector<float> ml(static_cast<size_t>(tasks * heads * 2));
+#pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
+  {
+    Floats qbuf(size_t(heads * dh));
+    std::vector<TileQuery> qs(static_cast<size_t>(heads));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t)
+      attend_split(a, qkv, t / splits, t % splits, splits, part.data() + t * heads * dh, ml.data() + t * heads * 2,
+                   qbuf.data(), qs.data());
+  }
+  for (int64_t n = 0; n < a.N; ++n)
+    for (int64_t h = 0; h < heads; ++h) {
+      float m = -INFINITY, l = 0.f;
+      for (int64_t sp = 0; sp < splits; ++sp) m = std::max(m, ml[((n * splits + sp) * heads + h) * 2]);
+      float* out = att + n * heads * dh + h * dh;
+      std::fill(out, out + dh, 0.f);
+      for (int64_t sp = 0; sp < splits; ++sp) {
+        const int64_t at = (n * splits + sp) * heads + h;
+        if (ml[2 * at] == -INFINITY) continue;  // a split this head's keys do not reach
+        const float w = std::exp(ml[2 * at] - m);
+        l += ml[2 * at + 1] * w;
+        const float* p = part.data() + at * dh;
+        for (int64_t d = 0; d < dh; ++d) out[d] += w * p[d];
+      }
+      const float inv = softmax_norm(m, l, sink_of(a, h));
+      for (int64_t d = 0; d < dh; ++d) out[d] *= inv;
+    }
+}
+
+// The per-query loop of attention (the scalar path's reference, and shapes the tiles do not take).
+template <typename KV>
+void attention_per_query(const LayerArgs& a, const float* qkv, float* att, const KV* k_cache, const KV* v_cache) {
+  const LayerShape& s = a.shape;
+  const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh;
+  const int64_t width = q_size + 2 * stride, group = s.n_heads / s.n_kv_heads;
+  int64_t max_keys = 1;
+  for (int64_t n = 0; n < a.N; ++n)
+    max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - first_key(a, a.tokens + n * kTokenCols) + 1);
+  const int64_t tasks = a.N * s.n_heads;
+  const AttendFn<KV> fn = a.path == P_SCALAR ? attend_ref<KV> : attend_avx2<KV>;
+#pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
+  {
+    std::vector<float> scores(static_cast<size_t>(max_keys));
+    std::vector<KV> keys, values;  // a block table's keys of one query, gathered into one run
+    if (a.blocks != nullptr) keys.resize(size_t(max_keys * dh)), values.resize(size_t(max_keys * dh));
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t n = t / s.n_heads, h = t % s.n_heads, *tok = a.tokens + n * kTokenCols;
+      const int64_t lo = first_key(a, tok), n_keys = tok[kHi] - lo + 1, head = (h / group) * dh;
+      const KV *kr = k_cache + (tok[kRowBase] + lo) * stride + head, *vr = v_cache + (tok[kRowBase] + lo) * stride + head;
+      int64_t row_stride = stride;
+      if (a.blocks != nullptr) {
+        const int64_t* blk = a.blocks + tok[kRowBase];
+        for (int64_t j = 0; j < n_keys; ++j) {
+          const int64_t at = (blk[(lo + j) / kKvBlock] + (lo + j) % kKvBlock) * stride + head;
+          std::copy(k_cache + at, k_cache + at + dh, keys.data() + j * dh);
+          std::copy(v_cache + at, v_cache + at + dh, values.data() + j * dh);
+        }
+        kr = keys.data(), vr = values.data(), row_stride = dh;
+      }
+      fn(qkv + n * width + h * dh, kr, vr, row_stride, n_keys, dh, s.scale, s.softcap, sink_of(a, h), scores.data(),
+         att + n * q_size + h * dh);
+    }
+  }
+}
+
+}  // namespace
+
+// att [N, n_heads * dh]: each token's heads over keys [lo, hi] of its cache row (GQA: head h reads kv head
+// h / (n_heads / n_kv_heads)). The SIMD paths run blocked tiles; the scalar path, and head sizes the tiles do not
+// take, one query at a time (the reference).
+void attention(const LayerArgs& a, const float* qkv, float* att) {
+  const LayerShape& s = a.shape;
+  const int64_t dh = s.head_dim, group = s.n_heads / s.n_kv_heads;
+  if (a.path != P_SCALAR && dh % 8 == 0 && group <= kMaxGroup && (!a.kv_bf16 || dh <= kMaxBufferedDh))
+    return one_token_per_row(a) ? attention_by_rows(a, qkv, att) : attention_blocked(a, qkv, att);
+  if (a.kv_bf16) return attention_per_query(a, qkv, att, static_cast<const uint16_t*>(a.k_cache),
+                                            static_cast<const uint16_t*>(a.v_cache));
+  attention_per_query(a, qkv, att, static_cast<const float*>(a.k_cache), static_cast<const float*>(a.v_cache));
+}
+
+}  // namespace offload
