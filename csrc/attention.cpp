@@ -207,9 +207,10 @@ void attention_blocked(const LayerArgs& a, const float* qkv, float* att) {
 template <typename KV>
 void attend_rows_for(bool wide, TileQuery* qs, int per_head, int64_t n_kv, const KV* kc, const KV* vc, int64_t stride,
                      int64_t j_lo, int64_t j_hi, int64_t dh, const int64_t* blk) {
-  if (dh == 64) (wide ? avx512::attend_rows<64, KV> : avx2::attend_rows<64, KV>)(qs, per_head, n_kv, kc, vc, stride, j_lo, j_hi, dh, blk);
-  else if (dh == 128) (wide ? avx512::attend_rows<128, KV> : avx2::attend_rows<128, KV>)(qs, per_head, n_kv, kc, vc, stride, j_lo, j_hi, dh, blk);
-  else (wide ? avx512::attend_rows<0, KV> : avx2::attend_rows<0, KV>)(qs, per_head, n_kv, kc, vc, stride, j_lo, j_hi, dh, blk);
+  auto run = [&](auto fn) { fn(qs, per_head, n_kv, kc, vc, stride, j_lo, j_hi, dh, blk); };
+  if (dh == 64) wide ? run(avx512::attend_rows<64, KV>) : run(avx2::attend_rows<64, KV>);
+  else if (dh == 128) wide ? run(avx512::attend_rows<128, KV>) : run(avx2::attend_rows<128, KV>);
+  else wide ? run(avx512::attend_rows<0, KV>) : run(avx2::attend_rows<0, KV>);
 }
 
 constexpr int64_t kMinSplitKeys = 64;  // keys a split of decode attention reads at least
@@ -258,7 +259,8 @@ void attention_by_rows(const LayerArgs& a, const float* qkv, float* att) {
   int64_t max_keys = 1;
   for (int64_t n = 0; n < a.N; ++n)
     max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - first_key(a, a.tokens + n * kTokenCols) + 1);
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>((a.nthreads + a.N - 1) / a.N, max_keys / kMinSplitKeys));
+  const int64_t per_token = (a.nthreads + a.N - 1) / a.N;  // splits that give every thread a task
+  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(per_token, max_keys / kMinSplitKeys));
   const int64_t tasks = a.N * splits;
   Floats part(size_t(tasks * heads * dh));
   std::vector<float> ml(static_cast<size_t>(tasks * heads * 2));
