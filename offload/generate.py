@@ -23,6 +23,7 @@ import torch
 
 from offload.attention_sizes import KV_BLOCK, pool_tokens
 from offload.grammar import Constraints
+from offload.kv_pool import block_slots
 from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.model.step import ragged_step
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
@@ -247,7 +248,7 @@ def share_prefill(cache, seq: Sequence, other: Sequence) -> None:
     skip = KV_BLOCK * len(seq.shared)
     if other.shared != seq.shared:
         raise ValueError("a request's samples map the same prefix blocks; admit them together")
-    src, dst = torch.tensor(seq.slots(skip, n)), torch.tensor(other.slots(skip, n))
+    src, dst = (block_slots(s.blocks)[: n - skip] for s in (seq, other))  # their own blocks start at skip
     for layer in cache:
         ring = layer.ring
         if ring is not None:

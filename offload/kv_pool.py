@@ -5,7 +5,14 @@ The engine holds one for the model, a draft model's drafter one for the draft.""
 
 from __future__ import annotations
 
+import torch
+
 from offload.attention_sizes import KV_BLOCK, kv_blocks
+
+
+def block_slots(blocks: list[int]) -> torch.Tensor:
+    """The slots of blocks' keys, block after block (long, on the host)."""
+    return (torch.tensor(blocks, dtype=torch.long)[:, None] + torch.arange(KV_BLOCK)[None]).reshape(-1)
 
 
 class KVPool:

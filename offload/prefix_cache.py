@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from offload.attention_sizes import KV_BLOCK
-from offload.kv_pool import KVPool
+from offload.kv_pool import KVPool, block_slots
 from offload.sequence import Sequence
 
 BLOCK_TOKENS = KV_BLOCK  # tokens per cached block: the pool's blocks (vLLM's default block_size)
@@ -261,18 +261,19 @@ class PrefixCache:
 
     def _copy(self, holder, block: int, n: int, dst: list[int]) -> None:
         """holder's n blocks from block on into the pool's blocks dst (one per block)."""
-        to = _block_slots(dst)
+        to = block_slots(dst)
         if isinstance(holder, Kept) and holder.slots is None:
             at = (block - holder.first) * BLOCK_TOKENS
             for layer, saved in zip(self.cache, holder.host):
+                to_ = to.to(layer.k.device)
                 for t, h in zip((layer.k, layer.v), saved):
-                    t[0, to.to(t.device)] = h[at: at + len(to)].to(t.device)
+                    t[0, to_] = h[at: at + len(to)].to(t.device)
             return
-        src = _block_slots([_slot_of(holder, b) for b in range(block, block + n)])
-        for layer in self.cache:
-            if layer.ring is None:
-                for t in (layer.k, layer.v):
-                    t[:, to.to(t.device)] = t[:, src.to(t.device)]
+        src = block_slots([_slot_of(holder, b) for b in range(block, block + n)])
+        for layer in (layer for layer in self.cache if layer.ring is None):
+            to_, src_ = to.to(layer.k.device), src.to(layer.k.device)
+            for t in (layer.k, layer.v):
+                t[:, to_] = t[:, src_]
 
     def _copy_ring(self, holder, n: int, ring: int) -> None:
         """The keys before position n that holder's ring has into ring, in each ring layer (position p at slot
@@ -311,7 +312,7 @@ class PrefixCache:
             self.pool.release(seq.blocks)
             return False
         first = max(first, n_shared)
-        own = seq.blocks
+        own = seq.blocks  # its blocks from block n_shared on
         kept = Kept(names[first:], first, own[first - n_shared: n_full - n_shared], self.clock())
         if self.rings:
             kept.ring, kept.written = seq.ring, seq.n_tokens - 1  # its last token was sampled, never written
@@ -347,7 +348,7 @@ class PrefixCache:
                 break
             self._drop(min(victims, key=lambda k: k.last_used))
         if self.host_used + need <= self.host_bytes:
-            at = _block_slots(kept.slots)
+            at = block_slots(kept.slots)
             kept.host = [tuple(t[0, at.to(t.device)].to("cpu") for t in (layer.k, layer.v)) for layer in self.cache]
             self.pool.release(kept.slots)
             kept.slots = None
@@ -381,10 +382,6 @@ def _slot_of(holder, block: int) -> int:
         return holder.slots[block - holder.first]
     return holder.blocks[block - len(holder.shared)]
 
-
-def _block_slots(blocks: list[int]) -> torch.Tensor:
-    """The slots of blocks' keys, block after block (long, on the host)."""
-    return (torch.tensor(blocks, dtype=torch.long)[:, None] + torch.arange(BLOCK_TOKENS)[None]).reshape(-1)
 
 
 def _holders(blocks: list[tuple[object, int]]) -> list:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.attention_sizes import KV_BLOCK
 from offload.sampling import SamplingParams, TokenLogprob
 
 
@@ -59,11 +58,6 @@ class Sequence:
         length)."""
         table = (self.shared + (self.blocks or []))[:n_blocks]
         return table + [0] * (n_blocks - len(table))
-
-    def slots(self, start: int, stop: int) -> list[int]:
-        """The pool slots of its positions start .. stop - 1 (through its table)."""
-        table = self.table(-(-stop // KV_BLOCK))
-        return [table[p // KV_BLOCK] + p % KV_BLOCK for p in range(start, stop)]
 
     @property
     def n_tokens(self) -> int:
