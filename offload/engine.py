@@ -24,7 +24,7 @@ from typing import Callable, Iterator
 from offload.attention_sizes import KV_BLOCK, kv_blocks
 from offload.errors import ConfigError, QueueFull, SamplingError
 from offload.generate import Generator
-from offload.kv_pool import KVPool
+from offload.kv_pool import KVPool, pool_capacity
 from offload.prefix_cache import Hit, PrefixCache
 from offload.sampling import SamplingParams
 from offload.sequence import Sequence
@@ -103,9 +103,8 @@ class Engine:
             raise ConfigError(f"max_waiting must be 1 or more (None for no bound), got {max_waiting}")
         self.generator = generator
         self.max_waiting = max_waiting
-        n_blocks = kv_blocks(kv_slots) if kv_slots else \
-            max((generator.kv_tokens - 1) // KV_BLOCK, kv_blocks(generator.context_len - 1))
-        self.capacity = KV_BLOCK * n_blocks
+        self.capacity = KV_BLOCK * kv_blocks(kv_slots) if kv_slots else \
+            pool_capacity(generator.kv_tokens, generator.context_len)
         self.pool = KVPool(self.capacity)
         # slot `capacity` takes the writes of padding; a ring layer holds a ring per sequence that may run at once
         self.cache = generator.model.new_cache(1, self.capacity, generator.max_batch_size)

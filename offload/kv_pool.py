@@ -15,6 +15,12 @@ def block_slots(blocks: list[int]) -> torch.Tensor:
     return (torch.tensor(blocks, dtype=torch.long)[:, None] + torch.arange(KV_BLOCK)[None]).reshape(-1)
 
 
+def pool_capacity(kv_tokens: int, context_len: int) -> int:
+    """The slots of a pool within kv_tokens (less the trash slot), in whole blocks, and never fewer than one sequence
+    of the whole context needs."""
+    return KV_BLOCK * max((kv_tokens - 1) // KV_BLOCK, kv_blocks(context_len - 1))
+
+
 class KVPool:
     """The blocks of one cache row of `capacity` slots (a multiple of KV_BLOCK), lowest free slots first."""
 

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 import torch
 
-from offload.attention_sizes import KV_BLOCK, kv_blocks
 from offload.planner.speculation import PRIOR_ACCEPTANCE
 from offload.sampling import SamplingParams, probabilities
 
@@ -229,11 +228,10 @@ class ModelDrafter:
 
     def __init__(self, draft):
         """draft: an offload LLM (its generator and model run the proposals)."""
-        from offload.kv_pool import KVPool
+        from offload.kv_pool import KVPool, pool_capacity
 
         self.draft, self.generator = draft, draft.generator
-        self.capacity = KV_BLOCK * max((self.generator.kv_tokens - 1) // KV_BLOCK,
-                                       kv_blocks(self.generator.context_len - 1))
+        self.capacity = pool_capacity(self.generator.kv_tokens, self.generator.context_len)
         self.pool = KVPool(self.capacity)
         self.cache = self.generator.model.new_cache(1, self.capacity, self.generator.max_batch_size)
         # the ring layers' rings no sequence holds (a model without ring layers: one ring, 0, for every sequence)
