@@ -40,6 +40,7 @@ KFN __m256 load8(const void* x, int xtype, int64_t i) {
 constexpr bool kExactUS = false;  // vpmaddubsw saturates int16 pairs: the iq4 levels stay signed
 #include "qgemm_tiles.inc"
 #include "kquant_tiles.inc"
+#include "token_sums.inc"
 
 // Loads one block of 32 activations into v[4] and returns its largest magnitude.
 KFN float load_block_amax(const void* x, int xtype, int64_t i, __m256 (&v)[4]) {
@@ -158,6 +159,8 @@ KFN void wide_q4_0_rows(const WView& w, const XQ& x, float* y, const float* bias
   }
 }
 
+#include "kquant_wide_avx2.inc"
+
 }  // namespace
 
 // int8 activations for q4_0 weights, stored the way the q4_0 tiles read them: each pair of blocks
@@ -226,7 +229,7 @@ void gemm_q4_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, in
 #define OFFLOAD_ENTRY(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) \
   __attribute__((target("avx2,fma,f16c")))                          \
   void gemm_##name_##_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1) {  \
-    gemm_gguf_rows<Dec_>(w, x, y, bias, r0, r1);                                                                     \
+    gguf_rows<Dec_>(w, x, y, bias, r0, r1);                                                                          \
   }
 OFFLOAD_GGUF_FORMATS(OFFLOAD_ENTRY)
 #undef OFFLOAD_ENTRY

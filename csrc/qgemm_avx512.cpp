@@ -34,6 +34,7 @@ constexpr bool kExactUS = true;  // vpdpbusd sums u8 x s8 products in int32, no 
 #define GEMM_TOKENS 4  // 32 vector registers: 16 accumulators of a 4 x 4 tile
 #include "qgemm_tiles.inc"
 #include "kquant_tiles.inc"
+#include "token_sums.inc"
 
 // q4_0 and q8_0 matrix-matrix products in 16-row tiles. A tile's quants are unpacked once into a scratch where one
 // zmm holds 4 consecutive quants of each of the 16 rows (q8_0: 2, widened to int16), so a vpdpbusd (vpdpwssd)
@@ -351,38 +352,6 @@ KFN void unpack_q4_1_wide(const WView& w, int64_t r0, __m512i* scratch) {
     _mm512_store_ps(o + 16, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(d16))));
     _mm512_store_ps(o + 17, _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(m16))));
   }
-}
-
-// kScale16: per token and 16 weights, what starts each integer sum (-offset x the token's sum of the 16, as int32)
-// or, for q2_k, that sum as a float (its minimums' term): broadcast from memory, one load each, where computing
-// them per tile and token cost 0.9x (q3_k at 256 tokens).
-template <class F>
-KFN const uint32_t* sums16(const XQ& x) {
-  thread_local std::vector<uint32_t> out;
-  out.resize(size_t(x.N * (x.K / 16)));
-  for (int64_t n = 0; n < x.N; ++n)
-    for (int64_t i = 0; i < x.K / 16; ++i) {
-      const int16_t v = x.s16[n * (x.K / 16) + i];
-      const float f = float(v);
-      const int32_t o = -F::kOff * int32_t(v);
-      std::memcpy(&out[size_t(n * (x.K / 16) + i)], F::kMin16 ? static_cast<const void*>(&f) : &o, 4);
-    }
-  return out.data();
-}
-
-// kMinOff: per token and block of 32, -kMinOff x the token's sum of the block (int32 bits, as sums16's), each dot
-// product's start.
-template <class F>
-KFN const uint32_t* block_offsets(const XQ& x) {
-  thread_local std::vector<uint32_t> out;
-  const int64_t nb = x.K / QK;
-  out.resize(size_t(x.N * nb));
-  for (int64_t n = 0; n < x.N; ++n)
-    for (int64_t b = 0; b < nb; ++b) {
-      const int16_t* s = x.s16 + n * (x.K / 16) + 2 * b;
-      out[size_t(n * nb + b)] = uint32_t(-F::kMinOff * (int32_t(s[0]) + int32_t(s[1])));
-    }
-  return out.data();
 }
 
 // T tokens from n0 against one unpacked 16-row tile of format F (s16w: sums16's for kScale16, block_offsets' for

@@ -138,6 +138,29 @@ def test_numba_fallback_dequantizes_and_multiplies(fmt):
     assert nerr(got, K.linear_ref(x, w, bias)) < TOL_FLOAT.get(fmt, 3e-2)
 
 
+@pytest.mark.parametrize("path", SIMD or ["none"])
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_simd_sums_the_largest_products_without_overflow(path, fmt):
+    """Every quant byte 0xFF (each format's largest quant) against activations all +127 (x constant and positive):
+    the largest int16 partial sums the tiles take, at 1 token and at the 8- and 16-row tiles' token counts. Random
+    bytes never reach them: summing q6_k's products 8 at a time in int16 passed the random shapes."""
+    if path == "none":
+        pytest.skip(f"no SIMD path on this machine (active: {K.ACTIVE_PATH})")
+    per_block, _ = GGUF_BLOCKS[fmt]
+    raw = gguf_blocks(fmt, 16, 2 * per_block)
+    blocks = raw.reshape(-1, GGUF_BLOCKS[fmt][1])
+    keep = blocks.copy()
+    blocks[:] = 0xFF
+    for at in GGUF_TYPE[fmt].f16_offsets:  # the fp16 scales stay finite and small
+        blocks[:, at:at + 2] = keep[:, at:at + 2]
+    if fmt == "mxfp4":
+        blocks[:, 0] = 120  # e8m0 scale byte 2^-8
+    w = K.PackedWeight.from_gguf(blocks.reshape(16, -1), fmt, (16, 2 * per_block))
+    for n in (1, 9, 17):
+        x = torch.full((n, w.shape[1]), 0.5)
+        assert nerr(K.linear_path(x, w, None, path), K.linear_ref(x, w, None)) < TOL_REF
+
+
 @pytest.mark.parametrize("path", ["scalar"] + SIMD)
 def test_mxfp4_every_scale_byte_on_every_path(path):
     """Row e holds one block whose only nonzero weight is level 1 times e8m0 byte e's scale, 2^(e - 128), from the
