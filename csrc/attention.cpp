@@ -126,6 +126,7 @@ namespace avx2 {
 #define ATTN_PAIR_SCORES 0
 #include "attention_tiles.inc"
 #include "attention_panels.inc"
+#include "attention_rows_bf16.inc"
 #undef ATTN_PAIR_SCORES
 #undef AFN
 }  // namespace avx2
@@ -296,9 +297,11 @@ void attend_split(const LayerArgs& a, const float* qkv, int64_t n, int64_t sp, i
   const int64_t *tok = a.tokens + n * kTokenCols, lo = first_key(a, tok), hi = tok[kHi];
   const int64_t start = a.blocks != nullptr ? (lo & ~int64_t(7)) : lo, per = ((hi - start) / 8 + splits) / splits;
   const int64_t j_lo = start + sp * per * 8, j_hi = std::min(hi, j_lo + per * 8 - 1);
+  const bool rows_bf16 = a.kv_bf16 && a.path == P_AVX2 && dh % 16 == 0;  // attention_rows_bf16.inc's widened order
   for (int64_t h = 0; h < s.n_heads; ++h) {
     float* qv = qbuf + h * dh;
     for (int64_t d = 0; d < dh; ++d) qv[d] = qkv[n * width + h * dh + d] * s.scale;
+    if (rows_bf16) avx2::permute16(qv, dh);
     std::fill(part + h * dh, part + (h + 1) * dh, 0.f);
     qs[h] = TileQuery{qv, lo, hi, -INFINITY, 0.f, part + h * dh, s.softcap, sink_of(a, h)};
   }
@@ -306,13 +309,19 @@ void attend_split(const LayerArgs& a, const float* qkv, int64_t n, int64_t sp, i
   const int64_t* blk = a.blocks != nullptr ? a.blocks + row_base : nullptr;
   const int64_t first = (blk ? 0 : row_base) * stride;
   const int per_head = int(s.n_heads / s.n_kv_heads);
-  if (j_lo <= j_hi && a.kv_bf16)
+  if (j_lo <= j_hi && rows_bf16)
+    avx2::attend_rows_bf16(qs, per_head, s.n_kv_heads, static_cast<const uint16_t*>(a.k_cache) + first,
+                           static_cast<const uint16_t*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
+  else if (j_lo <= j_hi && a.kv_bf16)
     attend_rows_for(a.path == P_AVX512, qs, per_head, s.n_kv_heads, static_cast<const uint16_t*>(a.k_cache) + first,
                     static_cast<const uint16_t*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
   else if (j_lo <= j_hi)
     attend_rows_for(a.path == P_AVX512, qs, per_head, s.n_kv_heads, static_cast<const float*>(a.k_cache) + first,
                     static_cast<const float*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
-  for (int64_t h = 0; h < s.n_heads; ++h) ml[2 * h] = qs[h].m, ml[2 * h + 1] = qs[h].l;
+  for (int64_t h = 0; h < s.n_heads; ++h) {
+    ml[2 * h] = qs[h].m, ml[2 * h + 1] = qs[h].l;
+    if (rows_bf16) avx2::permute16(part + h * dh, dh);
+  }
 }
 
 // att [N, n_heads * dh] of a decode step (one token per sequence): a task is one token's every head over a split of
