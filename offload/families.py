@@ -91,6 +91,10 @@ GGUF_LAYER_NAMES = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q"
 _GEMMA_GGUF_NAMES = (("post_attention_layernorm", "post_attention_norm"), ("pre_feedforward_layernorm", "ffn_norm"),
                      ("post_feedforward_layernorm", "post_ffw_norm"))
 
+# OLMo 2's norms after attention and the MLP, as gguf-py names them in its olmo2 files
+_OLMO_GGUF_NAMES = (("post_attention_layernorm", "post_attention_norm"),
+                    ("post_feedforward_layernorm", "post_ffw_norm"))
+
 FAMILIES = (
     Family("llama", ("llama",), mlp_bias=lambda c: bool(c.get("mlp_bias", False)), gguf_permuted=True,
            gguf_archs=("llama",)),
@@ -109,7 +113,11 @@ FAMILIES = (
     Family("phi3", ("phi3",), qkv=("self_attn.qkv_proj",), gate_up=("mlp.gate_up_proj",), partial_rotary=True,
            gguf_archs=("phi3",), gguf_names=(("self_attn.qkv_proj", "attn_qkv"), ("mlp.gate_up_proj", "ffn_up"))),
     Family("olmo2", ("olmo2",), attn_norm=None, mlp_norm=None, post_attn_norm="post_attention_layernorm",
-           post_mlp_norm="post_feedforward_layernorm", qk_norm=True, qk_norm_over="all"),
+           post_mlp_norm="post_feedforward_layernorm", qk_norm=True, qk_norm_over="all", gguf_archs=("olmo2",),
+           gguf_names=_OLMO_GGUF_NAMES),
+    Family("seed_oss", ("seed_oss",), o_bias=lambda c: bool(c.get("attention_out_bias", False)),
+           mlp_bias=lambda c: bool(c.get("mlp_bias", False)), gguf_archs=("seed_oss",),
+           gguf_names=(("post_attention_layernorm", "post_attention_norm"),)),
     Family("mixtral", ("mixtral",), moe="mixtral", gguf_permuted=True),
     # its GGUF files: the experts' gate and up de-interleaved into ffn_gate_exps and ffn_up_exps (gguf_locations)
     Family("gpt_oss", ("gpt_oss",), sinks=True, windows="alternate", moe="gpt_oss", gguf_archs=("gpt-oss",),

@@ -20,7 +20,7 @@ K_TINY = dict(vocab_size=160, hidden_size=256, intermediate_size=512, num_hidden
               num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, tie_word_embeddings=False)
 # transformers' model_type -> the general.architecture llama.cpp's converter writes for it
 ARCH_NAMES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-              "gemma3_text": "gemma3", "phi3": "phi3", "gpt_oss": "gpt-oss"}
+              "gemma3_text": "gemma3", "phi3": "phi3", "gpt_oss": "gpt-oss", "olmo2": "olmo2", "seed_oss": "seed_oss"}
 # types gguf.quants.quantize writes (0.19)
 GGPY_QUANTIZES = {"BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "TQ1_0", "TQ2_0", "MXFP4"}
 GEMMA3_PATTERN = 6  # llama.cpp's period of Gemma 3's global layers where a file states none (llama-model.cpp)
@@ -235,7 +235,7 @@ def _add_family_keys(w, cfg, arch: str) -> None:
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_expert_feed_forward_length(cfg.intermediate_size)
-    if arch in ("qwen3", "gemma2", "gemma3_text"):  # TextModel's and the Gemmas' own: where config.json has head_dim
+    if arch in ("qwen3", "gemma2", "gemma3_text", "seed_oss"):  # TextModel's and the Gemmas': config.json's head_dim
         w.add_key_length(cfg.head_dim)
         w.add_value_length(cfg.head_dim)
     if arch in ("gemma2", "gemma3_text"):

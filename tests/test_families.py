@@ -30,6 +30,10 @@ CASES = {
                                    rope_scaling={"type": "longrope", "short_factor": [1.0 + i / 8 for i in range(8)],
                                                  "long_factor": [2.0 + i / 4 for i in range(8)]})),
     "olmo2-gqa4": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2)),
+    # the sixth family, which the table already covered: Llama with q/k/v biases and o_proj's own (attention_out_bias)
+    "seed-oss-gqa4": ("seed_oss", dict(num_attention_heads=8, num_key_value_heads=2)),
+    "seed-oss-out-bias-gqa8": ("seed_oss", dict(num_attention_heads=8, num_key_value_heads=1, attention_out_bias=True,
+                                                attention_bias=False, mlp_bias=True)),
     "gpt-oss-gqa4": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=2)),
     "gpt-oss-yarn-gqa8": ("gpt_oss", dict(num_attention_heads=8, num_key_value_heads=1, rope_theta=150000.0,
                                           max_position_embeddings=64, rope_scaling={
@@ -71,7 +75,8 @@ def test_greedy_tokens_match_transformers_on_the_placed_executor(family):
     assert out.token_ids == ref.tolist()
 
 
-PLACED = ["qwen3-gqa4", "gemma2-gqa8", "gemma3-gqa4", "phi3-partial-rotary", "gpt-oss-gqa4", "olmo2-gqa4"]
+PLACED = ["qwen3-gqa4", "gemma2-gqa8", "gemma3-gqa4", "phi3-partial-rotary", "gpt-oss-gqa4", "olmo2-gqa4",
+          "seed-oss-gqa4"]
 MIXES = {"streamed-on-the-simulated-gpu": ("cpu", "stream", "sim"), "resident-on-the-simulated-gpu":
          ("gpu", "gpu", "sim"), "from-disk-on-the-cpu": ("disk", "cpu", "cpu"), "random": (None, None, "sim"),
          "mlps-split-off": ("split", "stream", "sim")}

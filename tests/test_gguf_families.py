@@ -1,7 +1,7 @@
-"""GGUF files of the families of offload/families.py beyond Llama's (issue 45): Qwen3 (with YaRN too), Gemma 2, Gemma 3
-and Phi-3 as llama.cpp's converter writes them (tests/gguf_support.write_gguf: gguf-py's own tensor names, Gemma's
-norms plus 1, Phi-3's fused qkv and gate|up and its LongRoPE factor tensors) give the Hugging Face folder's model
-(gpt-oss's files: tests/test_gguf_gpt_oss.py).
+"""GGUF files of the families of offload/families.py beyond Llama's (issue 45): Qwen3 (with YaRN too), Gemma 2, Gemma 3,
+Phi-3, OLMo 2 and Seed-OSS as llama.cpp's converter writes them (tests/gguf_support.write_gguf: gguf-py's own tensor
+names, Gemma's norms plus 1, Phi-3's fused qkv and gate|up and its LongRoPE factor tensors) give the Hugging Face
+folder's model (gpt-oss's files: tests/test_gguf_gpt_oss.py).
 
 F32 files: logits within 1e-4 of transformers' logit range (as tests/test_families.py holds the folder) and the
 greedy tokens of LLM(folder). Q8_0 files as the converter's --outtype q8_0 writes them (gguf-py's quantizer, the
@@ -40,6 +40,8 @@ GGUF_CASES = {
     # a period of 3 (sliding_window_pattern key), linear scaling of the global layers, a local base of 1000
     "gemma3-rope-linear": ("gemma3_text", {**CASES["gemma3-rope-linear"][1], **GEMMA}),
     "phi3-partial-rotary": ("phi3", CASES["phi3-partial-rotary"][1]),
+    "olmo2-gqa4": ("olmo2", CASES["olmo2-gqa4"][1]),
+    "seed-oss-out-bias-gqa8": ("seed_oss", CASES["seed-oss-out-bias-gqa8"][1]),
     "phi3-longrope": ("phi3", CASES["phi3-longrope"][1]),
     # YaRN past a trained context of 16 (the converter writes rope.scaling.type yarn, its factor and that context)
     "qwen3-yarn": ("qwen3", {**CASES["qwen3-gqa4"][1], "max_position_embeddings": 64, "rope_scaling": {
@@ -192,6 +194,15 @@ def test_longrope_needs_its_factor_tensors(tmp_path):
                                                         "rope.scaling.original_context_length": 16})
     with pytest.raises(WeightsError, match=r"rope_factors_short\.weight.*convert the model again"):
         gguf_config(gf)
+
+
+def test_an_olmo2_file_with_sliding_layers_is_refused_as_olmo3(tmp_path):
+    """llama.cpp writes OLMo 3 as olmo2 with a window (3 sliding layers to 1 full), which offload does not run:
+    read as OLMo 2, every layer would slide."""
+    gf = _metadata_file(tmp_path / "m.gguf", "olmo2", 4, **{"attention.sliding_window": 8})
+    with pytest.raises(WeightsError, match="OLMo 3.*use an OLMo 2 model"):
+        gguf_config(gf)
+    assert gguf_config(_metadata_file(tmp_path / "olmo2.gguf", "olmo2", 4))["model_type"] == "olmo2"
 
 
 def test_an_unsupported_architecture_names_the_new_ones(tmp_path):

@@ -39,6 +39,9 @@ def gguf_config(gf: GGUFFile) -> dict:
         model_type = "mixtral"  # llama.cpp stores Mixtral as llama with experts
     elif model_type == "llama" and "mistral" in str(gf.get("general.name", "")).lower():
         model_type = "mistral"  # llama.cpp stores mistral models as llama
+    elif model_type == "olmo2" and gf.arch_key("attention.sliding_window"):  # llama.cpp stores OLMo 3 as olmo2
+        raise WeightsError(f"{gf.path}: this olmo2 GGUF file has sliding-window layers, so it holds an OLMo 3 model, "
+                           f"which offload does not run yet; use an OLMo 2 model")
     n_heads = gf.arch_key("attention.head_count")
     hidden = gf.arch_key("embedding_length")
     embed = gf.tensors.get("token_embd.weight")
@@ -60,6 +63,7 @@ def gguf_config(gf: GGUFFile) -> dict:
         "eos_token_id": gf.get("tokenizer.ggml.eos_token_id"),
         "attention_bias": model_type not in ("qwen2", "qwen2_moe") and "blk.0.attn_q.bias" in gf.tensors,
         "qkv_bias": "blk.0.attn_q.bias" in gf.tensors,  # read for qwen2_moe
+        "attention_out_bias": "blk.0.attn_output.bias" in gf.tensors,  # o_proj's own (Seed-OSS)
         "mlp_bias": "blk.0.ffn_up.bias" in gf.tensors,
         "torch_dtype": "float32",
         **_moe_config(gf, model_type),
