@@ -100,6 +100,7 @@ struct TileQuery {
 // once for all of its queries: 16, 32, 64 and 128 ran Qwen3's 2,000-token prefill attention at 77, 98, 118 and 91
 // GFLOP/s (the bf16 cache, before the outputs had rows of their own; 128's queries and outputs outgrow L1).
 constexpr int kPanelQueries = 64;
+static_assert(kTileTokens * kMaxGroup <= kPanelQueries, "a tile's queries fit a panel task's buffers");
 
 struct PanelTask {  // attention_panels.inc's task: its queries, transposed into panels
   int nq;
@@ -256,9 +257,9 @@ void attention_blocked(const LayerArgs& a, const float* qkv, float* att) {
   const int64_t tasks = int64_t(start.size() - 1) * s.n_kv_heads;
 #pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
   {
-    Floats qbuf(size_t(std::max(per * group, int64_t(kPanelQueries)) * s.head_dim));
+    Floats qbuf(size_t(kPanelQueries * s.head_dim));  // a task's queries: at most kPanelQueries either way
     Floats acc(panels ? size_t(kPanelQueries * s.head_dim) : 0);
-    TileQuery qs[std::max(kTileTokens * kMaxGroup, kPanelQueries)];
+    TileQuery qs[kPanelQueries];
 #pragma omp for schedule(dynamic, 1)
     for (int64_t t = 0; t < tasks; ++t) {
       const size_t tile = size_t(t / s.n_kv_heads);

@@ -273,7 +273,7 @@ KFN void wide_q4_0_rows(const WView& w, const XQ& x, float* y, const float* bias
 // and the minimum's term once for all 16 rows; q6_k's and q3_k's offsets start their two integer sums per 16
 // (-32 or -4 x the token's sums per 16). The formats in blocks of 32 decode a row's last, partial group in part.
 template <class F>
-constexpr int gguf_wide_zmm() { return F::kX16 ? 18 : F::kMin16 ? 12 : F::kMinOff ? 9 : 10; }
+constexpr int gguf_wide_zmm() { return (F::kX16 ? 16 : 8) + tile_scale_vectors<F>(); }
 constexpr int64_t kWideMinTokensGguf = 8;  // the decoding, once per tile, pays from here (1.0-1.2x at 8)
 
 template <class F>
@@ -281,9 +281,7 @@ KFN void unpack_kquant_wide(const WView& w, int64_t r0, __m512i* scratch) {
   constexpr int Z = gguf_wide_zmm<F>();
   const int64_t row_bytes = w.K / F::kWeights * F::kBytes, nb = w.K / QK;
   alignas(64) uint8_t q[WR][8][32];         // one group: row, block, quants in natural order
-  alignas(64) float v[4][8][WR];            // block, row: scale and negated minimum (kScale16: see above)
-  alignas(32) float dw[8], mw[8];
-  alignas(32) int16_t sc16[16], m16[16];
+  alignas(64) float v[4][8][WR];            // block, row: tile_scales'
   for (int64_t g = 0; 8 * g < nb; ++g) {
     const int n = int(std::min<int64_t>(8, nb - 8 * g));  // blocks in this group
     for (int r = 0; r < WR; ++r) {
@@ -294,20 +292,7 @@ KFN void unpack_kquant_wide(const WView& w, int64_t r0, __m512i* scratch) {
       if constexpr (F::kTail) F::decode(p, G, n);
       else F::decode(p, G);
       for (int i = 0; i < 8; ++i) _mm256_store_si256(reinterpret_cast<__m256i*>(q[r][i]), G.q[i]);
-      if constexpr (F::kScale16) {
-        _mm256_store_si256(reinterpret_cast<__m256i*>(sc16), G.sc16);
-        const float d = _mm256_cvtss_f32(G.dw);
-        for (int i = 0; i < 8; ++i) v[0][i][r] = d * sc16[2 * i], v[1][i][r] = d * sc16[2 * i + 1];
-        if constexpr (F::kMin16) {
-          _mm256_store_si256(reinterpret_cast<__m256i*>(m16), G.m16);
-          const float dmin = _mm256_cvtss_f32(G.mw);
-          for (int i = 0; i < 8; ++i) v[2][i][r] = dmin * m16[2 * i], v[3][i][r] = dmin * m16[2 * i + 1];
-        }
-      } else {
-        _mm256_store_ps(dw, G.dw);
-        _mm256_store_ps(mw, G.mw);
-        for (int i = 0; i < 8; ++i) v[0][i][r] = dw[i], v[1][i][r] = -mw[i];
-      }
+      tile_scales<F, WR>(G, r, v);
     }
     for (int i = 0; i < n; ++i) {
       __m512i* o = scratch + (8 * g + i) * Z;
