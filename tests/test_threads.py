@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from offload.runtime.threads import MAX_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS, ThreadGovernor
+from offload.runtime.threads import FIRST_PROBE, MAX_PROBE_EVERY, PROBE_EVERY, PROBE_STEPS, ThreadGovernor
 
 
 def _run(gov: ThreadGovernor, seconds_per_token, steps: int) -> list[int]:
@@ -44,3 +44,17 @@ def test_prefill_and_a_disabled_governor_keep_the_count():
 def test_the_environment_can_switch_it_off(monkeypatch):
     monkeypatch.setenv("OFFLOAD_ADAPTIVE_THREADS", "0")
     assert not ThreadGovernor(2).enabled
+
+
+def test_costs_are_compared_at_like_step_sizes_only():
+    """A warm-up of 2-token steps (bound by the weights' read: 30 ms a token on two threads) must not make a probe
+    of one thread at 64 tokens (12 ms a token, where two threads take 6) look faster."""
+    gov = ThreadGovernor(2, enabled=True)
+    for _ in range(FIRST_PROBE - 1):
+        gov.observe("decode", 0.060, 2) if gov.threads_for("decode") == 2 else None
+    used = []
+    for _ in range(3 * PROBE_EVERY):
+        n = gov.threads_for("decode")
+        used.append(n)
+        gov.observe("decode", 64 * {2: 0.006, 1: 0.012}[n], 64)
+    assert gov.chosen == 2 and used.count(1) <= 2 * PROBE_STEPS

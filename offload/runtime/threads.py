@@ -6,6 +6,11 @@ process ran at 28% of its idle speed, against 75% with one thread (the demo job,
 So the governor keeps the thread count that gives the shortest decode steps: now and then it tries the other
 count for PROBE_STEPS steps and keeps whichever is faster, which follows a machine whose load comes and goes.
 A probe that confirms the choice doubles the wait before the next one (a probe of the worse count costs time). offload's CPU kernels split rows, not sums, across threads: the count changes their speed, not results.
+
+Costs per token are compared only between steps of like sizes (LIKE_TOKENS): a step of 2 tokens is bound by the
+weights' read, where one thread does as well as two, and a step of 64 by arithmetic, where two do twice as well. A
+job's warm-up of 2-token steps once left two threads' cost at 30 ms a token; a probe of one thread at 64 tokens
+(12 ms a token) then won, and 25 steps of the job ran 1.9x slower on one thread.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ MAX_PROBE_EVERY = 256  # ... growing to this while probes confirm it (then under
 FIRST_PROBE = 8  # the first probe comes early: a short job would otherwise run on the worse count throughout
 PROBE_STEPS = 2  # steps each probe runs: one to settle, one to measure
 SMOOTHING = 0.3  # weight of the newest step in each count's running mean
+LIKE_TOKENS = 1.25  # steps whose token counts are within this ratio are compared; a step beyond it starts afresh
 THREADS_ENV_VAR = "OFFLOAD_ADAPTIVE_THREADS"  # 0: keep the thread count fixed
 
 
@@ -30,6 +36,7 @@ class ThreadGovernor:
         self.enabled = enabled and len(self.counts) > 1
         self.chosen = self.current = self.counts[0]
         self.cost: dict[int, float | None] = dict.fromkeys(self.counts)  # seconds per token, running mean
+        self.sized: dict[int, int] = dict.fromkeys(self.counts, 0)  # the token count of each mean's latest step
         self._steps = self._probing = 0
         self._next_probe, self._interval = FIRST_PROBE, PROBE_EVERY
 
@@ -51,11 +58,20 @@ class ThreadGovernor:
         if not self.enabled or phase != "decode" or n_tokens < 1:
             return
         per_token, old = seconds / n_tokens, self.cost[self.current]
-        self.cost[self.current] = per_token if old is None else (1 - SMOOTHING) * old + SMOOTHING * per_token
+        if old is not None and _alike(self.sized[self.current], n_tokens):
+            per_token = (1 - SMOOTHING) * old + SMOOTHING * per_token
+        self.cost[self.current], self.sized[self.current] = per_token, n_tokens
         if self._probing:
             self._probing -= 1
-            if self._probing == 0:
-                known = {n: c for n, c in self.cost.items() if c is not None}
-                before, self.chosen = self.chosen, min(known, key=known.get)
+            if self._probing == 0:  # compared with the counts last measured at steps of this size only
+                known = {n: c for n, c in self.cost.items() if c is not None and _alike(self.sized[n], n_tokens)}
+                before = self.chosen
+                if before in known:  # else the choice stands: nothing measured at this size to weigh it by
+                    self.chosen = min(known, key=known.get)
                 self._interval = PROBE_EVERY if self.chosen != before else min(2 * self._interval, MAX_PROBE_EVERY)
                 self._next_probe = self._steps + self._interval
+
+
+def _alike(a: int, b: int) -> bool:
+    """Whether steps of a and b tokens cost alike per token (within LIKE_TOKENS of each other)."""
+    return max(a, b) <= LIKE_TOKENS * min(a, b)
