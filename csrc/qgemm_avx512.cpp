@@ -427,86 +427,101 @@ KFN void gguf_rows(const WView& w, const XQ& x, float* y, const float* bias, int
   if (r < r1) gemm_gguf_rows<F>(w, x, y, bias, r, r1);
 }
 
-// bf16 weights against bf16 activations with AVX-512 BF16: per 16-row tile the weights are regrouped once so that
-// zmm i holds elements 2i and 2i + 1 of each row (a 16 x 32 slice per 16 zmm), then one vdpbf16ps against a token's
-// pair of activations broadcast makes 16 rows x 2 products, accumulated in fp32 as they come (no scales).
-#define KFN_BF16 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16"))) inline
-constexpr int BT = 12;  // tokens per bf16 tile: 12 accumulators + 16 weight registers
+// bf16 weights against bf16 activations with AVX-512 BF16, in the weights' own row order (nothing regrouped): a
+// tile of R rows x T tokens keeps R x T accumulators of 16 lanes; per 32 elements of K it loads the R rows' and the
+// T tokens' 32 values once each and makes R x T vdpbf16ps (16 pairs of products each), accumulated in fp32 as they
+// come; each accumulator's 16 lanes are summed at the end. A tile that regrouped each 16-row strip per call (one
+// weight register against 12 broadcast tokens) spent a fifth of its time on the regrouping at 64 tokens.
+#define KFN_BF16 \
+  __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16"))) inline
+constexpr int BR = 4, BT = 6;  // rows and tokens per bf16 tile: 24 accumulators, 4 row registers, 1 token's
 
-KFN_BF16 void unpack_bf16_wide(const WView& w, int64_t r0, int64_t b, __m512i (&q)[16]) {
-  const uint8_t* rows[WR];
-  for (int r = 0; r < WR; ++r) rows[r] = w.qs + ((r0 + r) * w.K + b * QK) * 2;
+// The sums of the 16 lanes of a[0..3] as lanes 0-3.
+KFN_BF16 __m128 sum4(const __m512 (&a)[4]) {
+  __m256 h[4];
 #pragma GCC unroll 4
-  for (int c = 0; c < 4; ++c) {  // 16 bytes (8 elements) of each row at a time
-    __m512i p[4];
-    transpose16x4(rows, 16 * c, p);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) q[4 * c + j] = p[j];
-  }
+  for (int i = 0; i < 4; ++i) h[i] = _mm256_add_ps(_mm512_castps512_ps256(a[i]), _mm512_extractf32x8_ps(a[i], 1));
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(h[0], h[1]), _mm256_hadd_ps(h[2], h[3]));  // [0 1 2 3 | 0 1 2 3]
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
-template <int T>
-KFN_BF16 void wide_bf16(const __m512i* scratch, const uint16_t* x, int64_t K, int64_t ldx, int64_t n0, float* y,
-                        int64_t M, int64_t r0, const float* bias) {
-  __m512 acc[T];
-#pragma GCC unroll 12
-  for (int t = 0; t < T; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < K / QK; ++b) {
-    const __m512i* o = scratch + b * 16;
-#pragma GCC unroll 16
-    for (int i = 0; i < 16; ++i) {
-      const __m512i q = _mm512_load_si512(o + i);
-#pragma GCC unroll 12
-      for (int t = 0; t < T; ++t) {
-        int32_t pair;
-        std::memcpy(&pair, x + (n0 + t) * ldx + b * QK + 2 * i, 4);
-        acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)q, (__m512bh)_mm512_set1_epi32(pair));
-      }
+// Rows r0 .. r0 + R of w x tokens n0 .. n0 + T of x (rows ldx apart): y[n][r] = sum_k w[r][k] x[n][k] + bias[r].
+// next: rows whose next 32 elements are fetched into L2 with each step (the next tile's rows), or nullptr.
+template <int R, int T>
+KFN_BF16 void dot_tile_bf16(const uint16_t* w, int64_t K, const uint16_t* x, int64_t ldx, float* y, int64_t M,
+                            const float* bias, const uint16_t* next) {
+  __m512 acc[R][T];
+#pragma GCC unroll 4
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 6
+    for (int t = 0; t < T; ++t) acc[r][t] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; k += QK) {
+    __m512i wr[R];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      wr[r] = _mm512_loadu_si512(w + r * K + k);
+      if (next != nullptr) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T1);
+    }
+#pragma GCC unroll 6
+    for (int t = 0; t < T; ++t) {
+      const __m512bh xt = (__m512bh)_mm512_loadu_si512(x + t * ldx + k);
+#pragma GCC unroll 4
+      for (int r = 0; r < R; ++r) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], (__m512bh)wr[r], xt);
     }
   }
-  const __m512 bv = bias ? _mm512_loadu_ps(bias + r0) : _mm512_setzero_ps();
-#pragma GCC unroll 12
-  for (int t = 0; t < T; ++t) _mm512_storeu_ps(y + (n0 + t) * M + r0, _mm512_add_ps(acc[t], bv));
+#pragma GCC unroll 6
+  for (int t = 0; t < T; ++t) {
+    if constexpr (R == 4) {
+      const __m512 a[4] = {acc[0][t], acc[1][t], acc[2][t], acc[3][t]};
+      const __m128 b = bias ? _mm_loadu_ps(bias) : _mm_setzero_ps();
+      _mm_storeu_ps(y + t * M, _mm_add_ps(sum4(a), b));
+    } else {
+      for (int r = 0; r < R; ++r) y[t * M + r] = _mm512_reduce_add_ps(acc[r][t]) + (bias ? bias[r] : 0.f);
+    }
+  }
 }
 
-// Rows left over from the 16-row tiles: one dot product of 32 elements per step per (row, token).
-KFN_BF16 void rows_bf16(const WView& w, const uint16_t* x, int64_t ldx, int64_t N, float* y, const float* bias,
-                        int64_t r0, int64_t r1) {
+// Rows r0 .. r1 (whole tiles of R) against tokens n0 .. n0 + T: the T tokens' activations stay in L1 while the
+// rows pass. next: on the first tokens, the rows R past each tile's are fetched as it runs.
+template <int R, int T>
+KFN_BF16 void dot_rows_bf16(const WView& w, int64_t r0, int64_t r1, const uint16_t* x, int64_t ldx, float* y,
+                            const float* bias, bool fetch) {
   const uint16_t* wq = reinterpret_cast<const uint16_t*>(w.qs);
-  for (int64_t r = r0; r < r1; ++r)
-    for (int64_t n = 0; n < N; ++n) {
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t k = 0; k < w.K; k += QK)
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(wq + r * w.K + k),
-                               (__m512bh)_mm512_loadu_si512(x + n * ldx + k));
-      y[n * w.M + r] = _mm512_reduce_add_ps(acc) + (bias ? bias[r] : 0.f);
-    }
+  for (int64_t r = r0; r + R <= r1; r += R) {
+    const uint16_t* next = fetch && r + 2 * R <= r1 ? wq + (r + R) * w.K : nullptr;
+    dot_tile_bf16<R, T>(wq + r * w.K, w.K, x, ldx, y + r, w.M, bias ? bias + r : nullptr, next);
+  }
 }
+
+template <int R>
+KFN_BF16 void dot_rows_bf16_n(const WView& w, int64_t r0, int64_t r1, const uint16_t* x, int64_t ldx, int64_t n,
+                              float* y, const float* bias, bool fetch) {
+  switch (n) {
+    case 6: return dot_rows_bf16<R, 6>(w, r0, r1, x, ldx, y, bias, fetch);
+    case 5: return dot_rows_bf16<R, 5>(w, r0, r1, x, ldx, y, bias, fetch);
+    case 4: return dot_rows_bf16<R, 4>(w, r0, r1, x, ldx, y, bias, fetch);
+    case 3: return dot_rows_bf16<R, 3>(w, r0, r1, x, ldx, y, bias, fetch);
+    case 2: return dot_rows_bf16<R, 2>(w, r0, r1, x, ldx, y, bias, fetch);
+    default: return dot_rows_bf16<R, 1>(w, r0, r1, x, ldx, y, bias, fetch);
+  }
+}
+
+constexpr int64_t kBf16BlockRows = 64;  // rows whose weights stay in L2 while every token passes them
 
 }  // namespace
 
-__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni,avx512bf16")))
+__attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512bf16")))
 void gemm_bf16_bf16x_avx512(const WView& w, const uint16_t* x, int64_t ldx, int64_t N, float* y, const float* bias,
                             int64_t r0, int64_t r1) {
-  thread_local std::vector<Zmm> buffer;
-  buffer.resize(size_t(w.K / QK * 16));
-  __m512i* scratch = reinterpret_cast<__m512i*>(buffer.data());
-  int64_t r = r0;
-  for (; r + WR <= r1; r += WR) {
-    for (int64_t b = 0; b < w.K / QK; ++b) {
-      __m512i q[16];
-      unpack_bf16_wide(w, r, b, q);
-#pragma GCC unroll 16
-      for (int i = 0; i < 16; ++i) _mm512_store_si512(scratch + b * 16 + i, q[i]);
+  static_assert(kBf16BlockRows % BR == 0, "blocks of whole tiles");
+  for (int64_t rb = r0; rb < r1; rb += kBf16BlockRows) {
+    const int64_t re = std::min(r1, rb + kBf16BlockRows), whole = rb + (re - rb) / BR * BR;
+    for (int64_t n = 0; n < N; n += BT) {
+      const int64_t t = std::min<int64_t>(BT, N - n);
+      dot_rows_bf16_n<BR>(w, rb, whole, x + n * ldx, ldx, t, y + n * w.M, bias, n == 0);
+      dot_rows_bf16_n<1>(w, whole, re, x + n * ldx, ldx, t, y + n * w.M, bias, false);
     }
-    int64_t n = 0;
-    for (; n + BT <= N; n += BT) wide_bf16<BT>(scratch, x, w.K, ldx, n, y, w.M, r, bias);
-    if (n + 8 <= N) wide_bf16<8>(scratch, x, w.K, ldx, n, y, w.M, r, bias), n += 8;
-    if (n + 4 <= N) wide_bf16<4>(scratch, x, w.K, ldx, n, y, w.M, r, bias), n += 4;
-    if (n + 2 <= N) wide_bf16<2>(scratch, x, w.K, ldx, n, y, w.M, r, bias), n += 2;
-    if (n < N) wide_bf16<1>(scratch, x, w.K, ldx, n, y, w.M, r, bias);
   }
-  if (r < r1) rows_bf16(w, x, ldx, N, y, bias, r, r1);
 }
 
 __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))

@@ -112,6 +112,8 @@ def kernel_time_s(w: torch.Tensor, fmt: str, path: str, n: int) -> tuple[float, 
     rot = Rotation(lambda: K.PackedWeight(fmt, p.shape, stored(p.qs), None if p.d is None else stored(p.d),
                                           tiled=p.tiled), p.nbytes)
     x = torch.randn(n, w.shape[1])
+    if fmt == "bf16" and K.BF16_TILES:  # as a bf16 model computes: the AVX-512 BF16 tiles (vdpbf16ps)
+        x = x.bfloat16()
     if path == K.ACTIVE_PATH:
         t = median_time_s(lambda: K.linear(x, rot.next()))
     else:
@@ -176,7 +178,8 @@ def print_layer_summary(model: str, rows: list[dict], bw: dict[int, float]) -> N
 
 # The multiply-add instruction each format's matrix-matrix kernel is built from, per path (csrc/peak.cpp).
 PEAK_KIND = {("avx512", "q4_0"): "vnni_u8", ("avx512", "q8_0"): "vnni_s16", ("avx2", "q4_0"): "avx2_u8",
-             ("avx2", "q8_0"): "avx2_s16", ("avx512", "bf16"): "fma32", ("avx2", "bf16"): "fma32",
+             ("avx2", "q8_0"): "avx2_s16", ("avx2", "bf16"): "fma32",
+             ("avx512", "bf16"): "bf16" if K.BF16_TILES else "fma32",  # bf16 activations (kernel_time_s) take vdpbf16ps
              ("avx512", "fp16"): "fma32", ("avx2", "fp16"): "fma32"}
 PEAK_KIND.update({(p, f): ("vnni_s16" if p == "avx512" else "avx2_s16") if f == "q4_1" else
                   ("vnni_u8" if p == "avx512" else "avx2_u8") for p in ("avx2", "avx512") for f in GGUF_BLOCKS if f in CPU_KERNELS})

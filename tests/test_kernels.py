@@ -207,7 +207,8 @@ def test_active_path_is_consistent_with_this_cpu():
 @pytest.mark.skipif(K.ACTIVE_PATH not in ("avx2", "avx512"), reason="the peak probe runs AVX2/AVX-512 code")
 def test_peak_probe_measures_the_kernels_instructions():
     """The kernel benchmark's peak: FLOP/s of one multiply-add instruction, more for wider integer dot products."""
-    kinds = ["fma32", "avx2_s16", "avx2_u8"] + (["vnni_s16", "vnni_u8"] if K.ACTIVE_PATH == "avx512" else [])
+    kinds = ["fma32", "avx2_s16", "avx2_u8"] + (["vnni_s16", "vnni_u8"] if K.ACTIVE_PATH == "avx512" else []) + \
+        (["bf16"] if K.BF16_TILES else [])
     rates = {k: K._C.peak_flops(k, 200_000, 1) for k in kinds}
     assert all(1e8 < r < 1e13 for r in rates.values()), rates
     with pytest.raises(ValueError, match="kind must be"):
