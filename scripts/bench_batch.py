@@ -26,7 +26,9 @@ Two more measurements, each instead of the above:
   quantization none, dtype bf16, q8_0 and q4_0, one after another in this process on the same threads, in
   rounds (--repeats, default 3 for the other modes: pass --repeats 1 for a quick look); median tokens/s and each
   one's ratio against transformers bf16. --model may be a Hugging Face folder or a GGUF
-  file (transformers dequantizes it).
+  file (transformers dequantizes it). On a CPU with AVX-512 BF16 it also prints offload bf16's rate over the
+  token-passes the job really computes (every prompt token and every decode step's token through the layers, each
+  sequence's sampled rows through the lm_head: no padding) as a fraction of vdpbf16ps's peak, measured in the run.
 --smoke runs all three on a tiny random model with a byte-level tokenizer, a few prompts and tokens each: seconds.
 """
 
@@ -209,9 +211,34 @@ def against_transformers(args, new_tokens: int = 32) -> None:
               f"bf16   (runs {spread:.2f}x apart)")
     best = min((n for n, o, _ in AGAINST if o), key=median.get)
     print(f"offload's best ({best}) / transformers bf16: {base / median[best]:.2f}x")
+    print_bf16_peak_share(path, prompts, new_tokens, median["offload bf16"], threads)
     ref = outputs["transformers fp32"]
     same = sum(a[:8] == b[:8] for a, b in zip(outputs["offload none (fp32)"], ref))
     print(f"offload none (fp32): first 8 greedy tokens equal to transformers fp32 in {same}/{len(ref)} prompts")
+
+
+def job_flops(path, prompts: list[list[int]], new_tokens: int) -> float:
+    """Multiply-add FLOPs of the job's real token-passes through the linears: every prompt token and every decode
+    step's token through each layer (a sequence's first new token comes from its prompt's pass), new_tokens
+    sampled rows per sequence through the lm_head."""
+    from offload.weights.model_files import model_spec
+
+    spec = model_spec(path)
+    layer_passes = sum(len(p) for p in prompts) + len(prompts) * (new_tokens - 1)
+    return sum(u.matmul_flops(new_tokens * len(prompts) if u.kind == "lm_head" else layer_passes)
+               for u in spec.units() if u.kind in ("layer", "lm_head"))
+
+
+def print_bf16_peak_share(path, prompts, new_tokens: int, seconds: float, threads: int) -> None:
+    """offload bf16's FLOP/s over the job's token-passes as a fraction of vdpbf16ps's peak (AVX-512 BF16 only)."""
+    import offload.kernels as K
+
+    if not K.BF16_TILES:
+        return
+    peak = max(K._C.peak_flops("bf16", 2_000_000, threads) for _ in range(5))
+    rate = job_flops(path, prompts, new_tokens) / seconds
+    print(f"offload bf16: {rate / 1e9:.0f} GFLOP/s over the job's real token-passes = {rate / peak:.2f} of the "
+          f"vdpbf16ps peak ({peak / 1e9:.0f} GFLOP/s on {threads} threads, measured now)")
 
 
 def main() -> None:
