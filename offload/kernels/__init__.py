@@ -31,8 +31,8 @@ if ACTIVE_PATH == "numba":
     from offload.kernels import numba_ops as _nb
 ACTIVE_PATH_ID: int = PATH_IDS.get(ACTIVE_PATH, 0)  # the id csrc/ takes for ACTIVE_PATH
 TILED: bool = ACTIVE_PATH != "numba"  # pack() makes tiled q8_0/q4_0 weights for the C++ kernels
-# bf16 weights x bf16 activations from 4 rows run in AVX-512 BF16 tiles (vdpbf16ps), as fast as torch's oneDNN
-# matmul from 256 rows and faster below (csrc/qgemm_avx512.cpp)
+# bf16 weights x bf16 activations run in AVX-512 BF16 tiles (vdpbf16ps) at any row count: near torch's oneDNN
+# matmul from 256 rows, faster below, at the memory's rate for a row or two (csrc/qgemm_avx512.cpp)
 BF16_TILES: bool = ACTIVE_PATH == "avx512" and "avx512bf16" in CPU_FEATURES
 _XTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # fp32 weights a type without fused CPU kernels dequantizes per step (its temporaries take ~3x more): small enough to
