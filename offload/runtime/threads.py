@@ -66,9 +66,10 @@ class ThreadGovernor:
             if self._probing == 0:  # compared with the counts last measured at steps of this size only
                 known = {n: c for n, c in self.cost.items() if c is not None and _alike(self.sized[n], n_tokens)}
                 before = self.chosen
-                if before in known:  # else the choice stands: nothing measured at this size to weigh it by
+                if before in known:  # else the choice and the wait stand: nothing at this size to weigh it by
                     self.chosen = min(known, key=known.get)
-                self._interval = PROBE_EVERY if self.chosen != before else min(2 * self._interval, MAX_PROBE_EVERY)
+                    self._interval = PROBE_EVERY if self.chosen != before else min(2 * self._interval,
+                                                                                    MAX_PROBE_EVERY)
                 self._next_probe = self._steps + self._interval
 
 
