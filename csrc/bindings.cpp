@@ -169,7 +169,7 @@ bool use_bf16_tiles(int path, int fmt, int xtype, int64_t K) {
 void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N, const WView& w,
                  const float* bias, float* y, int nth, int path) {
   if (use_bf16_tiles(path, fmt, xtype, w.K)) {
-    // copied with rows kPadBytes apart: rows a power of two apart would share L1 sets, and a tile reads 12 at once
+    // copied with rows kPadBytes apart: rows a power of two apart would share L1 sets, and a tile reads 6 at once
     const int64_t ldx = w.K + kPadBytes / 2;
     tls.xh.resize(size_t(N * ldx));
     for (int64_t n = 0; n < N; ++n)

@@ -481,8 +481,8 @@ KFN_BF16 void dot_tile_bf16(const uint16_t* w, int64_t K, const uint16_t* x, int
   }
 }
 
-// Rows r0 .. r1 (whole tiles of R) against tokens n0 .. n0 + T: the T tokens' activations stay in L1 while the
-// rows pass. next: on the first tokens, the rows R past each tile's are fetched as it runs.
+// Rows r0 .. r1 (whole tiles of R) against T tokens: the T tokens' activations stay in L1 while the rows pass.
+// fetch (the first tokens only): each tile fetches the next tile's rows into L2 as it runs.
 template <int R, int T>
 KFN_BF16 void dot_rows_bf16(const WView& w, int64_t r0, int64_t r1, const uint16_t* x, int64_t ldx, float* y,
                             const float* bias, bool fetch) {
