@@ -24,7 +24,7 @@ struct KernelTable {
   QuantX16Fn quantize_x16;
   QuantXKFn quantize_xk;
   QGemmFn q8_0, q4_0;
-  FGemmFn bf16, f16;
+  FGemmFn bf16, f16, f32;
   QGemmFn gguf[kFormatIds];  // the GGUF block formats' (kernels.h OFFLOAD_GGUF_FORMATS), by format id
 };
 
@@ -33,10 +33,11 @@ KernelTable table_of(int path) {
   KernelTable t{};
   if (path == P_SCALAR)
     t = {quantize_x_ref, quantize_x16_ref, quantize_xk_ref, gemm_q8_0_ref, gemm_q4_0_ref, gemm_bf16_ref, gemm_f16_ref,
-         {}};
+         gemm_f32_ref, {}};
   else
     t = {quantize_x_avx2, quantize_x16_avx2, quantize_xk_avx2, path == P_AVX2 ? gemm_q8_0_avx2 : gemm_q8_0_avx512,
-         path == P_AVX2 ? gemm_q4_0_avx2 : gemm_q4_0_avx512, gemm_bf16_avx2, gemm_f16_avx2, {}};
+         path == P_AVX2 ? gemm_q4_0_avx2 : gemm_q4_0_avx512, gemm_bf16_avx2, gemm_f16_avx2,
+         path == P_AVX2 ? gemm_f32_avx2 : gemm_f32_avx512, {}};
 #define OFFLOAD_FILL(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) \
   t.gguf[id_] = path == P_SCALAR ? gemm_##name_##_ref : path == P_AVX2 ? gemm_##name_##_avx2 : gemm_##name_##_avx512;
   OFFLOAD_GGUF_FORMATS(OFFLOAD_FILL)
@@ -191,7 +192,7 @@ void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_
     for (int64_t i = 0; i < N * w.K; ++i) tls.xf[size_t(i)] = bf16_to_f32(xh[i]);
     xf = tls.xf.data();
   }
-  const FGemmFn fn = fmt == W_BF16 ? t.bf16 : t.f16;
+  const FGemmFn fn = fmt == W_BF16 ? t.bf16 : fmt == W_F16 ? t.f16 : t.f32;
   const RowChunks chunks(w.M, nth);
 #pragma omp parallel for schedule(dynamic, 1) num_threads(nth) if (nth > 1)
   for (int64_t c = 0; c < chunks.n; ++c) fn(w, xf, N, y, bias, chunks.r0(c), chunks.r1(c));
@@ -200,7 +201,7 @@ void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_
 void packed_linear_x(int path, const void* x, int xtype, int64_t N, int fmt, const WView& w, const float* bias,
                      float* y, int nthreads) {
   const int nth = nthreads < 1 ? 1 : nthreads;
-  if (fmt == W_BF16 || fmt == W_F16) linear_half(kTables[path], fmt, x, xtype, N, w, bias, y, nth, path);
+  if (is_float(fmt)) linear_half(kTables[path], fmt, x, xtype, N, w, bias, y, nth, path);
   else linear_q(kTables[path], fmt, x, xtype, N, w, bias, y, nth);
 }
 

@@ -1,4 +1,4 @@
-// AVX2 + FMA + F16C matmuls with bf16 or fp16 weights and fp32 activations.
+// AVX2 + FMA + F16C matmuls with bf16, fp16 or fp32 weights and fp32 activations.
 //
 // Few tokens (decode): dot products of 4 weight rows x 2 tokens over all of K, reading the weights once (memory-bound).
 // From kPackMinTokens on (prefill, batches): cache blocking as in BLIS/OpenBLAS sgemm. A panel of 16 weight rows x KC
@@ -9,6 +9,7 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "kernels.h"
 
@@ -28,15 +29,28 @@ constexpr int64_t KC = 256;            // K columns per panel: 16 KiB of fp32, h
 // fp16's dot form widens in one op (vcvtph2ps) and ran 70 GFLOP/s: packed it ran 0.89-0.95x at 16 tokens, 1.05x at 64.
 constexpr int64_t kPackMinTokens = 10, kPackMinTokensF16 = 64;
 
-template <bool BF16>
-KFN __m256 cvt8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  if (BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-  return _mm256_cvtph_ps(h);
+enum Kind : int { kBF16, kF16, kF32 };  // the weights' element type
+template <int KIND>
+using Elem = std::conditional_t<KIND == kF32, float, uint16_t>;
+template <int KIND>
+constexpr int64_t kLine = 64 / sizeof(Elem<KIND>);  // elements per cache line
+
+template <int KIND>
+KFN __m256 cvt8(const Elem<KIND>* p) {
+  if constexpr (KIND == kF32) {
+    return _mm256_loadu_ps(p);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    if (KIND == kBF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+  }
 }
 
-template <bool BF16>
-KFN float cvt1(uint16_t h) { return BF16 ? bf16_to_f32(h) : _cvtsh_ss(h); }
+template <int KIND>
+KFN float cvt1(Elem<KIND> h) {
+  if constexpr (KIND == kF32) return h;
+  else return KIND == kBF16 ? bf16_to_f32(h) : _cvtsh_ss(h);
+}
 
 KFN float hsum8f(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -46,10 +60,10 @@ KFN float hsum8f(__m256 v) {
 }
 
 // R rows x C tokens over all of K; K % 8 leftovers in scalar code.
-template <bool BF16, int R, int C>
+template <int KIND, int R, int C>
 KFN void tile_half(const WView& w, const float* x, int64_t r0, int64_t n0, float* y, const float* bias) {
   const int64_t K = w.K, K8 = K & ~int64_t(7);
-  const uint16_t* wh = reinterpret_cast<const uint16_t*>(w.qs) + r0 * K;
+  const Elem<KIND>* wh = reinterpret_cast<const Elem<KIND>*>(w.qs) + r0 * K;
   const float* xs = x + n0 * K;
   __m256 acc[R][C];
   for (int r = 0; r < R; ++r)
@@ -58,30 +72,32 @@ KFN void tile_half(const WView& w, const float* x, int64_t r0, int64_t n0, float
     __m256 xv[C];
     for (int n = 0; n < C; ++n) xv[n] = _mm256_loadu_ps(xs + n * K + k);
     for (int r = 0; r < R; ++r) {
-      const __m256 wv = cvt8<BF16>(wh + r * K + k);
+      const __m256 wv = cvt8<KIND>(wh + r * K + k);
+      if (k % kLine<KIND> == 0)  // the next tile's rows, a cache line ahead of their first read
+        _mm_prefetch(reinterpret_cast<const char*>(wh + (R + r) * K + k), _MM_HINT_T0);
       for (int n = 0; n < C; ++n) acc[r][n] = _mm256_fmadd_ps(wv, xv[n], acc[r][n]);
     }
   }
   for (int r = 0; r < R; ++r)
     for (int n = 0; n < C; ++n) {
       float t = hsum8f(acc[r][n]);
-      for (int64_t k = K8; k < K; ++k) t += cvt1<BF16>(wh[r * K + k]) * xs[n * K + k];
+      for (int64_t k = K8; k < K; ++k) t += cvt1<KIND>(wh[r * K + k]) * xs[n * K + k];
       y[(n0 + n) * w.M + r0 + r] = t + (bias ? bias[r0 + r] : 0.f);
     }
 }
 
-template <bool BF16, int R>
+template <int KIND, int R>
 KFN void rows_half(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r) {
   int64_t n = 0;
-  for (; n + FC <= N; n += FC) tile_half<BF16, R, FC>(w, x, r, n, y, bias);
-  for (; n < N; ++n) tile_half<BF16, R, 1>(w, x, r, n, y, bias);
+  for (; n + FC <= N; n += FC) tile_half<KIND, R, FC>(w, x, r, n, y, bias);
+  for (; n < N; ++n) tile_half<KIND, R, 1>(w, x, r, n, y, bias);
 }
 
-template <bool BF16>
+template <int KIND>
 KFN void gemm_dot(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1) {
   int64_t r = r0;
-  for (; r + FR <= r1; r += FR) rows_half<BF16, FR>(w, x, N, y, bias, r);
-  for (; r < r1; ++r) rows_half<BF16, 1>(w, x, N, y, bias, r);
+  for (; r + FR <= r1; r += FR) rows_half<KIND, FR>(w, x, N, y, bias, r);
+  for (; r < r1; ++r) rows_half<KIND, 1>(w, x, N, y, bias, r);
 }
 
 // In place: rows v[0..7] of an 8x8 block become its columns.
@@ -116,33 +132,33 @@ KFN void pack16_bf16(const uint16_t* wg, int64_t K, int64_t k, float* p) {
 }
 
 // p [kc][PR] fp32 = weight rows r..r+rows-1 (rows <= PR; the others zero), columns k0..k0+kc-1, transposed.
-template <bool BF16>
+template <int KIND>
 KFN void pack_panel(const WView& w, int64_t r, int rows, int64_t k0, int64_t kc, float* p) {
   const int64_t K = w.K, kc8 = kc & ~int64_t(7);
-  const uint16_t* wh = reinterpret_cast<const uint16_t*>(w.qs) + r * K + k0;
+  const Elem<KIND>* wh = reinterpret_cast<const Elem<KIND>*>(w.qs) + r * K + k0;
   for (int g = 0; g < PR; g += 8) {
-    const uint16_t* wg = wh + g * K;
+    const Elem<KIND>* wg = wh + g * K;
     int64_t k = 0;
     if (g + 8 <= rows) {
-      if (BF16)
+      if constexpr (KIND == kBF16)
         for (; k + 16 <= kc8; k += 16) pack16_bf16(wg, K, k, p + g);
       for (; k < kc8; k += 8) {
         __m256 v[8];
-        for (int i = 0; i < 8; ++i) v[i] = cvt8<BF16>(wg + i * K + k);
+        for (int i = 0; i < 8; ++i) v[i] = cvt8<KIND>(wg + i * K + k);
         transpose8(v);
         for (int j = 0; j < 8; ++j) _mm256_store_ps(p + (k + j) * PR + g, v[j]);
       }
     } else {
       for (; k < kc8; k += 8) {
         __m256 v[8];
-        for (int i = 0; i < 8; ++i) v[i] = g + i < rows ? cvt8<BF16>(wg + i * K + k) : _mm256_setzero_ps();
+        for (int i = 0; i < 8; ++i) v[i] = g + i < rows ? cvt8<KIND>(wg + i * K + k) : _mm256_setzero_ps();
         transpose8(v);
         for (int j = 0; j < 8; ++j) _mm256_store_ps(p + (k + j) * PR + g, v[j]);
       }
     }
   }
   for (int64_t k = kc8; k < kc; ++k)
-    for (int i = 0; i < PR; ++i) p[k * PR + i] = i < rows ? cvt1<BF16>(wh[i * K + k]) : 0.f;
+    for (int i = 0; i < PR; ++i) p[k * PR + i] = i < rows ? cvt1<KIND>(wh[i * K + k]) : 0.f;
 }
 
 // y[r..r+rows-1] of one token (+)= lo, hi; the first K chunk adds the bias instead of y.
@@ -202,37 +218,42 @@ KFN void panel_times_x(const float* p, int64_t kc, const float* x, int64_t N, in
   }
 }
 
-template <bool BF16>
+template <int KIND>
 KFN void gemm_packed(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1) {
   alignas(64) static thread_local float panel[KC * PR];
   for (int64_t r = r0; r < r1; r += PR) {
     const int rows = int(std::min<int64_t>(PR, r1 - r));
     for (int64_t k0 = 0; k0 < w.K; k0 += KC) {
       const int64_t kc = std::min(KC, w.K - k0);
-      pack_panel<BF16>(w, r, rows, k0, kc, panel);
+      pack_panel<KIND>(w, r, rows, k0, kc, panel);
       panel_times_x(panel, kc, x + k0, N, w.K, y + r, w.M, rows, bias ? bias + r : nullptr, k0 == 0);
     }
   }
 }
 
-template <bool BF16>
+template <int KIND>
 KFN void gemm_half(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1) {
-  if (N < (BF16 ? kPackMinTokens : kPackMinTokensF16))
-    gemm_dot<BF16>(w, x, N, y, bias, r0, r1);
+  if (N < (KIND == kF16 ? kPackMinTokensF16 : kPackMinTokens))
+    gemm_dot<KIND>(w, x, N, y, bias, r0, r1);
   else
-    gemm_packed<BF16>(w, x, N, y, bias, r0, r1);
+    gemm_packed<KIND>(w, x, N, y, bias, r0, r1);
 }
 
 }  // namespace
 
 __attribute__((target("avx2,fma,f16c")))
 void gemm_bf16_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_half<true>(w, x, N, y, bias, r0, r1);
+  gemm_half<kBF16>(w, x, N, y, bias, r0, r1);
 }
 
 __attribute__((target("avx2,fma,f16c")))
 void gemm_f16_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_half<false>(w, x, N, y, bias, r0, r1);
+  gemm_half<kF16>(w, x, N, y, bias, r0, r1);
+}
+
+__attribute__((target("avx2,fma,f16c")))
+void gemm_f32_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_half<kF32>(w, x, N, y, bias, r0, r1);
 }
 
 }  // namespace offload

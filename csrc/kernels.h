@@ -54,7 +54,8 @@ constexpr int64_t QK = 32;  // elements per quant block
   X(mxfp4, MXFP4, 18, 32, 17, MXFP4, row_b32<W_MXFP4>)
 
 #define OFFLOAD_ENUM(name_, NAME_, id_, weights_, bytes_, Dec_, Row_) W_##NAME_ = id_,
-enum WFmt : int { W_Q8_0 = 0, W_Q4_0 = 1, W_BF16 = 2, W_F16 = 3, OFFLOAD_GGUF_FORMATS(OFFLOAD_ENUM) };
+// W_F32: dense fp32 weights (a torch tensor's memory), run by the fp32-activation kernels of the half formats
+enum WFmt : int { W_Q8_0 = 0, W_Q4_0 = 1, W_BF16 = 2, W_F16 = 3, W_F32 = 6, OFFLOAD_GGUF_FORMATS(OFFLOAD_ENUM) };
 #undef OFFLOAD_ENUM
 constexpr int W_TILED = 4;  // format id + W_TILED: the same format in tiled order (q8_0 / q4_0 only)
 constexpr int kFormatIds = 32;  // format ids are below this
@@ -77,12 +78,14 @@ constexpr bool is_gguf(int fmt) { return gguf_block_weights(fmt) > 0; }
 inline bool parse_fmt_id(int id, int& fmt, bool& tiled) {
   tiled = id == W_TILED + W_Q8_0 || id == W_TILED + W_Q4_0;
   fmt = tiled ? id - W_TILED : id;
-  return (fmt >= W_Q8_0 && fmt <= W_F16) || is_gguf(fmt);
+  return (fmt >= W_Q8_0 && fmt <= W_F16) || fmt == W_F32 || is_gguf(fmt);
 }
+// Whether fmt holds float weights, one element each (no blocks).
+constexpr bool is_float(int fmt) { return fmt == W_BF16 || fmt == W_F16 || fmt == W_F32; }
 // Whether K suits the format: quantized formats need whole blocks in every row.
 inline bool k_fits(int fmt, int64_t K) {
   if (is_gguf(fmt)) return K % gguf_block_weights(fmt) == 0;
-  return fmt == W_BF16 || fmt == W_F16 || K % 32 == 0;
+  return is_float(fmt) || K % 32 == 0;
 }
 // Whether fmt's kernels take int16 activations (quantize_x16) rather than int8.
 constexpr bool takes_x16(int fmt) { return fmt == W_Q8_0 || fmt == W_Q4_1; }
@@ -91,8 +94,8 @@ enum Path : int { P_SCALAR = 0, P_AVX2 = 1, P_AVX512 = 2 };
 
 // A weight matrix [M, K].
 struct WView {
-  const uint8_t* qs;   // q8_0: int8 [M, K]; q4_0: uint8 [M, K/2]; bf16/f16: uint16 [M, K]
-  const uint16_t* d;   // fp16 block scales [M, K/32]; null for bf16/f16
+  const uint8_t* qs;   // q8_0: int8 [M, K]; q4_0: uint8 [M, K/2]; bf16/f16: uint16 [M, K]; f32: float [M, K]
+  const uint16_t* d;   // fp16 block scales [M, K/32]; null for bf16/f16/f32
   int64_t M, K;
   bool tiled = false;  // tiled block order (see above)
 };
@@ -154,6 +157,8 @@ float fp16_to_f32(uint16_t h);
 uint16_t f32_to_fp16(float f);  // round to nearest even, like numpy's astype(float16)
 float bf16_to_f32(uint16_t h);
 
+// fp32 weights x fp32 activations with AVX-512F tiles below 10 tokens, the AVX2 packed form from there
+void gemm_f32_avx512(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
 // bf16 weights x bf16 activations [N, K] (row stride ldx) with AVX-512 BF16 (vdpbf16ps), K a multiple of 32; rows
 // r0..r1 of y [N, M].
 void gemm_bf16_bf16x_avx512(const WView& w, const uint16_t* x, int64_t ldx, int64_t N, float* y, const float* bias,
@@ -166,6 +171,7 @@ void gemm_q8_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int
 void gemm_q4_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_bf16_ref(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_f16_ref(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_f32_ref(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
 // Weight quantizers, bit-exact with gguf-py / ggml-quants.c reference rounding.
 void quantize_w_q8_0_rows(const float* src, int64_t r0, int64_t r1, int64_t K, uint8_t* qs, uint16_t* d);
 void quantize_w_q4_0_rows(const float* src, int64_t r0, int64_t r1, int64_t K, uint8_t* qs, uint16_t* d);
@@ -180,6 +186,7 @@ void gemm_q8_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, in
 void gemm_q4_0_avx2(const WView& w, const XQ& x, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_bf16_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
 void gemm_f16_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
+void gemm_f32_avx2(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
 uint64_t read_bytes_avx2(const uint8_t* p, int64_t n);  // bandwidth probe: touches every byte
 void quantize_xk_avx2(const void* x, int xtype, int64_t K, int8_t* qs, float* d, float* s, int16_t* s16);
 

@@ -118,10 +118,10 @@ void gemm_q4_0_ref(const WView& w, const XQ& x, float* y, const float* bias, int
   }
 }
 
-template <float (*CVT)(uint16_t)>
+template <typename E, float (*CVT)(E)>
 static void gemm_half_ref(const WView& w, const float* x, int64_t N, float* y, const float* bias,
                           int64_t r0, int64_t r1) {
-  const uint16_t* wh = reinterpret_cast<const uint16_t*>(w.qs);
+  const E* wh = reinterpret_cast<const E*>(w.qs);
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t n = 0; n < N; ++n) {
       float acc = 0.f;
@@ -131,11 +131,17 @@ static void gemm_half_ref(const WView& w, const float* x, int64_t N, float* y, c
 }
 
 void gemm_bf16_ref(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_half_ref<bf16_to_f32>(w, x, N, y, bias, r0, r1);
+  gemm_half_ref<uint16_t, bf16_to_f32>(w, x, N, y, bias, r0, r1);
 }
 
 void gemm_f16_ref(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1) {
-  gemm_half_ref<fp16_to_f32>(w, x, N, y, bias, r0, r1);
+  gemm_half_ref<uint16_t, fp16_to_f32>(w, x, N, y, bias, r0, r1);
+}
+
+static float as_f32(float v) { return v; }
+
+void gemm_f32_ref(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1) {
+  gemm_half_ref<float, as_f32>(w, x, N, y, bias, r0, r1);
 }
 
 void quantize_w_q8_0_rows(const float* src, int64_t r0, int64_t r1, int64_t K, uint8_t* qs, uint16_t* d) {

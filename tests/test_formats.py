@@ -62,7 +62,7 @@ def test_the_tables_kernel_codes_are_csrcs():
     codes = {m[1].lower(): int(m[2]) for m in re.finditer(r"W_(\w+) = (\d+)", enum)}
     lines = re.findall(r"X\((\w+), (\w+), (\d+), (\d+), (\d+), ", header)
     codes.update({name: int(code) for name, _, code, _, _ in lines})
-    assert codes == {f.replace("fp16", "f16"): c for f, c in CPU_KERNELS.items()}
+    assert codes == {f.replace("fp16", "f16").replace("fp32", "f32"): c for f, c in CPU_KERNELS.items()}
     for name, upper, _, weights, block_bytes in lines:
         assert upper.lower() == name and (int(weights), int(block_bytes)) == GGUF_BLOCKS[name], name
 

@@ -15,9 +15,9 @@ from offload.kernels.dispatch import AVX2_FEATURES, AVX512_FEATURES, best_path, 
 # Tolerances, as normalized error ||y - y_ref|| / ||y_ref||:
 #   optimized vs scalar reference (same integer math, other float summation order): 1e-5
 #   vs fp32 matmul with the dequantized weights: q4_0 (int8 activation rounding) 2e-2,
-#   q8_0 (int16 activations) 1e-4, bf16 / fp16 weights (exactly converted) 1e-5
+#   q8_0 (int16 activations) 1e-4, bf16 / fp16 weights (exactly converted) and fp32 weights 1e-5
 TOL_REF = 1e-5
-TOL_FLOAT = {"q4_0": 2e-2, "q8_0": 1e-4, "bf16": 1e-5, "fp16": 1e-5}
+TOL_FLOAT = {"q4_0": 2e-2, "q8_0": 1e-4, "bf16": 1e-5, "fp16": 1e-5, "fp32": 1e-5}
 
 # (M, K, N): M=1, M not a multiple of 4/8, K=32 (1 block), odd block counts, 8-block groups plus
 # leftovers (K=288: 9 blocks, K=576: 18), N=1 (matrix-vector), odd N, N large; N of each remainder mod the
@@ -28,7 +28,7 @@ SHAPES = [(1, 32, 1), (5, 32, 2), (13, 96, 1), (8, 288, 3), (33, 576, 1), (31, 5
           (203, 96, 31), (50, 288, 4), (16, 32, 600), (70, 576, 21),
           # AVX2 bf16/fp16 packed panels: 16 + 16 + 13 rows, K = 3 chunks of 256 + 32, 13 = 4 + 4 + 5 tokens
           (45, 800, 13)]
-FORMATS = ["q8_0", "q4_0", "bf16", "fp16"]
+FORMATS = ["q8_0", "q4_0", "bf16", "fp16", "fp32"]
 NATIVE = [p for p in ("avx2", "avx512") if K.ACTIVE_PATH in ("avx2", "avx512") and
           (p == "avx2" or K.ACTIVE_PATH == "avx512")]
 
@@ -57,7 +57,7 @@ def test_scalar_ref_matches_float_reference(fmt, m, k, n):
 
 @pytest.mark.parametrize("path", NATIVE or ["none"])
 @pytest.mark.parametrize("fmt,order", [("q8_0", "tiled"), ("q8_0", "rows"), ("q4_0", "tiled"), ("q4_0", "rows"),
-                                       ("bf16", "-"), ("fp16", "-")])
+                                       ("bf16", "-"), ("fp16", "-"), ("fp32", "-")])
 @pytest.mark.parametrize("m,k,n", SHAPES)
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -80,10 +80,12 @@ def test_thread_count_does_not_change_results(fmt):
     assert_thread_count_invariant(K.linear, x, w, bias)
 
 
-@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
-@pytest.mark.parametrize("m,k,n", [(45, 523, 13), (5, 523, 3)])
-def test_half_weights_take_any_k(fmt, m, k, n):
-    w, x, bias = case(m, k, n, fmt)  # K % 8 = 3: the SIMD kernels' scalar leftovers, packed (13 tokens) or not
+@pytest.mark.parametrize("fmt", ["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("m,k,n", [(45, 523, 13), (5, 523, 3), (10, 523, 8), (9, 40, 9)])
+def test_float_weights_take_any_k(fmt, m, k, n):
+    # K % 8 = 3 (K % 16 = 11, 8): the SIMD kernels' scalar or masked leftovers, packed (13 tokens) or not; the
+    # AVX-512 fp32 tiles' 4 + 4 and 5 + 4 tokens
+    w, x, bias = case(m, k, n, fmt)
     got = assert_thread_count_invariant(K.linear, x, w, bias)
     assert nerr(got, K.linear_ref(x, w, bias)) < TOL_REF
 
@@ -105,6 +107,26 @@ def test_dense_bf16_weights_take_offloads_kernels_unless_the_cpu_multiplies_bf16
     y = ops.linear(x, w, None)
     assert bool(taken) != native_bf16 and y.dtype is torch.bfloat16
     assert nerr(y.float(), x.float() @ w.float().T) < 1e-2  # the output rounded to bf16
+
+
+@pytest.mark.parametrize("rows,taken", [(1, True), (9, True), (64, True), (65, False)])
+def test_dense_fp32_weights_take_offloads_kernels_at_few_rows(monkeypatch, rows, taken):
+    """fp32 weights against fp32 activations: offload's kernels up to ops.F32_KERNEL_ROWS rows (a decode step, a
+    verify pass), bit for bit the PackedWeight view's result; torch's matmul beyond."""
+    from offload.kernels import ops
+
+    if ops._half_kernel() is None:
+        pytest.skip("no C++ kernels")
+    seen = []
+    real = ops._f32_view
+    monkeypatch.setattr(ops, "_f32_view", lambda w: seen.append(w) or real(w))
+    g = torch.Generator().manual_seed(rows)
+    x, w, bias = torch.randn(rows, 72, generator=g), torch.randn(40, 72, generator=g), torch.randn(40, generator=g)
+    y = ops.linear(x.view(1, rows, 72), w, bias)
+    assert bool(seen) == taken and y.shape == (1, rows, 40) and y.dtype is torch.float32
+    if taken:
+        assert torch.equal(y[0], K.linear(x, K.pack(w, "fp32"), bias))
+    assert nerr(y[0], x @ w.T + bias) < 1e-5
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])

@@ -70,7 +70,8 @@ _DEQUANTIZED = ("fp32",)
 # Where a profile has no curves of a type's own, those of a kernel of its kind: blocks of 32, super-blocks of 256
 _KIN_32, _KIN_256 = ("q4_1", "q4_0"), ("q4_k", "q4_0")
 GGUF_TYPES = tuple(GGUFType(**t) for t in (
-    dict(name="fp32", ggml_name="F32", ggml_type=0, block_weights=1, block_bytes=4, fields=(), layout="float"),
+    dict(name="fp32", ggml_name="F32", ggml_type=0, block_weights=1, block_bytes=4, fields=(), layout="float",
+         cpu_kernel=6),
     dict(name="bf16", ggml_name="BF16", ggml_type=30, block_weights=1, block_bytes=2, fields=(), layout="float",
          cpu_kernel=2),
     dict(name="fp16", ggml_name="F16", ggml_type=1, block_weights=1, block_bytes=2, fields=(), layout="float",

@@ -2,7 +2,8 @@
 experts' matmuls) and this module picks how it runs from the weight's form, the activations' device and dtype,
 and the rows, as each kernel states what it takes. No model file names a device or a format.
 
-- linear: torch's matmul for dense weights; offload's C++ kernels for packed (quantized, GGUF block) weights on the
+- linear: offload's C++ kernels for dense fp32 weights against fp32 activations up to F32_KERNEL_ROWS rows (a
+  decode step, a verify pass), torch's matmul for the other dense weights; offload's C++ kernels for packed (quantized, GGUF block) weights on the
   CPU, and for half-precision weights on the CPU at a row or two (a decode step), bf16 against bf16 where the CPU
   has AVX-512 BF16 tiles, or against activations of another dtype (a GGUF file's bf16 kept as stored); weights
   that compute on their own device (DeviceQuantWeight) dequantize there; a StackedWeight runs part by part.
@@ -38,6 +39,11 @@ class StackedWeight:
 HALF_KERNEL_ROWS = 2  # up to this many rows, offload's kernel beats torch's bf16 matmul on a CPU with native bf16
 HALF_ACTIVATIONS = (torch.float32, torch.bfloat16)  # what offload's CPU kernels take
 HALF_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # dense weights they take as a PackedWeight view
+# fp32 weights against fp32 activations go through offload's fp32 kernels up to this many rows (decode steps,
+# speculative verify passes, small batches), torch's matmul beyond. On a 2-core Zen 4, SmolLM2-135M's shapes ran
+# 2.0x torch's at 1 row, 2.7x at 4, 1.5x at 16-128 and 1.2x at 512: torch's fp32 matrix-vector product read the
+# weights at half the memory's rate, and its cost grew with the rows (csrc/fgemm_avx512.cpp, fgemm_avx2.cpp).
+F32_KERNEL_ROWS = 64
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:
@@ -47,6 +53,8 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tenso
     CPU without native bf16, torch widens bf16 slowly (a batch job ran 3-7x slower than offload's fp32-widening
     tiles on an AVX2 EPYC); a decode step's rows stream faster through offload's kernel on any CPU."""
     if isinstance(w, torch.Tensor):
+        if w.dtype is torch.float32 and _f32_kernel_takes(x, w):
+            return linear(x, _f32_view(w), None if bias is None else bias.contiguous())
         few_rows = x.numel() <= HALF_KERNEL_ROWS * x.shape[-1]
         if ((few_rows or _bf16_tiles(x, w) or x.dtype != w.dtype or not _bf16_available()) and w.dtype in HALF_WEIGHTS
                 and w.device.type == "cpu" and x.dtype in HALF_ACTIVATIONS and w.dim() == 2 and w.is_contiguous()):
@@ -65,6 +73,20 @@ def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tenso
 
     out = packed_linear(x.reshape(-1, x.shape[-1]).contiguous(), w, bias)
     return out.view(*x.shape[:-1], out.shape[-1]).to(x.dtype)
+
+
+def _f32_kernel_takes(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether offload's fp32 kernels run x @ w.T for an fp32 weight: fp32 CPU activations, few rows, a contiguous
+    2-D CPU weight, and the C++ extension (not the numba path, whose fp32 matmul is torch's)."""
+    return (x.dtype is torch.float32 and x.numel() <= F32_KERNEL_ROWS * x.shape[-1] and x.device.type == "cpu"
+            and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous() and _half_kernel() is not None)
+
+
+def _f32_view(w: torch.Tensor):
+    """A dense fp32 weight as a PackedWeight view for offload's fp32 kernels (no copy)."""
+    from offload.kernels import PackedWeight
+
+    return PackedWeight("fp32", tuple(w.shape), w, None)
 
 
 def _bf16_tiles(x: torch.Tensor, w: torch.Tensor) -> bool:

@@ -1,4 +1,5 @@
-"""PackedWeight: a [M, K] weight matrix in a kernel format (q8_0, q4_0, bf16, fp16, GGUF's block types), and pack()."""
+"""PackedWeight: a [M, K] weight matrix in a kernel format (q8_0, q4_0, bf16, fp16, fp32, GGUF's block types), and
+pack()."""
 
 from __future__ import annotations
 
@@ -12,6 +13,9 @@ from offload.kernels import quant
 NO_KERNEL_ID = -1  # fmt_id of a format without fused CPU kernels (formats.CPU_KERNELS): kernels.linear dequantizes
 TILED_ID = 4  # csrc/kernels.h W_TILED: added to a quantized format's id for tiled block order
 _HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# float formats a PackedWeight holds: the half ones, and fp32 (the model keeps fp32 weights as plain tensors;
+# kernels.ops.linear views them as a PackedWeight for a step's few rows, which offload's fp32 kernels run)
+_FLOAT = {**_HALF, "fp32": torch.float32}
 
 
 class PackedWeight:
@@ -92,8 +96,8 @@ class PackedWeight:
         if raw.nbytes != want:
             raise KernelError(f"GGUF tensor of type {fmt} and shape [{m}, {k}] needs {want} bytes, got {raw.nbytes}; "
                               f"check the tensor's type and shape (GGUF lists dims innermost first)")
-        if fmt in _HALF:
-            return cls(fmt, (m, k), torch.from_numpy(raw.copy()).view(_HALF[fmt]).reshape(m, k), None)
+        if fmt in _FLOAT:
+            return cls(fmt, (m, k), torch.from_numpy(raw.copy()).view(_FLOAT[fmt]).reshape(m, k), None)
         if fmt in GGUF_BLOCKS:
             if not (raw.flags.writeable and raw.flags.c_contiguous):
                 raw = raw.copy()  # torch cannot wrap read-only memory
@@ -145,7 +149,7 @@ def untile_blocks(qs: torch.Tensor, d: torch.Tensor, fmt: str) -> tuple[torch.Te
 
 
 def _check_shape(fmt: str, shape) -> tuple[int, int]:
-    if fmt not in PACKED_FORMATS:
+    if fmt not in PACKED_FORMATS and fmt not in _FLOAT:
         raise KernelError(f"weight format {fmt!r} is not supported; use one of {', '.join(PACKED_FORMATS)}")
     if len(shape) != 2 or shape[0] < 1 or shape[1] < 1:
         raise KernelError(f"a packed weight must be a non-empty 2-D [out, in] matrix, got shape {list(shape)}")
@@ -161,8 +165,8 @@ def _check_shape(fmt: str, shape) -> tuple[int, int]:
 def _check_parts(fmt: str, shape: tuple[int, int], qs: torch.Tensor, d: torch.Tensor | None) -> None:
     """The kernels read raw memory: refuse parts whose dtype, shape or device is not the layout's."""
     m, k = shape
-    if fmt in _HALF:
-        want_qs, want_d = ((m, k), _HALF[fmt]), None
+    if fmt in _FLOAT:
+        want_qs, want_d = ((m, k), _FLOAT[fmt]), None
     elif fmt in GGUF_BLOCKS:
         want_qs, want_d = ((m, format_nbytes(k, fmt)), torch.uint8), None
     else:
@@ -187,8 +191,8 @@ def pack(w: torch.Tensor, fmt: str, ext=None, n_threads: int | None = None) -> P
                           f"pack to q8_0 or q4_0 instead")
     m, k = _check_shape(fmt, tuple(w.shape))
     w = w.detach().to("cpu")
-    if fmt in _HALF:
-        return PackedWeight(fmt, (m, k), w.to(_HALF[fmt]).contiguous(), None)
+    if fmt in _FLOAT:
+        return PackedWeight(fmt, (m, k), w.to(_FLOAT[fmt]).contiguous(), None)
     w32 = w.float().contiguous()
     if ext is None:
         fn = quant.quantize_q8_0_np if fmt == "q8_0" else quant.quantize_q4_0_np
