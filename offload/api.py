@@ -193,7 +193,10 @@ class LLM:
             check_draft_vocab(draft, self)
             if speculative.method == "substitute":
                 check_substitute(draft, self)
-        self.generator.speculator = make_speculator(speculative, draft)
+        self.generator.speculator = spec = make_speculator(speculative, draft)
+        if spec is not None:  # a verify pass's rows in one read of the lm_head: a batch of 1 and its proposals (more
+            # at a larger batch run in a second read); they take spec.most_tokens more rows of vocab_size fp32 logits
+            self.generator.logits_rows = self.max_batch_size + spec.most_tokens
 
     def _use_prefix_cache(self, prefix: PrefixCacheOptions) -> None:
         """The generator's prefix cache as the options say: on or off, its host tier sized within the plan's room."""

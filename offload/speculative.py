@@ -109,6 +109,11 @@ class Speculator:
 
     # how many ----------------------------------------------------------------------------------------------
     @property
+    def most_tokens(self) -> int:
+        """The most proposals a sequence's step carries: the user's k, else the adaptive choice's bound."""
+        return self.max_tokens if self.num_tokens is None else self.num_tokens
+
+    @property
     def acceptance(self) -> float:
         s = self.stats
         return (s.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (s.proposed + PRIOR_WEIGHT)

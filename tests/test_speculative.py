@@ -73,6 +73,26 @@ def test_greedy_answers_equal_plain_decoding_at_batch_one_and_in_a_mixed_batch(m
     assert stats["tokens_per_pass"] > 1
 
 
+def test_a_verify_pass_reads_the_lm_head_once_at_batch_one(model_dir):
+    """A batch of one's step of k proposals computes its k + 1 rows of logits in one read of the lm_head (it took
+    k + 1 reads: the generator's rows at once were the batch size)."""
+    llm = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32", batch_size=1,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    gen, calls, rows = llm.generator, [], []
+    gen.speculator.drafter = Fixed([5, 6, 7, 8])
+    logits, run_step = llm.model.logits, gen.run_step
+    llm.model.logits = lambda hidden, more=False: (calls.append(hidden.shape[0]), logits(hidden, more=more))[1]
+
+    def counted(scheduled, cache, trash_slot):
+        calls.clear()
+        out = run_step(scheduled, cache, trash_slot)
+        rows.append((scheduled.n_logits, len(calls)))
+        return out
+    gen.run_step = counted
+    llm.generate(REPEATS, greedy())
+    assert max(n for n, _ in rows) == 5 and all(reads == (n > 0) for n, reads in rows)
+
+
 def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(model_dir):
     """draft_model with the model itself as its draft: every proposal is kept; self at q4_0: some are, and the
     answers are plain decoding's either way; the batch's sequences draft together; each sequence's draft extent is
