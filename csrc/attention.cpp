@@ -1,7 +1,8 @@
 // Attention over the KV cache for the fused layer (layer.cpp): each new token's heads over its keys [lo, hi], read
 // through its sequence's block table. The SIMD paths run blocked tiles with an online softmax (attention_tiles.inc):
-// a decode step (one token per sequence) in splits of its keys that read whole K and V rows in order, merged after
-// (flash-decoding's split-K); other steps by tiles of tokens and a KV head's query group. The scalar path, and head
+// a decode step or a verify pass (a few tokens per sequence) token by token, in splits of its keys that read whole K
+// and V rows in order, merged after (flash-decoding's split-K); other steps by tiles of tokens and a KV head's query
+// group. The scalar path, and head
 // sizes the tiles do not take, run one query at a time (the reference).
 #include "layer.h"
 
@@ -280,12 +281,23 @@ void attend_rows_for(bool wide, TileQuery* qs, int per_head, int64_t n_kv, const
   else wide ? run(avx512::attend_rows<0, KV>) : run(avx2::attend_rows<0, KV>);
 }
 
-constexpr int64_t kMinSplitKeys = 64;  // keys a split of decode attention reads at least
+// A token's keys split into one task per kSplitKeys (at most kMaxSplits): by its own keys alone, not the step's
+// tokens or threads, so that a token's attention sums in the same order whether it decodes alone or in a verify
+// pass of proposals (speculative greedy answers are plain decoding's, bf16 included).
+constexpr int64_t kSplitKeys = 128, kMaxSplits = 16;
+constexpr int64_t kByTokensMax = 16;  // tokens of one row up to which a step attends token by token
 
-// Whether every token of the step is its sequence's only one (a decode step without proposals).
-bool one_token_per_row(const LayerArgs& a) {
-  for (int64_t n = 1; n < a.N; ++n)
-    if (a.tokens[n * kTokenCols + kRowBase] == a.tokens[(n - 1) * kTokenCols + kRowBase]) return false;
+int64_t splits_of(const LayerArgs& a, int64_t n) {
+  const int64_t* tok = a.tokens + n * kTokenCols;
+  return std::clamp<int64_t>((tok[kHi] - first_key(a, tok) + 1) / kSplitKeys, 1, kMaxSplits);
+}
+
+// Whether no row of the step has more than kByTokensMax tokens (decode steps, verify passes of proposals).
+bool few_tokens_per_row(const LayerArgs& a) {
+  for (int64_t n = 0, run = 1; n < a.N; ++n) {
+    run = n > 0 && a.tokens[n * kTokenCols + kRowBase] == a.tokens[(n - 1) * kTokenCols + kRowBase] ? run + 1 : 1;
+    if (run > kByTokensMax) return false;
+  }
   return true;
 }
 
@@ -325,18 +337,17 @@ void attend_split(const LayerArgs& a, const float* qkv, int64_t n, int64_t sp, i
   }
 }
 
-// att [N, n_heads * dh] of a decode step (one token per sequence): a task is one token's every head over a split of
-// its keys (flash-decoding's split-K, enough splits for every thread), reading whole K and V rows in order
-// (attend_rows); the splits' partial softmaxes are merged after, with the sink.
+// att [N, n_heads * dh] of a decode step or a verify pass (few_tokens_per_row): a task is one token's every head
+// over a split of its keys (flash-decoding's split-K, splits_of), reading whole K and V rows in order (attend_rows);
+// the splits' partial softmaxes are merged after, in order, with the sink.
 void attention_by_rows(const LayerArgs& a, const float* qkv, float* att) {
   const LayerShape& s = a.shape;
   const int64_t dh = s.head_dim, heads = s.n_heads;
-  int64_t max_keys = 1;
-  for (int64_t n = 0; n < a.N; ++n)
-    max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - first_key(a, a.tokens + n * kTokenCols) + 1);
-  const int64_t per_token = (a.nthreads + a.N - 1) / a.N;  // splits that give every thread a task
-  const int64_t splits = std::max<int64_t>(1, std::min<int64_t>(per_token, max_keys / kMinSplitKeys));
-  const int64_t tasks = a.N * splits;
+  std::vector<int64_t> first(static_cast<size_t>(a.N + 1), 0);  // token n's tasks: first[n] .. first[n + 1] - 1
+  for (int64_t n = 0; n < a.N; ++n) first[size_t(n + 1)] = first[size_t(n)] + splits_of(a, n);
+  const int64_t tasks = first[size_t(a.N)];
+  std::vector<int64_t> owner(static_cast<size_t>(tasks));
+  for (int64_t n = 0; n < a.N; ++n) std::fill(owner.begin() + first[size_t(n)], owner.begin() + first[size_t(n + 1)], n);
   Floats part(size_t(tasks * heads * dh));
   std::vector<float> ml(static_cast<size_t>(tasks * heads * 2));
 #pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
@@ -344,18 +355,20 @@ void attention_by_rows(const LayerArgs& a, const float* qkv, float* att) {
     Floats qbuf(size_t(heads * dh));
     std::vector<TileQuery> qs(static_cast<size_t>(heads));
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t)
-      attend_split(a, qkv, t / splits, t % splits, splits, part.data() + t * heads * dh, ml.data() + t * heads * 2,
+    for (int64_t t = 0; t < tasks; ++t) {
+      const int64_t n = owner[size_t(t)], splits = first[size_t(n + 1)] - first[size_t(n)];
+      attend_split(a, qkv, n, t - first[size_t(n)], splits, part.data() + t * heads * dh, ml.data() + t * heads * 2,
                    qbuf.data(), qs.data());
+    }
   }
   for (int64_t n = 0; n < a.N; ++n)
     for (int64_t h = 0; h < heads; ++h) {
       float m = -INFINITY, l = 0.f;
-      for (int64_t sp = 0; sp < splits; ++sp) m = std::max(m, ml[((n * splits + sp) * heads + h) * 2]);
+      for (int64_t t = first[size_t(n)]; t < first[size_t(n + 1)]; ++t) m = std::max(m, ml[(t * heads + h) * 2]);
       float* out = att + n * heads * dh + h * dh;
       std::fill(out, out + dh, 0.f);
-      for (int64_t sp = 0; sp < splits; ++sp) {
-        const int64_t at = (n * splits + sp) * heads + h;
+      for (int64_t t = first[size_t(n)]; t < first[size_t(n + 1)]; ++t) {
+        const int64_t at = t * heads + h;
         if (ml[2 * at] == -INFINITY) continue;  // a split this head's keys do not reach
         const float w = std::exp(ml[2 * at] - m);
         l += ml[2 * at + 1] * w;
@@ -413,7 +426,7 @@ void attention(const LayerArgs& a, const float* qkv, float* att) {
   const LayerShape& s = a.shape;
   const int64_t dh = s.head_dim, group = s.n_heads / s.n_kv_heads;
   if (a.path != P_SCALAR && dh % 8 == 0 && group <= kMaxGroup && (!a.kv_bf16 || dh <= kMaxBufferedDh))
-    return one_token_per_row(a) ? attention_by_rows(a, qkv, att) : attention_blocked(a, qkv, att);
+    return few_tokens_per_row(a) ? attention_by_rows(a, qkv, att) : attention_blocked(a, qkv, att);
   if (a.kv_bf16) return attention_per_query(a, qkv, att, static_cast<const uint16_t*>(a.k_cache),
                                             static_cast<const uint16_t*>(a.v_cache));
   attention_per_query(a, qkv, att, static_cast<const float*>(a.k_cache), static_cast<const float*>(a.v_cache));

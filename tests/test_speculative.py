@@ -93,6 +93,21 @@ def test_a_verify_pass_reads_the_lm_head_once_at_batch_one(model_dir):
     assert max(n for n, _ in rows) == 5 and all(reads == (n > 0) for n, reads in rows)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_a_verify_pass_gives_each_row_the_logits_decoding_gives(model_dir, dtype):
+    """Passes of 3 and 5 tokens (a verify pass of proposals) give every row the logits one-token steps give, bit
+    for bit, past 256 cached keys (the CPU attention's splits): the linears and the attention sum each row in one
+    order whatever the step's tokens, so greedy speculation answers as plain decoding does, in bf16 too."""
+    from offload.quality import chunk_logits
+
+    llm = LLM(str(model_dir), backend="cpu", max_model_len=512, dtype=dtype)
+    ids = torch.randint(3, 250, (300,), generator=torch.Generator().manual_seed(0)).tolist()
+    rows = range(288, 300)
+    one = chunk_logits(llm.model, ids, rows, 1, 16)
+    for tokens in (3, 5):
+        assert torch.equal(chunk_logits(llm.model, ids, rows, tokens, 16), one), tokens
+
+
 def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(model_dir):
     """draft_model with the model itself as its draft: every proposal is kept; self at q4_0: some are, and the
     answers are plain decoding's either way; the batch's sequences draft together; each sequence's draft extent is
