@@ -25,8 +25,8 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
   files dropped from the page cache before it, so every pass reads what is on disk; --disk-prompts chat prompts,
   --disk-tokens greedy tokens each, one at a time; without and with speculation alternating over --rounds.
 
-- --drafts: the two drafts of the model's own weights at q4_0, on the default model's fp32 copy in RAM (CPU
-  backend, batch 1): `method: self` (a draft with its own KV cache: it prefills each prompt itself) and `method:
+- --drafts: the two drafts of the model's own weights at q4_0, on the default model's fp32 copy in RAM (--dtype
+  bf16: made bf16, weights and compute; CPU backend, batch 1): `method: self` (a draft with its own KV cache: it prefills each prompt itself) and `method:
   substitute` (drafting over the model's own KV cache: no draft cache, no draft prefill), against no speculation,
   in alternating rounds on --prompts open-ended chat prompts (default 6) x --max-tokens greedy tokens (default 64);
   each one's median tokens/s, the ratio, acceptance, tokens per pass, the share of decode steps that carried
@@ -36,7 +36,7 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
 
   python scripts/bench_spec.py [--rounds 3] [--max-tokens 128] [--against-llamacpp]
   python scripts/bench_spec.py --disk [--method substitute] [--budget 256MiB] [--disk-prompts 10] [--disk-tokens 64]
-  python scripts/bench_spec.py --drafts [--rounds 3] [--prompts 6] [--max-tokens 64] [--k 4]
+  python scripts/bench_spec.py --drafts [--rounds 3] [--prompts 6] [--max-tokens 64] [--k 4] [--dtype bf16]
   python scripts/bench_spec.py --smoke [--drafts]    # a tiny random model, 2 prompts, 8 tokens, one round
 """
 
@@ -245,7 +245,7 @@ def draft_rows(model: str, args) -> None:
     from offload import LLM, SamplingParams
 
     names, load = ("plain", "self", "substitute"), os.getloadavg()[0]
-    llms = {n: LLM(model, quantization="none", dtype="fp32", backend="cpu", gpu_memory=0, batch_size=1,
+    llms = {n: LLM(model, quantization="none", dtype=args.dtype, backend="cpu", gpu_memory=0, batch_size=1,
                    max_model_len=1024, speculative_config=None if n == "plain" else
                    {"method": n, "num_speculative_tokens": args.k}) for n in names}
     prompts = [llms["plain"].apply_chat_template(c) for c in chats(args.prompts, open_ended=True)]
@@ -276,7 +276,7 @@ def draft_rows(model: str, args) -> None:
             draft_s[name] += (llm.speculative_stats or {}).get("draft_s", 0.0) - before
             timed_s[name], answers[name] = timed_s[name] + took, [o.token_ids for o in outs]
     med = {n: statistics.median(r) for n, r in rates.items()}
-    print(f"{model} (fp32 in RAM, CPU backend, batch 1): {args.prompts} open-ended chat prompts, greedy, "
+    print(f"{model} ({args.dtype} in RAM, CPU backend, batch 1): {args.prompts} open-ended chat prompts, greedy, "
           f"{args.max_tokens} new tokens, one at a time, k {args.k or 'chosen as the run goes'}; median of "
           f"{args.rounds} rounds, alternating (load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
           f"{os.cpu_count()} CPUs)")
@@ -308,6 +308,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, 2 prompts, 8 tokens, one round")
     ap.add_argument("--disk", action="store_true", help="the fp32 copy on the disk tier, a self-draft at q4_0")
     ap.add_argument("--drafts", action="store_true", help="the fp32 copy in RAM: methods self and substitute")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="--drafts: the model's weights and compute (the fp32 copy read as it is, or made bf16)")
     ap.add_argument("--k", type=int, help="--drafts: num_speculative_tokens (default: chosen as the run goes)")
     ap.add_argument("--method", choices=("self", "substitute"), default="self",
                     help="--disk: the draft (self: a q4_0 copy with its own KV cache; substitute: q4_0 copies over the "
