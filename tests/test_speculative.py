@@ -131,6 +131,23 @@ def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(mo
     assert small.speculative_stats["proposed"] > 0 and small.speculative_stats["draft_s"] > 0
 
 
+def test_the_models_page_cache_room_leaves_out_the_draft(model_dir, monkeypatch):
+    """The model planned beside a draft: its budget is what the draft leaves, and so is the room the page cache has
+    to keep its disk units in (the draft's bytes are the process's too: counted, the room is the same as the whole
+    budget's)."""
+    from offload.planner import PlanRequest, request as request_module
+    from offload.planner.speculation import without_draft
+
+    seen = []
+    monkeypatch.setattr(request_module, "page_cache_room_bytes", lambda process: seen.append(process) or 64 << 20)
+    whole = PlanRequest.of(model=str(model_dir), cpu_memory="2GiB", disk_memory="4GiB", host_baseline="256MiB")
+    hw = whole.profile()
+    rest = without_draft(whole, hw, 0, 300 << 20)
+    whole_budget, rest_budget = whole.budget(hw), rest.budget(hw)
+    assert rest_budget.process_cpu_bytes == whole_budget.process_cpu_bytes - (300 << 20)
+    assert seen == [2 << 30, 2 << 30, 2 << 30]  # whole's (twice: without_draft reads it) and the rest's
+
+
 def test_the_drafts_default_format_is_written_once(model_dir, monkeypatch):
     """options.DRAFT_QUANTIZATION decides the draft's format where speculative.quantization is unset: changed there,
     the planned draft (plan_draft_first, plan_speculation) and a draft loaded beside a given placement follow."""

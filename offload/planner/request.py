@@ -32,6 +32,9 @@ class PlanRequest:
     memory: MemoryOptions = field(default_factory=MemoryOptions)  # memory.cpu: the whole process, baseline included
     schedule: ScheduleOptions = field(default_factory=ScheduleOptions)
     max_tokens: int = default_of("sampling.max_tokens")
+    # bytes the process holds beside this plan (a draft planned first, out of memory.cpu): not this plan's budget, and
+    # not room for the page cache to keep disk units in either
+    beside_bytes: int = 0
 
     def __post_init__(self):
         for name, section in PLAN_SECTIONS.items():
@@ -50,7 +53,8 @@ class PlanRequest:
     def with_options(self, **options) -> "PlanRequest":
         """This request with some options changed, by their outside names (None: the option's default)."""
         base = {name: getattr(self, name) for name in PLAN_SECTIONS}
-        return PlanRequest(**request_sections(options, base | {"max_tokens": self.max_tokens}))
+        return PlanRequest(**request_sections(options, base | {"max_tokens": self.max_tokens}),
+                           beside_bytes=self.beside_bytes)
 
     def baseline_bytes(self) -> int:
         """What the process holds besides the plan: the recorded figure (or the default) for 'auto'."""
@@ -91,7 +95,8 @@ class PlanRequest:
                               f"tokenizer: memory.baseline); raise the budget above that")
         budget = replace(budget, cpu_bytes=budget.cpu_bytes - baseline, host_baseline_bytes=baseline)
         if self.hardware.profile is None and budget.disk_bytes:  # this machine: how much of the disk units its page
-            room = page_cache_room_bytes(budget.process_cpu_bytes)  # cache can keep (rounded: plan = run)
+            # cache can keep, beside all the process holds (rounded: plan = run)
+            room = page_cache_room_bytes(budget.process_cpu_bytes + self.beside_bytes)
             budget = replace(budget, page_cache_bytes=room // PAGE_CACHE_ROUNDING * PAGE_CACHE_ROUNDING)
         return budget
 

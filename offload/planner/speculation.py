@@ -14,7 +14,7 @@ Pure arithmetic: no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from offload.planner.recost import recost_steps
 from offload.units import format_bytes
@@ -212,10 +212,11 @@ def draft_held(plan, kv: bool = True) -> tuple[int, int]:
 
 def without_draft(request, hw, gpu_bytes: int, cpu_bytes: int):
     """request with its GPU and CPU budgets less what a draft holds (the CPU's: the whole process, as memory.cpu
-    means it; the process's baseline is counted once, in the model's plan)."""
+    means it; the process's baseline is counted once, in the model's plan), the draft's CPU bytes held beside it."""
     budget = request.budget(hw)
-    return request.with_options(gpu_memory=max(budget.gpu_bytes - gpu_bytes, 0),
+    rest = request.with_options(gpu_memory=max(budget.gpu_bytes - gpu_bytes, 0),
                                 cpu_memory=max(budget.process_cpu_bytes - cpu_bytes, 0))
+    return replace(rest, beside_bytes=request.beside_bytes + cpu_bytes)  # the page cache's room leaves it out too
 
 
 def _held(plan, tier: str, kv: bool = True) -> int:
