@@ -81,7 +81,8 @@ PARAGRAPHS = [
 QUESTIONS = ["Why is the sky blue?", "Write a short story about a fox who learns to sail.",
              "What should I pack for a week of hiking in the mountains?", "Explain how a refrigerator keeps food cold.",
              "Give me some ideas for a rainy Sunday afternoon.", "How do plants make their own food?",
-             "What makes a good friend?", "Describe your ideal breakfast."]
+             "What makes a good friend?", "Describe your ideal breakfast.",
+             "How does a bicycle stay upright when it moves?", "Tell me about the history of the printing press."]
 
 
 def chats(n: int, open_ended: bool = False) -> list[list[dict]]:
