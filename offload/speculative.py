@@ -13,21 +13,22 @@ proposals the model agrees with, plus one token of the model's own.
   the next step writes those positions again, so nothing else rolls them back.
 
 How many tokens to propose (k): the user's num_speculative_tokens, or the k that maximizes the expected tokens
-per pass over its cost: with acceptance rate a, a pass over k proposals yields (1 - a^(k+1)) / (1 - a) tokens
-on average per sequence, and a step of n sequences with k proposals each costs (s + t n (1 + k) + n k d) /
+per pass over its cost: with a_i the rate the i-th proposal is kept at where the ones before it were (measured by
+depth: proposals are kept in runs), a pass over k proposals yields 1 + a_0 + a_0 a_1 + ... tokens on average per
+sequence (with one rate a for all: (1 - a^(k+1)) / (1 - a)), and a step of n sequences with k proposals each costs (s + t n (1 + k) + n k d) /
 (s + t n) of a step without them, where a step of n tokens takes s + t n seconds (fitted on the run's own decode
 steps; a prior before) and a draft model's pass d seconds (measured; prompt lookup costs nothing). So where a
-pass grows with its tokens (a large batch, compute-bound), k falls to 0. The rate starts at 0.7 and follows the
-run.
+pass grows with its tokens (a large batch, compute-bound), k falls to 0. Each rate starts at 0.7 (a depth not yet
+reached: the rate above it) and follows the run.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from offload.planner.speculation import PRIOR_ACCEPTANCE
+from offload.planner.speculation import PRIOR_ACCEPTANCE, expected_tokens
 from offload.sampling import SamplingParams, probabilities
 
 PRIOR_WEIGHT = 8  # proposals the prior counts as: the measured rate takes over within a few steps
@@ -67,10 +68,25 @@ class SpeculativeStats:
     decode_context: int = 0  # their cached positions before the step, summed over the steps
     decode_tokens: int = 0  # tokens the sequences gained in them
     decode_s: float = 0.0  # seconds of their passes over the weights (drafting not included)
+    reached: list[int] = field(default_factory=list)  # [i]: proposals checked at depth i (the ones before kept)
+    kept_at: list[int] = field(default_factory=list)  # [i]: ... and kept
 
     @property
     def acceptance_rate(self) -> float:
         return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def acceptance_by_depth(self) -> list[float]:
+        """The rate the i-th proposal of a pass was kept at where the ones before it were, by depth reached."""
+        return [kept / reached for reached, kept in zip(self.reached, self.kept_at)]
+
+    def count(self, depth: int, kept: bool) -> None:
+        """A proposal at this depth checked (the ones before it kept), and whether it was kept."""
+        if depth == len(self.reached):
+            self.reached.append(0)
+            self.kept_at.append(0)
+        self.reached[depth] += 1
+        self.kept_at[depth] += kept
 
     @property
     def tokens_per_pass(self) -> float:
@@ -96,7 +112,8 @@ class SpeculativeStats:
         return {"proposed": self.proposed, "accepted": self.accepted, "acceptance_rate": self.acceptance_rate,
                 "verified_passes": self.verified_passes, "tokens_per_pass": self.tokens_per_pass,
                 "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "decode_s": self.decode_s,
-                "mean_batch": self.mean_batch, "mean_context": self.mean_context}
+                "mean_batch": self.mean_batch, "mean_context": self.mean_context,
+                "acceptance_by_depth": self.acceptance_by_depth}
 
 
 class Speculator:
@@ -117,6 +134,15 @@ class Speculator:
     def acceptance(self) -> float:
         s = self.stats
         return (s.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (s.proposed + PRIOR_WEIGHT)
+
+    def depth_rates(self) -> list[float]:
+        """The rates by depth a pass's proposals are kept at (the prior's weight on each, depth 0's the prior rate,
+        each deeper one's the rate above it): what choose_k prices a chain of k proposals by."""
+        rates, prior = [], PRIOR_ACCEPTANCE
+        for reached, kept in zip(self.stats.reached, self.stats.kept_at):
+            prior = (kept + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
+            rates.append(prior)
+        return rates or [prior]
 
     def observe_step(self, shape, seconds: float, n_gained: int) -> None:
         """A decode step (profile.timeline.StepShape), its seconds and the tokens its sequences gained: counted in
@@ -156,8 +182,8 @@ class Speculator:
         if self.num_tokens is not None:
             return self.num_tokens
         cost = self.token_cost(n_seqs)
-        a, r = min(self.acceptance, 0.999), PRIOR_TOKEN_COST if cost is None else cost * n_seqs
-        gains = [(1 - a ** (k + 1)) / (1 - a) / (1 + r * k) for k in range(self.max_tokens + 1)]
+        rates, r = self.depth_rates(), PRIOR_TOKEN_COST if cost is None else cost * n_seqs
+        gains = [expected_tokens(rates, k) / (1 + r * k) for k in range(self.max_tokens + 1)]
         return max(range(len(gains)), key=gains.__getitem__)
 
     def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
@@ -199,6 +225,8 @@ class Speculator:
             token = self._decide(row, proposal, params, generator, prompt_ids, output_ids,
                                  None if allowed is None else allowed[i])
             kept = token == proposal
+            if proposal is not None:
+                self.stats.count(i, kept)
             n_kept, n_taken = n_kept + kept, n_taken + 1
             if not take(token, row) or not kept:
                 break

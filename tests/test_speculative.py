@@ -439,6 +439,11 @@ def test_the_steps_run_are_priced_as_the_planner_prices_k_and_a_batch_is_not():
     one = against_measured(spec, hw, request, options, {**stats, "mean_batch": 1.0}, 0.7, draft)
     assert one["predicted_k"] == 4 and one["predicted_over_measured"] == pytest.approx(
         run_tokens_per_s(plans, 0.6, 4, 1.0) / 30.0)
+    runs = against_measured(spec, hw, request, options, {**stats, "mean_batch": 1.0, "tokens_per_pass": 2.5,
+                                                         "acceptance_by_depth": [0.5, 0.9]}, 0.7, draft)
+    assert runs["predicted_tokens_per_pass"] == pytest.approx(1 + 0.5 + 0.45 + 0.405 + 0.3645)  # k = 4, by depth
+    assert runs["tokens_per_pass_over_measured"] == pytest.approx(runs["predicted_tokens_per_pass"] / 2.5)
+    assert runs["predicted_tokens_per_s"] == pytest.approx(run_tokens_per_s(plans, [0.5, 0.9], 4, 1.0))
 
 
 def test_simulate_prints_the_chosen_k_and_refuses_an_acceptance_without_a_method():
@@ -480,6 +485,30 @@ def test_k_weighs_a_draft_models_measured_pass():
 
     step = (lambda n: 0.1 + 0.0001 * n)
     assert _fitted(step, Drafter()).choose_k(1) <= 2 and _fitted(step).choose_k(1) >= 6
+
+
+def test_k_prices_the_acceptance_by_depth():
+    """Proposals kept in runs: depth 0 kept at 0.5, and past a kept one 0.9. One rate over all of them (0.6) prices
+    a 3-proposal chain at 1.74 tokens a pass, the rates by depth at 2.17 (the chain's real mean), so k goes further
+    at the same costs; verify() counts each depth it checks."""
+    from offload.planner.speculation import expected_tokens
+
+    class Drafter:  # 0.03 s a draft pass beside a 0.1 s step
+        seconds, passes = 3.0, 100
+
+    assert expected_tokens(0.6, 3) == pytest.approx(1 + 0.6 + 0.36 + 0.216)
+    assert expected_tokens([0.5, 0.9], 3) == pytest.approx(1 + 0.5 + 0.45 + 0.405)
+    step = (lambda n: 0.1 + 0.0001 * n)
+    flat, runs = _fitted(step, Drafter()), _fitted(step, Drafter())
+    flat.stats.reached, flat.stats.kept_at = [1000], [600]
+    runs.stats.reached, runs.stats.kept_at = [1000, 500, 450, 405], [500, 450, 405, 365]
+    assert runs.choose_k(1) > flat.choose_k(1)
+    spec = Speculator(Fixed([1, 2, 3]), num_tokens=3)
+    taken = []
+    rows = [torch.nn.functional.one_hot(torch.tensor(t), 8).float() for t in (1, 2, 7, 5)]  # keeps 1, 2; rejects 3
+    spec.verify(rows, [1, 2, 3], greedy(), None, [0], [], lambda token, row: taken.append(token) or True)
+    assert taken == [1, 2, 7] and spec.stats.reached == [1, 1, 1] and spec.stats.kept_at == [1, 1, 0]
+    assert spec.stats.as_dict()["acceptance_by_depth"] == [1.0, 1.0, 0.0]
 
 
 def test_a_substitute_drafts_over_the_models_cache_and_keeps_greedy_answers(model_dir):

@@ -71,10 +71,18 @@ class SpeculationPrice:
                 f"drafting {self.draft_s * 1e3:.1f} ms{where}")
 
 
-def expected_tokens(acceptance: float, k: int) -> float:
-    """Tokens a pass over k proposals gives on average: the kept ones and the model's own after them."""
-    a = min(max(acceptance, 0.0), 0.9999)
-    return (1 - a ** (k + 1)) / (1 - a)
+def expected_tokens(acceptance, k: int) -> float:
+    """Tokens a pass over k proposals gives on average: the kept ones and the model's own after them. acceptance:
+    one rate for every proposal, or the rates by depth (the i-th proposal kept where the ones before it were; past
+    the last, the last again). Proposals are kept in runs: past a kept one the next is kept more often than the
+    rate over all proposals says (the default model's substitute drafts: 0.59 over all, 2.76 tokens a pass at k = 3
+    where one rate gives 2.2)."""
+    rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance) or [PRIOR_ACCEPTANCE]
+    total = reach = 1.0
+    for i in range(k):
+        reach *= min(max(rates[min(i, len(rates) - 1)], 0.0), 1.0)
+        total += reach
+    return total
 
 
 @dataclass(frozen=True)
@@ -178,8 +186,8 @@ def run_tokens_per_s(plans: SpeculationPlans, acceptance: float, k: int, share: 
 def against_measured(spec, hw, request, options, stats: dict, prior: float, draft_spec=None) -> dict:
     """The run's decode speed with speculation (stats: offload.api.LLM.speculative_stats) against its price at
     batch 1 and the run's mean context. The prediction (predicted_*) prices the steps the run took: its measured
-    acceptance, its mean proposals per pass (k) and its share of steps that carried any; that checks the cost
-    model and the tokens a pass gives. The forecast (forecast_*) is what the planner predicts before anything is
+    acceptance (by depth), its mean proposals per pass (k) and its share of steps that carried any; that checks the
+    cost model and the tokens a pass gives (predicted_tokens_per_pass against the measured). The forecast (forecast_*) is what the planner predicts before anything is
     measured: the prior acceptance and the k it would choose. Speeds: over_measured above 1 is a prediction
     faster than the run. Both are left out (None) where the run decoded more than one sequence a step."""
     measured = stats.get("decode_tokens_per_s")
@@ -198,9 +206,11 @@ def against_measured(spec, hw, request, options, stats: dict, prior: float, draf
     if stats["verified_passes"]:
         k = max(1, round(stats["proposed"] / stats["verified_passes"]))
         share = min(stats["verified_passes"] / stats["decode_steps"], 1.0)
-        predicted = run_tokens_per_s(plans, stats["acceptance_rate"], k, share)
+        rates = stats.get("acceptance_by_depth") or stats["acceptance_rate"]  # by depth where the run has them
+        predicted, per_pass = run_tokens_per_s(plans, rates, k, share), expected_tokens(rates, k)
+        over = per_pass / stats["tokens_per_pass"] if stats.get("tokens_per_pass") else None
         out.update(predicted_tokens_per_s=predicted, predicted_k=k, predicted_over_measured=predicted / measured,
-                   predicted_share=share)
+                   predicted_share=share, predicted_tokens_per_pass=per_pass, tokens_per_pass_over_measured=over)
     return {**out, "predicted_for": f"batch 1 and the run's mean context of {plans.context} positions"}
 
 

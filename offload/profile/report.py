@@ -235,7 +235,10 @@ def speculation_lines(spec: dict | None) -> list[str]:
     steps = ("" if spec["predicted_tokens_per_s"] is None else
              f"{spec['predicted_tokens_per_s']:.2f} tok/s for the steps run (the measured acceptance, k = "
              f"{spec['predicted_k']} on {_pct(spec['predicted_share'])} of them): "
-             f"{_ratio_text(spec['predicted_over_measured'])} of measured; ")
+             f"{_ratio_text(spec['predicted_over_measured'])} of measured"
+             + ("" if spec.get("predicted_tokens_per_pass") is None else
+                f", {spec['predicted_tokens_per_pass']:.2f} tokens per pass "
+                f"({_ratio_text(spec.get('tokens_per_pass_over_measured'))} of measured)") + "; ")
     forecast = (f"forecast {spec['forecast_tokens_per_s']:.2f} tok/s (the prior acceptance "
                 f"{spec['prior_acceptance']:.2f}, the planner's k = {spec['forecast_k']}): "
                 f"{_ratio_text(spec['forecast_over_measured'])}")
