@@ -49,9 +49,11 @@ def hf_greedy(hf, ids: list[int]) -> list[int]:
 
 
 def check_fp32_fused(hf, folder, monkeypatch) -> None:
-    """fp32 weights (torch's linears) with the fused layer's attention: transformers' logits and greedy tokens, and
-    the fused attention called for every layer of every step."""
+    """fp32 weights: transformers' logits and greedy tokens, with every decode step's layers one fused C++ call
+    (offload's fp32 kernels read the weights in place); and with steps of more than F32_KERNEL_ROWS tokens (here:
+    all, the rows set to 0), torch's linears with the fused layer's attention for every layer of every step."""
     import offload.kernels.layer as fused
+    import offload.runtime.unit_runner as unit_runner
 
     llm = LLM(str(folder), backend="cpu")
     counting = Counting(fused._C)
@@ -59,7 +61,13 @@ def check_fp32_fused(hf, folder, monkeypatch) -> None:
     ids = prompt(PROMPT_LEN)
     assert_logits_close(offload_logits(llm.model, ids), hf_logits(hf, ids))
     assert greedy(llm, ids) == hf_greedy(hf, ids)
-    assert counting.calls["cached_attention"] >= llm.model.spec.n_layers * (NEW + 1)
+    assert counting.calls["layer_forward"] >= NEW  # the decode steps' (a run of layers may be one call)
+    monkeypatch.setattr(unit_runner, "F32_KERNEL_ROWS", 0)
+    counting.calls.clear()
+    assert_logits_close(offload_logits(llm.model, ids), hf_logits(hf, ids))
+    assert greedy(llm, ids) == hf_greedy(hf, ids)
+    assert counting.calls["cached_attention"] >= llm.model.spec.n_layers * (NEW + 1) and \
+        not counting.calls["layer_forward"]
 
 
 def check_q8_0_fused(folder, monkeypatch) -> None:

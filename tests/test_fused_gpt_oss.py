@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import offload.kernels.layer as fused
+import offload.runtime.unit_runner as unit_runner
 from conftest import assert_logits_close, hf_logits, make_hf_model, offload_logits, save_hf_model
 from fused_support import NEW, PATHS, PROMPT_LEN, Counting, check_fp32_fused, greedy, prompt
 from offload import LLM, attention_sizes
@@ -85,6 +86,7 @@ def test_ring_layers_run_fused_in_chunks_their_ring_takes(gpt_oss, monkeypatch):
     through tables that wrap around its ring, the full-attention layer in one call: transformers' logits."""
     hf, folder = gpt_oss
     monkeypatch.setattr(attention_sizes, "RING_SLACK", 2)
+    monkeypatch.setattr(unit_runner, "F32_KERNEL_ROWS", 0)  # fp32 weights through torch's linears: attention alone
     llm = LLM(str(folder), backend="cpu")
     counting = Counting(fused._C)
     monkeypatch.setattr(fused, "_C", counting)

@@ -25,7 +25,7 @@ from offload.spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not fused.FUSABLE, reason=f"fused layer needs the C++ extension ({ACTIVE_PATH})")
 
-RTOL = {"q8_0": 1e-4, "q4_0": 1e-5, "bf16": 1e-5}
+RTOL = {"q8_0": 1e-4, "q4_0": 1e-5, "bf16": 1e-5, "dense": 1e-5}  # dense: fp32 tensors, read in place
 MAX_LEN = 64  # KV slots per row; slot MAX_LEN is the trash slot
 
 
@@ -41,10 +41,11 @@ def _weights(spec: ModelSpec, fmt: str, bias: bool, seed: int = 0) -> LayerWeigh
     rand = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
     norm = lambda: torch.rand(d, generator=g) + 0.5  # noqa: E731
     maybe = lambda n: rand(n) if bias else None  # noqa: E731
-    return LayerWeights(attn_norm=norm(), qkv=pack(rand(qkv_rows, d), fmt), qkv_bias=maybe(qkv_rows),
-                        o=pack(rand(d, spec.q_size), fmt), o_bias=maybe(d), mlp_norm=norm(),
-                        gate_up=pack(rand(2 * f, d), fmt), gate_up_bias=maybe(2 * f),
-                        down=pack(rand(d, f), fmt), down_bias=maybe(d))
+    as_fmt = (lambda t: t) if fmt == "dense" else (lambda t: pack(t, fmt))  # noqa: E731
+    return LayerWeights(attn_norm=norm(), qkv=as_fmt(rand(qkv_rows, d)), qkv_bias=maybe(qkv_rows),
+                        o=as_fmt(rand(d, spec.q_size)), o_bias=maybe(d), mlp_norm=norm(),
+                        gate_up=as_fmt(rand(2 * f, d)), gate_up_bias=maybe(2 * f),
+                        down=as_fmt(rand(d, f)), down_bias=maybe(d))
 
 
 def _step(spec, starts, lengths, width, rows=None, phase="prefill"):
@@ -101,6 +102,7 @@ CASES = {  # name: (n_heads, n_kv_heads, sliding window, biases, format)
     "window-q8_0": (4, 1, 5, False, "q8_0"),
     "qwen2-bias-q8_0": (4, 2, None, True, "q8_0"),
     "bf16": (4, 2, None, True, "bf16"),
+    "dense-fp32": (4, 2, None, True, "dense"),
 }
 
 
@@ -171,7 +173,9 @@ def test_unsupported_inputs_fall_back():
     x = _randn(1, 2, spec.hidden_size)
     assert fused.can_fuse(w, x, kv) and fused.can_fuse(w, x.bfloat16(), kv)  # bf16: a GPU plan's format
     assert not fused.can_fuse(w, x.half(), kv)
-    assert not fused.can_fuse(LayerWeights(**{**w.__dict__, "qkv": w.qkv.dequantize()}), x, kv)
+    assert not fused.can_fuse(LayerWeights(**{**w.__dict__, "qkv": w.qkv.dequantize().bfloat16()}), x, kv)
+    dense = LayerWeights(**{**w.__dict__, "qkv": w.qkv.dequantize()})  # fp32: offload's fp32 kernels read it
+    assert fused.can_fuse(dense, x, kv) and fused.fuse_layer(spec, dense).dense and not fused.fuse_layer(spec, w).dense
     assert not fused.can_fuse(w, x, LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float16))
     mixed = LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
     mixed.v = mixed.v.bfloat16()

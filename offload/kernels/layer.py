@@ -1,7 +1,7 @@
 """Fused CPU decoder layer: one C++ call (csrc/layer.cpp) instead of ~25 torch ops per layer and token.
 
 Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks
-with packed linears, of the families runs_math_of names (all ours). Activations come fp32, or bf16
+with packed linears (or dense fp32 ones, for steps of few tokens: FusedLayer.dense), of the families runs_math_of names (all ours). Activations come fp32, or bf16
 as a GPU plan computes (each call widens them to fp32 once and rounds its output back to bf16); KV caches are fp32
 or bf16 (K and V rounded as they are stored, widened as attention reads them), so a bf16 plan's caches and hidden
 states stay in the format it budgets. Whoever places the weights decides to use it and builds the handles once: a
@@ -19,7 +19,7 @@ import torch
 from offload import attention_sizes
 from offload.attention_sizes import KV_BLOCK
 from offload.errors import KernelError
-from offload.formats import FUSED_COMPUTE, torch_dtype
+from offload.formats import CPU_KERNELS, FUSED_COMPUTE, torch_dtype
 from offload.kernels import _C, ACTIVE_PATH_ID, PackedWeight
 from offload.kernels.dispatch import PATH_IDS
 
@@ -70,6 +70,7 @@ class FusedLayer:
     view: object  # _C.fused_weights(...)
     moe: bool = False  # the attention part of a MoE layer: returns [.., 2D] (residual | normed h)
     local: bool = False  # turns by the sliding layers' own rope (Gemma 3): the step table's cos_local, sin_local
+    dense: bool = False  # has dense fp32 linears: for steps of up to kernels.ops.F32_KERNEL_ROWS tokens
 
 
 @dataclass(frozen=True)
@@ -120,12 +121,12 @@ HAS_MOE = _C is not None and hasattr(_C, "experts_forward")  # the extension has
 
 
 def weights_fusable(w, moe: bool = False) -> bool:
-    """Whether a layer's weights suit the fused layer: packed linears, fp32 or bf16 CPU norms and biases (moe: the
-    attention part of a MoE layer, whose MLP is its shared expert or none)."""
+    """Whether a layer's weights suit the fused layer: packed (or dense fp32) linears, fp32 or bf16 CPU norms and
+    biases (moe: the attention part of a MoE layer, whose MLP is its shared expert or none)."""
     mlp = (w.gate_up, w.down) if not moe or w.gate_up is not None else ()
     if (w.post_attn_norm is None) != (w.post_mlp_norm is None):
         return False
-    if not FUSABLE or (moe and not HAS_MOE) or not all(_packed(m) for m in (w.qkv, w.o, *mlp)):
+    if not FUSABLE or (moe and not HAS_MOE) or not all(_packed(m, dense=True) for m in (w.qkv, w.o, *mlp)):
         return False
     if (w.shared_gate is not None) != (moe and bool(mlp)) or (w.q_norm is None) != (w.k_norm is None):
         return False
@@ -146,7 +147,7 @@ def fuse_layer(spec, w, moe: bool = False, index: int | None = None) -> FusedLay
     if not weights_fusable(w, moe) or (spec.variant.layer_windows and index is None):
         return None
     view, floats = _make_fused_weights(spec, w, moe, index)
-    return FusedLayer((w, floats), view, moe, _turns_local(spec, index))
+    return FusedLayer((w, floats), view, moe, _turns_local(spec, index), has_dense(w))
 
 
 def fuse_experts(moe, w) -> FusedExperts | None:
@@ -458,11 +459,22 @@ def _make_fused_weights(spec, w, moe: bool = False, index: int | None = None):
     return view, floats
 
 
-def _packed(m) -> bool:
+def _packed(m, dense: bool = False) -> bool:
     """A PackedWeight of a format with fused CPU kernels, or a stack of them (a StackedWeight's parts run one after
-    another in the fused layer)."""
+    another in the fused layer); dense: a dense fp32 CPU weight too (offload's fp32 kernels read it in place)."""
     parts = getattr(m, "parts", (m,))
-    return all(isinstance(p, PackedWeight) and p.fmt_id >= 0 for p in parts)
+    return all(isinstance(p, PackedWeight) and p.fmt_id >= 0 or dense and _dense_f32(p) for p in parts)
+
+
+def _dense_f32(m) -> bool:
+    return isinstance(m, torch.Tensor) and _is_f32_cpu(m) and m.dim() == 2
+
+
+def has_dense(w) -> bool:
+    """Whether a layer's linears include dense fp32 weights: its fused view runs steps of few tokens only (up to
+    kernels.ops.F32_KERNEL_ROWS; torch's matmul is the faster one past them)."""
+    return any(_dense_f32(p) for m in (w.qkv, w.o, w.gate_up, w.down) if m is not None
+               for p in getattr(m, "parts", (m,)))
 
 
 def _linear_tuple(m, bias: torch.Tensor | None, name: str) -> list[tuple]:
@@ -474,6 +486,9 @@ def _linear_tuple(m, bias: torch.Tensor | None, name: str) -> list[tuple]:
     out, row = [], 0
     for p in parts:
         part_bias = 0 if bias is None else bias[row: row + p.shape[0]].data_ptr()
-        out.append((p.fmt_id, p.qs_ptr, p.d_ptr, part_bias, p.shape[0], p.shape[1]))
+        if isinstance(p, torch.Tensor):  # a dense fp32 weight, read in place
+            out.append((CPU_KERNELS["fp32"], p.data_ptr(), 0, part_bias, p.shape[0], p.shape[1]))
+        else:
+            out.append((p.fmt_id, p.qs_ptr, p.d_ptr, part_bias, p.shape[0], p.shape[1]))
         row += p.shape[0]
     return out

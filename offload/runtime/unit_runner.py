@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from offload.kernels import layer as fused
+from offload.kernels.ops import F32_KERNEL_ROWS
 from offload.model.llama import layer_forward
 from offload.model.step import LayerKV, Step
 from offload.model.units import unit_forward
@@ -36,7 +37,7 @@ class UnitRunner:
     def host_layers(self, x, names, step: Step, kvs: list[LayerKV], steps: dict, ends: list[float]):
         """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one (a
         MoE model's layers and experts units alternate: one by one, each through its own C++ call where it can)."""
-        layers = [self.store.fused_layers.get(n) for n in names]
+        layers = [self._fused(self.store.fused_layers.get(n), x) for n in names]
         views = self._fused_views(kvs, x, step) if self.fuse and all(layers) and any(kv is not None for kv in kvs) \
             else None
         if views is not None and len(self._chunks(x, step)) == 1:  # every unit one C++ call, back to back
@@ -48,6 +49,14 @@ class UnitRunner:
                 self.compute(x, name, w, step, None, steps, False)
             ends.append(Timeline.now())
         return x
+
+    @staticmethod
+    def _fused(handle, x):
+        """handle where it runs this pass: one with dense fp32 linears only up to F32_KERNEL_ROWS tokens (torch's
+        matmul is the faster one for more)."""
+        if handle is None or not getattr(handle, "dense", False):
+            return handle
+        return handle if x.numel() <= F32_KERNEL_ROWS * x.shape[-1] else None
 
     def _fused_views(self, kvs: list[LayerKV | None], x, step: Step) -> list | None:
         """The fused layer's views of these caches (None for a unit without one: experts, a split-off MLP), or None
@@ -77,7 +86,7 @@ class UnitRunner:
         """One unit's block math; a layer goes through _layer."""
         kind, index = self.store.kind_index[name]
         if kind in ("experts", "mlp") and not on_device and self.fuse and x.dtype in fused.ACTIVATIONS:
-            handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)  # read from disk: made for this use
+            handle = self._fused(self.store.fused_layers.get(name) or self.store.fused_handle(name, w), x)  # read from disk: made for this use
             if handle is not None:
                 return fused.fused_experts_forward(handle, x)
         if kind != "layer":
@@ -127,7 +136,7 @@ class UnitRunner:
         index = self.store.kind_index[name][1]
         attention, moe = None, self.spec.hands_over(index)
         if not on_device and self.fuse:  # a layer read from disk has its fused view made for this use
-            handle = self.store.fused_layers.get(name) or self.store.fused_handle(name, w)
+            handle = self._fused(self.store.fused_layers.get(name) or self.store.fused_handle(name, w), x)
             views = self._fused_views([kv], x, step)
             if handle is not None and views is not None:
                 return fused.fused_layers_forward([handle], x, self._step_table(step, views[0], steps), views)
