@@ -278,8 +278,10 @@ def test_llm_refuses_an_unknown_keyword_naming_the_close_one(monkeypatch):
 
 def test_plan_request_holds_the_plan_sections_and_max_tokens(monkeypatch):
     """PlanRequest's fields are the job YAML's plan sections (the same classes) and max_tokens, each at its one
-    default; PlanRequest.of takes the options of those sections by their outside names, as LLM does."""
-    assert [f.name for f in dataclasses.fields(PlanRequest)] == [*PLAN_SECTIONS, "max_tokens"]
+    default, and beside_bytes (not an option: what a draft planned first holds beside the plan, 0 unless one is);
+    PlanRequest.of takes the options of those sections by their outside names, as LLM does."""
+    assert [f.name for f in dataclasses.fields(PlanRequest)] == [*PLAN_SECTIONS, "max_tokens", "beside_bytes"]
+    assert PlanRequest().beside_bytes == 0
     request = PlanRequest()
     for name, section in PLAN_SECTIONS.items():
         assert JobConfig.model_fields[name].annotation is section, name
