@@ -347,7 +347,8 @@ void attention_by_rows(const LayerArgs& a, const float* qkv, float* att) {
   for (int64_t n = 0; n < a.N; ++n) first[size_t(n + 1)] = first[size_t(n)] + splits_of(a, n);
   const int64_t tasks = first[size_t(a.N)];
   std::vector<int64_t> owner(static_cast<size_t>(tasks));
-  for (int64_t n = 0; n < a.N; ++n) std::fill(owner.begin() + first[size_t(n)], owner.begin() + first[size_t(n + 1)], n);
+  for (int64_t n = 0; n < a.N; ++n)
+    std::fill(owner.begin() + first[size_t(n)], owner.begin() + first[size_t(n + 1)], n);
   Floats part(size_t(tasks * heads * dh));
   std::vector<float> ml(static_cast<size_t>(tasks * heads * 2));
 #pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))

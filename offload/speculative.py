@@ -12,14 +12,14 @@ proposals the model agrees with, plus one token of the model's own.
 - Rejected proposals leave K and V in the sequence's extent past its length; the cache is read by position, and
   the next step writes those positions again, so nothing else rolls them back.
 
-How many tokens to propose (k): the user's num_speculative_tokens, or the k that maximizes the expected tokens
-per pass over its cost: with a_i the rate the i-th proposal is kept at where the ones before it were (measured by
-depth: proposals are kept in runs), a pass over k proposals yields 1 + a_0 + a_0 a_1 + ... tokens on average per
-sequence (with one rate a for all: (1 - a^(k+1)) / (1 - a)), and a step of n sequences with k proposals each costs (s + t n (1 + k) + n k d) /
-(s + t n) of a step without them, where a step of n tokens takes s + t n seconds (fitted on the run's own decode
-steps; a prior before) and a draft model's pass d seconds (measured; prompt lookup costs nothing). So where a
-pass grows with its tokens (a large batch, compute-bound), k falls to 0. Each rate starts at 0.7 (a depth not yet
-reached: the rate above it) and follows the run.
+How many tokens to propose (k): the user's num_speculative_tokens, or the k that maximizes the expected tokens per
+pass over its cost: with a_i the rate the i-th proposal is kept at where the ones before it were (measured by depth:
+proposals are kept in runs), a pass over k proposals yields 1 + a_0 + a_0 a_1 + ... tokens on average per sequence
+(with one rate a for all: (1 - a^(k+1)) / (1 - a)), and a step of n sequences with k proposals each costs (s + t n
+(1 + k) + n k d) / (s + t n) of a step without them, where a step of n tokens takes s + t n seconds (fitted on the
+run's own decode steps; a prior before) and a draft model's pass d seconds (measured; prompt lookup costs nothing).
+So where a pass grows with its tokens (a large batch, compute-bound), k falls to 0. Each rate starts at 0.7 (a depth
+not yet reached: the rate above it) and follows the run.
 """
 
 from __future__ import annotations

@@ -26,9 +26,10 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
   --disk-tokens greedy tokens each, one at a time; without and with speculation alternating over --rounds.
 
 - --drafts: the two drafts of the model's own weights at q4_0, on the default model's fp32 copy in RAM (--dtype
-  bf16: made bf16, weights and compute; CPU backend, batch 1): `method: self` (a draft with its own KV cache: it prefills each prompt itself) and `method:
-  substitute` (drafting over the model's own KV cache: no draft cache, no draft prefill), against no speculation,
-  in alternating rounds on --prompts open-ended chat prompts (default 6) x --max-tokens greedy tokens (default 64);
+  bf16: made bf16, weights and compute; CPU backend, batch 1): `method: self` (a draft with its own KV cache: it
+  prefills each prompt itself) and `method: substitute` (drafting over the model's own KV cache: no draft cache, no
+  draft prefill), against no speculation, in alternating rounds on --prompts open-ended chat prompts (default 6) x
+  --max-tokens greedy tokens (default 64);
   each one's median tokens/s, the ratio, acceptance, tokens per pass, the share of decode steps that carried
   proposals (with k chosen as the run goes, offload may stop drafting), drafting's share of the time, the answers
   against the plain run's (greedy on float weights: identical, or printed where they part), and the seconds of a

@@ -1,12 +1,12 @@
 """Fused CPU decoder layer: one C++ call (csrc/layer.cpp) instead of ~25 torch ops per layer and token.
 
-Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks
-with packed linears (or dense fp32 ones, for steps of few tokens: FusedLayer.dense), of the families runs_math_of names (all ours). Activations come fp32, or bf16
-as a GPU plan computes (each call widens them to fp32 once and rounds its output back to bf16); KV caches are fp32
-or bf16 (K and V rounded as they are stored, widened as attention reads them), so a bf16 plan's caches and hidden
-states stay in the format it budgets. Whoever places the weights decides to use it and builds the handles once: a
-FusedLayer per layer (the C++ view of its weights), a KVView per cache, a StepTable per step. Nothing is stored on
-the model's own objects.
+Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks with
+packed linears (or dense fp32 ones, for steps of few tokens: FusedLayer.dense), of the families runs_math_of names
+(all ours). Activations come fp32, or bf16 as a GPU plan computes (each call widens them to fp32 once and rounds its
+output back to bf16); KV caches are fp32 or bf16 (K and V rounded as they are stored, widened as attention reads
+them), so a bf16 plan's caches and hidden states stay in the format it budgets. Whoever places the weights decides
+to use it and builds the handles once: a FusedLayer per layer (the C++ view of its weights), a KVView per cache, a
+StepTable per step. Nothing is stored on the model's own objects.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@ experts' matmuls) and this module picks how it runs from the weight's form, the 
 and the rows, as each kernel states what it takes. No model file names a device or a format.
 
 - linear: offload's C++ kernels for dense fp32 weights against fp32 activations up to F32_KERNEL_ROWS rows (a
-  decode step, a verify pass), torch's matmul for the other dense weights; offload's C++ kernels for packed (quantized, GGUF block) weights on the
-  CPU, and for half-precision weights on the CPU at a row or two (a decode step), bf16 against bf16 where the CPU
-  has AVX-512 BF16 tiles, or against activations of another dtype (a GGUF file's bf16 kept as stored); weights
-  that compute on their own device (DeviceQuantWeight) dequantize there; a StackedWeight runs part by part.
+  decode step, a verify pass), torch's matmul for the other dense weights; offload's C++ kernels for packed
+  (quantized, GGUF block) weights on the CPU, and for half-precision weights on the CPU at a row or two (a decode
+  step), bf16 against bf16 where the CPU has AVX-512 BF16 tiles, or against activations of another dtype (a GGUF
+  file's bf16 kept as stored); weights that compute on their own device (DeviceQuantWeight) dequantize there; a
+  StackedWeight runs part by part.
 - grouped_experts: the grouped Triton launches for a MoE layer's routed experts where the activations are on a
   CUDA device, Triton is installed and the experts are SiLU-gated without biases; None elsewhere (the model's
   loop over the picked experts runs).

@@ -187,8 +187,9 @@ def against_measured(spec, hw, request, options, stats: dict, prior: float, draf
     """The run's decode speed with speculation (stats: offload.api.LLM.speculative_stats) against its price at
     batch 1 and the run's mean context. The prediction (predicted_*) prices the steps the run took: its measured
     acceptance (by depth), its mean proposals per pass (k) and its share of steps that carried any; that checks the
-    cost model and the tokens a pass gives (predicted_tokens_per_pass against the measured). The forecast (forecast_*) is what the planner predicts before anything is
-    measured: the prior acceptance and the k it would choose. Speeds: over_measured above 1 is a prediction
+    cost model and the tokens a pass gives (predicted_tokens_per_pass against the measured). The forecast
+    (forecast_*) is what the planner predicts before anything is measured: the prior acceptance and the k it would
+    choose. Speeds: over_measured above 1 is a prediction
     faster than the run. Both are left out (None) where the run decoded more than one sequence a step."""
     measured = stats.get("decode_tokens_per_s")
     out = dict.fromkeys(("predicted_tokens_per_s", "predicted_k", "predicted_over_measured", "forecast_tokens_per_s",
