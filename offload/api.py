@@ -193,6 +193,7 @@ class LLM:
             check_draft_vocab(draft, self)
             if speculative.method == "substitute":
                 check_substitute(draft, self)
+                draft.model.share_embedding(self.model)
         self.generator.speculator = spec = make_speculator(speculative, draft)
         if spec is not None:  # a verify pass's rows in one read of the lm_head: a batch of 1 and its proposals (more
             # at a larger batch run in a second read); they take spec.most_tokens more rows of vocab_size fp32 logits
@@ -408,7 +409,8 @@ def plan_draft_first(options: SpeculativeOptions,
     draft = LLM.from_request(request.with_options(model=path, quantization=quantization,
                                                   max_model_len=request.context_len(spec),
                                                   batch_size=request.schedule.batch_size or 1))
-    draft.plan_held = draft_held(draft.plan, kv=options.method != "substitute")
+    own = options.method != "substitute"  # a substitute's KV cache and embedding are the model's
+    draft.plan_held = draft_held(draft.plan, kv=own, embedding=own)
     return draft, without_draft(request, request.profile(), *draft.plan_held), price
 
 

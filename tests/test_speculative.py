@@ -532,12 +532,20 @@ def test_a_substitute_drafts_over_the_models_cache_and_keeps_greedy_answers(mode
     stats = sub.speculative_stats
     assert chunks and set(chunks) == {1}  # each proposal's run computes the sequence's last token, not its prompt
     assert not hasattr(drafter, "pool") and drafter.draft.request.model.quantization == "q4_0"
+    draft = drafter.draft.model  # it looks tokens up in the model's embedding, its own copy let go
+    assert draft._embed_from is sub.model and draft._embed_name not in draft.host_weights
     assert 0 < stats["accepted"] <= stats["proposed"] and drafter.passes <= 3 * stats["verified_passes"]
     request = PlanRequest.of(model=str(model_dir), max_model_len=256, hardware="rtx4090-ddr5", gpu_memory=0)
     spec = model_spec(model_dir)
     held = {m: plan_speculation(spec, request.profile(), request, SpeculativeOptions(method=m)).draft_cpu_bytes
             for m in ("self", "substitute")}
-    assert held["substitute"] < held["self"]  # no KV cache of its own
+    assert held["substitute"] < held["self"]  # no KV cache or embedding of its own
+    from offload.planner.request import plan_for
+    from offload.planner.speculation import draft_held
+
+    plan = plan_for(spec, request.profile(), request.with_options(quantization="q4_0"))
+    embed = next(u for u in plan.units if u.kind == "embed")
+    assert draft_held(plan, kv=False)[1] - draft_held(plan, kv=False, embedding=False)[1] == embed.weight_bytes > 0
     from offload.planner.placement import Placement
 
     with pytest.raises(ConfigError, match="CPU plans only"):  # every layer on the (simulated) GPU

@@ -150,7 +150,8 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
                           f"model {spec.vocab_size}; a draft model must share the model's tokenizer")
     draft_plan = plan_for(draft_spec, hw, one.with_options(model=path, quantization=quantization))
     draft_step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
-    gpu_bytes, cpu_bytes = draft_held(draft_plan, kv=options.method != "substitute")
+    own = options.method != "substitute"  # a substitute's KV cache and embedding are the model's
+    gpu_bytes, cpu_bytes = draft_held(draft_plan, kv=own, embedding=own)
     target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
     return SpeculationPlans(hw, context, plain_s, target, plan_spec(spec, target), draft_step_s, gpu_bytes, cpu_bytes)
 
@@ -215,10 +216,15 @@ def against_measured(spec, hw, request, options, stats: dict, prior: float, draf
     return {**out, "predicted_for": f"batch 1 and the run's mean context of {plans.context} positions"}
 
 
-def draft_held(plan, kv: bool = True) -> tuple[int, int]:
+def draft_held(plan, kv: bool = True, embedding: bool = True) -> tuple[int, int]:
     """(GPU, CPU) bytes a draft's plan holds: what the model's plan has left (kv: its KV cache too; a substitute
-    draft attends to the model's)."""
-    return _held(plan, "gpu", kv), _held(plan, "cpu", kv)
+    draft attends to the model's; embedding: its embedding too; a substitute looks its tokens up in the model's,
+    and lets its own copy go once loaded)."""
+    held = {tier: _held(plan, tier, kv) for tier in ("gpu", "cpu")}
+    for unit in plan.units if not embedding else ():
+        if unit.kind == "embed" and unit.weight_tier in held:
+            held[unit.weight_tier] -= unit.weight_bytes
+    return held["gpu"], held["cpu"]
 
 
 def without_draft(request, hw, gpu_bytes: int, cpu_bytes: int):

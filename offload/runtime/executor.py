@@ -78,6 +78,8 @@ class PlacedModel:
         self._held = None  # the lm_head's weights kept for more rows of the step (logits(more=True))
         self._logit_rows = 0  # rows of the step's logits so far
         self._samples = True  # whether the step computes logits (runs the lm_head)
+        self._embed_name = next(u.name for u in self.units if u.kind == "embed")
+        self._embed_from: PlacedModel | None = None  # whose embedding looks tokens up (share_embedding)
         self.backend.order_after_allocations()
         self._closer = weakref.finalize(self, backend.close)  # pinned registrations end before buffers are freed
 
@@ -203,9 +205,23 @@ class PlacedModel:
         elif mode == "cpu" and p.weights == "disk" and name not in self._in_place:
             self.reader.release(name)
 
+    def share_embedding(self, other: "PlacedModel") -> None:
+        """Look tokens up in other's embedding from now on, and let this model's own copy go: a substitute draft's
+        embedding is its model's (the planner left it out of the draft's bytes)."""
+        name, self._embed_from = self._embed_name, other
+        if self.host_weights.pop(name, None) is not None:
+            self.backend.free("cpu", self.layouts[name].n_bytes)
+        self.host_buffers.pop(name, None)
+
+    def look_up(self, tokens: torch.Tensor, phase: str, step: Step) -> torch.Tensor:
+        """The embedding of tokens, as this model's step computes it (for a model that shares it)."""
+        return self._run(self._embed_name, tokens, phase, step, None, {})
+
     def _run(self, name: str, x, phase: str, step: Step | None, cache, steps: dict, keep: bool = False):
         """Acquire, compute and release one unit; step and cache are None for the lm_head. keep: hold the unit
         for another call of this step (the lm_head over more rows), released by the last one."""
+        if name == self._embed_name and self._embed_from is not None:
+            return self._embed_from.look_up(x, phase, step)
         work = self._work(name, phase, step, x)
         if name in self._embed_rows:
             rows, ids = self._embedding_rows(name, x, phase)
