@@ -15,6 +15,7 @@ import torch
 
 from offload import LLM, SamplingParams
 from offload.errors import ConfigError
+from offload.kernels import ACTIVE_PATH
 from offload.speculative import NgramDrafter, Speculator
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -94,6 +95,7 @@ def test_a_verify_pass_reads_the_lm_head_once_at_batch_one(model_dir):
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.skipif(ACTIVE_PATH == "numba", reason="a property of offload's C++ kernels (torch's sum by the rows)")
 def test_a_verify_pass_gives_each_row_the_logits_decoding_gives(model_dir, dtype):
     """Passes of 3 and 5 tokens (a verify pass of proposals) give every row the logits one-token steps give, bit
     for bit, past 256 cached keys (the CPU attention's splits): the linears and the attention sum each row in one
