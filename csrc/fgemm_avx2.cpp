@@ -27,7 +27,7 @@ constexpr int64_t KC = 256;            // K columns per panel: 16 KiB of fp32, h
 // Packing costs ~0.3 cycles per weight whatever the token count; on a 2-core EPYC (AVX2, one thread, 2048x2048 bf16)
 // the dot form ran 58 GFLOP/s at 8 and 12 tokens, the packed form 54 at 8 and 63 at 12 (73 at 64).
 // fp16's dot form widens in one op (vcvtph2ps) and ran 70 GFLOP/s: packed it ran 0.89-0.95x at 16 tokens, 1.05x at 64.
-constexpr int64_t kPackMinTokens = 10, kPackMinTokensF16 = 64;
+constexpr int64_t kPackMinTokensF16 = 64;  // fp16's (bf16's and fp32's: kernels.h kPackMinTokens)
 
 enum Kind : int { kBF16, kF16, kF32 };  // the weights' element type
 template <int KIND>

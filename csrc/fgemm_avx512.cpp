@@ -17,7 +17,6 @@ namespace {
 
 constexpr int TR = 4;  // weight rows per tile
 constexpr int TC = 6;  // tokens per tile at most: 24 accumulators + 6 x + 1 weight register of 32
-constexpr int64_t kPackMinTokens = 10;  // from here on, the AVX2 packed form
 
 // acc[r][n] += w row r . x token n over the 16 columns from k (the lanes m keeps; the others read nothing).
 template <int R, int C>

@@ -157,7 +157,10 @@ float fp16_to_f32(uint16_t h);
 uint16_t f32_to_fp16(float f);  // round to nearest even, like numpy's astype(float16)
 float bf16_to_f32(uint16_t h);
 
-// fp32 weights x fp32 activations with AVX-512F tiles below 10 tokens, the AVX2 packed form from there
+// Tokens from which the float weights' fp32-activation kernels (bf16, fp32) run the cache-blocked (packed) form; below,
+// dot products whose sums do not depend on the token count (fgemm_avx2.cpp, fgemm_avx512.cpp).
+constexpr int64_t kPackMinTokens = 10;
+// fp32 weights x fp32 activations with AVX-512F tiles below kPackMinTokens, the AVX2 packed form from there
 void gemm_f32_avx512(const WView& w, const float* x, int64_t N, float* y, const float* bias, int64_t r0, int64_t r1);
 // bf16 weights x bf16 activations [N, K] (row stride ldx) with AVX-512 BF16 (vdpbf16ps), K a multiple of 32; rows
 // r0..r1 of y [N, M].
