@@ -254,6 +254,11 @@ void packed_linear(int path, const float* x, int64_t N, int fmt, const WView& w,
                    int nthreads) {
   packed_linear_x(path, x, X_F32, N, fmt, w, bias, y, nthreads);
 }
+
+void packed_linear_bf16(int path, const uint16_t* x, int64_t N, int fmt, const WView& w, const float* bias, float* y,
+                        int nthreads) {
+  packed_linear_x(path, x, X_BF16, N, fmt, w, bias, y, nthreads);
+}
 }  // namespace offload
 
 PYBIND11_MODULE(_C, m) {

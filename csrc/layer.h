@@ -13,6 +13,9 @@ namespace offload {
 // y [N, M] fp32 = x [N, K] fp32 @ W[M, K]^T + bias through the dispatched matmul kernels (bindings.cpp).
 void packed_linear(int path, const float* x, int64_t N, int fmt, const WView& w, const float* bias, float* y,
                    int nthreads);
+// The same with bf16 activations x [N, K] (bf16 weights: the AVX-512 BF16 tiles where the CPU has them).
+void packed_linear_bf16(int path, const uint16_t* x, int64_t N, int fmt, const WView& w, const float* bias, float* y,
+                        int nthreads);
 
 // One packed weight matrix [M, K] in format fmt (WFmt), with an optional fp32 bias [M]. A stacked linear (a GGUF
 // layer whose q, k and v are stored in different formats) has parts instead: row blocks of its M rows, each a
@@ -76,6 +79,8 @@ struct LayerArgs {
                                       // token's sequence is at flat slot blocks[tok[kRowBase] + j / 16] + j % 16
   void *k_cache, *v_cache;            // [slots, n_kv_heads, head_dim], token-major: fp32, or bf16 with kv_bf16
   int kv_bf16;                        // 1: the caches hold bf16 (this step's K, V rounded to nearest even)
+  int act_bf16;                       // 1: a bf16 plan's layer: the linears of bf16 weights take their input
+                                      // rounded to bf16, as its unfused ones (and llama.cpp's bf16 rows) do
 };
 
 // bf16 <-> fp32: widening is exact; narrowing rounds to nearest even (as torch's .to(torch.bfloat16)).

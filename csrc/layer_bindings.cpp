@@ -197,6 +197,7 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
   a.N = N, a.x = xf, a.out = of;
   a.cos = ptr<float>(cos), a.sin = ptr<float>(sin), a.tokens = ptr<int64_t>(tokens), a.blocks = ptr<int64_t>(blocks);
   a.k_cache = reinterpret_cast<void*>(k_cache), a.v_cache = reinterpret_cast<void*>(v_cache), a.kv_bf16 = kv_bf16;
+  a.act_bf16 = act_bf16;
   layer_forward(a);
   if (act_bf16) f32_rows_to_bf16(of, N * out_width, reinterpret_cast<uint16_t*>(out));
 }

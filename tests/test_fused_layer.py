@@ -41,7 +41,7 @@ def _weights(spec: ModelSpec, fmt: str, bias: bool, seed: int = 0) -> LayerWeigh
     rand = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
     norm = lambda: torch.rand(d, generator=g) + 0.5  # noqa: E731
     maybe = lambda n: rand(n) if bias else None  # noqa: E731
-    as_fmt = (lambda t: t) if fmt == "dense" else (lambda t: pack(t, fmt))  # noqa: E731
+    as_fmt = {"dense": lambda t: t, "dense-bf16": lambda t: t.bfloat16()}.get(fmt, lambda t: pack(t, fmt))
     return LayerWeights(attn_norm=norm(), qkv=as_fmt(rand(qkv_rows, d)), qkv_bias=maybe(qkv_rows),
                         o=as_fmt(rand(d, spec.q_size)), o_bias=maybe(d), mlp_norm=norm(),
                         gate_up=as_fmt(rand(2 * f, d)), gate_up_bias=maybe(2 * f),
@@ -173,9 +173,15 @@ def test_unsupported_inputs_fall_back():
     x = _randn(1, 2, spec.hidden_size)
     assert fused.can_fuse(w, x, kv) and fused.can_fuse(w, x.bfloat16(), kv)  # bf16: a GPU plan's format
     assert not fused.can_fuse(w, x.half(), kv)
-    assert not fused.can_fuse(LayerWeights(**{**w.__dict__, "qkv": w.qkv.dequantize().bfloat16()}), x, kv)
+    assert not fused.can_fuse(LayerWeights(**{**w.__dict__, "qkv": w.qkv.dequantize().double()}), x, kv)
     dense = LayerWeights(**{**w.__dict__, "qkv": w.qkv.dequantize()})  # fp32: offload's fp32 kernels read it
     assert fused.can_fuse(dense, x, kv) and fused.fuse_layer(spec, dense).dense and not fused.fuse_layer(spec, w).dense
+    # bf16 rows of whole 32-element blocks: the bf16 tiles (or fp32-widening kernel) at any token count; fp16 and
+    # bf16 rows the tiles do not take: steps of few tokens only
+    for half, few_only in ((w.qkv.dequantize().bfloat16(), False), (w.qkv.dequantize().half(), True),
+                           (torch.zeros(spec.q_size + 2 * spec.kv_size, 72, dtype=torch.bfloat16), True)):
+        layer = LayerWeights(**{**w.__dict__, "qkv": half})
+        assert fused.can_fuse(layer, x, kv) and fused.has_dense(layer) is few_only
     assert not fused.can_fuse(w, x, LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float16))
     mixed = LayerKV(1, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32)
     mixed.v = mixed.v.bfloat16()
@@ -251,7 +257,7 @@ def test_executor_builds_fused_handles_once_at_placement(tmp_path):
     assert all(set(vars(llm.model.host_weights[n])) == set(LayerWeights.__dataclass_fields__) for n in handles)
 
 
-@pytest.mark.parametrize("quantization", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("quantization", ["q8_0", "q4_0", "none"])
 def test_a_bf16_plans_cpu_layers_run_fused_and_keep_bf16_caches(quantization, tmp_path, monkeypatch):
     """dtype bf16 (a GPU plan's compute format) on the CPU: every layer of every step goes through the fused C++
     layer with bf16 hidden states and bf16 KV caches (nothing widened to fp32 between the calls), and greedy tokens
@@ -349,14 +355,22 @@ def test_attention_over_a_bf16_cache_matches_exact_softmax(path, n_heads, n_kv, 
 
 
 @pytest.mark.parametrize("path", ATTENTION_PATHS)
-@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "bf16"])
-def test_a_bf16_layer_matches_the_fp32_reference(path, fmt):
+@pytest.mark.parametrize("fmt", ["q4_0", "q8_0", "bf16", "dense-bf16"])
+def test_a_bf16_layer_matches_the_fp32_reference(path, fmt, monkeypatch):
     """bf16 hidden states and a bf16 cache through the fused layer (prefill with padding, then decode) against the
     reference block math in fp32 on the same values (the bf16 input widened, a bf16 cache, which it also writes
-    rounded and reads widened): the output within 4e-3 of max |ref| (one bf16 rounding, 2^-9 relative, with the
-    kernels' own differences), the cache within one bf16 step. The hidden states stay bf16 in and out."""
-    spec = _spec(4, 2, None, fmt == "bf16")
-    w = _weights(spec, fmt, fmt == "bf16")
+    rounded and reads widened; the inputs of bf16 weights' linears rounded to bf16, as the fused layer and torch's
+    bf16 path take them): the output within 4e-3 of max |ref| (one bf16 rounding, 2^-9 relative, with the kernels'
+    own differences), the cache within one bf16 step. The hidden states stay bf16 in and out."""
+    spec = _spec(4, 2, None, "bf16" in fmt)
+    w = _weights(spec, fmt, "bf16" in fmt)
+    import offload.model.llama as llama
+
+    def rounding_linear(x, weight, bias, linear=llama.linear):
+        bf16 = getattr(weight, "dtype", None) is torch.bfloat16 or getattr(weight, "fmt", None) == "bf16"
+        return linear(x.bfloat16().float() if bf16 else x, weight, bias)
+
+    monkeypatch.setattr(llama, "linear", rounding_linear)
     kv, kv_ref = (LayerKV(3, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.bfloat16) for _ in range(2))
     lengths = [9, 4, 1]
     x = _randn(3, 9, spec.hidden_size).to(torch.bfloat16)

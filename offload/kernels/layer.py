@@ -1,7 +1,7 @@
 """Fused CPU decoder layer: one C++ call (csrc/layer.cpp) instead of ~25 torch ops per layer and token.
 
 Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks with
-packed linears (or dense fp32 ones, for steps of few tokens: FusedLayer.dense), of the families runs_math_of names
+packed linears or dense float ones (fp32 and fp16 for steps of few tokens: FusedLayer.dense), of the families runs_math_of names
 (all ours). Activations come fp32, or bf16 as a GPU plan computes (each call widens them to fp32 once and rounds its
 output back to bf16); KV caches are fp32 or bf16 (K and V rounded as they are stored, widened as attention reads
 them), so a bf16 plan's caches and hidden states stay in the format it budgets. Whoever places the weights decides
@@ -70,7 +70,7 @@ class FusedLayer:
     view: object  # _C.fused_weights(...)
     moe: bool = False  # the attention part of a MoE layer: returns [.., 2D] (residual | normed h)
     local: bool = False  # turns by the sliding layers' own rope (Gemma 3): the step table's cos_local, sin_local
-    dense: bool = False  # has dense fp32 linears: for steps of up to kernels.ops.F32_KERNEL_ROWS tokens
+    dense: bool = False  # has dense linears for few tokens only (has_dense): steps of up to F32_KERNEL_ROWS tokens
 
 
 @dataclass(frozen=True)
@@ -461,19 +461,31 @@ def _make_fused_weights(spec, w, moe: bool = False, index: int | None = None):
 
 def _packed(m, dense: bool = False) -> bool:
     """A PackedWeight of a format with fused CPU kernels, or a stack of them (a StackedWeight's parts run one after
-    another in the fused layer); dense: a dense fp32 CPU weight too (offload's fp32 kernels read it in place)."""
+    another in the fused layer); dense: a dense float CPU weight too (offload's float kernels read it in place)."""
     parts = getattr(m, "parts", (m,))
-    return all(isinstance(p, PackedWeight) and p.fmt_id >= 0 or dense and _dense_f32(p) for p in parts)
+    return all(isinstance(p, PackedWeight) and p.fmt_id >= 0 or dense and _dense(p) for p in parts)
 
 
-def _dense_f32(m) -> bool:
-    return isinstance(m, torch.Tensor) and _is_f32_cpu(m) and m.dim() == 2
+_DENSE_FORMATS = {_F32: "fp32", _BF16: "bf16", torch.float16: "fp16"}  # a dense weight's dtype -> its kernels' format
+
+
+def _dense(m) -> bool:
+    """A dense fp32, bf16 or fp16 CPU weight, 2-D and contiguous."""
+    return isinstance(m, torch.Tensor) and m.dtype in _DENSE_FORMATS and m.device.type == "cpu" and \
+        m.is_contiguous() and m.dim() == 2
+
+
+def _few_rows_only(p) -> bool:
+    """A dense weight whose fused linears beat torch's matmul at few tokens only: fp32 and fp16 (the fp32 kernels),
+    bf16 where the AVX-512 BF16 tiles do not take its rows (K not a multiple of 32). bf16 rows they take run the
+    tiles, or on a CPU without native bf16 the fp32-widening kernel, which ops.linear chooses at any rows too."""
+    return _dense(p) and (p.dtype is not _BF16 or p.shape[1] % 32 != 0)
 
 
 def has_dense(w) -> bool:
-    """Whether a layer's linears include dense fp32 weights: its fused view runs steps of few tokens only (up to
-    kernels.ops.F32_KERNEL_ROWS; torch's matmul is the faster one past them)."""
-    return any(_dense_f32(p) for m in (w.qkv, w.o, w.gate_up, w.down) if m is not None
+    """Whether a layer's linears include dense weights the fused layer runs at few tokens only (_few_rows_only): its
+    fused view then runs steps of up to kernels.ops.F32_KERNEL_ROWS tokens (torch's matmul is the faster past them)."""
+    return any(_few_rows_only(p) for m in (w.qkv, w.o, w.gate_up, w.down) if m is not None
                for p in getattr(m, "parts", (m,)))
 
 
@@ -486,8 +498,8 @@ def _linear_tuple(m, bias: torch.Tensor | None, name: str) -> list[tuple]:
     out, row = [], 0
     for p in parts:
         part_bias = 0 if bias is None else bias[row: row + p.shape[0]].data_ptr()
-        if isinstance(p, torch.Tensor):  # a dense fp32 weight, read in place
-            out.append((CPU_KERNELS["fp32"], p.data_ptr(), 0, part_bias, p.shape[0], p.shape[1]))
+        if isinstance(p, torch.Tensor):  # a dense float weight, read in place
+            out.append((CPU_KERNELS[_DENSE_FORMATS[p.dtype]], p.data_ptr(), 0, part_bias, p.shape[0], p.shape[1]))
         else:
             out.append((p.fmt_id, p.qs_ptr, p.d_ptr, part_bias, p.shape[0], p.shape[1]))
         row += p.shape[0]
