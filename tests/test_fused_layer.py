@@ -25,7 +25,8 @@ from offload.spec import ModelSpec
 
 pytestmark = pytest.mark.skipif(not fused.FUSABLE, reason=f"fused layer needs the C++ extension ({ACTIVE_PATH})")
 
-RTOL = {"q8_0": 1e-4, "q4_0": 1e-5, "bf16": 1e-5, "dense": 1e-5}  # dense: fp32 tensors, read in place
+# dense: fp32 tensors, read in place; dense-bf16 / dense-fp16: bf16 / fp16 tensors, widened against fp32 activations
+RTOL = {"q8_0": 1e-4, "q4_0": 1e-5, "bf16": 1e-5, "dense": 1e-5, "dense-bf16": 1e-5, "dense-fp16": 1e-5}
 MAX_LEN = 64  # KV slots per row; slot MAX_LEN is the trash slot
 
 
@@ -41,7 +42,8 @@ def _weights(spec: ModelSpec, fmt: str, bias: bool, seed: int = 0) -> LayerWeigh
     rand = lambda *shape: torch.randn(*shape, generator=g) * 0.2  # noqa: E731
     norm = lambda: torch.rand(d, generator=g) + 0.5  # noqa: E731
     maybe = lambda n: rand(n) if bias else None  # noqa: E731
-    as_fmt = {"dense": lambda t: t, "dense-bf16": lambda t: t.bfloat16()}.get(fmt, lambda t: pack(t, fmt))
+    as_fmt = {"dense": lambda t: t, "dense-bf16": lambda t: t.bfloat16(), "dense-fp16": lambda t: t.half()}.get(
+        fmt, lambda t: pack(t, fmt))
     return LayerWeights(attn_norm=norm(), qkv=as_fmt(rand(qkv_rows, d)), qkv_bias=maybe(qkv_rows),
                         o=as_fmt(rand(d, spec.q_size)), o_bias=maybe(d), mlp_norm=norm(),
                         gate_up=as_fmt(rand(2 * f, d)), gate_up_bias=maybe(2 * f),
@@ -103,6 +105,8 @@ CASES = {  # name: (n_heads, n_kv_heads, sliding window, biases, format)
     "qwen2-bias-q8_0": (4, 2, None, True, "q8_0"),
     "bf16": (4, 2, None, True, "bf16"),
     "dense-fp32": (4, 2, None, True, "dense"),
+    "dense-bf16": (4, 2, None, False, "dense-bf16"),
+    "dense-fp16": (2, 2, None, True, "dense-fp16"),
 }
 
 
