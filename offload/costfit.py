@@ -258,7 +258,7 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, objec
     cache, a real model's do not.)"""
     import numpy as np
 
-    from offload.planner.costs import cpu_path, step_phase_attention_flops
+    from offload.planner.costs import cpu_path, path_at, step_phase_attention_flops
     from offload.planner.recost import recost_steps
     from offload.planner.search import plan
     from offload.planner.types import Budget, Workload
@@ -282,9 +282,10 @@ def fit_overheads(hw: HardwareProfile, runs: list[tuple[object, str, list, objec
             base = sum(recost_steps(spec, run_hw, p, [shape]).values())
             attn = step_phase_attention_flops(spec, shape)
             kv_bytes = spec.n_layers * 2 * shape.kv_read_tokens * spec.kv_size * 4  # fp32 K and V read once
-            terms = [1.0, spec.n_layers * (path == "fused"), spec.n_layers * (path == "torch"), shape.n_seqs,
-                     shape.n_logits * spec.vocab_size, shape.n_tokens * spec.n_layers, attn * (path == "fused"),
-                     attn * (path == "torch")]
+            runs = path_at(path, shape.n_tokens)  # dense fp32 layers: fused for steps of few tokens
+            terms = [1.0, spec.n_layers * (runs == "fused"), spec.n_layers * (runs == "torch"), shape.n_seqs,
+                     shape.n_logits * spec.vocab_size, shape.n_tokens * spec.n_layers, attn * (runs == "fused"),
+                     attn * (runs == "torch")]
             # as at_speed moves each term: attention's by its speed, the rest by compute's
             rows.append([t / compute for t in terms[:6]] + [t / attention for t in terms[6:]] + [kv_bytes / memory])
             measured.append(shape.seconds)

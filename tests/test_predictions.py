@@ -61,8 +61,15 @@ def test_overhead_terms_add_to_the_plans_step_time():
     expected = 2e-4 + spec.n_layers * (1e-5 + 4 * 2e-7) + 4 * 5e-5 + 4 * spec.vocab_size * 1e-9  # 4 tokens a step
     assert with_overhead.decode.overhead_s == pytest.approx(expected)
     assert with_overhead.decode.step_s - bare.decode.step_s == pytest.approx(expected)
-    unfused = _plan(CALIBRATED, fmt="fp32")  # float weights run through torch: the unfused per-layer term
-    assert unfused.decode.overhead_s == pytest.approx(expected - spec.n_layers * 1e-5 + spec.n_layers * 3e-4)
+    # fp32 weights: the fused layer for steps of up to F32_KERNEL_ROWS tokens (this decode's 4), torch past them (a
+    # 64-token prompt of 4 sequences); a bf16 plan's float weights: the fused layer at any size
+    dense = _plan(CALIBRATED, fmt="fp32")
+    assert dense.decode.overhead_s == pytest.approx(expected)
+    prefill = 2e-4 + spec.n_layers * (3e-4 + 256 * 2e-7) + 4 * 5e-5 + 4 * spec.vocab_size * 1e-9
+    assert dense.prefill.overhead_s == pytest.approx(prefill)
+    wl = Workload(batch_size=4, prompt_len=64, gen_len=16, compute_format="bf16")
+    bf16 = plan(spec, CALIBRATED, Budget(0, 64 * 2**30), wl, weight_format="fp32")
+    assert bf16.prefill.overhead_s == pytest.approx(prefill - spec.n_layers * (3e-4 - 1e-5))
 
 
 def test_a_step_of_the_plans_own_shape_costs_what_the_plan_predicts():

@@ -149,6 +149,12 @@ CPU_KERNELS = {t.name: t.cpu_kernel for t in GGUF_TYPES if t.cpu_kernel is not N
 # what a PackedWeight holds (kernels.linear takes): every storage format but fp32 (a plain tensor)
 PACKED_FORMATS = tuple(QUANT_BLOCK_BYTES) + tuple(f for f in FLOAT_FORMATS if f != "fp32") + tuple(GGUF_BLOCKS)
 FUSED_COMPUTE = ("fp32", "bf16")  # compute formats the fused CPU layer takes (activations and KV caches)
+# fp32 weights against fp32 activations go through offload's fp32 kernels (and the fused CPU layer) up to this many
+# rows (decode steps, speculative verify passes, small batches), torch's matmul beyond. On a 2-core Zen 4,
+# SmolLM2-135M's shapes ran 2.0x torch's at 1 row, 2.7x at 4, 1.5x at 16-128 and 1.2x at 512: torch's fp32
+# matrix-vector product read the weights at half the memory's rate, and its cost grew with the rows
+# (csrc/fgemm_avx512.cpp, fgemm_avx2.cpp). The planner prices the same choice (planner.costs.path_at).
+F32_KERNEL_ROWS = 64
 ALIGN_BYTES = 64  # each plane of a unit's flat buffer starts at a multiple of this (SIMD loads, dtype views)
 # The weight format of a plan for a GGUF model run as stored: each linear keeps its file's format (ModelSpec
 # tensors carry it); the planner sizes every tensor by its own format.

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.weak import WeakIdKeyDictionary
 
+from offload.formats import F32_KERNEL_ROWS
+
 Weight = object  # a torch.Tensor [out, in], an offload.kernels.PackedWeight, a DeviceQuantWeight or a StackedWeight
 
 
@@ -40,11 +42,6 @@ class StackedWeight:
 HALF_KERNEL_ROWS = 2  # up to this many rows, offload's kernel beats torch's bf16 matmul on a CPU with native bf16
 HALF_ACTIVATIONS = (torch.float32, torch.bfloat16)  # what offload's CPU kernels take
 HALF_WEIGHTS = {torch.bfloat16: "bf16", torch.float16: "fp16"}  # dense weights they take as a PackedWeight view
-# fp32 weights against fp32 activations go through offload's fp32 kernels up to this many rows (decode steps,
-# speculative verify passes, small batches), torch's matmul beyond. On a 2-core Zen 4, SmolLM2-135M's shapes ran
-# 2.0x torch's at 1 row, 2.7x at 4, 1.5x at 16-128 and 1.2x at 512: torch's fp32 matrix-vector product read the
-# weights at half the memory's rate, and its cost grew with the rows (csrc/fgemm_avx512.cpp, fgemm_avx2.cpp).
-F32_KERNEL_ROWS = 64
 
 
 def linear(x: torch.Tensor, w: Weight, bias: torch.Tensor | None) -> torch.Tensor:

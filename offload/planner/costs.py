@@ -15,7 +15,7 @@ from itertools import accumulate, repeat
 from operator import sub
 from typing import NamedTuple
 
-from offload.formats import AS_STORED, FLOAT_FORMATS, FUSED_COMPUTE, QUANT_BLOCK_BYTES, is_quantized
+from offload.formats import AS_STORED, F32_KERNEL_ROWS, FLOAT_FORMATS, FUSED_COMPUTE, QUANT_BLOCK_BYTES, is_quantized
 from offload.hardware import HardwareProfile
 from offload.planner.pipeline import Pipeline, entries
 from offload.spec import ModelSpec, UnitSpec
@@ -258,7 +258,7 @@ def _cpu_s(spec: ModelSpec, unit: UnitSpec, fmt: str, hw: HardwareProfile, phase
     passes = phase.n_passes
     matmul_s = _cpu_matmul_s(unit, fmt, compute, hw, flops, rows, phase.n_threads)
     fmt = hw.rated_format(unit.rate_format(fmt, compute))  # a GGUF unit: its main format (or that one's kin)
-    cpu_compute_s = matmul_s + attn_flops / hw.attention_rate(cpu_path(fmt, compute))
+    cpu_compute_s = matmul_s + attn_flops / hw.attention_rate(path_at(cpu_path(fmt, compute), phase.n_tokens))
     if hw.cpu_flops_by_rows.get(fmt):
         kv_read = kv_bytes if unit.kind == "layer" else 0  # in the compute format (a bf16 plan's caches: bf16)
         return cpu_compute_s + (passes - 1) * read_bytes / hw.cpu_mem_bps + kv_read / hw.kv_read_bps
@@ -293,15 +293,26 @@ def main_format(spec: ModelSpec, fmt: str) -> str:
 
 
 def cpu_path(fmt: str, compute: str) -> str:
-    """Which CPU code runs a layer: offload's fused C++ layer (packed quantized weights; fp32 activations, or bf16
-    as GPU plans compute, widened once per layer) or torch ops."""
-    return "fused" if is_quantized(fmt) and compute in FUSED_COMPUTE else "torch"
+    """Which CPU code runs a plan's layers: offload's fused C++ layer ("fused": packed quantized weights, or a bf16
+    plan's float weights, which its bf16 tiles take; fp32 activations, or bf16 as GPU plans compute, widened once
+    per layer), the fused layer for steps of up to F32_KERNEL_ROWS tokens and torch ops past them ("fused_few":
+    float weights under fp32 compute), or torch ops. path_at says which a step runs."""
+    if compute not in FUSED_COMPUTE:
+        return "torch"
+    return "fused" if is_quantized(fmt) or compute == "bf16" else "fused_few"
+
+
+def path_at(path: str, n_tokens: int) -> str:
+    """The CPU code ("fused" or "torch") a step of n_tokens tokens runs on a plan's cpu_path."""
+    if path == "fused_few":
+        return "fused" if n_tokens <= F32_KERNEL_ROWS else "torch"
+    return path
 
 
 def overhead_s(hw: HardwareProfile, n_cpu_layers: int, path: str, n_seqs: int, n_logits: int = 0,
                vocab: int = 0, n_tokens: int = 0) -> float:
     """Seconds a step takes besides matmuls, attention and copies (the calibrated overhead terms)."""
-    layer = hw.overhead("layer" if path == "fused" else "layer_unfused")
+    layer = hw.overhead("layer" if path_at(path, n_tokens) == "fused" else "layer_unfused")
     return (hw.overhead("step") + n_cpu_layers * (layer + n_tokens * hw.overhead("token"))
             + n_seqs * hw.overhead("sequence") + n_logits * vocab * hw.overhead("logit"))
 
