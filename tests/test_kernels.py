@@ -129,6 +129,17 @@ def test_dense_fp32_weights_take_offloads_kernels_at_few_rows(monkeypatch, rows,
     assert nerr(y[0], x @ w.T + bias) < 1e-5
 
 
+@pytest.mark.skipif(not K.BF16_TILES, reason="the AVX-512 BF16 tiles need a CPU with AVX-512 BF16")
+def test_bf16_tiles_give_each_token_what_it_gets_alone():
+    """bf16 x bf16 through the tiles, 9 tokens (tiles of 6 and 3) against one at a time, a long K in blocks of 64
+    rows and a tail: each token's outputs equal its own matrix-vector product to the bit (the same sums, lane by
+    lane, in the same order), as a speculative verify pass's rows must equal decoding's."""
+    w, x, bias = case(70, 3104, 9, "bf16")
+    x = x.bfloat16()
+    got = K.linear(x, w, bias)
+    assert all(torch.equal(got[i], K.linear(x[i:i + 1], w, bias)[0]) for i in range(9))
+
+
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_0"])
 def test_bf16_activations_equal_their_fp32_values(fmt):
     w, x, _ = case(17, 256, 3, fmt)
