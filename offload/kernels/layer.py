@@ -1,12 +1,12 @@
 """Fused CPU decoder layer: one C++ call (csrc/layer.cpp) instead of ~25 torch ops per layer and token.
 
 Same math as offload.model.llama.layer_forward (the reference, which tests compare against) for CPU blocks with
-packed linears or dense float ones (fp32 and fp16 for steps of few tokens: FusedLayer.dense), of the families runs_math_of names
-(all ours). Activations come fp32, or bf16 as a GPU plan computes (each call widens them to fp32 once and rounds its
-output back to bf16); KV caches are fp32 or bf16 (K and V rounded as they are stored, widened as attention reads
-them), so a bf16 plan's caches and hidden states stay in the format it budgets. Whoever places the weights decides
-to use it and builds the handles once: a FusedLayer per layer (the C++ view of its weights), a KVView per cache, a
-StepTable per step. Nothing is stored on the model's own objects.
+packed or dense float linears (FusedLayer.dense: some for steps of few tokens only), of the families runs_math_of
+names (all ours). Activations come fp32, or bf16 as a GPU plan computes (widened to fp32 once a call, the output
+rounded back, bf16 weights' inputs rounded as unfused linears take them); KV caches are fp32 or bf16 (K and V
+rounded as they are stored, widened as attention reads them), so a bf16 plan's caches and hidden states stay in
+the format it budgets. Whoever places the weights decides to use it and builds the handles once: a FusedLayer per
+layer (its weights' C++ view), a KVView per cache, a StepTable per step; nothing is stored on the model's objects.
 """
 
 from __future__ import annotations
@@ -471,22 +471,16 @@ _DENSE_FORMATS = {_F32: "fp32", _BF16: "bf16", torch.float16: "fp16"}  # a dense
 
 def _dense(m) -> bool:
     """A dense fp32, bf16 or fp16 CPU weight, 2-D and contiguous."""
-    return isinstance(m, torch.Tensor) and m.dtype in _DENSE_FORMATS and m.device.type == "cpu" and \
-        m.is_contiguous() and m.dim() == 2
-
-
-def _few_rows_only(p) -> bool:
-    """A dense weight whose fused linears beat torch's matmul at few tokens only: fp32 and fp16 (the fp32 kernels),
-    bf16 where the AVX-512 BF16 tiles do not take its rows (K not a multiple of 32). bf16 rows they take run the
-    tiles, or on a CPU without native bf16 the fp32-widening kernel, which ops.linear chooses at any rows too."""
-    return _dense(p) and (p.dtype is not _BF16 or p.shape[1] % 32 != 0)
+    return isinstance(m, torch.Tensor) and m.dtype in _DENSE_FORMATS and m.is_cpu and m.is_contiguous() and m.dim() == 2
 
 
 def has_dense(w) -> bool:
-    """Whether a layer's linears include dense weights the fused layer runs at few tokens only (_few_rows_only): its
-    fused view then runs steps of up to kernels.ops.F32_KERNEL_ROWS tokens (torch's matmul is the faster past them)."""
-    return any(_few_rows_only(p) for m in (w.qkv, w.o, w.gate_up, w.down) if m is not None
-               for p in getattr(m, "parts", (m,)))
+    """Whether a layer's linears include dense weights the fused layer runs at few tokens only: fp32 and fp16 (the
+    fp32 kernels), bf16 rows the AVX-512 BF16 tiles do not take (K not a multiple of 32). Its fused view then runs
+    steps of up to formats.F32_KERNEL_ROWS tokens (torch's matmul is the faster past them). bf16 rows the tiles take
+    run them at any rows, or the fp32-widening kernel on a CPU without native bf16, as ops.linear chooses too."""
+    return any(_dense(p) and (p.dtype is not _BF16 or p.shape[1] % 32 != 0)
+               for m in (w.qkv, w.o, w.gate_up, w.down) if m is not None for p in getattr(m, "parts", (m,)))
 
 
 def _linear_tuple(m, bias: torch.Tensor | None, name: str) -> list[tuple]:

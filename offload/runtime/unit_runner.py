@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from offload.kernels import layer as fused
 from offload.formats import F32_KERNEL_ROWS
+from offload.kernels import layer as fused
 from offload.model.llama import layer_forward
 from offload.model.step import LayerKV, Step
 from offload.model.units import unit_forward
