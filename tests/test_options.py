@@ -39,6 +39,7 @@ NOT_EVERYWHERE = {
     "print_config": "prints the effective config instead of running",
     "json": "the form `offload plan` prints the plan in",
     "explain": "what `offload plan` prints besides the plan",
+    "speculative_acceptance": "the acceptance `offload plan` prices speculation at; a run measures its own",
     "help": "argparse's own", "debug": "logging, not the job", "quiet": "logging, not the job",
     "log_level": "logging, not the job",
     "prompt": "offload generate's prompts (a job reads them from its input file)",

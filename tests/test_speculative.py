@@ -462,6 +462,22 @@ def test_simulate_prints_the_chosen_k_and_refuses_an_acceptance_without_a_method
     assert bad.returncode != 0 and "needs a speculative method" in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_plan_prints_the_priced_speculation_and_puts_it_in_its_json():
+    import json
+    import subprocess
+
+    model = ["--model", str(ROOT / "configs/models/llama-3.1-8b"), "--hardware", "rtx4090-ddr5", "--gpu-memory",
+             "4GiB", "--quantization", "q4_0", "--batch-size", "1", "--set", "speculative.method=ngram",
+             "--speculative-acceptance", "0.6"]
+    runs = [subprocess.run([sys.executable, "-m", "offload", "plan", *model, *extra], capture_output=True, text=True,
+                           timeout=300) for extra in ((), ("--json",))]
+    assert all(r.returncode == 0 for r in runs), runs[0].stderr + runs[1].stderr
+    priced = json.loads(runs[1].stdout)["speculative"]
+    assert priced["method"] == "ngram" and priced["acceptance"] == 0.6 and priced["k"] >= 1
+    line = next(x for x in runs[0].stdout.splitlines() if x.startswith("speculative decoding (ngram, acceptance 0.60)"))
+    assert f"k = {priced['k']}," in line and f"predicted {priced['tokens_per_s']:.2f} tok/s" in line
+
+
 def _fitted(step_s, drafter=None) -> Speculator:
     """A Speculator whose fit has seen decode steps of 1-8 tokens taking step_s(n_tokens) seconds."""
     from types import SimpleNamespace

@@ -6,6 +6,7 @@ import json
 import logging
 
 from offload.cli.job_flags import add_plan_flags, effective_config
+from offload.cli.speculation_price import add_acceptance_flag, speculation_json, speculation_price
 
 log = logging.getLogger("offload")
 
@@ -18,6 +19,7 @@ def add_parser(sub) -> None:
                    help="also print why the plan is what it is, its bottleneck per phase and what-ifs (the same job "
                         "re-planned with another quantization, more VRAM, half or double the batch, the next "
                         "hardware preset); with --json, adds the keys bottleneck and what_ifs")
+    add_acceptance_flag(p)
     p.set_defaults(func=run)
 
 
@@ -28,17 +30,24 @@ def run(args) -> int:
     from offload.weights.model_files import model_spec
     from offload.weights.default_model import resolve_model
 
-    request = plan_request(effective_config(args, need_input=False))
+    config = effective_config(args, need_input=False)
+    request = plan_request(config)
     if request.hardware.profile is None:
         log.info("planning for the calibrated profile (or an estimate; run `offload calibrate`)")
     spec, hw = model_spec(resolve_model(request.model.path)), request.profile()
     plan = plan_for(spec, hw, request)
+    speculation = speculation_price(request, config.speculative, args.speculative_acceptance)
     changes = [w.to_dict() for w in what_ifs(spec, hw, request, plan)] if args.explain else []
     if args.json:
-        print(plan.to_json() if not args.explain else json.dumps(explained_dict(plan, changes), indent=2))
+        out = json.loads(plan.to_json()) if not args.explain else explained_dict(plan, changes)
+        if speculation is not None:
+            out["speculative"] = speculation_json(speculation)
+        print(json.dumps(out, indent=2, default=lambda v: None))
         return 0
     print(plan.table())
-    print(prefix_cache_line(plan, effective_config(args, need_input=False).prefix_cache))
+    print(prefix_cache_line(plan, config.prefix_cache))
+    if speculation is not None:
+        print(speculation.line())
     if args.explain:
         print()
         print(plan.explain())

@@ -7,6 +7,7 @@ import json
 import logging
 
 from offload.cli.job_flags import add_option_flags, add_plan_flags, effective_config
+from offload.cli.speculation_price import add_acceptance_flag, speculation_json, speculation_price
 
 log = logging.getLogger("offload")
 
@@ -20,35 +21,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prompt-len", type=int, help="tokens per simulated prompt (default: max_model_len - max_tokens)")
     add_option_flags(p, {"report.trace": ()})  # the simulated run's trace
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--speculative-acceptance", type=float, metavar="RATE",
-                   help="price speculative decoding (the config's speculative section, e.g. --set "
-                        "speculative.method=draft_model --set speculative.model=llama-3.2-1b) at batch 1 with this "
-                        "acceptance rate (default with a speculative method: 0.7)")
+    add_acceptance_flag(p)
     p.add_argument("--prefix-hit-rate", type=float, metavar="RATE",
                    help="price the prefix cache: a prompt's prefill with this share of its tokens cached (0 to 1)")
     p.set_defaults(func=run)
-
-
-def speculation_price(request, options, acceptance: float | None):
-    """The priced speculation of the config's speculative section at batch 1, or None where none is asked for."""
-    from offload.errors import ConfigError
-
-    if acceptance is None and options.method is None:
-        return None
-    if options.method is None:
-        raise ConfigError("--speculative-acceptance needs a speculative method: add --set speculative.method=ngram, "
-                          "self, or draft_model (with --set speculative.model=PATH)")
-    if acceptance is not None and not 0.0 <= acceptance < 1.0:
-        raise ConfigError(f"--speculative-acceptance must be a rate from 0 to below 1, found {acceptance}")
-    from offload.planner.speculation import PRIOR_ACCEPTANCE, price_speculation
-    from offload.weights.default_model import resolve_model
-    from offload.weights.model_files import model_spec
-
-    spec = model_spec(resolve_model(request.model.path))
-    draft = model_spec(resolve_model(options.model)) if options.method == "draft_model" else None
-    return price_speculation(spec, request.profile(), request, options,
-                             PRIOR_ACCEPTANCE if acceptance is None else acceptance, draft,
-                             options.max_speculative_tokens)
 
 
 def prefix_hit(request, rate: float):
@@ -80,7 +56,7 @@ def run(args) -> int:
     if args.json:
         out = result.to_dict()
         if speculation is not None:
-            out["speculative"] = {**dataclasses.asdict(speculation), "speedup": speculation.speedup}
+            out["speculative"] = speculation_json(speculation)
         if hit is not None:
             out["prefix_cache"] = {**dataclasses.asdict(hit), "hit_prefill_s": hit.hit_prefill_s,
                                    "speedup": hit.speedup}
