@@ -400,6 +400,33 @@ def test_the_planner_prices_speculation_and_falls_back_to_no_proposals_where_the
     assert fixed.k == 3 and fixed.draft_s == 0 and fixed.draft_gpu_bytes == 0
 
 
+def test_a_moe_verify_pass_reads_its_tokens_union_of_experts_and_speculation_is_declined_where_it_loses():
+    """Qwen3-30B-A3B at q4_0 partly offloaded (8 GiB of an rtx4090): a verify pass over k + 1 tokens reads the
+    experts all of them are routed to (128 x (1 - (120/128)^8) = 51.6 of 128 for 8 tokens, against 8 for one), so it
+    costs over 3x a plain step and prompt lookup at acceptance 0.5 is not worth one proposal; a dense 8B in RAM
+    reads the same weights for 1 token or 8, and takes most of what it may (as ik_llama.cpp measured multi-token
+    prediction losing on a partly offloaded MoE, 19.6 -> 11.4 tok/s, where it wins on dense models)."""
+    from offload.options import SpeculativeOptions
+    from offload.planner import PlanRequest
+    from offload.planner.speculation import plan_speculation, price_on
+    from offload.weights.model_files import model_spec
+
+    options = SpeculativeOptions(method="ngram")
+    plans = {}
+    for name, gpu in (("qwen3-30b-a3b", "8GiB"), ("llama-3.1-8b", "0")):
+        request = PlanRequest.of(model=str(ROOT / "configs/models" / name), quantization="q4_0",
+                                 hardware="rtx4090-ddr5", gpu_memory=gpu, cpu_memory="64GiB", max_model_len=4096)
+        spec = model_spec(ROOT / "configs/models" / name)
+        plans[name] = plan_speculation(spec, request.profile(), request, options)
+        if spec.moe is not None:
+            assert spec.moe.expected_experts(8) == pytest.approx(128 * (1 - (120 / 128) ** 8))
+    moe, dense = plans["qwen3-30b-a3b"], plans["llama-3.1-8b"]
+    assert moe.pass_s(7) > 3 * moe.pass_s(0) and dense.pass_s(7) < 1.3 * dense.pass_s(0)
+    assert price_on(moe, options, 0.5, 8).k == 0
+    dense_price = price_on(dense, options, 0.5, 8)
+    assert dense_price.k >= 4 and dense_price.speedup > 1.5
+
+
 def test_a_draft_that_pushes_the_models_layers_off_the_gpu_is_weighed(caplog):
     """llama-3.1-8b at q4_0 on an rtx4090 with the 1B draft: at 6 GiB the model alone keeps 3.8 GiB of its weights
     in VRAM, and the draft's 1.3 GiB push some of them to the CPU (3.4 GiB left), which costs more than the
