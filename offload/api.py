@@ -19,7 +19,7 @@ from offload.formats import compute_format, kv_format, torch_dtype
 from offload.engine import run_to_end
 from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
-from offload.planner.speculation import SpeculationPrice
+from offload.planner.speculation import SUBSTITUTE_CPU_ONLY, SpeculationPrice
 from offload.planner.prefix_price import host_tier_bytes
 from offload.options import (DEFAULT_REASONING_PARSER, DEFAULT_TOOL_CALL_PARSER, PrefixCacheOptions, SpeculativeOptions,
                              default_of)
@@ -419,8 +419,7 @@ def check_substitute(draft: LLM, llm: LLM) -> None:
     substitutes are not built yet), or another compute format than the cache's."""
     held = {kv.k.device.type for m in (llm, draft) for kv in m.model.new_cache(1, 2, 1)}
     if held != {"cpu"} or draft.model.dtype != llm.model.dtype:
-        raise ConfigError("speculative method substitute drafts over the model's KV cache on CPU plans only, in the "
-                          "model's compute format; on a plan with GPU layers use method self")
+        raise ConfigError(SUBSTITUTE_CPU_ONLY)
 
 
 def check_draft_vocab(draft: LLM, llm: LLM) -> None:

@@ -503,6 +503,10 @@ def test_plan_prints_the_priced_speculation_and_puts_it_in_its_json():
     assert priced["method"] == "ngram" and priced["acceptance"] == 0.6 and priced["k"] >= 1
     line = next(x for x in runs[0].stdout.splitlines() if x.startswith("speculative decoding (ngram, acceptance 0.60)"))
     assert f"k = {priced['k']}," in line and f"predicted {priced['tokens_per_s']:.2f} tok/s" in line
+    gpu_plan = [a if a != "speculative.method=ngram" else "speculative.method=substitute" for a in model]
+    refused = subprocess.run([sys.executable, "-m", "offload", "plan", *gpu_plan], capture_output=True, text=True,
+                             timeout=300)  # substitutes of GPU layers are not built: refused before any price
+    assert refused.returncode != 0 and "CPU plans only" in refused.stderr and "Traceback" not in refused.stderr
 
 
 def _fitted(step_s, drafter=None) -> Speculator:

@@ -126,6 +126,11 @@ class SpeculationPlans:
         return decode_pass_s(self.target_spec, self.hw, self.target, k + 1, self.context)
 
 
+SUBSTITUTE_CPU_ONLY = ("speculative method substitute drafts over the model's KV cache on CPU plans only, in the "
+                       "model's compute format (substitutes of GPU layers are not built); on a plan with GPU layers "
+                       "use method self, or --gpu-memory 0")
+
+
 def plan_speculation(spec, hw, request, options, draft_spec=None, context: int | None = None) -> SpeculationPlans:
     """Plan request at batch 1 on hw with and without the draft of the speculative options
     (offload.options.SpeculativeOptions); spec is the model's, draft_spec the draft's (draft_model; self: spec).
@@ -138,6 +143,11 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
     if context is None:
         context = plain.workload.prompt_len + plain.workload.gen_len // 2
     plain_s = decode_pass_s(plan_spec(spec, plain), hw, plain, 1, context)
+    gpu = plain.tier("gpu")
+    if options.method == "substitute" and (gpu.weights_bytes or gpu.kv_bytes or gpu.staging_bytes):
+        from offload.errors import ConfigError
+
+        raise ConfigError(SUBSTITUTE_CPU_ONLY)
     if options.method not in ("draft_model", "self", "substitute"):
         return SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
     path = options.model if options.method == "draft_model" else request.model.path
