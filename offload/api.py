@@ -136,7 +136,7 @@ class LLM:
         # the request the draft and the model share, and the draft's price on it (planner/speculation.py)
         self.whole_request, self.draft_price = request, None
         if speculative is not None and speculative.method in MODEL_DRAFTS and placement is None:
-            draft, request, self.draft_price = plan_draft_first(speculative, request)
+            draft, request, self.draft_price, speculative = plan_draft_first(speculative, request)
             if draft is None:
                 speculative = None  # dropped: it does not pay (plan_draft_first logged why)
             else:
@@ -389,29 +389,30 @@ def check_profile_gpu(request: PlanRequest) -> None:
 
 
 def plan_draft_first(options: SpeculativeOptions,
-                     request: PlanRequest) -> tuple[LLM | None, PlanRequest, SpeculationPrice]:
+                     request: PlanRequest) -> tuple[LLM | None, PlanRequest, SpeculationPrice, SpeculativeOptions]:
     """The draft LLM planned first, on the request's whole budget (batch: the request's, else one sequence), and
     the request for the model with the draft's GPU and CPU bytes taken from its budgets, as the planner prices
-    speculation (planner/speculation.py), with the price of its best k (1 or more) at the prior acceptance. Where
-    the draft's room and steps cost more than its proposals gain, no draft (None) and the request as it was,
-    unless the user set k."""
-    from offload.planner.speculation import PRIOR_ACCEPTANCE, draft_held, plan_speculation, price_on, without_draft
+    speculation (planner/speculation.py), with the price of its best k (1 or more) at the prior acceptance, and the
+    options with the draft's format (a copy of the model's own weights: the faster the planner predicts, unless
+    set). Where the draft's room and steps cost more than its proposals gain, no draft (None) and the request as it
+    was, unless the user set k."""
+    from offload.planner.speculation import choose_draft, draft_held, without_draft
 
     path = request.model.path if options.method in OWN_WEIGHTS else options.model
-    quantization = options.draft_quantization
     spec = model_spec(resolve_model(request.model.path))
-    plans = plan_speculation(spec, request.profile(), request, options, model_spec(resolve_model(path)))
-    price = price_on(plans, options, PRIOR_ACCEPTANCE, options.max_speculative_tokens, min_k=1)
+    options, _, price = choose_draft(spec, request.profile(), request, options, None,
+                                     model_spec(resolve_model(path)), options.max_speculative_tokens, min_k=1)
     if not price.pays:
         log.warning(price.verdict(kept=options.num_speculative_tokens is not None))
         if options.num_speculative_tokens is None:
-            return None, request, price
+            return None, request, price, options
+    quantization = options.draft_quantization
     draft = LLM.from_request(request.with_options(model=path, quantization=quantization,
                                                   max_model_len=request.context_len(spec),
                                                   batch_size=request.schedule.batch_size or 1))
     own = options.method != "substitute"  # a substitute's KV cache and embedding are the model's
     draft.plan_held = draft_held(draft.plan, kv=own, embedding=own)
-    return draft, without_draft(request, request.profile(), *draft.plan_held), price
+    return draft, without_draft(request, request.profile(), *draft.plan_held), price, options
 
 
 def check_substitute(draft: LLM, llm: LLM) -> None:

@@ -315,8 +315,10 @@ class SpeculativeOptions(Section):
                                                          "its own; CPU plans); none: no speculation")
     model: str | None = option(None, "draft_model: the draft model (a folder, a GGUF file or a Hub id in the local "
                                "cache), with the model's tokenizer")
-    quantization: Literal[QUANTIZATIONS] | None = option(None, "the draft's weight format (default: " + "; ".join(
-        f"{method} {q}" for method, q in DRAFT_QUANTIZATION.items()) + ")")
+    quantization: Literal[QUANTIZATIONS] | None = option(None, "the draft's weight format (default: self and "
+                                                         "substitute: q4_0 or q8_0, whichever the planner predicts "
+                                                         "faster at its format's prior acceptance, q4_0 where "
+                                                         "nothing is planned; draft_model none)")
     num_speculative_tokens: Whole | None = option(None, "tokens proposed per step (default: chosen from the "
                                                   "acceptance rate measured as the run goes, at most "
                                                   "max_speculative_tokens)", ge=1, le=32)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload.planner.speculation import PRIOR_ACCEPTANCE, expected_tokens
+from offload.planner.speculation import PRIOR_ACCEPTANCE, expected_tokens, prior_acceptance
 from offload.sampling import SamplingParams, probabilities
 
 PRIOR_WEIGHT = 8  # proposals the prior counts as: the measured rate takes over within a few steps
@@ -119,8 +119,9 @@ class SpeculativeStats:
 class Speculator:
     """A drafter, the choice of k, and the verification of a sequence's proposals against the model's logits."""
 
-    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = 8):
+    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = 8, prior: float = PRIOR_ACCEPTANCE):
         self.drafter, self.num_tokens, self.max_tokens = drafter, num_tokens, max_tokens
+        self.prior = prior  # the acceptance assumed before any is measured (planner.speculation.prior_acceptance)
         self.stats = SpeculativeStats()
         self._fit = [0.0] * 5  # decayed sums: weight, x, y, xx, xy (x: tokens in a decode step, y: its seconds)
 
@@ -133,12 +134,12 @@ class Speculator:
     @property
     def acceptance(self) -> float:
         s = self.stats
-        return (s.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (s.proposed + PRIOR_WEIGHT)
+        return (s.accepted + self.prior * PRIOR_WEIGHT) / (s.proposed + PRIOR_WEIGHT)
 
     def depth_rates(self) -> list[float]:
         """The rates by depth a pass's proposals are kept at (the prior's weight on each, depth 0's the prior rate,
         each deeper one's the rate above it): what choose_k prices a chain of k proposals by."""
-        rates, prior = [], PRIOR_ACCEPTANCE
+        rates, prior = [], self.prior
         for reached, kept in zip(self.stats.reached, self.stats.kept_at):
             prior = (kept + prior * PRIOR_WEIGHT) / (reached + PRIOR_WEIGHT)
             rates.append(prior)
@@ -391,4 +392,5 @@ def make_speculator(options, draft=None) -> Speculator | None:
 
             raise ConfigError(f"speculative method {options.method!r} needs its draft model loaded")
         drafter = SubstituteDrafter(draft) if options.method == "substitute" else ModelDrafter(draft)
-    return Speculator(drafter, options.num_speculative_tokens, options.max_speculative_tokens)
+    return Speculator(drafter, options.num_speculative_tokens, options.max_speculative_tokens,
+                      prior_acceptance(options))

@@ -25,7 +25,8 @@ request at a time (batch 1, where speculation pays), on --model as stored (defau
   files dropped from the page cache before it, so every pass reads what is on disk; --disk-prompts chat prompts,
   --disk-tokens greedy tokens each, one at a time; without and with speculation alternating over --rounds.
 
-- --drafts: the two drafts of the model's own weights at q4_0, on the default model's fp32 copy in RAM (--dtype
+- --drafts: the two drafts of the model's own weights (in the format the planner chooses, q4_0 or q8_0, unless
+  --draft-quantization sets one; the table names it), on the default model's fp32 copy in RAM (--dtype
   bf16: made bf16, weights and compute; CPU backend, batch 1): `method: self` (a draft with its own KV cache: it
   prefills each prompt itself) and `method: substitute` (drafting over the model's own KV cache: no draft cache, no
   draft prefill), against no speculation, in alternating rounds on --prompts open-ended chat prompts (default 6) x
@@ -249,7 +250,8 @@ def draft_rows(model: str, args) -> None:
     names, load = ("plain", "self", "substitute"), os.getloadavg()[0]
     llms = {n: LLM(model, quantization="none", dtype=args.dtype, backend="cpu", gpu_memory=0, batch_size=1,
                    max_model_len=1024, speculative_config=None if n == "plain" else
-                   {"method": n, "num_speculative_tokens": args.k}) for n in names}
+                   {"method": n, "num_speculative_tokens": args.k, "quantization": args.draft_quantization})
+            for n in names}
     prompts = [llms["plain"].apply_chat_template(c) for c in chats(args.prompts, open_ended=True)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for llm in llms.values():  # warm-up: kernels, caches
@@ -282,7 +284,7 @@ def draft_rows(model: str, args) -> None:
           f"{args.max_tokens} new tokens, one at a time, k {args.k or 'chosen as the run goes'}; median of "
           f"{args.rounds} rounds, alternating (load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
           f"{os.cpu_count()} CPUs)")
-    print(f"{'method':<11} {'tok/s':>7} {'vs plain':>8} {'accept':>7} {'tok/pass':>8} {'drafted':>7} {'draft %':>7} "
+    print(f"{'method, draft':<16} {'tok/s':>7} {'vs plain':>8} {'accept':>7} {'tok/pass':>8} {'drafted':>7} {'draft %':>7} "
           f"{'1st / later drafting':>20}  answers vs plain")
     for name in names:
         stats = llms[name].speculative_stats
@@ -296,7 +298,9 @@ def draft_rows(model: str, args) -> None:
                 f"{100 * stats['verified_passes'] / max(stats['decode_steps'], 1):>6.0f}% "  # proposals (k > 0)
                 f"{100 * draft_s[name] / timed_s[name]:>6.1f}%" if stats else f"{'-':>7} {'-':>8} {'-':>7} {'-':>7}")
         first, later = (f"{statistics.median(d):.3f}" if d else "-" for d in drafts[name])
-        print(f"{name:<11} {med[name]:>7.2f} {med[name] / med['plain']:>7.2f}x {spec} {first:>9} / {later:<6} s  {same}")
+        label = name if name == "plain" else f"{name} {llms[name].speculative.draft_quantization}"
+        print(f"{label:<16} {med[name]:>7.2f} {med[name] / med['plain']:>7.2f}x {spec} {first:>9} / {later:<6} s  "
+              f"{same}")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -313,6 +317,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="--drafts: the model's weights and compute (the fp32 copy read as it is, or made bf16)")
     ap.add_argument("--k", type=int, help="--drafts: num_speculative_tokens (default: chosen as the run goes)")
+    ap.add_argument("--draft-quantization", choices=("q4_0", "q8_0"),
+                    help="--drafts: the drafts' format (default: the planner's choice)")
     ap.add_argument("--method", choices=("self", "substitute"), default="self",
                     help="--disk: the draft (self: a q4_0 copy with its own KV cache; substitute: q4_0 copies over the "
                     "model's own KV cache)")

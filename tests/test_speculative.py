@@ -127,7 +127,7 @@ def test_a_draft_model_and_the_models_own_smaller_weights_keep_greedy_answers(mo
     # the sequences of a step draft together: 3 passes a step serve them all (one at a time: 3 for each)
     assert drafter.passes < 2 * stats["verified_passes"]
     small = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
-                speculative_config={"method": "self", "num_speculative_tokens": 2})
+                speculative_config={"method": "self", "num_speculative_tokens": 2, "quantization": "q4_0"})
     assert [o.token_ids for o in small.generate(prompts, params)] == want
     assert small.generator.speculator.drafter.draft.request.model.quantization == "q4_0"
     assert small.speculative_stats["proposed"] > 0 and small.speculative_stats["draft_s"] > 0
@@ -150,20 +150,30 @@ def test_the_models_page_cache_room_leaves_out_the_draft(model_dir, monkeypatch)
     assert seen == [2 << 30, 2 << 30, 2 << 30]  # whole's (twice: without_draft reads it) and the rest's
 
 
-def test_the_drafts_default_format_is_written_once(model_dir, monkeypatch):
-    """options.DRAFT_QUANTIZATION decides the draft's format where speculative.quantization is unset: changed there,
-    the planned draft (plan_draft_first, plan_speculation) and a draft loaded beside a given placement follow."""
+def test_the_drafts_format_is_the_planners_choice_or_written_once(model_dir, monkeypatch):
+    """A copy of the model's own weights whose format is unset: the planner prices each format at its prior
+    acceptance and loads the faster (its price names it); options.DRAFT_QUANTIZATION decides where nothing plans (a
+    placement given), and a format set is kept."""
     from offload import options
     from offload.planner import Placement
+    from offload.planner.speculation import OWN_COPY_PRIORS, prior_acceptance
 
     assert options.SpeculativeOptions(method="self").draft_quantization == "q4_0"
     assert options.SpeculativeOptions(method="draft_model", model="m").draft_quantization == "none"
     assert options.SpeculativeOptions(method="self", quantization="q8_0").draft_quantization == "q8_0"
-    assert "self q4_0; substitute q4_0; draft_model none" in options.SpeculativeOptions.model_fields["quantization"].description
-    monkeypatch.setitem(options.DRAFT_QUANTIZATION, "self", "q8_0")
+    assert prior_acceptance(options.SpeculativeOptions(method="substitute", quantization="q8_0")) == 0.95
+    assert "q4_0 or q8_0, whichever the planner predicts" in \
+        options.SpeculativeOptions.model_fields["quantization"].description
     planned = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
                   speculative_config={"method": "self", "num_speculative_tokens": 2})
-    assert planned.generator.speculator.drafter.draft.request.model.quantization == "q8_0"
+    chosen = planned.speculative.quantization
+    assert chosen in OWN_COPY_PRIORS and planned.draft_price.draft_format == chosen
+    assert planned.generator.speculator.drafter.draft.request.model.quantization == chosen
+    assert planned.generator.speculator.prior == OWN_COPY_PRIORS[chosen]
+    kept = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
+               speculative_config={"method": "self", "num_speculative_tokens": 2, "quantization": "q4_0"})
+    assert kept.generator.speculator.drafter.draft.request.model.quantization == "q4_0"
+    monkeypatch.setitem(options.DRAFT_QUANTIZATION, "self", "q8_0")
     given = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
                 placement=Placement.uniform(planned.spec, "cpu", "cpu"),
                 speculative_config={"method": "self", "num_speculative_tokens": 2})
@@ -427,6 +437,32 @@ def test_a_moe_verify_pass_reads_its_tokens_union_of_experts_and_speculation_is_
     assert dense_price.k >= 4 and dense_price.speedup > 1.5
 
 
+def test_the_planner_chooses_the_copys_format_by_its_predicted_speed_at_each_formats_prior():
+    """SmolLM2-135M's fp32 weights in RAM: a q8_0 substitute (prior 0.95: the default model's q8_0 copies kept
+    0.97-0.99 of their proposals) is predicted faster than a q4_0 one (0.7), so it is chosen and the price names it;
+    at one acceptance stated for both, the cheaper q4_0. Llama-3.1-70B at q4_0 on a 22 GiB rtx4090 (method self): a
+    q8_0 copy leaves the model no placement, so the q4_0 one is priced, with no error."""
+    from offload.options import SpeculativeOptions
+    from offload.planner import PlanRequest
+    from offload.planner.speculation import choose_draft
+    from offload.weights.model_files import model_spec
+
+    def choose(name, acceptance=None, method="substitute", **budget):
+        request = PlanRequest.of(model=str(ROOT / "configs/models" / name), max_model_len=4096, **budget)
+        spec = model_spec(ROOT / "configs/models" / name)
+        return choose_draft(spec, request.profile(), request, SpeculativeOptions(method=method), acceptance, spec)
+
+    options, _, price = choose("smollm2-135m", quantization="none", dtype="fp32", hardware="cpu-desktop",
+                               gpu_memory=0)
+    assert options.quantization == price.draft_format == "q8_0" and price.acceptance == 0.95 and price.k >= 3
+    assert "(substitute, q8_0 copy, acceptance 0.95)" in price.line()
+    assert choose("smollm2-135m", 0.7, quantization="none", dtype="fp32", hardware="cpu-desktop",
+                  gpu_memory=0)[2].draft_format == "q4_0"
+    options, _, price = choose("llama-3.1-70b", method="self", quantization="q4_0", hardware="rtx4090-ddr5",
+                               gpu_memory="22GiB", cpu_memory="64GiB")
+    assert options.quantization == "q4_0" and price.draft_format == "q4_0"
+
+
 def test_a_draft_that_pushes_the_models_layers_off_the_gpu_is_weighed(caplog):
     """llama-3.1-8b at q4_0 on an rtx4090 with the 1B draft: at 6 GiB the model alone keeps 3.8 GiB of its weights
     in VRAM, and the draft's 1.3 GiB push some of them to the CPU (3.4 GiB left), which costs more than the
@@ -441,7 +477,7 @@ def test_a_draft_that_pushes_the_models_layers_off_the_gpu_is_weighed(caplog):
     plans = plan_speculation(spec, hw, request, options, draft)
     assert on_gpu(plan_for(spec, hw, request.with_options(batch_size=1))) - on_gpu(plans.target) >= 2**28
     with caplog.at_level(logging.WARNING, logger="offload"):
-        none, same, price = plan_draft_first(options, request)
+        none, same, price, _ = plan_draft_first(options, request)
     assert none is None and same == request and not price.pays and price.k >= 1 and price.draft_gpu_bytes > 0
     assert price == price_on(plans, options, 0.7, options.max_speculative_tokens, min_k=1)
     assert "speculative decoding (draft_model) dropped" in caplog.text
@@ -580,7 +616,7 @@ def test_a_substitute_drafts_over_the_models_cache_and_keeps_greedy_answers(mode
     assert [o.token_ids for o in sub.generate(prompts, params)] == want
     stats = sub.speculative_stats
     assert chunks and set(chunks) == {1}  # each proposal's run computes the sequence's last token, not its prompt
-    assert not hasattr(drafter, "pool") and drafter.draft.request.model.quantization == "q4_0"
+    assert not hasattr(drafter, "pool") and drafter.draft.request.model.quantization == sub.speculative.quantization
     draft = drafter.draft.model  # it looks tokens up in the model's embedding, its own copy let go
     assert draft._embed_from is sub.model and draft._embed_name not in draft.host_weights
     assert 0 < stats["accepted"] <= stats["proposed"] and drafter.passes <= 3 * stats["verified_passes"]

@@ -10,7 +10,8 @@ def add_acceptance_flag(p) -> None:
     p.add_argument("--speculative-acceptance", type=float, metavar="RATE",
                    help="price speculative decoding (the config's speculative section, e.g. --set "
                         "speculative.method=substitute, or draft_model with --set speculative.model=llama-3.2-1b) "
-                        "at batch 1 with this acceptance rate (default with a speculative method: 0.7)")
+                        "at batch 1 with this acceptance rate (default with a speculative method: 0.7; a copy of "
+                        "the model's own weights: its format's, 0.7 for q4_0 and 0.95 for q8_0)")
 
 
 def speculation_price(request, options, acceptance: float | None):
@@ -24,14 +25,13 @@ def speculation_price(request, options, acceptance: float | None):
                           "self, substitute, or draft_model (with --set speculative.model=PATH)")
     if acceptance is not None and not 0.0 <= acceptance < 1.0:
         raise ConfigError(f"--speculative-acceptance must be a rate from 0 to below 1, found {acceptance}")
-    from offload.planner.speculation import PRIOR_ACCEPTANCE, price_speculation
+    from offload.planner.speculation import price_speculation
     from offload.weights.default_model import resolve_model
     from offload.weights.model_files import model_spec
 
     spec = model_spec(resolve_model(request.model.path))
     draft = model_spec(resolve_model(options.model)) if options.method == "draft_model" else None
-    return price_speculation(spec, request.profile(), request, options,
-                             PRIOR_ACCEPTANCE if acceptance is None else acceptance, draft,
+    return price_speculation(spec, request.profile(), request, options, acceptance, draft,
                              options.max_speculative_tokens)
 
 

@@ -15,7 +15,7 @@ from offload.jobs.batch import CHAT, Request
 from offload.jobs.config import JobConfig, plan_request
 from offload.options import DEFAULT_REASONING_PARSER
 from offload.planner.recost import recost_steps, recost_steps_at
-from offload.planner.speculation import PRIOR_ACCEPTANCE, against_measured
+from offload.planner.speculation import against_measured, prior_acceptance
 from offload.planner.whatif import what_ifs
 from offload.profile.report import JobCounts, build_report
 from offload.profile.timeline import Timeline
@@ -186,8 +186,8 @@ def job_speculation(llm, counts: JobCounts, speed: MachineSpeed | None = None) -
         hw = llm.request.profile()
         if speed is not None:
             hw = hw.at_speed(speed.memory, speed.compute, speed.attention)
-        return {**out, **against_measured(llm.spec, hw, llm.whole_request, llm.speculative, stats, PRIOR_ACCEPTANCE,
-                                          job_draft_spec(llm))}
+        return {**out, **against_measured(llm.spec, hw, llm.whole_request, llm.speculative, stats,
+                                          prior_acceptance(llm.speculative), job_draft_spec(llm))}
     except OffloadError as e:  # e.g. the hardware file changed during the job
         logger.warning(f"speculation's predicted speed is left out of the report: {e}")
         return out
