@@ -175,7 +175,7 @@ def disk_child(job: dict) -> dict:
     """One run on the disk tier (in its cgroup): tokens/s over the prompts, the stats, the answers."""
     from offload import LLM, SamplingParams
 
-    spec = {"method": job["method"], "quantization": "q4_0"} if job["speculate"] else None
+    spec = {"method": job["method"], "quantization": job["draft"]} if job["speculate"] else None
     llm = LLM(job["model"], quantization="none", dtype="fp32", cpu_memory=job["budget"], gpu_memory=0, disk_memory="4GiB",
               backend="cpu", batch_size=1, max_model_len=1024, speculative_config=spec)
     if job["speculate"] and llm.speculative_stats is None:  # priced at load as not paying (offload/api.py)
@@ -215,7 +215,7 @@ def disk_rows(args) -> None:
             drop_cache(files)
             mine = parse_size(args.spec_budget) if speculate and args.spec_budget else budget
             job = {"model": str(folder), "budget": mine, "tokens": args.disk_tokens, "prompts": prompts,
-                   "speculate": speculate, "method": args.method}
+                   "speculate": speculate, "method": args.method, "draft": args.draft_quantization or "q4_0"}
             cgroup = MemCgroup(limit)  # one limit for both runs: the same room for the page cache
             try:
                 done = subprocess.run([sys.executable, __file__, "--disk-child", json.dumps(job)], capture_output=True,
@@ -237,7 +237,8 @@ def disk_rows(args) -> None:
           f"cgroup limit {format_bytes(limit)} for both (peaks {format_bytes(runs[False]['peak'])} / "
           f"{format_bytes(runs[True]['peak'])}); {args.disk_prompts} chat prompts x {args.disk_tokens} greedy tokens, "
           f"one at a time; median of {args.rounds} runs each, alternating")
-    print(f"without speculation: {plain:.2f} tok/s; with method {args.method} (q4_0 draft in RAM): {spec:.2f} tok/s "
+    print(f"without speculation: {plain:.2f} tok/s; with method {args.method} ({args.draft_quantization or 'q4_0'} "
+          f"draft in RAM): {spec:.2f} tok/s "
           f"({spec / plain:.2f}x); acceptance {stats['acceptance_rate']:.2f}, {stats['tokens_per_pass']:.2f} tokens "
           f"per pass that carried proposals, drafting {stats['draft_s']:.1f} s; answers identical {same} of "
           f"{len(prompts)}")
@@ -284,8 +285,8 @@ def draft_rows(model: str, args) -> None:
           f"{args.max_tokens} new tokens, one at a time, k {args.k or 'chosen as the run goes'}; median of "
           f"{args.rounds} rounds, alternating (load average {load:.1f} before, {os.getloadavg()[0]:.1f} after; "
           f"{os.cpu_count()} CPUs)")
-    print(f"{'method, draft':<16} {'tok/s':>7} {'vs plain':>8} {'accept':>7} {'tok/pass':>8} {'drafted':>7} {'draft %':>7} "
-          f"{'1st / later drafting':>20}  answers vs plain")
+    print(f"{'method, draft':<16} {'tok/s':>7} {'vs plain':>8} {'accept':>7} {'tok/pass':>8} {'drafted':>7} "
+          f"{'draft %':>7} {'1st / later drafting':>20}  answers vs plain")
     for name in names:
         stats = llms[name].speculative_stats
         same = "-"
@@ -318,10 +319,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="--drafts: the model's weights and compute (the fp32 copy read as it is, or made bf16)")
     ap.add_argument("--k", type=int, help="--drafts: num_speculative_tokens (default: chosen as the run goes)")
     ap.add_argument("--draft-quantization", choices=("q4_0", "q8_0"),
-                    help="--drafts: the drafts' format (default: the planner's choice)")
+                    help="the drafts' format (default: --drafts the planner's choice, --disk q4_0)")
     ap.add_argument("--method", choices=("self", "substitute"), default="self",
-                    help="--disk: the draft (self: a q4_0 copy with its own KV cache; substitute: q4_0 copies over the "
-                    "model's own KV cache)")
+                    help="--disk: the draft (self: a copy with its own KV cache; substitute: copies over the "
+                    "model's own KV cache; q4_0 unless --draft-quantization)")
     ap.add_argument("--budget", default="640MiB", help="--disk: cpu_memory (the whole process, the draft included)")
     ap.add_argument("--cgroup-slack", default="512MiB", help="--disk: the cgroup's room beyond --budget")
     ap.add_argument("--spec-budget", help="--disk: cpu_memory of the speculative run (default --budget); more gives "
