@@ -19,7 +19,7 @@ from offload.formats import compute_format, kv_format, torch_dtype
 from offload.engine import run_to_end
 from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
-from offload.planner.speculation import SUBSTITUTE_CPU_ONLY, SpeculationPrice
+from offload.planner.speculation import OWN_COPY_METHODS, SUBSTITUTE_CPU_ONLY, SpeculationPrice
 from offload.planner.prefix_price import host_tier_bytes
 from offload.options import (DEFAULT_REASONING_PARSER, DEFAULT_TOOL_CALL_PARSER, PrefixCacheOptions, SpeculativeOptions,
                              default_of)
@@ -371,7 +371,6 @@ def _section(cls, raw: dict, name: str):
 
 
 MODEL_DRAFTS = ("draft_model", "self", "substitute")  # speculative methods that load a draft model
-OWN_WEIGHTS = ("self", "substitute")  # ... of the model's own weights
 
 
 def check_profile_gpu(request: PlanRequest) -> None:
@@ -398,7 +397,7 @@ def plan_draft_first(options: SpeculativeOptions,
     was, unless the user set k."""
     from offload.planner.speculation import choose_draft, draft_held, without_draft
 
-    path = request.model.path if options.method in OWN_WEIGHTS else options.model
+    path = request.model.path if options.method in OWN_COPY_METHODS else options.model
     spec = model_spec(resolve_model(request.model.path))
     options, _, price = choose_draft(spec, request.profile(), request, options, None,
                                      model_spec(resolve_model(path)), options.max_speculative_tokens, min_k=1)
@@ -433,7 +432,7 @@ def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
     """The draft LLM of speculative decoding: the model's own weights (self) or options.model (draft_model) in
     options.draft_quantization; llm's context, batch, backend and compute format; its vocabulary must be llm's."""
     request = llm.request
-    path = str(llm.path) if options.method in OWN_WEIGHTS else options.model
+    path = str(llm.path) if options.method in OWN_COPY_METHODS else options.model
     quantization = options.draft_quantization
     # its own plan, not yet priced with the model's: on this machine, within what the process may use
     given = request.hardware.profile

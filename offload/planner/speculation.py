@@ -25,6 +25,7 @@ PRIOR_ACCEPTANCE = 0.7  # the acceptance rate assumed before any is measured
 # by depth, by q4_0 ones 0.74-0.76 (10 chat prompts x 64 tokens, k = 3, a Zen 4, 2026-12-07). Where the draft's
 # format is not set, the planner prices each of these at its own and keeps the faster.
 OWN_COPY_PRIORS = {"q4_0": 0.7, "q8_0": 0.95}
+OWN_COPY_METHODS = ("self", "substitute")  # drafts of the model's own weights, in a format the planner may choose
 
 
 @dataclass(frozen=True)
@@ -179,9 +180,6 @@ def prior_acceptance(options) -> float:
     if options.method in OWN_COPY_METHODS:
         return OWN_COPY_PRIORS.get(options.draft_quantization, PRIOR_ACCEPTANCE)
     return PRIOR_ACCEPTANCE
-
-
-OWN_COPY_METHODS = ("self", "substitute")  # drafts of the model's own weights, in a format the planner may choose
 
 
 def choose_draft(spec, hw, request, options, acceptance: float | None = None, draft_spec=None, max_k: int = 8,
