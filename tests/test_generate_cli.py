@@ -43,7 +43,9 @@ def test_generate_takes_the_plan_and_sampling_flags_each_with_help():
     generate, plan = actions("generate"), actions("plan")
     missing = [d for d in (*PLAN_FLAGS, *SAMPLING_FLAGS) if d not in generate]
     assert not missing, f"offload generate lacks {missing}"
-    assert set(plan) - {"json", "explain"} <= set(generate), "generate takes every flag plan takes"
+    # plan's own output flags: JSON, the explanation, the acceptance it prices speculation at (a run measures its own)
+    assert set(plan) - {"json", "explain", "speculative_acceptance"} <= set(generate), \
+        "generate takes every flag plan takes"
     silent = [a.option_strings for a in generate.values() if a.option_strings and not a.help]
     assert not silent, f"flags without help: {silent}"
     assert "(sampling.temperature; default 0.0)" in generate["temperature"].help
