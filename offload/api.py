@@ -19,7 +19,7 @@ from offload.formats import compute_format, kv_format, torch_dtype
 from offload.engine import run_to_end
 from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
-from offload.planner.speculation import OWN_COPY_METHODS, SUBSTITUTE_CPU_ONLY, SpeculationPrice
+from offload.planner.speculation import MODEL_DRAFTS, OWN_COPY_METHODS, SUBSTITUTE_CPU_ONLY, SpeculationPrice
 from offload.planner.prefix_price import host_tier_bytes
 from offload.options import (DEFAULT_REASONING_PARSER, DEFAULT_TOOL_CALL_PARSER, PrefixCacheOptions, SpeculativeOptions,
                              default_of)
@@ -368,9 +368,6 @@ def _section(cls, raw: dict, name: str):
         err = e.errors()[0]
         where = f"{name}[{err['loc'][0]!r}]" if err["loc"] else name
         raise ConfigError(f"{where}: {err['msg'].removeprefix('Value error, ')}") from None
-
-
-MODEL_DRAFTS = ("draft_model", "self", "substitute")  # speculative methods that load a draft model
 
 
 def check_profile_gpu(request: PlanRequest) -> None:

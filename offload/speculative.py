@@ -18,8 +18,9 @@ proposals are kept in runs), a pass over k proposals yields 1 + a_0 + a_0 a_1 + 
 (with one rate a for all: (1 - a^(k+1)) / (1 - a)), and a step of n sequences with k proposals each costs (s + t n
 (1 + k) + n k d) / (s + t n) of a step without them, where a step of n tokens takes s + t n seconds (fitted on the
 run's own decode steps; a prior before) and a draft model's pass d seconds (measured; prompt lookup costs nothing).
-So where a pass grows with its tokens (a large batch, compute-bound), k falls to 0. Each rate starts at 0.7 (a depth
-not yet reached: the rate above it) and follows the run.
+So where a pass grows with its tokens (a large batch, compute-bound), k falls to 0. Each rate starts at the prior
+(planner.speculation.prior_acceptance: 0.7, a copy of the model's own weights its format's; a depth not yet reached:
+the rate above it) and follows the run.
 """
 
 from __future__ import annotations

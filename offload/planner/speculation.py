@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from offload.errors import ConfigError, PlanError
 from offload.planner.recost import recost_steps
 from offload.units import format_bytes
 
@@ -26,6 +27,7 @@ PRIOR_ACCEPTANCE = 0.7  # the acceptance rate assumed before any is measured
 # format is not set, the planner prices each of these at its own and keeps the faster.
 OWN_COPY_PRIORS = {"q4_0": 0.7, "q8_0": 0.95}
 OWN_COPY_METHODS = ("self", "substitute")  # drafts of the model's own weights, in a format the planner may choose
+MODEL_DRAFTS = ("draft_model", *OWN_COPY_METHODS)  # speculative methods that load a draft model
 
 
 @dataclass(frozen=True)
@@ -153,17 +155,13 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
     plain_s = decode_pass_s(plan_spec(spec, plain), hw, plain, 1, context)
     gpu = plain.tier("gpu")
     if options.method == "substitute" and (gpu.weights_bytes or gpu.kv_bytes or gpu.staging_bytes):
-        from offload.errors import ConfigError
-
         raise ConfigError(SUBSTITUTE_CPU_ONLY)
-    if options.method not in ("draft_model", "self", "substitute"):
+    if options.method not in MODEL_DRAFTS:
         return SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
     path = options.model if options.method == "draft_model" else request.model.path
     quantization = options.draft_quantization
     draft_spec = draft_spec or spec
     if draft_spec.vocab_size != spec.vocab_size:
-        from offload.errors import ConfigError
-
         raise ConfigError(f"the draft model {path} has a vocabulary of {draft_spec.vocab_size} tokens and the "
                           f"model {spec.vocab_size}; a draft model must share the model's tokenizer")
     draft_plan = plan_for(draft_spec, hw, one.with_options(model=path, quantization=quantization))
@@ -187,8 +185,6 @@ def choose_draft(spec, hw, request, options, acceptance: float | None = None, dr
     """(options with the draft's format, its SpeculationPlans, its price): a copy of the model's own weights whose
     format is not set priced in each of OWN_COPY_PRIORS' formats, the most tokens per second kept; else options as
     they are. acceptance None: each format's prior (prior_acceptance)."""
-    from offload.errors import ConfigError, PlanError
-
     formats = tuple(OWN_COPY_PRIORS) if options.method in OWN_COPY_METHODS and options.quantization is None else (None,)
     best, refused = None, None
     for fmt in formats:
