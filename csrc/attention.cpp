@@ -5,6 +5,7 @@
 // group. The scalar path, and head
 // sizes the tiles do not take, run one query at a time (the reference).
 #include "layer.h"
+#include "tasks.h"
 
 #include <immintrin.h>
 #include <omp.h>
@@ -237,13 +238,15 @@ void attend_panel_task(const LayerArgs& a, const float* qkv, float* att, int64_t
 }
 
 // Keys x heads x head size of a step's attention: small ones run on the calling thread (a parallel region costs
-// a barrier, and a barrier costs a whole time slice when another process has taken one of the cores).
+// a barrier, and a barrier costs a whole time slice when another process has taken one of the cores). From 2^14
+// (16 keys of 16 heads of 64) two threads pay: a random Qwen3-MoE's decode attention over 17-80 keys took 13-14.5
+// us a layer on two threads of a Zen 4, 19-20 us on one.
 bool attention_in_parallel(const LayerArgs& a, int64_t tasks) {
   int64_t work = 0;
   for (int64_t n = 0; n < a.N; ++n)
     work += (a.tokens[n * kTokenCols + kHi] - first_key(a, a.tokens + n * kTokenCols) + 1) * a.shape.n_heads *
             a.shape.head_dim;
-  return a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 18);
+  return a.nthreads > 1 && tasks > 1 && work >= (int64_t(1) << 14);
 }
 
 // att [N, n_heads * dh] by tiles of tokens x a KV head's query group (SIMD paths, dh a multiple of 8).
@@ -256,19 +259,22 @@ void attention_blocked(const LayerArgs& a, const float* qkv, float* att) {
   const int64_t per = panels ? std::max<int64_t>(1, kPanelQueries / group) : kTileTokens;
   const std::vector<int64_t> start = tile_starts(a, per);
   const int64_t tasks = int64_t(start.size() - 1) * s.n_kv_heads;
-#pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
-  {
-    Floats qbuf(size_t(kPanelQueries * s.head_dim));  // a task's queries: at most kPanelQueries either way
-    Floats acc(panels ? size_t(kPanelQueries * s.head_dim) : 0);
-    TileQuery qs[kPanelQueries];
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const size_t tile = size_t(t / s.n_kv_heads);
-      const int64_t n0 = start[tile], n1 = start[tile + 1], g = t % s.n_kv_heads;
-      if (panels && (n1 - n0) * group >= 8) attend_panel_task(a, qkv, att, n0, n1, g, qbuf.data(), acc.data());
-      else attend_task(a, qkv, att, n0, n1, g, qbuf.data(), qs);
-    }
-  }
+  struct Buffers {
+    Floats qbuf, acc;  // a task's queries (at most kPanelQueries either way) and a panel task's outputs
+    std::vector<TileQuery> qs;
+  };
+  run_tasks(
+      a.nthreads, attention_in_parallel(a, tasks), tasks,
+      [&] {
+        return Buffers{Floats(size_t(kPanelQueries * s.head_dim)), Floats(panels ? size_t(kPanelQueries * s.head_dim) : 0),
+                       std::vector<TileQuery>(size_t(kPanelQueries))};
+      },
+      [&](Buffers& b, int64_t t) {
+        const size_t tile = size_t(t / s.n_kv_heads);
+        const int64_t n0 = start[tile], n1 = start[tile + 1], g = t % s.n_kv_heads;
+        if (panels && (n1 - n0) * group >= 8) attend_panel_task(a, qkv, att, n0, n1, g, b.qbuf.data(), b.acc.data());
+        else attend_task(a, qkv, att, n0, n1, g, b.qbuf.data(), b.qs.data());
+      });
 }
 
 // attend_rows compiled for the head size and the ISA.
@@ -301,17 +307,26 @@ bool few_tokens_per_row(const LayerArgs& a) {
   return true;
 }
 
+// The parts a step's (token, split) tasks are cut into by KV head, where they are fewer than the threads (a decode
+// step over a few hundred keys): each head's sums keep their order, so a token's attention is the same alone or in a
+// verify pass.
+int64_t head_parts(const LayerArgs& a, int64_t tasks) {
+  return tasks >= a.nthreads ? 1 : std::min<int64_t>(a.shape.n_kv_heads, (a.nthreads + tasks - 1) / tasks);
+}
+
 // Task t = (token n, split sp) of attention_by_rows: every head of token n over its split of the keys (chunks of 8
 // from the first chunk's start, shared out in order); the unnormalized (m, l) of each head into ml, out into part.
-void attend_split(const LayerArgs& a, const float* qkv, int64_t n, int64_t sp, int64_t splits, float* part, float* ml,
-                  float* qbuf, TileQuery* qs) {
+void attend_split(const LayerArgs& a, const float* qkv, int64_t n, int64_t sp, int64_t splits, int64_t g0, int64_t g1,
+                  float* part, float* ml, float* qbuf, TileQuery* qs) {
   const LayerShape& s = a.shape;
   const int64_t dh = s.head_dim, q_size = s.n_heads * dh, stride = s.n_kv_heads * dh, width = q_size + 2 * stride;
   const int64_t *tok = a.tokens + n * kTokenCols, lo = first_key(a, tok), hi = tok[kHi];
   const int64_t start = a.blocks != nullptr ? (lo & ~int64_t(7)) : lo, per = ((hi - start) / 8 + splits) / splits;
   const int64_t j_lo = start + sp * per * 8, j_hi = std::min(hi, j_lo + per * 8 - 1);
   const bool rows_bf16 = a.kv_bf16 && a.path == P_AVX2 && dh % 16 == 0;  // attention_rows_bf16.inc's widened order
-  for (int64_t h = 0; h < s.n_heads; ++h) {
+  const int per_head = int(s.n_heads / s.n_kv_heads);
+  const int64_t h0 = g0 * per_head, h1 = g1 * per_head;
+  for (int64_t h = h0; h < h1; ++h) {
     float* qv = qbuf + h * dh;
     for (int64_t d = 0; d < dh; ++d) qv[d] = qkv[n * width + h * dh + d] * s.scale;
     if (rows_bf16) avx2::permute16(qv, dh);
@@ -320,18 +335,18 @@ void attend_split(const LayerArgs& a, const float* qkv, int64_t n, int64_t sp, i
   }
   const int64_t row_base = tok[kRowBase];
   const int64_t* blk = a.blocks != nullptr ? a.blocks + row_base : nullptr;
-  const int64_t first = (blk ? 0 : row_base) * stride;
-  const int per_head = int(s.n_heads / s.n_kv_heads);
+  const int64_t first = (blk ? 0 : row_base) * stride + g0 * dh, n_kv = g1 - g0;
+  TileQuery* group = qs + h0;
   if (j_lo <= j_hi && rows_bf16)
-    avx2::attend_rows_bf16(qs, per_head, s.n_kv_heads, static_cast<const uint16_t*>(a.k_cache) + first,
+    avx2::attend_rows_bf16(group, per_head, n_kv, static_cast<const uint16_t*>(a.k_cache) + first,
                            static_cast<const uint16_t*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
   else if (j_lo <= j_hi && a.kv_bf16)
-    attend_rows_for(a.path == P_AVX512, qs, per_head, s.n_kv_heads, static_cast<const uint16_t*>(a.k_cache) + first,
+    attend_rows_for(a.path == P_AVX512, group, per_head, n_kv, static_cast<const uint16_t*>(a.k_cache) + first,
                     static_cast<const uint16_t*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
   else if (j_lo <= j_hi)
-    attend_rows_for(a.path == P_AVX512, qs, per_head, s.n_kv_heads, static_cast<const float*>(a.k_cache) + first,
+    attend_rows_for(a.path == P_AVX512, group, per_head, n_kv, static_cast<const float*>(a.k_cache) + first,
                     static_cast<const float*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
-  for (int64_t h = 0; h < s.n_heads; ++h) {
+  for (int64_t h = h0; h < h1; ++h) {
     ml[2 * h] = qs[h].m, ml[2 * h + 1] = qs[h].l;
     if (rows_bf16) avx2::permute16(part + h * dh, dh);
   }
@@ -345,23 +360,25 @@ void attention_by_rows(const LayerArgs& a, const float* qkv, float* att) {
   const int64_t dh = s.head_dim, heads = s.n_heads;
   std::vector<int64_t> first(static_cast<size_t>(a.N + 1), 0);  // token n's tasks: first[n] .. first[n + 1] - 1
   for (int64_t n = 0; n < a.N; ++n) first[size_t(n + 1)] = first[size_t(n)] + splits_of(a, n);
-  const int64_t tasks = first[size_t(a.N)];
+  const int64_t tasks = first[size_t(a.N)], parts = head_parts(a, tasks), n_kv = s.n_kv_heads;
   std::vector<int64_t> owner(static_cast<size_t>(tasks));
   for (int64_t n = 0; n < a.N; ++n)
     std::fill(owner.begin() + first[size_t(n)], owner.begin() + first[size_t(n + 1)], n);
   Floats part(size_t(tasks * heads * dh));
   std::vector<float> ml(static_cast<size_t>(tasks * heads * 2));
-#pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
-  {
-    Floats qbuf(size_t(heads * dh));
-    std::vector<TileQuery> qs(static_cast<size_t>(heads));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t n = owner[size_t(t)], splits = first[size_t(n + 1)] - first[size_t(n)];
-      attend_split(a, qkv, n, t - first[size_t(n)], splits, part.data() + t * heads * dh, ml.data() + t * heads * 2,
-                   qbuf.data(), qs.data());
-    }
-  }
+  struct Buffers {
+    Floats qbuf;
+    std::vector<TileQuery> qs;
+  };
+  run_tasks(
+      a.nthreads, attention_in_parallel(a, tasks * parts), tasks * parts,
+      [&] { return Buffers{Floats(size_t(heads * dh)), std::vector<TileQuery>(size_t(heads))}; },
+      [&](Buffers& b, int64_t tp) {
+        const int64_t t = tp / parts, p = tp % parts;
+        const int64_t n = owner[size_t(t)], splits = first[size_t(n + 1)] - first[size_t(n)];
+        attend_split(a, qkv, n, t - first[size_t(n)], splits, n_kv * p / parts, n_kv * (p + 1) / parts,
+                     part.data() + t * heads * dh, ml.data() + t * heads * 2, b.qbuf.data(), b.qs.data());
+      });
   for (int64_t n = 0; n < a.N; ++n)
     for (int64_t h = 0; h < heads; ++h) {
       float m = -INFINITY, l = 0.f;
@@ -392,30 +409,32 @@ void attention_per_query(const LayerArgs& a, const float* qkv, float* att, const
     max_keys = std::max(max_keys, a.tokens[n * kTokenCols + kHi] - first_key(a, a.tokens + n * kTokenCols) + 1);
   const int64_t tasks = a.N * s.n_heads;
   const AttendFn<KV> fn = a.path == P_SCALAR ? attend_ref<KV> : attend_avx2<KV>;
-#pragma omp parallel num_threads(a.nthreads) if (attention_in_parallel(a, tasks))
-  {
-    std::vector<float> scores(static_cast<size_t>(max_keys));
+  struct Buffers {
+    std::vector<float> scores;
     std::vector<KV> keys, values;  // a block table's keys of one query, gathered into one run
-    if (a.blocks != nullptr) keys.resize(size_t(max_keys * dh)), values.resize(size_t(max_keys * dh));
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t t = 0; t < tasks; ++t) {
-      const int64_t n = t / s.n_heads, h = t % s.n_heads, *tok = a.tokens + n * kTokenCols;
-      const int64_t lo = first_key(a, tok), n_keys = tok[kHi] - lo + 1, head = (h / group) * dh;
-      const KV *kr = k_cache + (tok[kRowBase] + lo) * stride + head, *vr = v_cache + (tok[kRowBase] + lo) * stride + head;
-      int64_t row_stride = stride;
-      if (a.blocks != nullptr) {
-        const int64_t* blk = a.blocks + tok[kRowBase];
-        for (int64_t j = 0; j < n_keys; ++j) {
-          const int64_t at = (blk[(lo + j) / kKvBlock] + (lo + j) % kKvBlock) * stride + head;
-          std::copy(k_cache + at, k_cache + at + dh, keys.data() + j * dh);
-          std::copy(v_cache + at, v_cache + at + dh, values.data() + j * dh);
+  };
+  const size_t gathered = a.blocks != nullptr ? size_t(max_keys * dh) : 0;
+  run_tasks(
+      a.nthreads, attention_in_parallel(a, tasks), tasks,
+      [&] { return Buffers{std::vector<float>(size_t(max_keys)), std::vector<KV>(gathered), std::vector<KV>(gathered)}; },
+      [&](Buffers& b, int64_t t) {
+        const int64_t n = t / s.n_heads, h = t % s.n_heads, *tok = a.tokens + n * kTokenCols;
+        const int64_t lo = first_key(a, tok), n_keys = tok[kHi] - lo + 1, head = (h / group) * dh;
+        const KV *kr = k_cache + (tok[kRowBase] + lo) * stride + head;
+        const KV *vr = v_cache + (tok[kRowBase] + lo) * stride + head;
+        int64_t row_stride = stride;
+        if (a.blocks != nullptr) {
+          const int64_t* blk = a.blocks + tok[kRowBase];
+          for (int64_t j = 0; j < n_keys; ++j) {
+            const int64_t at = (blk[(lo + j) / kKvBlock] + (lo + j) % kKvBlock) * stride + head;
+            std::copy(k_cache + at, k_cache + at + dh, b.keys.data() + j * dh);
+            std::copy(v_cache + at, v_cache + at + dh, b.values.data() + j * dh);
+          }
+          kr = b.keys.data(), vr = b.values.data(), row_stride = dh;
         }
-        kr = keys.data(), vr = values.data(), row_stride = dh;
-      }
-      fn(qkv + n * width + h * dh, kr, vr, row_stride, n_keys, dh, s.scale, s.softcap, sink_of(a, h), scores.data(),
-         att + n * q_size + h * dh);
-    }
-  }
+        fn(qkv + n * width + h * dh, kr, vr, row_stride, n_keys, dh, s.scale, s.softcap, sink_of(a, h),
+           b.scores.data(), att + n * q_size + h * dh);
+      });
 }
 
 }  // namespace

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "tasks.h"
 #include "layer.h"
 
 namespace py = pybind11;
@@ -140,21 +141,30 @@ void linear_q(const KernelTable& t, int fmt, const void* x, int xtype, int64_t N
   const QGemmFn fn = qgemm_of(t, fmt);
   if (N == 1) quantize_row(t, fmt, x, xtype, K, q16, d, s, s16, nullptr);  // tiny: no barrier needed before the rows
   const RowChunks chunks(w.M, nth);
-#pragma omp parallel num_threads(nth) if (nth > 1)
+  auto quantize = [&](int64_t n) {
+    quantize_row(t, fmt, static_cast<const char*>(x) + n * K * xbytes, xtype, K, q16 + n * q_row, d + n * nb,
+                 s + n * nb, s16 + n * (K / 16), c8 ? c8 + n * nb : nullptr);
+  };
+  // work items: (block of tokens, chunk of rows), blocks first, so that the threads share one block's
+  // activations (a 16-row tile reads all of its tokens' for every tile: 2048 tokens ran 0.4-0.9x of 512)
+  const int64_t items = token_blocks(N) * chunks.n;
+  auto item = [&](int64_t i) {
+    const int64_t n0 = i / chunks.n * kTokenBlock, c = i % chunks.n;
+    fn(w, token_block(xq, takes_x16(fmt), n0), y + n0 * w.M, bias, chunks.r0(c), chunks.r1(c));
+  };
+  if (nth == 1) {  // no OpenMP region at all (tasks.h): an expert's matmuls run on their own thread
+    for (int64_t n = 0; N > 1 && n < N; ++n) quantize(n);
+    for (int64_t i = 0; i < items; ++i) item(i);
+    return;
+  }
+#pragma omp parallel num_threads(nth)
   {
     if (N > 1) {
 #pragma omp for schedule(dynamic, 1)
-      for (int64_t n = 0; n < N; ++n)
-        quantize_row(t, fmt, static_cast<const char*>(x) + n * K * xbytes, xtype, K, q16 + n * q_row, d + n * nb,
-                     s + n * nb, s16 + n * (K / 16), c8 ? c8 + n * nb : nullptr);
+      for (int64_t n = 0; n < N; ++n) quantize(n);
     }
-    // work items: (block of tokens, chunk of rows), blocks first, so that the threads share one block's
-    // activations (a 16-row tile reads all of its tokens' for every tile: 2048 tokens ran 0.4-0.9x of 512)
 #pragma omp for schedule(dynamic, 1) nowait
-    for (int64_t i = 0; i < token_blocks(N) * chunks.n; ++i) {
-      const int64_t n0 = i / chunks.n * kTokenBlock, c = i % chunks.n;
-      fn(w, token_block(xq, takes_x16(fmt), n0), y + n0 * w.M, bias, chunks.r0(c), chunks.r1(c));
-    }
+    for (int64_t i = 0; i < items; ++i) item(i);
   }
 }
 
@@ -177,12 +187,11 @@ void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_
       std::memcpy(tls.xh.data() + n * ldx, static_cast<const uint16_t*>(x) + n * w.K, size_t(w.K) * 2);
     const uint16_t* xh = tls.xh.data();  // this thread's buffer: the others' tls is their own
     const RowChunks chunks(w.M, nth);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth) if (nth > 1)
-    for (int64_t i = 0; i < token_blocks(N) * chunks.n; ++i) {  // as in linear_q
+    run_tasks(nth, true, token_blocks(N) * chunks.n, [&](int64_t i) {  // as in linear_q
       const int64_t n0 = i / chunks.n * kTokenBlock, c = i % chunks.n;
       gemm_bf16_bf16x_avx512(w, xh + n0 * ldx, ldx, std::min(kTokenBlock, N - n0), y + n0 * w.M, bias,
                              chunks.r0(c), chunks.r1(c));
-    }
+    });
     return;
   }
   const float* xf = static_cast<const float*>(x);
@@ -194,8 +203,7 @@ void linear_half(const KernelTable& t, int fmt, const void* x, int xtype, int64_
   }
   const FGemmFn fn = fmt == W_BF16 ? t.bf16 : fmt == W_F16 ? t.f16 : t.f32;
   const RowChunks chunks(w.M, nth);
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nth) if (nth > 1)
-  for (int64_t c = 0; c < chunks.n; ++c) fn(w, xf, N, y, bias, chunks.r0(c), chunks.r1(c));
+  run_tasks(nth, true, chunks.n, [&](int64_t c) { fn(w, xf, N, y, bias, chunks.r0(c), chunks.r1(c)); });
 }
 
 void packed_linear_x(int path, const void* x, int xtype, int64_t N, int fmt, const WView& w, const float* bias,

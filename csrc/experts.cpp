@@ -2,13 +2,13 @@
 // packed linears (their biases added where the family has them, gpt-oss), the router's choice made here where the
 // caller gives none.
 #include <immintrin.h>
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include "layer.h"
+#include "tasks.h"
 
 namespace offload {
 namespace {
@@ -61,32 +61,38 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
 
 // The router's choice for each token: its top_k experts by h . router^T + router_bias (ties: the lower index) and
 // their softmax weights, over all experts or, with norm_topk, over the top_k alone (the same numbers: p_j / sum of
-// the top p).
+// the top p). The logits are shared out by (token, expert), so a decode step's one token reads the router's rows
+// on every thread.
 void route_tokens(const ExpertsArgs& e, int64_t* ids, float* weights) {
   const int64_t E = e.n_experts, K = e.top_k, D = e.D;
-#pragma omp parallel for num_threads(e.nthreads) if (e.nthreads > 1 && e.N * E * D >= (int64_t(1) << 20))
-  for (int64_t n = 0; n < e.N; ++n) {
-    std::vector<float> logits(static_cast<size_t>(E));
+  std::vector<float> logits(static_cast<size_t>(e.N * E));
+  constexpr int64_t kRowsPerTask = 8;  // router rows of one task
+  const int64_t per_token = (E + kRowsPerTask - 1) / kRowsPerTask;
+  run_tasks(e.nthreads, e.N * E * D >= (int64_t(1) << 15), e.N * per_token, [&](int64_t t) {
+    const int64_t n = t / per_token, x0 = t % per_token * kRowsPerTask;
     const float* h = e.x + n * 2 * D + D;
-    for (int64_t x = 0; x < E; ++x) {
-      logits[size_t(x)] = e.path == P_SCALAR ? dot_ref(h, e.router + x * D, D) : dot_avx2(h, e.router + x * D, D);
-      if (e.router_bias != nullptr) logits[size_t(x)] += e.router_bias[x];
+    for (int64_t x = x0; x < std::min(E, x0 + kRowsPerTask); ++x) {
+      float& l = logits[size_t(n * E + x)];
+      l = e.path == P_SCALAR ? dot_ref(h, e.router + x * D, D) : dot_avx2(h, e.router + x * D, D);
+      if (e.router_bias != nullptr) l += e.router_bias[x];
     }
-    const float top = *std::max_element(logits.begin(), logits.end());
+  });
+  run_tasks(e.nthreads, e.N * E >= (int64_t(1) << 12), e.N, [&](int64_t n) {
+    const float* l = logits.data() + n * E;
+    const float top = *std::max_element(l, l + E);
     double total = 0.0;
-    for (float l : logits) total += std::exp(double(l - top));
+    for (int64_t x = 0; x < E; ++x) total += std::exp(double(l[x] - top));
     std::vector<int64_t> order(static_cast<size_t>(E));
     for (int64_t x = 0; x < E; ++x) order[size_t(x)] = x;
-    std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](int64_t a, int64_t b) {
-      return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
-    });
+    std::partial_sort(order.begin(), order.begin() + K, order.end(),
+                      [&](int64_t a, int64_t b) { return l[a] > l[b] || (l[a] == l[b] && a < b); });
     double kept = 0.0;
-    for (int64_t j = 0; j < K; ++j) kept += std::exp(double(logits[size_t(order[size_t(j)])] - top));
+    for (int64_t j = 0; j < K; ++j) kept += std::exp(double(l[order[size_t(j)]] - top));
     for (int64_t j = 0; j < K; ++j) {
       ids[n * K + j] = order[size_t(j)];
-      weights[n * K + j] = float(std::exp(double(logits[size_t(order[size_t(j)])] - top)) / (e.norm_topk ? kept : total));
+      weights[n * K + j] = float(std::exp(double(l[order[size_t(j)]] - top)) / (e.norm_topk ? kept : total));
     }
-  }
+  });
 }
 
 }  // namespace
@@ -124,12 +130,9 @@ void experts_forward(const ExpertsArgs& args) {
     run_expert(e, x, order.data() + start[size_t(x)], start[size_t(x + 1)] - start[size_t(x)], nthreads,
                ys.data() + start[size_t(x)] * D);
   };
-  if (e.nthreads > 1 && most <= kFewTokens && active.size() > 1) {
-#pragma omp parallel for num_threads(e.nthreads) schedule(dynamic, 1)
-    for (size_t j = 0; j < active.size(); ++j) run(j, 1);
-  } else {
-    for (size_t j = 0; j < active.size(); ++j) run(j, e.nthreads);
-  }
+  const bool side_by_side = most <= kFewTokens && active.size() > 1;
+  run_tasks(e.nthreads, side_by_side, int64_t(active.size()),
+            [&](int64_t j) { run(size_t(j), side_by_side ? 1 : e.nthreads); });
   for (int64_t n = 0; n < N; ++n) std::copy(e.x + n * 2 * D, e.x + n * 2 * D + D, e.out + n * D);
   for (int64_t j = 0; j < N * K; ++j) {  // in expert order, as the reference adds them
     const int64_t pair = order[size_t(j)];

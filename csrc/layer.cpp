@@ -4,9 +4,9 @@
 // The matmuls go through the dispatched packed kernels (packed_linear); norms and rope are plain loops, silu x up
 // is vectorized, and attention is attention.cpp's.
 #include "layer.h"
+#include "tasks.h"
 
 #include <immintrin.h>
-#include <omp.h>
 
 // GCC 12's AVX-512 headers build some intrinsics on _mm512_undefined_*(), which -Wmaybe-uninitialized flags
 // (attention's 512-bit shuffles and extracts), as in qgemm_avx512.cpp.
@@ -34,16 +34,27 @@ struct LayerScratch {  // per calling thread, grown on demand
 };
 thread_local LayerScratch tls_layer;
 
+// The sum of x's squares in double, in 8 running sums: one chain of dependent adds waits 4 cycles an element,
+// about 1.1 us for a 1024-wide row.
+double sum_squares(const float* x, int64_t n) {
+  double s[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += double(x[i + j]) * double(x[i + j]);
+  double t = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  for (; i < n; ++i) t += double(x[i]) * double(x[i]);
+  return t;
+}
+
 // y [N, D] = x * rsqrt(mean(x^2) + eps) * w, each row accumulated in double.
 void rms_norm_rows(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, int nth) {
-#pragma omp parallel for num_threads(nth) if (nth > 1 && N > 8)
-  for (int64_t n = 0; n < N; ++n) {
+  auto row = [&](int64_t n) {
     const float* xn = x + n * D;
-    double ss = 0.0;
-    for (int64_t i = 0; i < D; ++i) ss += double(xn[i]) * double(xn[i]);
+    const double ss = sum_squares(xn, D);
     const float r = 1.0f / std::sqrt(float(ss / double(D)) + eps);
     for (int64_t i = 0; i < D; ++i) y[n * D + i] = w[i] * (xn[i] * r);
-  }
+  };
+  run_tasks(nth, N > 8, N, row);
 }
 
 // In place on the first rot dimensions of n_heads heads of dh: x * cos + roll(x, rot / 2) * sin (sin's first half
@@ -65,14 +76,13 @@ void rope_and_store(const LayerArgs& a, float* qkv) {
   const LayerShape& s = a.shape;
   const int64_t q_size = s.n_heads * s.head_dim, kv_size = s.n_kv_heads * s.head_dim;
   const int64_t width = q_size + 2 * kv_size;
-#pragma omp parallel for num_threads(a.nthreads) if (a.nthreads > 1 && a.N > 8)
-  for (int64_t n = 0; n < a.N; ++n) {
+  run_tasks(a.nthreads, a.N > 8, a.N, [&](int64_t n) {
     float* row = qkv + n * width;
     const float *cos = a.cos + n * s.rotary_dim, *sin = a.sin + n * s.rotary_dim;
     rope_heads(row, s.n_heads, s.head_dim, s.rotary_dim, cos, sin);
     rope_heads(row + q_size, s.n_kv_heads, s.head_dim, s.rotary_dim, cos, sin);
     const int64_t slot = a.tokens[n * kTokenCols + kSlot];
-    if (slot < 0) continue;  // padding: the unfused path writes it to the trash slot, read by no one
+    if (slot < 0) return;  // padding: the unfused path writes it to the trash slot, read by no one
     if (a.kv_bf16) {
       f32_rows_to_bf16(row + q_size, kv_size, static_cast<uint16_t*>(a.k_cache) + slot * kv_size);
       f32_rows_to_bf16(row + q_size + kv_size, kv_size, static_cast<uint16_t*>(a.v_cache) + slot * kv_size);
@@ -80,7 +90,7 @@ void rope_and_store(const LayerArgs& a, float* qkv) {
       std::copy(row + q_size, row + q_size + kv_size, static_cast<float*>(a.k_cache) + slot * kv_size);
       std::copy(row + q_size + kv_size, row + width, static_cast<float*>(a.v_cache) + slot * kv_size);
     }
-  }
+  });
 }
 
 // act [N, I] = silu(gate) * up, gelu_tanh(gate) * up or gpt-oss's clamped SwiGLU from gate_up [N, 2I] (rows:
@@ -164,12 +174,11 @@ void moe_handover(const LayerArgs& a, const float* resid, const float* h, const 
 }  // namespace
 
 void gate_mul(const float* gate_up, int64_t N, int64_t I, const Gate& gate, float* act, int path, int nth) {
-#pragma omp parallel for num_threads(nth) if (nth > 1 && N * I >= (int64_t(1) << 15))
-  for (int64_t n = 0; n < N; ++n) {
+  run_tasks(nth, N * I >= (int64_t(1) << 15), N, [&](int64_t n) {
     const float *g = gate_up + n * 2 * I, *u = g + I;
     if (path == P_SCALAR) gate_mul_ref(g, u, I, gate, act + n * I);
     else gate_mul_avx2(g, u, I, gate, act + n * I);
-  }
+  });
 }
 
 // One matrix of a linear. In a bf16 plan, bf16 weights take x rounded to bf16: on AVX-512 BF16 the bf16 x bf16
