@@ -87,18 +87,20 @@ def test_a_long_decode_split_between_threads_gives_the_per_query_loops_attention
 
 
 @pytest.mark.skipif(ACTIVE_PATH not in ("avx2", "avx512"), reason=f"the SIMD attention paths ({ACTIVE_PATH})")
+@pytest.mark.parametrize("path", [p for p in PATHS if p != "scalar"])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n_heads,n_kv,keys", [(16, 4, 60), (9, 3, 100), (8, 8, 33)])
-def test_a_short_decode_is_shared_out_between_threads_by_kv_head(kv_dtype, n_heads, n_kv, keys):
+def test_a_short_decode_is_shared_out_between_threads_by_kv_head(path, kv_dtype, n_heads, n_kv, keys):
     """A decode step of one sequence over fewer keys than a split (128) is one task of keys, so two threads take
-    its KV heads in two parts: the output is one thread's to the bit (each head sums in the same order) and the
-    scalar path's per-query loop's within 1e-5 x max |out|."""
+    its KV heads in two parts (on each SIMD path; AVX2's bf16 cache in its widened order): the output is one
+    thread's to the bit (each head sums in the same order) and the scalar path's per-query loop's within 1e-5 x
+    max |out|."""
     spec, tables = _spec(n_heads, n_kv, 64), _scattered(1, keys // KV_BLOCK + 1, seed=3)
     threads, outs = torch.get_num_threads(), []
     try:
         for n in (2, 1):
             torch.set_num_threads(n)
-            outs.append(_fused_outputs(spec, tables, [keys], kv_dtype, ACTIVE_PATH)[0][1])
+            outs.append(_fused_outputs(spec, tables, [keys], kv_dtype, path)[0][1])
         want = _fused_outputs(spec, tables, [keys], kv_dtype, "scalar")[0][1]
     finally:
         torch.set_num_threads(threads)
