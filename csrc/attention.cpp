@@ -266,8 +266,8 @@ void attention_blocked(const LayerArgs& a, const float* qkv, float* att) {
   run_tasks(
       a.nthreads, attention_in_parallel(a, tasks), tasks,
       [&] {
-        return Buffers{Floats(size_t(kPanelQueries * s.head_dim)), Floats(panels ? size_t(kPanelQueries * s.head_dim) : 0),
-                       std::vector<TileQuery>(size_t(kPanelQueries))};
+        const size_t n = size_t(kPanelQueries * s.head_dim);
+        return Buffers{Floats(n), Floats(panels ? n : 0), std::vector<TileQuery>(size_t(kPanelQueries))};
       },
       [&](Buffers& b, int64_t t) {
         const size_t tile = size_t(t / s.n_kv_heads);
@@ -416,7 +416,9 @@ void attention_per_query(const LayerArgs& a, const float* qkv, float* att, const
   const size_t gathered = a.blocks != nullptr ? size_t(max_keys * dh) : 0;
   run_tasks(
       a.nthreads, attention_in_parallel(a, tasks), tasks,
-      [&] { return Buffers{std::vector<float>(size_t(max_keys)), std::vector<KV>(gathered), std::vector<KV>(gathered)}; },
+      [&] {
+        return Buffers{std::vector<float>(size_t(max_keys)), std::vector<KV>(gathered), std::vector<KV>(gathered)};
+      },
       [&](Buffers& b, int64_t t) {
         const int64_t n = t / s.n_heads, h = t % s.n_heads, *tok = a.tokens + n * kTokenCols;
         const int64_t lo = first_key(a, tok), n_keys = tok[kHi] - lo + 1, head = (h / group) * dh;
