@@ -308,14 +308,15 @@ bool few_tokens_per_row(const LayerArgs& a) {
 }
 
 // The parts a step's (token, split) tasks are cut into by KV head, where they are fewer than the threads (a decode
-// step over a few hundred keys): each head's sums keep their order, so a token's attention is the same alone or in a
-// verify pass.
+// step of one sequence over fewer than 256 keys on two threads): each head's sums keep their order, so a token's
+// attention is the same alone or in a verify pass.
 int64_t head_parts(const LayerArgs& a, int64_t tasks) {
   return tasks >= a.nthreads ? 1 : std::min<int64_t>(a.shape.n_kv_heads, (a.nthreads + tasks - 1) / tasks);
 }
 
-// Task t = (token n, split sp) of attention_by_rows: every head of token n over its split of the keys (chunks of 8
-// from the first chunk's start, shared out in order); the unnormalized (m, l) of each head into ml, out into part.
+// Task t = (token n, split sp) of attention_by_rows, or its part of KV heads g0 .. g1 - 1 (head_parts): those KV
+// heads' query heads of token n over its split of the keys (chunks of 8 from the first chunk's start, shared out in
+// order); the unnormalized (m, l) of each of them into ml, out into part.
 void attend_split(const LayerArgs& a, const float* qkv, int64_t n, int64_t sp, int64_t splits, int64_t g0, int64_t g1,
                   float* part, float* ml, float* qbuf, TileQuery* qs) {
   const LayerShape& s = a.shape;

@@ -61,8 +61,8 @@ __attribute__((target("avx2,fma"))) float dot_avx2(const float* a, const float* 
 
 // The router's choice for each token: its top_k experts by h . router^T + router_bias (ties: the lower index) and
 // their softmax weights, over all experts or, with norm_topk, over the top_k alone (the same numbers: p_j / sum of
-// the top p). The logits are shared out by (token, expert), so a decode step's one token reads the router's rows
-// on every thread.
+// the top p). The logits are shared out by (token, eight experts), so a decode step's one token reads the router's
+// rows on every thread.
 void route_tokens(const ExpertsArgs& e, int64_t* ids, float* weights) {
   const int64_t E = e.n_experts, K = e.top_k, D = e.D;
   std::vector<float> logits(static_cast<size_t>(e.N * E));
