@@ -207,6 +207,7 @@ def disk_rows(args) -> None:
     tokenizer = load_tokenizer(folder)
     prompts = [encode_chat(tokenizer, folder, c, True) for c in chats(args.disk_prompts)]
     budget, room = parse_size(args.budget), parse_size(args.cgroup_slack)
+    draft = args.draft_quantization or "q4_0"  # the disk rows' draft format unless set
     files = sorted(folder.glob("*.safetensors"))
     rates, runs = {False: [], True: []}, {}
     limit = max(budget, parse_size(args.spec_budget) if args.spec_budget else 0) + room
@@ -215,7 +216,7 @@ def disk_rows(args) -> None:
             drop_cache(files)
             mine = parse_size(args.spec_budget) if speculate and args.spec_budget else budget
             job = {"model": str(folder), "budget": mine, "tokens": args.disk_tokens, "prompts": prompts,
-                   "speculate": speculate, "method": args.method, "draft": args.draft_quantization or "q4_0"}
+                   "speculate": speculate, "method": args.method, "draft": draft}
             cgroup = MemCgroup(limit)  # one limit for both runs: the same room for the page cache
             try:
                 done = subprocess.run([sys.executable, __file__, "--disk-child", json.dumps(job)], capture_output=True,
@@ -237,7 +238,7 @@ def disk_rows(args) -> None:
           f"cgroup limit {format_bytes(limit)} for both (peaks {format_bytes(runs[False]['peak'])} / "
           f"{format_bytes(runs[True]['peak'])}); {args.disk_prompts} chat prompts x {args.disk_tokens} greedy tokens, "
           f"one at a time; median of {args.rounds} runs each, alternating")
-    print(f"without speculation: {plain:.2f} tok/s; with method {args.method} ({args.draft_quantization or 'q4_0'} "
+    print(f"without speculation: {plain:.2f} tok/s; with method {args.method} ({draft} "
           f"draft in RAM): {spec:.2f} tok/s "
           f"({spec / plain:.2f}x); acceptance {stats['acceptance_rate']:.2f}, {stats['tokens_per_pass']:.2f} tokens "
           f"per pass that carried proposals, drafting {stats['draft_s']:.1f} s; answers identical {same} of "
