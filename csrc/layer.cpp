@@ -265,4 +265,8 @@ void layer_forward(const LayerArgs& a) {
   add_rows(a.out, a.out, tmp, N * D);
 }
 
+void rms_norm(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, int nth) {
+  rms_norm_rows(x, w, N, D, eps, y, nth);
+}
+
 }  // namespace offload

@@ -104,6 +104,10 @@ void f32_rows_to_bf16(const float* src, int64_t n, uint16_t* dst);
 // expert's (if any) and out gets [residual | rms_norm(residual before it)] for the routed experts.
 void layer_forward(const LayerArgs& a);
 
+// y [N, D] = x * rsqrt(mean(x^2) + eps) * w, each row's squares summed in double: the layer's own norm, for a
+// model's final one.
+void rms_norm(const float* x, const float* w, int64_t N, int64_t D, float eps, float* y, int nth);
+
 // Shared with experts.cpp: y [N, M] = x [N, K] @ l^T (+ bias) with a.path, a.nthreads and a.N (a stacked linear part
 // by part); act [N, I] = gate's activation of gate times up from gate_up [N, 2I]; v grown to n floats.
 void run_linear(const LayerArgs& a, const LinearArg& l, const float* x, float* y);

@@ -202,6 +202,11 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
   if (act_bf16) f32_rows_to_bf16(of, N * out_width, reinterpret_cast<uint16_t*>(out));
 }
 
+void norm(uintptr_t x, uintptr_t w, int64_t N, int64_t D, float eps, uintptr_t y, int nthreads) {
+  if (N < 1 || D < 1) throw std::invalid_argument("offload rms norm: the rows and their width must be >= 1");
+  rms_norm(ptr<float>(x), ptr<float>(w), N, D, eps, reinterpret_cast<float*>(y), nthreads < 1 ? 1 : nthreads);
+}
+
 void cached_attention(const ShapeTuple& shape, int path, int nthreads,
                       int64_t N, uintptr_t qkv, uintptr_t att, uintptr_t cos, uintptr_t sin, uintptr_t tokens,
                       uintptr_t blocks, uintptr_t k_cache, uintptr_t v_cache, int kv_bf16, uintptr_t sinks) {
@@ -243,6 +248,8 @@ void bind_layer(py::module_& m) {
         "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, blocks (0: none), k_cache, v_cache, act_bf16, "
         "kv_bf16): "
         "raw pointers (x, out fp32 or bf16 with act_bf16; the caches fp32 or bf16 with kv_bf16), see offload/kernels/layer.py");
+  m.def("rms_norm", &norm, py::call_guard<py::gil_scoped_release>(),
+        "rms_norm(x, w, N, D, eps, y, nthreads): y [N, D] = x * rsqrt(mean(x^2) + eps) * w, fp32 raw pointers");
   m.def("cached_attention", &cached_attention, py::call_guard<py::gil_scoped_release>(),
         "cached_attention((n_heads, n_kv_heads, head_dim, intermediate, eps, scale, softcap, window, rotary_dim), "
         "path, nthreads, N, qkv, att, cos, sin, "

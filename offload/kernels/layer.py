@@ -23,12 +23,10 @@ from offload.formats import CPU_KERNELS, FUSED_COMPUTE, torch_dtype
 from offload.kernels import _C, ACTIVE_PATH_ID, PackedWeight
 from offload.kernels.dispatch import PATH_IDS
 
-_F32 = torch.float32
-_BF16 = torch.bfloat16
+_F32, _BF16 = torch.float32, torch.bfloat16
 ACTIVATIONS = tuple(torch_dtype(f) for f in FUSED_COMPUTE)  # the activation and KV cache formats it takes
 FUSABLE = _C is not None and hasattr(_C, "layer_forward")  # the extension has the fused layer
 HAS_CACHED_ATTENTION = _C is not None and hasattr(_C, "cached_attention")  # ... and its attention alone
-
 
 # the gated MLP's activations the fused layer has (csrc/layer.h GateAct); swiglu_oai: gpt-oss's experts' only
 GATE_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
@@ -278,17 +276,18 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable | list,
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
     # narrow outputs alternate (a unit never writes what it reads); the one wide buffer is read by the next unit
     outs = {False: [x.new_empty(b, s, d) for _ in range(2)], True: [x.new_empty(b, s, 2 * d)]}
-    calls, out = [], x
+    ptr = {id(t): t.data_ptr() for t in (x, *outs[False], *outs[True])}
+    calls, out, table_ptrs = [], x, {}  # each table's pointers, read once (for layers of either rope)
     for j, (unit, view) in enumerate(zip(layers, views)):
         target = outs[wide[j]][j % 2 if not wide[j] else 0]
         if kinds[j]:
-            calls.append((_C.experts_forward, (unit.view, path_id, n_threads, n_tokens, out.data_ptr(), 0, 0,
-                                               target.data_ptr(), bf16)))
+            calls.append((_C.experts_forward, (unit.view, path_id, n_threads, n_tokens, ptr[id(out)], 0, 0,
+                                               ptr[id(target)], bf16)))
         else:
-            calls.append((_C.layer_forward, (unit.view, path_id, n_threads, n_tokens, out.data_ptr(),
-                                             target.data_ptr(), *_rope_ptrs(tables[j], unit.local),
-                                             tables[j].tokens.data_ptr(), tables[j].blocks_ptr, view.k_ptr,
-                                             view.v_ptr, bf16, int(view.bf16))))
+            key = (id(tables[j]), unit.local)
+            ptrs = table_ptrs.get(key) or table_ptrs.setdefault(key, _table_ptrs(tables[j], unit.local))
+            calls.append((_C.layer_forward, (unit.view, path_id, n_threads, n_tokens, ptr[id(out)], ptr[id(target)],
+                                             *ptrs, view.k_ptr, view.v_ptr, bf16, int(view.bf16))))
         out = target
     for call, args in calls:
         call(*args)
@@ -327,8 +326,8 @@ def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, pa
     att = torch.empty(n, spec.q_size, dtype=_F32)
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
     _C.cached_attention(_shape(spec, spec.intermediate_size, index), path_id, torch.get_num_threads(), n,
-                        qkv.data_ptr(), att.data_ptr(), *_rope_ptrs(table, _turns_local(spec, index)),
-                        table.tokens.data_ptr(), table.blocks_ptr, view.k_ptr, view.v_ptr, int(view.bf16),
+                        qkv.data_ptr(), att.data_ptr(), *_table_ptrs(table, _turns_local(spec, index)),
+                        view.k_ptr, view.v_ptr, int(view.bf16),
                         0 if sinks is None else sinks.data_ptr())
     return att
 
@@ -428,13 +427,14 @@ def _turns_local(spec, index: int | None) -> bool:
     return spec.variant.local_rope is not None and index is not None and spec.window(index) is not None
 
 
-def _rope_ptrs(table: StepTable, local: bool) -> tuple[int, int]:
-    """The cos and sin rows a layer turns by: the model's rope, or the sliding layers' own."""
+def _table_ptrs(table: StepTable, local: bool) -> tuple[int, int, int, int]:
+    """What a layer reads of the step's table: the cos and sin rows it turns by (the model's rope, or the sliding
+    layers' own), the token table and the block tables."""
     if local and table.cos_local is None:
         raise KernelError("fused layer: a layer turns by the sliding layers' rope but the step table has none; "
                           "build the table with this model's spec")
-    return (table.cos_local.data_ptr(), table.sin_local.data_ptr()) if local else \
-        (table.cos.data_ptr(), table.sin.data_ptr())
+    cos, sin = (table.cos_local, table.sin_local) if local else (table.cos, table.sin)
+    return cos.data_ptr(), sin.data_ptr(), table.tokens.data_ptr(), table.blocks_ptr
 
 
 def _make_fused_weights(spec, w, moe: bool = False, index: int | None = None):

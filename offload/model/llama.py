@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from offload.kernels.ops import Weight, linear
+from offload.kernels.ops import Weight, linear, rms_norm
 from offload.model.attention import attend
 from offload.model.rope import apply_rope, rope_table
 from offload.model.step import LayerKV, Step
@@ -49,11 +49,6 @@ class MLPWeights:
     down: Weight
     down_bias: torch.Tensor | None
     post_mlp_norm: torch.Tensor | None = None  # Gemma 2/3: the MLP's output normed before the residual add
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm computed in fp32 as transformers does, returned in x's dtype."""
-    return weight * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
 def roped_heads(spec: ModelSpec, qkv: torch.Tensor, step: Step, window: int | None = None):

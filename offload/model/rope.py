@@ -24,11 +24,15 @@ def rope_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: in
 def _shared_inv_freq(rope: RopeSpec, head_dim: int, seq_len: int, max_positions: int) -> torch.Tensor:
     """rope_inv_freq's tensor, made once per model (and per length past max_positions for dynamic NTK, or past
     original_max_position_embeddings for LongRoPE): read only."""
+    return _make_inv_freq(rope, head_dim, _freq_len(rope, seq_len, max_positions), max_positions)
+
+
+def _freq_len(rope: RopeSpec, seq_len: int, max_positions: int) -> int:
+    """What the frequencies depend on of seq_len: 0 (nothing), 1 (LongRoPE past its original length: the long
+    factors), or seq_len itself (dynamic NTK past max_positions)."""
     if rope.type == "longrope":
-        seq_len = int(seq_len > rope.original_max_position_embeddings)  # 1: the long factors
-    elif rope.type != "dynamic" or seq_len <= max_positions:
-        seq_len = 0  # the frequencies do not depend on it
-    return _make_inv_freq(rope, head_dim, seq_len, max_positions)
+        return int(seq_len > rope.original_max_position_embeddings)
+    return seq_len if rope.type == "dynamic" and seq_len > max_positions else 0
 
 
 @functools.lru_cache(maxsize=32)
@@ -88,9 +92,27 @@ def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype):
 
 
 def _cos_sin(rope: RopeSpec, dim: int, positions: torch.Tensor, max_positions: int):
-    dynamic = rope.type in ("dynamic", "longrope")
-    seq_len = int(positions.max()) + 1 if dynamic and positions.numel() else 1
-    inv_freq = _shared_inv_freq(rope, dim, seq_len, max_positions)
+    last = int(positions.max()) if positions.numel() else 0
+    n = _freq_len(rope, last + 1, max_positions)
+    if last < ROPE_ROWS and positions.device.type == "cpu" and (rope.type != "dynamic" or n == 0):
+        cos, sin = _rope_rows(rope, dim, n, max_positions)  # a decode step's rows looked up, not computed
+        rows = positions.reshape(-1)
+        return tuple(t.index_select(0, rows).view(*positions.shape, dim)[:, None] for t in (cos, sin))
+    return _cos_sin_of(rope, _make_inv_freq(rope, dim, n, max_positions), positions)
+
+
+ROPE_ROWS = 4096  # the positions whose cos and sin rows are kept, per rope (4 MB for a rotary_dim of 128)
+
+
+@functools.lru_cache(maxsize=8)
+def _rope_rows(rope: RopeSpec, dim: int, freq_len: int, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [ROPE_ROWS, dim] of positions 0 .. ROPE_ROWS - 1 (read only)."""
+    cos, sin = _cos_sin_of(rope, _make_inv_freq(rope, dim, freq_len, max_positions), torch.arange(ROPE_ROWS)[None])
+    return cos[0, 0], sin[0, 0]
+
+
+def _cos_sin_of(rope: RopeSpec, inv_freq: torch.Tensor, positions: torch.Tensor):
+    """cos and signed sin [B, 1, S, dim] of positions [B, S] turned by inv_freq."""
     freqs = positions.float()[..., None] * inv_freq.to(positions.device)  # [B, S, dim/2]
     sin = freqs.sin()
     cos = torch.cat((freqs.cos(),) * 2, dim=-1)[:, None]

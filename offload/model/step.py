@@ -242,12 +242,18 @@ def attention_mask(positions: torch.Tensor, valid: torch.Tensor, n_keys: int,
 def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, valid: torch.Tensor, trash_slot: int,
               rows: torch.Tensor | None = None, phase: str = "prefill", tables: torch.Tensor | None = None,
               rings: torch.Tensor | None = None) -> Step:
-    """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens; tables [B, M]: the
-    slot in its cache row of each KV_BLOCK keys of a sequence (a pooled cache; M covers its positions); rings [B]:
-    each sequence's ring in a pooled row of the ring layers (spec.kv_ring; None: a row's one ring)."""
-    n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1  # no valid token: 1
-    slots = positions if tables is None else table_slots(tables, torch.where(valid, positions, 0))
-    write_index = torch.where(valid, slots, trash_slot)
+    """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens (None: all are);
+    tables [B, M]: the slot in its cache row of each KV_BLOCK keys of a sequence (a pooled cache; M covers its
+    positions); rings [B]: each sequence's ring in a pooled row of the ring layers (spec.kv_ring; None: a row's one
+    ring)."""
+    if valid is None and tables is not None:  # every token real (a ragged step's group)
+        n_keys, valid = int(positions.max()) + 1, torch.ones_like(positions, dtype=torch.bool)
+        write_index = table_slots(tables, positions)
+    else:
+        valid = torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
+        n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1  # no valid token: 1
+        slots = positions if tables is None else table_slots(tables, torch.where(valid, positions, 0))
+        write_index = torch.where(valid, slots, trash_slot)
     cos, sin = rope_cos_sin(spec, positions, dtype)
     sizes = ring_sizes(spec)
     if tables is not None and rings is None and sizes:
@@ -288,13 +294,17 @@ def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Te
         b, s = positions.shape
         if b != 1 and s != 1:
             raise ValueError(f"a ragged step's groups are [b, 1] or [1, s] grids, found [{b}, {s}]")
-        valid = torch.ones_like(positions, dtype=torch.bool)
-        parts.append(make_step(spec, dtype, positions, valid, trash_slot, torch.zeros(b, dtype=torch.long), phase,
+        parts.append(make_step(spec, dtype, positions, None, trash_slot, torch.zeros(b, dtype=torch.long), phase,
                                tables, rings[0] if rings else None))
         offsets.append(at)
         at += b * s
-    flat = lambda name: torch.cat([getattr(g, name).reshape(1, -1) for g in parts], dim=1)  # noqa: E731
-    cos = torch.cat([g.cos.permute(1, 0, 2, 3).reshape(1, 1, -1, g.cos.shape[-1]) for g in parts], dim=2)
-    sin = torch.cat([g.sin.permute(1, 0, 2, 3).reshape(1, 1, -1, g.sin.shape[-1]) for g in parts], dim=2)
+    flat = lambda name: _cat([getattr(g, name).reshape(1, -1) for g in parts], 1)  # noqa: E731
+    cos = _cat([g.cos.permute(1, 0, 2, 3).reshape(1, 1, -1, g.cos.shape[-1]) for g in parts], 2)
+    sin = _cat([g.sin.permute(1, 0, 2, 3).reshape(1, 1, -1, g.sin.shape[-1]) for g in parts], 2)
     return _ragged(parts, offsets, flat("positions"), flat("write_index"), flat("valid"), cos, sin, phase,
                    step_windows(spec))
+
+
+def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
+    """torch.cat, but one tensor as it is (a decode step's one group: no copies)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from offload.kernels.ops import linear
-from offload.model.llama import layer_forward, mlp_forward, rms_norm
+from offload.kernels.ops import linear, norm_rows
+from offload.model.llama import layer_forward, mlp_forward
 from offload.model.step import LayerKV, Step
 from offload.model.moe import experts_forward
 from offload.spec import ModelSpec
@@ -25,7 +25,7 @@ def unit_forward(spec: ModelSpec, kind: str, w, x: torch.Tensor, step: Step | No
     if kind == "embed":
         return embed(spec, w, x, dtype)
     if kind == "norm":
-        return rms_norm(x, w, spec.rms_norm_eps)
+        return norm_rows(x, w, spec.rms_norm_eps)
     if kind == "lm_head":
         return final_logits(spec, linear(x, w, None))
     return layer_forward(spec, w, x, step, kv, moe=index is not None and spec.hands_over(index), index=index)

@@ -72,6 +72,8 @@ class PlacedModel:
         self.streamer = Streamer(backend, placement, self.order, self.layouts, self.host_buffers, self.ring,
                                  self.reader, on_disk)
         self._schedule = {phase: self._group_host_layers(phase) for phase in PHASES}
+        # each unit's kind, index and whether its KV cache is in host RAM, looked up once (a step's Work of each)
+        self._unit_facts = {n: (*store.kind_index[n], placement[n].kv == "cpu") for n in self.order}
         self._kv_bytes: dict[str, int] = {}
         self.threads = ThreadGovernor(torch.get_num_threads(), enabled=None if backend.computes else False)
         self._step_began = 0.0
@@ -222,7 +224,7 @@ class PlacedModel:
         for another call of this step (the lm_head over more rows), released by the last one."""
         if name == self._embed_name and self._embed_from is not None:
             return self._embed_from.look_up(x, phase, step)
-        work = self._work(name, phase, step, x)
+        work = self._works((name,), phase, step, x)[0]
         if name in self._embed_rows:
             rows, ids = self._embedding_rows(name, x, phase)
             return self._on_cpu([work], self.runner.compute_cpu, ids, name, rows, step, cache, steps)
@@ -250,13 +252,13 @@ class PlacedModel:
         self.timeline.add(Span("disk_read", phase, name, start, self.backend.now(), n_bytes=raw.numel()))
         return raw.view(entry.dtype).view(len(ids), entry.shape[1]), inverse.view(tokens.shape)
 
-    def _work(self, name: str, phase: str, step: Step | None, x) -> Work:
-        kind = self.store.kind_index[name][0]
+    def _works(self, names, phase: str, step: Step | None, x) -> list[Work]:
         if step is None:  # the lm_head over hidden rows [..., D]
             n_tokens = x.numel() // x.shape[-1]
-            return Work(name, kind, phase, n_tokens, n_tokens)
-        return Work(name, kind, phase, step.n_tokens, step.n_seqs, step.n_keys,
-                    kind == "layer" and self.placement[name].kv == "cpu")
+            return [Work(name, self._unit_facts[name][0], phase, n_tokens, n_tokens) for name in names]
+        n_tokens, n_seqs, n_keys, facts = step.n_tokens, step.n_seqs, step.n_keys, self._unit_facts
+        return [Work(name, kind, phase, n_tokens, n_seqs, n_keys, kind == "layer" and kv_on_host)
+                for name, (kind, _, kv_on_host) in zip(names, map(facts.__getitem__, names))]
 
     def _on_cpu(self, works: list[Work], fn, x, *args):
         """CPU blocks through the backend; on a worker thread when copies or reads run alongside. They wait for the
@@ -268,6 +270,6 @@ class PlacedModel:
 
     def _run_host_layers(self, names: tuple[str, ...], x, step: Step, cache, steps: dict):
         """Compute consecutive layers held and computed in host RAM, timing each one as a unit of its own."""
-        kvs = [cache[i] if kind == "layer" else None for kind, i in (self.store.kind_index[n] for n in names)]
-        works = [self._work(n, step.phase, step, x) for n in names]
+        kvs = [cache[i] if kind == "layer" else None for kind, i, _ in map(self._unit_facts.__getitem__, names)]
+        works = self._works(names, step.phase, step, x)
         return self._on_cpu(works, self.runner.host_layers, self.backend.to_host(x), names, step, kvs, steps)

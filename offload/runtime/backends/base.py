@@ -173,8 +173,7 @@ class Backend:
         ends: list[float] = []
         start = Timeline.now()
         y = fn(x, *args, ends)
-        for work, begin, end in zip(works, [start] + ends, ends):
-            self.timeline.add(Span("cpu_block", work.phase, work.unit, begin, end, n_tokens=work.n_tokens))
+        self.timeline.add_blocks("cpu_block", works, [start] + ends)
         return y
 
     def to_device(self, x: torch.Tensor):
