@@ -2,7 +2,9 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <array>
+#include <chrono>
 #include <stdexcept>
 
 #include "layer.h"
@@ -202,6 +204,68 @@ void forward(const FusedWeights& w, int path, int nthreads, int64_t N, uintptr_t
   if (act_bf16) f32_rows_to_bf16(of, N * out_width, reinterpret_cast<uint16_t*>(out));
 }
 
+// A run of fused units called back to back (offload/kernels/layer.py FusedRun): built once, run every step, so a
+// decode step crosses from Python once for all its units, not once per unit.
+struct UnitRun {
+  struct Unit {
+    const FusedWeights* layer;    // a layer (attention part of a MoE layer included), or null
+    const FusedExperts* experts;  // else a MoE layer's routed experts (or a split-off MLP)
+    int64_t table;                // which of the step's tables it reads
+    int local;                    // 1: it turns by the sliding layers' rope
+    int wide;                     // 1: it hands over [N, 2D] to the experts after it
+    uintptr_t k, v;
+    int kv_bf16;
+  };
+  std::vector<Unit> units;
+  int64_t n_tables = 0;
+  std::vector<py::object> keep;  // the units' weights, alive while the run is
+};
+
+// units: (FusedWeights, table, local, wide, k_cache, v_cache, kv_bf16) for a layer, (FusedExperts,) for experts.
+UnitRun make_run(const py::list& units) {
+  UnitRun r;
+  for (const py::handle h : units) {
+    const py::tuple t = h.cast<py::tuple>();
+    r.keep.push_back(py::reinterpret_borrow<py::object>(t[0]));
+    if (t.size() == 1) {
+      r.units.push_back({nullptr, t[0].cast<const FusedExperts*>(), 0, 0, 0, 0, 0, 0});
+      continue;
+    }
+    if (t.size() != 7) throw std::invalid_argument("offload fused run: a layer is (weights, table, local, wide, k, v, kv_bf16)");
+    UnitRun::Unit u{t[0].cast<const FusedWeights*>(), nullptr, t[1].cast<int64_t>(), t[2].cast<int>(),
+                    t[3].cast<int>(), t[4].cast<uintptr_t>(), t[5].cast<uintptr_t>(), t[6].cast<int>()};
+    if (u.table < 0) throw std::invalid_argument("offload fused run: a table index must be >= 0");
+    r.n_tables = std::max(r.n_tables, u.table + 1);
+    r.units.push_back(u);
+  }
+  return r;
+}
+
+// Each unit in turn on x [N, D]: a layer writes narrow[j % 2] (or wide, where it hands over), the next reads it.
+// tables: 6 pointers each (cos, sin, local cos, local sin, tokens, blocks); ends (0: none): each unit's end, in
+// seconds after the call began.
+void run_units(const UnitRun& r, int path, int nthreads, int64_t N, uintptr_t x, uintptr_t narrow0,
+               uintptr_t narrow1, uintptr_t wide, const std::vector<uintptr_t>& tables, int act_bf16, uintptr_t ends) {
+  if (int64_t(tables.size()) != 6 * r.n_tables)
+    throw std::invalid_argument("offload fused run: pass 6 pointers for each of the run's step tables");
+  double* end = reinterpret_cast<double*>(ends);
+  const auto began = std::chrono::steady_clock::now();
+  uintptr_t in = x;
+  for (size_t j = 0; j < r.units.size(); ++j) {
+    const UnitRun::Unit& u = r.units[j];
+    const uintptr_t out = u.wide ? wide : (j % 2 ? narrow1 : narrow0);
+    if (u.experts != nullptr) {
+      experts(*u.experts, path, nthreads, N, in, 0, 0, out, act_bf16);
+    } else {
+      const uintptr_t* t = tables.data() + 6 * u.table;
+      forward(*u.layer, path, nthreads, N, in, out, t[u.local ? 2 : 0], t[u.local ? 3 : 1], t[4], t[5], u.k, u.v,
+              act_bf16, u.kv_bf16);
+    }
+    in = out;
+    if (end != nullptr) end[j] = std::chrono::duration<double>(std::chrono::steady_clock::now() - began).count();
+  }
+}
+
 void norm(uintptr_t x, uintptr_t w, int64_t N, int64_t D, float eps, uintptr_t y, int nthreads) {
   if (N < 1 || D < 1) throw std::invalid_argument("offload rms norm: the rows and their width must be >= 1");
   rms_norm(ptr<float>(x), ptr<float>(w), N, D, eps, reinterpret_cast<float*>(y), nthreads < 1 ? 1 : nthreads);
@@ -248,6 +312,11 @@ void bind_layer(py::module_& m) {
         "layer_forward(weights, path, nthreads, N, x, out, cos, sin, tokens, blocks (0: none), k_cache, v_cache, act_bf16, "
         "kv_bf16): "
         "raw pointers (x, out fp32 or bf16 with act_bf16; the caches fp32 or bf16 with kv_bf16), see offload/kernels/layer.py");
+  py::class_<UnitRun>(m, "UnitRun", "a run of fused units, called back to back");
+  m.def("unit_run", &make_run, "unit_run([(FusedWeights, table, local, wide, k, v, kv_bf16) or (FusedExperts,)])");
+  m.def("run_units", &run_units, py::call_guard<py::gil_scoped_release>(),
+        "run_units(run, path, nthreads, N, x, narrow0, narrow1, wide, [cos, sin, local cos, local sin, tokens, "
+        "blocks] * tables, act_bf16, ends (fp64 [units] or 0: seconds since the call began)): raw pointers, see offload/kernels/layer.py");
   m.def("rms_norm", &norm, py::call_guard<py::gil_scoped_release>(),
         "rms_norm(x, w, N, D, eps, y, nthreads): y [N, D] = x * rsqrt(mean(x^2) + eps) * w, fp32 raw pointers");
   m.def("cached_attention", &cached_attention, py::call_guard<py::gil_scoped_release>(),

@@ -18,16 +18,26 @@ PATHS = ["scalar"] + [p for p in ("avx2", "avx512") if ACTIVE_PATH in ("avx2", "
 
 
 class Counting:
-    """The extension, with its calls of the named functions counted (the fused layer and its attention alone)."""
+    """The extension, with its calls of the named functions counted (the fused layer and its attention alone); a run
+    of fused units counts as each of its units' calls (layer_forward, experts_forward) each time it runs."""
 
     def __init__(self, ext, names: tuple[str, ...] = ("layer_forward", "cached_attention")):
-        self.ext, self.names, self.calls = ext, names, Counter()
+        self.ext, self.names, self.calls, self.runs = ext, names, Counter(), {}
 
     def __getattr__(self, name):
         real = getattr(self.ext, name)
+        if name == "unit_run":
+            return lambda units: self._made(real(units), units)
+        if name == "run_units":
+            return lambda run, *args: self.calls.update(self.runs[id(run)][1]) or real(run, *args)
         if name not in self.names:
             return real
         return lambda *args: self.calls.update([name]) or real(*args)
+
+    def _made(self, run, units):
+        kinds = Counter("experts_forward" if len(u) == 1 else "layer_forward" for u in units)
+        self.runs[id(run)] = (run, Counter({k: n for k, n in kinds.items() if k in self.names}))
+        return run
 
 
 def prompt(n: int, seed: int = 1) -> list[int]:

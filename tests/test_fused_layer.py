@@ -18,6 +18,7 @@ import offload.kernels.layer as fused
 from conftest import make_hf_model, save_hf_model
 from offload import LLM, SamplingParams
 from offload.kernels import ACTIVE_PATH, pack
+from offload.kernels.step_tokens import token_table
 from offload.model.llama import LayerWeights, layer_forward
 from offload.model.step import LayerKV, make_step
 from offload.rope_spec import RopeSpec
@@ -162,7 +163,7 @@ def test_token_table_matches_attention_mask():
     """lo/hi per token select exactly the keys of step.attention_mask (causal, window, padding -> key 0)."""
     spec = _spec(window=3)
     step = _step(spec, [0, 4], [6, 2], 6)
-    table, blocks = fused.token_table(step, n_rows=2, n_slots=MAX_LEN + 1, sliding_window=3)
+    table, blocks = token_table(step, n_rows=2, n_slots=MAX_LEN + 1, sliding_window=3)
     assert blocks is None  # a step over whole rows: each sequence's keys are one run
     keys = torch.arange(step.mask.shape[-1])
     lo, hi = table[:, 2, None], table[:, 3, None]
@@ -198,13 +199,14 @@ def test_greedy_generation_unchanged(quantization, tmp_path, monkeypatch):
     llm = LLM(str(folder), quantization=quantization, backend="cpu")
     prompts = [{"prompt_token_ids": ids} for ids in ([5, 9, 31, 2, 77, 100, 3], [42, 8])]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
-    calls, ext = [], fused._C
-    counting = SimpleNamespace(fused_weights=ext.fused_weights,
-                               layer_forward=lambda *a: calls.append(1) or ext.layer_forward(*a))
+    calls, runs, ext = [], [], fused._C
+    counting = SimpleNamespace(fused_weights=ext.fused_weights, layer_forward=ext.layer_forward,
+                               unit_run=lambda units: runs.append(len(units)) or ext.unit_run(units),
+                               run_units=lambda *a: calls.append(1) or ext.run_units(*a))
     with monkeypatch.context() as m:
         m.setattr(fused, "_C", counting)
         ours = [o.token_ids for o in llm.generate(prompts, params)]
-    assert len(calls) >= 2 * 12  # every layer of every step went through the fused C++ layer
+    assert len(calls) >= 12 and runs and set(runs) == {2}  # every step ran both layers in the fused C++ layer
     reference = LLM(str(folder), quantization=quantization, backend="cpu")
     reference.model.fuse = False  # the executor's kernel choice: the reference block math for every layer
     calls.clear()
@@ -234,6 +236,38 @@ def test_layers_back_to_back_match_one_by_one(monkeypatch):
     for kv, kv_ref in zip(kvs, kvs_ref):
         _assert_same_cache(kv, kv_ref, "q4_0")
     assert len(ends) == 3 and ends == sorted(ends)
+
+
+def test_a_run_built_once_takes_each_step_and_refuses_tables_that_do_not_fit(monkeypatch):
+    """A FusedRun made once runs later steps as a run made for each (the same C++ calls: equal bit for bit), its
+    units' end times fall within the call, and step tables that do not fit its caches or tokens are refused."""
+    import time
+
+    from offload.errors import KernelError
+
+    spec = _spec(4, 2, None, False)
+    ws, lengths = [_weights(spec, "q4_0", False, seed=s) for s in range(2)], [6, 3]
+    kvs = [_prefilled(monkeypatch, spec, w, lengths) for w in ws]
+    twins = [LayerKV(2, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32) for _ in ws]
+    for kv, twin in zip(kvs, twins):
+        twin.k.copy_(kv.k), twin.v.copy_(kv.v)
+    layers = [fused.fuse_layer(spec, w) for w in ws]
+    views, twin_views = [fused.kv_view(kv) for kv in kvs], [fused.kv_view(kv) for kv in twins]
+    run = fused.fused_run(layers, views)
+    assert run.holds(layers, views) and not run.holds(layers, twin_views)
+    for i in range(2):
+        x, step, ends = _randn(2, 1, spec.hidden_size, seed=i), _step(spec, [n + i for n in lengths], [1, 1], 1,
+                                                                        phase="decode"), []
+        began = time.perf_counter()
+        out = fused.run_fused(run, x, fused.step_table(spec, step, views[0]), ends)
+        assert began <= ends[0] <= ends[1] <= time.perf_counter()
+        twin = fused.fused_layers_forward(layers, x, fused.step_table(spec, step, twin_views[0]), twin_views)
+        assert torch.equal(out, twin) and all(torch.equal(a.k, b.k) for a, b in zip(kvs, twins))
+    tables = [fused.step_table(spec, step, v) for v in views]  # two tables for caches of one shape
+    with pytest.raises(KernelError, match="different ones"):
+        fused.run_fused(run, x, tables, [])
+    with pytest.raises(KernelError, match="do not match the step's token table"):
+        fused.run_fused(run, _randn(1, 1, spec.hidden_size), tables[0])
 
 
 def test_the_model_math_never_calls_the_fused_layer(monkeypatch):
@@ -270,16 +304,21 @@ def test_a_bf16_plans_cpu_layers_run_fused_and_keep_bf16_caches(quantization, tm
     prompts = [{"prompt_token_ids": ids} for ids in ([5, 9, 31, 2, 77, 100, 3], [42, 8])]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
     llm = LLM(str(folder), quantization=quantization, dtype="bf16", backend="cpu")
-    seen, ext = [], fused._C
+    seen, caches, ext = [], [], fused._C
 
-    def layer_forward(*args):
-        seen.append(args[-2:])  # (act_bf16, kv_bf16)
-        return ext.layer_forward(*args)
+    def unit_run(units):
+        caches.extend(u[6] for u in units)  # kv_bf16 of each layer
+        return ext.unit_run(units)
+
+    def run_units(*args):
+        seen.append(args[9])  # act_bf16
+        return ext.run_units(*args)
 
     with monkeypatch.context() as m:
-        m.setattr(fused, "_C", SimpleNamespace(fused_weights=ext.fused_weights, layer_forward=layer_forward))
+        m.setattr(fused, "_C", SimpleNamespace(fused_weights=ext.fused_weights, layer_forward=ext.layer_forward,
+                                               unit_run=unit_run, run_units=run_units))
         ours = [o.token_ids for o in llm.generate(prompts, params)]
-    assert len(seen) >= 2 * 8 and set(seen) == {(1, 1)}
+    assert len(seen) >= 8 and set(seen) == {1} and caches and set(caches) == {1}
     cache = llm.model.runner._kv_views
     assert cache and all(v.kv.k.dtype is torch.bfloat16 and v.bf16 for v in cache.values())
     reference = LLM(str(folder), quantization=quantization, dtype="bf16", backend="cpu")

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 import torch
 
 from offload import attention_sizes
-from offload.attention_sizes import KV_BLOCK
 from offload.errors import KernelError
 from offload.formats import CPU_KERNELS, FUSED_COMPUTE, torch_dtype
 from offload.kernels import _C, ACTIVE_PATH_ID, PackedWeight
 from offload.kernels.dispatch import PATH_IDS
+from offload.kernels.step_tokens import ring_token_table, token_table
 
 _F32, _BF16 = torch.float32, torch.bfloat16
 ACTIVATIONS = tuple(torch_dtype(f) for f in FUSED_COMPUTE)  # the activation and KV cache formats it takes
@@ -253,61 +253,96 @@ def fused_layers_forward(layers: list, x: torch.Tensor, table: StepTable | list,
 
     layers: FusedLayer (dense layers, or a MoE layer's attention part, which hands over [B, S, 2D]) and
     FusedExperts (its routed experts, or a split-off MLP, taking that hand-over), with views[j] the KV cache of a
-    layer and None for experts. Everything per unit but the C++ call is done before the first one: the units
-    stream megabytes of weights through the CPU caches, so Python run between two of them runs cold and costs
-    several times its usual time. Appends each unit's end time (time.perf_counter) to ends if given, for the
-    timeline.
+    layer and None for experts. Appends each unit's end time (time.perf_counter) to ends if given, for the
+    timeline. A caller that runs the same units every step builds their FusedRun once (fused_run) and calls
+    run_fused.
     """
-    if len(layers) != len(views):
+    return run_fused(fused_run(layers, views), x, table, ends, path)
+
+
+@dataclass(frozen=True, eq=False)
+class FusedRun:
+    """Consecutive fused units with their KV caches as one C++ object, called once a step for all of them: the
+    units stream megabytes of weights through the CPU caches, so Python run between two of them runs cold and costs
+    several times its usual time. keys: the cache shapes its step tables are for, in order."""
+
+    layers: tuple
+    views: tuple
+    run: object  # _C.UnitRun
+    keys: tuple
+    kinds: tuple[bool, ...]  # True: experts (or a split-off MLP)
+    wide: tuple[bool, ...]  # True: a MoE layer's attention part, handing over [.., 2D]
+    local_keys: frozenset  # the tables a layer of the sliding layers' own rope reads
+
+    def holds(self, layers: list, views: list) -> bool:
+        """Whether this run is of these units and caches."""
+        return len(layers) == len(self.layers) and all(a is b for a, b in zip(layers, self.layers)) and \
+            all(a is b for a, b in zip(views, self.views))
+
+
+def fused_run(layers: list, views: list) -> FusedRun:
+    """The FusedRun of layers with their caches' views (None for experts), in model order."""
+    if len(layers) != len(views) or not layers:
         raise KernelError(f"fused layers: {len(layers)} layers but {len(views)} KV caches; pass one cache per layer")
-    if not layers:
-        return x
-    b, s, width = x.shape
-    kinds = [isinstance(u, FusedExperts) for u in layers]
-    tables = _unit_tables(table, views, kinds, b * s, width)
-    d = width // 2 if kinds[0] else width
-    wide = [not e and u.moe for u, e in zip(layers, kinds)]  # the units that hand over [.., 2D]
-    if [False] + wide[:-1] != [kinds[0]] + kinds[1:] or (kinds[0] and width != 2 * d):
+    kinds = tuple(isinstance(u, FusedExperts) for u in layers)
+    wide = tuple(not e and u.moe for u, e in zip(layers, kinds))
+    if [False, *wide[:-1]] != [kinds[0], *kinds[1:]]:
         raise KernelError("fused layers: experts (or a split-off MLP) take the hand-over of the attention part "
                           "just before them, and only they do; pass the units in model order")
+    if any((v is None) != e for v, e in zip(views, kinds)):
+        raise KernelError("fused layers: a layer has no KV cache, or experts have one; pass None for experts")
+    keys = tuple(dict.fromkeys(v.key for v in views if v is not None))
+    units = [(u.view,) if e else (u.view, keys.index(v.key), int(u.local), int(w), v.k_ptr, v.v_ptr, int(v.bf16))
+             for u, v, e, w in zip(layers, views, kinds, wide)]
+    local = frozenset(keys.index(v.key) for u, v, e in zip(layers, views, kinds) if not e and u.local)
+    return FusedRun(tuple(layers), tuple(views), _C.unit_run(units), keys, kinds, wide, local)
+
+
+def run_fused(run: FusedRun, x: torch.Tensor, table: StepTable | list, ends: list[float] | None = None,
+              path: str | None = None) -> torch.Tensor:
+    """fused_layers_forward for a run built before."""
+    b, s, width = x.shape
+    tables, d = _run_tables(run, table, b * s, width), width  # a run begins with a layer (fused_run)
     _check_activations(x, "fused layers")
     x = x.contiguous()
-    n_tokens, n_threads, bf16 = b * s, torch.get_num_threads(), int(x.dtype is _BF16)
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
-    # narrow outputs alternate (a unit never writes what it reads); the one wide buffer is read by the next unit
-    outs = {False: [x.new_empty(b, s, d) for _ in range(2)], True: [x.new_empty(b, s, 2 * d)]}
-    ptr = {id(t): t.data_ptr() for t in (x, *outs[False], *outs[True])}
-    calls, out, table_ptrs = [], x, {}  # each table's pointers, read once (for layers of either rope)
-    for j, (unit, view) in enumerate(zip(layers, views)):
-        target = outs[wide[j]][j % 2 if not wide[j] else 0]
-        if kinds[j]:
-            calls.append((_C.experts_forward, (unit.view, path_id, n_threads, n_tokens, ptr[id(out)], 0, 0,
-                                               ptr[id(target)], bf16)))
-        else:
-            key = (id(tables[j]), unit.local)
-            ptrs = table_ptrs.get(key) or table_ptrs.setdefault(key, _table_ptrs(tables[j], unit.local))
-            calls.append((_C.layer_forward, (unit.view, path_id, n_threads, n_tokens, ptr[id(out)], ptr[id(target)],
-                                             *ptrs, view.k_ptr, view.v_ptr, bf16, int(view.bf16))))
-        out = target
-    for call, args in calls:
-        call(*args)
-        if ends is not None:
-            ends.append(time.perf_counter())
-    return out
+    narrow = [x.new_empty(b, s, d) for _ in range(2)]  # they alternate: a unit never writes what it reads
+    wide = x.new_empty(b, s, 2 * d) if any(run.wide) else narrow[0]  # read by the experts after it
+    times = torch.empty(len(run.layers), dtype=torch.float64) if ends is not None else None
+    began = time.perf_counter()
+    _C.run_units(run.run, path_id, torch.get_num_threads(), b * s, x.data_ptr(), narrow[0].data_ptr(),
+                 narrow[1].data_ptr(), wide.data_ptr(), tables, int(x.dtype is _BF16),
+                 0 if times is None else times.data_ptr())
+    if ends is not None:
+        ends += [began + t for t in times.tolist()]
+    return wide if run.wide[-1] else narrow[(len(run.layers) - 1) % 2]
 
 
-def _unit_tables(table, views: list, kinds: list[bool], n_tokens: int, width: int) -> list:
-    """Each unit's step table (None for experts), checked against its cache and the step's tokens."""
-    tables = table if isinstance(table, list) else [None if e else table for e in kinds]
-    for t, v, e in zip(tables, views, kinds):
-        if (v is None) != e or (v is not None and (t is None or v.key != t.key)):
-            raise KernelError(f"fused layers: KV caches of shapes {[list(u.kv.k.shape) for u in views if u]} do not "
-                              f"match their step tables, or a layer has none; build each layer's table from its "
-                              f"cache's view")
-        if t is not None and t.tokens.shape[0] != n_tokens:
+def _run_tables(run: FusedRun, table, n_tokens: int, width: int) -> list[int]:
+    """The pointers of each of the run's step tables (cos, sin, local cos, local sin, tokens, blocks), checked
+    against its caches and the step's tokens."""
+    if isinstance(table, list):
+        if len(table) != len(run.layers):
+            raise KernelError(f"fused layers: {len(table)} step tables for {len(run.layers)} units; pass one each")
+        by_key = {}
+        for t, v in zip(table, run.views):
+            if (v is None) != (t is None) or (v is not None and by_key.setdefault(v.key, t) is not t):
+                raise KernelError("fused layers: a layer has no step table, or two caches of one shape have "
+                                  "different ones; build each layer's table from its cache's view")
+        tables = [by_key[k] for k in run.keys]
+    else:
+        tables = [table] * len(run.keys)
+    ptrs = []
+    for i, (t, key) in enumerate(zip(tables, run.keys)):
+        if t.key != key:
+            raise KernelError(f"fused layers: KV caches of shapes {[list(v.kv.k.shape) for v in run.views if v]} do "
+                              f"not match their step tables; build each layer's table from its cache's view")
+        if t.tokens.shape[0] != n_tokens:
             raise KernelError(f"fused layer: {n_tokens} tokens of width {width} do not match the step's token table "
                               f"of {t.tokens.shape[0]} tokens; build the table for this step")
-    return tables
+        cos, sin, tokens, blocks = _table_ptrs(t, False)
+        ptrs += [cos, sin, *(_table_ptrs(t, True)[:2] if i in run.local_keys else (0, 0)), tokens, blocks]
+    return ptrs
 
 
 def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, path: str | None = None,
@@ -330,76 +365,6 @@ def cached_attention(spec, qkv: torch.Tensor, table: StepTable, view: KVView, pa
                         view.k_ptr, view.v_ptr, int(view.bf16),
                         0 if sinks is None else sinks.data_ptr())
     return att
-
-
-def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B * S, 4] int64 per new token: flat KV slot (-1: padding), flat slot of its sequence's key 0 (its row,
-    plus its base in a pooled cache; with block tables: where its sequence's table begins in blocks), first and
-    last key it sees; the same keys as step.attention_mask (padding tokens see key 0 only). And blocks: a pooled
-    step's block tables as flat slots (row * n_slots + each block's slot), one sequence's after another, else None.
-    A ragged step's tables are its groups' one after another.
-
-    Built from Python lists: a decode step has a few tokens, where a dozen tiny tensor ops would cost more
-    than the table is worth."""
-    groups = step.groups if step.groups is not None else (step,)
-    parts, blocks = [], [] if any(g.tables is not None for g in groups) else None
-    for g in groups:
-        parts += _group_tokens(g, n_rows, n_slots, sliding_window, blocks)
-    tokens = torch.tensor(parts, dtype=torch.long) if parts else torch.empty(0, 4, dtype=torch.long)
-    return tokens, (torch.tensor(blocks, dtype=torch.long) if blocks else None)
-
-
-def _group_tokens(step, n_rows: int, n_slots: int, sliding_window: int | None, blocks: list[int] | None) -> list[tuple]:
-    """token_table's rows of a plain step, its block tables appended to blocks (where given: a group without tables
-    adds contiguous ones)."""
-    positions, write_index = step.positions.tolist(), step.write_index.tolist()
-    b = len(positions)
-    rows = list(range(b)) if step.rows is None else step.rows.tolist()
-    if len(rows) != b or any(not 0 <= r < n_rows for r in rows):
-        raise KernelError(f"fused layer: step rows {rows} do not fit a KV cache of {n_rows} rows for "
-                          f"a batch of {b}; allocate the cache with more rows")
-    tables = None if step.tables is None else step.tables.tolist()
-    if tables is None and blocks is not None:
-        tables = [list(range(0, step.n_keys, KV_BLOCK))] * b
-    if tables is not None and any(not 0 <= t < n_slots - 1 for table, row_positions in zip(tables, positions)
-                                  for t in table[: max(row_positions) // KV_BLOCK + 1]):
-        raise KernelError(f"fused layer: a block table names slots outside the KV cache's {n_slots - 1}; "
-                          f"build the step from the pool's extents")
-    out = []
-    for i, (row, row_positions, row_slots) in enumerate(zip(rows, positions, write_index)):
-        if blocks is None:
-            first = row * n_slots
-        else:
-            first = len(blocks)
-            blocks += [row * n_slots + t for t in tables[i]]
-        for pos, slot in zip(row_positions, row_slots):
-            if slot == n_slots - 1:  # padding writes to the trash slot T
-                out.append((-1, first, 0, 0))
-                continue
-            if not 0 <= slot < n_slots - 1 or (blocks is None and pos >= n_slots - 1):
-                raise KernelError(f"fused layer: positions reach past the KV cache's {n_slots - 1} slots; "
-                                  f"allocate the cache with a larger max_len")
-            out.append((row * n_slots + slot, first, 0 if sliding_window is None else max(pos - sliding_window + 1, 0),
-                        pos))
-    return out
-
-
-def ring_token_table(step, n_rows: int, n_slots: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """token_table's rows and block tables for a ring layer's cache of ring slots a sequence: a token writes at its
-    ring slot and sees keys 0.. its position (the layer's window cuts them in C++), found through a table whose
-    blocks wrap around the sequence's ring (key j at first + j % ring, as offload.model.attention.ring_table)."""
-    groups = step.groups if step.groups is not None else (step,)
-    tokens, blocks = [], []
-    for g in groups:
-        rings = g.rings[ring]
-        positions, writes, first = g.positions.tolist(), rings.writes.tolist(), rings.first.tolist()
-        rows = list(range(len(positions))) if g.rows is None else g.rows.tolist()
-        for row, start, row_positions, row_writes in zip(rows, first, positions, writes):
-            at, base = len(blocks), row * n_slots + start
-            blocks += [base + (KV_BLOCK * j) % ring for j in range(max(row_positions) // KV_BLOCK + 1)]
-            for pos, slot in zip(row_positions, row_writes):
-                tokens.append((-1, at, 0, 0) if slot < 0 else (row * n_slots + slot, at, 0, pos))
-    return torch.tensor(tokens, dtype=torch.long).view(-1, 4), torch.tensor(blocks, dtype=torch.long)
 
 
 def _rows_f32(t: torch.Tensor, dh: int) -> torch.Tensor:

@@ -29,10 +29,12 @@ class UnitRunner:
         self.spec, self.store, self.backend, self.dtype, self.fuse = spec, store, backend, dtype, fuse
         self.prefill_chunk_tokens = prefill_chunk_tokens
         self._kv_views: dict[int, fused.KVView | None] = {}  # id(LayerKV) -> the fused layer's view of it
+        self._runs: dict[tuple, fused.FusedRun] = {}  # units computed back to back -> their run (this cache's)
 
     def attach_cache(self, cache: list[LayerKV]) -> None:
         """A new KV cache: the fused layer's view of each of its layers, made once per cache."""
         self._kv_views = {id(kv): fused.kv_view(kv) for kv in cache} if self.fuse else {}
+        self._runs.clear()  # they hold the caches' views
 
     def host_layers(self, x, names, step: Step, kvs: list[LayerKV], steps: dict, ends: list[float]):
         """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one (a
@@ -40,9 +42,12 @@ class UnitRunner:
         layers = [self._fused(self.store.fused_layers.get(n), x) for n in names]
         views = self._fused_views(kvs, x, step) if self.fuse and all(layers) and any(kv is not None for kv in kvs) \
             else None
-        if views is not None and len(self._chunks(x, step)) == 1:  # every unit one C++ call, back to back
+        if views is not None and len(self._chunks(x, step)) == 1:  # every unit in one C++ call
+            run = self._runs.get(names)
+            if run is None or not run.holds(layers, views):
+                run = self._runs[names] = fused.fused_run(layers, views)
             tables = [None if v is None else self._step_table(step, v, steps) for v in views]
-            return fused.fused_layers_forward(layers, x, tables, views, ends)
+            return fused.run_fused(run, x, tables, ends)
         for name, kv in zip(names, kvs):
             w = self.store.host_weights[name]
             x = self._layer(x, name, w, step, kv, steps, False) if kv is not None else \
