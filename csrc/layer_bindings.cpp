@@ -210,6 +210,9 @@ struct UnitRun {
   struct Unit {
     const FusedWeights* layer;    // a layer (attention part of a MoE layer included), or null
     const FusedExperts* experts;  // else a MoE layer's routed experts (or a split-off MLP)
+    const float* norm;            // else the model's final norm's [D] weights (fp32 activations only)
+    float eps;
+    int64_t D;
     int64_t table;                // which of the step's tables it reads
     int local;                    // 1: it turns by the sliding layers' rope
     int wide;                     // 1: it hands over [N, 2D] to the experts after it
@@ -221,19 +224,27 @@ struct UnitRun {
   std::vector<py::object> keep;  // the units' weights, alive while the run is
 };
 
-// units: (FusedWeights, table, local, wide, k_cache, v_cache, kv_bf16) for a layer, (FusedExperts,) for experts.
+// units: (FusedWeights, table, local, wide, k_cache, v_cache, kv_bf16) for a layer, (FusedExperts,) for experts,
+// (norm weights [D] fp32, eps, D) for the final norm.
 UnitRun make_run(const py::list& units) {
   UnitRun r;
   for (const py::handle h : units) {
     const py::tuple t = h.cast<py::tuple>();
     r.keep.push_back(py::reinterpret_borrow<py::object>(t[0]));
     if (t.size() == 1) {
-      r.units.push_back({nullptr, t[0].cast<const FusedExperts*>(), 0, 0, 0, 0, 0, 0});
+      r.units.push_back({nullptr, t[0].cast<const FusedExperts*>(), nullptr, 0.f, 0, 0, 0, 0, 0, 0, 0});
+      continue;
+    }
+    if (t.size() == 3) {
+      const int64_t D = t[2].cast<int64_t>();
+      if (D < 1) throw std::invalid_argument("offload fused run: a norm's width must be >= 1");
+      r.units.push_back({nullptr, nullptr, ptr<float>(t[0].cast<uintptr_t>()), t[1].cast<float>(), D, 0, 0, 0, 0, 0, 0});
       continue;
     }
     if (t.size() != 7) throw std::invalid_argument("offload fused run: a layer is (weights, table, local, wide, k, v, kv_bf16)");
-    UnitRun::Unit u{t[0].cast<const FusedWeights*>(), nullptr, t[1].cast<int64_t>(), t[2].cast<int>(),
-                    t[3].cast<int>(), t[4].cast<uintptr_t>(), t[5].cast<uintptr_t>(), t[6].cast<int>()};
+    UnitRun::Unit u{t[0].cast<const FusedWeights*>(), nullptr, nullptr, 0.f, 0, t[1].cast<int64_t>(),
+                    t[2].cast<int>(), t[3].cast<int>(), t[4].cast<uintptr_t>(), t[5].cast<uintptr_t>(),
+                    t[6].cast<int>()};
     if (u.table < 0) throw std::invalid_argument("offload fused run: a table index must be >= 0");
     r.n_tables = std::max(r.n_tables, u.table + 1);
     r.units.push_back(u);
@@ -254,7 +265,10 @@ void run_units(const UnitRun& r, int path, int nthreads, int64_t N, uintptr_t x,
   for (size_t j = 0; j < r.units.size(); ++j) {
     const UnitRun::Unit& u = r.units[j];
     const uintptr_t out = u.wide ? wide : (j % 2 ? narrow1 : narrow0);
-    if (u.experts != nullptr) {
+    if (u.norm != nullptr) {
+      if (act_bf16) throw std::invalid_argument("offload fused run: the final norm takes fp32 activations");
+      rms_norm(ptr<float>(in), u.norm, N, u.D, u.eps, reinterpret_cast<float*>(out), nthreads < 1 ? 1 : nthreads);
+    } else if (u.experts != nullptr) {
       experts(*u.experts, path, nthreads, N, in, 0, 0, out, act_bf16);
     } else {
       const uintptr_t* t = tables.data() + 6 * u.table;
@@ -313,7 +327,8 @@ void bind_layer(py::module_& m) {
         "kv_bf16): "
         "raw pointers (x, out fp32 or bf16 with act_bf16; the caches fp32 or bf16 with kv_bf16), see offload/kernels/layer.py");
   py::class_<UnitRun>(m, "UnitRun", "a run of fused units, called back to back");
-  m.def("unit_run", &make_run, "unit_run([(FusedWeights, table, local, wide, k, v, kv_bf16) or (FusedExperts,)])");
+  m.def("unit_run", &make_run, "unit_run([(FusedWeights, table, local, wide, k, v, kv_bf16), (FusedExperts,) or "
+        "(norm weights, eps, D)])");
   m.def("run_units", &run_units, py::call_guard<py::gil_scoped_release>(),
         "run_units(run, path, nthreads, N, x, narrow0, narrow1, wide, [cos, sin, local cos, local sin, tokens, "
         "blocks] * tables, act_bf16, ends (fp64 [units] or 0: seconds since the call began)): raw pointers, see offload/kernels/layer.py");

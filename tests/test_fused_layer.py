@@ -206,7 +206,7 @@ def test_greedy_generation_unchanged(quantization, tmp_path, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(fused, "_C", counting)
         ours = [o.token_ids for o in llm.generate(prompts, params)]
-    assert len(calls) >= 12 and runs and set(runs) == {2}  # every step ran both layers in the fused C++ layer
+    assert len(calls) >= 12 and runs and set(runs) == {3}  # every step: both layers and the final norm, in C++
     reference = LLM(str(folder), quantization=quantization, backend="cpu")
     reference.model.fuse = False  # the executor's kernel choice: the reference block math for every layer
     calls.clear()
@@ -285,14 +285,20 @@ def test_the_model_math_never_calls_the_fused_layer(monkeypatch):
 
 
 def test_executor_builds_fused_handles_once_at_placement(tmp_path):
-    """Host-resident CPU layers get their fused handle when the weights are placed; steps reuse it."""
+    """Host-resident CPU layers (and the fp32 final norm, which ends their run) get their fused handle when the
+    weights are placed; steps reuse it."""
     folder = save_hf_model(make_hf_model("llama", num_hidden_layers=2), tmp_path / "tiny")
     llm = LLM(str(folder), quantization="q8_0", backend="cpu")
     handles = dict(llm.model.fused_layers)
-    assert set(handles) == {"layer.0", "layer.1"}
+    assert set(handles) == {"layer.0", "layer.1", "norm"} and isinstance(handles["norm"], fused.FusedNorm)
+    assert llm.model._schedule["decode"][1] == ("layer.0", "layer.1", "norm")
     llm.generate([{"prompt_token_ids": [5, 9, 31]}], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert all(llm.model.fused_layers[n] is h for n, h in handles.items())
-    assert all(set(vars(llm.model.host_weights[n])) == set(LayerWeights.__dataclass_fields__) for n in handles)
+    assert all(set(vars(llm.model.host_weights[n])) == set(LayerWeights.__dataclass_fields__)
+               for n in handles if n != "norm")
+    bf16 = LLM(str(folder), quantization="q8_0", dtype="bf16", backend="cpu")  # bf16 norm weights: a unit apart
+    assert "norm" not in bf16.model.fused_layers and bf16.model._schedule["decode"][1:] == [("layer.0", "layer.1"),
+                                                                                             "norm"]
 
 
 @pytest.mark.parametrize("quantization", ["q8_0", "q4_0", "none"])

@@ -141,8 +141,10 @@ def test_experts_reject_bad_ids_and_float_weights():
 
 def test_units_out_of_model_order_are_refused():
     """Experts take the hand-over of the attention part just before them: a chain that feeds them plain hidden
-    states (or feeds a layer the hand-over) is refused, not computed on garbage."""
+    states (or feeds a layer the hand-over) is refused, not computed on garbage. A final norm ends a run (its
+    output: the run's without it, normed), and only with fp32 activations."""
     from offload.errors import KernelError
+    from offload.kernels.ops import norm_rows
 
     spec = _spec("mixtral")
     layer = fused.fuse_layer(spec, _attention_part(spec, "q4_0"), moe=True)
@@ -153,6 +155,14 @@ def test_units_out_of_model_order_are_refused():
     table = fused.step_table(spec, step, view)
     x = torch.randn(1, 3, spec.hidden_size)
     assert fused.fused_layers_forward([layer, experts], x, table, [view, None]).shape == x.shape
-    for units, views in (([experts], [None]), ([layer, layer], [view, view]), ([experts, layer], [None, view])):
+    norm = fused.fuse_norm(torch.rand(spec.hidden_size) + 0.5, spec.rms_norm_eps)
+    normed = fused.fused_layers_forward([layer, experts, norm], x, table, [view, None, None])
+    torch.testing.assert_close(normed, norm_rows(fused.fused_layers_forward([layer, experts], x, table, [view, None]),
+                                                 norm.weight, norm.eps), rtol=1e-6, atol=1e-6)  # its K, V again
+    for units, views in (([experts], [None]), ([layer, layer], [view, view]), ([experts, layer], [None, view]),
+                         ([layer, norm], [view, None]), ([layer, experts, norm, layer], [view, None, None, view]),
+                         ([norm], [None])):
         with pytest.raises(KernelError, match="hand-over"):
             fused.fused_layers_forward(units, x, table, views)
+    with pytest.raises(KernelError, match="takes fp32 activations"):
+        fused.fused_layers_forward([layer, experts, norm], x.bfloat16(), table, [view, None, None])

@@ -27,6 +27,7 @@ _F32, _BF16 = torch.float32, torch.bfloat16
 ACTIVATIONS = tuple(torch_dtype(f) for f in FUSED_COMPUTE)  # the activation and KV cache formats it takes
 FUSABLE = _C is not None and hasattr(_C, "layer_forward")  # the extension has the fused layer
 HAS_CACHED_ATTENTION = _C is not None and hasattr(_C, "cached_attention")  # ... and its attention alone
+HAS_UNIT_RUN = _C is not None and hasattr(_C, "run_units")  # ... and runs of units, a final norm in them
 
 # the gated MLP's activations the fused layer has (csrc/layer.h GateAct); swiglu_oai: gpt-oss's experts' only
 GATE_ACTS = {"silu": 0, "gelu_tanh": 1, "swiglu_oai": 2}
@@ -77,6 +78,15 @@ class FusedExperts:
 
     weights: object  # the ExpertWeights (a split-off MLP: its MLPWeights and a one-expert router), kept alive
     view: object  # _C.fused_experts(...)
+
+
+@dataclass(frozen=True)
+class FusedNorm:
+    """A model's final RMSNorm (fp32 weights) as the last unit of a run: the C++ loop norms the last layer's output
+    while it is in the caches (the Python path to it after the layers ran cold: 150-230 us a decode step)."""
+
+    weight: torch.Tensor  # [D] fp32, contiguous
+    eps: float
 
 
 @dataclass(frozen=True)
@@ -184,6 +194,12 @@ def fuse_mlp(w, activation: str = "silu") -> FusedExperts | None:
     return FusedExperts((w, router), view)
 
 
+def fuse_norm(w: torch.Tensor, eps: float) -> FusedNorm | None:
+    """The final norm as a run's last unit, for fp32 weights (fp32 activations: run_fused refuses bf16 ones)."""
+    ok = HAS_UNIT_RUN and _is_f32_cpu(w) and w.dim() == 1
+    return FusedNorm(w, eps) if ok else None
+
+
 def fused_experts_forward(experts: FusedExperts, x: torch.Tensor, path: str | None = None) -> torch.Tensor:
     """offload.model.moe.experts_forward in one C++ call, the router's choice included: x [..., 2D] fp32 or bf16
     (residual | normed h) -> [..., D] in x's format. path: a kernel path of PATH_IDS (tests compare them), else the
@@ -284,16 +300,20 @@ def fused_run(layers: list, views: list) -> FusedRun:
     """The FusedRun of layers with their caches' views (None for experts), in model order."""
     if len(layers) != len(views) or not layers:
         raise KernelError(f"fused layers: {len(layers)} layers but {len(views)} KV caches; pass one cache per layer")
-    kinds = tuple(isinstance(u, FusedExperts) for u in layers)
+    norms = [isinstance(u, FusedNorm) for u in layers]
+    kinds = tuple(isinstance(u, (FusedExperts, FusedNorm)) for u in layers)  # True: no KV cache of its own
     wide = tuple(not e and u.moe for u, e in zip(layers, kinds))
-    if [False, *wide[:-1]] != [kinds[0], *kinds[1:]]:
+    if [False, *wide[:-1]] != [kinds[0] and not norms[0], *(e and not n for e, n in zip(kinds[1:], norms[1:]))] \
+            or any(norms[:-1]) or (norms[-1] and (len(layers) == 1 or wide[-2])):
         raise KernelError("fused layers: experts (or a split-off MLP) take the hand-over of the attention part "
-                          "just before them, and only they do; pass the units in model order")
+                          "just before them, and only they do, and a final norm ends a run of layers; pass the "
+                          "units in model order")
     if any((v is None) != e for v, e in zip(views, kinds)):
         raise KernelError("fused layers: a layer has no KV cache, or experts have one; pass None for experts")
     keys = tuple(dict.fromkeys(v.key for v in views if v is not None))
-    units = [(u.view,) if e else (u.view, keys.index(v.key), int(u.local), int(w), v.k_ptr, v.v_ptr, int(v.bf16))
-             for u, v, e, w in zip(layers, views, kinds, wide)]
+    units = [(u.weight.data_ptr(), u.eps, u.weight.numel()) if n else (u.view,) if e else
+             (u.view, keys.index(v.key), int(u.local), int(w), v.k_ptr, v.v_ptr, int(v.bf16))
+             for u, v, e, w, n in zip(layers, views, kinds, wide, norms)]
     local = frozenset(keys.index(v.key) for u, v, e in zip(layers, views, kinds) if not e and u.local)
     return FusedRun(tuple(layers), tuple(views), _C.unit_run(units), keys, kinds, wide, local)
 
@@ -304,6 +324,8 @@ def run_fused(run: FusedRun, x: torch.Tensor, table: StepTable | list, ends: lis
     b, s, width = x.shape
     tables, d = _run_tables(run, table, b * s, width), width  # a run begins with a layer (fused_run)
     _check_activations(x, "fused layers")
+    if x.dtype is not _F32 and isinstance(run.layers[-1], FusedNorm):
+        raise KernelError("fused layers: a run ending in the final norm takes fp32 activations; norm bf16 ones apart")
     x = x.contiguous()
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
     narrow = [x.new_empty(b, s, d) for _ in range(2)]  # they alternate: a unit never writes what it reads

@@ -30,7 +30,8 @@ class WeightStore:
         self.units = spec.units()
         self.order = [u.name for u in self.units]
         self.kind_index = {u.name: (u.kind, u.index) for u in self.units}  # name -> (kind, layer index)
-        self.fused_layers: dict[str, fused.FusedLayer | fused.FusedExperts] = {}  # host-resident, built once here
+        # host-resident units' C++ views, built once here (the final norm's too, with fp32 weights)
+        self.fused_layers: dict[str, fused.FusedLayer | fused.FusedExperts | fused.FusedNorm] = {}
         self.layouts: dict[str, UnitLayout] = {}
         self.resident, self.host_buffers, self.host_weights = {}, {}, {}
         self.disk = DiskStore(disk_dir)
@@ -111,16 +112,18 @@ class WeightStore:
     def _fuse_host_layer(self, name: str) -> None:
         """The fused C++ handle of a layer (or experts unit) the CPU computes from host memory, made once, where it
         fits."""
-        if not self.fuse or self.kind_index[name][0] not in ("layer", "experts", "mlp"):
+        if not self.fuse or self.kind_index[name][0] not in ("layer", "experts", "mlp", "norm"):
             return
         handle = self.fused_handle(name, self.host_weights[name])
         if handle is not None:
             self.fused_layers[name] = handle
 
     def fused_handle(self, name: str, w):
-        """The C++ view of a layer's (or a MoE layer's attention part's) or an experts unit's weights; None where
-        they do not suit it."""
+        """The C++ view of a layer's (or a MoE layer's attention part's), an experts unit's or the final norm's
+        weights; None where they do not suit it."""
         kind, index = self.kind_index[name]
+        if kind == "norm":
+            return fused.fuse_norm(w, self.spec.rms_norm_eps)
         if kind == "experts":
             return fused.fuse_experts(self.spec.moe, w)
         if kind == "mlp":
