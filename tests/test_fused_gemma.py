@@ -90,3 +90,31 @@ def test_each_layer_on_each_kernel_path_matches_the_reference(family, path):
             out = fused.fused_layer_forward(spec, w, x, step, kvs[0], path, index=i)
             ref = layer_forward(spec, w, x, step, kvs[1], index=i)
             assert float((out - ref).abs().max()) <= 1e-4 * float(ref.abs().max()), (i, start)
+
+
+def test_a_run_kept_from_decode_steps_is_not_taken_by_a_later_prompt_it_does_not_fit(family, monkeypatch):
+    """The runner keeps each run of fused units for the steps after; a later step it does not fit goes the way
+    host_layers would send it. One request at a time, so the second prompt's prefill follows the first's decode
+    steps over the same caches: its 30 tokens are more than a ring layer takes in one call (tokens: the reference
+    math's), and with fp32 weights past F32_KERNEL_ROWS (torch's linears, the fused attention: no fused run)."""
+    import offload.runtime.unit_runner as unit_runner
+    from offload import SamplingParams
+
+    _, folder = family
+    prompts = [{"prompt_token_ids": prompt(12, seed=2)}, {"prompt_token_ids": prompt(30, seed=3)}]
+    params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
+    with monkeypatch.context() as m:
+        m.setattr(unit_runner, "F32_KERNEL_ROWS", 1)  # dense fp32 linears fused at one token a step only
+        fp32 = LLM(str(folder), backend="cpu", max_model_len=64, batch_size=1)
+        counting = Counting(fused._C)
+        m.setattr(fused, "_C", counting)
+        fp32.generate(prompts, params)
+    n_layers = fp32.model.spec.n_layers
+    assert counting.calls["layer_forward"] == n_layers * 2 * (NEW - 1)  # the decode steps of both requests
+    assert counting.calls["cached_attention"] >= n_layers * 2  # each prompt's prefill: its attention alone
+    monkeypatch.setattr(attention_sizes, "RING_SLACK", 2)
+    llm, reference = (LLM(str(folder), quantization="q8_0", backend="cpu", max_model_len=64, batch_size=1)
+                      for _ in range(2))
+    reference.model.fuse = False
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in reference.generate(prompts,
+                                                                                                         params)]

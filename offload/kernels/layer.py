@@ -289,11 +289,17 @@ class FusedRun:
     kinds: tuple[bool, ...]  # True: experts (or a split-off MLP)
     wide: tuple[bool, ...]  # True: a MoE layer's attention part, handing over [.., 2D]
     local_keys: frozenset  # the tables a layer of the sliding layers' own rope reads
+    key_views: tuple  # a cache view of each key (to build its step table from)
 
     def holds(self, layers: list, views: list) -> bool:
         """Whether this run is of these units and caches."""
         return len(layers) == len(self.layers) and all(a is b for a, b in zip(layers, self.layers)) and \
             all(a is b for a, b in zip(views, self.views))
+
+    def of_caches(self, kvs: list) -> bool:
+        """Whether this run's caches are these (None for units without one)."""
+        return len(kvs) == len(self.views) and all(kv is (v.kv if v is not None else None)
+                                                   for kv, v in zip(kvs, self.views))
 
 
 def fused_run(layers: list, views: list) -> FusedRun:
@@ -315,12 +321,13 @@ def fused_run(layers: list, views: list) -> FusedRun:
              (u.view, keys.index(v.key), int(u.local), int(w), v.k_ptr, v.v_ptr, int(v.bf16))
              for u, v, e, w, n in zip(layers, views, kinds, wide, norms)]
     local = frozenset(keys.index(v.key) for u, v, e in zip(layers, views, kinds) if not e and u.local)
-    return FusedRun(tuple(layers), tuple(views), _C.unit_run(units), keys, kinds, wide, local)
+    key_views = tuple(next(v for v in views if v is not None and v.key == k) for k in keys)
+    return FusedRun(tuple(layers), tuple(views), _C.unit_run(units), keys, kinds, wide, local, key_views)
 
 
-def run_fused(run: FusedRun, x: torch.Tensor, table: StepTable | list, ends: list[float] | None = None,
+def run_fused(run: FusedRun, x: torch.Tensor, table: StepTable | list | dict, ends: list[float] | None = None,
               path: str | None = None) -> torch.Tensor:
-    """fused_layers_forward for a run built before."""
+    """fused_layers_forward for a run built before (table may also be a dict: each of run.keys' step table)."""
     b, s, width = x.shape
     tables, d = _run_tables(run, table, b * s, width), width  # a run begins with a layer (fused_run)
     _check_activations(x, "fused layers")
@@ -343,7 +350,9 @@ def run_fused(run: FusedRun, x: torch.Tensor, table: StepTable | list, ends: lis
 def _run_tables(run: FusedRun, table, n_tokens: int, width: int) -> list[int]:
     """The pointers of each of the run's step tables (cos, sin, local cos, local sin, tokens, blocks), checked
     against its caches and the step's tokens."""
-    if isinstance(table, list):
+    if isinstance(table, dict):  # by cache shape
+        tables = [table[k] for k in run.keys]
+    elif isinstance(table, list):
         if len(table) != len(run.layers):
             raise KernelError(f"fused layers: {len(table)} step tables for {len(run.layers)} units; pass one each")
         by_key = {}

@@ -39,11 +39,14 @@ class UnitRunner:
     def host_layers(self, x, names, step: Step, kvs: list[LayerKV], steps: dict, ends: list[float]):
         """Layers in host RAM back to back: through the fused C++ layer when all of them can, else one by one (a
         MoE model's layers and experts units alternate: one by one, each through its own C++ call where it can)."""
+        run = self._runs.get(names)
+        if run is not None and self._runs_again(run, x, step, kvs):  # the steps after the first: nothing to look up
+            return fused.run_fused(run, x, {k: self._step_table(step, v, steps) for k, v in
+                                            zip(run.keys, run.key_views)}, ends)
         layers = [self._fused(self.store.fused_layers.get(n), x) for n in names]
         views = self._fused_views(kvs, x, step) if self.fuse and all(layers) and any(kv is not None for kv in kvs) \
             else None
         if views is not None and len(self._chunks(x, step)) == 1:  # every unit in one C++ call
-            run = self._runs.get(names)
             if run is None or not run.holds(layers, views):
                 run = self._runs[names] = fused.fused_run(layers, views)
             tables = [None if v is None else self._step_table(step, v, steps) for v in views]
@@ -54,6 +57,14 @@ class UnitRunner:
                 self.compute(x, name, w, step, None, steps, False)
             ends.append(Timeline.now())
         return x
+
+    def _runs_again(self, run, x, step: Step, kvs: list) -> bool:
+        """Whether run takes this pass as host_layers' checks would find: fused, its handles and caches as they were
+        (rings that fit the step, dense fp32 linears over few enough tokens), one chunk."""
+        return self.fuse and run.of_caches(kvs) and x.dtype in fused.ACTIVATIONS and \
+            all(self._fused(u, x) is not None for u in run.layers if getattr(u, "dense", False)) and \
+            (all(v is None or v.ring is None for v in run.views) or fused.ring_fits(step)) and \
+            len(self._chunks(x, step)) == 1
 
     @staticmethod
     def _fused(handle, x):
