@@ -129,24 +129,25 @@ def _inputs(plain, verified, chunks) -> tuple[tuple, tuple[int, ...]]:
     each verified sequence's last token and proposals, each prompt chunk."""
     groups, tokens = [], []
     if plain:
-        positions = torch.tensor([[s.n_tokens - 1] for s in plain])
-        groups.append((positions, *_where(plain, positions)))
+        last = [s.n_tokens - 1 for s in plain]
+        groups.append((torch.tensor([[p] for p in last]), *_where(plain, last)))
         tokens += [s.output_ids[-1] for s in plain]
     for seq, proposal in verified:  # its last token and its proposals: the model's next token after each
-        positions = torch.tensor([[seq.n_tokens - 1 + d for d in (0, *proposal.depths)]])
-        groups.append((positions, *_where([seq], positions)))
+        positions = [seq.n_tokens - 1 + d for d in (0, *proposal.depths)]
+        groups.append((torch.tensor([positions]), *_where([seq], [max(positions)])))
         tokens += [seq.output_ids[-1], *proposal.tokens]
     for seq, n in chunks:
         positions = torch.arange(seq.n_cached, seq.n_cached + n)[None]
-        groups.append((positions, *_where([seq], positions)))
+        groups.append((positions, *_where([seq], [seq.n_cached + n - 1])))
         tokens += seq.prompt_ids[seq.n_cached: seq.n_cached + n]
     return tuple(groups), tuple(tokens)
 
 
-def _where(seqs, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The sequences' block tables in the pool (as far as positions reach) and their rings in the ring layers."""
-    n_blocks = int(positions.max()) // KV_BLOCK + 1
-    for seq, last in zip(seqs, positions.max(dim=1).values.tolist()):
+def _where(seqs, lasts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sequences' block tables in the pool (as far as their last positions reach) and their rings in the ring
+    layers."""
+    n_blocks = max(lasts) // KV_BLOCK + 1
+    for seq, last in zip(seqs, lasts):
         if last >= KV_BLOCK * seq.n_blocks:  # its writes would land in another sequence's block
             raise RuntimeError(f"request {seq.request_id!r} reaches position {last} past its {seq.n_blocks} KV blocks")
     return torch.tensor([s.table(n_blocks) for s in seqs]), torch.tensor([s.ring for s in seqs])

@@ -12,6 +12,7 @@ from offload.model import rope
 from offload.model.step import make_step, ragged_step
 from offload.profile.timeline import Span, Timeline
 from offload.rope_spec import RopeSpec
+from offload.sampling import all_finite
 from offload.runtime.backends.base import Work
 from offload.spec import ModelSpec
 
@@ -28,7 +29,7 @@ MAX_POSITIONS = 2048
 def test_rope_rows_looked_up_equal_the_ones_computed(spec_rope, positions):
     positions = torch.tensor(positions)
     for dim in (16, 64, 128):
-        cos, sin = rope._cos_sin(spec_rope, dim, positions, MAX_POSITIONS)
+        cos, sin = rope._cos_sin(spec_rope, dim, positions, MAX_POSITIONS, int(positions.max()))
         inv_freq = rope._shared_inv_freq(spec_rope, dim, int(positions.max()) + 1, MAX_POSITIONS)
         ref_cos, ref_sin = rope._cos_sin_of(spec_rope, inv_freq, positions)
         assert cos.shape == ref_cos.shape == (positions.shape[0], 1, positions.shape[1], dim)
@@ -84,3 +85,15 @@ def test_block_runs_read_as_spans_in_the_order_added():
     assert [s.unit for s in taken.spans][-1] == "layer.0" and len(taken.spans) == 6 and tl.spans == []
     with pytest.raises(ValueError, match="unknown span kind"):
         tl.add_blocks("gpu_sleep", [Work("layer.0", "layer", "decode", 1)], [0.0, 1.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_logits_are_finite_unless_one_is_nan_or_infinite(dtype):
+    logits = torch.randn(3000, generator=torch.Generator().manual_seed(0)).to(dtype)
+    assert all_finite(logits) and all_finite(logits[::3])
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        broken = logits.clone()
+        broken[1234] = bad
+        assert not all_finite(broken), bad
+    huge = torch.full((100_000,), 3e38, dtype=dtype)  # their sum overflows
+    assert all_finite(huge) and not all_finite(torch.cat([huge, torch.tensor([float("nan")], dtype=dtype)]))

@@ -81,18 +81,19 @@ def _llama3_scale(inv_freq: torch.Tensor, rope: RopeSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype):
+def rope_cos_sin(spec: ModelSpec, positions: torch.Tensor, dtype: torch.dtype, last: int | None = None):
     """cos and signed sin [B, 1, S, rotary_dim] for positions [B, S] (twice as wide where the sliding layers turn
-    by a rope of their own: rope_table picks a layer's)."""
+    by a rope of their own: rope_table picks a layer's); last: the largest position, where the caller knows it."""
     ropes = [spec.rope] + ([spec.variant.local_rope] if spec.variant.local_rope is not None else [])
-    tables = [_cos_sin(rope, spec.rotary_dim, positions, spec.max_position_embeddings) for rope in ropes]
+    if last is None:
+        last = int(positions.max()) if positions.numel() else 0
+    tables = [_cos_sin(rope, spec.rotary_dim, positions, spec.max_position_embeddings, last) for rope in ropes]
     cos = torch.cat([c for c, _ in tables], dim=-1) if len(tables) > 1 else tables[0][0]
     sin = torch.cat([s for _, s in tables], dim=-1) if len(tables) > 1 else tables[0][1]
     return cos.to(dtype), sin.to(dtype)
 
 
-def _cos_sin(rope: RopeSpec, dim: int, positions: torch.Tensor, max_positions: int):
-    last = int(positions.max()) if positions.numel() else 0
+def _cos_sin(rope: RopeSpec, dim: int, positions: torch.Tensor, max_positions: int, last: int):
     n = _freq_len(rope, last + 1, max_positions)
     if last < ROPE_ROWS and positions.device.type == "cpu" and (rope.type != "dynamic" or n == 0):
         cos, sin = _rope_rows(rope, dim, n, max_positions)  # a decode step's rows looked up, not computed

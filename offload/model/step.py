@@ -246,15 +246,16 @@ def make_step(spec: ModelSpec, dtype: torch.dtype, positions: torch.Tensor, vali
     tables [B, M]: the slot in its cache row of each KV_BLOCK keys of a sequence (a pooled cache; M covers its
     positions); rings [B]: each sequence's ring in a pooled row of the ring layers (spec.kv_ring; None: a row's one
     ring)."""
+    last = None
     if valid is None and tables is not None:  # every token real (a ragged step's group)
-        n_keys, valid = int(positions.max()) + 1, torch.ones_like(positions, dtype=torch.bool)
-        write_index = table_slots(tables, positions)
+        last, valid = int(positions.max()), torch.ones_like(positions, dtype=torch.bool)
+        n_keys, write_index = last + 1, table_slots(tables, positions)
     else:
         valid = torch.ones_like(positions, dtype=torch.bool) if valid is None else valid
         n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1  # no valid token: 1
         slots = positions if tables is None else table_slots(tables, torch.where(valid, positions, 0))
         write_index = torch.where(valid, slots, trash_slot)
-    cos, sin = rope_cos_sin(spec, positions, dtype)
+    cos, sin = rope_cos_sin(spec, positions, dtype, last)
     sizes = ring_sizes(spec)
     if tables is not None and rings is None and sizes:
         raise ValueError("a pooled step of a model with ring layers needs each sequence's ring (rings)")
