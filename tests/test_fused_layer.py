@@ -216,15 +216,21 @@ def test_greedy_generation_unchanged(quantization, tmp_path, monkeypatch):
     assert not calls and ours == ref and all(len(t) == 12 for t in ours)
 
 
+def _layers_with_caches(monkeypatch, n: int):
+    """(spec, n layers' q4_0 weights, two sequences' lengths, their prefilled caches, a copy of each cache)."""
+    spec = _spec(4, 2, None, False)
+    ws, lengths = [_weights(spec, "q4_0", False, seed=s) for s in range(n)], [6, 3]
+    kvs = [_prefilled(monkeypatch, spec, w, lengths) for w in ws]
+    copies = [LayerKV(2, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32) for _ in ws]
+    for kv, copy in zip(kvs, copies):
+        copy.k.copy_(kv.k), copy.v.copy_(kv.v)
+    return spec, ws, lengths, kvs, copies
+
+
 def test_layers_back_to_back_match_one_by_one(monkeypatch):
     """Three fused layers in one call (outputs alternate between two buffers) equal the reference layer by layer,
     caches included, and each layer's end time is recorded."""
-    spec = _spec(4, 2, None, False)
-    ws, lengths = [_weights(spec, "q4_0", False, seed=s) for s in range(3)], [6, 3]
-    kvs = [_prefilled(monkeypatch, spec, w, lengths) for w in ws]
-    kvs_ref = [LayerKV(2, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32) for _ in ws]
-    for kv, kv_ref in zip(kvs, kvs_ref):
-        kv_ref.k.copy_(kv.k), kv_ref.v.copy_(kv.v)
+    spec, ws, lengths, kvs, kvs_ref = _layers_with_caches(monkeypatch, 3)
     x, step, ends = _randn(2, 1, spec.hidden_size), _step(spec, lengths, [1, 1], 1, phase="decode"), []
     views = [fused.kv_view(kv) for kv in kvs]
     layers = [fused.fuse_layer(spec, w) for w in ws]
@@ -245,12 +251,7 @@ def test_a_run_built_once_takes_each_step_and_refuses_tables_that_do_not_fit(mon
 
     from offload.errors import KernelError
 
-    spec = _spec(4, 2, None, False)
-    ws, lengths = [_weights(spec, "q4_0", False, seed=s) for s in range(2)], [6, 3]
-    kvs = [_prefilled(monkeypatch, spec, w, lengths) for w in ws]
-    twins = [LayerKV(2, spec.n_kv_heads, MAX_LEN, spec.head_dim, torch.float32) for _ in ws]
-    for kv, twin in zip(kvs, twins):
-        twin.k.copy_(kv.k), twin.v.copy_(kv.v)
+    spec, ws, lengths, kvs, twins = _layers_with_caches(monkeypatch, 2)
     layers = [fused.fuse_layer(spec, w) for w in ws]
     views, twin_views = [fused.kv_view(kv) for kv in kvs], [fused.kv_view(kv) for kv in twins]
     run = fused.fused_run(layers, views)
