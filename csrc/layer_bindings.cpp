@@ -238,10 +238,12 @@ UnitRun make_run(const py::list& units) {
     if (t.size() == 3) {
       const int64_t D = t[2].cast<int64_t>();
       if (D < 1) throw std::invalid_argument("offload fused run: a norm's width must be >= 1");
-      r.units.push_back({nullptr, nullptr, ptr<float>(t[0].cast<uintptr_t>()), t[1].cast<float>(), D, 0, 0, 0, 0, 0, 0});
+      const float* w = ptr<float>(t[0].cast<uintptr_t>());
+      r.units.push_back({nullptr, nullptr, w, t[1].cast<float>(), D, 0, 0, 0, 0, 0, 0});
       continue;
     }
-    if (t.size() != 7) throw std::invalid_argument("offload fused run: a layer is (weights, table, local, wide, k, v, kv_bf16)");
+    if (t.size() != 7)
+      throw std::invalid_argument("offload fused run: a layer is (weights, table, local, wide, k, v, kv_bf16)");
     UnitRun::Unit u{t[0].cast<const FusedWeights*>(), nullptr, nullptr, 0.f, 0, t[1].cast<int64_t>(),
                     t[2].cast<int>(), t[3].cast<int>(), t[4].cast<uintptr_t>(), t[5].cast<uintptr_t>(),
                     t[6].cast<int>()};
@@ -331,7 +333,8 @@ void bind_layer(py::module_& m) {
         "(norm weights, eps, D)])");
   m.def("run_units", &run_units, py::call_guard<py::gil_scoped_release>(),
         "run_units(run, path, nthreads, N, x, narrow0, narrow1, wide, [cos, sin, local cos, local sin, tokens, "
-        "blocks] * tables, act_bf16, ends (fp64 [units] or 0: seconds since the call began)): raw pointers, see offload/kernels/layer.py");
+        "blocks] * tables, act_bf16, ends (fp64 [units] or 0: seconds since the call began)): raw pointers, see "
+        "offload/kernels/layer.py");
   m.def("rms_norm", &norm, py::call_guard<py::gil_scoped_release>(),
         "rms_norm(x, w, N, D, eps, y, nthreads): y [N, D] = x * rsqrt(mean(x^2) + eps) * w, fp32 raw pointers");
   m.def("cached_attention", &cached_attention, py::call_guard<py::gil_scoped_release>(),
