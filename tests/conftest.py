@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,8 +14,10 @@ import pytest
 import torch
 
 # The tests neither read nor write the user's offload cache: a calibrated profile or a recorded process baseline
-# there would move every plan (each session starts from the estimate and the documented baseline).
+# there would move every plan (each session starts from the estimate and the documented baseline). It goes when the
+# session ends (about 100 MB of converted models each run left in /tmp otherwise).
 os.environ["OFFLOAD_CACHE"] = __import__("tempfile").mkdtemp(prefix="offload-test-cache-")
+atexit.register(shutil.rmtree, os.environ["OFFLOAD_CACHE"], ignore_errors=True)
 
 TINY = dict(vocab_size=160, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

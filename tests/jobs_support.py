@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import shutil
@@ -32,6 +33,7 @@ def _default_tokenizer_dir() -> Path:
     from offload.weights.model_files import load_tokenizer
 
     folder = Path(tempfile.mkdtemp(prefix="offload-tokenizer-"))
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     load_tokenizer(find_gguf()).save_pretrained(folder)
     return folder
 
