@@ -329,14 +329,15 @@ def run_fused(run: FusedRun, x: torch.Tensor, table: StepTable | list | dict, en
               path: str | None = None) -> torch.Tensor:
     """fused_layers_forward for a run built before (table may also be a dict: each of run.keys' step table)."""
     b, s, width = x.shape
-    tables, d = _run_tables(run, table, b * s, width), width  # a run begins with a layer (fused_run)
+    tables = _run_tables(run, table, b * s, width)
     _check_activations(x, "fused layers")
     if x.dtype is not _F32 and isinstance(run.layers[-1], FusedNorm):
         raise KernelError("fused layers: a run ending in the final norm takes fp32 activations; norm bf16 ones apart")
     x = x.contiguous()
     path_id = ACTIVE_PATH_ID if path is None else PATH_IDS[path]
-    narrow = [x.new_empty(b, s, d) for _ in range(2)]  # they alternate: a unit never writes what it reads
-    wide = x.new_empty(b, s, 2 * d) if any(run.wide) else narrow[0]  # read by the experts after it
+    narrow = [x.new_empty(b, s, width) for _ in range(2)]  # they alternate: a unit never writes what it reads
+    wide = x.new_empty(b, s, 2 * width) if any(run.wide) else narrow[0]  # read by the experts after it (a run
+    # begins with a layer, fused_run: x is never a hand-over)
     times = torch.empty(len(run.layers), dtype=torch.float64) if ends is not None else None
     began = time.perf_counter()
     _C.run_units(run.run, path_id, torch.get_num_threads(), b * s, x.data_ptr(), narrow[0].data_ptr(),
