@@ -17,6 +17,7 @@
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -122,6 +123,25 @@ ALWAYS_INLINE float sink_of(const LayerArgs& a, int64_t h) { return a.sinks != n
 // The first key a token sees: its table's, or later where the layer's own window cuts it (padding: key 0).
 ALWAYS_INLINE int64_t first_key(const LayerArgs& a, const int64_t* tok) {
   return a.shape.window > 0 ? std::max(tok[kLo], tok[kHi] - a.shape.window + 1) : tok[kLo];
+}
+
+// A tree of proposals' token (a key map, tok[kMap] >= 0): the first of its keys the map names (keys before it are
+// where their positions say); else past its last key.
+ALWAYS_INLINE int64_t map_start(const LayerArgs& a, const int64_t* tok) {
+  return tok[kMap] < 0 ? tok[kHi] + 1 : tok[kHi] - a.blocks[tok[kMap]] + 1;
+}
+
+// Key j of a token as its sequence's block table holds it: j itself, or where its key map puts it.
+ALWAYS_INLINE int64_t real_key(const LayerArgs& a, const int64_t* tok, int64_t j) {
+  const int64_t ms = map_start(a, tok);
+  return j < ms ? j : a.blocks[tok[kMap] + 1 + (j - ms)];
+}
+
+// Whether any token of the step is a tree's with a key map.
+bool has_maps(const LayerArgs& a) {
+  for (int64_t n = 0; n < a.N; ++n)
+    if (a.tokens[n * kTokenCols + kMap] >= 0) return true;
+  return false;
 }
 
 namespace avx2 {
@@ -314,6 +334,23 @@ int64_t head_parts(const LayerArgs& a, int64_t tasks) {
   return tasks >= a.nthreads ? 1 : std::min<int64_t>(a.shape.n_kv_heads, (a.nthreads + tasks - 1) / tasks);
 }
 
+// Keys c .. hi of a tree's token (its map's chunks): their K and V rows (every head's) copied in key order from where
+// the map puts them, then attended as one run from key 0, the queries' key ranges moved down by c to match.
+template <typename Attend>
+void gather_mapped(const LayerArgs& a, const int64_t* tok, const int64_t* blk, int64_t c, int64_t hi, int64_t stride,
+                   TileQuery* qs, int nq, Attend& attend_keys) {
+  const int64_t n = hi - c + 1, size = a.kv_bf16 ? 2 : 4, row_bytes = stride * size;
+  std::vector<char> k(size_t(n * row_bytes)), v(size_t(n * row_bytes));
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t r = real_key(a, tok, c + j), slot = blk[r / kKvBlock] + r % kKvBlock;
+    std::memcpy(k.data() + j * row_bytes, static_cast<const char*>(a.k_cache) + slot * row_bytes, size_t(row_bytes));
+    std::memcpy(v.data() + j * row_bytes, static_cast<const char*>(a.v_cache) + slot * row_bytes, size_t(row_bytes));
+  }
+  for (int i = 0; i < nq; ++i) qs[i].lo -= c, qs[i].hi -= c;
+  attend_keys(k.data(), v.data(), nullptr, 0, n - 1);
+  for (int i = 0; i < nq; ++i) qs[i].lo += c, qs[i].hi += c;
+}
+
 // Task t = (token n, split sp) of attention_by_rows, or its part of KV heads g0 .. g1 - 1 (head_parts): those KV
 // heads' query heads of token n over its split of the keys (chunks of 8 from the first chunk's start, shared out in
 // order); the unnormalized (m, l) of each of them into ml, out into part.
@@ -338,15 +375,28 @@ void attend_split(const LayerArgs& a, const float* qkv, int64_t n, int64_t sp, i
   const int64_t* blk = a.blocks != nullptr ? a.blocks + row_base : nullptr;
   const int64_t first = (blk ? 0 : row_base) * stride + g0 * dh, n_kv = g1 - g0;
   TileQuery* group = qs + h0;
-  if (j_lo <= j_hi && rows_bf16)
-    avx2::attend_rows_bf16(group, per_head, n_kv, static_cast<const uint16_t*>(a.k_cache) + first,
-                           static_cast<const uint16_t*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
-  else if (j_lo <= j_hi && a.kv_bf16)
-    attend_rows_for(a.path == P_AVX512, group, per_head, n_kv, static_cast<const uint16_t*>(a.k_cache) + first,
-                    static_cast<const uint16_t*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
-  else if (j_lo <= j_hi)
-    attend_rows_for(a.path == P_AVX512, group, per_head, n_kv, static_cast<const float*>(a.k_cache) + first,
-                    static_cast<const float*>(a.v_cache) + first, stride, j_lo, j_hi, dh, blk);
+  // keys [lo_, hi_] of K and V rows kc, vc (through blk, or one run where blk is null), in chunks of 8 from lo_
+  auto attend_keys = [&](const void* kc, const void* vc, const int64_t* blk_, int64_t lo_, int64_t hi_) {
+    if (lo_ > hi_) return;
+    if (rows_bf16)
+      avx2::attend_rows_bf16(group, per_head, n_kv, static_cast<const uint16_t*>(kc) + first,
+                             static_cast<const uint16_t*>(vc) + first, stride, lo_, hi_, dh, blk_);
+    else if (a.kv_bf16)
+      attend_rows_for(a.path == P_AVX512, group, per_head, n_kv, static_cast<const uint16_t*>(kc) + first,
+                      static_cast<const uint16_t*>(vc) + first, stride, lo_, hi_, dh, blk_);
+    else
+      attend_rows_for(a.path == P_AVX512, group, per_head, n_kv, static_cast<const float*>(kc) + first,
+                      static_cast<const float*>(vc) + first, stride, lo_, hi_, dh, blk_);
+  };
+  const int64_t ms = map_start(a, tok);
+  if (ms > j_hi || blk == nullptr) {
+    attend_keys(a.k_cache, a.v_cache, blk, j_lo, j_hi);
+  } else {  // a tree's token: the chunks from the one its map starts in read rows gathered through the map, in the
+            // same chunks of 8 (its sums are what the same keys at consecutive slots would give)
+    const int64_t c = std::max(j_lo, ms & ~int64_t(7));
+    attend_keys(a.k_cache, a.v_cache, blk, j_lo, c - 1);
+    gather_mapped(a, tok, blk, c, j_hi, stride, group, int(h1 - h0), attend_keys);
+  }
   for (int64_t h = h0; h < h1; ++h) {
     ml[2 * h] = qs[h].m, ml[2 * h + 1] = qs[h].l;
     if (rows_bf16) avx2::permute16(part + h * dh, dh);
@@ -429,7 +479,7 @@ void attention_per_query(const LayerArgs& a, const float* qkv, float* att, const
         if (a.blocks != nullptr) {
           const int64_t* blk = a.blocks + tok[kRowBase];
           for (int64_t j = 0; j < n_keys; ++j) {
-            const int64_t at = (blk[(lo + j) / kKvBlock] + (lo + j) % kKvBlock) * stride + head;
+            const int64_t r = real_key(a, tok, lo + j), at = (blk[r / kKvBlock] + r % kKvBlock) * stride + head;
             std::copy(k_cache + at, k_cache + at + dh, b.keys.data() + j * dh);
             std::copy(v_cache + at, v_cache + at + dh, b.values.data() + j * dh);
           }
@@ -449,7 +499,7 @@ void attention(const LayerArgs& a, const float* qkv, float* att) {
   const LayerShape& s = a.shape;
   const int64_t dh = s.head_dim, group = s.n_heads / s.n_kv_heads;
   if (a.path != P_SCALAR && dh % 8 == 0 && group <= kMaxGroup && (!a.kv_bf16 || dh <= kMaxBufferedDh))
-    return few_tokens_per_row(a) ? attention_by_rows(a, qkv, att) : attention_blocked(a, qkv, att);
+    return few_tokens_per_row(a) || has_maps(a) ? attention_by_rows(a, qkv, att) : attention_blocked(a, qkv, att);
   if (a.kv_bf16) return attention_per_query(a, qkv, att, static_cast<const uint16_t*>(a.k_cache),
                                             static_cast<const uint16_t*>(a.v_cache));
   attention_per_query(a, qkv, att, static_cast<const float*>(a.k_cache), static_cast<const float*>(a.v_cache));

@@ -34,7 +34,10 @@ constexpr int kRowBase = 1;  // flat slot of key 0 of the token's sequence: row 
 constexpr int64_t kKvBlock = 16;  // keys per block of a block table (offload.attention_sizes.KV_BLOCK)
 constexpr int kLo = 2;       // first key the token sees (inclusive)
 constexpr int kHi = 3;       // last key the token sees (inclusive)
-constexpr int kTokenCols = 4;
+constexpr int kMap = 4;      // -1; or a tree of proposals' token: where its key map begins in LayerArgs::blocks,
+                             // [t, r_1 .. r_t]: its keys kHi - t + 1 .. kHi (its ancestors' positions and its own)
+                             // are keys r_1 .. r_t of its sequence (where the tree's tokens wrote them)
+constexpr int kTokenCols = 5;
 
 struct LayerShape {
   int64_t n_heads, n_kv_heads, head_dim, intermediate;

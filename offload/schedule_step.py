@@ -31,8 +31,8 @@ from offload.sequence import Sequence
 @dataclass(frozen=True)
 class Proposal:
     """Tokens a drafter proposes after a sequence's last token, each with the index of the token it follows (-1:
-    the sequence's last token). A chain today (parents -1, 0, 1, ...); a tree of proposals is the same two
-    lists, so it can take a chain's place in the step without a new field."""
+    the sequence's last token): a chain (parents -1, 0, 1, ...) or a tree (several candidates after one token),
+    each proposal after the one it follows."""
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
@@ -66,7 +66,7 @@ class ScheduledStep:
     decode: tuple[Sequence, ...]  # a decode token each, no proposals
     verified: tuple[tuple[Sequence, Proposal], ...]  # a decode token and the drafter's proposals each
     chunks: tuple[tuple[Sequence, int], ...]  # (sequence, its next n prompt tokens, from its n_cached on)
-    groups: tuple[tuple[torch.Tensor, ...], ...]  # (positions [b, s], tables [b, m], rings [b]): ragged_step's
+    groups: tuple[tuple, ...]  # (positions [b, s], tables [b, m], rings [b], a tree's parents or None): ragged_step's
     tokens: tuple[int, ...]  # the flat tokens, group after group
     samples: tuple[tuple[Sequence, int], ...]  # (sequence, row) of each sequence that samples its next token
     shared: tuple[tuple[Sequence, Sequence], ...]  # (first sample, other): other copies the prompt's K and V
@@ -101,10 +101,6 @@ def schedule_step(running: list[Sequence], step_tokens: int, mixed: bool = True,
     decode = decoding(running, mixed)
     plain = tuple(s for s in decode if not proposals.get(id(s)))
     verified = tuple((s, proposals[id(s)]) for s in decode if proposals.get(id(s)))
-    trees = [s.request_id for s, p in verified if not p.is_chain]
-    if trees:
-        raise ValueError(f"requests {trees} carry a tree of proposals; a step verifies chains only (model/step.py "
-                         f"makes causal masks over positions)")
     room = step_tokens - len(decode) - sum(len(p) for _, p in verified)
     chunks = []
     for seq in (s for s in running if prefills(s)):
@@ -130,15 +126,17 @@ def _inputs(plain, verified, chunks) -> tuple[tuple, tuple[int, ...]]:
     groups, tokens = [], []
     if plain:
         last = [s.n_tokens - 1 for s in plain]
-        groups.append((torch.tensor([[p] for p in last]), *_where(plain, last)))
+        groups.append((torch.tensor([[p] for p in last]), *_where(plain, last), None))
         tokens += [s.output_ids[-1] for s in plain]
-    for seq, proposal in verified:  # its last token and its proposals: the model's next token after each
+    for seq, proposal in verified:  # its last token and its proposals: the model's next token after each (a tree's
+        # proposal i writes at the key one past the last token's plus i: model/step.py's tree_step)
         positions = [seq.n_tokens - 1 + d for d in (0, *proposal.depths)]
-        groups.append((torch.tensor([positions]), *_where([seq], [max(positions)])))
+        tree = None if proposal.is_chain else proposal.parents
+        groups.append((torch.tensor([positions]), *_where([seq], [seq.n_tokens - 1 + len(proposal)]), tree))
         tokens += [seq.output_ids[-1], *proposal.tokens]
     for seq, n in chunks:
         positions = torch.arange(seq.n_cached, seq.n_cached + n)[None]
-        groups.append((positions, *_where([seq], [seq.n_cached + n - 1])))
+        groups.append((positions, *_where([seq], [seq.n_cached + n - 1]), None))
         tokens += seq.prompt_ids[seq.n_cached: seq.n_cached + n]
     return tuple(groups), tuple(tokens)
 

@@ -24,7 +24,7 @@ def _groups(step) -> list[tuple[list, list]]:
     """Each group's positions and its sequences' first slots (their block tables are contiguous extents, one entry
     per block of 16 its positions reach); its rings are each sequence's (the sliding layers' caches)."""
     out = []
-    for positions, tables, rings in step.groups:
+    for positions, tables, rings, _ in step.groups:
         bases = tables[:, 0]
         assert rings.tolist() == [b // 10 + 1 for b in bases.tolist()]
         assert torch.equal(tables, bases[:, None] + 16 * torch.arange(int(positions.max()) // 16 + 1))
@@ -124,13 +124,17 @@ def test_the_older_schedule_holds_decode_back_while_a_prompt_prefills():
     assert step.decode == () and step.verified == () and step.chunks == ((c, 8),)
 
 
-def test_a_proposal_is_tokens_with_parents_and_a_tree_is_refused_until_steps_mask_trees():
+def test_a_tree_of_proposals_takes_its_positions_by_depth_and_its_keys_by_order():
     assert Proposal.chain([4, 5, 6]).parents == (-1, 0, 1) and Proposal.chain([4, 5, 6]).depths == (1, 2, 3)
     tree = Proposal((4, 5, 6), (-1, -1, 0))  # two first tokens, a third after the first
     assert not tree.is_chain and tree.depths == (1, 1, 2)
-    a = _seq("a", 5, 5, [7])
-    with pytest.raises(ValueError, match="tree of proposals"):
-        schedule_step([a], step_tokens=16, proposals={id(a): tree})
+    a = _seq("a", 5, 5, [7])  # 6 tokens: its last at position 5
+    step = schedule_step([a], step_tokens=16, proposals={id(a): tree})
+    (positions, tables, _, parents), = step.groups
+    assert positions.tolist() == [[5, 6, 6, 7]] and parents == (-1, -1, 0)
+    assert tables.shape[1] == 1 and step.tokens == (7, 4, 5, 6) and step.verify_rows == ((0, 1, 2, 3),)
+    chain = schedule_step([a], step_tokens=16, proposals={id(a): Proposal.chain([4, 5])})
+    assert chain.groups[0][3] is None
 
 
 def test_the_engine_steps_the_generator_and_the_generator_builds_no_engine():

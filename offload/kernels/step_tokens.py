@@ -9,11 +9,13 @@ from offload.attention_sizes import KV_BLOCK
 from offload.errors import KernelError
 
 
-def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """[B * S, 4] int64 per new token: flat KV slot (-1: padding), flat slot of its sequence's key 0 (its row,
+def token_table(step, n_rows: int, n_slots: int,
+                sliding_window: int | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """[B * S, 5] int64 per new token: flat KV slot (-1: padding), flat slot of its sequence's key 0 (its row,
     plus its base in a pooled cache; with block tables: where its sequence's table begins in blocks), first and
-    last key it sees; the same keys as step.attention_mask (padding tokens see key 0 only). And blocks: a pooled
-    step's block tables as flat slots (row * n_slots + each block's slot), one sequence's after another, else None.
+    last key it sees, and -1 or where its key map begins in blocks (a tree's token: [t, its last t keys' places]);
+    the same keys as step.attention_mask (padding tokens see key 0 only). And blocks: a pooled step's block tables
+    as flat slots (row * n_slots + each block's slot), one sequence's after another, else None; then the key maps.
     A ragged step's tables are its groups' one after another.
 
     Built from Python lists: a decode step has a few tokens, where a dozen tiny tensor ops would cost more
@@ -22,7 +24,7 @@ def token_table(step, n_rows: int, n_slots: int, sliding_window: int | None) -> 
     parts, blocks = [], [] if any(g.tables is not None for g in groups) else None
     for g in groups:
         parts += _group_tokens(g, n_rows, n_slots, sliding_window, blocks)
-    tokens = torch.tensor(parts, dtype=torch.long) if parts else torch.empty(0, 4, dtype=torch.long)
+    tokens = torch.tensor(parts, dtype=torch.long) if parts else torch.empty(0, 5, dtype=torch.long)
     return tokens, (torch.tensor(blocks, dtype=torch.long) if blocks else None)
 
 
@@ -42,6 +44,9 @@ def _group_tokens(step, n_rows: int, n_slots: int, sliding_window: int | None, b
                                   for t in table[: max(row_positions) // KV_BLOCK + 1]):
         raise KernelError(f"fused layer: a block table names slots outside the KV cache's {n_slots - 1}; "
                           f"build the step from the pool's extents")
+    maps = step.key_maps or (None,) * len(positions[0])
+    if step.key_maps is not None and (blocks is None or b != 1):
+        raise KernelError("fused layer: a tree's tokens need their sequence's block table (one sequence a group)")
     out = []
     for i, (row, row_positions, row_slots) in enumerate(zip(rows, positions, write_index)):
         if blocks is None:
@@ -49,15 +54,19 @@ def _group_tokens(step, n_rows: int, n_slots: int, sliding_window: int | None, b
         else:
             first = len(blocks)
             blocks += [row * n_slots + t for t in tables[i]]
-        for pos, slot in zip(row_positions, row_slots):
+        for pos, slot, path in zip(row_positions, row_slots, maps):
             if slot == n_slots - 1:  # padding writes to the trash slot T
-                out.append((-1, first, 0, 0))
+                out.append((-1, first, 0, 0, -1))
                 continue
             if not 0 <= slot < n_slots - 1 or (blocks is None and pos >= n_slots - 1):
                 raise KernelError(f"fused layer: positions reach past the KV cache's {n_slots - 1} slots; "
                                   f"allocate the cache with a larger max_len")
+            at = -1
+            if path is not None:
+                at = len(blocks)
+                blocks += [len(path), *path]
             out.append((row * n_slots + slot, first, 0 if sliding_window is None else max(pos - sliding_window + 1, 0),
-                        pos))
+                        pos, at))
     return out
 
 
@@ -75,5 +84,5 @@ def ring_token_table(step, n_rows: int, n_slots: int, ring: int) -> tuple[torch.
             at, base = len(blocks), row * n_slots + start
             blocks += [base + (KV_BLOCK * j) % ring for j in range(max(row_positions) // KV_BLOCK + 1)]
             for pos, slot in zip(row_positions, row_writes):
-                tokens.append((-1, at, 0, 0) if slot < 0 else (row * n_slots + slot, at, 0, pos))
-    return torch.tensor(tokens, dtype=torch.long).view(-1, 4), torch.tensor(blocks, dtype=torch.long)
+                tokens.append((-1, at, 0, 0, -1) if slot < 0 else (row * n_slots + slot, at, 0, pos, -1))
+    return torch.tensor(tokens, dtype=torch.long).view(-1, 5), torch.tensor(blocks, dtype=torch.long)

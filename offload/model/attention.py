@@ -56,7 +56,7 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 def _reads_in_place(step: Step, q: torch.Tensor) -> bool:
     """Whether the step's queries are each sequence's newest few tokens, all real (host tensors only; worked out
     once per step, not per layer)."""
-    if q.shape[-2] > IN_PLACE_MAX_QUERIES:
+    if q.shape[-2] > IN_PLACE_MAX_QUERIES or step.key_maps is not None:  # a tree's keys: through its mask
         return False
     if "in_place" not in step._derived:
         positions, valid = step.positions, step.valid
@@ -150,6 +150,8 @@ def _causal_only(step: Step, window: int | None) -> bool:
     """One sequence whose new tokens are all real and consecutive, with no window cutting its keys: the mask is
     bottom-right causal (host tensors only; worked out once per step and window)."""
     key = ("causal_only", window)
+    if step.key_maps is not None:
+        return False
     if key not in step._derived:
         positions, valid = step.positions, step.valid
         step._derived[key] = (

@@ -38,6 +38,9 @@ class Step:
     rings: dict = field(default_factory=dict)  # ring slots R -> RingIndex, of each ring layer size (spec.kv_ring)
     groups: tuple["Step", ...] | None = None  # a ragged step's grids, each b == 1 or s == 1
     offsets: tuple[int, ...] = ()  # where each group's tokens begin in the flat row
+    key_maps: tuple | None = None  # a tree of proposals' group (tree_step): per token, None or the keys its
+    # positions after the sequence's last token's are at (its ancestors' and its own, where the tree wrote them);
+    # None: a chain, every token's keys where their positions say
     _mask: torch.Tensor | None = field(default=None, repr=False)
     _host: "Step | None" = field(default=None, repr=False)  # this step on the host (of a step moved to a device)
     _derived: dict = field(default_factory=dict, repr=False)  # what attention derives from it, made once per step
@@ -77,12 +80,15 @@ class Step:
             return self._slice_ragged(start, stop)
         positions, valid = self.positions[:, start:stop], self.valid[:, start:stop]
         n_keys = int(torch.where(valid, positions, 0).max()) + 1 if positions.numel() else 1
+        maps = None if self.key_maps is None else self.key_maps[start:stop]
+        if maps is not None:  # a tree's keys lie past its positions
+            n_keys = tree_n_keys(positions[0].tolist(), maps)
         mask = None if self._mask is None else self._mask[:, :, start:stop, :n_keys]  # where the step's mask is
         host = None if self._host is None else self._host.slice(start, stop)
         rings = {r: ring.slice(start, stop) for r, ring in self.rings.items()}
         return Step(positions, self.write_index[:, start:stop], valid, n_keys, self.cos[:, :, start:stop],
                     self.sin[:, :, start:stop], self.rows, self.phase, self.sliding_window, self.tables, rings,
-                    _mask=mask, _host=host)
+                    key_maps=maps, _mask=mask, _host=host)
 
     def _rows_slice(self, start: int, stop: int) -> "Step":
         """Rows start..stop-1 of a plain step."""
@@ -129,7 +135,8 @@ class Step:
         tables = None if self.tables is None else move(self.tables)
         rings = {r: ring.to(move) for r, ring in self.rings.items()}
         return Step(self.positions, move(self.write_index), self.valid, self.n_keys, move(self.cos), move(self.sin),
-                    rows, self.phase, self.sliding_window, tables, rings, _mask=move(self.mask), _host=self)
+                    rows, self.phase, self.sliding_window, tables, rings, key_maps=self.key_maps,
+                    _mask=move(self.mask), _host=self)
 
 
 def _ragged(groups, offsets, positions, write_index, valid, cos, sin, phase, sliding_window) -> Step:
@@ -288,15 +295,16 @@ def step_windows(spec: ModelSpec) -> int | None | tuple:
 def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Tensor, ...]],
                 trash_slot: int, phase: str) -> Step:
     """A ragged step over one pooled cache row: groups of (positions [b, s], tables [b, m], rings [b] (where the model
-    has ring layers)), each b == 1 or s == 1 and every token real; the tokens of the groups follow one another in
-    the flat row."""
+    has ring layers), and a verified tree's parents (else None)), each b == 1 or s == 1 and every token real; the
+    tokens of the groups follow one another in the flat row."""
     parts, offsets, at = [], [], 0
-    for positions, tables, *rings in groups:
+    for positions, tables, *rest in groups:
         b, s = positions.shape
         if b != 1 and s != 1:
             raise ValueError(f"a ragged step's groups are [b, 1] or [1, s] grids, found [{b}, {s}]")
-        parts.append(make_step(spec, dtype, positions, None, trash_slot, torch.zeros(b, dtype=torch.long), phase,
-                               tables, rings[0] if rings else None))
+        part = make_step(spec, dtype, positions, None, trash_slot, torch.zeros(b, dtype=torch.long), phase, tables,
+                         rest[0] if rest else None)
+        parts.append(part if len(rest) < 2 or rest[1] is None else tree_step(spec, part, rest[1]))
         offsets.append(at)
         at += b * s
     flat = lambda name: _cat([getattr(g, name).reshape(1, -1) for g in parts], 1)  # noqa: E731
@@ -309,3 +317,60 @@ def ragged_step(spec: ModelSpec, dtype: torch.dtype, groups: list[tuple[torch.Te
 def _cat(tensors: list[torch.Tensor], dim: int) -> torch.Tensor:
     """torch.cat, but one tensor as it is (a decode step's one group: no copies)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=dim)
+
+
+def tree_step(spec: ModelSpec, group: Step, parents: tuple[int, ...]) -> Step:
+    """A verified tree's group ([1, 1 + n]: the sequence's last token, then n proposals, parents[i] the proposal
+    that proposal i follows, -1 the last token; positions by depth): proposal i writes its K and V at the key one
+    past the last token's plus i, and each token sees the sequence's keys up to the last token and then its
+    ancestors' and its own (its key map, where those are not at their positions)."""
+    if ring_sizes(spec):
+        raise ValueError("a tree of proposals needs every layer to keep every position (this model has ring "
+                         "layers); propose chains")
+    positions = group.positions[0].tolist()
+    maps = tree_key_maps(positions[0], parents)
+    keys = [p if m is None else m[-1] for p, m in zip(positions, maps)]
+    group.write_index = table_slots(group.tables, torch.tensor([keys]))
+    group.n_keys, group.key_maps = max(keys) + 1, maps
+    group._mask = tree_mask(positions, maps, group.n_keys, group.sliding_window)
+    return group
+
+
+def tree_key_maps(base: int, parents: tuple[int, ...]) -> tuple:
+    """Each token's key map of a tree after the token at position base (its own: None): a proposal's keys from
+    base + 1 on, its ancestors' and its own (proposal i at key base + 1 + i), or None where they are at their
+    positions (its path is proposals 0, 1, .. in order)."""
+    paths, maps = [], [None]
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"proposal {i} follows {parent}: a tree's proposals follow one before them")
+        paths.append((() if parent < 0 else paths[parent]) + (base + 1 + i,))
+        path = paths[-1]
+        maps.append(None if path == tuple(range(base + 1, base + 1 + len(path))) else path)
+    return tuple(maps)
+
+
+def tree_n_keys(positions: list[int], maps: tuple) -> int:
+    """Keys a tree's tokens see: up to the last key any of them writes."""
+    return max(p if m is None else m[-1] for p, m in zip(positions, maps)) + 1
+
+
+def tree_mask(positions: list[int], maps: tuple, n_keys: int, window) -> torch.Tensor:
+    """[1, n_windows, S, n_keys] bool: each tree token sees the keys before its map and its map's (within a
+    window, by position), one mask per window where the model's layers differ (step_windows)."""
+    if isinstance(window, tuple):
+        return torch.cat([tree_mask(positions, maps, n_keys, w) for w in window], dim=1)
+    keys = torch.arange(n_keys)
+    rows = []
+    for pos, path in zip(positions, maps):
+        start = pos + 1 - (0 if path is None else len(path))  # keys from here on are the map's
+        row = keys < start
+        if path is not None:
+            row[list(path)] = True
+        if window is not None:  # by position: key j's is j before the map, the map's in order after
+            seen = keys <= pos - window
+            if path is not None:
+                seen[list(path)] = torch.arange(start, pos + 1) <= pos - window
+            row &= ~seen
+        rows.append(row)
+    return torch.stack(rows)[None, None]
