@@ -25,10 +25,11 @@ from offload.attention_sizes import KV_BLOCK, pool_tokens
 from offload.grammar import Constraints
 from offload.kv_pool import block_slots
 from offload.model.model import Model  # or a PlacedModel: same interface
-from offload.model.step import ragged_step
+from offload.model.step import ragged_step, ring_sizes
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
 from offload.profile.timeline import StepShape
-from offload.sampling import SamplingParams, sample, token_logprobs
+from offload.sampling import SamplingParams, runner_up, sample, token_logprobs
+from offload.proposal_tree import kept_moves, move_kept
 from offload.schedule_step import Proposal, ScheduledStep, decoding, schedule_step
 from offload.sequence import Sequence
 from offload.speculative import Speculator
@@ -101,10 +102,17 @@ class Generator:
             if n > 0:
                 asks.append((seq.prompt_ids + seq.output_ids, n, seq))
                 room -= n
-        proposals = self.speculator.propose_many(asks)
+        branching = self.speculator.max_branches > 0 and not ring_sizes(self.model.spec)  # trees: proposal_tree
+        proposals = self.speculator.propose_many(asks, branching)
         proposals = [self.constraints.cut(seq, draft) if seq.params.structured_outputs is not None else draft
                      for (_, _, seq), draft in zip(asks, proposals)]
-        return {id(seq): Proposal.chain(draft) for (_, _, seq), draft in zip(asks, proposals) if draft}
+        if branching:  # a structured output's proposals stay a chain (no room), as a sequence's at its extent's end
+            rooms = [0 if seq.params.structured_outputs is not None else seq.extent - seq.n_tokens - len(d)
+                     for (_, _, seq), d in zip(asks, proposals)]
+            trees = self.speculator.branch(proposals, rooms, len(decode), room)
+        else:
+            trees = [Proposal.chain(draft) for draft in proposals]
+        return {id(seq): tree for (_, _, seq), tree in zip(asks, trees) if len(tree)}
 
     def run_step(self, scheduled: ScheduledStep, cache, trash_slot: int) -> StepLogits:
         """The runner: one pass over the weights for the step's tokens, then the logits of the rows it names (a
@@ -139,21 +147,24 @@ class Generator:
         self._sample_next([seq for seq, _ in scheduled.samples], [ran.by_row[r] for _, r in scheduled.samples],
                           allowed)
         gained = self._verify(scheduled.verified, [[ran.by_row[r] for r in rows] for rows in scheduled.verify_rows],
-                              allowed)
+                              allowed, cache)
         if self.speculator is not None and scheduled.phase == "decode":
             self.speculator.observe_step(shape, elapsed, len(scheduled.decode) + gained)
 
     def _verify(self, verified: tuple[tuple[Sequence, Proposal], ...], checked: list[list[torch.Tensor]],
-                allowed: dict[int, torch.Tensor]) -> int:
+                allowed: dict[int, torch.Tensor], cache) -> int:
         """Each verified sequence takes the proposals the model agrees with and one token of its own (checked: its
-        rows of logits; allowed: structured outputs' masks); the tokens they gained."""
+        rows of logits; allowed: structured outputs' masks), a tree's kept ones' K and V moved to their positions;
+        the tokens they gained."""
         if not verified:
             return 0
         before = self.speculator.stats.verified_tokens
         for (seq, proposal), rows in zip(verified, checked):
-            self.speculator.verify(rows, list(proposal.tokens), seq.params, seq.generator, seq.prompt_ids,
-                                   seq.output_ids, lambda token, row, seq=seq: self._take(seq, token, row),
-                                   allowed.get(id(seq)))
+            base = seq.n_tokens - 1  # the last token's position: a tree's proposal i wrote at base + 1 + i
+            path = self.speculator.verify(rows, proposal, seq.params, seq.generator, seq.prompt_ids, seq.output_ids,
+                                          lambda token, row, seq=seq: self._take(seq, token, row),
+                                          allowed.get(id(seq)))
+            move_kept(cache, seq, kept_moves(base, path))
         return self.speculator.stats.verified_tokens - before
 
     def _logits(self, hidden: torch.Tensor, rows: list[int]) -> list[torch.Tensor]:
@@ -193,6 +204,8 @@ class Generator:
         sequence goes on. A structured output's grammar advances, and ends the sequence where it took a stop token."""
         if seq.logprobs is not None:
             seq.logprobs += token_logprobs(row[None], [token], seq.params.logprobs)
+        if seq.alternatives is not None:  # a draft's run: its next likeliest token too
+            seq.alternatives.append(runner_up(row, token))
         seq.output_ids.append(token)
         if seq.grammar is not None and not self.constraints.accept(seq, token):
             seq.finish_reason = "stop"

@@ -323,6 +323,11 @@ class SpeculativeOptions(Section):
                                                   "acceptance rate measured as the run goes, at most "
                                                   "max_speculative_tokens)", ge=1, le=32)
     max_speculative_tokens: Whole = option(8, "the most tokens the adaptive choice proposes per step", ge=1, le=32)
+    max_branches: Whole = option(4, "draft_model, self and substitute: the most second candidates a sequence's "
+                                 "proposals carry (a tree: where the draft is unsure of a token, its next likeliest "
+                                 "one is checked in the same pass, where its expected gain pays its cost; models "
+                                 "with sliding-window ring caches and structured outputs propose chains); 0: chains "
+                                 "only", ge=0, le=8)
     prompt_lookup_max: Whole = option(4, "ngram: the longest n-gram looked up", ge=1)
     prompt_lookup_min: Whole = option(1, "ngram: the shortest n-gram looked up", ge=1)
 

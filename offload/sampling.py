@@ -197,6 +197,18 @@ def first_argmax(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits))
 
 
+def runner_up(logits: torch.Tensor, token: int) -> tuple[int, float, float]:
+    """(the likeliest token but token, token's probability, that one's) under softmax(logits): a draft's second
+    candidate where it proposed token."""
+    import torch
+
+    probs = torch.softmax(logits.float(), dim=-1)
+    top = torch.topk(probs, 2)
+    values, ids = top.values.tolist(), top.indices.tolist()
+    other = 1 if ids[0] == token else 0
+    return ids[other], float(probs[token]), values[other]
+
+
 def probabilities(logits: torch.Tensor, params: SamplingParams, prompt_ids=(), output_ids=(),
                   allowed: torch.Tensor | None = None) -> torch.Tensor:
     """The distribution a sampled (not greedy) request draws its next token from, fp32 [V]: penalties and bias,

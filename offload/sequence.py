@@ -39,6 +39,8 @@ class Sequence:
     logprobs: list[TokenLogprob] | None = None  # per output token, when params.logprobs is set
     prompt_logprobs: list[TokenLogprob | None] | None = None  # per prompt token (None for the first one)
     grammar: object | None = None  # its structured output's matcher (offload/grammar.py), made at its first sample
+    alternatives: list | None = None  # a draft's run, where asked for: per token, (its next likeliest token, the
+    # token's probability, that one's) for a tree's second candidates (offload/proposal_tree.py)
     _text: str = ""  # decoded so far (stop strings only): extended token by token
     _offsets: tuple[int, int] = (0, 0)  # incremental detokenizing: (prefix start, read end) in output_ids
 

@@ -11,6 +11,9 @@ proposals the model agrees with, plus one token of the model's own.
   for sure (q is a point mass), so d is kept with probability p(d) and a rejection draws from p without d.
 - Rejected proposals leave K and V in the sequence's extent past its length; the cache is read by position, and
   the next step writes those positions again, so nothing else rolls them back.
+- A draft model's proposals may be a tree (offload/proposal_tree.py): a second candidate after a token where the
+  draft is unsure. The walk goes from the last token through the candidates the rule keeps, each in turn a point
+  mass (so sampling keeps p); the kept path's K and V move to their positions after.
 
 How many tokens to propose (k): the user's num_speculative_tokens, or the k that maximizes the expected tokens per
 pass over its cost: with a_i the rate the i-th proposal is kept at where the ones before it were (measured by depth:
@@ -30,7 +33,9 @@ from dataclasses import dataclass, field
 import torch
 
 from offload.planner.speculation import PRIOR_ACCEPTANCE, expected_tokens, prior_acceptance
+from offload.proposal_tree import ODDS_PRIOR_WEIGHT, branch_gains, children_of, with_branches
 from offload.sampling import SamplingParams, probabilities
+from offload.schedule_step import Proposal
 
 PRIOR_WEIGHT = 8  # proposals the prior counts as: the measured rate takes over within a few steps
 PRIOR_TOKEN_COST = 0.05  # a sequence's proposal's cost as a share of a step, before the run's steps are fitted
@@ -71,6 +76,9 @@ class SpeculativeStats:
     decode_s: float = 0.0  # seconds of their passes over the weights (drafting not included)
     reached: list[int] = field(default_factory=list)  # [i]: proposals checked at depth i (the ones before kept)
     kept_at: list[int] = field(default_factory=list)  # [i]: ... and kept
+    branches: int = 0  # second candidates checked (a tree's: their chain's token rejected)
+    branches_kept: int = 0  # ... and kept
+    branch_odds: float = 0.0  # the draft's odds of those checked, summed (what branches_kept was expected to be)
 
     @property
     def acceptance_rate(self) -> float:
@@ -114,14 +122,17 @@ class SpeculativeStats:
                 "verified_passes": self.verified_passes, "tokens_per_pass": self.tokens_per_pass,
                 "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "decode_s": self.decode_s,
                 "mean_batch": self.mean_batch, "mean_context": self.mean_context,
-                "acceptance_by_depth": self.acceptance_by_depth}
+                "acceptance_by_depth": self.acceptance_by_depth, "branches": self.branches,
+                "branches_kept": self.branches_kept}
 
 
 class Speculator:
     """A drafter, the choice of k, and the verification of a sequence's proposals against the model's logits."""
 
-    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = 8, prior: float = PRIOR_ACCEPTANCE):
+    def __init__(self, drafter, num_tokens: int | None = None, max_tokens: int = 8, prior: float = PRIOR_ACCEPTANCE,
+                 max_branches: int = 0):
         self.drafter, self.num_tokens, self.max_tokens = drafter, num_tokens, max_tokens
+        self.max_branches = max_branches if hasattr(drafter, "alternatives") else 0  # a tree's second candidates
         self.prior = prior  # the acceptance assumed before any is measured (planner.speculation.prior_acceptance)
         self.stats = SpeculativeStats()
         self._fit = [0.0] * 5  # decayed sums: weight, x, y, xx, xy (x: tokens in a decode step, y: its seconds)
@@ -191,12 +202,38 @@ class Speculator:
     def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
         return self.drafter.propose(tokens, k, seq) if k > 0 else []
 
-    def propose_many(self, asks: list[tuple[list[int], int, object]]) -> list[list[int]]:
-        """Proposals for several sequences ((tokens, k, seq) each): a draft model drafts them together."""
+    def propose_many(self, asks: list[tuple[list[int], int, object]], alternatives: bool = False) -> list[list[int]]:
+        """Proposals for several sequences ((tokens, k, seq) each): a draft model drafts them together (and, asked
+        for alternatives, keeps its next likeliest token at each, drafter.alternatives)."""
         many = getattr(self.drafter, "propose_many", None)
         if many is not None:
-            return many(asks)
+            return many(asks, alternatives) if hasattr(self.drafter, "alternatives") else many(asks)
         return [self.propose(tokens, k, seq) for tokens, k, seq in asks]
+
+    def branch(self, drafts: list[list[int]], rooms: list[int], n_seqs: int, room: int) -> list[Proposal]:
+        """The drafts as proposals, each with the second candidates (at most max_branches, within rooms[i] more
+        tokens, room in all) whose expected gain pays their cost in the step: proposal_tree's branch_gains, taken
+        best first while each raises the step's expected tokens per cost."""
+        alternatives = getattr(self.drafter, "alternatives", None) or [[] for _ in drafts]
+        cost = self.token_cost(n_seqs)
+        r, rates = PRIOR_TOKEN_COST if cost is None else cost, self.depth_rates()
+        value = sum(expected_tokens(rates, len(d)) for d in drafts)
+        price = 1.0 + r * sum(len(d) for d in drafts)
+        gains = sorted(((g, i, depth, token, odds) for i, (draft, alts) in enumerate(zip(drafts, alternatives))
+                        for g, depth, token, odds in branch_gains(alts, draft, rates, self.odds_calibration)),
+                       reverse=True)
+        rooms, chosen = list(rooms), [[] for _ in drafts]
+        for g, i, depth, token, odds in gains:
+            if room > 0 and rooms[i] > 0 and len(chosen[i]) < self.max_branches and g * price > r * value:
+                chosen[i].append((depth, token, odds))
+                rooms[i], room, value, price = rooms[i] - 1, room - 1, value + g, price + r
+        return [with_branches(d, c) if c else Proposal.chain(d) for d, c in zip(drafts, chosen)]
+
+    @property
+    def odds_calibration(self) -> float:
+        """How often a branch was kept against the draft's odds for it (1 before any is checked)."""
+        s = self.stats
+        return (s.branches_kept + ODDS_PRIOR_WEIGHT) / (s.branch_odds + ODDS_PRIOR_WEIGHT)
 
     def attach(self, cache, trash_slot: int) -> None:
         """The engine's KV cache and trash slot, before a step of the model asks for proposals (a drafter that
@@ -216,41 +253,62 @@ class Speculator:
         return getattr(self.drafter, "seconds", 0.0)
 
     # which to keep ------------------------------------------------------------------------------------------
-    def verify(self, rows: list[torch.Tensor], draft: list[int], params: SamplingParams, generator,
-               prompt_ids: list[int], output_ids: list[int], take, allowed: torch.Tensor | None = None) -> None:
-        """Go through a sequence's k + 1 rows of logits (after its last token and after each proposal): take(token,
-        row) each token kept and the one drawn after them; take returns False once the sequence has ended.
-        allowed: a structured output's masks, one a row ([k + 1, V] bool; the proposals were cut to its grammar)."""
-        n_kept = n_taken = 0
-        for i, row in enumerate(rows):
-            proposal = draft[i] if i < len(draft) else None
-            token = self._decide(row, proposal, params, generator, prompt_ids, output_ids,
-                                 None if allowed is None else allowed[i])
-            kept = token == proposal
-            if proposal is not None:
-                self.stats.count(i, kept)
-            n_kept, n_taken = n_kept + kept, n_taken + 1
-            if not take(token, row) or not kept:
+    def verify(self, rows: list[torch.Tensor], proposal: Proposal | list[int], params: SamplingParams, generator,
+               prompt_ids: list[int], output_ids: list[int], take, allowed: torch.Tensor | None = None) -> list[int]:
+        """Walk a sequence's proposals from its last token (rows: its logits after that token and after each
+        proposal, in the step's order): at each token the rule picks among the candidates after it, or draws the
+        model's own; take(token, row) each token kept and the one drawn after them (take returns False once the
+        sequence has ended). The proposals kept, in order. allowed: a structured output's masks, one a row
+        ([k + 1, V] bool; a chain's, cut to its grammar)."""
+        proposal = proposal if isinstance(proposal, Proposal) else Proposal.chain(proposal)
+        if allowed is not None and not proposal.is_chain:
+            raise ValueError("a structured output's proposals are a chain (its masks follow one path)")
+        children, node, path, n_taken = children_of(proposal), -1, [], 0
+        while True:
+            row, candidates = rows[node + 1], children.get(node, [])
+            token = self._decide(row, [proposal.tokens[c] for c in candidates], params, generator, prompt_ids,
+                                 output_ids, None if allowed is None else allowed[node + 1])
+            kept = next((c for c in candidates if proposal.tokens[c] == token), None)
+            self._count(proposal, candidates, len(path), kept)
+            if kept is not None:
+                path.append(kept)
+            n_taken += 1
+            if not take(token, row) or kept is None:
                 break
-        self.stats.proposed += len(draft)
-        self.stats.accepted += n_kept
+            node = kept
+        self.stats.proposed += proposal.odds.count(0.0) if proposal.odds else len(proposal)  # its chain's
+        self.stats.accepted += len(path)
         self.stats.verified_passes += 1
         self.stats.verified_tokens += n_taken
+        return path
 
-    def _decide(self, row, proposal, params, generator, prompt_ids, output_ids, allowed=None) -> int:
-        """The token at this row: the proposal where the rule keeps it, else the model's own draw (among the allowed
-        tokens, where a mask is given)."""
+    def _count(self, proposal: Proposal, candidates: list[int], depth: int, kept: int | None) -> None:
+        """The chain's candidate at this depth checked, and kept or not; a second candidate checked where the
+        first was not kept (with the draft's odds for it)."""
+        if not candidates:
+            return
+        self.stats.count(depth, kept == candidates[0])
+        if kept != candidates[0] and len(candidates) > 1:
+            s = self.stats
+            s.branches, s.branches_kept = s.branches + 1, s.branches_kept + (kept == candidates[1])
+            s.branch_odds += proposal.odds[candidates[1]] if proposal.odds else 0.0
+
+    def _decide(self, row, candidates: list[int], params, generator, prompt_ids, output_ids, allowed=None) -> int:
+        """The token at this row: a candidate where the rule keeps it, else the model's own draw (among the allowed
+        tokens, where a mask is given). Sampled, each candidate in turn is a point mass: kept with its probability
+        under what is left of p, else taken out of p (max(p - q, 0), renormalized), so the token is drawn from p."""
         from offload.sampling import sample
 
-        if params.greedy or proposal is None:
+        if params.greedy or not candidates:
             return sample(row, params, generator, prompt_ids, output_ids, allowed)
-        p = probabilities(row, params, prompt_ids, output_ids, allowed)
-        if float(torch.rand((), generator=generator)) < float(p[proposal]):
-            return proposal
-        p[proposal] = 0.0  # max(p - q, 0) for q a point mass on the proposal
-        total = float(p.sum())
-        if total <= 0.0:  # p was the point mass itself: the proposal cannot be rejected (it was kept above)
-            return proposal
+        p, total = probabilities(row, params, prompt_ids, output_ids, allowed), 1.0
+        for candidate in candidates:
+            if float(torch.rand((), generator=generator)) * total < float(p[candidate]):
+                return candidate
+            p[candidate] = 0.0
+            total = float(p.sum())
+            if total <= 0.0:  # p was the point mass itself: the candidate cannot be rejected (it was kept above)
+                return candidate
         return int(torch.multinomial(p / total, 1, generator=generator))
 
 
@@ -275,15 +333,16 @@ class ModelDrafter:
         self._held: dict[int, tuple[list[int], int, int, list[int]]] = {}  # by id(seq): (blocks, extent, ring,
         # tokens cached)
         self.seconds, self.passes = 0.0, 0  # time spent proposing, passes over the draft's weights
+        self.alternatives: list[list] = []  # the last proposals' next likeliest tokens, where asked for (draft_runs)
 
     def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
         return self.propose_many([(tokens, k, seq)])[0]
 
-    def propose_many(self, asks: list[tuple[list[int], int, object]]) -> list[list[int]]:
+    def propose_many(self, asks: list[tuple[list[int], int, object]], alternatives: bool = False) -> list[list[int]]:
         """Proposals for several sequences ((tokens, k, seq) each), drafted together: each pass over the draft's
         weights serves every sequence still drafting (each catches up on the tokens it gained, then decodes)."""
         runs = [self._run(tokens, k, seq) for tokens, k, seq in asks]
-        draft_runs(self, runs, self.cache, self.capacity)
+        draft_runs(self, runs, self.cache, self.capacity, alternatives)
         out = []
         for run, (tokens, _, seq) in zip(runs, asks):
             if run is None:
@@ -340,6 +399,7 @@ class SubstituteDrafter:
         self.draft, self.generator = draft, draft.generator
         self.cache, self.trash_slot = None, 0  # the engine's, as each step of the model hands them on (attach)
         self.seconds, self.passes = 0.0, 0
+        self.alternatives: list[list] = []  # as ModelDrafter's
 
     def attach(self, cache, trash_slot: int) -> None:
         self.cache, self.trash_slot = cache, trash_slot
@@ -347,7 +407,7 @@ class SubstituteDrafter:
     def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
         return self.propose_many([(tokens, k, seq)])[0]
 
-    def propose_many(self, asks: list[tuple[list[int], int, object]]) -> list[list[int]]:
+    def propose_many(self, asks: list[tuple[list[int], int, object]], alternatives: bool = False) -> list[list[int]]:
         """Proposals for several sequences ((tokens, k, seq) each, seq running in the engine whose cache is
         attached), drafted together: each pass over the draft's weights serves every sequence still drafting."""
         from offload.sequence import Sequence
@@ -362,22 +422,26 @@ class SubstituteDrafter:
             run.shared = seq.shared  # its table: the blocks the prefix cache maps, then its own
             run.generator = torch.Generator()
             runs.append(run)
-        draft_runs(self, runs, self.cache, self.trash_slot)
+        draft_runs(self, runs, self.cache, self.trash_slot, alternatives)
         return [[] if run is None else run.output_ids for run in runs]
 
 
-def draft_runs(drafter, runs: list, cache, trash_slot: int) -> None:
+def draft_runs(drafter, runs: list, cache, trash_slot: int, alternatives: bool = False) -> None:
     """Step the drafter's generator over its runs (None: a sequence it drafts nothing for) until each has its k
-    tokens, one pass over the draft's weights serving every run still drafting; its passes and seconds counted."""
+    tokens, one pass over the draft's weights serving every run still drafting; its passes and seconds counted.
+    alternatives: each run keeps its next likeliest token at each (drafter.alternatives, by run)."""
     import time
 
     active, start = [r for r in runs if r is not None], time.perf_counter()
+    for run in active:
+        run.alternatives = [] if alternatives else None
     with torch.inference_mode():
         while active:
             drafter.generator.step(active, cache, trash_slot)
             drafter.passes += 1
             active = [r for r in active if not r.finish_reason]
     drafter.seconds += time.perf_counter() - start
+    drafter.alternatives = [(run.alternatives or []) if run is not None else [] for run in runs]
 
 
 def make_speculator(options, draft=None) -> Speculator | None:
@@ -394,4 +458,4 @@ def make_speculator(options, draft=None) -> Speculator | None:
             raise ConfigError(f"speculative method {options.method!r} needs its draft model loaded")
         drafter = SubstituteDrafter(draft) if options.method == "substitute" else ModelDrafter(draft)
     return Speculator(drafter, options.num_speculative_tokens, options.max_speculative_tokens,
-                      prior_acceptance(options))
+                      prior_acceptance(options), options.max_branches)

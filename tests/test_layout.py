@@ -23,7 +23,7 @@ LAYERS = [
     {"profile", "model"},
     {"weights"},
     {"runtime"},
-    {"sequence", "kv_pool", "schedule_step", "grammar", "prefix_cache"},
+    {"sequence", "kv_pool", "schedule_step", "grammar", "prefix_cache", "proposal_tree"},
     {"generate", "engine", "speculative", "quality"},
     {"api", "simulate", "costfit", "quick_calibration"},
     {"jobs"},

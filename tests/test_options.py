@@ -69,6 +69,7 @@ NOT_EVERYWHERE = {
     "speculative.method": "LLM: speculative_config; CLI: --set", "speculative.num_speculative_tokens": "ditto",
     "speculative.max_speculative_tokens": "ditto", "speculative.prompt_lookup_max": "ditto",
     "speculative.prompt_lookup_min": "ditto", "speculative.model": "ditto", "speculative.quantization": "ditto",
+    "speculative.max_branches": "ditto",
     # YAML and LLM, no flag
     "host_baseline": "memory.baseline is auto (recorded by offload calibrate) unless measured otherwise: --set",
     # YAML and CLI, not LLM: LLM.generate takes sampling per call (SamplingParams) and writes no files
