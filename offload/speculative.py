@@ -76,6 +76,7 @@ class SpeculativeStats:
     decode_s: float = 0.0  # seconds of their passes over the weights (drafting not included)
     reached: list[int] = field(default_factory=list)  # [i]: proposals checked at depth i (the ones before kept)
     kept_at: list[int] = field(default_factory=list)  # [i]: ... and kept
+    branch_tokens: int = 0  # second candidates carried by the passes (a tree's)
     branches: int = 0  # second candidates checked (a tree's: their chain's token rejected)
     branches_kept: int = 0  # ... and kept
     branch_odds: float = 0.0  # the draft's odds of those checked, summed (what branches_kept was expected to be)
@@ -122,8 +123,8 @@ class SpeculativeStats:
                 "verified_passes": self.verified_passes, "tokens_per_pass": self.tokens_per_pass,
                 "decode_steps": self.decode_steps, "decode_tokens": self.decode_tokens, "decode_s": self.decode_s,
                 "mean_batch": self.mean_batch, "mean_context": self.mean_context,
-                "acceptance_by_depth": self.acceptance_by_depth, "branches": self.branches,
-                "branches_kept": self.branches_kept}
+                "acceptance_by_depth": self.acceptance_by_depth, "branch_tokens": self.branch_tokens,
+                "branches": self.branches, "branches_kept": self.branches_kept}
 
 
 class Speculator:
@@ -177,14 +178,15 @@ class Speculator:
         slope = (w * xy - x * y) / spread
         return (y - slope * x) / w, slope
 
-    def token_cost(self, n_tokens: int) -> float | None:
+    def token_cost(self, n_tokens: int, drafted: bool = True) -> float | None:
         """A proposal's cost as a share of a step of n_tokens tokens: the fit's slope over its value there, plus
-        a draft model's pass (its measured seconds per pass) over the same; None before the fit."""
+        (drafted: a chain's proposal, not a tree's second candidate, which its chain's passes give) a draft model's
+        pass (its measured seconds per pass) over the same; None before the fit."""
         line = self._line()
         at = line[0] + line[1] * n_tokens if line else 0.0
         if at <= 0:
             return None
-        passes = getattr(self.drafter, "passes", 0)
+        passes = getattr(self.drafter, "passes", 0) if drafted else 0
         draft = self.draft_seconds / passes if passes else 0.0
         return (max(line[1], 0.0) + draft) / at
 
@@ -215,10 +217,10 @@ class Speculator:
         tokens, room in all) whose expected gain pays their cost in the step: proposal_tree's branch_gains, taken
         best first while each raises the step's expected tokens per cost."""
         alternatives = getattr(self.drafter, "alternatives", None) or [[] for _ in drafts]
-        cost = self.token_cost(n_seqs)
+        chain, cost = (self.token_cost(n_seqs, drafted) for drafted in (True, False))
         r, rates = PRIOR_TOKEN_COST if cost is None else cost, self.depth_rates()
         value = sum(expected_tokens(rates, len(d)) for d in drafts)
-        price = 1.0 + r * sum(len(d) for d in drafts)
+        price = 1.0 + (PRIOR_TOKEN_COST if chain is None else chain) * sum(len(d) for d in drafts)
         gains = sorted(((g, i, depth, token, odds) for i, (draft, alts) in enumerate(zip(drafts, alternatives))
                         for g, depth, token, odds in branch_gains(alts, draft, rates, self.odds_calibration)),
                        reverse=True)
@@ -276,8 +278,10 @@ class Speculator:
             if not take(token, row) or kept is None:
                 break
             node = kept
-        self.stats.proposed += proposal.odds.count(0.0) if proposal.odds else len(proposal)  # its chain's
-        self.stats.accepted += len(path)
+        chain = [i for i in range(len(proposal)) if not proposal.odds or proposal.odds[i] == 0.0]
+        self.stats.proposed += len(chain)  # its chain's; the second candidates are counted apart (_count)
+        self.stats.accepted += sum(1 for i in path if not proposal.odds or proposal.odds[i] == 0.0)
+        self.stats.branch_tokens += len(proposal) - len(chain)
         self.stats.verified_passes += 1
         self.stats.verified_tokens += n_taken
         return path

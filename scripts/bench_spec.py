@@ -246,14 +246,19 @@ def disk_rows(args) -> None:
 
 
 def draft_rows(model: str, args) -> None:
-    """--drafts: no speculation, method self and method substitute on model (fp32, in RAM), alternating."""
+    """--drafts: no speculation, method self and method substitute on model (fp32, in RAM), alternating; --trees:
+    method substitute's chains (max_branches 0) against its trees."""
     from offload import LLM, SamplingParams
 
-    names, load = ("plain", "self", "substitute"), os.getloadavg()[0]
+    load = os.getloadavg()[0]
+    configs = {"plain": None}
+    for name in (("chains", "trees") if args.trees else ("self", "substitute")):
+        method = "substitute" if args.trees else name
+        configs[name] = {"method": method, "num_speculative_tokens": args.k, "quantization": args.draft_quantization,
+                         **({"max_branches": 0} if name == "chains" else {})}
+    names = tuple(configs)
     llms = {n: LLM(model, quantization="none", dtype=args.dtype, backend="cpu", gpu_memory=0, batch_size=1,
-                   max_model_len=1024, speculative_config=None if n == "plain" else
-                   {"method": n, "num_speculative_tokens": args.k, "quantization": args.draft_quantization})
-            for n in names}
+                   max_model_len=1024, speculative_config=c) for n, c in configs.items()}
     prompts = [llms["plain"].apply_chat_template(c) for c in chats(args.prompts, open_ended=True)]
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     for llm in llms.values():  # warm-up: kernels, caches
@@ -262,8 +267,8 @@ def draft_rows(model: str, args) -> None:
     for name in names[1:]:  # each prompt's draftings timed: its first (self's draft prefills there) and the rest
         spec, seen = llms[name].generator.speculator, {}  # by id: the sequences, kept (their ids not reused)
 
-        def timed(asks, seen=seen, propose=spec.propose_many, out=drafts[name]):
-            start, proposals = time.perf_counter(), propose(asks)
+        def timed(asks, *more, seen=seen, propose=spec.propose_many, out=drafts[name]):
+            start, proposals = time.perf_counter(), propose(asks, *more)
             if not asks:  # no room left for proposals
                 return proposals
             out[id(asks[0][2]) in seen].append(time.perf_counter() - start)
@@ -296,6 +301,8 @@ def draft_rows(model: str, args) -> None:
             same = (f"identical {p['identical']}/{len(prompts)}, near-tie {p['near_tie']}, larger gap "
                     f"{len(p['other'])}" + "".join(f"; parts at token {o['at']} (gap {o['gap']:.3f})"
                                                    for o in p["other"]))
+        if stats and stats["branches"]:
+            print(f"  {name}: second candidates checked {stats['branches']}, kept {stats['branches_kept']}")
         spec = (f"{stats['acceptance_rate']:>7.2f} {stats['tokens_per_pass']:>8.2f} "  # drafted: decode steps with
                 f"{100 * stats['verified_passes'] / max(stats['decode_steps'], 1):>6.0f}% "  # proposals (k > 0)
                 f"{100 * draft_s[name] / timed_s[name]:>6.1f}%" if stats else f"{'-':>7} {'-':>8} {'-':>7} {'-':>7}")
@@ -316,6 +323,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--smoke", action="store_true", help="a tiny random model, 2 prompts, 8 tokens, one round")
     ap.add_argument("--disk", action="store_true", help="the fp32 copy on the disk tier, a self-draft at q4_0")
     ap.add_argument("--drafts", action="store_true", help="the fp32 copy in RAM: methods self and substitute")
+    ap.add_argument("--trees", action="store_true", help="--drafts: method substitute's chains against its trees")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="--drafts: the model's weights and compute (the fp32 copy read as it is, or made bf16)")
     ap.add_argument("--k", type=int, help="--drafts: num_speculative_tokens (default: chosen as the run goes)")

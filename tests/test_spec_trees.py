@@ -29,10 +29,10 @@ def test_a_branch_joins_where_its_gain_pays_and_the_tree_keeps_its_chain_first()
     assert tree.tokens == (1, 2, 3, 8) and tree.parents == (-1, 0, 1, 0) and children_of(tree)[0] == [1, 3]
     assert branch_gains([(2, 0.5, 0.4)], [2], [0.5], 1.0) == []  # the draft's own token is no second candidate
     spec = Speculator(SimpleNamespace(alternatives=[alts]), max_branches=1)
-    spec.token_cost, spec.depth_rates = (lambda n: 0.01), (lambda: [0.8, 0.6, 0.5])
+    spec.token_cost, spec.depth_rates = (lambda n, drafted=True: 0.01), (lambda: [0.8, 0.6, 0.5])
     (one,) = spec.branch([[1, 2, 3]], [5], 1, 5)
     assert one.tokens == (1, 2, 3, 8)  # the best one only, as max_branches says
-    spec.token_cost = lambda n: 10.0  # a token dearer than any gain: a chain
+    spec.token_cost = lambda n, drafted=True: 10.0  # a token dearer than any gain: a chain
     assert spec.branch([[1, 2, 3]], [5], 1, 5)[0].is_chain
 
 
@@ -105,12 +105,17 @@ def test_trees_keep_greedy_answers_and_their_branches_are_kept(model_dir):  # no
     want = [o.token_ids for o in outs]
     oracle = Oracle([list(o.prompt_token_ids) + o.token_ids for o in outs])
     plain.generator.speculator = speculator = Speculator(oracle, num_tokens=3, max_branches=2)
-    speculator.token_cost = lambda n: 1e-6
+    speculator.token_cost = lambda n, drafted=True: 1e-6
     assert [o.token_ids for o in plain.generate(prompts, params)] == want
     assert [plain.generate(p, q)[0].token_ids for p, q in zip(prompts, params)] == want
     stats = speculator.stats
     assert stats.branches_kept == stats.branches > 10 and stats.kept_at[1] == 0
+    assert stats.accepted == sum(stats.kept_at) and stats.branch_tokens >= stats.branches  # chains counted apart
+    from offload.profile.report import speculation_lines
+
+    line = speculation_lines({**stats.as_dict(), "draft_share": None})[1]
+    assert f"{stats.branch_tokens} carried, {stats.branches} checked" in line
     tree = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32",
                speculative_config={"method": "substitute", "num_speculative_tokens": 3, "max_branches": 3})
-    tree.generator.speculator.token_cost = lambda n: 1e-6
+    tree.generator.speculator.token_cost = lambda n, drafted=True: 1e-6
     assert [o.token_ids for o in tree.generate(prompts, params)] == want

@@ -227,11 +227,13 @@ def price_on(plans: SpeculationPlans, options, acceptance: float, max_k: int = 8
     return best
 
 
-def run_tokens_per_s(plans: SpeculationPlans, acceptance: float, k: int, share: float) -> float:
+def run_tokens_per_s(plans: SpeculationPlans, acceptance: float, k: int, share: float, branches: int = 0,
+                     branch_gain: float = 0.0) -> float:
     """Predicted tokens per second of decode steps of which a share carried k proposals at this acceptance rate
-    (with k draft steps each) and the rest none."""
-    tokens = share * expected_tokens(acceptance, k) + (1 - share)
-    return tokens / (share * (plans.pass_s(k) + k * plans.draft_step_s) + (1 - share) * plans.pass_s(0))
+    (with k draft steps each; a tree's passes also branches second candidates, which gain branch_gain tokens a
+    pass) and the rest none."""
+    tokens = share * (expected_tokens(acceptance, k) + branch_gain) + (1 - share)
+    return tokens / (share * (plans.pass_s(k + branches) + k * plans.draft_step_s) + (1 - share) * plans.pass_s(0))
 
 
 def against_measured(spec, hw, request, options, stats: dict, prior: float, draft_spec=None) -> dict:
@@ -259,7 +261,10 @@ def against_measured(spec, hw, request, options, stats: dict, prior: float, draf
         k = max(1, round(stats["proposed"] / stats["verified_passes"]))
         share = min(stats["verified_passes"] / stats["decode_steps"], 1.0)
         rates = stats.get("acceptance_by_depth") or stats["acceptance_rate"]  # by depth where the run has them
-        predicted, per_pass = run_tokens_per_s(plans, rates, k, share), expected_tokens(rates, k)
+        passes = stats["verified_passes"]  # a tree's second candidates: carried, and kept, per pass
+        branches, gain = round(stats.get("branch_tokens", 0) / passes), stats.get("branches_kept", 0) / passes
+        predicted = run_tokens_per_s(plans, rates, k, share, branches, gain)
+        per_pass = expected_tokens(rates, k) + gain
         over = per_pass / stats["tokens_per_pass"] if stats.get("tokens_per_pass") else None
         out.update(predicted_tokens_per_s=predicted, predicted_k=k, predicted_over_measured=predicted / measured,
                    predicted_share=share, predicted_tokens_per_pass=per_pass, tokens_per_pass_over_measured=over)

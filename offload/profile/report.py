@@ -224,6 +224,9 @@ def speculation_lines(spec: dict | None) -> list[str]:
              f"({_pct(spec['acceptance_rate'])}); {spec['tokens_per_pass']:.2f} tokens per pass that carried "
              f"proposals ({spec['verified_passes']} such passes)"
              + (f"; drafting took {_pct(spec['draft_share'])} of the time" if spec.get("draft_share") else "")]
+    if spec.get("branch_tokens"):
+        lines.append(f"{'':>7}  a tree's second candidates: {spec['branch_tokens']} carried, {spec['branches']} "
+                     f"checked (their chain's token rejected), {spec['branches_kept']} kept")
     if spec.get("kept_though_slower"):
         lines.append(f"{'':>7}  {spec['kept_though_slower']}")
     if "predicted_for" not in spec:  # a placement given by hand, or a report saved before predictions were added
