@@ -89,7 +89,7 @@ class Oracle:
                 drafts.append(right[:k])
                 self.alternatives.append([])
                 continue
-            wrong = (right[1] + 1) % 259
+            wrong = right[1] + 1 if right[1] == 0 else right[1] - 1
             drafts.append([right[0], wrong, right[2]])
             self.alternatives.append([(7, 0.9, 0.05), (right[1], 0.5, 0.4), (7, 0.9, 0.05)])
         return drafts
@@ -119,3 +119,38 @@ def test_trees_keep_greedy_answers_and_their_branches_are_kept(model_dir):  # no
                speculative_config={"method": "substitute", "num_speculative_tokens": 3, "max_branches": 3})
     tree.generator.speculator.token_cost = lambda n, drafted=True: 1e-6
     assert [o.token_ids for o in tree.generate(prompts, params)] == want
+
+
+@pytest.mark.parametrize("where,compute", [("disk", "stream"), ("gpu", "gpu")])
+def test_trees_keep_greedy_answers_on_streamed_and_gpu_layers(tmp_path, where, compute):
+    """The simulated GPU's layers (the reference layer's mask over the tree's keys, moved to the device with the
+    step) keep the greedy answers with a second candidate kept at every pass, the kept K and V moved on the
+    device's caches."""
+    from conftest import gpu_profile, make_hf_model, save_hf_model
+    from offload.engine import run_to_end
+    from offload.generate import Generator
+    from offload.planner import Placement
+    from offload.runtime.backends.sim import SimBackend
+    from offload.runtime.executor import PlacedModel
+    from offload.sequence import Sequence
+    from offload.weights.loader import Checkpoint
+    from offload.weights.model_files import model_spec
+    from offload.weights.sources import CheckpointSource
+
+    path = save_hf_model(make_hf_model("llama"), tmp_path / "tiny")
+    spec = model_spec(path)
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 3, 9, 3, 9], [11, 12, 13]]
+
+    def run(speculator):
+        model = PlacedModel(spec, CheckpointSource(Checkpoint(path), spec, torch.float32, "none"),
+                            Placement.uniform(spec, where, compute, page_cache=frozenset()), SimBackend(gpu_profile()))
+        generator = Generator(model, max_batch_size=4, max_model_len=64)
+        generator.speculator = speculator
+        seqs = [Sequence(i, p, greedy(16)) for i, p in enumerate(prompts)]
+        run_to_end(generator, seqs)
+        return [s.output_ids for s in seqs]
+
+    want = run(None)
+    speculator = Speculator(Oracle([p + w for p, w in zip(prompts, want)]), num_tokens=3, max_branches=2)
+    speculator.token_cost = lambda n, drafted=True: 1e-6
+    assert run(speculator) == want and speculator.stats.branches_kept > 3
