@@ -489,13 +489,18 @@ def test_the_steps_run_are_priced_as_the_planner_prices_k_and_a_batch_is_not():
     """run_tokens_per_s with every step carrying the planner's k is the planner's own price; with none, the model's
     1-token step on what the draft leaves; a run that decoded two sequences a step gets no batch-1 price."""
     from offload.hardware import load_hardware
-    from offload.planner.speculation import against_measured, plan_speculation, price_on, run_tokens_per_s
+    from offload.planner.speculation import (against_measured, branch_gain, plan_speculation, price_on,
+                                             run_tokens_per_s)
 
     spec, draft, options, request = _llama_8b_with_1b_draft("4GiB")
     hw = load_hardware("rtx4090-ddr5")
     plans = plan_speculation(spec, hw, request, options, draft, context=300)
     price = price_on(plans, options, 0.6)
-    assert price.k > 0 and run_tokens_per_s(plans, 0.6, price.k, 1.0) == pytest.approx(price.tokens_per_s)
+    tree = run_tokens_per_s(plans, 0.6, price.k, 1.0, price.branches, branch_gain(0.6, price.branches))
+    assert price.k > 0 and price.branches > 0 and tree == pytest.approx(price.tokens_per_s)  # a tree pays there
+    chains = price_on(plans, options.model_copy(update={"max_branches": 0}), 0.6)
+    assert chains.branches == 0 and run_tokens_per_s(plans, 0.6, chains.k, 1.0) == pytest.approx(chains.tokens_per_s)
+    assert chains.tokens_per_s < price.tokens_per_s and "second candidates (kept at 0.60" in price.line()
     assert run_tokens_per_s(plans, 0.6, price.k, 0.0) == pytest.approx(1 / plans.pass_s(0))
     stats = {"decode_tokens_per_s": 30.0, "mean_batch": 2.0, "mean_context": 300.0, "acceptance_rate": 0.6,
              "proposed": 40, "verified_passes": 10, "decode_steps": 10}
