@@ -28,8 +28,8 @@ from offload.model.model import Model  # or a PlacedModel: same interface
 from offload.model.step import ragged_step, ring_sizes
 from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
 from offload.profile.timeline import StepShape
-from offload.sampling import SamplingParams, runner_up, sample, token_logprobs
 from offload.proposal_tree import kept_moves, move_kept
+from offload.sampling import SamplingParams, runner_up, sample, token_logprobs
 from offload.schedule_step import Proposal, ScheduledStep, decoding, schedule_step
 from offload.sequence import Sequence
 from offload.speculative import Speculator
