@@ -5,10 +5,10 @@ tree's order); the walk keeps the path the model agrees with (Speculator.verify)
 to the positions they stand for (move_kept).
 
 A branch is a second candidate after a chain's token i - 1: the draft's next likeliest token at depth i. It pays
-where the chain reaches depth i, the model rejects the chain's token there and draws the branch's instead: then the
-pass gains the branch and the model's token after it. Its chance of that: the chain's measured rate of reaching
-depth i, times the chance of a rejection there, times the draft's odds for the branch given the rejection
-(p(branch) / (1 - p(chain's token))), scaled by how often such odds came true in the run (a prior of 1 at first).
+where the chain reaches depth i and the model takes the branch's token there: then the pass gains the branch and
+the model's token after it. Its chance of that: the chain's measured rate of reaching depth i, times the draft's
+own probability for the token (a copy of the model's weights prices the model's choices closely), scaled by how
+often such probabilities came true in the run (a prior of 1 at first).
 """
 
 from __future__ import annotations
@@ -31,22 +31,20 @@ def children_of(proposal: Proposal) -> dict[int, list[int]]:
 
 def branch_gains(alternatives: list[tuple[int, float, float]], chain: list[int], rates: list[float],
                  calibration: float) -> list[tuple[float, int, int, float]]:
-    """(expected tokens gained, depth, token, odds) of a second candidate at each depth of a chain: alternatives[i]
-    the draft's (next likeliest token, probability of chain[i], of that token) at depth i; rates the chain's
-    measured rates by depth (the last one for deeper ones)."""
+    """(expected tokens gained, depth, token, its probability) of a second candidate at each depth of a chain:
+    alternatives[i] the draft's (next likeliest token, probability of chain[i], of that token) at depth i; rates
+    the chain's measured rates by depth (the last one for deeper ones)."""
     out, reach = [], 1.0
-    for i, (token, p_chain, p_alt) in enumerate(alternatives[: len(chain)]):
-        rate = rates[min(i, len(rates) - 1)]
-        odds = min(1.0, p_alt / max(1.0 - p_chain, 1e-9))
-        if token >= 0 and token != chain[i] and odds > 0.0:
-            out.append((reach * (1.0 - rate) * min(1.0, odds * calibration), i, token, odds))
-        reach *= rate
+    for i, (token, _, p_alt) in enumerate(alternatives[: len(chain)]):
+        if token >= 0 and token != chain[i] and p_alt > 0.0:
+            out.append((reach * min(1.0, p_alt * calibration), i, token, p_alt))
+        reach *= rates[min(i, len(rates) - 1)]
     return out
 
 
 def with_branches(chain: list[int], branches: list[tuple[int, int, float]]) -> Proposal:
-    """The chain, then each (depth, token, odds) branch as a second candidate after the chain's token at depth - 1
-    (its odds kept for the calibration)."""
+    """The chain, then each (depth, token, probability) branch as a second candidate after the chain's token at
+    depth - 1 (the draft's probability for it kept for the calibration)."""
     tokens, parents = list(chain), list(range(-1, len(chain) - 1))
     odds = [0.0] * len(chain)
     for depth, token, p in sorted(branches):

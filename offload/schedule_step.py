@@ -36,8 +36,8 @@ class Proposal:
 
     tokens: tuple[int, ...]
     parents: tuple[int, ...]
-    odds: tuple[float, ...] = ()  # a tree's: per proposal, the draft's odds that the model takes it where the
-    # candidate before it is rejected (0 for a chain's; offload/proposal_tree.py)
+    odds: tuple[float, ...] = ()  # a tree's: per proposal, 0 for the chain's, else the draft's probability for a
+    # second candidate (offload/proposal_tree.py)
 
     @classmethod
     def chain(cls, tokens: Iterable[int]) -> Proposal:

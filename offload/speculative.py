@@ -79,7 +79,8 @@ class SpeculativeStats:
     branch_tokens: int = 0  # second candidates carried by the passes (a tree's)
     branches: int = 0  # second candidates checked (a tree's: their chain's token rejected)
     branches_kept: int = 0  # ... and kept
-    branch_odds: float = 0.0  # the draft's odds of those checked, summed (what branches_kept was expected to be)
+    branch_odds: float = 0.0  # the draft's probabilities of the second candidates whose depth was reached, summed
+    # (what branches_kept was expected to be)
 
     @property
     def acceptance_rate(self) -> float:
@@ -233,7 +234,8 @@ class Speculator:
 
     @property
     def odds_calibration(self) -> float:
-        """How often a branch was kept against the draft's odds for it (1 before any is checked)."""
+        """How often a second candidate was kept against the draft's probabilities for those reached (1 before any
+        is)."""
         s = self.stats
         return (s.branches_kept + ODDS_PRIOR_WEIGHT) / (s.branch_odds + ODDS_PRIOR_WEIGHT)
 
@@ -287,15 +289,16 @@ class Speculator:
         return path
 
     def _count(self, proposal: Proposal, candidates: list[int], depth: int, kept: int | None) -> None:
-        """The chain's candidate at this depth checked, and kept or not; a second candidate checked where the
-        first was not kept (with the draft's odds for it)."""
+        """The chain's candidate at this depth checked, and kept or not; a second candidate reached (the draft's
+        probability for it counted), and checked where the first was not kept."""
         if not candidates:
             return
-        self.stats.count(depth, kept == candidates[0])
-        if kept != candidates[0] and len(candidates) > 1:
-            s = self.stats
-            s.branches, s.branches_kept = s.branches + 1, s.branches_kept + (kept == candidates[1])
+        s = self.stats
+        s.count(depth, kept == candidates[0])
+        if len(candidates) > 1:
             s.branch_odds += proposal.odds[candidates[1]] if proposal.odds else 0.0
+            if kept != candidates[0]:
+                s.branches, s.branches_kept = s.branches + 1, s.branches_kept + (kept == candidates[1])
 
     def _decide(self, row, candidates: list[int], params, generator, prompt_ids, output_ids, allowed=None) -> int:
         """The token at this row: a candidate where the rule keeps it, else the model's own draw (among the allowed

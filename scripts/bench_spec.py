@@ -175,7 +175,8 @@ def disk_child(job: dict) -> dict:
     """One run on the disk tier (in its cgroup): tokens/s over the prompts, the stats, the answers."""
     from offload import LLM, SamplingParams
 
-    spec = {"method": job["method"], "quantization": job["draft"]} if job["speculate"] else None
+    spec = {"method": job["method"], "quantization": job["draft"], "num_speculative_tokens": job.get("k")} \
+        if job["speculate"] else None
     llm = LLM(job["model"], quantization="none", dtype="fp32", cpu_memory=job["budget"], gpu_memory=0, disk_memory="4GiB",
               backend="cpu", batch_size=1, max_model_len=1024, speculative_config=spec)
     if job["speculate"] and llm.speculative_stats is None:  # priced at load as not paying (offload/api.py)
@@ -216,7 +217,7 @@ def disk_rows(args) -> None:
             drop_cache(files)
             mine = parse_size(args.spec_budget) if speculate and args.spec_budget else budget
             job = {"model": str(folder), "budget": mine, "tokens": args.disk_tokens, "prompts": prompts,
-                   "speculate": speculate, "method": args.method, "draft": draft}
+                   "speculate": speculate, "method": args.method, "draft": draft, "k": args.k}
             cgroup = MemCgroup(limit)  # one limit for both runs: the same room for the page cache
             try:
                 done = subprocess.run([sys.executable, __file__, "--disk-child", json.dumps(job)], capture_output=True,
@@ -241,7 +242,9 @@ def disk_rows(args) -> None:
     print(f"without speculation: {plain:.2f} tok/s; with method {args.method} ({draft} "
           f"draft in RAM): {spec:.2f} tok/s "
           f"({spec / plain:.2f}x); acceptance {stats['acceptance_rate']:.2f}, {stats['tokens_per_pass']:.2f} tokens "
-          f"per pass that carried proposals, drafting {stats['draft_s']:.1f} s; answers identical {same} of "
+          f"per pass that carried proposals, drafting {stats['draft_s']:.1f} s; a tree's second candidates "
+          f"{stats.get('branch_tokens', 0)} carried, "
+          f"{stats.get('branches_kept', 0)} kept of {stats.get('branches', 0)} checked; answers identical {same} of "
           f"{len(prompts)}")
 
 
@@ -326,7 +329,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--trees", action="store_true", help="--drafts: method substitute's chains against its trees")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                     help="--drafts: the model's weights and compute (the fp32 copy read as it is, or made bf16)")
-    ap.add_argument("--k", type=int, help="--drafts: num_speculative_tokens (default: chosen as the run goes)")
+    ap.add_argument("--k", type=int, help="--drafts and --disk: num_speculative_tokens (default: chosen as the run "
+                    "goes)")
     ap.add_argument("--draft-quantization", choices=("q4_0", "q8_0"),
                     help="the drafts' format (default: --drafts the planner's choice, --disk q4_0)")
     ap.add_argument("--method", choices=("self", "substitute"), default="self",

@@ -24,7 +24,7 @@ def test_a_branch_joins_where_its_gain_pays_and_the_tree_keeps_its_chain_first()
     gains = branch_gains(alts, [1, 2, 3], [0.8, 0.6, 0.5], calibration=1.0)
     by_depth = {depth: g for g, depth, _, _ in gains}
     assert by_depth[1] > by_depth[0] and by_depth[1] > by_depth[2]  # unsure, and often reached
-    assert abs(by_depth[0] - 0.2 * 0.5) < 1e-9  # reached always, rejected 0.2, odds 0.01 / 0.02
+    assert abs(by_depth[0] - 0.01) < 1e-9 and abs(by_depth[2] - 0.8 * 0.6 * 0.3) < 1e-9  # reached, times p
     tree = with_branches([1, 2, 3], [(1, 8, 0.58)])
     assert tree.tokens == (1, 2, 3, 8) and tree.parents == (-1, 0, 1, 0) and children_of(tree)[0] == [1, 3]
     assert branch_gains([(2, 0.5, 0.4)], [2], [0.5], 1.0) == []  # the draft's own token is no second candidate
