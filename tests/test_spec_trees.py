@@ -154,3 +154,23 @@ def test_trees_keep_greedy_answers_on_streamed_and_gpu_layers(tmp_path, where, c
     speculator = Speculator(Oracle([p + w for p, w in zip(prompts, want)]), num_tokens=3, max_branches=2)
     speculator.token_cost = lambda n, drafted=True: 1e-6
     assert run(speculator) == want and speculator.stats.branches_kept > 3
+
+
+def test_trees_ride_beside_prompt_chunks_in_mixed_steps(model_dir):  # noqa: F811
+    """A long prompt prefilled in chunks in the same steps that verify other sequences' trees (the fused layer's
+    attention then goes token by token for the whole step): answers are plain decoding's with the same chunks."""
+    long = " ".join(["alpha beta gamma delta"] * 8)
+    prompts, params = ["The quick brown fox", long, "Hello there"], [greedy(30), greedy(8), greedy(30)]
+    plain = LLM(str(model_dir), backend="cpu", max_model_len=256, dtype="fp32")
+    plain.generator.prefix_caching, plain.generator.step_tokens = False, 24  # the whole prompt prefilled again
+    outs = plain.generate(prompts, params)
+    want = [o.token_ids for o in outs]
+    oracle = Oracle([list(o.prompt_token_ids) + o.token_ids for o in outs])
+    plain.generator.speculator = speculator = Speculator(oracle, num_tokens=3, max_branches=2)
+    speculator.token_cost = lambda n, drafted=True: 1e-6  # the long prompt takes several steps, beside the others' trees
+    mixed = []
+    run_step = plain.generator.run_step
+    plain.generator.run_step = lambda s, *a: (mixed.append(bool(s.chunks) and any(
+        not p.is_chain for _, p in s.verified)), run_step(s, *a))[1]
+    assert [o.token_ids for o in plain.generate(prompts, params)] == want
+    assert any(mixed) and speculator.stats.branches_kept > 0
