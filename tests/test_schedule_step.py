@@ -4,7 +4,6 @@ the generator builds no engine: the import graph shows the one direction."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from offload.sampling import SamplingParams

@@ -167,7 +167,7 @@ def test_trees_ride_beside_prompt_chunks_in_mixed_steps(model_dir):  # noqa: F81
     want = [o.token_ids for o in outs]
     oracle = Oracle([list(o.prompt_token_ids) + o.token_ids for o in outs])
     plain.generator.speculator = speculator = Speculator(oracle, num_tokens=3, max_branches=2)
-    speculator.token_cost = lambda n, drafted=True: 1e-6  # the long prompt takes several steps, beside the others' trees
+    speculator.token_cost = lambda n, drafted=True: 1e-6
     mixed = []
     run_step = plain.generator.run_step
     plain.generator.run_step = lambda s, *a: (mixed.append(bool(s.chunks) and any(
