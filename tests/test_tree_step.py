@@ -112,3 +112,16 @@ def test_a_tree_tokens_row_is_its_own_chains_bit_for_bit(path, kv_dtype):
                                                    None)], MAX_LEN, "decode")
         alone = fused.fused_layer_forward(spec, w, x[:, rows], chain, _copy(kv), path)
         assert torch.equal(alone[0, -1], out[0, 1 + node]), node
+
+
+def test_a_trees_keys_past_its_positions_are_checked_against_the_cache():
+    """The block a tree's last keys lie in (past its positions' blocks) is checked like the rest of its table."""
+    from offload.errors import KernelError
+    from offload.kernels.step_tokens import token_table
+
+    spec, parents = _spec(), (-1, -1, -1, -1)  # four first tokens: positions 14 and 15, keys up to 18
+    table = torch.tensor([[0, 9999]])  # positions 0-15 in block 0; keys 16-31 in a block past the cache
+    step = ragged_step(spec, torch.float32, [(torch.tensor([_positions(14, parents)]), table, None, parents)],
+                       MAX_LEN, "decode")
+    with pytest.raises(KernelError, match="outside the KV cache"):
+        token_table(step.groups[0], 1, MAX_LEN + 1, None)

@@ -40,8 +40,10 @@ def _group_tokens(step, n_rows: int, n_slots: int, sliding_window: int | None, b
     tables = None if step.tables is None else step.tables.tolist()
     if tables is None and blocks is not None:
         tables = [list(range(0, step.n_keys, KV_BLOCK))] * b
-    if tables is not None and any(not 0 <= t < n_slots - 1 for table, row_positions in zip(tables, positions)
-                                  for t in table[: max(row_positions) // KV_BLOCK + 1]):
+    # the last key each row's table must hold: its last position's (a tree's keys lie past its positions)
+    last = [step.n_keys - 1] * b if step.key_maps is not None else [max(p) for p in positions]
+    if tables is not None and any(not 0 <= t < n_slots - 1 for table, reach in zip(tables, last)
+                                  for t in table[: reach // KV_BLOCK + 1]):
         raise KernelError(f"fused layer: a block table names slots outside the KV cache's {n_slots - 1}; "
                           f"build the step from the pool's extents")
     maps = step.key_maps or (None,) * len(positions[0])
