@@ -125,3 +125,22 @@ def test_a_trees_keys_past_its_positions_are_checked_against_the_cache():
                        MAX_LEN, "decode")
     with pytest.raises(KernelError, match="outside the KV cache"):
         token_table(step.groups[0], 1, MAX_LEN + 1, None)
+
+
+def test_a_tree_step_cut_in_two_runs_as_the_whole():
+    """A tree's group cut into two parts (a step run in chunks): each part keeps its tokens' key maps and sees up to
+    its last key, and the reference layer over the two parts gives the whole's outputs and cache."""
+    spec = _spec()
+    w = _weights(spec, "dense", False)
+    prompt, tree = _steps(spec, 19, PARENTS)
+    kv = _cache(spec, w, prompt, 19)
+    kv_parts = _copy(kv)
+    x = torch.randn(1, 1 + len(PARENTS), spec.hidden_size, generator=torch.Generator().manual_seed(6))
+    whole = layer_forward(spec, w, x, tree, kv)
+    group = tree.groups[0]
+    first, second = group.slice(0, 4), group.slice(4, 7)
+    assert first.key_maps == group.key_maps[:4] and first.n_keys == 23  # the last token, three chain keys
+    assert second.key_maps == group.key_maps[4:] and second.n_keys == 26
+    parts = [layer_forward(spec, w, x[:, a:b], part, kv_parts) for (a, b), part in (((0, 4), first), ((4, 7), second))]
+    assert torch.allclose(torch.cat(parts, dim=1), whole, atol=1e-6)
+    assert torch.equal(kv.k, kv_parts.k) and torch.equal(kv.v, kv_parts.v)
