@@ -122,10 +122,15 @@ def test_trees_keep_greedy_answers_and_their_branches_are_kept(model_dir):  # no
 
 
 @pytest.mark.parametrize("where,compute", [("disk", "stream"), ("gpu", "gpu")])
-def test_trees_keep_greedy_answers_on_streamed_and_gpu_layers(tmp_path, where, compute):
-    """The simulated GPU's layers (the reference layer's mask over the tree's keys, moved to the device with the
-    step) keep the greedy answers with a second candidate kept at every pass, the kept K and V moved on the
-    device's caches."""
+def test_trees_keep_greedy_answers_on_streamed_and_gpu_layers(tmp_path, where, compute, monkeypatch):
+    """The simulated GPU's layers (a tree's tokens read the pool in place, the paged kernel taking its mask over
+    the tree's own keys) keep the greedy answers with a second candidate kept at every pass, the kept K and V
+    moved on the device's caches."""
+    import offload.model.attention as attention
+
+    trees, paged = [], attention.paged_attention
+    monkeypatch.setattr(attention, "paged_attention", lambda *a, **kw: (
+        trees.append(kw.get("tree_mask") is not None), paged(*a, **kw))[1])
     from conftest import gpu_profile, make_hf_model, save_hf_model
     from offload.engine import run_to_end
     from offload.generate import Generator
@@ -154,6 +159,7 @@ def test_trees_keep_greedy_answers_on_streamed_and_gpu_layers(tmp_path, where, c
     speculator = Speculator(Oracle([p + w for p, w in zip(prompts, want)]), num_tokens=3, max_branches=2)
     speculator.token_cost = lambda n, drafted=True: 1e-6
     assert run(speculator) == want and speculator.stats.branches_kept > 3
+    assert any(trees)  # the streamed layers run on the simulated GPU too
 
 
 def test_trees_ride_beside_prompt_chunks_in_mixed_steps(model_dir):  # noqa: F811

@@ -142,5 +142,5 @@ def test_a_tree_step_cut_in_two_runs_as_the_whole():
     assert first.key_maps == group.key_maps[:4] and first.n_keys == 23  # the last token, three chain keys
     assert second.key_maps == group.key_maps[4:] and second.n_keys == 26
     parts = [layer_forward(spec, w, x[:, a:b], part, kv_parts) for (a, b), part in (((0, 4), first), ((4, 7), second))]
-    assert torch.allclose(torch.cat(parts, dim=1), whole, atol=1e-6)
+    assert (torch.cat(parts, dim=1) - whole).abs().max() <= 1e-5 * whole.abs().max()  # other kernels, other sums
     assert torch.equal(kv.k, kv_parts.k) and torch.equal(kv.v, kv_parts.v)

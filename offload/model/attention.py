@@ -3,7 +3,7 @@ of the history to decode).
 
 - Decode and short groups (a verify group): the new queries read each sequence's keys where they lie in the
   cache, through the step's block table (offload.kernels.attention.paged_attention: the Triton split-K kernel on
-  CUDA, GQA native, fp32 accumulation).
+  CUDA, GQA native, fp32 accumulation); a verified tree's tokens with its mask over the tree's own keys.
 - Prefill chunks: scaled_dot_product_attention over the sequence's cached keys (a view where the cache allows),
   bottom-right causal (`causal_lower_right`, which flash attention takes with GQA) where causality is all the mask
   says; else with the query-head group folded into the query length and the bool mask repeated per head of the
@@ -48,7 +48,7 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
     if kv.k.device != q.device:
         return _attend_host_cache(spec, q, k, v, step, kv, window, sinks)
     kv.write(step, k, v)
-    if _reads_in_place(step, q):
+    if _reads_in_place(step, q) and (step.key_maps is None or window is None):  # a tree: its mask's newest keys
         return _paged(spec, q, step, kv, window, sinks)
     return sdpa_over_keys(q, *cached_keys(step, kv), step, window, spec, sinks)
 
@@ -56,12 +56,16 @@ def attend(spec: ModelSpec, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s
 def _reads_in_place(step: Step, q: torch.Tensor) -> bool:
     """Whether the step's queries are each sequence's newest few tokens, all real (host tensors only; worked out
     once per step, not per layer)."""
-    if q.shape[-2] > IN_PLACE_MAX_QUERIES or step.key_maps is not None:  # a tree's keys: through its mask
+    if q.shape[-2] > IN_PLACE_MAX_QUERIES:
         return False
     if "in_place" not in step._derived:
         positions, valid = step.positions, step.valid
-        step._derived["in_place"] = bool(valid.all()) and bool(
-            (positions[:, -1] - positions[:, 0] == positions.shape[1] - 1).all())
+        if step.key_maps is not None:  # a verified tree: in place where its tokens see every key before theirs
+            host = step._host if step._host is not None else step  # (not a part of one cut after its root)
+            step._derived["in_place"] = bool(host.mask[..., : host.n_keys - positions.shape[1]].all())
+        else:
+            step._derived["in_place"] = bool(valid.all()) and bool(
+                (positions[:, -1] - positions[:, 0] == positions.shape[1] - 1).all())
     return step._derived["in_place"]
 
 
@@ -70,9 +74,11 @@ def _paged(spec: ModelSpec, q: torch.Tensor, step: Step, kv: LayerKV, window: in
     """q [B, H, S, Dh] over the pool in place through the step's table of contiguous extents (a ring's blocks)."""
     n_slots, heads, dh = kv.k.shape[0] * kv.k.shape[1], kv.k.shape[2], kv.k.shape[3]
     table = kv_table(step, kv) if kv.ring is None else ring_table(step, kv)
+    s = q.shape[2]  # a tree's: which of the S newest keys (its own) each of its tokens sees
+    tree = None if step.key_maps is None else step.mask[:, 0, :, step.n_keys - s:]
     o = paged_attention(q.transpose(1, 2), kv.k.view(n_slots, heads, dh), kv.v.view(n_slots, heads, dh),
                         table, scale=spec.attn_scale, window=window, softcap=spec.variant.attn_softcap,
-                        sinks=sinks)
+                        sinks=sinks, tree_mask=tree)
     return o.transpose(1, 2)
 
 
@@ -85,7 +91,7 @@ def kv_table(step: Step, kv: LayerKV) -> KVTable:
         n, dev = step.positions.shape[0], step.write_index.device
         rows = step.rows if step.rows is not None else torch.arange(n, device=dev)
         first = rows.to(dev)[:, None] * stride
-        host = tuple(int(p) + 1 for p in step.positions[:, -1])
+        host = tuple(int(p) + 1 for p in step.positions[:, -1]) if step.key_maps is None else (step.n_keys,)
         if step.tables is None:
             lengths = step.write_index[:, -1] + 1  # the last key's slot in its row, plus one
             table = KVTable(first.int(), lengths.int(), stride, host)
