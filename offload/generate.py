@@ -68,6 +68,7 @@ class Generator:
         self.mixed = mixed
         self.between_steps: Callable[[], None] | None = None  # called after each step, outside its timing
         self.speculator: Speculator | None = None  # speculative decoding (offload/speculative.py), when asked for
+        self.trees_fit = not ring_sizes(model.spec)  # a tree's siblings would share a ring layer's slot
         # the engines' prefix cache (offload/prefix_cache.py): on, with a host tier of this many bytes, and the
         # host-tier runs the last run_to_end left for the next one
         self.prefix_caching, self.prefix_host_bytes, self.prefix_carried = True, 0, []
@@ -102,7 +103,7 @@ class Generator:
             if n > 0:
                 asks.append((seq.prompt_ids + seq.output_ids, n, seq))
                 room -= n
-        branching = self.speculator.max_branches > 0 and not ring_sizes(self.model.spec)  # trees: proposal_tree
+        branching = self.speculator.max_branches > 0 and self.trees_fit  # trees: offload/proposal_tree.py
         proposals = self.speculator.propose_many(asks, branching)
         proposals = [self.constraints.cut(seq, draft) if seq.params.structured_outputs is not None else draft
                      for (_, _, seq), draft in zip(asks, proposals)]

@@ -280,9 +280,9 @@ class Speculator:
             if not take(token, row) or kept is None:
                 break
             node = kept
-        chain = [i for i in range(len(proposal)) if not proposal.odds or proposal.odds[i] == 0.0]
+        chain = {i for i in range(len(proposal)) if not proposal.odds or proposal.odds[i] == 0.0}
         self.stats.proposed += len(chain)  # its chain's; the second candidates are counted apart (_count)
-        self.stats.accepted += sum(1 for i in path if not proposal.odds or proposal.odds[i] == 0.0)
+        self.stats.accepted += sum(i in chain for i in path)
         self.stats.branch_tokens += len(proposal) - len(chain)
         self.stats.verified_passes += 1
         self.stats.verified_tokens += n_taken

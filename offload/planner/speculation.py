@@ -29,7 +29,7 @@ OWN_COPY_PRIORS = {"q4_0": 0.7, "q8_0": 0.95}
 OWN_COPY_METHODS = ("self", "substitute")  # drafts of the model's own weights, in a format the planner may choose
 # A tree's second candidate (the draft's next likeliest token, checked where its chain's token is rejected) is the
 # model's token that often: the default model's q4_0 substitute on bf16 weights kept 100 of 159 and 91 of 135 (10
-# chat prompts x 64 tokens, a Zen 4, 2026-12-07). The run calibrates each by the draft's own odds.
+# chat prompts x 64 tokens, a Zen 4, 2026-12-07). The run weighs each by the draft's own probability for it.
 BRANCH_PRIOR = 0.6
 MODEL_DRAFTS = ("draft_model", *OWN_COPY_METHODS)  # speculative methods that load a draft model
 
@@ -94,12 +94,17 @@ def expected_tokens(acceptance, k: int) -> float:
     the last, the last again). Proposals are kept in runs: past a kept one the next is kept more often than the
     rate over all proposals says (the default model's substitute drafts: 0.59 over all, 2.76 tokens a pass at k = 3
     where one rate gives 2.2)."""
-    rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance) or [PRIOR_ACCEPTANCE]
+    rates = _rates(acceptance)
     total = reach = 1.0
     for i in range(k):
         reach *= min(max(rates[min(i, len(rates) - 1)], 0.0), 1.0)
         total += reach
     return total
+
+
+def _rates(acceptance) -> list[float]:
+    """One rate for every depth, or the rates by depth (none: the prior), as a list."""
+    return [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance) or [PRIOR_ACCEPTANCE]
 
 
 @dataclass(frozen=True)
@@ -243,7 +248,7 @@ def branch_gain(acceptance, b: int) -> float:
     """Tokens b second candidates add to a pass on average, one at each of the chain's first b depths: each is
     checked where the chain reaches its depth and is rejected there, and kept at BRANCH_PRIOR, or at the depth's
     acceptance where that is lower (a draft whose first guesses fail is not trusted with its second)."""
-    rates = [acceptance] if isinstance(acceptance, (int, float)) else list(acceptance) or [PRIOR_ACCEPTANCE]
+    rates = _rates(acceptance)
     total, reach = 0.0, 1.0
     for i in range(b):
         rate = min(max(rates[min(i, len(rates) - 1)], 0.0), 1.0)
@@ -253,11 +258,11 @@ def branch_gain(acceptance, b: int) -> float:
 
 
 def run_tokens_per_s(plans: SpeculationPlans, acceptance: float, k: int, share: float, branches: int = 0,
-                     branch_gain: float = 0.0) -> float:
+                     gain: float = 0.0) -> float:
     """Predicted tokens per second of decode steps of which a share carried k proposals at this acceptance rate
-    (with k draft steps each; a tree's passes also branches second candidates, which gain branch_gain tokens a
-    pass) and the rest none."""
-    tokens = share * (expected_tokens(acceptance, k) + branch_gain) + (1 - share)
+    (with k draft steps each; a tree's passes also branches second candidates, which gain tokens a pass) and the
+    rest none."""
+    tokens = share * (expected_tokens(acceptance, k) + gain) + (1 - share)
     return tokens / (share * (plans.pass_s(k + branches) + k * plans.draft_step_s) + (1 - share) * plans.pass_s(0))
 
 
