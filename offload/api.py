@@ -19,8 +19,9 @@ from offload.formats import compute_format, kv_format, torch_dtype
 from offload.engine import run_to_end
 from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
-from offload.planner.speculation import MODEL_DRAFTS, OWN_COPY_METHODS, SUBSTITUTE_CPU_ONLY, SpeculationPrice
+from offload.planner.speculation import MODEL_DRAFTS, OWN_COPY_METHODS, SpeculationPrice
 from offload.planner.prefix_price import host_tier_bytes
+from offload.planner.substitutes import SubstituteLayout
 from offload.options import (DEFAULT_REASONING_PARSER, DEFAULT_TOOL_CALL_PARSER, PrefixCacheOptions, SpeculativeOptions,
                              default_of)
 from offload.profile.timeline import Timeline
@@ -37,6 +38,7 @@ from offload.system import memory_limit_bytes
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import load_tokenizer, model_spec, weight_source
 from offload.tool_parsers import finish_reason, parse_answer, tool_parser
+from offload.units import format_bytes
 from offload.tools import ToolChoice, from_body as tools_of
 from offload.weights.prompts import encode_chat, encode_text, with_reasoning_effort
 
@@ -127,7 +129,8 @@ class LLM:
         return llm
 
     def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None,
-              speculative: SpeculativeOptions | None = None, prefix: PrefixCacheOptions | None = None):
+              speculative: SpeculativeOptions | None = None, prefix: PrefixCacheOptions | None = None,
+              shared: dict | None = None):
         if placement is not None and not isinstance(placement, Placement):
             raise ConfigError(f"LLM(placement=...) takes a Placement (what offload.planner.plan_for returns), found "
                               f"{type(placement).__name__}; leave it out to let the planner place the model")
@@ -169,12 +172,14 @@ class LLM:
                                                           placement.prefill_pass_tokens)
         else:
             set_gpu_crossover({})  # no profile: the fused kernel at every row count
+            if any(name.startswith("mlp.") for name in placement.units):  # dense MLPs placed apart from their layers
+                self.spec = replace(self.spec, split_mlp=True)
             compute = compute_format(request.model.dtype, self.backend.device.type != "cpu")
             self.max_batch_size = max_seqs = request.schedule.batch_size or DEFAULT_MAX_BATCH_SIZE
         dtype = torch_dtype(compute)
         source = weight_source(self.path, self.spec, dtype, request.model.quantization)
         self.model = PlacedModel(self.spec, source, placement, self.backend, dtype, disk_dir,
-                                 kv_dtype=torch_dtype(kv_format(request.model.kv_cache_dtype, compute)))
+                                 kv_dtype=torch_dtype(kv_format(request.model.kv_cache_dtype, compute)), shared=shared)
         self.tokenizer = load_tokenizer(self.path)
         self.max_model_len = request.context_len(self.spec)
         self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_seqs, self.max_model_len,
@@ -189,6 +194,8 @@ class LLM:
         """The generator's speculator: a model draft loaded (with a placement given: planned on its own) and
         checked against this model, or prompt lookup, or none."""
         if speculative is not None and speculative.method in MODEL_DRAFTS:
+            if isinstance(draft, SubstituteLayout):
+                draft = load_substitute(speculative, self, draft)
             draft = draft or load_draft(speculative, self)
             check_draft_vocab(draft, self)
             if speculative.method == "substitute":
@@ -384,6 +391,11 @@ def check_profile_gpu(request: PlanRequest) -> None:
         log.warning(warning)
 
 
+SUBSTITUTE_MISMATCH = ("speculative method substitute drafts over the model's KV cache: its layers must keep their "
+                       "caches where the model's do, in the model's compute format; with a placement given, leave "
+                       "the speculative section out, or let the planner place the model")
+
+
 def plan_draft_first(options: SpeculativeOptions,
                      request: PlanRequest) -> tuple[LLM | None, PlanRequest, SpeculationPrice, SpeculativeOptions]:
     """The draft LLM planned first, on the request's whole budget (batch: the request's, else one sequence), and
@@ -396,12 +408,14 @@ def plan_draft_first(options: SpeculativeOptions,
 
     path = request.model.path if options.method in OWN_COPY_METHODS else options.model
     spec = model_spec(resolve_model(request.model.path))
-    options, _, price = choose_draft(spec, request.profile(), request, options, None,
-                                     model_spec(resolve_model(path)), options.max_speculative_tokens, min_k=1)
+    options, plans, price = choose_draft(spec, request.profile(), request, options, None,
+                                         model_spec(resolve_model(path)), options.max_speculative_tokens, min_k=1)
     if not price.pays:
         log.warning(price.verdict(kept=options.num_speculative_tokens is not None))
         if options.num_speculative_tokens is None:
             return None, request, price, options
+    if plans.layout is not None:  # copies of a GPU plan's far units: made once the model is (load_substitute)
+        return plans.layout, without_draft(request, request.profile(), *plans.layout.plan_held), price, options
     quantization = options.draft_quantization
     draft = LLM.from_request(request.with_options(model=path, quantization=quantization,
                                                   max_model_len=request.context_len(spec),
@@ -411,12 +425,34 @@ def plan_draft_first(options: SpeculativeOptions,
     return draft, without_draft(request, request.profile(), *draft.plan_held), price, options
 
 
+def load_substitute(options: SpeculativeOptions, llm: LLM, priced) -> LLM:
+    """The substitute draft of llm on a plan with GPU layers (planner.substitutes): llm's resident units shared
+    as they are, copies of the far units in the draft's format in the VRAM priced (the SubstituteLayout the
+    planner chose, at batch 1) set aside, placed again on llm's own plan (its batch may be larger), on llm's backend
+    kind and compute format."""
+    from offload.planner.substitutes import copy_sizes, draft_placement, layout_on
+
+    fmt, room = priced.fmt, priced.plan_held[0]
+    layout = layout_on(llm.plan, copy_sizes(llm.spec, fmt, llm.plan.workload.compute_format), fmt, room)
+    if layout is None:
+        raise ConfigError(f"speculative method substitute: the {fmt} copies of the units the model streams at batch "
+                          f"{llm.max_batch_size} do not fit the {format_bytes(room)} of VRAM set aside for them; set "
+                          f"batch_size 1, as speculation is priced")
+    placement = draft_placement(Placement.from_plan(llm.plan), layout)
+    shared = {name: (llm.model.layouts[name], llm.model.resident[name]) for name in layout.shared}
+    request = llm.request.with_options(quantization=fmt, dtype=llm.plan.workload.compute_format)
+    draft = LLM.__new__(LLM)
+    draft._load(request, placement, None, shared=shared)
+    set_gpu_crossover(llm.request.profile().gpu_crossover())  # the model's kernels by rows, as its plan measured
+    return draft
+
+
 def check_substitute(draft: LLM, llm: LLM) -> None:
-    """ConfigError where the substitute draft cannot draft over llm's KV cache: a plan with GPU units (their
-    substitutes are not built yet), or another compute format than the cache's."""
-    held = {kv.k.device.type for m in (llm, draft) for kv in m.model.new_cache(1, 2, 1)}
-    if held != {"cpu"} or draft.model.dtype != llm.model.dtype:
-        raise ConfigError(SUBSTITUTE_CPU_ONLY)
+    """ConfigError where the substitute draft cannot draft over llm's KV cache: a layer whose cache the draft would
+    keep on another tier than llm, or another compute format than the cache's."""
+    tiers = [[m.model.placement[f"layer.{i}"].kv for i in range(llm.spec.n_layers)] for m in (llm, draft)]
+    if tiers[0] != tiers[1] or draft.model.dtype != llm.model.dtype:
+        raise ConfigError(SUBSTITUTE_MISMATCH)
 
 
 def check_draft_vocab(draft: LLM, llm: LLM) -> None:

@@ -295,7 +295,7 @@ class PrefixCacheOptions(Section):
 
 
 # prompt lookup, a smaller model, the model's own weights in a smaller format with a KV cache of their own, and the
-# same copy drafting over the model's own KV cache (SubSpec's substitutes, on CPU plans)
+# same copy drafting over the model's own KV cache (SubSpec's substitutes: of a GPU plan's far units only)
 SPECULATIVE_METHODS = ("ngram", "draft_model", "self", "substitute")
 # the draft's weight format unless speculative.quantization says: the model's own weights made smaller (self), a
 # draft model read as stored (draft_model)
@@ -312,7 +312,8 @@ class SpeculativeOptions(Section):
                                                          "(model); self: the model's own weights in a smaller "
                                                          "format (quantization); substitute: that copy drafting "
                                                          "over the model's own KV cache (no cache or prefill of "
-                                                         "its own; CPU plans); none: no speculation")
+                                                         "its own; on a plan with GPU layers, copies of the far units only, beside the "
+                                                         "resident ones); none: no speculation")
     model: str | None = option(None, "draft_model: the draft model (a folder, a GGUF file or a Hub id in the local "
                                "cache), with the model's tokenizer")
     quantization: Literal[QUANTIZATIONS] | None = option(None, "the draft's weight format (default: self and "

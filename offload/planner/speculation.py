@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from offload.errors import ConfigError, PlanError
 from offload.planner.recost import recost_steps
+from offload.planner.substitutes import SubstituteLayout, copy_sizes, draft_step_s, layout_on, room_candidates
 from offload.units import format_bytes
 
 PRIOR_ACCEPTANCE = 0.7  # the acceptance rate assumed before any is measured
@@ -50,6 +51,7 @@ class SpeculationPrice:
     draft_cpu_bytes: int = 0
     draft_format: str | None = None  # a copy of the model's own weights: its format
     branches: int = 0  # a tree's second candidates a pass carries (after the chain's first tokens)
+    draft_layout: str = ""  # a substitute draft's copies on a plan with GPU layers (SubstituteLayout.describe)
 
     @property
     def speedup(self) -> float:
@@ -79,13 +81,16 @@ class SpeculationPrice:
         if self.draft_gpu_bytes or self.draft_cpu_bytes:
             where = (f"; the draft holds {_gib(self.draft_gpu_bytes)} of VRAM and {_gib(self.draft_cpu_bytes)} of "
                      f"RAM, taken from the model's budget")
+        if self.draft_layout:
+            where += f" ({self.draft_layout})"
         method = self.method if self.draft_format is None else f"{self.method}, {self.draft_format} copy"
         tree = (f" and {self.branches} second candidate{'s' if self.branches > 1 else ''} (kept at "
                 f"{min(BRANCH_PRIOR, self.acceptance):.2f} where checked)") if self.branches else ""
         return (f"speculative decoding ({method}, acceptance {self.acceptance:.2f}): k = {self.k}{tree}, "
                 f"{self.tokens_per_pass:.2f} tokens per pass; batch 1 predicted {self.tokens_per_s:.2f} tok/s against "
-                f"{self.plain_tokens_per_s:.2f} without ({self.speedup:.2f}x); a pass {self.verify_s * 1e3:.1f} ms, "
-                f"drafting {self.draft_s * 1e3:.1f} ms{where}")
+                f"{self.plain_tokens_per_s:.2f} without ({self.speedup:.2f}x); a pass "
+                f"{(self.verify_s + self.draft_s) * 1e3:.1f} ms: drafting {self.draft_s * 1e3:.1f} ms, verifying "
+                f"{self.verify_s * 1e3:.1f} ms{where}")
 
 
 def expected_tokens(acceptance, k: int) -> float:
@@ -142,22 +147,21 @@ class SpeculationPlans:
     draft_step_s: float = 0.0
     draft_gpu_bytes: int = 0
     draft_cpu_bytes: int = 0
+    layout: SubstituteLayout | None = None  # a substitute draft's copies on a plan with GPU layers
 
     def pass_s(self, k: int) -> float:
         """The target plan's step over a sequence's last token and k proposals."""
         return decode_pass_s(self.target_spec, self.hw, self.target, k + 1, self.context)
 
 
-SUBSTITUTE_CPU_ONLY = ("speculative method substitute drafts over the model's KV cache on CPU plans only, in the "
-                       "model's compute format (substitutes of GPU layers are not built); on a plan with GPU layers "
-                       "use method self, or --gpu-memory 0")
-
-
-def plan_speculation(spec, hw, request, options, draft_spec=None, context: int | None = None) -> SpeculationPlans:
+def plan_speculation(spec, hw, request, options, draft_spec=None, context: int | None = None,
+                     acceptance=None) -> SpeculationPlans:
     """Plan request at batch 1 on hw with and without the draft of the speculative options
     (offload.options.SpeculativeOptions); spec is the model's, draft_spec the draft's (draft_model; self: spec).
-    The draft is planned first, on the whole budget. context: cached positions a decode step reads (default: the
-    plan's workload's, halfway through its answer)."""
+    The draft is planned first, on the whole budget; a substitute draft on a plan with GPU layers holds copies of
+    the far units only, in the VRAM the most tokens per second at acceptance (None: the prior) sets aside
+    (plan_substitutes). context: cached positions a decode step reads (default: the plan's workload's, halfway
+    through its answer)."""
     from offload.planner.request import plan_for, plan_spec
 
     one = request.with_options(batch_size=1)
@@ -165,9 +169,10 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
     if context is None:
         context = plain.workload.prompt_len + plain.workload.gen_len // 2
     plain_s = decode_pass_s(plan_spec(spec, plain), hw, plain, 1, context)
-    gpu = plain.tier("gpu")
-    if options.method == "substitute" and (gpu.weights_bytes or gpu.kv_bytes or gpu.staging_bytes):
-        raise ConfigError(SUBSTITUTE_CPU_ONLY)
+    if options.method == "substitute" and any(u.weight_tier == "gpu" or u.decode != "cpu" for u in plain.units):
+        plain_plans = SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
+        return plan_substitutes(spec, hw, one, options, plain_plans,
+                                prior_acceptance(options) if acceptance is None else acceptance)
     if options.method not in MODEL_DRAFTS:
         return SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
     path = options.model if options.method == "draft_model" else request.model.path
@@ -182,6 +187,51 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
     gpu_bytes, cpu_bytes = draft_held(draft_plan, kv=own, embedding=own)
     target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
     return SpeculationPlans(hw, context, plain_s, target, plan_spec(spec, target), draft_step_s, gpu_bytes, cpu_bytes)
+
+
+def plan_substitutes(spec, hw, one, options, plain: SpeculationPlans, acceptance) -> SpeculationPlans:
+    """A substitute draft on a plan with GPU layers: for each amount of VRAM set aside for copies
+    (substitutes.room_candidates), the model planned on what is left, its far units' copies placed
+    (substitutes.layout_on) and the host RAM they take set aside too; the amount with the most tokens per second
+    at acceptance kept."""
+    from offload.planner.request import plan_for, plan_spec
+
+    fmt = options.draft_quantization
+    best, why = None, ("every unit of the model is resident on the GPU at this budget, so a pass reads no far weights "
+                       "and the draft would be the model itself; leave speculative.method out")
+    sizes = copy_sizes(plain.target_spec, fmt, plain.target.workload.compute_format)
+    for room in room_candidates(plain.target, sizes, one.budget(hw).gpu_bytes):
+        reserve = 0
+        try:
+            target = plan_for(spec, hw, without_draft(one, hw, room, 0))
+            layout = layout_on(target, _sizes(spec, target, fmt), fmt, room)
+            if layout is not None and layout.cpu_bytes:  # their RAM too: the model planned on what that leaves
+                reserve = layout.cpu_bytes
+                target = plan_for(spec, hw, without_draft(one, hw, room, reserve))
+                again = layout_on(target, _sizes(spec, target, fmt), fmt, room)
+                layout = again if again is not None and again.cpu_bytes <= reserve else None
+        except (ConfigError, PlanError) as e:
+            why = str(e)
+            continue
+        if layout is None or not layout.on_gpu + layout.on_cpu:  # no copies: the draft would be the model itself
+            continue
+        target_spec = plan_spec(spec, target)
+        plans = SpeculationPlans(hw, plain.context, plain.plain_s, target, target_spec,
+                                 draft_step_s(target_spec, hw, target, layout, plain.context), room, reserve,
+                                 replace(layout, plan_held=(room, reserve)))
+        price = price_on(plans, options, acceptance, options.max_speculative_tokens)
+        if best is None or price.tokens_per_s > best[0]:
+            best = (price.tokens_per_s, plans)
+    if best is None:
+        raise PlanError(f"speculative method substitute with {fmt} copies: {why}")
+    return best[1]
+
+
+def _sizes(spec, plan, fmt: str) -> dict[str, int]:
+    """Each of plan's units' bytes in fmt (substitutes.copy_sizes of the spec plan places)."""
+    from offload.planner.request import plan_spec
+
+    return copy_sizes(plan_spec(spec, plan), fmt, plan.workload.compute_format)
 
 
 def prior_acceptance(options) -> float:
@@ -240,7 +290,7 @@ def price_on(plans: SpeculationPlans, options, acceptance: float, max_k: int = 8
                 best = SpeculationPrice(options.method, acceptance, k, tokens, verify_s, k * plans.draft_step_s, rate,
                                         1.0 / plans.plain_s, plans.draft_gpu_bytes, plans.draft_cpu_bytes,
                                         options.draft_quantization if options.method in OWN_COPY_METHODS else None,
-                                        b)
+                                        b, plans.layout.describe() if plans.layout else "")
     return best
 
 

@@ -44,9 +44,9 @@ class PlacedModel:
 
     def __init__(self, spec: ModelSpec, source, placement: Placement, backend: Backend,
                  dtype: torch.dtype = torch.float32, disk_dir: str | Path | None = None, fuse: bool | None = None,
-                 kv_dtype: torch.dtype | None = None):
+                 kv_dtype: torch.dtype | None = None, shared: dict | None = None):
         """fuse: run host-RAM layers through the fused C++ layer (None: wherever the kernels and dtype allow);
-        kv_dtype: the KV cache's (None: dtype's)."""
+        kv_dtype: the KV cache's (None: dtype's); shared: device-resident units another model holds (WeightStore)."""
         self.spec, self.placement, self.backend, self.dtype = spec, placement, backend, dtype
         self.kv_dtype = kv_dtype or dtype
         fuse = backend.computes and fused.FUSABLE and dtype in fused.ACTIVATIONS if fuse is None else fuse
@@ -58,7 +58,7 @@ class PlacedModel:
                             f"model does not have, or misses {sorted(set(self.order) - set(placement.units))[:3]}; "
                             f"run a plan with the spec it placed (offload.planner.plan_spec)")
         self._cpu = torch.device("cpu")
-        self.store = WeightStore(spec, source, placement, backend, fuse, disk_dir)
+        self.store = WeightStore(spec, source, placement, backend, fuse, disk_dir, shared)
         store = self.store
         self.runner = UnitRunner(spec, store, backend, dtype, fuse, placement.prefill_chunk_tokens)
         self.layouts, self.resident, self.host_buffers = store.layouts, store.resident, store.host_buffers

@@ -25,7 +25,9 @@ class WeightStore:
     """The placed weights of one model and the buffers they stream through; built once, when the model is loaded."""
 
     def __init__(self, spec: ModelSpec, source, placement: Placement, backend: Backend, fuse: bool,
-                 disk_dir: str | Path | None = None):
+                 disk_dir: str | Path | None = None, shared: dict | None = None):
+        """shared: units resident on the device that another model holds, name -> (layout, weights), taken as
+        they are (a substitute draft runs its model's resident units): neither loaded nor allocated again."""
         self.spec, self.placement, self.backend, self.fuse = spec, placement, backend, fuse
         self.units = spec.units()
         self.order = [u.name for u in self.units]
@@ -39,6 +41,9 @@ class WeightStore:
         # where the page cache has no room for some disk unit, the load leaves it only the units it keeps
         short = any(p.weights == "disk" and not placement.page_cache_keeps(n) for n, p in placement.units.items())
         for unit in self.units:
+            if unit.name in (shared or {}):
+                self.layouts[unit.name], self.resident[unit.name] = shared[unit.name]
+                continue
             if hasattr(source, "drop_after_read"):
                 source.drop_after_read(short and not placement.page_cache_keeps(unit.name))
             self._place(unit, source.load(unit), source)

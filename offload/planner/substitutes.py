@@ -1,0 +1,123 @@
+"""Where a substitute draft's weights go on a plan with GPU layers (SubSpec's layout): the model's units resident
+on the GPU are the draft's as they are, and every other layer (and a far lm_head) gets a copy in the draft's format,
+in VRAM where the room set aside for copies holds it, else in host RAM.
+
+- A copy computes where its layer's KV cache is read from: a layer the model streams keeps its KV on the GPU, so
+  its copy must be in VRAM; a layer the model computes on the CPU keeps its KV in host RAM, and its copy in VRAM
+  attends there (a GPU layer with host KV, as the cost model prices it), or its copy in RAM is computed by the CPU.
+- VRAM set aside for copies is VRAM the model's resident layers do not have: the planner tries several amounts
+  (substitute_plans) and keeps the one with the most predicted tokens per second.
+- The draft step is priced by the cost model the plan uses (planner.costs.price_step), each unit in its own format.
+Pure arithmetic: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from offload.planner.costs import Phase, cost_kin, cpu_path, main_format, price_step, unit_cost
+from offload.planner.placement import Placement, UnitPlacement
+
+COPIED_KINDS = ("layer", "experts", "mlp", "lm_head")  # units a draft holds a copy of where the model's are far
+ROOM_STEPS = 8  # amounts of VRAM tried for copies, from none to every far unit's
+
+
+@dataclass(frozen=True)
+class SubstituteLayout:
+    """A substitute draft's units on a plan with GPU layers: shared (the model's resident units, run as they are),
+    on_gpu and on_cpu (copies in fmt held in VRAM or host RAM), and the copies' bytes on each."""
+
+    fmt: str
+    shared: tuple[str, ...]
+    on_gpu: tuple[str, ...]
+    on_cpu: tuple[str, ...]
+    gpu_bytes: int
+    cpu_bytes: int
+    plan_held: tuple[int, int] = (0, 0)  # (VRAM, RAM) set aside for the copies: the model was planned without them
+
+    def describe(self) -> str:
+        copies = len(self.on_gpu) + len(self.on_cpu)
+        return (f"{copies} {self.fmt} cop{'y' if copies == 1 else 'ies'} of the far units ({len(self.on_gpu)} in "
+                f"VRAM, {len(self.on_cpu)} in RAM) beside the model's {len(self.shared)} resident units")
+
+
+def copy_sizes(spec, fmt: str, compute: str) -> dict[str, int]:
+    """Each unit's bytes in the draft's format fmt (its float tensors, norms and biases, in compute)."""
+    return {u.name: u.nbytes(fmt, compute) for u in spec.units()}
+
+
+def layout_on(target, sizes: dict[str, int], fmt: str, room: int) -> SubstituteLayout | None:
+    """The copies for target's far units with room bytes of VRAM for them: the units it streams first (their KV is
+    on the GPU: their copies must be there), then the ones it computes on the CPU, in order, as they fit; the rest
+    in RAM. None where a streamed unit's copy does not fit."""
+    shared = tuple(u.name for u in target.units if u.weight_tier == "gpu")
+    far = [u for u in target.units if u.kind in COPIED_KINDS and u.weight_tier != "gpu"]
+    streamed = [u for u in far if u.decode != "cpu"]
+    on_gpu, used = [], 0
+    for u in streamed + [u for u in far if u.decode == "cpu"]:
+        if used + sizes[u.name] <= room:
+            on_gpu.append(u.name)
+            used += sizes[u.name]
+        elif u.decode != "cpu":
+            return None
+    held = set(on_gpu)
+    on_cpu = tuple(u.name for u in far if u.name not in held)
+    return SubstituteLayout(fmt, shared, tuple(u.name for u in far if u.name in held), on_cpu, used,
+                            sum(sizes[n] for n in on_cpu))
+
+
+def draft_step_s(spec, hw, target, layout: SubstituteLayout, context: int) -> float:
+    """Seconds of one draft step (one token after context cached ones) with target's resident units and
+    layout's copies, each unit priced in its own format where it computes."""
+    phase = Phase("decode", 1, 1, context + 1, context, 1, 1)  # recost.step_phase's for one token
+    compute, kv = target.workload.compute_format, target.workload.kv_format
+    by_name = {u.name: u for u in target.units}
+    on_gpu, on_cpu = set(layout.on_gpu), set(layout.on_cpu)
+    costs, kinds, modes, decode, weight, host_kv, memo = [], [], [], [], [], set(), {}
+    for i, unit in enumerate(spec.units()):
+        plan_unit = by_name[unit.name]
+        fmt = layout.fmt if unit.name in on_gpu or unit.name in on_cpu else target.weight_format
+        key = (cost_kin(spec, unit), fmt)
+        if key not in memo:
+            memo[key] = unit_cost(spec, unit, fmt, hw, phase, compute, kv)
+        costs.append(memo[key])
+        kinds.append(unit.kind)
+        if unit.name in on_gpu:  # a copy in VRAM; a layer the model computes on the CPU keeps its KV in host RAM
+            where = ("gpu", "gpu", "gpu")
+            if plan_unit.decode == "cpu" and unit.kind == "layer":
+                host_kv.add(i)
+        elif unit.name in on_cpu:
+            where = ("cpu", "cpu", "cpu")
+        else:  # the model's own unit, as the model runs it
+            where = (plan_unit.decode, plan_unit.decode, plan_unit.weight_tier)
+        modes.append(where[0]), decode.append(where[1]), weight.append(where[2])
+    path = cpu_path(main_format(spec, layout.fmt), compute)
+    return price_step(spec, hw, phase, costs, kinds, modes, decode, weight, target.prefetch_depth, path, steady=True,
+                      host_kv=frozenset(host_kv), overlap=False).step_s
+
+
+def room_candidates(plain, sizes: dict[str, int], budget_gpu: int) -> list[int]:
+    """VRAM amounts to try for copies: ROOM_STEPS + 1 from none to every unit's copy (within the GPU budget)."""
+    most = min(sum(sizes[u.name] for u in plain.units if u.kind in COPIED_KINDS), budget_gpu)
+    return sorted({most * i // ROOM_STEPS for i in range(ROOM_STEPS + 1)})
+
+
+def draft_placement(target: Placement, layout: SubstituteLayout) -> Placement:
+    """The substitute draft's Placement beside target's (the model's, as planned): its shared units resident as
+    the model's, its copies in VRAM (a layer's KV where the model keeps it) or computed by the CPU from host RAM,
+    the rest (the embedding, which the draft looks up in the model's, and the final norm) computed where the lm_head
+    it feeds runs."""
+    on_gpu, on_cpu, shared = set(layout.on_gpu), set(layout.on_cpu), set(layout.shared)
+    head_tier = "gpu" if "lm_head" in shared or "lm_head" in on_gpu else "cpu"
+    units = {}
+    for name, p in target.units.items():
+        if name in shared or name in on_gpu:
+            units[name] = UnitPlacement("gpu", "gpu", "gpu", p.kv)
+        elif name in on_cpu:
+            units[name] = UnitPlacement("cpu", "cpu", "cpu", "cpu" if p.kv else None)
+        elif name == "norm":
+            units[name] = UnitPlacement(head_tier, head_tier, head_tier)
+        else:
+            units[name] = UnitPlacement("cpu", "cpu", "cpu", "cpu" if p.kv else None)
+    return Placement(units, prefill_chunk_tokens=target.prefill_chunk_tokens,
+                     prefill_pass_tokens=target.prefill_pass_tokens)

@@ -1,0 +1,90 @@
+"""A substitute draft on a plan with GPU layers (SubSpec's layout): the model's resident units are the draft's as
+they are, every far unit gets a copy in the draft's format, in VRAM where the room set aside holds it (a streamed
+unit's must be there: its KV is on the GPU), else in RAM; the planner prices the room, and the simulated device runs
+it with greedy answers the model's own."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from offload import LLM, SamplingParams
+from offload.options import SpeculativeOptions
+from offload.planner import PlanRequest, plan_for
+from offload.planner.speculation import plan_speculation
+from offload.planner.substitutes import draft_step_s, layout_on
+from offload.weights.model_files import model_spec
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts"))
+from make_llama import main as make_llama, write_byte_tokenizer  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory) -> Path:
+    """6 layers of hidden 512 (about 4 MiB each in fp32): a few MiB of VRAM past the simulated card's reserve
+    splits them between the GPU and the CPU."""
+    out = tmp_path_factory.mktemp("sub") / "wide"
+    make_llama(["--out", str(out), "--hidden", "512", "--layers", "6", "--intermediate", "1024", "--heads", "8",
+                "--kv-heads", "2", "--vocab", "259", "--std", "0.05"])
+    write_byte_tokenizer(out, 259)
+    return out
+
+
+def test_the_layout_keeps_streamed_copies_on_the_gpu_and_prices_the_room():
+    """Llama-3.1-8B in bf16 on a 4 GiB card: the plan the substitute's price rests on shares the resident units,
+    copies every far unit (the streamed ones in VRAM), sets their bytes aside from the model's budgets, and a draft
+    step of q4_0 copies costs less than the verifying pass; a copy of a streamed unit that does not fit is no
+    layout."""
+    request = PlanRequest.of(model=str(ROOT / "configs/models/llama-3.1-8b"), hardware="rtx4090-ddr5",
+                             gpu_memory="4GiB", batch_size=1, dtype="bf16")
+    spec, hw = model_spec(ROOT / "configs/models/llama-3.1-8b"), request.profile()
+    plans = plan_speculation(spec, hw, request, SpeculativeOptions(method="substitute", quantization="q4_0"))
+    layout, target = plans.layout, plans.target
+    far = {u.name for u in target.units if u.kind in ("layer", "lm_head") and u.weight_tier != "gpu"}
+    assert set(layout.shared) == {u.name for u in target.units if u.weight_tier == "gpu"}
+    assert set(layout.on_gpu) | set(layout.on_cpu) == far and not set(layout.on_gpu) & set(layout.on_cpu)
+    assert layout.gpu_bytes <= plans.draft_gpu_bytes == layout.plan_held[0]
+    assert layout.cpu_bytes <= plans.draft_cpu_bytes == layout.plan_held[1]
+    assert 0 < plans.draft_step_s < plans.pass_s(3)
+    assert target.tier("gpu").total_bytes <= request.budget(hw).gpu_bytes - plans.draft_gpu_bytes
+    plain = plan_for(spec, hw, request)  # resident, streamed and CPU layers
+    streamed = [u.name for u in plain.units if u.weight_tier != "gpu" and u.decode == "stream"]
+    on_cpu = [u.name for u in plain.units if u.kind == "layer" and u.decode == "cpu"]
+    assert streamed and on_cpu and plain.n_gpu_units
+    sizes = {u.name: 1000 for u in plain.units}
+    assert layout_on(plain, sizes, "q4_0", 1000 * len(streamed) - 1) is None  # a streamed unit's copy left out
+    some = layout_on(plain, sizes, "q4_0", 1000 * (len(streamed) + 2))  # the streamed first, then two CPU layers
+    assert set(some.on_gpu) == set(streamed) | set(on_cpu[:2]) and set(some.on_cpu) >= set(on_cpu[2:])
+    assert set(some.shared) == {u.name for u in plain.units if u.weight_tier == "gpu"}
+    real = {u.name: u.weight_bytes // 3 for u in plain.units}
+    in_ram = layout_on(plain, real, "q4_0", sum(real[n] for n in streamed))
+    in_vram = layout_on(plain, real, "q4_0", sum(real.values()))
+    assert in_ram.on_cpu and not in_vram.on_cpu  # copies the CPU reads cost more than copies in VRAM
+    assert draft_step_s(spec, hw, plain, in_ram, 1000) > draft_step_s(spec, hw, plain, in_vram, 1000)
+
+
+def test_a_substitute_on_a_gpu_plan_shares_the_resident_units_and_keeps_greedy_answers(wide):
+    """On the simulated card with a few MiB for layers, fp32: the draft's resident units are the model's own
+    tensors (not loaded again), its copies sit where the layout says (a VRAM copy of a layer the CPU computes
+    attends to that layer's KV in host RAM), and greedy answers are plain decoding's."""
+    kw = dict(backend="sim", hardware="rtx4090-ddr5", gpu_memory="658MiB", max_model_len=256, dtype="fp32",
+              batch_size=1)
+    greedy = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 9)]
+    prompts = ["The quick brown fox", "Hello there"]
+    want = [o.token_ids for o in LLM(str(wide), **kw).generate(prompts, greedy)]
+    llm = LLM(str(wide), **kw, speculative_config={"method": "substitute", "num_speculative_tokens": 3,
+                                                   "quantization": "q8_0"})
+    draft = llm.generator.speculator.drafter.draft.model
+    resident = [n for n, p in llm.model.placement.units.items() if p.weights == "gpu"]
+    copies = [n for n, p in draft.placement.units.items() if n.startswith("layer.") and n not in resident]
+    assert resident and {draft.placement[n].weights for n in copies} == {"gpu", "cpu"}  # the budget splits it
+    assert all(draft.resident[n] is llm.model.resident[n] for n in resident)
+    for name in copies:
+        p, q = draft.placement[name], llm.model.placement[name]
+        assert p.kv == q.kv and draft.layouts[name].n_bytes < llm.model.layouts[name].n_bytes  # q8_0 of fp32
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+    stats = llm.speculative_stats
+    assert stats["accepted"] > 0 and stats["verified_passes"] > 0
