@@ -81,6 +81,7 @@ def test_a_substitute_on_a_gpu_plan_shares_the_resident_units_and_keeps_greedy_a
     resident = [n for n, p in llm.model.placement.units.items() if p.weights == "gpu"]
     copies = [n for n, p in draft.placement.units.items() if n.startswith("layer.") and n not in resident]
     assert resident and {draft.placement[n].weights for n in copies} == {"gpu", "cpu"}  # the budget splits it
+    assert any(draft.placement[n].weights == "gpu" and draft.placement[n].kv == "cpu" for n in copies)  # host KV
     assert all(draft.resident[n] is llm.model.resident[n] for n in resident)
     for name in copies:
         p, q = draft.placement[name], llm.model.placement[name]
