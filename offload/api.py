@@ -19,9 +19,10 @@ from offload.formats import compute_format, kv_format, torch_dtype
 from offload.engine import run_to_end
 from offload.generate import Generator
 from offload.planner import Placement, PlanRequest, plan_for, plan_spec
-from offload.planner.speculation import MODEL_DRAFTS, OWN_COPY_METHODS, SpeculationPrice
+from offload.planner.speculation import MODEL_DRAFTS, SpeculationPrice
 from offload.planner.prefix_price import host_tier_bytes
 from offload.planner.substitutes import SubstituteLayout
+from offload.substitute_draft import check_substitute, load_substitute
 from offload.options import (DEFAULT_REASONING_PARSER, DEFAULT_TOOL_CALL_PARSER, PrefixCacheOptions, SpeculativeOptions,
                              default_of)
 from offload.profile.timeline import Timeline
@@ -38,7 +39,6 @@ from offload.system import memory_limit_bytes
 from offload.weights.default_model import resolve_model
 from offload.weights.model_files import load_tokenizer, model_spec, weight_source
 from offload.tool_parsers import finish_reason, parse_answer, tool_parser
-from offload.units import format_bytes
 from offload.tools import ToolChoice, from_body as tools_of
 from offload.weights.prompts import encode_chat, encode_text, with_reasoning_effort
 
@@ -130,7 +130,9 @@ class LLM:
 
     def _load(self, request: PlanRequest, placement: Placement | None, disk_dir: str | None,
               speculative: SpeculativeOptions | None = None, prefix: PrefixCacheOptions | None = None,
-              shared: dict | None = None):
+              shared: dict | None = None, text: bool = True):
+        """shared: device-resident units another model holds (a substitute draft's, PlacedModel); text: load the
+        tokenizer (a substitute draft reads and writes token ids only: its copies' file may carry none)."""
         if placement is not None and not isinstance(placement, Placement):
             raise ConfigError(f"LLM(placement=...) takes a Placement (what offload.planner.plan_for returns), found "
                               f"{type(placement).__name__}; leave it out to let the planner place the model")
@@ -180,7 +182,7 @@ class LLM:
         source = weight_source(self.path, self.spec, dtype, request.model.quantization)
         self.model = PlacedModel(self.spec, source, placement, self.backend, dtype, disk_dir,
                                  kv_dtype=torch_dtype(kv_format(request.model.kv_cache_dtype, compute)), shared=shared)
-        self.tokenizer = load_tokenizer(self.path)
+        self.tokenizer = load_tokenizer(self.path) if text else None
         self.max_model_len = request.context_len(self.spec)
         self.generator = Generator(self.model, self.tokenizer, self._eos_ids(), max_seqs, self.max_model_len,
                                    placement.prefill_pass_tokens,
@@ -391,11 +393,6 @@ def check_profile_gpu(request: PlanRequest) -> None:
         log.warning(warning)
 
 
-SUBSTITUTE_MISMATCH = ("speculative method substitute drafts over the model's KV cache: its layers must keep their "
-                       "caches where the model's do, in the model's compute format; with a placement given, leave "
-                       "the speculative section out, or let the planner place the model")
-
-
 def plan_draft_first(options: SpeculativeOptions,
                      request: PlanRequest) -> tuple[LLM | None, PlanRequest, SpeculationPrice, SpeculativeOptions]:
     """The draft LLM planned first, on the request's whole budget (batch: the request's, else one sequence), and
@@ -406,7 +403,7 @@ def plan_draft_first(options: SpeculativeOptions,
     was, unless the user set k."""
     from offload.planner.speculation import choose_draft, draft_held, without_draft
 
-    path = request.model.path if options.method in OWN_COPY_METHODS else options.model
+    path = options.draft_path(request.model.path)
     spec = model_spec(resolve_model(request.model.path))
     options, plans, price = choose_draft(spec, request.profile(), request, options, None,
                                          model_spec(resolve_model(path)), options.max_speculative_tokens, min_k=1)
@@ -416,43 +413,13 @@ def plan_draft_first(options: SpeculativeOptions,
             return None, request, price, options
     if plans.layout is not None:  # copies of a GPU plan's far units: made once the model is (load_substitute)
         return plans.layout, without_draft(request, request.profile(), *plans.layout.plan_held), price, options
-    quantization = options.draft_quantization
-    draft = LLM.from_request(request.with_options(model=path, quantization=quantization,
-                                                  max_model_len=request.context_len(spec),
-                                                  batch_size=request.schedule.batch_size or 1))
-    own = options.method != "substitute"  # a substitute's KV cache and embedding are the model's
+    own = options.method != "substitute"  # a substitute's KV cache, embedding and tokenizer are the model's
+    draft = LLM.__new__(LLM)
+    draft._load(request.with_options(model=path, quantization=options.draft_quantization,
+                                     max_model_len=request.context_len(spec),
+                                     batch_size=request.schedule.batch_size or 1), None, None, text=own)
     draft.plan_held = draft_held(draft.plan, kv=own, embedding=own)
     return draft, without_draft(request, request.profile(), *draft.plan_held), price, options
-
-
-def load_substitute(options: SpeculativeOptions, llm: LLM, priced) -> LLM:
-    """The substitute draft of llm on a plan with GPU layers (planner.substitutes): llm's resident units shared
-    as they are, copies of the far units in the draft's format in the VRAM priced (the SubstituteLayout the
-    planner chose, at batch 1) set aside, placed again on llm's own plan (its batch may be larger), on llm's backend
-    kind and compute format."""
-    from offload.planner.substitutes import copy_sizes, draft_placement, layout_on
-
-    fmt, room = priced.fmt, priced.plan_held[0]
-    layout = layout_on(llm.plan, copy_sizes(llm.spec, fmt, llm.plan.workload.compute_format), fmt, room)
-    if layout is None:
-        raise ConfigError(f"speculative method substitute: the {fmt} copies of the units the model streams at batch "
-                          f"{llm.max_batch_size} do not fit the {format_bytes(room)} of VRAM set aside for them; set "
-                          f"batch_size 1, as speculation is priced")
-    placement = draft_placement(Placement.from_plan(llm.plan), layout)
-    shared = {name: (llm.model.layouts[name], llm.model.resident[name]) for name in layout.shared}
-    request = llm.request.with_options(quantization=fmt, dtype=llm.plan.workload.compute_format)
-    draft = LLM.__new__(LLM)
-    draft._load(request, placement, None, shared=shared)
-    set_gpu_crossover(llm.request.profile().gpu_crossover())  # the model's kernels by rows, as its plan measured
-    return draft
-
-
-def check_substitute(draft: LLM, llm: LLM) -> None:
-    """ConfigError where the substitute draft cannot draft over llm's KV cache: a layer whose cache the draft would
-    keep on another tier than llm, or another compute format than the cache's."""
-    tiers = [[m.model.placement[f"layer.{i}"].kv for i in range(llm.spec.n_layers)] for m in (llm, draft)]
-    if tiers[0] != tiers[1] or draft.model.dtype != llm.model.dtype:
-        raise ConfigError(SUBSTITUTE_MISMATCH)
 
 
 def check_draft_vocab(draft: LLM, llm: LLM) -> None:
@@ -465,7 +432,7 @@ def load_draft(options: SpeculativeOptions, llm: LLM) -> LLM:
     """The draft LLM of speculative decoding: the model's own weights (self) or options.model (draft_model) in
     options.draft_quantization; llm's context, batch, backend and compute format; its vocabulary must be llm's."""
     request = llm.request
-    path = str(llm.path) if options.method in OWN_COPY_METHODS else options.model
+    path = options.draft_path(str(llm.path))
     quantization = options.draft_quantization
     # its own plan, not yet priced with the model's: on this machine, within what the process may use
     given = request.hardware.profile

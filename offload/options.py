@@ -312,10 +312,12 @@ class SpeculativeOptions(Section):
                                                          "(model); self: the model's own weights in a smaller "
                                                          "format (quantization); substitute: that copy drafting "
                                                          "over the model's own KV cache (no cache or prefill of "
-                                                         "its own; on a plan with GPU layers, copies of the far units only, beside the "
-                                                         "resident ones); none: no speculation")
+                                                         "its own; on a plan with GPU layers, copies of the far "
+                                                         "units only, beside the resident ones); none: no "
+                                                         "speculation")
     model: str | None = option(None, "draft_model: the draft model (a folder, a GGUF file or a Hub id in the local "
-                               "cache), with the model's tokenizer")
+                               "cache), with the model's tokenizer; substitute: a GGUF file of the same model whose "
+                               "weights are the copies, read as stored (any type offload reads, such as Q2_K)")
     quantization: Literal[QUANTIZATIONS] | None = option(None, "the draft's weight format (default: self and "
                                                          "substitute: q4_0 or q8_0, whichever the planner predicts "
                                                          "faster at its format's prior acceptance, q4_0 where "
@@ -334,8 +336,16 @@ class SpeculativeOptions(Section):
 
     @property
     def draft_quantization(self) -> str:
-        """The draft's weight format: quantization where set, else its method's (DRAFT_QUANTIZATION)."""
+        """The draft's weight format: quantization where set, else its method's (DRAFT_QUANTIZATION); a substitute's
+        copies from a file of their own: none (as stored)."""
+        if self.quantization is None and self.method == "substitute" and self.model:
+            return "none"
         return self.quantization or DRAFT_QUANTIZATION[self.method]
+
+    def draft_path(self, model_path):
+        """Where the draft's weights come from: model where set (draft_model, substitute's copies), else the
+        model's own path (model_path)."""
+        return self.model or model_path
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -345,9 +355,9 @@ class SpeculativeOptions(Section):
         if self.method == "draft_model" and not self.model:
             raise ValueError("method draft_model needs model: the draft model's path (a smaller model with the same "
                              "tokenizer)")
-        if self.method in ("self", "substitute") and self.model:
-            raise ValueError(f"method {self.method} drafts with the model's own weights; drop model, or use method "
-                             f"draft_model")
+        if self.method == "self" and self.model:
+            raise ValueError("method self drafts with the model's own weights; drop model, or use method draft_model "
+                             "(or substitute, with model a GGUF file of the same model)")
         return self
 
 

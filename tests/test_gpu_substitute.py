@@ -89,3 +89,43 @@ def test_a_substitute_on_a_gpu_plan_shares_the_resident_units_and_keeps_greedy_a
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
     stats = llm.speculative_stats
     assert stats["accepted"] > 0 and stats["verified_passes"] > 0
+
+
+@pytest.fixture(scope="module")
+def copy_of_wide(wide, tmp_path_factory) -> Path:
+    """wide's weights as a GGUF file in Q5_0, a format offload does not quantize to itself (gguf-py writes it)."""
+    from transformers import AutoModelForCausalLM
+
+    from gguf_support import write_gguf
+
+    model = AutoModelForCausalLM.from_pretrained(str(wide), torch_dtype="float32")
+    return write_gguf(model, tmp_path_factory.mktemp("copy") / "wide-Q5_0.gguf", "Q5_0", tokenizer=False)
+
+
+@pytest.mark.parametrize("where", ["cpu", "sim"])
+def test_copies_read_from_a_gguf_file_of_the_same_model(wide, copy_of_wide, where):
+    """speculative.model with method substitute: the copies are that file's weights as stored (Q5_0 here), on a CPU
+    plan and a GPU plan alike; they draft over the model's cache, so their keys must be laid out as the model's
+    (kept proposals show it) and greedy answers stay the model's. A file of another shape is refused in one line."""
+    from offload.errors import ConfigError
+
+    kw = dict(backend=where, max_model_len=256, dtype="fp32", batch_size=1)
+    if where == "sim":
+        kw.update(hardware="rtx4090-ddr5", gpu_memory="658MiB")
+    greedy = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (24, 12)]
+    prompts = ["The quick brown fox", "Hello there"]
+    want = [o.token_ids for o in LLM(str(wide), **kw).generate(prompts, greedy)]
+    llm = LLM(str(wide), **kw, speculative_config={"method": "substitute", "model": str(copy_of_wide),
+                                                   "num_speculative_tokens": 3})
+    draft = llm.generator.speculator.drafter.draft
+    assert draft.path == copy_of_wide and draft.spec.stored_format == "q5_0"
+    assert "(substitute, q5_0 copy" in llm.draft_price.line()
+    assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
+    # 0.35 on the CPU, as the model's own q4_0 copies of these random weights keep (F32 and Q8_0 files keep every
+    # proposal); keys laid out otherwise than the model's would keep about none
+    assert llm.speculative_stats["acceptance_rate"] > 0.2
+    with pytest.raises(ConfigError, match="is not a copy of the model"):
+        other = copy_of_wide.parent / "narrow"
+        make_llama(["--out", str(other), "--hidden", "256", "--layers", "6", "--intermediate", "1024", "--heads",
+                    "8", "--kv-heads", "2", "--vocab", "259"])
+        LLM(str(wide), **kw, speculative_config={"method": "substitute", "model": str(other)})

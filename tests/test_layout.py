@@ -24,7 +24,7 @@ LAYERS = [
     {"weights"},
     {"runtime"},
     {"sequence", "kv_pool", "schedule_step", "grammar", "prefix_cache", "proposal_tree"},
-    {"generate", "engine", "speculative", "quality"},
+    {"generate", "engine", "speculative", "quality", "substitute_draft"},
     {"api", "simulate", "costfit", "quick_calibration"},
     {"jobs"},
     {"serve"},

@@ -30,7 +30,7 @@ def speculation_price(request, options, acceptance: float | None):
     from offload.weights.model_files import model_spec
 
     spec = model_spec(resolve_model(request.model.path))
-    draft = model_spec(resolve_model(options.model)) if options.method == "draft_model" else None
+    draft = model_spec(resolve_model(options.model)) if options.model else None
     return price_speculation(spec, request.profile(), request, options, acceptance, draft,
                              options.max_speculative_tokens)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from offload.errors import ConfigError, PlanError
+from offload.planner.costs import main_format
 from offload.planner.recost import recost_steps
 from offload.planner.substitutes import SubstituteLayout, copy_sizes, draft_step_s, layout_on, room_candidates
 from offload.units import format_bytes
@@ -148,6 +149,7 @@ class SpeculationPlans:
     draft_gpu_bytes: int = 0
     draft_cpu_bytes: int = 0
     layout: SubstituteLayout | None = None  # a substitute draft's copies on a plan with GPU layers
+    copy_format: str = ""  # a copy of the model's weights: its format (a GGUF file's main format, as stored)
 
     def pass_s(self, k: int) -> float:
         """The target plan's step over a sequence's last token and k proposals."""
@@ -169,46 +171,49 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
     if context is None:
         context = plain.workload.prompt_len + plain.workload.gen_len // 2
     plain_s = decode_pass_s(plan_spec(spec, plain), hw, plain, 1, context)
-    if options.method == "substitute" and any(u.weight_tier == "gpu" or u.decode != "cpu" for u in plain.units):
-        plain_plans = SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
-        return plan_substitutes(spec, hw, one, options, plain_plans,
-                                prior_acceptance(options) if acceptance is None else acceptance)
     if options.method not in MODEL_DRAFTS:
         return SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
-    path = options.model if options.method == "draft_model" else request.model.path
+    path = options.draft_path(request.model.path)
     quantization = options.draft_quantization
     draft_spec = draft_spec or spec
     if draft_spec.vocab_size != spec.vocab_size:
         raise ConfigError(f"the draft model {path} has a vocabulary of {draft_spec.vocab_size} tokens and the "
                           f"model {spec.vocab_size}; a draft model must share the model's tokenizer")
+    if options.method == "substitute":
+        check_copy_of(spec, draft_spec, path)
+    if options.method == "substitute" and any(u.weight_tier == "gpu" or u.decode != "cpu" for u in plain.units):
+        plain_plans = SpeculationPlans(hw, context, plain_s, plain, plan_spec(spec, plain))
+        return plan_substitutes(spec, draft_spec, hw, one, options, plain_plans,
+                                prior_acceptance(options) if acceptance is None else acceptance)
     draft_plan = plan_for(draft_spec, hw, one.with_options(model=path, quantization=quantization))
     draft_step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
     own = options.method != "substitute"  # a substitute's KV cache and embedding are the model's
     gpu_bytes, cpu_bytes = draft_held(draft_plan, kv=own, embedding=own)
     target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
-    return SpeculationPlans(hw, context, plain_s, target, plan_spec(spec, target), draft_step_s, gpu_bytes, cpu_bytes)
+    return SpeculationPlans(hw, context, plain_s, target, plan_spec(spec, target), draft_step_s, gpu_bytes, cpu_bytes,
+                            copy_format=main_format(draft_spec, draft_plan.weight_format))
 
 
-def plan_substitutes(spec, hw, one, options, plain: SpeculationPlans, acceptance) -> SpeculationPlans:
-    """A substitute draft on a plan with GPU layers: for each amount of VRAM set aside for copies
-    (substitutes.room_candidates), the model planned on what is left, its far units' copies placed
-    (substitutes.layout_on) and the host RAM they take set aside too; the amount with the most tokens per second
-    at acceptance kept."""
-    from offload.planner.request import plan_for, plan_spec
+def plan_substitutes(spec, copy_spec, hw, one, options, plain: SpeculationPlans, acceptance) -> SpeculationPlans:
+    """A substitute draft on a plan with GPU layers (copy_spec: the copies' own file's, or spec): for each amount of
+    VRAM set aside for copies (substitutes.room_candidates), the model planned on what is left, its far units'
+    copies placed (substitutes.layout_on) and the host RAM they take set aside too; the amount with the most tokens
+    per second at acceptance kept."""
+    from offload.planner.request import plan_for, plan_spec, plan_weight_format
 
-    fmt = options.draft_quantization
+    fmt = plan_weight_format(copy_spec, options.draft_quantization, plain.target.workload.compute_format)
+    label = main_format(copy_spec, fmt)
     best, why = None, ("every unit of the model is resident on the GPU at this budget, so a pass reads no far weights "
                        "and the draft would be the model itself; leave speculative.method out")
-    sizes = copy_sizes(plain.target_spec, fmt, plain.target.workload.compute_format)
-    for room in room_candidates(plain.target, sizes, one.budget(hw).gpu_bytes):
+    for room in room_candidates(plain.target, _sizes(copy_spec, plain.target, fmt), one.budget(hw).gpu_bytes):
         reserve = 0
         try:
             target = plan_for(spec, hw, without_draft(one, hw, room, 0))
-            layout = layout_on(target, _sizes(spec, target, fmt), fmt, room)
+            layout = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label)
             if layout is not None and layout.cpu_bytes:  # their RAM too: the model planned on what that leaves
                 reserve = layout.cpu_bytes
                 target = plan_for(spec, hw, without_draft(one, hw, room, reserve))
-                again = layout_on(target, _sizes(spec, target, fmt), fmt, room)
+                again = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label)
                 layout = again if again is not None and again.cpu_bytes <= reserve else None
         except (ConfigError, PlanError) as e:
             why = str(e)
@@ -216,15 +221,26 @@ def plan_substitutes(spec, hw, one, options, plain: SpeculationPlans, acceptance
         if layout is None or not layout.on_gpu + layout.on_cpu:  # no copies: the draft would be the model itself
             continue
         target_spec = plan_spec(spec, target)
-        plans = SpeculationPlans(hw, plain.context, plain.plain_s, target, target_spec,
-                                 draft_step_s(target_spec, hw, target, layout, plain.context), room, reserve,
-                                 replace(layout, plan_held=(room, reserve)))
+        step_s = draft_step_s(target_spec, hw, target, layout, plain.context, plan_spec(copy_spec, target))
+        plans = SpeculationPlans(hw, plain.context, plain.plain_s, target, target_spec, step_s, room, reserve,
+                                 replace(layout, plan_held=(room, reserve)), label)
         price = price_on(plans, options, acceptance, options.max_speculative_tokens)
         if best is None or price.tokens_per_s > best[0]:
             best = (price.tokens_per_s, plans)
     if best is None:
-        raise PlanError(f"speculative method substitute with {fmt} copies: {why}")
+        raise PlanError(f"speculative method substitute with {label} copies: {why}")
     return best[1]
+
+
+def check_copy_of(spec, copy_spec, path) -> None:
+    """ConfigError where copy_spec (a substitute's copies, from path) is not the model's shape unit by unit."""
+    def shapes(s):
+        return [(u.name, [t.shape for t in u.tensors]) for u in s.units()]
+
+    if copy_spec is not spec and shapes(copy_spec) != shapes(spec):
+        diff = next((a[0] for a, b in zip(shapes(spec), shapes(copy_spec)) if a != b), "its units")
+        raise ConfigError(f"speculative.model {path} is not a copy of the model: its {diff} has other shapes (or "
+                          f"another count of layers); a substitute's copies must be the same model in another format")
 
 
 def _sizes(spec, plan, fmt: str) -> dict[str, int]:
@@ -247,7 +263,8 @@ def choose_draft(spec, hw, request, options, acceptance: float | None = None, dr
     """(options with the draft's format, its SpeculationPlans, its price): a copy of the model's own weights whose
     format is not set priced in each of OWN_COPY_PRIORS' formats, the most tokens per second kept; else options as
     they are. acceptance None: each format's prior (prior_acceptance)."""
-    formats = tuple(OWN_COPY_PRIORS) if options.method in OWN_COPY_METHODS and options.quantization is None else (None,)
+    formats = tuple(OWN_COPY_PRIORS) if (options.method in OWN_COPY_METHODS and options.quantization is None
+                                         and not options.model) else (None,)
     best, refused = None, None
     for fmt in formats:
         opts = options if fmt is None else options.model_copy(update={"quantization": fmt})
@@ -289,7 +306,8 @@ def price_on(plans: SpeculationPlans, options, acceptance: float, max_k: int = 8
             if best is None or rate > best.tokens_per_s:
                 best = SpeculationPrice(options.method, acceptance, k, tokens, verify_s, k * plans.draft_step_s, rate,
                                         1.0 / plans.plain_s, plans.draft_gpu_bytes, plans.draft_cpu_bytes,
-                                        options.draft_quantization if options.method in OWN_COPY_METHODS else None,
+                                        (plans.copy_format or options.draft_quantization)
+                                        if options.method in OWN_COPY_METHODS else None,
                                         b, plans.layout.describe() if plans.layout else "")
     return best
 

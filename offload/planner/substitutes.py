@@ -34,10 +34,12 @@ class SubstituteLayout:
     gpu_bytes: int
     cpu_bytes: int
     plan_held: tuple[int, int] = (0, 0)  # (VRAM, RAM) set aside for the copies: the model was planned without them
+    label: str = ""  # the copies' format as said (a GGUF file's main format where they are read as stored)
 
     def describe(self) -> str:
         copies = len(self.on_gpu) + len(self.on_cpu)
-        return (f"{copies} {self.fmt} cop{'y' if copies == 1 else 'ies'} of the far units ({len(self.on_gpu)} in "
+        return (f"{copies} {self.label or self.fmt} cop{'y' if copies == 1 else 'ies'} of the far units "
+                f"({len(self.on_gpu)} in "
                 f"VRAM, {len(self.on_cpu)} in RAM) beside the model's {len(self.shared)} resident units")
 
 
@@ -46,7 +48,7 @@ def copy_sizes(spec, fmt: str, compute: str) -> dict[str, int]:
     return {u.name: u.nbytes(fmt, compute) for u in spec.units()}
 
 
-def layout_on(target, sizes: dict[str, int], fmt: str, room: int) -> SubstituteLayout | None:
+def layout_on(target, sizes: dict[str, int], fmt: str, room: int, label: str = "") -> SubstituteLayout | None:
     """The copies for target's far units with room bytes of VRAM for them: the units it streams first (their KV is
     on the GPU: their copies must be there), then the ones it computes on the CPU, in order, as they fit; the rest
     in RAM. None where a streamed unit's copy does not fit."""
@@ -63,23 +65,27 @@ def layout_on(target, sizes: dict[str, int], fmt: str, room: int) -> SubstituteL
     held = set(on_gpu)
     on_cpu = tuple(u.name for u in far if u.name not in held)
     return SubstituteLayout(fmt, shared, tuple(u.name for u in far if u.name in held), on_cpu, used,
-                            sum(sizes[n] for n in on_cpu))
+                            sum(sizes[n] for n in on_cpu), label=label)
 
 
-def draft_step_s(spec, hw, target, layout: SubstituteLayout, context: int) -> float:
+def draft_step_s(spec, hw, target, layout: SubstituteLayout, context: int, copy_spec=None) -> float:
     """Seconds of one draft step (one token after context cached ones) with target's resident units and
-    layout's copies, each unit priced in its own format where it computes."""
+    layout's copies (units of copy_spec, default spec: a GGUF file's copies carry their own stored formats), each
+    unit priced in its own format where it computes."""
     phase = Phase("decode", 1, 1, context + 1, context, 1, 1)  # recost.step_phase's for one token
     compute, kv = target.workload.compute_format, target.workload.kv_format
     by_name = {u.name: u for u in target.units}
     on_gpu, on_cpu = set(layout.on_gpu), set(layout.on_cpu)
+    copies = {u.name: u for u in (copy_spec or spec).units()}
     costs, kinds, modes, decode, weight, host_kv, memo = [], [], [], [], [], set(), {}
     for i, unit in enumerate(spec.units()):
         plan_unit = by_name[unit.name]
-        fmt = layout.fmt if unit.name in on_gpu or unit.name in on_cpu else target.weight_format
-        key = (cost_kin(spec, unit), fmt)
+        copied = unit.name in on_gpu or unit.name in on_cpu
+        of, unit, fmt = (copy_spec or spec, copies[unit.name], layout.fmt) if copied else (spec, unit,
+                                                                                           target.weight_format)
+        key = (cost_kin(of, unit), fmt)
         if key not in memo:
-            memo[key] = unit_cost(spec, unit, fmt, hw, phase, compute, kv)
+            memo[key] = unit_cost(of, unit, fmt, hw, phase, compute, kv)
         costs.append(memo[key])
         kinds.append(unit.kind)
         if unit.name in on_gpu:  # a copy in VRAM; a layer the model computes on the CPU keeps its KV in host RAM
@@ -91,7 +97,7 @@ def draft_step_s(spec, hw, target, layout: SubstituteLayout, context: int) -> fl
         else:  # the model's own unit, as the model runs it
             where = (plan_unit.decode, plan_unit.decode, plan_unit.weight_tier)
         modes.append(where[0]), decode.append(where[1]), weight.append(where[2])
-    path = cpu_path(main_format(spec, layout.fmt), compute)
+    path = cpu_path(main_format(copy_spec or spec, layout.fmt), compute)
     return price_step(spec, hw, phase, costs, kinds, modes, decode, weight, target.prefetch_depth, path, steady=True,
                       host_kv=frozenset(host_kv), overlap=False).step_s
 
