@@ -124,6 +124,12 @@ def test_copies_read_from_a_gguf_file_of_the_same_model(wide, copy_of_wide, wher
     # 0.35 on the CPU, as the model's own q4_0 copies of these random weights keep (F32 and Q8_0 files keep every
     # proposal); keys laid out otherwise than the model's would keep about none
     assert llm.speculative_stats["acceptance_rate"] > 0.2
+    from offload.jobs.worker import job_draft_spec
+    from offload.planner.speculation import against_measured, prior_acceptance
+
+    report = against_measured(llm.spec, llm.request.profile(), llm.whole_request, llm.speculative,
+                              llm.speculative_stats, prior_acceptance(llm.speculative), job_draft_spec(llm))
+    assert report["predicted_tokens_per_s"] > 0 and report["tokens_per_pass_over_measured"] > 0  # the job report's
     with pytest.raises(ConfigError, match="is not a copy of the model"):
         other = copy_of_wide.parent / "narrow"
         make_llama(["--out", str(other), "--hidden", "256", "--layers", "6", "--intermediate", "1024", "--heads",

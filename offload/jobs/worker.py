@@ -194,8 +194,9 @@ def job_speculation(llm, counts: JobCounts, speed: MachineSpeed | None = None) -
 
 
 def job_draft_spec(llm):
-    """The spec of llm's draft model (draft_model), None for the other methods (self drafts with the model's)."""
-    if llm.speculative.method != "draft_model":
+    """The spec of llm's draft model (draft_model, or a substitute's copies from a file of their own), None for the
+    other methods (self and substitute draft with the model's weights)."""
+    if llm.speculative.method != "draft_model" and not llm.speculative.model:
         return None
     return llm.generator.speculator.drafter.draft.spec
 

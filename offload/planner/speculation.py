@@ -234,8 +234,8 @@ def plan_substitutes(spec, copy_spec, hw, one, options, plain: SpeculationPlans,
 
 def check_copy_of(spec, copy_spec, path) -> None:
     """ConfigError where copy_spec (a substitute's copies, from path) is not the model's shape unit by unit."""
-    def shapes(s):
-        return [(u.name, [t.shape for t in u.tensors]) for u in s.units()]
+    def shapes(s):  # with each dense MLP in its layer, as either spec's plan may have split it off
+        return [(u.name, [t.shape for t in u.tensors]) for u in replace(s, split_mlp=False).units()]
 
     if copy_spec is not spec and shapes(copy_spec) != shapes(spec):
         diff = next((a[0] for a, b in zip(shapes(spec), shapes(copy_spec)) if a != b), "its units")
