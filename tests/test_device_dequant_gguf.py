@@ -1,4 +1,4 @@
-"""Device dequantization of GGUF's block types: the torch ops against gguf-py, the Triton kernels (q4_1, q4_k, q5_k,
+"""Device dequantization of GGUF's block types: the torch ops against gguf-py, the Triton kernels (q4_1, q2_k, q4_k, q5_k,
 q6_k: offload.kernels.triton_gguf) against the torch ops, and DeviceQuantWeight's linear over block bytes.
 
 Weights are raw GGUF block bytes uint8 [M, K/per_block*block_bytes] (formats.GGUF_BLOCKS), as a GGUF file

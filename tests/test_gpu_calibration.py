@@ -237,7 +237,9 @@ def test_formats_are_timed_in_the_order_plans_need_them():
     assert formats[:3] == ("bf16", "q4_0", "q8_0")
     assert sorted(formats) == sorted(["bf16", *QUANT_BLOCK_BYTES, *GGUF_BLOCKS]) and len(set(formats)) == len(formats)
     has_fused = [fmt in QUANT_BLOCK_BYTES or GGUF_TYPE[fmt].triton is not None for fmt in formats[1:]]
-    assert has_fused == sorted(has_fused, reverse=True) and "q4_k" in formats[:7] and formats[7] == "q5_0"
+    fused = 1 + sum(has_fused)  # bf16, then the formats with a fused kernel
+    assert has_fused == sorted(has_fused, reverse=True) and "q4_k" in formats[:fused] and formats[fused] == "q5_0"
+    assert "q2_k" in formats[:fused]
     assert gpu_kernels("q5_0") == ("dequant",) and gpu_kernels("q4_k") == ("fused", "dequant")
     assert gpu_kernels("bf16") == ("cublas",) and gpu_kernels("q8_0") == ("fused", "dequant")
 

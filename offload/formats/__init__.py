@@ -91,7 +91,7 @@ GGUF_TYPES = tuple(GGUFType(**t) for t in (
          kin=_KIN_32, calibrated=True),
     dict(name="q2_k", ggml_name="Q2_K", ggml_type=10, block_weights=256, block_bytes=84,
          fields=(("scales", 16, "bits"), ("qs", 64, "bits"), ("d", 2, "f16"), ("dmin", 2, "f16")), layout="blocks",
-         cpu_kernel=15, kin=_KIN_256, calibrated=True),
+         cpu_kernel=15, triton=(4, 16), kin=_KIN_256, calibrated=True),
     dict(name="q3_k", ggml_name="Q3_K", ggml_type=11, block_weights=256, block_bytes=110,
          fields=(("hmask", 32, "bits"), ("qs", 64, "bits"), ("scales", 12, "bits"), ("d", 2, "f16")),
          layout="blocks", cpu_kernel=14, kin=_KIN_256, calibrated=True),

@@ -1,10 +1,11 @@
-"""Fused dequant-matmul Triton kernels over GGUF block bytes: y = x @ W.T (+ bias), W in q4_1, q4_k, q5_k, q6_k.
+"""Fused dequant-matmul Triton kernels over GGUF block bytes: y = x @ W.T (+ bias), W in q4_1, q2_k, q4_k, q5_k,
+q6_k.
 
 The weights stay as stored (formats.GGUF_BLOCKS: uint8 [M, K/per_block*block_bytes], blocks in row order, no
 scale plane); each kernel reads the bytes of W once, dequantizes them in registers in gguf-py's arithmetic
 (gguf.quants) and accumulates in fp32, as offload.kernels.triton_dequant does for q8_0/q4_0, whose gemv/gemm
 split, tile sizes and store this module shares. A row of W is read as a run of sub-blocks, the units one
-scale covers: q4_1 1 per block of 32, q4_k/q5_k 8 of 32 per block of 256, q6_k 16 of 16. A step takes NS
+scale covers: q4_1 1 per block of 32, q4_k/q5_k 8 of 32 per block of 256, q2_k and q6_k 16 of 16. A step takes NS
 consecutive sub-blocks (part of a super-block, or several q4_1 blocks) and the K columns of x they meet.
 
 Each weight's quant bits are gathered by computed byte offsets (bytes with two nibbles are loaded twice, from
@@ -77,6 +78,15 @@ def _dequant(qs_ptr, rows, g0, n_sub, row_bytes, M,
         sc = tl.load(qs_ptr + base + 192 + s[None, :], mask=mask, other=0).to(tl.int8, bitcast=True)
         scale = _half(qs_ptr, base + 208, mask) * sc.to(tl.float32)
         w = scale[:, :, None] * ((low | (high << 4)) - 32).to(tl.float32)
+    elif FMT == 4:  # q2_k {scales[16], qs[64], d, dmin}: two halves of 128 weights, 2 bits each; sub-block s's
+        # byte s holds its scale (low nibble) and min (high); (d * sc) * q - dmin * m, as gguf.quants.Q2_K
+        e = (s[:, None] * SUB + tl.arange(0, SUB)[None, :])[None, :, :]  # [1, NS, SUB] weight within the block
+        h, r = e // 128, e % 128
+        q = (_byte(qs_ptr, at + 16 + h * 32 + r % 32, m3) >> ((r // 32) * 2)) & 3
+        sc = _byte(qs_ptr, base + s[None, :], mask)
+        scale = _half(qs_ptr, base + 80, mask) * (sc & 15).to(tl.float32)
+        offset = _half(qs_ptr, base + 82, mask) * (sc >> 4).to(tl.float32)
+        w = scale[:, :, None] * q.to(tl.float32) - offset[:, :, None]
     else:  # q4_k {d, dmin, scales[12], qs[128]}, q5_k adds qh[32] before qs; (d * sc) * q - dmin * m
         QS0: tl.constexpr = 16 if FMT == 1 else 48
         sc, mn = _k_scale_min(qs_ptr, base, s, mask)
