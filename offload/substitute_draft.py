@@ -9,7 +9,7 @@ from dataclasses import replace
 from offload.errors import ConfigError
 from offload.planner import Placement
 from offload.planner.request import plan_weight_format
-from offload.planner.substitutes import copy_sizes, draft_placement, layout_on
+from offload.planner.substitutes import copy_sizes, draft_placement, gpu_fused, layout_on
 from offload.runtime.device_quant import set_gpu_crossover
 from offload.units import format_bytes
 from offload.weights.default_model import resolve_model
@@ -28,7 +28,8 @@ def load_substitute(options, llm, priced):
     path, compute, room = options.draft_path(str(llm.path)), llm.plan.workload.compute_format, priced.plan_held[0]
     copy_spec = replace(model_spec(resolve_model(path)), split_mlp=llm.spec.split_mlp)
     fmt = plan_weight_format(copy_spec, options.draft_quantization, compute)
-    layout = layout_on(llm.plan, copy_sizes(copy_spec, fmt, compute), fmt, room, priced.label)
+    layout = layout_on(llm.plan, copy_sizes(copy_spec, fmt, compute), fmt, room, priced.label,
+                       gpu_fused(copy_spec, fmt, compute))
     if layout is None:
         raise ConfigError(f"speculative method substitute: the {priced.label or fmt} copies of the units the model "
                           f"streams at batch {llm.max_batch_size} do not fit the {format_bytes(room)} of VRAM set "

@@ -14,7 +14,7 @@ from offload import LLM, SamplingParams
 from offload.options import SpeculativeOptions
 from offload.planner import PlanRequest, plan_for
 from offload.planner.speculation import plan_speculation
-from offload.planner.substitutes import draft_step_s, layout_on
+from offload.planner.substitutes import draft_step_s, gpu_fused, layout_on
 from offload.weights.model_files import model_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -59,6 +59,13 @@ def test_the_layout_keeps_streamed_copies_on_the_gpu_and_prices_the_room():
     some = layout_on(plain, sizes, "q4_0", 1000 * (len(streamed) + 2))  # the streamed first, then two CPU layers
     assert set(some.on_gpu) == set(streamed) | set(on_cpu[:2]) and set(some.on_cpu) >= set(on_cpu[2:])
     assert set(some.shared) == {u.name for u in plain.units if u.weight_tier == "gpu"}
+    assert layout_on(plain, sizes, "q4_0", 10**9, fused=frozenset()) is None  # no kernel for the streamed copies
+    unfused = layout_on(plain, sizes, "q4_0", 10**9, fused=frozenset(streamed) | frozenset(on_cpu[1:]))
+    assert on_cpu[0] in unfused.on_cpu and set(unfused.on_gpu) >= set(on_cpu[1:])  # only fused copies in VRAM
+    copies = spec.with_stored_formats({t.name: "iq2_xxs" if t.role == "linear" else "f32" for t in spec.tensors()})
+    assert not gpu_fused(copies, "gguf", "bf16") & set(far)  # no Triton kernel for IQ2_XXS
+    assert gpu_fused(copies.with_stored_formats({t.name: "q2_k" for t in spec.tensors() if t.role == "linear"}),
+                     "gguf", "bf16") >= set(far)
     real = {u.name: u.weight_bytes // 3 for u in plain.units}
     in_ram = layout_on(plain, real, "q4_0", sum(real[n] for n in streamed))
     in_vram = layout_on(plain, real, "q4_0", sum(real.values()))

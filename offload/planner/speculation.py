@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from offload.errors import ConfigError, PlanError
 from offload.planner.costs import main_format
 from offload.planner.recost import recost_steps
-from offload.planner.substitutes import SubstituteLayout, copy_sizes, draft_step_s, layout_on, room_candidates
+from offload.planner.substitutes import (SubstituteLayout, copy_sizes, draft_step_s, gpu_fused, layout_on,
+                                         room_candidates)
 from offload.units import format_bytes
 
 PRIOR_ACCEPTANCE = 0.7  # the acceptance rate assumed before any is measured
@@ -205,19 +206,26 @@ def plan_substitutes(spec, copy_spec, hw, one, options, plain: SpeculationPlans,
     label = main_format(copy_spec, fmt)
     best, why = None, ("every unit of the model is resident on the GPU at this budget, so a pass reads no far weights "
                        "and the draft would be the model itself; leave speculative.method out")
+    compute = plain.target.workload.compute_format
     for room in room_candidates(plain.target, _sizes(copy_spec, plain.target, fmt), one.budget(hw).gpu_bytes):
         reserve = 0
         try:
             target = plan_for(spec, hw, without_draft(one, hw, room, 0))
-            layout = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label)
+            fused = gpu_fused(plan_spec(copy_spec, target), fmt, compute)
+            layout = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label, fused)
             if layout is not None and layout.cpu_bytes:  # their RAM too: the model planned on what that leaves
                 reserve = layout.cpu_bytes
                 target = plan_for(spec, hw, without_draft(one, hw, room, reserve))
-                again = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label)
+                fused = gpu_fused(plan_spec(copy_spec, target), fmt, compute)
+                again = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label, fused)
                 layout = again if again is not None and again.cpu_bytes <= reserve else None
         except (ConfigError, PlanError) as e:
             why = str(e)
             continue
+        if layout is None and any(u.decode == "stream" and u.name not in fused for u in target.units):
+            why = (f"the model streams units whose copies must be in VRAM (their KV cache is there), and no fused GPU "
+                   f"kernel computes {label}; use copies in q4_0, q8_0 or a GGUF type with one (Q4_1, Q2_K, Q4_K, "
+                   f"Q5_K, Q6_K)")
         if layout is None or not layout.on_gpu + layout.on_cpu:  # no copies: the draft would be the model itself
             continue
         target_spec = plan_spec(spec, target)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offload.formats import FLOAT_FORMATS, GGUF_TYPE, QUANT_BLOCK_BYTES
 from offload.planner.costs import Phase, cost_kin, cpu_path, main_format, price_step, unit_cost
 from offload.planner.placement import Placement, UnitPlacement
 
@@ -43,21 +44,33 @@ class SubstituteLayout:
                 f"VRAM, {len(self.on_cpu)} in RAM) beside the model's {len(self.shared)} resident units")
 
 
+def gpu_fused(spec, fmt: str, compute: str) -> frozenset[str]:
+    """The units whose copies in fmt (AS_STORED: each tensor as spec's file stores it) a fused GPU kernel computes:
+    every linear weight in a float format, q4_0, q8_0, or a GGUF type with a Triton kernel. A copy in VRAM must be
+    one of them: a dequantized copy per use would take the VRAM and time the copy saves."""
+    def fused(f: str) -> bool:
+        return f in FLOAT_FORMATS or f in QUANT_BLOCK_BYTES or (f in GGUF_TYPE and GGUF_TYPE[f].triton is not None)
+
+    return frozenset(u.name for u in spec.units() if all(fused(f) for f in u.held_formats(fmt, compute)))
+
+
 def copy_sizes(spec, fmt: str, compute: str) -> dict[str, int]:
     """Each unit's bytes in the draft's format fmt (its float tensors, norms and biases, in compute)."""
     return {u.name: u.nbytes(fmt, compute) for u in spec.units()}
 
 
-def layout_on(target, sizes: dict[str, int], fmt: str, room: int, label: str = "") -> SubstituteLayout | None:
+def layout_on(target, sizes: dict[str, int], fmt: str, room: int, label: str = "",
+              fused: frozenset[str] | None = None) -> SubstituteLayout | None:
     """The copies for target's far units with room bytes of VRAM for them: the units it streams first (their KV is
     on the GPU: their copies must be there), then the ones it computes on the CPU, in order, as they fit; the rest
-    in RAM. None where a streamed unit's copy does not fit."""
+    in RAM. Only the units in fused (None: all) may have a copy in VRAM: those a fused GPU kernel computes
+    (gpu_fused). None where a streamed unit's copy cannot be in VRAM."""
     shared = tuple(u.name for u in target.units if u.weight_tier == "gpu")
     far = [u for u in target.units if u.kind in COPIED_KINDS and u.weight_tier != "gpu"]
     streamed = [u for u in far if u.decode != "cpu"]
     on_gpu, used = [], 0
     for u in streamed + [u for u in far if u.decode == "cpu"]:
-        if used + sizes[u.name] <= room:
+        if used + sizes[u.name] <= room and (fused is None or u.name in fused):
             on_gpu.append(u.name)
             used += sizes[u.name]
         elif u.decode != "cpu":
