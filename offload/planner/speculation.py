@@ -277,7 +277,7 @@ def choose_draft(spec, hw, request, options, acceptance: float | None = None, dr
     for fmt in formats:
         opts = options if fmt is None else options.model_copy(update={"quantization": fmt})
         try:
-            plans = plan_speculation(spec, hw, request, opts, draft_spec, context)
+            plans = plan_speculation(spec, hw, request, opts, draft_spec, context, acceptance)
         except (ConfigError, PlanError) as e:  # this format's copy leaves the model no placement: another may
             if len(formats) == 1:
                 raise

@@ -6,7 +6,7 @@ in VRAM where the room set aside for copies holds it, else in host RAM.
   its copy must be in VRAM; a layer the model computes on the CPU keeps its KV in host RAM, and its copy in VRAM
   attends there (a GPU layer with host KV, as the cost model prices it), or its copy in RAM is computed by the CPU.
 - VRAM set aside for copies is VRAM the model's resident layers do not have: the planner tries several amounts
-  (substitute_plans) and keeps the one with the most predicted tokens per second.
+  (planner.speculation.plan_substitutes) and keeps the one with the most predicted tokens per second.
 - The draft step is priced by the cost model the plan uses (planner.costs.price_step), each unit in its own format.
 Pure arithmetic: no torch.
 """
@@ -40,8 +40,8 @@ class SubstituteLayout:
     def describe(self) -> str:
         copies = len(self.on_gpu) + len(self.on_cpu)
         return (f"{copies} {self.label or self.fmt} cop{'y' if copies == 1 else 'ies'} of the far units "
-                f"({len(self.on_gpu)} in "
-                f"VRAM, {len(self.on_cpu)} in RAM) beside the model's {len(self.shared)} resident units")
+                f"({len(self.on_gpu)} in VRAM, {len(self.on_cpu)} in RAM) beside the model's {len(self.shared)} "
+                f"resident units")
 
 
 def gpu_fused(spec, fmt: str, compute: str) -> frozenset[str]:
