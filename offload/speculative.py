@@ -36,6 +36,7 @@ from offload.planner.speculation import PRIOR_ACCEPTANCE, expected_tokens, prior
 from offload.proposal_tree import ODDS_PRIOR_WEIGHT, branch_gains, children_of, with_branches
 from offload.sampling import SamplingParams, probabilities
 from offload.schedule_step import Proposal
+from offload.substitute_draft import SubstituteDrafter, draft_runs
 
 PRIOR_WEIGHT = 8  # proposals the prior counts as: the measured rate takes over within a few steps
 PRIOR_TOKEN_COST = 0.05  # a sequence's proposal's cost as a share of a step, before the run's steps are fitted
@@ -392,63 +393,6 @@ class ModelDrafter:
             self.pool.release(held[0])
             if self._rings is not None:
                 self._rings.append(held[2])
-
-
-class SubstituteDrafter:
-    """The model's own weights in a smaller format propose k tokens greedily over the model's own KV cache (SubSpec's
-    substitutes, every unit substituted: a CPU plan's units are all far). The draft keeps no cache and prefills
-    nothing: a sequence's positions before its last token hold the model's K and V, which the draft attends to; it
-    writes its own for the last token and its proposals into the sequence's extent past its length, where the
-    verifying step writes the model's over them (as rejected proposals are rolled back)."""
-
-    def __init__(self, draft):
-        """draft: an offload LLM of the model's weights in the draft's format, its compute format the model's."""
-        self.draft, self.generator = draft, draft.generator
-        self.cache, self.trash_slot = None, 0  # the engine's, as each step of the model hands them on (attach)
-        self.seconds, self.passes = 0.0, 0
-        self.alternatives: list[list] = []  # as ModelDrafter's
-
-    def attach(self, cache, trash_slot: int) -> None:
-        self.cache, self.trash_slot = cache, trash_slot
-
-    def propose(self, tokens: list[int], k: int, seq=None) -> list[int]:
-        return self.propose_many([(tokens, k, seq)])[0]
-
-    def propose_many(self, asks: list[tuple[list[int], int, object]], alternatives: bool = False) -> list[list[int]]:
-        """Proposals for several sequences ((tokens, k, seq) each, seq running in the engine whose cache is
-        attached), drafted together: each pass over the draft's weights serves every sequence still drafting."""
-        from offload.sequence import Sequence
-
-        runs = []
-        for tokens, k, seq in asks:
-            if k <= 0 or seq is None or self.cache is None or not seq.admitted:
-                runs.append(None)
-                continue
-            run = Sequence(seq.request_id, tokens, SamplingParams(max_tokens=k, temperature=0.0, ignore_eos=True))
-            run.blocks, run.extent, run.ring, run.n_cached = seq.blocks, seq.extent, seq.ring, len(tokens) - 1
-            run.shared = seq.shared  # its table: the blocks the prefix cache maps, then its own
-            run.generator = torch.Generator()
-            runs.append(run)
-        draft_runs(self, runs, self.cache, self.trash_slot, alternatives)
-        return [[] if run is None else run.output_ids for run in runs]
-
-
-def draft_runs(drafter, runs: list, cache, trash_slot: int, alternatives: bool = False) -> None:
-    """Step the drafter's generator over its runs (None: a sequence it drafts nothing for) until each has its k
-    tokens, one pass over the draft's weights serving every run still drafting; its passes and seconds counted.
-    alternatives: each run keeps its next likeliest token at each (drafter.alternatives, by run)."""
-    import time
-
-    active, start = [r for r in runs if r is not None], time.perf_counter()
-    for run in active:
-        run.alternatives = [] if alternatives else None
-    with torch.inference_mode():
-        while active:
-            drafter.generator.step(active, cache, trash_slot)
-            drafter.passes += 1
-            active = [r for r in active if not r.finish_reason]
-    drafter.seconds += time.perf_counter() - start
-    drafter.alternatives = [(run.alternatives or []) if run is not None else [] for run in runs]
 
 
 def make_speculator(options, draft=None) -> Speculator | None:

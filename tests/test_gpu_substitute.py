@@ -6,6 +6,7 @@ it with greedy answers the model's own."""
 from __future__ import annotations
 
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -43,7 +44,7 @@ def test_the_layout_keeps_streamed_copies_on_the_gpu_and_prices_the_room():
     spec, hw = model_spec(ROOT / "configs/models/llama-3.1-8b"), request.profile()
     plans = plan_speculation(spec, hw, request, SpeculativeOptions(method="substitute", quantization="q4_0"))
     layout, target = plans.layout, plans.target
-    far = {u.name for u in target.units if u.kind in ("layer", "lm_head") and u.weight_tier != "gpu"}
+    far = {u.name for u in target.units if u.kind in ("layer", "mlp", "lm_head") and u.weight_tier != "gpu"}
     assert set(layout.shared) == {u.name for u in target.units if u.weight_tier == "gpu"}
     assert set(layout.on_gpu) | set(layout.on_cpu) == far and not set(layout.on_gpu) & set(layout.on_cpu)
     assert layout.gpu_bytes <= plans.draft_gpu_bytes == layout.plan_held[0]
@@ -56,13 +57,18 @@ def test_the_layout_keeps_streamed_copies_on_the_gpu_and_prices_the_room():
     assert streamed and on_cpu and plain.n_gpu_units
     sizes = {u.name: 1000 for u in plain.units}
     assert layout_on(plain, sizes, "q4_0", 1000 * len(streamed) - 1) is None  # a streamed unit's copy left out
-    some = layout_on(plain, sizes, "q4_0", 1000 * (len(streamed) + 2))  # the streamed first, then two CPU layers
+    kv = {u.name: u.kv_bytes for u in plain.units}  # a CPU layer's copy in VRAM takes a mirror of its KV too
+    room = 1000 * (len(streamed) + 2) + kv[on_cpu[0]] + kv[on_cpu[1]]
+    some = layout_on(plain, sizes, "q4_0", room)  # the streamed first, then two CPU layers and their KV mirrors
     assert set(some.on_gpu) == set(streamed) | set(on_cpu[:2]) and set(some.on_cpu) >= set(on_cpu[2:])
+    assert some.mirrored == tuple(on_cpu[:2]) and some.mirror_bytes == kv[on_cpu[0]] + kv[on_cpu[1]] > 0
+    assert on_cpu[1] not in layout_on(plain, sizes, "q4_0", room - 1).on_gpu  # its mirror no longer fits
     assert set(some.shared) == {u.name for u in plain.units if u.weight_tier == "gpu"}
-    assert layout_on(plain, sizes, "q4_0", 10**9, fused=frozenset()) is None  # no kernel for the streamed copies
-    unfused = layout_on(plain, sizes, "q4_0", 10**9, fused=frozenset(streamed) | frozenset(on_cpu[1:]))
+    assert layout_on(plain, sizes, "q4_0", 10**12, fused=frozenset()) is None  # no kernel for the streamed copies
+    unfused = layout_on(plain, sizes, "q4_0", 10**12, fused=frozenset(streamed) | frozenset(on_cpu[1:]))
     assert on_cpu[0] in unfused.on_cpu and set(unfused.on_gpu) >= set(on_cpu[1:])  # only fused copies in VRAM
-    copies = spec.with_stored_formats({t.name: "iq2_xxs" if t.role == "linear" else "f32" for t in spec.tensors()})
+    split = replace(spec, split_mlp=target.split_mlp)  # the units target places
+    copies = split.with_stored_formats({t.name: "iq2_xxs" if t.role == "linear" else "f32" for t in spec.tensors()})
     assert not gpu_fused(copies, "gguf", "bf16") & set(far)  # no Triton kernel for IQ2_XXS
     assert gpu_fused(copies.with_stored_formats({t.name: "q2_k" for t in spec.tensors() if t.role == "linear"}),
                      "gguf", "bf16") >= set(far)
@@ -76,7 +82,10 @@ def test_the_layout_keeps_streamed_copies_on_the_gpu_and_prices_the_room():
 def test_a_substitute_on_a_gpu_plan_shares_the_resident_units_and_keeps_greedy_answers(wide):
     """On the simulated card with a few MiB for layers, fp32: the draft's resident units are the model's own
     tensors (not loaded again), its copies sit where the layout says (a VRAM copy of a layer the CPU computes
-    attends to that layer's KV in host RAM), and greedy answers are plain decoding's."""
+    attends to a mirror of that layer's KV in VRAM, copied from the model's host cache each drafting round), and
+    greedy answers are plain decoding's."""
+    from offload.runtime.backends.sim_device import is_device
+
     kw = dict(backend="sim", hardware="rtx4090-ddr5", gpu_memory="658MiB", max_model_len=256, dtype="fp32",
               batch_size=1)
     greedy = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (20, 9)]
@@ -84,18 +93,24 @@ def test_a_substitute_on_a_gpu_plan_shares_the_resident_units_and_keeps_greedy_a
     want = [o.token_ids for o in LLM(str(wide), **kw).generate(prompts, greedy)]
     llm = LLM(str(wide), **kw, speculative_config={"method": "substitute", "num_speculative_tokens": 3,
                                                    "quantization": "q8_0"})
-    draft = llm.generator.speculator.drafter.draft.model
+    drafter = llm.generator.speculator.drafter
+    draft = drafter.draft.model
     resident = [n for n, p in llm.model.placement.units.items() if p.weights == "gpu"]
     copies = [n for n, p in draft.placement.units.items() if n.startswith("layer.") and n not in resident]
     assert resident and {draft.placement[n].weights for n in copies} == {"gpu", "cpu"}  # the budget splits it
-    assert any(draft.placement[n].weights == "gpu" and draft.placement[n].kv == "cpu" for n in copies)  # host KV
     assert all(draft.resident[n] is llm.model.resident[n] for n in resident)
+    mirrored = [f"layer.{i}" for i in drafter.mirrored]
+    assert mirrored and set(mirrored) <= set(copies)
     for name in copies:
         p, q = draft.placement[name], llm.model.placement[name]
-        assert p.kv == q.kv and draft.layouts[name].n_bytes < llm.model.layouts[name].n_bytes  # q8_0 of fp32
+        assert draft.layouts[name].n_bytes < llm.model.layouts[name].n_bytes  # q8_0 of fp32
+        assert (p.kv, q.kv) == (("gpu", "cpu") if name in mirrored else (q.kv, q.kv))
     assert [o.token_ids for o in llm.generate(prompts, greedy)] == want
-    stats = llm.speculative_stats
-    assert stats["accepted"] > 0 and stats["verified_passes"] > 0
+    stats = llm.speculative_stats  # q8_0 copies of fp32 weights keep every proposal here; a mirror left stale
+    assert stats["acceptance_rate"] > 0.8 and stats["verified_passes"] > 0  # keeps 0.02 of them
+    for i in drafter.mirrored:  # the mirror is a device copy of the model's host cache as of the last round
+        twin, host = drafter._mirror[i], drafter.cache[i]
+        assert is_device(twin.k) and not is_device(host.k) and twin.k.shape == host.k.shape
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from offload.errors import ConfigError, PlanError
 from offload.planner.costs import main_format
 from offload.planner.recost import recost_steps
 from offload.planner.substitutes import (SubstituteLayout, copy_sizes, draft_step_s, gpu_fused, layout_on,
-                                         room_candidates)
+                                         mirror_sync_s, room_candidates)
 from offload.units import format_bytes
 
 PRIOR_ACCEPTANCE = 0.7  # the acceptance rate assumed before any is measured
@@ -151,6 +151,11 @@ class SpeculationPlans:
     draft_cpu_bytes: int = 0
     layout: SubstituteLayout | None = None  # a substitute draft's copies on a plan with GPU layers
     copy_format: str = ""  # a copy of the model's weights: its format (a GGUF file's main format, as stored)
+    sync_s: float = 0.0  # a drafting round's copy of the mirrored KV into VRAM (substitutes.mirror_sync_s)
+
+    def draft_s(self, k: int) -> float:
+        """Seconds of k draft steps, and the round's mirror copy where k > 0."""
+        return k * self.draft_step_s + (self.sync_s if k else 0.0)
 
     def pass_s(self, k: int) -> float:
         """The target plan's step over a sequence's last token and k proposals."""
@@ -187,19 +192,19 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
         return plan_substitutes(spec, draft_spec, hw, one, options, plain_plans,
                                 prior_acceptance(options) if acceptance is None else acceptance)
     draft_plan = plan_for(draft_spec, hw, one.with_options(model=path, quantization=quantization))
-    draft_step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
+    step_s = decode_pass_s(plan_spec(draft_spec, draft_plan), hw, draft_plan, 1, context)
     own = options.method != "substitute"  # a substitute's KV cache and embedding are the model's
     gpu_bytes, cpu_bytes = draft_held(draft_plan, kv=own, embedding=own)
     target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
-    return SpeculationPlans(hw, context, plain_s, target, plan_spec(spec, target), draft_step_s, gpu_bytes, cpu_bytes,
+    return SpeculationPlans(hw, context, plain_s, target, plan_spec(spec, target), step_s, gpu_bytes, cpu_bytes,
                             copy_format=main_format(draft_spec, draft_plan.weight_format))
 
 
 def plan_substitutes(spec, copy_spec, hw, one, options, plain: SpeculationPlans, acceptance) -> SpeculationPlans:
     """A substitute draft on a plan with GPU layers (copy_spec: the copies' own file's, or spec): for each amount of
     VRAM set aside for copies (substitutes.room_candidates), the model planned on what is left, its far units'
-    copies placed (substitutes.layout_on) and the host RAM they take set aside too; the amount with the most tokens
-    per second at acceptance kept."""
+    copies placed (substitutes.layout_on), with the KV of the CPU layers they copy mirrored in VRAM or not, and the
+    host RAM they take set aside too; the layout with the most tokens per second at acceptance kept."""
     from offload.planner.request import plan_for, plan_spec, plan_weight_format
 
     fmt = plan_weight_format(copy_spec, options.draft_quantization, plain.target.workload.compute_format)
@@ -207,17 +212,18 @@ def plan_substitutes(spec, copy_spec, hw, one, options, plain: SpeculationPlans,
     best, why = None, ("every unit of the model is resident on the GPU at this budget, so a pass reads no far weights "
                        "and the draft would be the model itself; leave speculative.method out")
     compute = plain.target.workload.compute_format
-    for room in room_candidates(plain.target, _sizes(copy_spec, plain.target, fmt), one.budget(hw).gpu_bytes):
+    rooms = room_candidates(plain.target, _sizes(copy_spec, plain.target, fmt), one.budget(hw).gpu_bytes)
+    for room, mirror in ((room, mirror) for room in rooms for mirror in (True, False)):
         reserve = 0
         try:
             target = plan_for(spec, hw, without_draft(one, hw, room, 0))
             fused = gpu_fused(plan_spec(copy_spec, target), fmt, compute)
-            layout = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label, fused)
+            layout = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label, fused, mirror)
             if layout is not None and layout.cpu_bytes:  # their RAM too: the model planned on what that leaves
                 reserve = layout.cpu_bytes
                 target = plan_for(spec, hw, without_draft(one, hw, room, reserve))
                 fused = gpu_fused(plan_spec(copy_spec, target), fmt, compute)
-                again = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label, fused)
+                again = layout_on(target, _sizes(copy_spec, target, fmt), fmt, room, label, fused, mirror)
                 layout = again if again is not None and again.cpu_bytes <= reserve else None
         except (ConfigError, PlanError) as e:
             why = str(e)
@@ -231,7 +237,7 @@ def plan_substitutes(spec, copy_spec, hw, one, options, plain: SpeculationPlans,
         target_spec = plan_spec(spec, target)
         step_s = draft_step_s(target_spec, hw, target, layout, plain.context, plan_spec(copy_spec, target))
         plans = SpeculationPlans(hw, plain.context, plain.plain_s, target, target_spec, step_s, room, reserve,
-                                 replace(layout, plan_held=(room, reserve)), label)
+                                 replace(layout, plan_held=(room, reserve)), label, mirror_sync_s(hw, layout, target))
         price = price_on(plans, options, acceptance, options.max_speculative_tokens)
         if best is None or price.tokens_per_s > best[0]:
             best = (price.tokens_per_s, plans)
@@ -310,9 +316,9 @@ def price_on(plans: SpeculationPlans, options, acceptance: float, max_k: int = 8
     for k in range(min_k if fixed is None else fixed, (max(max_k, min_k) if fixed is None else fixed) + 1):
         for b in range(min(most_branches, k) + 1):
             verify_s, tokens = plans.pass_s(k + b), expected_tokens(acceptance, k) + branch_gain(acceptance, b)
-            rate = tokens / (verify_s + k * plans.draft_step_s)
+            rate = tokens / (verify_s + plans.draft_s(k))
             if best is None or rate > best.tokens_per_s:
-                best = SpeculationPrice(options.method, acceptance, k, tokens, verify_s, k * plans.draft_step_s, rate,
+                best = SpeculationPrice(options.method, acceptance, k, tokens, verify_s, plans.draft_s(k), rate,
                                         1.0 / plans.plain_s, plans.draft_gpu_bytes, plans.draft_cpu_bytes,
                                         (plans.copy_format or options.draft_quantization)
                                         if options.method in OWN_COPY_METHODS else None,
@@ -339,7 +345,7 @@ def run_tokens_per_s(plans: SpeculationPlans, acceptance: float, k: int, share: 
     (with k draft steps each; a tree's passes also branches second candidates, which gain tokens a pass) and the
     rest none."""
     tokens = share * (expected_tokens(acceptance, k) + gain) + (1 - share)
-    return tokens / (share * (plans.pass_s(k + branches) + k * plans.draft_step_s) + (1 - share) * plans.pass_s(0))
+    return tokens / (share * (plans.pass_s(k + branches) + plans.draft_s(k)) + (1 - share) * plans.pass_s(0))
 
 
 def against_measured(spec, hw, request, options, stats: dict, prior: float, draft_spec=None) -> dict:

@@ -114,15 +114,19 @@ class PlacedModel:
     def _group_host_layers(self, phase: str) -> list[str | tuple[str, ...]]:
         """The units before the lm_head in order, runs of consecutive layers (and MoE experts units) whose weights
         live in host RAM and compute there grouped in tuples: they have nothing to acquire or release, so they run
-        back to back. The final norm ends the run before it where the store has its C++ view (fp32 weights)."""
+        back to back. The final norm ends the run before it where the store has its C++ view (fp32 weights). A run
+        starts at a layer: experts (or a split-off MLP) whose attention part computes elsewhere run alone."""
         schedule: list = []
         for name in self.order[:-1]:
             p, kind = self.placement[name], self.store.kind_index[name][0]
             held = p.weights == "cpu" or name in self._in_place
             ends_run = kind == "norm" and name in self.fused_layers and self.dtype is torch.float32 and schedule \
                 and isinstance(schedule[-1], tuple)
-            if (kind in ("layer", "experts", "mlp") or ends_run) and held and p.mode(phase) == "cpu":
-                if not schedule or not isinstance(schedule[-1], tuple):
+            starts = not schedule or not isinstance(schedule[-1], tuple)
+            if starts and kind in ("experts", "mlp"):  # its attention part computed elsewhere: a unit of its own
+                schedule.append(name)
+            elif (kind in ("layer", "experts", "mlp") or ends_run) and held and p.mode(phase) == "cpu":
+                if starts:
                     schedule.append(())
                 schedule[-1] += (name,)
             else:
