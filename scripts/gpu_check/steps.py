@@ -79,6 +79,10 @@ STEPS = (
     Step("offload_70b_batch32", 9, 35, 90, "gpu_check.offload_70b:batch32"),
     # reads items 8 and 9's figures, no torch: 1 s
     Step("device_peak", 10, 1, 10, "gpu_check.memory:device_peak", min_s=2),
+    # START_S + a 6-layer fp32 model of 13.6 M parameters written (1 s) + two LLMs planned and loaded at 658 MiB,
+    # the draft's q8_0 copies quantized (2 s) + 3 prompts x 24 tokens with and without drafts (~60 steps x ~50 ms
+    # of launches, Triton's q8_0 kernels compiled by item 6): 12 s
+    Step("substitute", None, 12, 40, "gpu_check.substitute:substitute"),
     # pytest's start and collection 5 s + ten tiny-model tests of ~2 s (Triton kernels in the disk cache): 30 s
     Step("cuda_tests", None, 30, 90, "gpu_check.cuda_tests:cuda_tests"),
 )
