@@ -150,9 +150,9 @@ def room_candidates(plain, sizes: dict[str, int], budget_gpu: int) -> list[int]:
 
 def draft_placement(target: Placement, layout: SubstituteLayout) -> Placement:
     """The substitute draft's Placement beside target's (the model's, as planned): its shared units resident as
-    the model's, its copies in VRAM (a layer's KV where the model keeps it) or computed by the CPU from host RAM,
-    the rest (the embedding, which the draft looks up in the model's, and the final norm) computed where the lm_head
-    it feeds runs."""
+    the model's, its copies in VRAM (a layer's KV where the model keeps it, or its mirror in VRAM) or computed by
+    the CPU from host RAM, the rest (the embedding, which the draft looks up in the model's, and the final norm)
+    computed where the lm_head it feeds runs."""
     on_gpu, on_cpu, shared, mirrored = set(layout.on_gpu), set(layout.on_cpu), set(layout.shared), set(layout.mirrored)
     head_tier = "gpu" if "lm_head" in shared or "lm_head" in on_gpu else "cpu"
     units = {}
