@@ -157,3 +157,13 @@ def test_copies_read_from_a_gguf_file_of_the_same_model(wide, copy_of_wide, wher
         make_llama(["--out", str(other), "--hidden", "256", "--layers", "6", "--intermediate", "1024", "--heads",
                     "8", "--kv-heads", "2", "--vocab", "259"])
         LLM(str(wide), **kw, speculative_config={"method": "substitute", "model": str(other)})
+
+
+def test_a_price_that_does_not_pay_says_a_run_drops_it():
+    """The line `offload plan` prints for speculation predicted slower than without it says the run drops it."""
+    from offload.planner.speculation import DROPPED, SpeculationPrice
+
+    def price(tokens_per_s):
+        return SpeculationPrice("substitute", 0.7, 0, 1.0, 0.3, 0.0, tokens_per_s, 3.0)
+
+    assert price(2.5).line().endswith(DROPPED) and DROPPED not in price(3.5).line()

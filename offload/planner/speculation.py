@@ -37,6 +37,9 @@ BRANCH_PRIOR = 0.6
 MODEL_DRAFTS = ("draft_model", *OWN_COPY_METHODS)  # speculative methods that load a draft model
 
 
+DROPPED = "; slower than without it: a run drops it unless speculative.num_speculative_tokens is set"
+
+
 @dataclass(frozen=True)
 class SpeculationPrice:
     """The chosen k and what it predicts at batch 1, beside decoding without speculation."""
@@ -92,7 +95,7 @@ class SpeculationPrice:
                 f"{self.tokens_per_pass:.2f} tokens per pass; batch 1 predicted {self.tokens_per_s:.2f} tok/s against "
                 f"{self.plain_tokens_per_s:.2f} without ({self.speedup:.2f}x); a pass "
                 f"{(self.verify_s + self.draft_s) * 1e3:.1f} ms: drafting {self.draft_s * 1e3:.1f} ms, verifying "
-                f"{self.verify_s * 1e3:.1f} ms{where}")
+                f"{self.verify_s * 1e3:.1f} ms{where}{'' if self.pays else DROPPED}")
 
 
 def expected_tokens(acceptance, k: int) -> float:
