@@ -136,16 +136,7 @@ class LLM:
         if placement is not None and not isinstance(placement, Placement):
             raise ConfigError(f"LLM(placement=...) takes a Placement (what offload.planner.plan_for returns), found "
                               f"{type(placement).__name__}; leave it out to let the planner place the model")
-        draft = None
-        self.draft_bytes = {"gpu": 0, "cpu": 0}  # what a speculative draft holds of the budgets (planned first)
-        # the request the draft and the model share, and the draft's price on it (planner/speculation.py)
-        self.whole_request, self.draft_price = request, None
-        if speculative is not None and speculative.method in MODEL_DRAFTS and placement is None:
-            draft, request, self.draft_price, speculative = plan_draft_first(speculative, request)
-            if draft is None:
-                speculative = None  # dropped: it does not pay (plan_draft_first logged why)
-            else:
-                self.draft_bytes = {"gpu": draft.plan_held[0], "cpu": draft.plan_held[1]}
+        draft, request, speculative = self._draft_first(speculative, request, placement)
         self.speculative = speculative
         self.request = request
         self._in_use, self._user = threading.Lock(), None  # one generation loop at a time (acquire)
@@ -191,6 +182,21 @@ class LLM:
         self.generator.between_steps = self._probe_cpu_speed_if_due
         self._use_prefix_cache(prefix or PrefixCacheOptions())
         self._use_speculation(speculative, draft)
+
+    def _draft_first(self, speculative: SpeculativeOptions | None, request: PlanRequest, placement):
+        """(the draft, the request for the model, the speculative options kept): where the planner places the model,
+        a model draft planned first on the whole request (plan_draft_first; None and no options where it does not
+        pay), its held bytes in draft_bytes and its price in draft_price; else no draft and request as it is."""
+        self.draft_bytes = {"gpu": 0, "cpu": 0}  # what a speculative draft holds of the budgets (planned first)
+        # the request the draft and the model share, and the draft's price on it (planner/speculation.py)
+        self.whole_request, self.draft_price = request, None
+        if speculative is None or speculative.method not in MODEL_DRAFTS or placement is not None:
+            return None, request, speculative
+        draft, request, self.draft_price, speculative = plan_draft_first(speculative, request)
+        if draft is None:
+            return None, request, None  # dropped: it does not pay (plan_draft_first logged why)
+        self.draft_bytes = {"gpu": draft.plan_held[0], "cpu": draft.plan_held[1]}
+        return draft, request, speculative
 
     def _use_speculation(self, speculative: SpeculativeOptions | None, draft: LLM | None) -> None:
         """The generator's speculator: a model draft loaded (with a placement given: planned on its own) and
