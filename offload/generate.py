@@ -30,7 +30,7 @@ from offload.planner.types import DEFAULT_PREFILL_PASS_TOKENS
 from offload.profile.timeline import StepShape
 from offload.proposal_tree import kept_moves, move_kept
 from offload.sampling import SamplingParams, runner_up, sample, token_logprobs
-from offload.schedule_step import Proposal, ScheduledStep, decoding, schedule_step
+from offload.schedule_step import Proposal, ScheduledStep, decoding, prefills, schedule_step
 from offload.sequence import Sequence
 from offload.speculative import Speculator
 from offload.weights.prompts import check_prompt_ids
@@ -89,12 +89,15 @@ class Generator:
 
     def schedule(self, running: list[Sequence]) -> ScheduledStep:
         """The next step: the decode tokens, the drafter's proposals for some of them, the prompt chunks."""
-        proposals = self._drafts(decoding(running, self.mixed))
+        # the step's phase as schedule_step will set it (but where the proposals leave a waiting prompt no room)
+        phase = "prefill" if any(prefills(s) for s in running) else "decode"
+        proposals = self._drafts(decoding(running, self.mixed), phase)
         return schedule_step(running, self.step_tokens, self.mixed, proposals)
 
-    def _drafts(self, decode: list[Sequence]) -> dict[int, Proposal]:
+    def _drafts(self, decode: list[Sequence], phase: str = "decode") -> dict[int, Proposal]:
         """Proposals for decode sequences (speculative decoding, by id(sequence)), each within its KV extent, all
-        within the step's tokens; sequences the drafter has nothing for are left out."""
+        within the step's tokens; sequences the drafter has nothing for are left out. The model's step of phase
+        that verifies them has its first copies and disk reads issued before the drafting, to run under it."""
         if self.speculator is None or not decode:
             return {}
         k, room, asks = self.speculator.choose_k(len(decode)), self.step_tokens - len(decode), []
@@ -104,6 +107,8 @@ class Generator:
                 asks.append((seq.prompt_ids + seq.output_ids, n, seq))
                 room -= n
         branching = self.speculator.max_branches > 0 and self.trees_fit  # trees: offload/proposal_tree.py
+        if asks:  # the verify pass's first copies and disk reads run under the drafting
+            self.model.prepare_step(phase)
         proposals = self.speculator.propose_many(asks, branching)
         proposals = [self.constraints.cut(seq, draft) if seq.params.structured_outputs is not None else draft
                      for (_, _, seq), draft in zip(asks, proposals)]

@@ -260,12 +260,16 @@ def test_greedy_answers_equal_plain_decoding_on_disk_and_streamed_placements(tmp
                             Placement.uniform(spec, where, compute, page_cache=frozenset()), backend)
         generator = Generator(model, max_batch_size=4, max_model_len=64)
         generator.speculator = speculator
+        prepare = model.prepare_step  # the verify pass's first copies and reads, issued before the drafting
+        model.prepare_step = lambda phase, samples=True: (prepared.append(phase), prepare(phase, samples))
         seqs = [Sequence(i, p, greedy(10)) for i, p in enumerate(prompts)]
         run_to_end(generator, seqs)
         return [s.output_ids for s in seqs]
 
-    speculator = Speculator(NgramDrafter(3, 1), num_tokens=3)
+    speculator, prepared = Speculator(NgramDrafter(3, 1), num_tokens=3), []
+    assert run(None) and not prepared
     assert run(speculator) == run(None) and speculator.stats.proposed > 0
+    assert prepared and set(prepared) <= {"prefill", "decode"} and speculator.stats.verified_passes > 0
 
 
 def chi_square(counts: Counter, probs: dict[int, float], n: int) -> tuple[float, int]:

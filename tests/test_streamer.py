@@ -159,3 +159,62 @@ def test_the_pricer_copies_the_lm_head_in_the_passes_that_sample_only(long_conte
         for kind, copies in [("layer", n_passes), ("lm_head", head_copies)]:
             cost = unit_cost(spec, units[kind], "fp32", hw, phase, "fp32")
             assert cost.pcie_s == pytest.approx(copies * units[kind].nbytes("fp32") / hw.h2d_pinned_bps), kind
+
+
+def _read_ahead(reader, n: int) -> list[str]:
+    """The units reader has read, once n have been (a failure after 30 s)."""
+    for _ in range(3000):
+        with reader._cond:
+            if len(reader._ready) >= n:
+                return list(reader._ready)
+        threading.Event().wait(0.01)
+    raise AssertionError(f"the reader read {len(reader._ready)} of {n} units in 30 s")
+
+
+@pytest.mark.parametrize("compute", ["cpu", "stream"])
+def test_a_step_prepared_before_it_begins_has_its_reads_done_and_answers_the_same(tiny, compute):
+    """PlacedModel.prepare_step, as a verify pass has it before its draft's steps: the step's first disk units are
+    read while the host does other work; the step takes those reads (none read twice, none left holding the read
+    buffers, also where the prepared kind of step was not the one that ran: a pass that samples nothing, which reads
+    no lm_head) and answers as a step not prepared."""
+    placement = Placement.uniform(tiny[1], "disk", compute, prefetch_depth=2, read_ahead=2, page_cache=frozenset())
+    make = (lambda: SimBackend(gpu_profile())) if compute == "stream" else CPUBackend
+    ref = offload_logits(_model(tiny, placement, make()), PROMPT)
+    model = _model(tiny, placement, make())
+    model.prepare_step("prefill")
+    first = model.streamer.reads[True][:2]
+    assert "lm_head" not in first and _read_ahead(model.reader, 2) == first
+    assert torch.allclose(offload_logits(model, PROMPT), ref, rtol=1e-5, atol=1e-5)
+    units = model.streamer.reads[True]  # (on the CPU, not the embedding: its rows are read as looked up)
+    assert sorted(s.unit for s in model.timeline.spans if s.kind == "disk_read" and s.unit in units) == sorted(units)
+    model.prepare_step("decode")  # then a step of another kind: a prefill pass that samples nothing
+    positions = torch.arange(len(PROMPT))[None]
+    step = model.make_step(positions, torch.ones_like(positions, dtype=torch.bool), len(PROMPT))
+    with torch.inference_mode():
+        model.forward(torch.tensor([PROMPT]), step, model.new_cache(1, len(PROMPT)), logits=False)
+    assert torch.allclose(offload_logits(model, PROMPT), ref, rtol=1e-5, atol=1e-5)
+    model.streamer.settle()  # (a streamed disk unit's buffer goes back once its copy has landed)
+    assert not model.reader._live and not model.reader._queue  # every read taken and its buffer given back
+
+
+def test_a_step_prepared_issues_its_first_copies_and_one_of_another_kind_frees_them(tiny):
+    """The first copies of a prepared step are issued before it begins; where the step that runs streams other
+    units (here layer.0 streams in prefill and computes on the CPU in decode), they are freed and the answers are
+    those of steps not prepared."""
+    spec = tiny[1]
+    placement = Placement.uniform(spec, "cpu", "stream", prefetch_depth=2, read_ahead=2, page_cache=frozenset())
+    placement.units["layer.0"] = UnitPlacement("cpu", "stream", "cpu", "cpu")
+    ref = _generate(_model(tiny, placement, SimBackend(gpu_profile())), PROMPT, 64, True)
+    model = _model(tiny, placement, SimBackend(gpu_profile()))
+    model.prepare_step("prefill")
+    assert model.ring.holds("embed") and model.ring.holds("layer.0")
+    model.prepare_step("decode")  # once per step: the first call's copies stand
+    assert model.ring.holds("layer.0") and not model.ring.holds("layer.1")
+    assert torch.allclose(offload_logits(model, PROMPT), offload_logits(
+        _model(tiny, placement, SimBackend(gpu_profile())), PROMPT), rtol=1e-5, atol=1e-5)
+    seq = Sequence(0, PROMPT, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    gen = Generator(model, max_batch_size=1, max_model_len=64, step_tokens=64)
+    gen.between_steps = lambda: model.prepare_step("prefill")  # copies layer.0, but decode steps run
+    run_to_end(gen, [seq])
+    assert seq.output_ids == ref
+    assert sum(e[0] == "discard" for e in model.backend.log) >= 2

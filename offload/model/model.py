@@ -35,6 +35,9 @@ class Model:
         """Describe one forward pass: new tokens at positions [B, S]; valid [B, S] marks real tokens."""
         return make_step(self.spec, self.dtype, positions, valid, trash_slot, rows, phase)
 
+    def prepare_step(self, phase: str, samples: bool = True) -> None:
+        """As PlacedModel.prepare_step takes it: every weight is in memory here, so nothing is copied or read."""
+
     def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV], logits: bool = True) -> torch.Tensor:
         """Hidden states [B, S, D] after the final norm, for tokens [B, S] (logits: whether logits() follows, as
         PlacedModel.forward takes it; nothing to skip here)."""

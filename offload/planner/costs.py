@@ -371,11 +371,13 @@ class PhaseCost:
 
 def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s: float, disk_s: float,
             hops_s: float, host_mem_s: float, pipeline_s: float = 0.0, overhead: float = 0.0,
-            overlap: tuple[float, float] = (0.0, 0.0)) -> PhaseCost:
+            overlap: tuple[float, float] = (0.0, 0.0), gap_s: float = 0.0) -> PhaseCost:
     """The step takes the longer of the pipeline the executor runs (pipeline_s) and any one resource's busy time,
     plus the overhead terms (the host runs them between the blocks); bound names the resource that is busiest
-    (compute: the GPU + CPU chain)."""
-    candidates = {"compute": gpu_s + cpu_s + hops_s, "pcie": pcie_s, "disk": disk_s, "host_memory": host_mem_s}
+    (compute: the GPU + CPU chain). gap_s: the host's own work before the step (a draft's steps), in the step's
+    time, holding the compute and the host's memory but not the link or the disk."""
+    candidates = {"compute": gpu_s + cpu_s + hops_s + gap_s, "pcie": pcie_s, "disk": disk_s,
+                  "host_memory": host_mem_s + gap_s}
     bound = max(candidates, key=candidates.get)
     return PhaseCost(phase, tokens_per_step, gpu_s, cpu_s, pcie_s, disk_s, hops_s, host_mem_s,
                      max(candidates[bound], pipeline_s) + overhead, bound, overhead, *overlap)
@@ -384,13 +386,14 @@ def combine(phase: str, tokens_per_step: int, gpu_s: float, cpu_s: float, pcie_s
 def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[UnitCost], kinds: list[str],
                compute: list[str], decode: list[str], weight: list[str], depth: int, path: str,
                steady: bool, cached: frozenset[int] = frozenset(), host_kv: frozenset[int] = frozenset(),
-               overlap: bool = True) -> PhaseCost:
+               overlap: bool = True, gap_s: float = 0.0) -> PhaseCost:
     """One step of phase for a placement: units in order with their costs and kinds, where each computes in
     this phase (compute) and in decode (decode: where its KV lives, but for the GPU layers in host_kv, whose KV
     is in host RAM and whose decode attention the CPU runs), where its weights live (weight); the disk units in
     cached are the page cache's: computed in place by the CPU, or copied from it at its rate. Each unit alike in
     all of that is priced once, and the pipeline walks spans and runs of units, not units (pipeline.Pipeline.run):
-    a step of 10,000 layers on the GPU and the CPU is a few entries, or two per streamed unit set between CPU ones."""
+    a step of 10,000 layers on the GPU and the CPU is a few entries, or two per streamed unit set between CPU ones.
+    gap_s: the host's own work before the step, its first copies and reads running under it (Pipeline.run)."""
     busy = "stream" in compute  # hand-overs then wait behind weight copies on the link
     hops = (hop_s(spec, hw, phase, busy=busy), hop_s(spec, hw, phase, 2, busy))  # experts and a split-off MLP take
     # [residual | normed hidden] from their layer
@@ -411,10 +414,10 @@ def price_step(spec: ModelSpec, hw: HardwareProfile, phase: Phase, costs: list[U
         device = where
     logits = phase.logit_rows * spec.vocab_size * LOGIT_BYTES / hw.h2d_pinned_bps if device == "gpu" else 0.0
     pipe = Pipeline(depth, chain[0][0] != "cpu" if chain else False, record=overlap)
-    pipeline = pipe.run(chain, phase.n_passes, steady) + logits
+    pipeline = pipe.run(chain, phase.n_passes, steady, gap_s) + logits
     extra = overhead_s(hw, n_cpu_layers, path, phase.n_seqs, phase.logit_rows, spec.vocab_size, phase.n_tokens)
     return combine(phase.name, phase.n_tokens, gpu, cpu, pcie + logits, disk, hand_overs, host, pipeline, extra,
-                   pipe.overlap() if overlap else (0.0, 0.0))
+                   pipe.overlap() if overlap else (0.0, 0.0), gap_s)
 
 
 class _Terms(NamedTuple):

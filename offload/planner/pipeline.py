@@ -36,12 +36,15 @@ class Pipeline:
         self.blocks: list[tuple[float, float, str]] = []  # (start, end, cpu | gpu)
         self.plan: tuple = ()
         self.released: list[float] = []  # when the host released the previous step's streamed units
+        self.gap_s = 0.0  # the host's own work before each step (run's gap_s)
 
-    def run(self, units, n_passes: int, steady: bool) -> float:
+    def run(self, units, n_passes: int, steady: bool, gap_s: float = 0.0) -> float:
         """Seconds of one step of units in order, as runs of alike units: (mode, weight tier, seconds of a unit's
         block, of its copy and of its disk read, of the hand-over of its input where that changes device, how many
-        units; a span of units on one device that wait for nothing but the block before it is one unit)."""
-        ends, self.n_passes = [], n_passes
+        units; a span of units on one device that wait for nothing but the block before it is one unit). gap_s:
+        the host's own work before each step (a draft's steps), which holds the GPU and the CPU while the step's
+        first copies and disk reads, issued before it (runtime/streamer.Streamer.prepare), run; counted in."""
+        ends, self.n_passes, self.gap_s = [], n_passes, gap_s
         on_disk = tuple(tier == "disk" for mode, tier, *_ in _each(units) if mode == "stream")
         self.plan = copy_plan(on_disk, self.depth, steady=True)  # the first step copies at its start what a
         self.released = [0.0] * len(on_disk)  # steady one had copied ahead
@@ -70,6 +73,8 @@ class Pipeline:
         copies, blocks, record = self.copies, self.blocks, self.record
         before, now = self.released, [0.0] * len(plan)
         begin, j = t_x, 0  # the step starts when the host has the previous step's answer
+        if self.gap_s:  # its first copies and reads issued, the host works on its own first
+            t_x = t_gpu = t_cpu = t_host = max(t_gpu, t_cpu, t_host, t_x) + self.gap_s
         for mode, tier, block_s, copy_s, read_s, hop_s in _each(units):
             ready = 0.0
             if tier == "disk":

@@ -21,8 +21,9 @@ def step_phase(shape) -> Phase:
                  round(shape.kv_read_tokens / n_seqs), 1, shape.n_logits, shape.threads)
 
 
-def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> dict[str, float]:
-    """Predicted seconds of the steps run, per phase, for plan's placement on hw."""
+def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes, gap_s: float = 0.0) -> dict[str, float]:
+    """Predicted seconds of the steps run, per phase, for plan's placement on hw (gap_s: the host's own work before
+    each decode step, counted in, with the step's first copies and reads under it: price_step's)."""
     units = spec.units()
     kinds = [u.kind for u in units]
     by_name = {u.name: u for u in plan.units}
@@ -47,7 +48,8 @@ def recost_steps(spec: ModelSpec, hw: HardwareProfile, plan: Plan, shapes) -> di
                 costs.append(unit_memo[key])
             step_memo[phase] = price_step(spec, hw, phase, costs, kinds, modes[phase.name], modes["decode"], weight,
                                           plan.prefetch_depth, path, steady=phase.name == "decode",
-                                          cached=cached, host_kv=host_kv, overlap=False).step_s
+                                          cached=cached, host_kv=host_kv, overlap=False,
+                                          gap_s=gap_s if phase.name == "decode" else 0.0).step_s
         out[phase.name] += step_memo[phase]
     return out
 

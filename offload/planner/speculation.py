@@ -48,7 +48,7 @@ class SpeculationPrice:
     acceptance: float
     k: int
     tokens_per_pass: float
-    verify_s: float  # the model's pass over k + 1 tokens
+    verify_s: float  # the model's pass over k + 1 tokens, past the drafting (its first copies and reads under it)
     draft_s: float  # k draft steps
     tokens_per_s: float
     plain_tokens_per_s: float  # the model alone, planned on the whole budget
@@ -133,10 +133,11 @@ class _Step:
         return self.n_tokens
 
 
-def decode_pass_s(spec, hw, plan, n_tokens: int, context: int) -> float:
-    """The plan's seconds for one sequence's decode step of n_tokens tokens after context cached ones."""
+def decode_pass_s(spec, hw, plan, n_tokens: int, context: int, gap_s: float = 0.0) -> float:
+    """The plan's seconds for one sequence's decode step of n_tokens tokens after context cached ones; after gap_s
+    of the host's own work (a draft's steps), under which its first copies and disk reads ran (not counted)."""
     shape = _Step(n_tokens, n_tokens * context + n_tokens * (n_tokens + 1) // 2, context + n_tokens - 1)
-    return recost_steps(spec, hw, plan, [shape])["decode"]
+    return recost_steps(spec, hw, plan, [shape], gap_s)["decode"] - gap_s
 
 
 @dataclass(frozen=True)
@@ -155,14 +156,22 @@ class SpeculationPlans:
     layout: SubstituteLayout | None = None  # a substitute draft's copies on a plan with GPU layers
     copy_format: str = ""  # a copy of the model's weights: its format (a GGUF file's main format, as stored)
     sync_s: float = 0.0  # a drafting round's copy of the mirrored KV into VRAM (substitutes.mirror_sync_s)
+    under: bool = False  # the verify pass's first copies and disk reads run under the drafting (the draft itself
+    # copies and reads nothing: generate.Generator._drafts prepares the pass before it drafts)
 
     def draft_s(self, k: int) -> float:
         """Seconds of k draft steps, and the round's mirror copy where k > 0."""
         return k * self.draft_step_s + (self.sync_s if k else 0.0)
 
-    def pass_s(self, k: int) -> float:
-        """The target plan's step over a sequence's last token and k proposals."""
-        return decode_pass_s(self.target_spec, self.hw, self.target, k + 1, self.context)
+    def pass_s(self, k: int, after_s: float = 0.0) -> float:
+        """The target plan's step over a sequence's last token and k proposals, after after_s of drafting (its first
+        copies and reads under that, where under)."""
+        return decode_pass_s(self.target_spec, self.hw, self.target, k + 1, self.context,
+                             after_s if self.under else 0.0)
+
+    def verify_s(self, k: int, n_tokens: int | None = None) -> float:
+        """The pass over n_tokens proposals (default k) after k draft steps."""
+        return self.pass_s(k if n_tokens is None else n_tokens, self.draft_s(k))
 
 
 def plan_speculation(spec, hw, request, options, draft_spec=None, context: int | None = None,
@@ -199,8 +208,9 @@ def plan_speculation(spec, hw, request, options, draft_spec=None, context: int |
     own = options.method != "substitute"  # a substitute's KV cache and embedding are the model's
     gpu_bytes, cpu_bytes = draft_held(draft_plan, kv=own, embedding=own)
     target = plan_for(spec, hw, without_draft(one, hw, gpu_bytes, cpu_bytes))
+    quiet = not any(u.weight_tier == "disk" or "stream" in (u.prefill, u.decode) for u in draft_plan.units)
     return SpeculationPlans(hw, context, plain_s, target, plan_spec(spec, target), step_s, gpu_bytes, cpu_bytes,
-                            copy_format=main_format(draft_spec, draft_plan.weight_format))
+                            copy_format=main_format(draft_spec, draft_plan.weight_format), under=quiet)
 
 
 def plan_substitutes(spec, copy_spec, hw, one, options, plain: SpeculationPlans, acceptance) -> SpeculationPlans:
@@ -240,7 +250,8 @@ def plan_substitutes(spec, copy_spec, hw, one, options, plain: SpeculationPlans,
         target_spec = plan_spec(spec, target)
         step_s = draft_step_s(target_spec, hw, target, layout, plain.context, plan_spec(copy_spec, target))
         plans = SpeculationPlans(hw, plain.context, plain.plain_s, target, target_spec, step_s, room, reserve,
-                                 replace(layout, plan_held=(room, reserve)), label, mirror_sync_s(hw, layout, target))
+                                 replace(layout, plan_held=(room, reserve)), label, mirror_sync_s(hw, layout, target),
+                                 under=True)  # its copies are in VRAM or RAM: it neither copies nor reads
         price = price_on(plans, options, acceptance, options.max_speculative_tokens)
         if best is None or price.tokens_per_s > best[0]:
             best = (price.tokens_per_s, plans)
@@ -318,7 +329,7 @@ def price_on(plans: SpeculationPlans, options, acceptance: float, max_k: int = 8
     best = None
     for k in range(min_k if fixed is None else fixed, (max(max_k, min_k) if fixed is None else fixed) + 1):
         for b in range(min(most_branches, k) + 1):
-            verify_s, tokens = plans.pass_s(k + b), expected_tokens(acceptance, k) + branch_gain(acceptance, b)
+            verify_s, tokens = plans.verify_s(k, k + b), expected_tokens(acceptance, k) + branch_gain(acceptance, b)
             rate = tokens / (verify_s + plans.draft_s(k))
             if best is None or rate > best.tokens_per_s:
                 best = SpeculationPrice(options.method, acceptance, k, tokens, verify_s, plans.draft_s(k), rate,
@@ -348,7 +359,7 @@ def run_tokens_per_s(plans: SpeculationPlans, acceptance: float, k: int, share: 
     (with k draft steps each; a tree's passes also branches second candidates, which gain tokens a pass) and the
     rest none."""
     tokens = share * (expected_tokens(acceptance, k) + gain) + (1 - share)
-    return tokens / (share * (plans.pass_s(k + branches) + plans.draft_s(k)) + (1 - share) * plans.pass_s(0))
+    return tokens / (share * (plans.verify_s(k, k + branches) + plans.draft_s(k)) + (1 - share) * plans.pass_s(0))
 
 
 def against_measured(spec, hw, request, options, stats: dict, prior: float, draft_spec=None) -> dict:

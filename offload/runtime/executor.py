@@ -188,6 +188,11 @@ class PlacedModel:
         return out
 
     # the schedule -------------------------------------------------------------------------------------
+    def prepare_step(self, phase: str, samples: bool = True) -> None:
+        """Issue the next step's first copies and disk reads before it begins (Streamer.prepare): the caller has
+        work of its own first, a draft's steps, which they run under."""
+        self.streamer.prepare(phase, samples)
+
     def _begin_step(self, phase: str, samples: bool) -> None:
         self._phase, self._samples = phase, samples
         self.backend.collect()  # the finished work's timings: a job's events do not pile up until its end

@@ -4,7 +4,9 @@ step that samples no row, a prefill pass that ends no prompt, runs no lm_head): 
 copies the schedule issues then (and those it copied ahead in the step before, where that step streamed other
 units), at each streamed unit's release the copies that release issues, this step's or the next step's, so the link
 works while the step's CPU blocks run. Disk units are read ahead in order; a copy whose read has not landed waits,
-in turn, and is issued at the next release, or when its unit is needed.
+in turn, and is issued at the next release, or when its unit is needed. Where the host has work of its own
+between two steps (a draft's steps before a verify pass), prepare() issues the next step's first copies and reads
+before that work, so they run under it.
 
 A disk unit's read buffer is reused by the reader, so it is given back only once its copy has landed; the host
 does not wait for that copy before launching the unit's compute (the device orders the two). It waits where it
@@ -17,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from offload.planner.placement import Placement
-from offload.planner.schedule import AHEAD, START, copy_plan, step_units
+from offload.planner.schedule import AHEAD, copy_plan, step_units
 from offload.planner.types import PHASES
 from offload.runtime.backends.base import Backend
 from offload.runtime.disk import ReadAhead
@@ -53,6 +55,11 @@ class Streamer:
         self._views: dict[tuple[int, int], object] = {}
         self._ahead: list[str] = []  # units copied ahead for the next step
         self._phase, self._step = "", ("", True)
+        self._prepared: tuple[str, bool] | None = None  # the kind of step prepare() issued the first copies of
+        self._early: list[str] = []  # the disk units prepare() queued for reading
+        common = list(zip(self.reads[True], self.reads[False]))  # both kinds of step read these first, in turn
+        self._common_reads = [a for a, _ in common[:next((i for i, (a, b) in enumerate(common) if a != b),
+                                                          len(common))]]
 
     def _plan(self, step: tuple[str, bool], streamed: list[str], slots: int) -> None:
         """The copies of a step that streams these units, from the schedule's rule (copy_plan)."""
@@ -63,20 +70,39 @@ class Streamer:
             if c.by is not None:
                 after.setdefault(streamed[c.by], []).append((streamed[c.turn], c.issued == AHEAD))
 
+    def prepare(self, phase: str, samples: bool = True) -> None:
+        """Issue the next step's first copies and queue its disk reads now, before it begins: the host has other
+        work first (a draft's steps), which they run under. That step's begin_step keeps the copies where it is a
+        step of this kind, and frees their slots otherwise; the reads queued are those every kind of step makes
+        first (all but a disk lm_head's), so they are never wrong."""
+        if self._prepared is not None:
+            return
+        self._prepared = step = (phase, samples)
+        self.settle()
+        if self.ring is not None:  # the step's first copies, those not copied ahead already, as copied ahead
+            self._pending = [(name, True) for name, _ in self.at_start[step] if name not in self._ahead]
+            self.issue_copies()
+        if self.reader is not None:
+            self._early = list(self._common_reads)
+            self.reader.schedule(self._early, phase)
+
     def begin_step(self, phase: str, samples: bool = True) -> None:
         """A step of phase begins, sampling a row of logits or not (then it runs no lm_head): keep what was copied
-        ahead for it (else free those slots), schedule the disk reads, and issue the step's first copies."""
+        ahead for it (else free those slots), schedule the disk reads (those prepare() has not), and issue the
+        step's first copies."""
         self._phase, self._step = phase, (phase, samples)
         self.settle()
+        prepared, self._prepared = self._prepared, None
         ahead, self._ahead = self._ahead, []
-        expected = [name for name, issued in self.at_start[self._step] if issued == AHEAD]
+        expected = [name for name, issued in self.at_start[self._step] if issued == AHEAD or prepared == self._step]
         if ahead and ahead != expected[:len(ahead)]:
             self.ring.discard(ahead)  # copied ahead for a step that streams other units: not used
             ahead = []
-        self._pending = [(name, False) for name, issued in self.at_start[self._step]
-                         if issued == START or name not in ahead]  # the first step has nothing copied ahead
+        self._pending = [(name, False) for name, _ in self.at_start[self._step]
+                         if name not in ahead]  # the first step has nothing copied ahead
         if self.reader is not None:
-            self.reader.schedule(self.reads[samples], phase)
+            early, self._early = self._early, []
+            self.reader.schedule(self.reads[samples][len(early):], phase)
         self.issue_copies()
 
     def issue_copies(self, need: str | None = None) -> None:
