@@ -109,7 +109,9 @@ class Generator:
         branching = self.speculator.max_branches > 0 and self.trees_fit  # trees: offload/proposal_tree.py
         if asks:  # the verify pass's first copies and disk reads run under the drafting
             self.model.prepare_step(phase)
+        drafted = self.speculator.draft_seconds
         proposals = self.speculator.propose_many(asks, branching)
+        self.model.host_worked(self.speculator.draft_seconds - drafted)
         proposals = [self.constraints.cut(seq, draft) if seq.params.structured_outputs is not None else draft
                      for (_, _, seq), draft in zip(asks, proposals)]
         if branching:  # a structured output's proposals stay a chain (no room), as a sequence's at its extent's end

@@ -7,7 +7,6 @@ model's generator over its runs (speculative.ModelDrafter's too)."""
 from __future__ import annotations
 
 import copy
-import time
 from dataclasses import replace
 
 import torch
@@ -141,10 +140,10 @@ class SubstituteDrafter:
             run.shared = seq.shared  # its table: the blocks the prefix cache maps, then its own
             run.generator = torch.Generator()
             runs.append(run)
-        start = time.perf_counter()  # the mirrors' copy counts as drafting
+        start = self.generator.now()  # the mirrors' copy counts as drafting
         cache = self._drafts_over([(seq, len(tokens) - 1) for (tokens, _, seq), run in zip(asks, runs)
                                    if run is not None])
-        self.seconds += time.perf_counter() - start
+        self.seconds += self.generator.now() - start
         draft_runs(self, runs, cache, self.trash_slot, alternatives)
         return [[] if run is None else run.output_ids for run in runs]
 
@@ -160,7 +159,8 @@ def draft_runs(drafter, runs: list, cache, trash_slot: int, alternatives: bool =
     """Step the drafter's generator over its runs (None: a sequence it drafts nothing for) until each has its k
     tokens, one pass over the draft's weights serving every run still drafting; its passes and seconds counted.
     alternatives: each run keeps its next likeliest token at each (drafter.alternatives, by run)."""
-    active, start = [r for r in runs if r is not None], time.perf_counter()
+    active, start = [r for r in runs if r is not None], drafter.generator.now()  # the draft's clock: a simulated
+    # device's own
     for run in active:
         run.alternatives = [] if alternatives else None
     with torch.inference_mode():
@@ -168,5 +168,5 @@ def draft_runs(drafter, runs: list, cache, trash_slot: int, alternatives: bool =
             drafter.generator.step(active, cache, trash_slot)
             drafter.passes += 1
             active = [r for r in active if not r.finish_reason]
-    drafter.seconds += time.perf_counter() - start
+    drafter.seconds += drafter.generator.now() - start
     drafter.alternatives = [(run.alternatives or []) if run is not None else [] for run in runs]

@@ -38,6 +38,9 @@ class Model:
     def prepare_step(self, phase: str, samples: bool = True) -> None:
         """As PlacedModel.prepare_step takes it: every weight is in memory here, so nothing is copied or read."""
 
+    def host_worked(self, seconds: float) -> None:
+        """As PlacedModel.host_worked takes it: the clock here is the host's own, which has moved on."""
+
     def forward(self, tokens: torch.Tensor, step: Step, cache: list[LayerKV], logits: bool = True) -> torch.Tensor:
         """Hidden states [B, S, D] after the final norm, for tokens [B, S] (logits: whether logits() follows, as
         PlacedModel.forward takes it; nothing to skip here)."""

@@ -193,6 +193,11 @@ class PlacedModel:
         work of its own first, a draft's steps, which they run under."""
         self.streamer.prepare(phase, samples)
 
+    def host_worked(self, seconds: float) -> None:
+        """The host worked seconds on its own between steps (a draft's steps, on the draft's clock): a simulated
+        device's clock moves on by that (a real one did), so the copies and reads issued before run under it."""
+        self.backend.host_wait_until(self.backend.now() + seconds)
+
     def _begin_step(self, phase: str, samples: bool) -> None:
         self._phase, self._samples = phase, samples
         self.backend.collect()  # the finished work's timings: a job's events do not pile up until its end
