@@ -238,6 +238,9 @@ class Engine:
                 break
             mapped = 0 if self.prefix is None else self.prefix.mappable(hit)  # blocks its table maps, not copies
             blocks = self._alloc(seq.group, hit, mapped)
+            if blocks is None and hit.blocks and not self._running:  # the run its hit pins holds the blocks it
+                hit, mapped = Hit(), 0  # needs, and nothing running will free others: it goes without the hit
+                blocks = self._alloc(seq.group, hit, mapped)
             if blocks is None:
                 break
             if self.prefix is not None:  # a ring the prefix cache gave back may have held the hit's blocks

@@ -5,6 +5,8 @@ runs, least recently used first, and never loses the pool's slots; options, usag
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -237,3 +239,33 @@ def test_a_batch_feeds_requests_that_begin_alike_side_by_side():
     assert abs(order.index("a") - order.index("c")) == 1 and abs(order.index("b") - order.index("d")) == 1
     assert abs(order.index("e") - order.index("g")) == 1 and sorted(order) == list("abcdefg")
     assert [r.custom_id for r in prefix_order(reqs, False)] == list("abcdefg")
+
+
+def test_a_hit_whose_run_holds_the_blocks_its_request_needs_is_let_go(llm):
+    """A pool sized for one request at a time (run_to_end's at batch 1) and a second prompt sharing the first's
+    head: its hit pins the first's kept run, whose other blocks are the ones the second needs, and nothing running
+    will free more. The request goes without the hit (the engine spun on it for ever, LLM.generate hung); answers as
+    each prompt alone."""
+    first, second = SHARED + _ids(20, 2), SHARED[:2 * BLOCK_TOKENS] + _ids(24, 3)
+    alone = [_run(llm, [p])[0] for p in (first, second)]
+    errors, got = [], []
+    run = threading.Thread(target=lambda: _catch(errors, got, llm, [first, second]), daemon=True)
+    run.start()
+    run.join(timeout=60)
+    assert not run.is_alive(), "the engine spun on the second request for 60 s"
+    assert not errors and got[0] == alone
+
+
+def _run(llm, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy tokens of prompts through run_to_end at batch 1 (its pool: the longest request's blocks)."""
+    gen = Generator(llm.model, max_model_len=CONTEXT, max_batch_size=1, step_tokens=64)
+    seqs = [Sequence(i, p, _greedy(8)) for i, p in enumerate(prompts)]
+    run_to_end(gen, seqs)
+    return [s.output_ids for s in seqs]
+
+
+def _catch(errors: list, got: list, *args) -> None:
+    try:
+        got.append(_run(*args))
+    except BaseException as e:  # noqa: BLE001 - raised again on the test's thread
+        errors.append(e)
