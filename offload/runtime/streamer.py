@@ -57,9 +57,6 @@ class Streamer:
         self._phase, self._step = "", ("", True)
         self._prepared: tuple[str, bool] | None = None  # the kind of step prepare() issued the first copies of
         self._early: list[str] = []  # the disk units prepare() queued for reading
-        common = list(zip(self.reads[True], self.reads[False]))  # both kinds of step read these first, in turn
-        self._common_reads = [a for a, _ in common[:next((i for i, (a, b) in enumerate(common) if a != b),
-                                                          len(common))]]
 
     def _plan(self, step: tuple[str, bool], streamed: list[str], slots: int) -> None:
         """The copies of a step that streams these units, from the schedule's rule (copy_plan)."""
@@ -82,8 +79,8 @@ class Streamer:
         if self.ring is not None:  # the step's first copies, those not copied ahead already, as copied ahead
             self._pending = [(name, True) for name, _ in self.at_start[step] if name not in self._ahead]
             self.issue_copies()
-        if self.reader is not None:
-            self._early = list(self._common_reads)
+        if self.reader is not None:  # a step that samples nothing reads all but the last unit: the same first
+            self._early = list(self.reads[False])
             self.reader.schedule(self._early, phase)
 
     def begin_step(self, phase: str, samples: bool = True) -> None:
